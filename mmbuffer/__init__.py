@@ -1,0 +1,30 @@
+"""mmbuffer: reinforcement-learning trajectories on disk, memory-mapped, sampled as if in RAM.
+
+The public API lives in this namespace (API.md); submodules ``errors``, ``data``
+and ``losses`` are public too.
+
+>>> import tempfile, numpy as np, mmbuffer as mb
+>>> buf = mb.create(tempfile.mkdtemp() + "/r", {"obs": ((2,), "float32")}, capacity=100)
+>>> buf.extend({"obs": np.ones((10, 2)), "truncated": np.arange(10) == 9},
+...            final_obs={"obs": np.zeros((1, 2))})
+>>> buf.sample(4).data["next_obs"].shape
+torch.Size([4, 2])
+"""
+
+from . import errors
+from .buffer import Buffer, create, open
+from .gather import Batch
+from .store import Column, PriorityConfig
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Batch",
+    "Buffer",
+    "Column",
+    "PriorityConfig",
+    "create",
+    "errors",
+    "open",
+    "__version__",
+]

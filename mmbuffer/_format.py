@@ -1,0 +1,312 @@
+"""The on-disk format of an mmbuffer store (format version 1).
+
+A store is one directory that is also a valid **Zarr v3 group**, so zarr-python,
+tensorstore or xarray read it without mmbuffer. Nothing in it is a pickle::
+
+    store/
+      zarr.json            Zarr v3 group metadata
+      manifest.json        the commit record (JSON, see below); replaced atomically
+      columns/<name>/      one Zarr array per column, shape [capacity, *row_shape]
+      final/<name>/        the observation after each episode's last row, for every
+                           next-derived column, stored at that last row's id (sparse)
+      index/ends/          int64 [num_streams * 2 * lane_size]: per lane, a ring of
+                           episode ends (absolute, exclusive row counters)
+      index/reserved/      int64 [num_streams]: rows the writer may have overwritten
+                           past its last commit (see ``store.py``)
+      priority/<level>/    priority tree arrays (``tree.py``), when enabled
+      sampler/<name>.json  persisted sampler state (``sampling.EpochSampler``)
+      LOCK                 advisory lock file of the single writer (pid, host)
+
+Raw arrays (the default, and always the index and the tree) hold a single shard
+with the ``bytes`` codec and the shard index at the end. The first
+``rows * row_bytes`` bytes of the shard file ``c/0[/0...]`` are then exactly a
+C-order numpy array, which mmbuffer memory-maps, while a Zarr reader still makes
+partial reads through the shard index (one entry per inner chunk of about
+``config.chunk_bytes``). mmbuffer writes that index itself when it creates the file
+(every inner chunk present, crc32c like zarr's default), and allocates the file
+sparse, so an empty store of 3e9 rows costs no disk. One shard per array keeps a
+column one memory map: a gather is one fancy-index, never a split by shard.
+
+Compressed arrays (``compression="zstd"|"lz4"``) are ordinary chunked Zarr arrays
+read and written through zarr-python; they are for archives (see ``mmbuffer copy``).
+
+``manifest.json`` fields: ``format`` ("mmbuffer"), ``format_version``,
+``generation`` (commit counter), ``capacity``, ``num_streams``, ``lane_size``,
+``columns`` (name -> {shape, dtype}), ``next_keys``, ``compression``,
+``priorities`` (null or {alpha, eps, max_priority}), ``lanes`` (per lane:
+``written``, ``ep_head``, ``ep_tail``, ``first_start``; all int64 counters that
+never wrap) and ``attrs`` (user metadata). Readers ignore every row past a lane's
+committed ``written``.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import re
+import socket
+from pathlib import Path
+from typing import Any, Final
+
+import google_crc32c
+import numpy as np
+import zarr
+from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ShardingCodec, ZstdCodec
+
+from . import errors
+from .config import config
+
+FORMAT_NAME: Final = "mmbuffer"
+FORMAT_VERSION: Final = 1
+MANIFEST: Final = "manifest.json"
+LOCK: Final = "LOCK"
+RESERVED_NAMES: Final = frozenset({"terminated", "truncated"})
+COMPRESSIONS: Final = (None, "zstd", "lz4")
+
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*(/[A-Za-z0-9_][A-Za-z0-9_.\-]*)*$")
+
+
+# -- validation ----------------------------------------------------------------------
+def check_column_name(name: object) -> str:
+    """Return ``name`` if it is a legal column name, else raise ``SchemaError``.
+
+    Names are path-safe: letters, digits, ``_ . -``, and ``/`` only as a nesting
+    separator between non-empty parts (``obs/pixels``, as Minari's dict spaces).
+    """
+    if not isinstance(name, str) or not _NAME.match(name) or ".." in name:
+        raise errors.SchemaError(
+            f"column name: expected letters, digits, '_', '.', '-' and '/' between parts, got {name!r}"
+        )
+    if name.startswith("next_"):
+        raise errors.SchemaError(
+            f"column {name!r}: names starting with 'next_' are reserved for derived next values"
+        )
+    return name
+
+
+def check_dtype(name: str, dtype: object) -> np.dtype:
+    try:
+        dt = np.dtype(dtype)  # type: ignore[call-overload]
+    except TypeError as exc:
+        raise errors.SchemaError(f"column {name!r}: expected a numpy dtype, got {dtype!r}") from exc
+    if dt.kind not in "biuf" or dt.hasobject:
+        raise errors.SchemaError(
+            f"column {name!r}: expected a bool, integer or float dtype, got {dt}"
+        )
+    return dt.newbyteorder("=")
+
+
+def check_shape(name: str, shape: object) -> tuple[int, ...]:
+    if isinstance(shape, (int, np.integer)):
+        shape = (int(shape),)
+    try:
+        out = tuple(int(s) for s in shape)  # type: ignore[union-attr]
+    except TypeError as exc:
+        raise errors.SchemaError(f"column {name!r}: expected a shape tuple, got {shape!r}") from exc
+    if any(s < 1 for s in out):
+        raise errors.SchemaError(f"column {name!r}: expected positive dimensions, got {out}")
+    return out
+
+
+# -- raw (memory-mapped) arrays --------------------------------------------------------
+def _chunk_rows(rows: int, row_bytes: int) -> int:
+    """Rows per inner chunk: a power of two of about ``config.chunk_bytes``."""
+    target = max(1, config.chunk_bytes // max(1, row_bytes))
+    return int(min(1 << (target.bit_length() - 1), 1 << max(0, (rows - 1).bit_length())))
+
+
+def _shard_file(array_dir: Path, ndim: int) -> Path:
+    return array_dir.joinpath("c", *(["0"] * ndim))
+
+
+def create_raw(root: Path, name: str, rows: int, row_shape: tuple[int, ...], dtype: np.dtype) -> None:
+    """Create a raw single-shard Zarr array and its sparse shard file."""
+    row_bytes = int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize
+    chunk = _chunk_rows(rows, row_bytes)
+    shard_rows = -(-rows // chunk) * chunk
+    zarr.create_array(
+        str(root),
+        name=name,
+        shape=(rows, *row_shape),
+        dtype=dtype,
+        chunks=(chunk, *row_shape),
+        shards=(shard_rows, *row_shape),
+        compressors=None,
+        filters=None,
+        fill_value=0,
+        zarr_format=3,
+        write_data=False,
+    )
+    n_chunks = shard_rows // chunk
+    chunk_bytes = chunk * row_bytes
+    index = np.empty((n_chunks, 2), dtype="<u8")
+    index[:, 0] = np.arange(n_chunks, dtype=np.uint64) * np.uint64(chunk_bytes)
+    index[:, 1] = chunk_bytes
+    blob = index.tobytes()
+    blob += google_crc32c.value(blob).to_bytes(4, "little")
+    path = _shard_file(root / name, 1 + len(row_shape))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        f.truncate(shard_rows * row_bytes)  # sparse: no block is allocated yet
+        f.seek(shard_rows * row_bytes)
+        f.write(blob)
+
+
+def open_raw(root: Path, name: str, *, writable: bool) -> np.ndarray:
+    """Memory-map the raw array ``root/name`` as ``[rows, *row_shape]``."""
+    meta = read_json(root / name / "zarr.json")
+    shape = tuple(meta["shape"])
+    dtype = np.dtype(meta["data_type"]).newbyteorder("<")
+    codecs = meta.get("codecs", [])
+    if len(codecs) != 1 or codecs[0].get("name") != "sharding_indexed":
+        raise errors.CorruptStoreError(
+            f"{root / name}: expected a raw single-shard array, got codecs {codecs}"
+        )
+    shard_rows = meta["chunk_grid"]["configuration"]["chunk_shape"][0]
+    path = _shard_file(root / name, len(shape))
+    need = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize * shard_rows
+    size = path.stat().st_size if path.exists() else -1
+    if size < need:
+        raise errors.CorruptStoreError(
+            f"{path}: file seems not fully written: expected at least {need} bytes, got {max(size, 0)}"
+        )
+    mm = np.memmap(path, dtype=dtype, mode="r+" if writable else "r", shape=shape)
+    if config.madvise_random and hasattr(mm, "_mmap") and hasattr(mmap, "MADV_RANDOM"):
+        mm._mmap.madvise(mmap.MADV_RANDOM)  # read-ahead wrecks cold random gathers
+    # a plain ndarray view: np.memmap's subclass hooks cost microseconds per access
+    return mm.view(np.ndarray)
+
+
+def flush_rows(mm: np.ndarray, start: int, stop: int) -> None:
+    """msync the rows ``[start, stop)`` of a memory-mapped array (no-op otherwise)."""
+    handle = _mmap_of(mm)
+    if handle is None or stop <= start:
+        return
+    row_bytes = mm.strides[0] if mm.ndim else mm.itemsize
+    lo = (start * row_bytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    hi = min(stop * row_bytes, len(handle))
+    handle.flush(lo, hi - lo)
+
+
+def _mmap_of(arr: np.ndarray) -> mmap.mmap | None:
+    base: object = arr
+    while base is not None:
+        handle = getattr(base, "_mmap", None)
+        if handle is not None:
+            return handle  # type: ignore[no-any-return]
+        base = getattr(base, "base", None)
+    return None
+
+
+def is_mapped(arr: object) -> bool:
+    return isinstance(arr, np.ndarray) and _mmap_of(arr) is not None
+
+
+# -- compressed arrays -----------------------------------------------------------------
+def create_compressed(
+    root: Path, name: str, rows: int, row_shape: tuple[int, ...], dtype: np.dtype, compression: str
+) -> None:
+    row_bytes = int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize
+    compressor = ZstdCodec(level=3) if compression == "zstd" else BloscCodec(cname="lz4", clevel=5)
+    zarr.create_array(
+        str(root),
+        name=name,
+        shape=(rows, *row_shape),
+        dtype=dtype,
+        chunks=(_chunk_rows(rows, row_bytes), *row_shape),
+        compressors=[compressor],
+        filters=None,
+        fill_value=0,
+        zarr_format=3,
+    )
+
+
+class CompressedArray:
+    """A compressed column read and written through zarr (slow random gathers)."""
+
+    def __init__(self, root: Path, name: str, *, writable: bool) -> None:
+        self._array = zarr.open_array(str(root / name), mode="r+" if writable else "r")
+        self.shape: tuple[int, ...] = tuple(self._array.shape)
+        self.dtype = np.dtype(self._array.dtype)
+        self.ndim = len(self.shape)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, idx: Any) -> np.ndarray:
+        if isinstance(idx, slice):
+            return np.asarray(self._array[idx])
+        idx = np.asarray(idx, dtype=np.int64)
+        flat = idx.reshape(-1)
+        uniq, inverse = np.unique(flat, return_inverse=True)
+        rows = np.asarray(self._array.oindex[uniq])
+        return rows[inverse].reshape(idx.shape + self.shape[1:])
+
+    def __setitem__(self, idx: Any, value: np.ndarray) -> None:
+        if isinstance(idx, slice):
+            self._array[idx] = value
+        else:
+            idx = np.asarray(idx, dtype=np.int64)
+            self._array.oindex[idx] = value
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        return np.asarray(self._array[...], dtype=dtype)
+
+
+# -- metadata ------------------------------------------------------------------------
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except FileNotFoundError as exc:
+        raise errors.CorruptStoreError(f"{path}: missing file") from exc
+    try:
+        return json.loads(text)  # type: ignore[no-any-return]
+    except json.JSONDecodeError as exc:
+        raise errors.CorruptStoreError(f"{path}: not valid JSON ({exc})") from exc
+
+
+def atomic_write_json(path: Path, obj: Any, *, durable: bool = True) -> None:
+    """Write JSON to ``path.partial``, fsync, rename over ``path``, fsync the directory."""
+    tmp = path.with_name(path.name + ".partial")
+    data = json.dumps(obj, indent=1, sort_keys=True).encode()
+    with open(tmp, "wb") as f:
+        f.write(data)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if durable:
+        fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    file = path / MANIFEST
+    if not path.is_dir():
+        raise errors.StoreNotFoundError(f"{path}: no such store directory")
+    if not file.exists():
+        raise errors.StoreNotFoundError(f"{path}: not an mmbuffer store (no {MANIFEST})")
+    manifest = read_json(file)
+    if manifest.get("format") != FORMAT_NAME:
+        raise errors.CorruptStoreError(
+            f"{file}: expected format {FORMAT_NAME!r}, got {manifest.get('format')!r}"
+        )
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise errors.FormatVersionError(
+            f"{file}: expected format_version {FORMAT_VERSION}, got {version!r}; "
+            "this mmbuffer cannot read it"
+        )
+    return manifest
+
+
+def lock_owner() -> str:
+    return f"pid {os.getpid()} on {socket.gethostname()}"

@@ -1,0 +1,277 @@
+"""``Buffer``: the user-facing store (API.md): write, inspect, sample, reprioritize.
+
+``Buffer`` is a ``Store`` (files, cursors, commit protocol) plus the read side:
+it asks a sampler (``sampling.py``) for indices and gathers them (``gather.py``).
+
+>>> import tempfile, numpy as np, mmbuffer as mb
+>>> path = tempfile.mkdtemp() + "/replay"
+>>> buf = mb.create(path, {"obs": ((3,), "float32"), "action": ((), "int64"),
+...                        "reward": ((), "float32")}, capacity=1000)
+>>> T = 50
+>>> steps = {"obs": np.random.rand(T, 3), "action": np.arange(T), "reward": np.ones(T),
+...          "terminated": np.arange(T) % 10 == 9}
+>>> buf.extend(steps, final_obs={"obs": np.zeros((5, 3))})
+>>> buf.commit()
+1
+>>> len(buf), buf.num_episodes
+(50, 5)
+>>> b = buf.sample_slices(4, 8, generator=torch.Generator().manual_seed(0))
+>>> tuple(b.data["obs"].shape), tuple(b.indices.shape)
+((4, 8, 3), (4, 8))
+>>> buf.close()
+>>> mb.open(path, mode="r").num_episodes
+5
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import errors, sampling
+from .gather import Batch, gather, resolve_keys
+from .store import PriorityConfig, Store, create_store
+
+_REMEMBERED_BATCHES = 256
+
+
+class Buffer(Store):
+    """An on-disk, memory-mapped trajectory store (use ``mb.create`` / ``mb.open``)."""
+
+    def __init__(self, path: str | os.PathLike[str], mode: str = "a") -> None:
+        super().__init__(path, mode)
+        self._counts: dict[tuple[int, bool, bool], sampling.SliceCounts] = {}
+        self._sampled: dict[int, tuple[weakref.ref[torch.Tensor], np.ndarray]] = {}
+
+    def __repr__(self) -> str:
+        return (
+            f"Buffer({str(self.path)!r}, mode={self.mode!r}, rows={len(self)}, "
+            f"episodes={self.num_episodes}, capacity={self.capacity}, streams={self.num_streams})"
+        )
+
+    # -- reading -----------------------------------------------------------------------
+    def episodes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(starts, lengths)`` of live complete episodes as int64 tensors.
+
+        An episode's rows are ``start + arange(length)``, wrapping inside its lane
+        (``lane_size = capacity // num_streams``) when the ring wraps.
+        """
+        starts, lengths = self.episode_bounds()
+        return torch.from_numpy(starts), torch.from_numpy(lengths)
+
+    def get(self, index: Any, keys: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+        """Rows at global ids ``index`` (any integer shape) as ``{key: tensor}``.
+
+        ``keys`` may name stored columns and ``next_<col>`` for next-derived ones.
+        """
+        idx = torch.as_tensor(index).numpy() if isinstance(index, torch.Tensor) else np.asarray(index)
+        if idx.dtype.kind not in "iu":
+            raise errors.InvalidArgumentError(f"index: expected integer row ids, got dtype {idx.dtype}")
+        return gather(self, idx, keys)
+
+    # -- sampling ----------------------------------------------------------------------
+    def sample(
+        self,
+        batch_size: int,
+        generator: torch.Generator | None = None,
+        *,
+        prioritized: bool = False,
+        beta: float = 0.4,
+        keys: Iterable[str] | None = None,
+    ) -> Batch:
+        """``batch_size`` transitions, uniform over live rows or by priority.
+
+        Uniform: every sampleable row (complete episodes, and the open episodes
+        up to their last row with a known next observation) equally likely.
+        Prioritized: probability ``p_i / sum p`` with importance weights
+        ``(N P(i))^-beta`` normalized by their maximum over live rows.
+        """
+        batch_size = _positive("batch_size", batch_size)
+        names = resolve_keys(self, keys)
+        view = self.view()
+        if prioritized:
+            rows, weights = sampling.prioritized(view, self._require_tree(), batch_size, _beta(beta), generator)
+        else:
+            rows = sampling.uniform(view, batch_size, generator)
+            weights = np.ones(batch_size, dtype=np.float32)
+        return self._batch(rows, weights, None, names, view.written)
+
+    def sample_slices(
+        self,
+        num_slices: int,
+        slice_len: int,
+        strict: bool = True,
+        generator: torch.Generator | None = None,
+        *,
+        prioritized: bool = False,
+        beta: float = 0.4,
+        weighting: str = "windows",
+        keys: Iterable[str] | None = None,
+    ) -> Batch:
+        """``[num_slices, slice_len]`` windows of consecutive rows of one episode.
+
+        ``strict=True``: every valid window (inside one live episode) is equally
+        likely: an episode of ``n >= L`` rows offers ``n - L + 1`` starts, shorter
+        ones none. ``strict=False``: every row may start a window; the window is
+        cut at its episode's end and padded to ``L`` (padding repeats the index
+        of the last real row, its data is zero and ``mask`` is False there).
+        ``weighting="episodes"`` draws the episode uniformly first, then a start
+        inside it (TorchRL's SliceSampler convention). ``prioritized=True``: a
+        window's probability is proportional to the priority of its start row
+        among valid starts (invalid starts have probability exactly 0).
+        """
+        num_slices = _positive("num_slices", num_slices)
+        slice_len = _positive("slice_len", slice_len)
+        if weighting not in ("windows", "episodes"):
+            raise errors.InvalidArgumentError(f"weighting: expected 'windows' or 'episodes', got {weighting!r}")
+        names = resolve_keys(self, keys)
+        view = self.view()
+        if prioritized:
+            if weighting != "windows":
+                raise errors.InvalidArgumentError("weighting: prioritized slices weight windows by start priority; got 'episodes'")
+            starts, weights = sampling.prioritized(
+                view, self._require_tree(), num_slices, _beta(beta), generator, slice_len=slice_len, strict=strict
+            )
+            lane, absolute = sampling.absolute_rows(view, starts)
+            avail = sampling.rows_left(view, lane, absolute)
+            rows, mask = sampling.window(view, lane, absolute, avail, slice_len)
+        else:
+            rows, mask = sampling.slices(view, self._slice_counts(slice_len, strict, weighting), num_slices, generator)
+            weights = np.ones(num_slices, dtype=np.float32)
+        return self._batch(rows, weights, mask, names, view.written)
+
+    def update_priorities(self, indices: Any, priorities: Any) -> None:  # type: ignore[override]
+        """Set the priorities of sampled rows (before ``eps`` and ``alpha``).
+
+        ``indices`` is a batch's ``indices`` (or the ``Batch``); ``priorities``
+        has its shape or a leading part of it (one value per slice, say). Rows
+        overwritten or evicted since the batch was sampled are ignored;
+        duplicates resolve to the last value. NaN, inf or negative values raise
+        ``InvalidPriorityError`` and change nothing.
+        """
+        written_at = None
+        if isinstance(indices, Batch):
+            written_at, indices = indices.written_at, indices.indices
+        elif isinstance(indices, torch.Tensor):
+            entry = self._sampled.get(id(indices))
+            if entry is not None and entry[0]() is indices:
+                written_at = entry[1]
+        idx = torch.as_tensor(indices).cpu().numpy()
+        pri = torch.as_tensor(priorities).detach().cpu().numpy() if not isinstance(priorities, np.ndarray) else priorities
+        pri = np.asarray(pri)
+        if pri.ndim < idx.ndim and idx.shape[: pri.ndim] == pri.shape:
+            pri = pri.reshape(pri.shape + (1,) * (idx.ndim - pri.ndim))
+        try:
+            pri = np.broadcast_to(pri, idx.shape)
+        except ValueError:
+            raise errors.InvalidPriorityError(
+                f"priorities: expected shape {tuple(idx.shape)} (or a leading part of it), got {tuple(pri.shape)}"
+            ) from None
+        super().update_priorities(idx, pri, written_at)
+
+    # -- helpers -----------------------------------------------------------------------
+    def _slice_counts(self, slice_len: int, strict: bool, weighting: str) -> sampling.SliceCounts:
+        key = (slice_len if strict else 1, bool(strict), weighting == "episodes")
+        if key not in self._counts:
+            self._counts[key] = sampling.SliceCounts(slice_len, bool(strict), key[2])
+        counts = self._counts[key]
+        counts.slice_len = slice_len
+        return counts
+
+    def _require_tree(self) -> Any:
+        if self._tree is None:
+            raise errors.InvalidArgumentError(
+                "prioritized: expected a store created with priorities=mb.PriorityConfig(...), got priorities=None"
+            )
+        return self._tree
+
+    def _batch(
+        self, rows: np.ndarray, weights: np.ndarray, mask: np.ndarray | None, names: list[str], written: np.ndarray
+    ) -> Batch:
+        data = gather(self, rows, names)
+        mask_t = None
+        if mask is not None:
+            mask_t = torch.from_numpy(mask)
+            if not mask.all():
+                for value in data.values():
+                    value[~mask_t] = 0
+        indices = torch.from_numpy(rows)
+        batch = Batch(data, indices, torch.from_numpy(weights), mask_t, written.copy())
+        if self._tree is not None:
+            self._remember(indices, batch.written_at)
+        return batch
+
+    def _remember(self, indices: torch.Tensor, written: np.ndarray | None) -> None:
+        if len(self._sampled) >= _REMEMBERED_BATCHES:
+            self._sampled = {k: v for k, v in self._sampled.items() if v[0]() is not None}
+            while len(self._sampled) >= _REMEMBERED_BATCHES:
+                self._sampled.pop(next(iter(self._sampled)))
+        assert written is not None
+        self._sampled[id(indices)] = (weakref.ref(indices), written)
+
+
+def _positive(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) < 1:
+        raise errors.InvalidArgumentError(f"{name}: expected an integer >= 1, got {value!r}")
+    return int(value)
+
+
+def _beta(beta: object) -> float:
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not np.isfinite(beta) or beta < 0:
+        raise errors.InvalidArgumentError(f"beta: expected a finite number >= 0, got {beta!r}")
+    return float(beta)
+
+
+def create(
+    path: str | os.PathLike[str],
+    columns: Mapping[str, tuple[Any, Any]],
+    capacity: int,
+    num_streams: int = 1,
+    compression: str | None = None,
+    priorities: PriorityConfig | None = None,
+    next_keys: Iterable[str] = ("obs",),
+    attrs: Mapping[str, Any] | None = None,
+) -> Buffer:
+    """Create an empty store at ``path`` (which must not exist) and open it for writing.
+
+    Parameters
+    ----------
+    columns:
+        name -> ``(shape, dtype)``; ``()`` for scalars. ``terminated`` and
+        ``truncated`` (bool) always exist and must not be listed.
+    capacity:
+        Rows over all streams; each of the ``num_streams`` lanes is a ring of
+        ``capacity // num_streams`` rows.
+    compression:
+        None (raw, memory-mapped: for training) or ``"zstd"`` / ``"lz4"`` (archives).
+    priorities:
+        ``mb.PriorityConfig(...)`` to keep a persisted priority tree.
+    next_keys:
+        Columns whose next value is derived (``next_obs``), never stored twice.
+        Missing names are ignored only when ``next_keys`` is left at its default.
+    attrs:
+        JSON-serializable metadata kept in the manifest (``buf.attrs``).
+    """
+    if tuple(next_keys) == ("obs",) and isinstance(columns, Mapping) and "obs" not in columns:
+        next_keys = ()
+    create_store(
+        path,
+        columns,
+        capacity,
+        num_streams=num_streams,
+        compression=compression,
+        priorities=priorities,
+        next_keys=next_keys,
+        attrs=attrs,
+    )
+    return Buffer(path, "a")
+
+
+def open(path: str | os.PathLike[str], mode: str = "a") -> Buffer:  # noqa: A001 - API name
+    """Open an existing store: ``mode="a"`` the single writer, ``mode="r"`` a reader."""
+    return Buffer(path, mode)

@@ -1,0 +1,50 @@
+"""Library-wide defaults, overridable through ``MMBUFFER_*`` environment variables.
+
+Explicit arguments always win over this configuration.
+
+>>> from mmbuffer.config import config
+>>> config.chunk_bytes >= 4096
+True
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """Tunables read once at import.
+
+    Attributes
+    ----------
+    chunk_bytes:
+        Target size of a Zarr inner chunk (the unit a non-mmbuffer reader fetches).
+    madvise_random:
+        Advise the kernel that column maps are read at random (no read-ahead).
+    reserve_fraction:
+        Part of a lane the writer reserves ahead of its cursor at a time (see
+        ``store.py``: readers never sample rows the writer may be overwriting).
+    """
+
+    chunk_bytes: int = 1 << 20
+    madvise_random: bool = True
+    reserve_fraction: float = 1 / 16
+
+
+def _from_env() -> Config:
+    values: dict[str, object] = {}
+    for f in fields(Config):
+        raw = os.environ.get(f"MMBUFFER_{f.name.upper()}")
+        if raw is None:
+            continue
+        default = getattr(Config, f.name)
+        if isinstance(default, bool):
+            values[f.name] = raw.strip().lower() in ("1", "true", "yes", "on")
+        else:
+            values[f.name] = type(default)(raw)
+    return Config(**values)  # type: ignore[arg-type]
+
+
+config = _from_env()

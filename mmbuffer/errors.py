@@ -1,0 +1,87 @@
+"""Every refusal mmbuffer makes, as a typed exception.
+
+All errors derive from :class:`MMBufferError`; each leaf also derives from the
+builtin exception a caller would reach for (``ValueError``, ``FileNotFoundError``,
+...), so ``except ValueError`` keeps working for code that does not know mmbuffer.
+Messages name the thing at fault (column, argument, file), the expected and the
+received value. A refused call changes nothing on disk.
+
+>>> import mmbuffer as mb
+>>> issubclass(mb.errors.SchemaError, ValueError)
+True
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "MMBufferError",
+    "SchemaError",
+    "InvalidArgumentError",
+    "ReadOnlyError",
+    "LockedError",
+    "StoreNotFoundError",
+    "StoreExistsError",
+    "FormatVersionError",
+    "CorruptStoreError",
+    "EmptyBufferError",
+    "CapacityError",
+    "InvalidPriorityError",
+    "NoValidSliceError",
+    "ConversionError",
+]
+
+
+class MMBufferError(Exception):
+    """Base class of every error mmbuffer raises on purpose."""
+
+
+class SchemaError(MMBufferError, ValueError):
+    """A column set, shape or dtype differs from the store's schema."""
+
+
+class InvalidArgumentError(MMBufferError, ValueError):
+    """An argument is out of its allowed range or of the wrong kind."""
+
+
+class ReadOnlyError(MMBufferError, PermissionError):
+    """A write was attempted on a store opened with ``mode="r"``."""
+
+
+class LockedError(MMBufferError, BlockingIOError):
+    """Another process holds the store's writer lock."""
+
+
+class StoreNotFoundError(MMBufferError, FileNotFoundError):
+    """No mmbuffer store (or no manifest) at the given path."""
+
+
+class StoreExistsError(MMBufferError, FileExistsError):
+    """``create`` (or a converter) was pointed at a path that already exists."""
+
+
+class FormatVersionError(MMBufferError, ValueError):
+    """The manifest names a format version this mmbuffer does not read."""
+
+
+class CorruptStoreError(MMBufferError, OSError):
+    """A file of the store is truncated, missing or disagrees with the manifest."""
+
+
+class EmptyBufferError(MMBufferError, LookupError):
+    """Sampling was asked of a store with nothing to sample."""
+
+
+class CapacityError(MMBufferError, ValueError):
+    """A write does not fit the ring it is written to (e.g. an episode longer than a lane)."""
+
+
+class InvalidPriorityError(MMBufferError, ValueError):
+    """A priority is NaN, infinite or negative, or priorities are not enabled."""
+
+
+class NoValidSliceError(MMBufferError, LookupError):
+    """No live episode is long enough for the requested slice length."""
+
+
+class ConversionError(MMBufferError, ValueError):
+    """A dataset file is not of the declared format, or is inconsistent."""

@@ -1,0 +1,275 @@
+"""Samplers: indices (and probabilities) from the episode index and the priority tree.
+
+Samplers never read column data. Their cost is O(batch * log(episodes)) whatever
+the number of stored rows:
+
+* uniform transitions pick a lane by its number of sampleable rows, then a row;
+* slices of ``L`` rows use, per lane, the cumulative count of valid window starts
+  over its live episodes (``SliceCounts``), extended only by the episodes added
+  since the last call and trimmed from the front as episodes are evicted, then
+  ``searchsorted`` for the episode and an offset inside it;
+* prioritized sampling descends the persisted tree (``tree.py``); a sampled row
+  that is not sampleable in the caller's view (not a valid window start, the open
+  episode's last row, a row a reader must not see) is rejected and redrawn, so its
+  probability is exactly 0 and every other row keeps ``p_i / sum(valid p)``.
+
+Random numbers come from the caller's ``torch.Generator``: the same generator
+state and store give the same indices in any process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from . import errors, index, tree
+from .store import LaneView, View
+
+_MAX_REDRAWS = 1000
+
+
+def _randint(high: int | np.ndarray, size: int, generator: torch.Generator | None) -> np.ndarray:
+    """Uniform integers in ``[0, high)`` (``high`` scalar or per-sample, >= 1)."""
+    bits = torch.randint(0, 2**62, (size,), generator=generator, dtype=torch.int64).numpy()
+    return bits % np.asarray(high, dtype=np.int64)  # bias <= high / 2**62
+
+
+def _global(view: View, lane: np.ndarray, absolute: np.ndarray) -> np.ndarray:
+    return lane * view.lane_size + absolute % view.lane_size
+
+
+def _lane_of(counts: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Split flat positions ``u`` over lanes holding ``counts`` items each."""
+    cum = np.cumsum(counts)
+    lane = np.searchsorted(cum, u, side="right")
+    return lane, u - (cum[lane] - counts[lane])
+
+
+# -- uniform transitions ------------------------------------------------------------------
+def transition_counts(view: View) -> np.ndarray:
+    return np.array([lv.visible_end - lv.first_start for lv in view.lanes], dtype=np.int64)
+
+
+def rows_at(view: View, ranks: np.ndarray) -> np.ndarray:
+    """Global rows of the sampleable transitions of given ranks (lane order, oldest first)."""
+    counts = transition_counts(view)
+    lane, offset = _lane_of(counts, ranks)
+    first = np.array([lv.first_start for lv in view.lanes], dtype=np.int64)
+    return _global(view, lane, first[lane] + offset)
+
+
+def uniform(view: View, batch_size: int, generator: torch.Generator | None = None) -> np.ndarray:
+    """``batch_size`` global rows drawn uniformly over sampleable transitions."""
+    total = int(transition_counts(view).sum())
+    if total == 0:
+        raise errors.EmptyBufferError("sample: expected a store with sampleable rows, got none")
+    return rows_at(view, _randint(total, batch_size, generator))
+
+
+# -- slices -------------------------------------------------------------------------------
+@dataclass(slots=True)
+class _LaneCounts:
+    base: int = 0  # episode sequence number of cum[0]
+    cum: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int64))
+
+    @property
+    def upto(self) -> int:
+        return self.base + len(self.cum) - 1
+
+
+@dataclass(slots=True)
+class SliceCounts:
+    """Cumulative counts of eligible slice starts per live episode, per lane.
+
+    ``per_episode=False``: an episode of ``n`` rows counts ``max(0, n - L + 1)``
+    window starts (strict) or ``n`` (non-strict: every row may start a window).
+    ``per_episode=True``: it counts 1 if eligible (TorchRL's convention).
+    Kept in RAM, derived incrementally from the persisted index (8 bytes per live
+    episode per slice length in use).
+    """
+
+    slice_len: int
+    strict: bool
+    per_episode: bool
+    lanes: dict[int, _LaneCounts] = field(default_factory=dict)
+
+    def weight(self, lengths: np.ndarray) -> np.ndarray:
+        eligible = lengths >= (self.slice_len if self.strict else 1)
+        if self.per_episode:
+            return eligible.astype(np.int64)
+        if self.strict:
+            return np.maximum(lengths - self.slice_len + 1, 0)
+        return lengths
+
+    def sync(self, view: View, lane: int) -> _LaneCounts:
+        lv = view.lanes[lane]
+        lc = self.lanes.get(lane)
+        if lc is None or lv.ep_head < lc.base or lv.ep_head > lc.upto or lv.ep_tail < lc.upto:
+            lc = self.lanes[lane] = _LaneCounts(base=lv.ep_head)
+        if lv.ep_tail > lc.upto:
+            state = index.Lane(int(view.written[lane]), lv.ep_head, lv.ep_tail, lv.first_start)
+            lo = lc.upto
+            starts = index.episode_starts(view.ends, lane, view.lane_size, state, lo, lv.ep_tail)
+            ends = index.episode_ends(view.ends, lane, view.lane_size, lo, lv.ep_tail)
+            added = np.cumsum(self.weight(ends - starts)) + lc.cum[-1]
+            lc.cum = np.concatenate((lc.cum, added))
+        drop = lv.ep_head - lc.base
+        if drop > 1024 and drop * 2 > len(lc.cum):  # amortized O(1) trimming
+            lc.cum = lc.cum[drop:].copy()
+            lc.base = lv.ep_head
+        return lc
+
+    def open_weight(self, lv: LaneView) -> int:
+        return int(self.weight(np.array([lv.visible_end - lv.open_start]))[0])
+
+    def totals(self, view: View) -> tuple[np.ndarray, np.ndarray]:
+        """Per lane: eligible items in complete episodes, and in the open one."""
+        closed = np.empty(len(view.lanes), dtype=np.int64)
+        opened = np.empty(len(view.lanes), dtype=np.int64)
+        for lane, lv in enumerate(view.lanes):
+            lc = self.sync(view, lane)
+            closed[lane] = lc.cum[lv.ep_tail - lc.base] - lc.cum[lv.ep_head - lc.base]
+            opened[lane] = self.open_weight(lv)
+        return closed, opened
+
+
+def slice_starts(
+    view: View, counts: SliceCounts, ranks: np.ndarray, generator: torch.Generator | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Map item ranks to slices: (lane, absolute start, rows available from start)."""
+    closed, opened = counts.totals(view)
+    lane, u = _lane_of(closed + opened, ranks)
+    start = np.empty_like(ranks)
+    avail = np.empty_like(ranks)
+    for l in np.unique(lane):
+        sel = lane == l
+        lv = view.lanes[l]
+        lc = counts.lanes[int(l)]
+        local = u[sel]
+        in_open = local >= closed[l]
+        # complete episodes: find the episode by its cumulative count
+        x = local + lc.cum[lv.ep_head - lc.base]
+        k = np.searchsorted(lc.cum, x, side="right") - 1
+        seq = lc.base + k
+        ep_end = np.where(in_open, lv.visible_end, 0)
+        ep_start = np.where(in_open, lv.open_start, 0)
+        if (~in_open).any():
+            s = seq[~in_open]
+            prev = index.ends_at(view.ends, int(l), view.lane_size, s - 1)
+            ep_start[~in_open] = np.where(s == lv.ep_head, lv.first_start, prev)
+            ep_end[~in_open] = index.ends_at(view.ends, int(l), view.lane_size, s)
+        within = np.where(in_open, local - closed[l], x - lc.cum[np.minimum(k, len(lc.cum) - 1)])
+        start[sel] = ep_start + within
+        avail[sel] = ep_end - start[sel]
+    if counts.per_episode:  # ranks picked the episode; now a start inside it
+        length = avail  # (within was 0: start is the episode start)
+        room = np.maximum(length - counts.slice_len + 1, 1) if counts.strict else length
+        off = _randint(room, len(ranks), generator)
+        start = start + off
+        avail = avail - off
+    return lane, start, avail
+
+
+def slices(
+    view: View,
+    counts: SliceCounts,
+    num_slices: int,
+    generator: torch.Generator | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``[B, L]`` global rows and ``[B, L]`` mask of uniformly drawn slices."""
+    closed, opened = counts.totals(view)
+    total = int((closed + opened).sum())
+    if total == 0:
+        if int(transition_counts(view).sum()) == 0:
+            raise errors.EmptyBufferError("sample_slices: expected a store with sampleable rows, got none")
+        raise errors.NoValidSliceError(
+            f"slice_len: expected at most the longest live episode, got {counts.slice_len} "
+            "(no episode is that long; use strict=False to pad)"
+        )
+    ranks = _randint(total, num_slices, generator)
+    lane, start, avail = slice_starts(view, counts, ranks, generator)
+    return window(view, lane, start, avail, counts.slice_len)
+
+
+def window(
+    view: View, lane: np.ndarray, start: np.ndarray, avail: np.ndarray, slice_len: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Global rows ``[B, L]`` from absolute starts; positions past ``avail`` repeat
+    the last available row and are masked out."""
+    steps = np.arange(slice_len, dtype=np.int64)
+    mask = steps[None, :] < avail[:, None]
+    absolute = start[:, None] + np.minimum(steps[None, :], np.maximum(avail[:, None] - 1, 0))
+    return _global(view, lane[:, None], absolute), mask
+
+
+# -- prioritized -------------------------------------------------------------------------
+def absolute_rows(view: View, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Lane and absolute row counter (as of ``view``) of global rows."""
+    lane = rows // view.lane_size
+    pos = rows % view.lane_size
+    w = view.written[lane]
+    return lane, w - 1 - (w - 1 - pos) % view.lane_size
+
+
+def sampleable(view: View, rows: np.ndarray, slice_len: int | None, strict: bool) -> np.ndarray:
+    """Whether each global row may be drawn (as a transition, or a window start)."""
+    lane, a = absolute_rows(view, rows)
+    first = np.array([lv.first_start for lv in view.lanes], dtype=np.int64)[lane]
+    end = np.array([lv.visible_end for lv in view.lanes], dtype=np.int64)[lane]
+    ok = (a >= first) & (a < end) & (view.written[lane] > 0)
+    if slice_len is None or not strict or slice_len == 1:
+        return ok
+    return ok & (rows_left(view, lane, a) >= slice_len)
+
+
+def rows_left(view: View, lane: np.ndarray, absolute: np.ndarray) -> np.ndarray:
+    """Rows from each absolute row to the end of its episode (visible end if open)."""
+    out = np.empty_like(absolute)
+    for l in np.unique(lane):
+        sel = lane == l
+        lv = view.lanes[int(l)]
+        ends = index.containing_end(view.ends, int(l), view.lane_size, lv.ep_head, lv.ep_tail, absolute[sel], lv.visible_end)
+        out[sel] = ends - absolute[sel]
+    return out
+
+
+def prioritized(
+    view: View,
+    ptree: tree.PriorityTree,
+    batch_size: int,
+    beta: float,
+    generator: torch.Generator | None = None,
+    slice_len: int | None = None,
+    strict: bool = True,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Rows drawn with probability ``p_i / sum(p over sampleable rows)``, and weights.
+
+    Stratified over ``batch_size`` equal segments of the tree's mass; rows that
+    are not sampleable (see the module docstring) are redrawn. Weights are
+    ``(N P(i))^-beta / max_j (N P(j))^-beta = (p_i / p_min)^-beta``, with ``p_min``
+    the smallest live priority (the tree's min).
+    """
+    if tree.total(ptree) <= 0:
+        raise errors.EmptyBufferError("sample: expected a store with positive priorities, got none")
+    rows, _ = tree.sample(ptree, batch_size, generator)
+    ok = sampleable(view, rows, slice_len, strict)
+    for _ in range(_MAX_REDRAWS):
+        if ok.all():
+            break
+        bad = np.flatnonzero(~ok)
+        redraw, _ = tree.sample(ptree, len(bad), generator)
+        rows[bad] = redraw
+        ok[bad] = sampleable(view, redraw, slice_len, strict)
+    else:
+        if slice_len is not None:
+            raise errors.NoValidSliceError(
+                f"slice_len: expected live episodes of at least {slice_len} rows with positive priority, "
+                f"got none in {_MAX_REDRAWS} draws"
+            )
+        raise errors.EmptyBufferError("sample: expected sampleable rows with positive priority, got none")
+    leaves = np.asarray(ptree.leaves[rows], dtype=np.float64)
+    p_min = tree.min_live(ptree)
+    weights = (leaves / p_min) ** (-beta)
+    return rows, weights.astype(np.float32)

@@ -1,0 +1,725 @@
+"""The store: columns on disk, the episode index and the priority tree, committed together.
+
+``Store`` owns the files (layout in ``_format.py``), the per-lane cursors and the
+commit protocol. It writes rows, keeps the episode index and the priority tree in
+step with them at write time, and hands samplers a consistent ``View``. It never
+samples and never converts to torch: ``Buffer`` (``buffer.py``) does that on top.
+
+Lanes. A store of ``capacity`` rows has ``num_streams`` lanes of
+``lane_size = capacity // num_streams`` rows; lane ``l`` owns global rows
+``[l * lane_size, (l + 1) * lane_size)`` and is a ring: absolute row ``a`` of the
+lane lives at global row ``l * lane_size + a % lane_size``.
+
+Visibility. The writer samples rows as soon as ``extend`` returns; ``commit``
+makes them durable and visible to readers. A ring overwrites committed rows before
+the next commit, so the writer first *reserves* rows ahead of its cursor in
+``index/reserved`` (a memory-mapped counter, bumped by ``config.reserve_fraction``
+of a lane at a time). Readers, and a writer reopening after a crash, treat every
+committed episode whose first row lies below ``reserved - lane_size`` as evicted:
+they never sample a row the writer may be rewriting, and a kill at any instant
+leaves the last commit readable.
+
+The open episode. The last row of a lane's unfinished episode has no next
+observation yet (it arrives with the next ``extend``), so when the store derives
+``next_*`` columns that row is not sampleable until the next extend; without
+next-derived columns every extended row is.
+
+Commit protocol (DESIGN.md): the rows written since the last commit are msync'ed,
+then the index and the tree, then ``manifest.json`` is replaced atomically.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import _format as fmt
+from . import errors, index, tree
+from .config import config
+from .index import Lane
+
+
+@dataclass(frozen=True, slots=True)
+class Column:
+    """Schema of one column: the shape of a row and its dtype.
+
+    >>> Column((17,), "float32")
+    Column(shape=(17,), dtype='float32')
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True, slots=True)
+class PriorityConfig:
+    """Prioritized replay settings (Schaul et al. 2016).
+
+    A row's stored priority is ``(p + eps) ** alpha``. A new row gets the largest
+    priority live in the buffer, capped at ``max_priority ** alpha``, and exactly
+    that cap when the buffer holds no positive priority.
+
+    >>> PriorityConfig(alpha=0.6).max_priority
+    1.0
+    """
+
+    alpha: float = 0.6
+    eps: float = 1e-6
+    max_priority: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("alpha", "eps", "max_priority"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not np.isfinite(value) or value < 0:
+                raise errors.InvalidArgumentError(
+                    f"PriorityConfig.{name}: expected a finite number >= 0, got {value!r}"
+                )
+        if self.max_priority <= 0:
+            raise errors.InvalidArgumentError(
+                f"PriorityConfig.max_priority: expected > 0, got {self.max_priority!r}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class LaneView:
+    """What a sampler may use of one lane (absolute row counters)."""
+
+    first_start: int  # start of the oldest live episode
+    ep_head: int
+    ep_tail: int
+    open_start: int  # start of the open episode (== visible_end when none)
+    visible_end: int  # one past the last sampleable row
+
+
+@dataclass(frozen=True, slots=True)
+class View:
+    """A consistent snapshot of the index for samplers: cursors plus the ring."""
+
+    lanes: tuple[LaneView, ...]
+    ends: np.ndarray
+    lane_size: int
+    written: np.ndarray  # int64 [num_streams], rows ever written per lane
+    generation: int
+
+
+class Store:
+    """Columns, index and tree of one store directory. Use ``mb.create``/``mb.open``."""
+
+    def __init__(self, path: str | os.PathLike[str], mode: str = "a") -> None:
+        if mode not in ("r", "a"):
+            raise errors.InvalidArgumentError(f"mode: expected 'r' or 'a', got {mode!r}")
+        self.path = Path(path)
+        self.mode = mode
+        manifest = fmt.read_manifest(self.path)
+        self._lock_fd: int | None = None
+        if mode == "a":
+            self._lock_fd = _acquire_lock(self.path)
+        try:
+            self._load(manifest)
+        except BaseException:
+            self._release_lock()
+            raise
+
+    # -- opening -----------------------------------------------------------------------
+    def _load(self, manifest: dict[str, Any]) -> None:
+        self.capacity = int(manifest["capacity"])
+        self.num_streams = int(manifest["num_streams"])
+        self.lane_size = int(manifest["lane_size"])
+        self.compression: str | None = manifest.get("compression")
+        self.columns = {
+            name: Column(tuple(spec["shape"]), spec["dtype"]) for name, spec in manifest["columns"].items()
+        }
+        self.next_keys: tuple[str, ...] = tuple(manifest["next_keys"])
+        pri = manifest.get("priorities")
+        self.priorities = PriorityConfig(**pri) if pri else None
+        self.attrs: dict[str, Any] = dict(manifest.get("attrs", {}))
+        self.generation = int(manifest["generation"])
+        writable = self.mode == "a"
+        root = self.path
+        self._data: dict[str, Any] = {}
+        for name in self.columns:
+            if name in fmt.RESERVED_NAMES or self.compression is None:
+                self._data[name] = fmt.open_raw(root, f"columns/{name}", writable=writable)
+            else:
+                self._data[name] = fmt.CompressedArray(root, f"columns/{name}", writable=writable)
+        self._final = {k: fmt.open_raw(root, f"final/{k}", writable=writable) for k in self.next_keys}
+        self._ends = fmt.open_raw(root, "index/ends", writable=writable)
+        self._reserved = fmt.open_raw(root, "index/reserved", writable=writable)
+        self._tree: tree.PriorityTree | None = None
+        if self.priorities is not None:
+            arrays = {k: fmt.open_raw(root, f"priority/{k}", writable=writable) for k in tree.layout(self.capacity)}
+            self._tree = tree.PriorityTree(**arrays)
+        self._committed = [Lane.from_json(x) for x in manifest["lanes"]]
+        if len(self._committed) != self.num_streams:
+            raise errors.CorruptStoreError(
+                f"{self.path / fmt.MANIFEST}: expected {self.num_streams} lanes, got {len(self._committed)}"
+            )
+        self._lanes = list(self._committed)
+        if writable:
+            self._recover()
+
+    def _recover(self) -> None:
+        """Drop what an interrupted writer may have left past the last commit.
+
+        Committed episodes whose rows the dead writer may have overwritten (below
+        ``reserved - lane_size``) are evicted and that state is committed at once;
+        then the reservation falls back to the cursor.
+        """
+        torn = False
+        for lane in range(self.num_streams):
+            st = self._lanes[lane]
+            reserved = int(self._reserved[lane])
+            if reserved > st.written:
+                threshold = reserved - self.lane_size
+                if threshold >= st.written:
+                    st = Lane(st.written, st.ep_tail, st.ep_tail, st.written)
+                else:
+                    st, _ = index.evict(self._ends, lane, self.lane_size, st, threshold)
+                    if threshold > st.open_start(self._ends, lane, self.lane_size):
+                        st = Lane(st.written, st.ep_tail, st.ep_tail, st.written)  # open episode lost too
+                torn = torn or st != self._lanes[lane]
+                self._lanes[lane] = st
+        self._tree_dirty = False
+        dirty = self.path / "priority" / "DIRTY"
+        if self._tree is not None and (torn or dirty.exists()):
+            self._zero_invisible_priorities()
+            tree.rebuild(self._tree)
+            self._tree_dirty = True
+        if torn or self._tree_dirty:
+            self.commit()
+        self._release_reservation()
+
+    def _release_reservation(self) -> None:
+        """No writer is ahead of the cursors any more: readers may use every committed row."""
+        for lane, st in enumerate(self._committed):
+            self._reserved[lane] = st.written
+        fmt.flush_rows(self._reserved, 0, len(self._reserved))
+
+    def _zero_invisible_priorities(self) -> None:
+        """Give priority 0 to every row of a lane outside its live range."""
+        assert self._tree is not None
+        for lane, st in enumerate(self._lanes):
+            for a, b in _ring_segments(lane, self.lane_size, st.written, st.first_start + self.lane_size):
+                tree.set_range(self._tree, a, b, 0.0)
+
+    # -- inspection --------------------------------------------------------------------
+    def __len__(self) -> int:
+        """Live rows: rows of live complete episodes plus the open episodes' rows."""
+        return int(sum(v.visible_end - v.first_start for v in self.view().lanes))
+
+    @property
+    def num_episodes(self) -> int:
+        """Live complete episodes over all lanes."""
+        return int(sum(v.ep_tail - v.ep_head for v in self.view().lanes))
+
+    def view(self) -> View:
+        """The index as samplers may use it now (see the module docstring)."""
+        lanes = []
+        written = np.empty(self.num_streams, dtype=np.int64)
+        for lane in range(self.num_streams):
+            st = self._lanes[lane]
+            written[lane] = st.written
+            # a reader keeps away from rows the writer may be overwriting
+            threshold = int(self._reserved[lane]) - self.lane_size if self.mode == "r" else -1
+            if threshold >= st.written:  # the writer went round the whole lane
+                lanes.append(LaneView(st.written, st.ep_tail, st.ep_tail, st.written, st.written))
+                continue
+            if threshold > st.first_start:
+                st, _ = index.evict(self._ends, lane, self.lane_size, st, threshold)
+            open_start = st.open_start(self._ends, lane, self.lane_size)
+            visible_end = st.written - (1 if self.next_keys and st.written > open_start else 0)
+            if threshold > open_start:
+                visible_end = open_start
+            lanes.append(LaneView(st.first_start, st.ep_head, st.ep_tail, open_start, visible_end))
+        return View(tuple(lanes), self._ends, self.lane_size, written, self.generation)
+
+    def episode_bounds(self, view: View | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Global start row and length of every live complete episode (lane order)."""
+        view = view or self.view()
+        starts, lengths = [], []
+        for lane, lv in enumerate(view.lanes):
+            st = Lane(int(view.written[lane]), lv.ep_head, lv.ep_tail, lv.first_start)
+            s, n = index.starts_lengths(self._ends, lane, self.lane_size, st)
+            starts.append(lane * self.lane_size + s % self.lane_size)
+            lengths.append(n)
+        return np.concatenate(starts), np.concatenate(lengths)
+
+    def read(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """Rows of a stored column or of ``final/<name>`` (``name = "final/obs"``)."""
+        if name.startswith("final/"):
+            return np.asarray(self._final[name[6:]][rows])
+        return np.asarray(self._data[name][rows])
+
+    # -- writing -----------------------------------------------------------------------
+    def extend(
+        self,
+        steps: Mapping[str, Any],
+        stream: int = 0,
+        final_obs: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Append ``T`` consecutive rows of one lane.
+
+        Parameters
+        ----------
+        steps:
+            Column name -> array ``[T, *shape]`` (numpy, torch or nested lists).
+            ``terminated`` / ``truncated`` may be omitted (then False).
+        stream:
+            The lane, ``0 <= stream < num_streams``.
+        final_obs:
+            Next-derived column -> ``[E, *shape]``: the observation after the last
+            step of each of the ``E`` episodes that end inside ``steps``, in order.
+
+        Raises
+        ------
+        ReadOnlyError, SchemaError, InvalidArgumentError, CapacityError
+            Before anything is written.
+        """
+        self._check_writable("extend")
+        lane = _check_stream(stream, self.num_streams)
+        rows, done = self._validate_steps(steps)
+        if rows == 0:
+            return
+        finals = self._validate_final(final_obs, int(done.sum()))
+        st = self._lanes[lane]
+        index.check_fits(st, self._ends, lane, self.lane_size, done)
+
+        new_written = st.written + rows
+        if new_written > int(self._reserved[lane]):
+            ahead = max(1, int(self.lane_size * config.reserve_fraction))
+            self._reserved[lane] = new_written + ahead  # before touching any row
+
+        segments = _ring_segments(lane, self.lane_size, st.written, new_written)
+        for name, arr in rows_by_column(steps, done, self.columns, rows).items():
+            col = self._data[name]
+            off = 0
+            for a, b in segments:
+                col[a:b] = arr[off : off + b - a]
+                off += b - a
+        if finals:
+            last_rows = _global_rows(lane, self.lane_size, st.written + np.flatnonzero(done))
+            for name, arr in finals.items():
+                self._final[name][last_rows] = arr
+
+        st = index.append(self._ends, lane, self.lane_size, st, rows=rows, done=done)
+        threshold = new_written - self.lane_size
+        st, dropped_end = index.evict(self._ends, lane, self.lane_size, st, threshold)
+        self._lanes[lane] = st
+        if self._tree is not None:
+            self._mark_tree_dirty()
+            # overwritten and evicted rows leave the tree before the default is
+            # taken, so a new row gets the max of what stays live
+            for a, b in _ring_segments(lane, self.lane_size, max(0, new_written - rows - self.lane_size), dropped_end):
+                tree.set_range(self._tree, a, b, 0.0)
+            default = self._default_priority()
+            for a, b in segments:
+                tree.set_range(self._tree, a, b, default)
+
+    def commit(self) -> int:
+        """Make every extended row durable and visible to readers; return the generation."""
+        self._check_writable("commit")
+        for lane in range(self.num_streams):
+            segs = _ring_segments(lane, self.lane_size, self._committed[lane].written, self._lanes[lane].written)
+            for a, b in segs:
+                for col in (*self._data.values(), *self._final.values()):
+                    if fmt.is_mapped(col):
+                        fmt.flush_rows(col, a, b)
+        fmt.flush_rows(self._ends, 0, len(self._ends))
+        fmt.flush_rows(self._reserved, 0, len(self._reserved))
+        self._flush_tree()
+        self.generation += 1
+        self._write_manifest()
+        self._committed = list(self._lanes)
+        if self._tree is not None and self._tree_dirty:
+            (self.path / "priority" / "DIRTY").unlink(missing_ok=True)
+            self._tree_dirty = False
+        return self.generation
+
+    def refresh(self) -> bool:
+        """Reload the last commit (readers); return whether it changed."""
+        manifest = fmt.read_manifest(self.path)
+        if int(manifest["generation"]) == self.generation:
+            return False
+        if self.mode == "a":
+            return False  # the writer is the source of commits
+        self.generation = int(manifest["generation"])
+        self.attrs = dict(manifest.get("attrs", {}))
+        self._committed = [Lane.from_json(x) for x in manifest["lanes"]]
+        self._lanes = list(self._committed)
+        return True
+
+    def update_priorities(self, indices: Any, priorities: Any, written_at: np.ndarray | None = None) -> None:
+        """Set new priorities (raw, before ``eps`` and ``alpha``) of sampled rows.
+
+        Rows overwritten or evicted since the sample (``written_at``: the lanes'
+        ``written`` counters at sampling time), or not live now, are ignored.
+        Duplicates resolve to the last value.
+        """
+        self._check_writable("update_priorities")
+        if self._tree is None or self.priorities is None:
+            raise errors.InvalidPriorityError(
+                "update_priorities: expected a store created with priorities=mb.PriorityConfig(...), got priorities=None"
+            )
+        idx = _as_numpy(indices, "indices").astype(np.int64, copy=False).reshape(-1)
+        pri = _as_numpy(priorities, "priorities").astype(np.float64, copy=False)
+        try:
+            pri = np.broadcast_to(pri.reshape(-1) if pri.size == idx.size else pri, idx.shape)
+        except ValueError:
+            raise errors.InvalidPriorityError(
+                f"priorities: expected {idx.size} values (one per index), got shape {tuple(pri.shape)}"
+            ) from None
+        bad = ~np.isfinite(pri) | (pri < 0)
+        if bad.any():
+            raise errors.InvalidPriorityError(
+                f"priorities: expected finite values >= 0, got {pri[bad][:3].tolist()}"
+            )
+        if ((idx < 0) | (idx >= self.capacity)).any():
+            raise errors.InvalidArgumentError(
+                f"indices: expected row ids in [0, {self.capacity}), got {idx[(idx < 0) | (idx >= self.capacity)][:3].tolist()}"
+            )
+        keep = self._live_rows(idx, written_at)
+        cfg = self.priorities
+        self._mark_tree_dirty()
+        tree.update(self._tree, idx[keep], (pri[keep] + cfg.eps) ** cfg.alpha)
+
+    def _live_rows(self, rows: np.ndarray, written_at: np.ndarray | None) -> np.ndarray:
+        view = self.view()
+        lane = rows // self.lane_size
+        pos = rows % self.lane_size
+        written = view.written if written_at is None else np.asarray(written_at, dtype=np.int64)
+        snap = written[lane]
+        absolute = snap - 1 - (snap - 1 - pos) % self.lane_size  # the row's absolute id then
+        first = np.array([v.first_start for v in view.lanes], dtype=np.int64)[lane]
+        end = np.array([v.visible_end for v in view.lanes], dtype=np.int64)[lane]
+        if self.next_keys:  # the open episode's last row gets its priority all the same
+            end = np.array([max(v.visible_end, int(w)) for v, w in zip(view.lanes, view.written)])[lane]
+        return (absolute >= first) & (absolute < end) & (snap > 0)
+
+    def _default_priority(self) -> float:
+        assert self._tree is not None and self.priorities is not None
+        cap = self.priorities.max_priority ** self.priorities.alpha
+        live = tree.max_live(self._tree)
+        return float(min(live, cap)) if live > 0 else float(cap)
+
+    # -- closing -----------------------------------------------------------------------
+    def close(self) -> None:
+        """Commit (writer) and release the lock; the object is unusable afterwards."""
+        if self._lock_fd is None and self.mode == "a":
+            return
+        try:
+            if self.mode == "a":
+                if self._has_changes():
+                    self.commit()
+                self._release_reservation()
+        finally:
+            self._release_lock()
+
+    def _has_changes(self) -> bool:
+        return self._lanes != self._committed or (self._tree is not None and self._tree_dirty)
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self._release_lock()
+
+    # -- helpers -----------------------------------------------------------------------
+    def _check_writable(self, what: str) -> None:
+        if self.mode != "a":
+            raise errors.ReadOnlyError(f"{what}: store {self.path} is opened with mode='r'; open it with mode='a' to write")
+        if self._lock_fd is None:
+            raise errors.ReadOnlyError(f"{what}: store {self.path} is closed")
+
+    def _mark_tree_dirty(self) -> None:
+        if not self._tree_dirty:
+            (self.path / "priority" / "DIRTY").touch()
+            self._tree_dirty = True
+
+    def _flush_tree(self) -> None:
+        if self._tree is not None:
+            for arr in (self._tree.leaves, self._tree.sums, self._tree.mins, self._tree.maxs):
+                fmt.flush_rows(arr, 0, len(arr))
+
+    def _write_manifest(self) -> None:
+        fmt.atomic_write_json(self.path / fmt.MANIFEST, _manifest(self))
+
+    def _release_lock(self) -> None:
+        fd = getattr(self, "_lock_fd", None)
+        if fd is not None:
+            self._lock_fd = None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            finally:
+                os.close(fd)
+
+    def _validate_steps(self, steps: Mapping[str, Any]) -> tuple[int, np.ndarray]:
+        if not isinstance(steps, Mapping):
+            raise errors.SchemaError(f"steps: expected a mapping column -> array, got {type(steps).__name__}")
+        given = set(steps)
+        required = set(self.columns) - fmt.RESERVED_NAMES
+        if not required <= given or not given <= set(self.columns):
+            raise errors.SchemaError(
+                f"steps: expected columns {sorted(required)} (+ optional terminated, truncated), "
+                f"got {sorted(given)}; missing {sorted(required - given)}, unknown {sorted(given - set(self.columns))}"
+            )
+        lengths = {}
+        for name in given:
+            arr = _as_numpy(steps[name], name)
+            col = self.columns[name]
+            if arr.shape[1:] != col.shape or arr.ndim != 1 + len(col.shape):
+                raise errors.SchemaError(
+                    f"column {name!r}: expected rows of shape {col.shape} (array [T, {', '.join(map(str, col.shape))}]), "
+                    f"got array of shape {tuple(arr.shape)}"
+                )
+            if not np.can_cast(arr.dtype, np.dtype(col.dtype), "same_kind"):
+                raise errors.SchemaError(f"column {name!r}: expected dtype {col.dtype}, got {arr.dtype}")
+            lengths[name] = arr.shape[0]
+        if len(set(lengths.values())) > 1:
+            raise errors.SchemaError(f"steps: expected the same number of rows in every column, got {lengths}")
+        rows = next(iter(lengths.values()))
+        done = np.zeros(rows, dtype=bool)
+        for flag in ("terminated", "truncated"):
+            if flag in steps:
+                done |= _as_numpy(steps[flag], flag).astype(bool)
+        return rows, done
+
+    def _validate_final(self, final_obs: Mapping[str, Any] | None, n_done: int) -> dict[str, np.ndarray]:
+        if not self.next_keys:
+            if final_obs:
+                raise errors.SchemaError(
+                    f"final_obs: this store derives no next columns (next_keys=()), got keys {sorted(final_obs)}"
+                )
+            return {}
+        if final_obs is None:
+            if n_done == 0:
+                return {}
+            raise errors.SchemaError(
+                f"final_obs: expected {n_done} final observations for {list(self.next_keys)} "
+                f"(episodes ending in this block), got None"
+            )
+        if set(final_obs) != set(self.next_keys):
+            raise errors.SchemaError(f"final_obs: expected keys {sorted(self.next_keys)}, got {sorted(final_obs)}")
+        out = {}
+        for name in self.next_keys:
+            arr = _as_numpy(final_obs[name], f"final_obs[{name!r}]")
+            col = self.columns[name]
+            if arr.shape != (n_done, *col.shape):
+                raise errors.SchemaError(
+                    f"final_obs[{name!r}]: expected shape {(n_done, *col.shape)} "
+                    f"({n_done} episodes end in this block), got {tuple(arr.shape)}"
+                )
+            if not np.can_cast(arr.dtype, np.dtype(col.dtype), "same_kind"):
+                raise errors.SchemaError(f"final_obs[{name!r}]: expected dtype {col.dtype}, got {arr.dtype}")
+            out[name] = arr.astype(col.dtype, copy=False)
+        return out
+
+
+# -- creation ----------------------------------------------------------------------------
+def create_store(
+    path: str | os.PathLike[str],
+    columns: Mapping[str, tuple[Any, Any]],
+    capacity: int,
+    *,
+    num_streams: int = 1,
+    compression: str | None = None,
+    priorities: PriorityConfig | None = None,
+    next_keys: Iterable[str] = ("obs",),
+    attrs: Mapping[str, Any] | None = None,
+) -> None:
+    """Validate a schema and lay out an empty store at ``path`` (see ``mb.create``)."""
+    path = Path(path)
+    if path.exists():
+        raise errors.StoreExistsError(f"{path}: expected a path that does not exist, got an existing {'directory' if path.is_dir() else 'file'}")
+    schema = _check_schema(columns, next_keys)
+    next_keys = tuple(next_keys)
+    capacity = _check_int("capacity", capacity, 1)
+    num_streams = _check_int("num_streams", num_streams, 1)
+    if capacity % num_streams:
+        raise errors.InvalidArgumentError(
+            f"capacity: expected a multiple of num_streams={num_streams}, got {capacity}"
+        )
+    if compression not in fmt.COMPRESSIONS:
+        raise errors.InvalidArgumentError(f"compression: expected one of {fmt.COMPRESSIONS}, got {compression!r}")
+    if priorities is not None and not isinstance(priorities, PriorityConfig):
+        raise errors.InvalidArgumentError(f"priorities: expected mb.PriorityConfig or None, got {priorities!r}")
+    lane_size = capacity // num_streams
+    manifest = {
+        "format": fmt.FORMAT_NAME,
+        "format_version": fmt.FORMAT_VERSION,
+        "generation": 0,
+        "capacity": capacity,
+        "num_streams": num_streams,
+        "lane_size": lane_size,
+        "compression": compression,
+        "columns": {n: {"shape": list(s), "dtype": str(d)} for n, (s, d) in schema.items()},
+        "next_keys": list(next_keys),
+        "priorities": None if priorities is None else {
+            "alpha": priorities.alpha, "eps": priorities.eps, "max_priority": priorities.max_priority
+        },
+        "lanes": [Lane().to_json() for _ in range(num_streams)],
+        "attrs": dict(attrs or {}),
+    }
+    _check_json(manifest["attrs"])
+    tmp = path.with_name(path.name + ".creating")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        import zarr
+
+        zarr.open_group(str(tmp), mode="w", zarr_format=3, attributes={"mmbuffer": {"format_version": fmt.FORMAT_VERSION}})
+        for name, (shape, dtype) in schema.items():
+            if compression is None or name in fmt.RESERVED_NAMES:
+                fmt.create_raw(tmp, f"columns/{name}", capacity, shape, dtype)
+            else:
+                fmt.create_compressed(tmp, f"columns/{name}", capacity, shape, dtype, compression)
+        for name in next_keys:
+            shape, dtype = schema[name]
+            fmt.create_raw(tmp, f"final/{name}", capacity, shape, dtype)
+        fmt.create_raw(tmp, "index/ends", num_streams * 2 * lane_size, (), np.dtype(np.int64))
+        fmt.create_raw(tmp, "index/reserved", num_streams, (), np.dtype(np.int64))
+        if priorities is not None:
+            for name, (shape, dtype) in tree.layout(capacity).items():
+                fmt.create_raw(tmp, f"priority/{name}", shape[0], tuple(shape[1:]), np.dtype(dtype))
+            leaves = {k: fmt.open_raw(tmp, f"priority/{k}", writable=True) for k in tree.layout(capacity)}
+            tree.reset(tree.PriorityTree(**leaves))
+            for arr in leaves.values():
+                fmt.flush_rows(arr, 0, len(arr))
+            del leaves
+        (tmp / "sampler").mkdir()
+        fmt.atomic_write_json(tmp / fmt.MANIFEST, manifest)
+        os.replace(tmp, path)  # the store appears whole or not at all
+        fmt.fsync_dir(path.parent.resolve())
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _check_schema(columns: Mapping[str, tuple[Any, Any]], next_keys: Iterable[str]) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    if not isinstance(columns, Mapping) or not columns:
+        raise errors.SchemaError(f"columns: expected a non-empty mapping name -> (shape, dtype), got {columns!r}")
+    schema: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+    for name, spec in columns.items():
+        fmt.check_column_name(name)
+        if name in fmt.RESERVED_NAMES:
+            raise errors.SchemaError(f"column {name!r}: reserved (always present as bool), remove it from columns")
+        try:
+            shape, dtype = spec
+        except (TypeError, ValueError):
+            raise errors.SchemaError(f"column {name!r}: expected (shape, dtype), got {spec!r}") from None
+        schema[name] = (fmt.check_shape(name, shape), fmt.check_dtype(name, dtype))
+    names = sorted(schema)
+    for a, b in zip(names, names[1:]):
+        if b.startswith(a + "/"):
+            raise errors.SchemaError(f"column {b!r}: nested under column {a!r}; a name cannot be both a column and a group")
+    for flag in sorted(fmt.RESERVED_NAMES):
+        schema[flag] = ((), np.dtype(bool))
+    if isinstance(next_keys, str):
+        raise errors.SchemaError(f"next_keys: expected a sequence of column names, got the string {next_keys!r}")
+    for key in next_keys:
+        if key not in schema or key in fmt.RESERVED_NAMES:
+            raise errors.SchemaError(f"next_keys: expected names among columns {sorted(columns)}, got {key!r}")
+    return schema
+
+
+def _check_int(name: str, value: object, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) < low:
+        raise errors.InvalidArgumentError(f"{name}: expected an integer >= {low}, got {value!r}")
+    return int(value)
+
+
+def _check_stream(stream: object, num_streams: int) -> int:
+    if isinstance(stream, bool) or not isinstance(stream, (int, np.integer)) or not 0 <= int(stream) < num_streams:
+        raise errors.InvalidArgumentError(f"stream: expected an integer in [0, {num_streams}), got {stream!r}")
+    return int(stream)
+
+
+def _check_json(obj: Any) -> None:
+    import json
+
+    try:
+        json.dumps(obj)
+    except (TypeError, ValueError) as exc:
+        raise errors.InvalidArgumentError(f"attrs: expected JSON-serializable values, got {exc}") from None
+
+
+def _manifest(store: Store) -> dict[str, Any]:
+    return {
+        "format": fmt.FORMAT_NAME,
+        "format_version": fmt.FORMAT_VERSION,
+        "generation": store.generation,
+        "capacity": store.capacity,
+        "num_streams": store.num_streams,
+        "lane_size": store.lane_size,
+        "compression": store.compression,
+        "columns": {n: {"shape": list(c.shape), "dtype": c.dtype} for n, c in store.columns.items()},
+        "next_keys": list(store.next_keys),
+        "priorities": None if store.priorities is None else {
+            "alpha": store.priorities.alpha,
+            "eps": store.priorities.eps,
+            "max_priority": store.priorities.max_priority,
+        },
+        "lanes": [st.to_json() for st in store._lanes],
+        "attrs": store.attrs,
+    }
+
+
+def _acquire_lock(path: Path) -> int:
+    fd = os.open(path / fmt.LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise errors.LockedError(
+            f"{path}: expected no other writer, got the lock held by {holder}; open with mode='r' to read"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, fmt.lock_owner().encode(), 0)
+    return fd
+
+
+def _ring_segments(lane: int, lane_size: int, lo: int, hi: int) -> list[tuple[int, int]]:
+    """Global row ranges holding absolute rows ``[lo, hi)`` of a lane (at most two)."""
+    lo = max(lo, hi - lane_size)
+    out = []
+    while lo < hi:
+        p = lo % lane_size
+        n = min(hi - lo, lane_size - p)
+        out.append((lane * lane_size + p, lane * lane_size + p + n))
+        lo += n
+    return out
+
+
+def _global_rows(lane: int, lane_size: int, absolute: np.ndarray) -> np.ndarray:
+    return lane * lane_size + np.asarray(absolute, dtype=np.int64) % lane_size
+
+
+def _as_numpy(value: Any, name: str) -> np.ndarray:
+    if hasattr(value, "detach") and hasattr(value, "cpu"):
+        value = value.detach().cpu().numpy()
+    try:
+        return np.asarray(value)
+    except (TypeError, ValueError) as exc:
+        raise errors.SchemaError(f"{name}: expected an array, got {type(value).__name__} ({exc})") from None
+
+
+def rows_by_column(
+    steps: Mapping[str, Any], done: np.ndarray, columns: Mapping[str, Column], rows: int
+) -> dict[str, np.ndarray]:
+    """Validated block as numpy arrays of the columns' dtypes (flags filled in)."""
+    out = {}
+    for name, col in columns.items():
+        if name in steps:
+            out[name] = _as_numpy(steps[name], name).astype(col.dtype, copy=False)
+        else:
+            out[name] = np.zeros(rows, dtype=bool)
+    return out

@@ -1,0 +1,73 @@
+"""Check that a store's derived state (episode index, priority tree) agrees with its data.
+
+The index is recomputed from the ``terminated``/``truncated`` columns of the live
+rows of each lane, the tree from its leaves. ``repair=True`` (needs the writer
+lock) writes the recomputed state back and commits.
+
+>>> import tempfile, numpy as np, mmbuffer as mb
+>>> buf = mb.create(tempfile.mkdtemp() + "/v", {"x": ((), "float32")}, capacity=16, next_keys=())
+>>> buf.extend({"x": np.arange(6), "terminated": np.arange(6) % 3 == 2})
+>>> verify(buf)["ok"]
+True
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import index, tree
+from .index import Lane
+from .store import Store, _ring_segments
+
+_CHUNK_ROWS = 1 << 22
+
+
+def _live_done(store: Store, lane: int, st: Lane) -> np.ndarray:
+    parts = []
+    for a, b in _ring_segments(lane, store.lane_size, st.first_start, st.written):
+        for lo in range(a, b, _CHUNK_ROWS):
+            hi = min(b, lo + _CHUNK_ROWS)
+            parts.append(np.asarray(store._data["terminated"][lo:hi]) | np.asarray(store._data["truncated"][lo:hi]))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=bool)
+
+
+def verify(store: Store, repair: bool = False) -> dict[str, Any]:
+    """Recompute derived state; return ``{"ok", "problems", "repaired"}``."""
+    problems: list[str] = []
+    lanes = store._lanes
+    done = [_live_done(store, lane, st) for lane, st in enumerate(lanes)]
+    ends, fresh = index.rebuild(done, lanes, store.lane_size)
+    for lane, (old, new) in enumerate(zip(lanes, fresh)):
+        if (old.ep_tail, old.written) != (new.ep_tail, new.written):
+            problems.append(
+                f"stream {lane}: index has {old.num_episodes} episodes up to row {old.written}, "
+                f"data says {new.num_episodes} up to row {new.written}"
+            )
+            continue
+        seqs = np.arange(old.ep_head, old.ep_tail, dtype=np.int64)
+        have = index.ends_at(store._ends, lane, store.lane_size, seqs)
+        want = index.ends_at(ends, lane, store.lane_size, seqs)
+        if not np.array_equal(have, want):
+            bad = int(np.flatnonzero(have != want)[0])
+            problems.append(f"stream {lane}: episode {seqs[bad]} ends at {have[bad]} in the index, {want[bad]} in the data")
+    drift = 0.0
+    if store._tree is not None:
+        drift = float(tree.check(store._tree))
+        if drift > 1e-9:
+            problems.append(f"priority tree: sums disagree with the leaves by {drift:.3g} (relative)")
+    repaired = False
+    if repair and problems:
+        store._check_writable("verify --repair")
+        for lane, new in enumerate(fresh):
+            seqs = np.arange(new.ep_head, new.ep_tail, dtype=np.int64)
+            slots = lane * 2 * store.lane_size + seqs % (2 * store.lane_size)
+            store._ends[slots] = ends[slots]
+            store._lanes[lane] = new
+        if store._tree is not None:
+            tree.rebuild(store._tree)
+            store._mark_tree_dirty()
+        store.commit()
+        repaired = True
+    return {"ok": not problems, "problems": problems, "repaired": repaired, "tree_drift": drift}
