@@ -13,6 +13,7 @@ torch.Size([4, 2])
 
 from . import errors
 from .buffer import Buffer, create, open
+from .epoch import EpochSampler
 from .gather import Batch
 from .store import Column, PriorityConfig
 
@@ -22,6 +23,7 @@ __all__ = [
     "Batch",
     "Buffer",
     "Column",
+    "EpochSampler",
     "PriorityConfig",
     "create",
     "errors",

@@ -1,0 +1,210 @@
+"""Sampling without replacement: every item exactly once per epoch, resumable.
+
+An epoch is a keyed pseudo-random permutation of the item ranks ``[0, N)`` (a
+Feistel network on the smallest power-of-four domain holding ``N``, with cycle
+walking), so its state is four integers, not an ``N``-element shuffled array:
+at 346M items a stored permutation would take 2.7 GB. Items are sampleable
+transitions (``slice_len=None``) or valid strict windows of ``slice_len`` rows,
+ranked in index order (lane, then age); a rank maps to its row through the same
+O(log episodes) lookup the samplers use.
+
+The state (seed, epoch, position, N) is saved after every batch to
+``sampler/<name>.json`` inside the store (atomic rename, no fsync; this is the one
+file a ``mode="r"`` process writes), so a run that restarts continues the same
+epoch where it stopped. ``shard=(i, n)`` takes every ``n``-th item of the
+permutation starting at ``i``: DataLoader workers and distributed ranks split an
+epoch without overlap. The epoch's ``N`` is fixed when the epoch starts; a store
+that changes mid-epoch (online writes) keeps the rank space, so exactly-once holds
+for stores that are not written during the epoch (offline training).
+
+>>> import tempfile, numpy as np, mmbuffer as mb
+>>> buf = mb.create(tempfile.mkdtemp() + "/e", {"x": ((), "int64")}, capacity=64, next_keys=())
+>>> buf.extend({"x": np.arange(10), "truncated": np.arange(10) == 9})
+>>> sampler = mb.EpochSampler(buf, batch_size=4, seed=1)
+>>> seen = np.concatenate([b["x"].numpy() for b in sampler])
+>>> sorted(seen.tolist()) == list(range(10)), sampler.epoch
+(True, 1)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import _format as fmt
+from . import errors, sampling
+from .buffer import Buffer
+from .gather import Batch, resolve_keys
+
+_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer: a fast, well-mixing bijection of uint64 (wrapping)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def permute(positions: np.ndarray, n: int, key: int, rounds: int = 4) -> np.ndarray:
+    """The ``key``-th pseudo-random permutation of ``[0, n)`` applied to ``positions``.
+
+    >>> sorted(permute(np.arange(10), 10, key=3).tolist()) == list(range(10))
+    True
+    """
+    half = max(1, ((max(n, 2) - 1).bit_length() + 1) // 2)
+    low = np.uint64((1 << half) - 1)
+    keys = _mix(np.arange(1, rounds + 1, dtype=np.uint64) + np.uint64(key & 0xFFFFFFFFFFFFFFFF))
+    x = np.asarray(positions, dtype=np.uint64).copy()
+    todo = np.ones(x.shape, dtype=bool)
+    while todo.any():  # cycle walking: re-permute until inside [0, n); < 4 rounds expected
+        v = x[todo]
+        left, right = v >> np.uint64(half), v & low
+        for k in keys:
+            left, right = right, left ^ (_mix(right ^ k) & low)
+        v = (left << np.uint64(half)) | right
+        x[todo] = v
+        todo = x >= np.uint64(n)
+    return x.astype(np.int64)
+
+
+@dataclass(slots=True)
+class _State:
+    seed: int
+    epoch: int
+    position: int
+    num_items: int
+    slice_len: int | None
+    shard: tuple[int, int]
+
+
+class EpochSampler:
+    """Iterate a store's items without replacement, one epoch per ``for`` loop.
+
+    Parameters
+    ----------
+    buf:
+        An open ``Buffer`` (``mode="r"`` is fine).
+    batch_size:
+        Items per batch; the epoch's last batch may be smaller.
+    slice_len:
+        None for transitions, else windows of ``slice_len`` rows inside one
+        episode (every valid strict window once).
+    seed, name:
+        The permutation key, and the state file ``sampler/<name>.json``. A saved
+        state with the same name is resumed; one saved with another ``seed``,
+        ``slice_len`` or ``shard`` raises ``InvalidArgumentError`` (call ``reset``).
+    shard:
+        ``(index, count)``: this process's part of every epoch.
+    """
+
+    def __init__(
+        self,
+        buf: Buffer,
+        batch_size: int,
+        slice_len: int | None = None,
+        *,
+        seed: int = 0,
+        name: str = "default",
+        shard: tuple[int, int] = (0, 1),
+        keys: Iterable[str] | None = None,
+    ) -> None:
+        from .buffer import _positive
+
+        self.buf = buf
+        self.batch_size = _positive("batch_size", batch_size)
+        self.slice_len = None if slice_len is None else _positive("slice_len", slice_len)
+        index, count = (int(shard[0]), int(shard[1]))
+        if count < 1 or not 0 <= index < count:
+            raise errors.InvalidArgumentError(f"shard: expected (index, count) with 0 <= index < count, got {shard!r}")
+        fmt.check_column_name(name)
+        self.keys = resolve_keys(buf, keys)
+        self._file = Path(buf.path) / "sampler" / f"{name}.json"
+        self._counts = sampling.SliceCounts(self.slice_len or 1, True, False)
+        fresh = _State(int(seed), 0, 0, -1, self.slice_len, (index, count))
+        self._state = fresh
+        if self._file.exists():
+            saved = json.loads(self._file.read_text())
+            saved["shard"] = tuple(saved["shard"])
+            old = _State(**saved)
+            for field in ("seed", "slice_len", "shard"):
+                if getattr(old, field) != getattr(fresh, field):
+                    raise errors.InvalidArgumentError(
+                        f"{field}: expected {getattr(old, field)!r} as saved in {self._file}, got "
+                        f"{getattr(fresh, field)!r}; call reset() or use another name"
+                    )
+            self._state = old
+
+    @property
+    def epoch(self) -> int:
+        """Completed epochs."""
+        return self._state.epoch
+
+    @property
+    def position(self) -> int:
+        """Items of the current epoch already delivered to this shard."""
+        return self._state.position
+
+    def reset(self) -> None:
+        """Forget the saved state: the next iteration starts epoch 0."""
+        self._state = _State(self._state.seed, 0, 0, -1, self.slice_len, self._state.shard)
+        self._save()
+
+    def __len__(self) -> int:
+        """Batches left in the current epoch for this shard."""
+        n = self._items_now() if self._state.num_items < 0 else self._state.num_items
+        mine = _shard_size(n, *self._state.shard)
+        return -(-(mine - self._state.position) // self.batch_size)
+
+    def __iter__(self) -> Iterator[Batch]:
+        st = self._state
+        if st.num_items < 0:
+            st.num_items = self._items_now()
+        if st.num_items == 0:
+            raise errors.EmptyBufferError(f"EpochSampler: expected items to iterate, got none (slice_len={self.slice_len})")
+        mine = _shard_size(st.num_items, *st.shard)
+        key = int(_mix(np.array([st.seed * 1_000_003 + st.epoch], dtype=np.uint64))[0])
+        while st.position < mine:
+            take = min(self.batch_size, mine - st.position)
+            positions = st.shard[0] + st.shard[1] * np.arange(st.position, st.position + take, dtype=np.int64)
+            ranks = permute(positions, st.num_items, key)
+            batch = self._batch(ranks)
+            st.position += take
+            self._save()
+            yield batch
+        st.epoch += 1
+        st.position = 0
+        st.num_items = -1
+        self._save()
+
+    def _items_now(self) -> int:
+        view = self.buf.view()
+        if self.slice_len is None:
+            return int(sampling.transition_counts(view).sum())
+        closed, opened = self._counts.totals(view)
+        return int((closed + opened).sum())
+
+    def _batch(self, ranks: np.ndarray) -> Batch:
+        view = self.buf.view()
+        ranks = np.minimum(ranks, self._items_now() - 1)  # a store that shrank keeps a valid rank
+        weights = np.ones(len(ranks), dtype=np.float32)
+        if self.slice_len is None:
+            rows = sampling.rows_at(view, ranks)
+            return self.buf._batch(rows, weights, None, self.keys, view.written)
+        lane, start, avail = sampling.slice_starts(view, self._counts, ranks, None)
+        rows, mask = sampling.window(view, lane, start, avail, self.slice_len)
+        return self.buf._batch(rows, weights, mask, self.keys, view.written)
+
+    def _save(self) -> None:
+        self._file.parent.mkdir(exist_ok=True)
+        fmt.atomic_write_json(self._file, asdict(self._state), durable=False)
+
+
+def _shard_size(n: int, index: int, count: int) -> int:
+    return max(0, -(-(n - index) // count))

@@ -1,0 +1,249 @@
+"""Uniform, slice and epoch sampling: distributions, boundaries, determinism, errors."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import mmbuffer as mb
+from conftest import tree_hash
+
+
+def chi2_pvalue(observed: np.ndarray, expected: np.ndarray) -> float:
+    """Upper-tail p-value of Pearson's statistic (Wilson-Hilferty approximation)."""
+    keep = expected > 0
+    stat = float((((observed - expected) ** 2)[keep] / expected[keep]).sum())
+    k = int(keep.sum()) - 1
+    z = ((stat / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def write_layout(path, rng, streams=8, lane=6000, steps=40, with_next=True):
+    """Episodes of 1 to ~5000 rows, rings that wrap, an open episode per lane.
+
+    Returns the buffer and, per lane, the list of (absolute start, length, is_open).
+    """
+    buf = mb.create(path, {"obs": ((), "float32")}, capacity=streams * lane, num_streams=streams,
+                    next_keys=("obs",) if with_next else ())
+    written = [0] * streams
+    open_start = [0] * streams
+    episodes = [[] for _ in range(streams)]
+    for _ in range(steps):
+        s = int(rng.integers(streams))
+        kind = rng.random()
+        n_eps = int(rng.integers(1, 6))
+        lengths = np.where(kind < 0.4, rng.integers(1, 6, n_eps), np.where(kind < 0.8, rng.integers(6, 200, n_eps), rng.integers(1000, 2500, n_eps)))
+        done = np.zeros(int(lengths.sum()) + int(rng.integers(0, 30)), dtype=bool)
+        done[np.cumsum(lengths) - 1] = True
+        if written[s] - open_start[s] + np.argmax(done) + 1 > lane:
+            continue
+        while len(done) > lane:
+            done = done[:lane]
+        rows = np.arange(written[s], written[s] + len(done))
+        final = {"obs": np.zeros(int(done.sum()), np.float32)} if with_next else None
+        buf.extend({"obs": rows.astype(np.float32), "truncated": done}, stream=s, final_obs=final)
+        for a in rows[done]:
+            episodes[s].append((open_start[s], int(a) + 1 - open_start[s]))
+            open_start[s] = int(a) + 1
+        written[s] += len(done)
+    layout = []
+    for s in range(streams):
+        live = [(st, n, False) for st, n in episodes[s] if st >= written[s] - lane]
+        n_open = written[s] - open_start[s] - (1 if with_next and written[s] > open_start[s] else 0)
+        live.append((open_start[s], max(n_open, 0), True))
+        layout.append(live)
+    return buf, layout
+
+
+def valid_starts(buf, layout, slice_len):
+    """Global rows of every valid strict window start, in rank order (lane, age, offset)."""
+    out = []
+    for s, eps in enumerate(layout):
+        for start, n, _ in eps:
+            a = start + np.arange(max(0, n - slice_len + 1))
+            out.append(s * buf.lane_size + a % buf.lane_size)
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("slice_len", [1, 16, 700])
+def test_strict_windows_are_uniform_and_never_cross_boundaries(tmp_path, rng, slice_len):
+    buf, layout = write_layout(tmp_path / "s", rng)
+    starts = valid_starts(buf, layout, slice_len)
+    rank = {int(r): i for i, r in enumerate(starts)}
+    g = torch.Generator().manual_seed(7)
+    counts = np.zeros(len(starts), dtype=np.int64)
+    draws = 0
+    per_call = 40_000 if slice_len < 100 else 10_000  # keeps the gather small
+    for _ in range(4):
+        b = buf.sample_slices(per_call, slice_len, generator=g, keys=["truncated", "obs"])
+        idx = b.indices.numpy()
+        # consecutive rows of one lane (ring order), no end flag before the last position
+        lane = idx // buf.lane_size
+        assert (lane == lane[:, :1]).all()
+        assert ((np.diff(idx % buf.lane_size, axis=1) % buf.lane_size) == 1).all()
+        assert not b.data["truncated"][:, :-1].any()
+        assert (np.diff(b.data["obs"].numpy(), axis=1) == 1).all()  # obs holds the absolute row
+        assert b.mask.all()
+        counts += np.bincount([rank[int(r)] for r in idx[:, 0]], minlength=len(starts))
+        draws += len(idx)
+    # chi-square over equal-size groups of consecutive ranks
+    bins = min(200, len(starts))
+    edges = np.linspace(0, len(starts), bins + 1).astype(np.int64)
+    observed = np.add.reduceat(counts, edges[:-1])
+    expected = np.diff(edges) * draws / len(starts)
+    assert chi2_pvalue(observed, expected) > 0.001
+
+
+def test_episode_weighting_picks_episodes_uniformly(tmp_path, rng):
+    buf, layout = write_layout(tmp_path / "s", rng)
+    L = 16
+    eligible = [(s, st, n) for s, eps in enumerate(layout) for st, n, _ in eps if n >= L]
+    which = {}
+    for i, (s, st, n) in enumerate(eligible):
+        for a in range(st, st + n - L + 1):
+            which[s * buf.lane_size + a % buf.lane_size] = i
+    counts = np.zeros(len(eligible))
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        idx = buf.sample_slices(40_000, L, weighting="episodes", generator=g, keys=["obs"]).indices[:, 0].numpy()
+        counts += np.bincount([which[int(r)] for r in idx], minlength=len(eligible))
+    assert chi2_pvalue(counts, np.full(len(eligible), counts.sum() / len(eligible))) > 0.001
+
+
+def test_non_strict_masks_exactly_past_the_episode_end(tmp_path, rng):
+    buf, layout = write_layout(tmp_path / "s", rng)
+    L = 64
+    end_of = {}
+    for s, eps in enumerate(layout):
+        for st, n, _ in eps:
+            for a in range(st, st + n):
+                end_of[s * buf.lane_size + a % buf.lane_size] = st + n - a  # rows left in the episode
+    b = buf.sample_slices(20_000, L, strict=False, generator=torch.Generator().manual_seed(1), keys=["obs"])
+    left = np.array([end_of[int(r)] for r in b.indices[:, 0].numpy()])
+    want = np.arange(L)[None, :] < left[:, None]
+    np.testing.assert_array_equal(b.mask.numpy(), want)
+    assert (b.data["obs"].numpy()[~want] == 0).all()
+    assert (~want).any() and want.all(axis=1).any()
+    # every row of a live episode may start a window: starts are uniform over rows
+    rows = np.array(sorted(end_of))
+    counts = np.bincount(np.searchsorted(rows, b.indices[:, 0].numpy()), minlength=len(rows))
+    bins = 200
+    edges = np.linspace(0, len(rows), bins + 1).astype(np.int64)
+    assert chi2_pvalue(np.add.reduceat(counts, edges[:-1]), np.diff(edges) * 20_000 / len(rows)) > 0.001
+
+
+def test_uniform_transitions_cover_live_rows_uniformly(tmp_path, rng):
+    buf, layout = write_layout(tmp_path / "s", rng, streams=3, lane=4000)
+    rows = valid_starts(buf, layout, 1)
+    assert len(buf) >= len(rows) and buf.num_episodes == sum(len(e) - 1 for e in layout)
+    idx = buf.sample(60_000, generator=torch.Generator().manual_seed(5), keys=["obs"]).indices.numpy()
+    pos = np.searchsorted(np.sort(rows), idx)
+    assert (np.sort(rows)[pos] == idx).all()  # only sampleable rows
+    counts = np.bincount(pos, minlength=len(rows))
+    edges = np.linspace(0, len(rows), 101).astype(np.int64)
+    assert chi2_pvalue(np.add.reduceat(counts, edges[:-1]), np.diff(edges) * 60_000 / len(rows)) > 0.001
+
+
+def test_online_writes_keep_the_cached_counts_exact(tmp_path, rng):
+    """Sampling between extends (the online loop) sees every new episode and no evicted one."""
+    buf = mb.create(tmp_path / "s", {"obs": ((), "float32")}, capacity=2 * 500, num_streams=2)
+    L = 8
+    g = torch.Generator().manual_seed(0)
+    for step in range(300):
+        n = int(rng.integers(1, 40))
+        done = np.arange(n) == n - 1
+        buf.extend({"obs": np.full(n, step, np.float32), "terminated": done}, stream=step % 2,
+                   final_obs={"obs": np.zeros((1,), np.float32)})
+        starts, lengths = buf.episodes()
+        if not (lengths >= L).any():
+            continue
+        b = buf.sample_slices(64, L, generator=g, keys=["obs", "terminated"])
+        obs = b.data["obs"]
+        assert (obs == obs[:, :1]).all()  # one extend = one episode here: never crosses
+        live = set(obs[:, 0].tolist())
+        assert live <= {float(x) for x in range(max(0, step - 60), step + 1)}
+
+
+def test_same_generator_same_batch_in_another_process(tmp_path, rng):
+    buf, _ = write_layout(tmp_path / "s", rng, streams=2, lane=3000)
+    buf.close()
+    code = (
+        "import sys, torch, mmbuffer as mb\n"
+        "b = mb.open(sys.argv[1], mode='r').sample_slices(32, 8, generator=torch.Generator().manual_seed(11))\n"
+        "print(b.indices.flatten().tolist())"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "s")], capture_output=True, text=True, check=True)
+    ro = mb.open(tmp_path / "s", mode="r")
+    here = ro.sample_slices(32, 8, generator=torch.Generator().manual_seed(11)).indices.flatten().tolist()
+    assert out.stdout.strip() == str(here)
+    again = ro.sample(16, generator=torch.Generator().manual_seed(2)).indices
+    assert torch.equal(again, ro.sample(16, generator=torch.Generator().manual_seed(2)).indices)
+
+
+def test_bad_sampling_arguments(tmp_path):
+    buf = mb.create(tmp_path / "s", {"obs": ((), "float32")}, capacity=100)
+    with pytest.raises(mb.errors.EmptyBufferError):
+        buf.sample(4)
+    with pytest.raises(mb.errors.EmptyBufferError):
+        buf.sample_slices(4, 2)
+    buf.extend({"obs": np.zeros(5), "terminated": np.arange(5) == 4}, final_obs={"obs": [0.0]})
+    before = tree_hash(tmp_path / "s")
+    for call, words in [
+        (lambda: buf.sample_slices(4, 0), "slice_len"),
+        (lambda: buf.sample_slices(0, 4), "num_slices"),
+        (lambda: buf.sample(-1), "batch_size"),
+        (lambda: buf.sample(4, keys=["nope"]), "nope"),
+        (lambda: buf.sample_slices(4, 3, weighting="rows"), "weighting"),
+        (lambda: buf.sample(4, prioritized=True), "priorities"),
+    ]:
+        with pytest.raises(mb.errors.InvalidArgumentError, match=words):
+            call()
+    with pytest.raises(mb.errors.NoValidSliceError, match="6"):
+        buf.sample_slices(4, 6)
+    padded = buf.sample_slices(64, 6, strict=False, generator=torch.Generator().manual_seed(0)).mask.sum(1)
+    assert set(padded.tolist()) == {1, 2, 3, 4, 5}  # every row starts a window, cut at the end
+    assert tree_hash(tmp_path / "s") == before
+
+
+# -- epochs without replacement -----------------------------------------------------------
+def test_epoch_visits_every_item_once_and_resumes_after_reopen(tmp_path, rng):
+    buf, layout = write_layout(tmp_path / "s", rng, streams=3, lane=3000)
+    rows = np.sort(valid_starts(buf, layout, 1))
+    buf.close()
+    ro = mb.open(tmp_path / "s", mode="r")
+    sampler = mb.EpochSampler(ro, batch_size=1000, seed=5, name="run")
+    seen = []
+    for i, b in enumerate(sampler):
+        seen.append(b.indices.numpy())
+        if i == 2:
+            break  # the run stops mid-epoch
+    resumed = mb.EpochSampler(mb.open(tmp_path / "s", mode="r"), batch_size=777, seed=5, name="run")
+    assert resumed.position == 3000 and resumed.epoch == 0
+    seen += [b.indices.numpy() for b in resumed]
+    got = np.sort(np.concatenate(seen))
+    np.testing.assert_array_equal(got, rows)
+    assert resumed.epoch == 1
+    second = np.concatenate([b.indices.numpy() for b in resumed])
+    np.testing.assert_array_equal(np.sort(second), rows)
+    assert not np.array_equal(second, np.concatenate(seen))  # a new order each epoch
+    with pytest.raises(mb.errors.InvalidArgumentError, match="seed"):
+        mb.EpochSampler(ro, batch_size=10, seed=6, name="run")
+
+
+def test_epoch_shards_split_slices_without_overlap(tmp_path, rng):
+    buf, layout = write_layout(tmp_path / "s", rng, streams=2, lane=3000)
+    L = 10
+    starts = np.sort(valid_starts(buf, layout, L))
+    parts = []
+    for i in range(3):
+        sampler = mb.EpochSampler(buf, batch_size=500, slice_len=L, seed=1, name=f"w{i}", shard=(i, 3))
+        parts.append(np.concatenate([b.indices[:, 0].numpy() for b in sampler]))
+    np.testing.assert_array_equal(np.sort(np.concatenate(parts)), starts)
+    for i in range(3):
+        for j in range(i + 1, 3):
+            assert not set(parts[i].tolist()) & set(parts[j].tolist())
