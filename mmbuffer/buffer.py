@@ -125,11 +125,29 @@ class Buffer(Store):
         window's probability is proportional to the priority of its start row
         among valid starts (invalid starts have probability exactly 0).
         """
+        names = resolve_keys(self, keys)
+        rows, weights, mask, written = self.slice_indices(
+            num_slices, slice_len, strict, generator, prioritized=prioritized, beta=beta, weighting=weighting
+        )
+        return self._batch(rows, weights, mask, names, written)
+
+    def slice_indices(
+        self,
+        num_slices: int,
+        slice_len: int,
+        strict: bool = True,
+        generator: torch.Generator | None = None,
+        *,
+        prioritized: bool = False,
+        beta: float = 0.4,
+        weighting: str = "windows",
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The index half of ``sample_slices``: ``(rows [B, L], weights [B], mask [B, L],
+        lane cursors)`` as numpy arrays, with no column read."""
         num_slices = _positive("num_slices", num_slices)
         slice_len = _positive("slice_len", slice_len)
         if weighting not in ("windows", "episodes"):
             raise errors.InvalidArgumentError(f"weighting: expected 'windows' or 'episodes', got {weighting!r}")
-        names = resolve_keys(self, keys)
         view = self.view()
         if prioritized:
             if weighting != "windows":
@@ -143,7 +161,7 @@ class Buffer(Store):
         else:
             rows, mask = sampling.slices(view, self._slice_counts(slice_len, strict, weighting), num_slices, generator)
             weights = np.ones(num_slices, dtype=np.float32)
-        return self._batch(rows, weights, mask, names, view.written)
+        return rows, weights, mask, view.written
 
     def update_priorities(self, indices: Any, priorities: Any) -> None:  # type: ignore[override]
         """Set the priorities of sampled rows (before ``eps`` and ``alpha``).

@@ -39,7 +39,7 @@ def _from_env() -> Config:
         raw = os.environ.get(f"MMBUFFER_{f.name.upper()}")
         if raw is None:
             continue
-        default = getattr(Config, f.name)
+        default = f.default
         if isinstance(default, bool):
             values[f.name] = raw.strip().lower() in ("1", "true", "yes", "on")
         else:

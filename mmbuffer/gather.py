@@ -100,11 +100,10 @@ def gather(
         raise errors.InvalidArgumentError(
             f"index: expected row ids in [0, {store.capacity}), got values from {rows.min()} to {rows.max()}"
         )
-    flat = rows.reshape(-1)
     # reading a memory map in row order turns random page faults into near-sequential
     # ones; slices are sorted within, so ordering by their first row is enough
-    lead = rows.reshape(rows.shape[0], -1)[:, 0] if rows.ndim > 1 else flat
-    order = np.argsort(lead, kind="stable")
+    lead = rows.reshape(rows.shape[0], -1)[:, 0] if rows.ndim > 1 else rows.reshape(-1)
+    order = np.argsort(lead)
     sorted_rows = (rows[order] if rows.ndim else rows).reshape(-1)
     result: dict[str, torch.Tensor] = {}
     cache: dict[str, np.ndarray] = {}
@@ -136,5 +135,4 @@ def gather(
             result[name] = target
         else:
             result[name] = torch.from_numpy(np.ascontiguousarray(shaped))
-    del flat
     return result

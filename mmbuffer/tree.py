@@ -109,6 +109,7 @@ BLOCK: Final = 64
 _SHIFT: Final = 6  # log2(BLOCK)
 _CHUNK_BLOCKS: Final = 1 << 16  # blocks per chunk in rebuild/check/set_range: 4M leaves
 _CHUNK_NODES: Final = 1 << 20  # heap nodes per chunk when sweeping a level
+_LEVELS_AT_ONCE: Final = 1 << 18  # update: node ids of all levels at once up to this many
 _INF_BITS: Final = np.float32(np.inf).view(np.uint32)
 
 Float32Array = npt.NDArray[np.float32]
@@ -152,8 +153,12 @@ def layout(capacity: int) -> dict[str, tuple[tuple[int, ...], str]]:
     Examples
     --------
     >>> from mmbuffer import tree as T
-    >>> T.layout(1000)
-    {'leaves': ((1000,), 'float32'), 'sums': ((32,), 'float64'), 'mins': ((32,), 'float32'), 'maxs': ((32,), 'float32')}
+    >>> for name, (shape, dtype) in T.layout(1000).items():
+    ...     print(name, shape, dtype)
+    leaves (1000,) float32
+    sums (32,) float64
+    mins (32,) float32
+    maxs (32,) float32
     """
     _, width = _geometry(capacity)
     return {
@@ -276,7 +281,9 @@ def _plain(name: str, arr: Any, dtype: type, size: int | None) -> Any:
         expected = "(capacity,)" if size is None else f"({size},)"
         raise InvalidArgumentError(f"{name}: expected shape {expected}, got {arr.shape}")
     if not arr.flags.c_contiguous:
-        raise InvalidArgumentError(f"{name}: expected a C-contiguous array, got strides {arr.strides}")
+        raise InvalidArgumentError(
+            f"{name}: expected a C-contiguous array, got strides {arr.strides}"
+        )
     return arr.view(np.ndarray)
 
 
@@ -381,20 +388,52 @@ def _write_blocks(tree: PriorityTree, nodes: Int64Array, rows: Float32Array) -> 
 
 
 def _propagate(tree: PriorityTree, nodes: Int64Array) -> None:
-    """Recompute all ancestors of heap ``nodes`` (all on the block level)."""
-    if tree._shifts.shape[0] == 0:
+    """Recompute all ancestors of the sorted, unique block-level heap ``nodes``."""
+    depth = tree.depth
+    k = nodes.shape[0]
+    if depth == 0:
         return
+    if k * depth > _LEVELS_AT_ONCE:  # big batches: dedupe level by level instead
+        up = nodes
+        for _ in range(depth):
+            up = up >> 1
+            if up.shape[0] > 1:
+                first = np.empty(up.shape[0], dtype=bool)
+                first[0] = True
+                np.not_equal(up[1:], up[:-1], out=first[1:])
+                up = up[first]
+            _recompute(tree, up[None, :])
+        return
+    # Small batches: the ids of every level in one array, one row per level;
+    # the duplicates near the root are harmless (they write equal values).
+    _recompute(tree, nodes >> tree._shifts)
+
+
+def _recompute(tree: PriorityTree, levels: Int64Array) -> None:
+    """Recompute the nodes of each row of ``levels``, rows bottom-up."""
     s, s2 = tree._sum, tree._sum2
     mn, mn2 = tree._min, tree._min2
     mx, mx2 = tree._max, tree._max2
-    # One row per level; duplicates are harmless (they write equal values).
-    for up in nodes >> tree._shifts:
-        c = s2.take(up, axis=0)
-        s[up] = c[:, 0] + c[:, 1]
-        c32 = mn2.take(up, axis=0)
-        mn[up] = np.minimum(c32[:, 0], c32[:, 1])
-        c32 = mx2.take(up, axis=0)
-        mx[up] = np.maximum(c32[:, 0], c32[:, 1])
+    # Child pairs are gathered into fixed buffers whose column views are made
+    # once: at ~256 nodes a level the cost is numpy's per-call overhead, so
+    # every call saved per level counts. mode="clip" lets take write straight
+    # into ``out`` (the ids are valid by construction).
+    k = levels.shape[1]
+    pair64 = np.empty((k, 2), dtype=np.float64)
+    pair32 = np.empty((k, 2), dtype=np.float32)
+    new64 = np.empty(k, dtype=np.float64)
+    new32 = np.empty(k, dtype=np.float32)
+    l64, r64, l32, r32 = pair64[:, 0], pair64[:, 1], pair32[:, 0], pair32[:, 1]
+    for up in levels:
+        s2.take(up, axis=0, out=pair64, mode="clip")
+        np.add(l64, r64, out=new64)
+        s[up] = new64
+        mn2.take(up, axis=0, out=pair32, mode="clip")
+        np.minimum(l32, r32, out=new32)
+        mn[up] = new32
+        mx2.take(up, axis=0, out=pair32, mode="clip")
+        np.maximum(l32, r32, out=new32)
+        mx[up] = new32
 
 
 def _blocks_span(tree: PriorityTree, b0: int, b1: int) -> None:
@@ -533,9 +572,14 @@ def set_range(tree: PriorityTree, start: int, stop: int, value: npt.ArrayLike) -
     (0.0, inf)
     """
     start, stop = _check_range(tree, start, stop)
+    val = np.asarray(value, dtype=np.float32)
+    if val.ndim and val.shape != (stop - start,):
+        raise InvalidArgumentError(
+            f"value: expected a scalar or shape ({stop - start},), got shape {val.shape}"
+        )
     if start == stop:
         return
-    tree._leaf[start:stop] = value
+    tree._leaf[start:stop] = val
     b0, b1 = start >> _SHIFT, ((stop - 1) >> _SHIFT) + 1
     _blocks_span(tree, b0, b1)
     _levels_span(tree, tree._width + b0, tree._width + b1)
@@ -625,15 +669,20 @@ def _descend(s: Float64Array, t: Float64Array, depth: int, guarded: bool) -> Int
 
     Goes right when the target is at or past the left child's mass. Rounding
     (``t - left`` can reach the right sum although ``t < left + right``), or a
-    target ``>= total``, can lead this into a subtree of mass 0; the guarded
-    descent never enters one (it goes left when the right child is empty).
+    target outside ``[0, total)``, can lead this into a subtree of mass 0; the
+    guarded descent never enters one (it takes the other child instead).
     """
-    node = np.ones(t.shape[0], dtype=np.int64)
-    for _ in range(depth):
-        child = node << 1
-        left = s.take(child)
-        go = t >= left
-        if guarded:
+    n = t.shape[0]
+    node = np.ones(n, dtype=np.int64)
+    child = np.empty(n, dtype=np.int64)
+    left = np.empty(n, dtype=np.float64)
+    go = np.empty(n, dtype=bool)
+    for _ in range(depth):  # preallocated outputs: a level costs 5 numpy calls
+        np.left_shift(node, 1, out=child)
+        s.take(child, out=left, mode="clip")
+        np.greater_equal(t, left, out=go)
+        if guarded:  # never into an empty child: right if left is empty
+            go |= left <= 0
             go &= s.take(child + 1) > 0
         np.subtract(t, left, out=t, where=go)
         np.add(child, go, out=node)
@@ -761,7 +810,11 @@ def sample(
     >>> idx.tolist(), p.tolist()
     ([0, 3, 3, 3], [0.25, 0.75, 0.75, 0.75])
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 0:
+    if (
+        isinstance(batch_size, bool)
+        or not isinstance(batch_size, (int, np.integer))
+        or batch_size < 0
+    ):
         raise InvalidArgumentError(f"batch_size: expected an int >= 0, got {batch_size!r}")
     mass = float(tree._sum[1])
     if not mass > 0:

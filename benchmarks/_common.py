@@ -1,0 +1,114 @@
+"""Shared helpers of the benchmark scripts: timing, memory, machine, tables."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+
+
+def median_time(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
+    """Median wall time of ``fn`` in seconds over ``reps`` calls after ``warmup``."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def rss_mb() -> float:
+    """Resident set size of this process now, in MiB (Linux)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def machine() -> str:
+    cpu = "unknown cpu"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, Python {platform.python_version()}"
+
+
+def header(title: str) -> None:
+    print(f"## {title}")
+    print(f"{datetime.date.today().isoformat()} — {machine()}")
+    print()
+
+
+def table(rows: list[dict[str, object]]) -> None:
+    """Print rows as a markdown table."""
+    if not rows:
+        return
+    cols = list(rows[0])
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "|".join("---" for _ in cols) + "|")
+    for row in rows:
+        print("| " + " | ".join(_fmt(row[c]) for c in cols) + " |")
+    print()
+
+
+def _fmt(v: object) -> str:
+    if isinstance(v, float):
+        if v != v:
+            return "n/a"
+        if abs(v) >= 100:
+            return f"{v:,.0f}"
+        if abs(v) >= 1:
+            return f"{v:.2f}"
+        return f"{v:.3g}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v)
+
+
+def scratch(default: str | None = None) -> Path:
+    """Scratch directory for benchmark stores (MMBUFFER_BENCH_DIR or benchmarks/_data)."""
+    path = Path(os.environ.get("MMBUFFER_BENCH_DIR", default or HERE / "_data"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def run_python(code: str, *args: str) -> str:
+    """Run ``code`` in a fresh interpreter (a cold process) and return its stdout."""
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=True)
+    return out.stdout
+
+
+def drop_file_cache(path: Path) -> None:
+    """Evict ``path``'s files from the page cache (posix_fadvise DONTNEED)."""
+    for root, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def episode_flags(rows: int, length: int) -> np.ndarray:
+    done = np.zeros(rows, dtype=bool)
+    done[length - 1 :: length] = True
+    return done

@@ -1,0 +1,161 @@
+"""Slice sampling benchmark: cost against store size, static, online and reopened.
+
+Settings: TD-MPC2's (256 x 4 and 1024 x 4 slices) and a sequence model's (64 x 64),
+at 5M stored / 6M capacity and 346M stored / 600M capacity (pytorch/rl#2669),
+episodes of 501 and 1000 steps. Columns are small (the index cost does not depend
+on them): ``obs`` one uint8. "index" is the sampler alone (indices, no read);
+"total" adds the gather of the columns. When ``torchrl`` imports, its
+SliceSampler runs on the same layout in the same process and the ratio is printed.
+
+    python benchmarks/bench_sampling.py                 # both sizes (~1.5 GB scratch)
+    python benchmarks/bench_sampling.py --sizes 5e6:6e6 # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _torchrl_baseline as trl  # noqa: E402
+from _common import header, median_time, run_python, scratch, table  # noqa: E402
+
+import mmbuffer as mb  # noqa: E402
+
+SETTINGS = [(256, 4), (1024, 4), (64, 64)]
+BLOCK = 4_000_000
+
+
+def build(path: Path, stored: int, capacity: int, ep_len: int) -> None:
+    if (path / "manifest.json").exists():
+        ro = mb.open(path, mode="r")
+        if len(ro) == stored and ro.capacity == capacity:
+            return
+    shutil.rmtree(path, ignore_errors=True)
+    with mb.create(path, {"obs": ((), "uint8")}, capacity=capacity, next_keys=()) as buf:
+        for lo in range(0, stored, BLOCK):
+            rows = np.arange(lo, min(stored, lo + BLOCK), dtype=np.int64)
+            done = rows % ep_len == ep_len - 1
+            done[-1] |= rows[-1] == stored - 1  # the last episode ends at the last row
+            buf.extend({"obs": (rows % 251).astype(np.uint8), "truncated": done})
+
+
+def static(buf: mb.Buffer, reps: int) -> list[dict[str, object]]:
+    out = []
+    g = torch.Generator().manual_seed(0)
+    for n, L in SETTINGS:
+        t_index = median_time(lambda: buf.slice_indices(n, L, generator=g), reps)
+        t_total = median_time(lambda: buf.sample_slices(n, L, generator=g), reps)
+        out.append({"slices": f"{n} x {L}", "index ms": t_index * 1e3, "total ms": t_total * 1e3})
+    return out
+
+
+def online(buf: mb.Buffer, episodes: int, n: int, L: int) -> dict[str, float]:
+    """The online learner's loop: extend one 1000-row episode, sample; commit every 100."""
+    g = torch.Generator().manual_seed(1)
+    episode = {"obs": np.zeros(1000, np.uint8), "truncated": np.arange(1000) == 999}
+    t_ext, t_idx, t_tot, t_commit = [], [], [], []
+    for i in range(episodes):
+        t0 = time.perf_counter()
+        buf.extend(episode)
+        t1 = time.perf_counter()
+        buf.slice_indices(n, L, generator=g)
+        t2 = time.perf_counter()
+        buf.sample_slices(n, L, generator=g)
+        t3 = time.perf_counter()
+        t_ext.append(t1 - t0)
+        t_idx.append(t2 - t1)
+        t_tot.append(t3 - t2)
+        if i % 100 == 99:
+            t0 = time.perf_counter()
+            buf.commit()
+            t_commit.append(time.perf_counter() - t0)
+    med = statistics.median
+    return {"extend ms": med(t_ext) * 1e3, "index ms": med(t_idx) * 1e3, "total ms": med(t_tot) * 1e3,
+            "commit ms": med(t_commit) * 1e3 if t_commit else float("nan")}
+
+
+REOPEN = """
+import sys, time
+import torch, mmbuffer as mb
+t0 = time.perf_counter()
+buf = mb.open(sys.argv[1], mode="r")
+t1 = time.perf_counter()
+buf.sample_slices(256, 4, generator=torch.Generator().manual_seed(0))
+t2 = time.perf_counter()
+buf.sample_slices(256, 4, generator=torch.Generator().manual_seed(1))
+t3 = time.perf_counter()
+print(t1 - t0, t2 - t1, t3 - t2)
+"""
+
+
+def reopened(path: Path) -> dict[str, float]:
+    runs = [list(map(float, run_python(REOPEN, str(path)).split())) for _ in range(3)]
+    o, f, s = (statistics.median(r[i] for r in runs) for i in range(3))
+    return {"open ms": o * 1e3, "first sample ms": f * 1e3, "second sample ms": s * 1e3}
+
+
+def torchrl_side(path: Path, stored: int, capacity: int, n: int, L: int, reps: int) -> dict | None:
+    if not trl.torchrl_available():
+        return None
+    done = np.zeros(stored, dtype=bool)
+    ro = mb.open(path, mode="r")
+    for lo in range(0, stored, BLOCK):  # the same flags, read back from the store
+        hi = min(stored, lo + BLOCK)
+        done[lo:hi] = ro.get(np.arange(lo, hi), keys=["truncated"])["truncated"].numpy()
+    return trl.slice_sampler_times(done, None, n, L, reps=reps, capacity=capacity, online_reps=max(3, reps // 3))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sizes", default="5e6:6e6,346e6:600e6", help="stored:capacity pairs")
+    parser.add_argument("--ep-lens", default="1000,501")
+    parser.add_argument("--reps", type=int, default=200)
+    parser.add_argument("--online-episodes", type=int, default=300)
+    parser.add_argument("--torchrl-max-stored", type=float, default=4e8)
+    args = parser.parse_args()
+    root = scratch()
+    header("bench_sampling")
+    for pair in args.sizes.split(","):
+        stored, capacity = (int(float(x)) for x in pair.split(":"))
+        for ep_len in (int(x) for x in args.ep_lens.split(",")):
+            path = root / f"slices_{stored}_{capacity}_{ep_len}"
+            t0 = time.perf_counter()
+            build(path, stored, capacity, ep_len)
+            print(f"### {stored:,} stored / {capacity:,} capacity, episodes of {ep_len} "
+                  f"(built in {time.perf_counter() - t0:.0f} s)\n")
+            buf = mb.open(path, mode="r")
+            rows = static(buf, args.reps)
+            if stored <= args.torchrl_max_stored:
+                for row, (n, L) in zip(rows, SETTINGS):
+                    res = torchrl_side(path, stored, capacity, n, L, reps=5) if (n, L) == (256, 4) or stored < 1e7 else None
+                    if res is None:
+                        continue
+                    row["torchrl uncached index ms"] = res.get("uncached_index_s", float("nan")) * 1e3
+                    row["torchrl cached index ms"] = res.get("cached_index_s", float("nan")) * 1e3
+                    row["torchrl online sample ms"] = res.get("online_sample_s", float("nan")) * 1e3
+                    row["uncached / mmbuffer index"] = res.get("uncached_index_s", float("nan")) / (row["index ms"] / 1e3)
+            table(rows)
+            print("reopened (fresh process):")
+            table([reopened(path)])
+            del buf
+            print("online (extend one 1000-row episode, then sample 256 x 4; commit every 100):")
+            writer = mb.open(path)
+            on = online(writer, args.online_episodes, 256, 4)
+            writer.close()
+            table([on])
+            for row in rows:
+                if "torchrl online sample ms" in row and row["slices"] == "256 x 4":
+                    print(f"online: TorchRL sample after a write {row['torchrl online sample ms']:.1f} ms vs "
+                          f"mmbuffer total {on['total ms']:.3f} ms -> {row['torchrl online sample ms'] / on['total ms']:.0f}x\n")
+
+
+if __name__ == "__main__":
+    main()
