@@ -62,11 +62,11 @@ def table(rows: list[dict[str, object]]) -> None:
     """Print rows as a markdown table."""
     if not rows:
         return
-    cols = list(rows[0])
+    cols = list(dict.fromkeys(c for row in rows for c in row))
     print("| " + " | ".join(cols) + " |")
     print("|" + "|".join("---" for _ in cols) + "|")
     for row in rows:
-        print("| " + " | ".join(_fmt(row[c]) for c in cols) + " |")
+        print("| " + " | ".join(_fmt(row.get(c, float("nan"))) for c in cols) + " |")
     print()
 
 

@@ -91,15 +91,28 @@ class Buffer(Store):
         Prioritized: probability ``p_i / sum p`` with importance weights
         ``(N P(i))^-beta`` normalized by their maximum over live rows.
         """
-        batch_size = _positive("batch_size", batch_size)
         names = resolve_keys(self, keys)
+        rows, weights, written = self.sample_indices(batch_size, generator, prioritized=prioritized, beta=beta)
+        return self._batch(rows, weights, None, names, written)
+
+    def sample_indices(
+        self,
+        batch_size: int,
+        generator: torch.Generator | None = None,
+        *,
+        prioritized: bool = False,
+        beta: float = 0.4,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The index half of ``sample``: ``(rows [B], weights [B], lane cursors)`` as
+        numpy arrays, with no column read."""
+        batch_size = _positive("batch_size", batch_size)
         view = self.view()
         if prioritized:
             rows, weights = sampling.prioritized(view, self._require_tree(), batch_size, _beta(beta), generator)
         else:
             rows = sampling.uniform(view, batch_size, generator)
             weights = np.ones(batch_size, dtype=np.float32)
-        return self._batch(rows, weights, None, names, view.written)
+        return rows, weights, view.written
 
     def sample_slices(
         self,

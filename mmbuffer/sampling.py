@@ -135,37 +135,50 @@ class SliceCounts:
         return closed, opened
 
 
+def _starts_in_lane(
+    view: View, counts: SliceCounts, lane: int, local: np.ndarray, closed: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Absolute starts and rows available for in-lane item ranks ``local``.
+
+    Ranks below ``closed`` fall in complete episodes (found by binary search on
+    the cumulative counts), the rest in the open episode.
+    """
+    lv = view.lanes[lane]
+    lc = counts.lanes[lane]
+    x = local + lc.cum[lv.ep_head - lc.base]
+    k = np.searchsorted(lc.cum, x, side="right") - 1
+    in_open = local >= closed
+    # open-episode ranks get a clamped (unused) episode so one vectorized path serves all
+    seq = lc.base + np.minimum(k, lv.ep_tail - 1 - lc.base)
+    both = index.ends_at(view.ends, lane, view.lane_size, np.concatenate((seq, seq - 1)))
+    ends, prev = both[: len(seq)], both[len(seq) :]
+    ep_start = np.where(seq == lv.ep_head, lv.first_start, prev)
+    within = x - lc.cum[np.minimum(k, len(lc.cum) - 1)]
+    start = np.where(in_open, lv.open_start + (local - closed), ep_start + within)
+    return start, np.where(in_open, lv.visible_end, ends) - start
+
+
 def slice_starts(
-    view: View, counts: SliceCounts, ranks: np.ndarray, generator: torch.Generator | None
+    view: View,
+    counts: SliceCounts,
+    ranks: np.ndarray,
+    generator: torch.Generator | None,
+    totals: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Map item ranks to slices: (lane, absolute start, rows available from start)."""
-    closed, opened = counts.totals(view)
-    lane, u = _lane_of(closed + opened, ranks)
-    start = np.empty_like(ranks)
-    avail = np.empty_like(ranks)
-    for l in np.unique(lane):
-        sel = lane == l
-        lv = view.lanes[l]
-        lc = counts.lanes[int(l)]
-        local = u[sel]
-        in_open = local >= closed[l]
-        # complete episodes: find the episode by its cumulative count
-        x = local + lc.cum[lv.ep_head - lc.base]
-        k = np.searchsorted(lc.cum, x, side="right") - 1
-        seq = lc.base + k
-        ep_end = np.where(in_open, lv.visible_end, 0)
-        ep_start = np.where(in_open, lv.open_start, 0)
-        if (~in_open).any():
-            s = seq[~in_open]
-            prev = index.ends_at(view.ends, int(l), view.lane_size, s - 1)
-            ep_start[~in_open] = np.where(s == lv.ep_head, lv.first_start, prev)
-            ep_end[~in_open] = index.ends_at(view.ends, int(l), view.lane_size, s)
-        within = np.where(in_open, local - closed[l], x - lc.cum[np.minimum(k, len(lc.cum) - 1)])
-        start[sel] = ep_start + within
-        avail[sel] = ep_end - start[sel]
-    if counts.per_episode:  # ranks picked the episode; now a start inside it
-        length = avail  # (within was 0: start is the episode start)
-        room = np.maximum(length - counts.slice_len + 1, 1) if counts.strict else length
+    closed, opened = totals if totals is not None else counts.totals(view)
+    if len(closed) == 1:
+        lane = np.zeros_like(ranks)
+        start, avail = _starts_in_lane(view, counts, 0, ranks, int(closed[0]))
+    else:
+        lane, u = _lane_of(closed + opened, ranks)
+        start = np.empty_like(ranks)
+        avail = np.empty_like(ranks)
+        for l in np.flatnonzero(np.bincount(lane, minlength=len(closed))):
+            sel = lane == l
+            start[sel], avail[sel] = _starts_in_lane(view, counts, int(l), u[sel], int(closed[l]))
+    if counts.per_episode:  # ranks picked the episode (its start); now a start inside it
+        room = np.maximum(avail - counts.slice_len + 1, 1) if counts.strict else avail
         off = _randint(room, len(ranks), generator)
         start = start + off
         avail = avail - off
@@ -189,7 +202,7 @@ def slices(
             "(no episode is that long; use strict=False to pad)"
         )
     ranks = _randint(total, num_slices, generator)
-    lane, start, avail = slice_starts(view, counts, ranks, generator)
+    lane, start, avail = slice_starts(view, counts, ranks, generator, (closed, opened))
     return window(view, lane, start, avail, counts.slice_len)
 
 
