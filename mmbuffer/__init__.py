@@ -11,7 +11,7 @@ and ``losses`` are public too.
 torch.Size([4, 2])
 """
 
-from . import errors
+from . import errors, losses
 from .buffer import Buffer, create, open
 from .epoch import EpochSampler
 from .gather import Batch
@@ -27,6 +27,7 @@ __all__ = [
     "PriorityConfig",
     "create",
     "errors",
+    "losses",
     "open",
     "__version__",
 ]

@@ -604,3 +604,26 @@ def test_per_weighted_loss_errors() -> None:
         losses.per_weighted_loss(p, p, torch.ones(4))
     with pytest.raises(InvalidArgumentError, match="target"):
         losses.per_weighted_loss(p, torch.zeros(3, 2), p)
+
+
+def test_gae_from_buffer_on_a_real_store(tmp_path):
+    """The same advantages as gae() over the gathered rows, with wrapped lanes."""
+    from mmbuffer.losses import gae, gae_from_buffer
+
+    buf = mb.create(tmp_path / "s", {"obs": ((2,), "float32"), "reward": ((), "float32")}, capacity=60, num_streams=2)
+    rng = np.random.default_rng(0)
+    for i in range(9):  # 9 episodes into two lanes of 30 rows: the rings wrap
+        n = int(rng.integers(5, 14))
+        end = np.arange(n) == n - 1
+        buf.extend({"obs": rng.normal(size=(n, 2)), "reward": rng.normal(size=n),
+                    "terminated": end & (i % 2 == 0), "truncated": end & (i % 2 == 1)},
+                   stream=i % 2, final_obs={"obs": rng.normal(size=(1, 2))})
+    value = lambda o: o.sum(-1)  # noqa: E731
+    idx, adv, ret = gae_from_buffer(buf, value, 0.99, 0.95, minibatch=7)
+    starts, lengths = buf.episodes()
+    assert len(idx) == int(lengths.sum()) and (starts % 30 + lengths > 30).any()
+    rows = buf.get(idx)
+    want_adv, want_ret = gae(rows["reward"], value(rows["obs"]), value(rows["next_obs"]),
+                             rows["terminated"], rows["truncated"], 0.99, 0.95)
+    torch.testing.assert_close(adv, want_adv, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ret, want_ret, atol=1e-5, rtol=1e-5)

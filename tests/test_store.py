@@ -445,3 +445,25 @@ def test_sigkill_at_any_instant_leaves_the_last_commit(tmp_path, priorities):
             report = verify(buf)
             assert report["ok"], report["problems"]
         _check_consistent(path)
+
+
+@pytest.mark.parametrize("compression", ["zstd", "lz4"])
+def test_compressed_store_round_trip(tmp_path, rng, compression):
+    buf = mb.create(tmp_path / "c", COLUMNS, capacity=3000, num_streams=3, compression=compression)
+    model = Model(3000, 3)
+    for step in range(12):
+        steps, final = random_steps(rng, int(rng.integers(1, 900)))
+        buf.extend(steps, stream=step % 3, final_obs={"obs": final})
+        model.extend(step % 3, steps, final)
+    buf.close()
+    ro = mb.open(tmp_path / "c", mode="r")
+    check_against(ro, model)
+    codecs = zarr.open_array(str(tmp_path / "c" / "columns" / "obs")).metadata.codecs
+    assert any(compression in repr(c).lower() for c in codecs)
+
+
+def test_config_reads_environment_overrides():
+    code = "from mmbuffer.config import config; print(config.madvise_random, config.chunk_bytes)"
+    env = {**os.environ, "MMBUFFER_MADVISE_RANDOM": "0", "MMBUFFER_CHUNK_BYTES": "4096"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.split() == ["False", "4096"]
