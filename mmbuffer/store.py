@@ -284,7 +284,8 @@ class Store:
         """
         self._check_writable("extend")
         lane = _check_stream(stream, self.num_streams)
-        rows, done = self._validate_steps(steps)
+        arrays, done = self._validate_steps(steps)
+        rows = len(done)
         if rows == 0:
             return
         finals = self._validate_final(final_obs, int(done.sum()))
@@ -297,7 +298,7 @@ class Store:
             self._reserved[lane] = new_written + ahead  # before touching any row
 
         segments = _ring_segments(lane, self.lane_size, st.written, new_written)
-        for name, arr in rows_by_column(steps, done, self.columns, rows).items():
+        for name, arr in arrays.items():
             col = self._data[name]
             off = 0
             for a, b in segments:
@@ -462,7 +463,8 @@ class Store:
             finally:
                 os.close(fd)
 
-    def _validate_steps(self, steps: Mapping[str, Any]) -> tuple[int, np.ndarray]:
+    def _validate_steps(self, steps: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """The block as arrays of the columns' dtypes (flags filled in) and its end flags."""
         if not isinstance(steps, Mapping):
             raise errors.SchemaError(f"steps: expected a mapping column -> array, got {type(steps).__name__}")
         given = set(steps)
@@ -472,8 +474,8 @@ class Store:
                 f"steps: expected columns {sorted(required)} (+ optional terminated, truncated), "
                 f"got {sorted(given)}; missing {sorted(required - given)}, unknown {sorted(given - set(self.columns))}"
             )
-        lengths = {}
-        for name in given:
+        arrays = {}
+        for name in steps:
             arr = _as_numpy(steps[name], name)
             col = self.columns[name]
             if arr.shape[1:] != col.shape or arr.ndim != 1 + len(col.shape):
@@ -481,17 +483,16 @@ class Store:
                     f"column {name!r}: expected rows of shape {col.shape} (array [T, {', '.join(map(str, col.shape))}]), "
                     f"got array of shape {tuple(arr.shape)}"
                 )
-            if not np.can_cast(arr.dtype, np.dtype(col.dtype), "same_kind"):
+            if arr.dtype != col.dtype and not np.can_cast(arr.dtype, col.dtype, "same_kind"):
                 raise errors.SchemaError(f"column {name!r}: expected dtype {col.dtype}, got {arr.dtype}")
-            lengths[name] = arr.shape[0]
+            arrays[name] = arr.astype(col.dtype, copy=False)
+        lengths = {name: arr.shape[0] for name, arr in arrays.items()}
         if len(set(lengths.values())) > 1:
             raise errors.SchemaError(f"steps: expected the same number of rows in every column, got {lengths}")
         rows = next(iter(lengths.values()))
-        done = np.zeros(rows, dtype=bool)
-        for flag in ("terminated", "truncated"):
-            if flag in steps:
-                done |= _as_numpy(steps[flag], flag).astype(bool)
-        return rows, done
+        for flag in fmt.RESERVED_NAMES - given:
+            arrays[flag] = np.zeros(rows, dtype=bool)
+        return arrays, arrays["terminated"] | arrays["truncated"]
 
     def _validate_final(self, final_obs: Mapping[str, Any] | None, n_done: int) -> dict[str, np.ndarray]:
         if not self.next_keys:
@@ -710,16 +711,3 @@ def _as_numpy(value: Any, name: str) -> np.ndarray:
         return np.asarray(value)
     except (TypeError, ValueError) as exc:
         raise errors.SchemaError(f"{name}: expected an array, got {type(value).__name__} ({exc})") from None
-
-
-def rows_by_column(
-    steps: Mapping[str, Any], done: np.ndarray, columns: Mapping[str, Column], rows: int
-) -> dict[str, np.ndarray]:
-    """Validated block as numpy arrays of the columns' dtypes (flags filled in)."""
-    out = {}
-    for name, col in columns.items():
-        if name in steps:
-            out[name] = _as_numpy(steps[name], name).astype(col.dtype, copy=False)
-        else:
-            out[name] = np.zeros(rows, dtype=bool)
-    return out
