@@ -391,17 +391,13 @@ class Store:
         tree.update(self._tree, idx[keep], (pri[keep] + cfg.eps) ** cfg.alpha)
 
     def _live_rows(self, rows: np.ndarray, written_at: np.ndarray | None) -> np.ndarray:
-        view = self.view()
+        """Rows that still hold what was sampled when the lanes' cursors were ``written_at``."""
         lane = rows // self.lane_size
-        pos = rows % self.lane_size
-        written = view.written if written_at is None else np.asarray(written_at, dtype=np.int64)
-        snap = written[lane]
-        absolute = snap - 1 - (snap - 1 - pos) % self.lane_size  # the row's absolute id then
-        first = np.array([v.first_start for v in view.lanes], dtype=np.int64)[lane]
-        end = np.array([v.visible_end for v in view.lanes], dtype=np.int64)[lane]
-        if self.next_keys:  # the open episode's last row gets its priority all the same
-            end = np.array([max(v.visible_end, int(w)) for v, w in zip(view.lanes, view.written)])[lane]
-        return (absolute >= first) & (absolute < end) & (snap > 0)
+        now = np.array([st.written for st in self._lanes], dtype=np.int64)
+        first = np.array([st.first_start for st in self._lanes], dtype=np.int64)
+        snap = (now if written_at is None else np.asarray(written_at, dtype=np.int64))[lane]
+        absolute = snap - 1 - (snap - 1 - rows % self.lane_size) % self.lane_size  # the row's id then
+        return (snap > 0) & (absolute >= first[lane]) & (absolute < now[lane])
 
     def _default_priority(self) -> float:
         assert self._tree is not None and self.priorities is not None
