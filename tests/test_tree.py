@@ -1,0 +1,522 @@
+"""Tests of mmbuffer.tree against a naive float64 numpy reference.
+
+Capacities are deliberately not powers of two (and not multiples of the block
+size), so padding blocks, a partial last block and a one-block heap are all
+exercised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import doctest
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from mmbuffer import errors
+from mmbuffer import tree as T
+
+CAPACITIES = [1, 7, 50, 63, 64, 65, 1000, 4097]
+
+
+# -- naive reference -----------------------------------------------------------
+
+
+def naive_heap(leaves: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """sums/mins/maxs heaps built with Python-level clarity, float64 sums."""
+    cap = leaves.shape[0]
+    nblocks = -(-cap // 64)
+    width = 1
+    while width < nblocks:
+        width *= 2
+    padded = np.zeros(width * 64, dtype=np.float64)
+    padded[:cap] = leaves
+    blocks = padded.reshape(width, 64)
+    sums = np.zeros(2 * width)
+    mins = np.full(2 * width, np.inf, dtype=np.float32)
+    maxs = np.zeros(2 * width, dtype=np.float32)
+    sums[width:] = [math.fsum(b) for b in blocks]
+    mins[width:] = [b[b > 0].min() if (b > 0).any() else np.inf for b in blocks]
+    maxs[width:] = blocks.max(axis=1)
+    for i in range(width - 1, 0, -1):
+        sums[i] = sums[2 * i] + sums[2 * i + 1]
+        mins[i] = min(mins[2 * i], mins[2 * i + 1])
+        maxs[i] = max(maxs[2 * i], maxs[2 * i + 1])
+    return sums, mins, maxs
+
+
+def assert_matches_reference(tr: T.PriorityTree, leaves: np.ndarray) -> None:
+    np.testing.assert_array_equal(tr.leaves, leaves.astype(np.float32))
+    sums, mins, maxs = naive_heap(leaves.astype(np.float32).astype(np.float64))
+    np.testing.assert_allclose(tr.sums, sums, rtol=1e-12, atol=0)
+    np.testing.assert_array_equal(tr.mins, mins)
+    np.testing.assert_array_equal(tr.maxs, maxs)
+    live = leaves[leaves > 0]
+    assert T.total(tr) == pytest.approx(math.fsum(leaves.astype(np.float32).tolist()), rel=1e-12)
+    assert T.min_live(tr) == (float(live.min()) if live.size else math.inf)
+    assert T.max_live(tr) == (float(live.max()) if live.size else 0.0)
+    assert T.check(tr) == 0.0
+
+
+def assert_same_as_rebuild(tr: T.PriorityTree) -> None:
+    fresh = T.init(tr.capacity)
+    fresh.leaves[:] = tr.leaves
+    T.rebuild(fresh)
+    for name in ("sums", "mins", "maxs"):
+        np.testing.assert_array_equal(getattr(tr, name), getattr(fresh, name), err_msg=name)
+
+
+def random_leaves(rng: np.random.Generator, n: int, zero_frac: float = 0.3) -> np.ndarray:
+    vals = rng.random(n).astype(np.float32) + np.float32(0.01)
+    vals[rng.random(n) < zero_frac] = 0.0
+    return vals
+
+
+# -- layout --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cap", CAPACITIES + [6_000_000_000])
+def test_layout_shapes_and_size(cap: int) -> None:
+    lay = T.layout(cap)
+    assert list(lay) == ["leaves", "sums", "mins", "maxs"]
+    nblocks = -(-cap // 64)
+    (two_p,), _ = lay["sums"]
+    width = two_p // 2
+    assert width >= nblocks and width & (width - 1) == 0 and (width == 1 or width // 2 < nblocks)
+    assert lay["leaves"] == ((cap,), "float32")
+    assert lay["sums"][1] == "float64" and lay["mins"] == ((two_p,), "float32")
+    assert lay["maxs"] == ((two_p,), "float32")
+    size = sum(math.prod(s) * np.dtype(d).itemsize for s, d in lay.values())
+    assert size == T.nbytes(cap) == 4 * cap + 32 * width
+    assert size <= 5 * cap + 64
+
+
+def test_bytes_per_row_at_scale() -> None:
+    for cap in (10**6, 10**8, 6 * 10**8, 2**30 + 1):
+        assert T.nbytes(cap) / cap <= 6.0
+
+
+@pytest.mark.parametrize("bad", [0, -5, 2.5, True, "7"])
+def test_layout_refuses_bad_capacity(bad: object) -> None:
+    with pytest.raises(errors.InvalidArgumentError, match="capacity"):
+        T.layout(bad)  # type: ignore[arg-type]
+
+
+def test_tree_validates_arrays() -> None:
+    ok = {k: np.zeros(s, d) for k, (s, d) in T.layout(100).items()}
+    T.PriorityTree(**ok)
+    with pytest.raises(errors.InvalidArgumentError, match="sums: expected dtype float64"):
+        T.PriorityTree(**{**ok, "sums": ok["sums"].astype(np.float32)})
+    with pytest.raises(errors.InvalidArgumentError, match=r"mins: expected shape \(4,\)"):
+        T.PriorityTree(**{**ok, "mins": np.zeros(8, np.float32)})
+    with pytest.raises(errors.InvalidArgumentError, match="C-contiguous"):
+        T.PriorityTree(**{**ok, "leaves": np.zeros(200, np.float32)[::2]})
+    with pytest.raises(errors.InvalidArgumentError, match="numpy array"):
+        T.PriorityTree(**{**ok, "maxs": [0.0] * 4})  # type: ignore[arg-type]
+    tr = T.init(5)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        tr.leaves = np.zeros(5, np.float32)  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("cap", CAPACITIES)
+def test_init_and_reset(cap: int) -> None:
+    tr = T.init(cap)
+    assert tr.capacity == cap
+    assert (T.total(tr), T.min_live(tr), T.max_live(tr)) == (0.0, math.inf, 0.0)
+    assert T.check(tr) == 0.0
+    T.set_range(tr, 0, cap, 2.0)
+    T.reset(tr)
+    assert_matches_reference(tr, np.zeros(cap, np.float32))
+
+
+# -- writes --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cap", CAPACITIES)
+def test_batched_update_matches_sequential(cap: int) -> None:
+    rng = np.random.default_rng(cap)
+    tr = T.init(cap)
+    ref = np.zeros(cap, np.float32)
+    for _ in range(30):
+        n = int(rng.integers(1, 3 * cap + 2))
+        # few distinct ids: many duplicates, resolved last-write-wins
+        high = cap if rng.random() < 0.5 else max(1, cap // 8)
+        idx = rng.integers(0, high, n)
+        val = random_leaves(rng, n)
+        T.update(tr, idx, val)
+        for i, v in zip(idx.tolist(), val.tolist()):  # the sequential meaning
+            ref[i] = v
+        np.testing.assert_array_equal(tr.leaves, ref)
+    assert_matches_reference(tr, ref)
+    assert_same_as_rebuild(tr)
+
+
+def test_big_batches_dedupe_level_by_level(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(T, "_LEVELS_AT_ONCE", 0)  # force the big-batch path
+    rng = np.random.default_rng(5)
+    for cap in (65, 4097):
+        tr = T.init(cap)
+        ref = np.zeros(cap, np.float32)
+        for _ in range(10):
+            idx = rng.integers(0, cap, 500)
+            val = random_leaves(rng, 500)
+            T.update(tr, idx, val)
+            for i, v in zip(idx.tolist(), val.tolist()):
+                ref[i] = v
+        assert_matches_reference(tr, ref)
+        assert_same_as_rebuild(tr)
+
+
+def test_min_and_max_follow_rises_and_falls() -> None:
+    tr = T.init(4097)
+    T.set_range(tr, 0, 4097, 1.0)
+    steps = [([5], 100.0, 1.0, 100.0), ([5], 1.0, 1.0, 1.0), ([4000], 0.125, 0.125, 1.0),
+             ([4000], 0.0, 1.0, 1.0), ([7], 1.0, 1.0, 1.0), ([0, 4096], 2.0, 1.0, 2.0)]
+    for ids, value, low, high in steps:
+        T.update(tr, ids, value)
+        assert (T.min_live(tr), T.max_live(tr)) == (low, high)
+        assert T.check(tr) == 0.0
+
+
+def test_last_write_wins_with_heavy_duplicates() -> None:
+    tr = T.init(65)
+    idx = np.array([3, 64, 3, 3, 0, 64, 3], dtype=np.int32)
+    val = np.array([1, 2, 3, 4, 5, 6, 7], dtype=np.float64)
+    T.update(tr, idx, val)
+    assert tr.leaves[[0, 3, 64]].tolist() == [5.0, 7.0, 6.0]
+    assert T.total(tr) == 18.0 and T.min_live(tr) == 5.0 and T.max_live(tr) == 7.0
+
+
+def test_update_input_forms() -> None:
+    tr = T.init(300)
+    T.update(tr, np.array([[1, 2], [3, 299]]), 1.5)  # 2-D ids, scalar broadcast
+    T.update(tr, torch.tensor([4, 5]), torch.tensor([2.0, 3.0]))
+    T.update(tr, [], [])  # no-op
+    T.update(tr, np.array([], dtype=np.int64), 1.0)
+    T.update(tr, np.array([[7], [8]]), np.array([[1.0], [2.0]]))
+    T.update(tr, np.array([9, 10], dtype=np.uint32), np.array([4.0]))  # [1] broadcasts
+    ref = np.zeros(300, np.float32)
+    ref[[1, 2, 3, 299]] = 1.5
+    ref[[4, 5]] = [2.0, 3.0]
+    ref[[7, 8]] = [1.0, 2.0]
+    ref[[9, 10]] = 4.0
+    assert_matches_reference(tr, ref)
+
+
+@pytest.mark.parametrize("bad", [[-1], [300], [0, 5, 1000]])
+def test_update_refuses_out_of_range_ids_and_changes_nothing(bad: list[int]) -> None:
+    tr = T.init(300)
+    T.update(tr, [10], [1.0])
+    before = [a.copy() for a in (tr.leaves, tr.sums, tr.mins, tr.maxs)]
+    with pytest.raises(errors.InvalidArgumentError, match=r"\[0, 300\)"):
+        T.update(tr, bad, 9.0)
+    for a, b in zip(before, (tr.leaves, tr.sums, tr.mins, tr.maxs)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_update_refuses_bad_kinds() -> None:
+    tr = T.init(10)
+    with pytest.raises(errors.InvalidArgumentError, match="integers"):
+        T.update(tr, [1.5], [1.0])
+    with pytest.raises(errors.InvalidArgumentError, match="broadcastable"):
+        T.update(tr, [1, 2, 3], [1.0, 2.0])
+
+
+@pytest.mark.parametrize("cap", CAPACITIES)
+def test_set_range_matches_reference_and_update(cap: int) -> None:
+    rng = np.random.default_rng(100 + cap)
+    tr, twin = T.init(cap), T.init(cap)
+    ref = np.zeros(cap, np.float32)
+    for k in range(25):
+        a, b = np.sort(rng.integers(0, cap + 1, 2))
+        value: float | np.ndarray = float(rng.random()) if k % 3 else random_leaves(rng, int(b - a))
+        if k % 7 == 6:
+            a, b, value = 0, cap, 0.0  # evict all
+        T.set_range(tr, int(a), int(b), value)
+        ref[a:b] = value
+        T.update(twin, np.arange(a, b), np.broadcast_to(np.asarray(value, np.float32), (b - a,)))
+    assert_matches_reference(tr, ref)
+    for name in ("leaves", "sums", "mins", "maxs"):  # slices and batches agree bit for bit
+        np.testing.assert_array_equal(getattr(tr, name), getattr(twin, name))
+    T.set_range(tr, 3 % cap, 3 % cap, 5.0)  # empty range: no-op
+    assert_matches_reference(tr, ref)
+
+
+@pytest.mark.parametrize("start,stop", [(-1, 3), (5, 4), (0, 101)])
+def test_set_range_refuses_bad_ranges(start: int, stop: int) -> None:
+    with pytest.raises(errors.InvalidArgumentError, match="start"):
+        T.set_range(T.init(100), start, stop, 1.0)
+
+
+def test_set_range_refuses_mismatched_values() -> None:
+    tr = T.init(100)
+    with pytest.raises(errors.InvalidArgumentError, match=r"shape \(10,\)"):
+        T.set_range(tr, 0, 10, np.ones(9))
+    assert T.total(tr) == 0.0
+
+
+def test_sums_exact_after_a_million_updates() -> None:
+    cap = 4097
+    rng = np.random.default_rng(7)
+    tr = T.init(cap)
+    for step in range(1000):  # 10^6 updates in batches of 1000, values spanning 1e-8..1e8
+        idx = rng.integers(0, cap, 1000)
+        val = (10.0 ** rng.uniform(-8, 8, 1000)).astype(np.float32)
+        val[rng.random(1000) < 0.2] = 0.0
+        T.update(tr, idx, val)
+        if step % 100 == 99:
+            a = int(rng.integers(0, cap))
+            T.set_range(tr, a, min(cap, a + 300), float(rng.random()))
+    assert_same_as_rebuild(tr)
+    assert T.check(tr) == 0.0
+    assert T.total(tr) == pytest.approx(math.fsum(tr.leaves.tolist()), rel=1e-12)
+
+
+@pytest.mark.parametrize("cap", [65, 1000, 4097])
+def test_rebuild_and_check_chunk_independent(cap: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(cap)
+    tr = T.init(cap)
+    T.update(tr, np.arange(cap), random_leaves(rng, cap))
+    expected = [a.copy() for a in (tr.sums, tr.mins, tr.maxs)]
+    monkeypatch.setattr(T, "_CHUNK_BLOCKS", 3)
+    monkeypatch.setattr(T, "_CHUNK_NODES", 5)
+    tr.sums[:] = -1.0  # garbage everywhere, padding and node 0 included
+    tr.mins[:] = 0.0
+    tr.maxs[:] = 7.0
+    assert T.check(tr) == math.inf
+    T.rebuild(tr)
+    for a, b in zip(expected, (tr.sums, tr.mins, tr.maxs)):
+        np.testing.assert_array_equal(a, b)
+    assert T.check(tr) == 0.0
+
+
+def test_check_reports_corruption() -> None:
+    rng = np.random.default_rng(3)
+    cap = 1000
+    tr = T.init(cap)
+    T.update(tr, np.arange(cap), random_leaves(rng, cap))
+    assert T.check(tr) == 0.0
+    node = tr.width + 3
+    tr.sums[node] *= 1 + 1e-9
+    assert 0 < T.check(tr) < 1e-8
+    T.rebuild(tr)
+    tr.mins[5] = 0.001
+    assert T.check(tr) == math.inf
+    T.rebuild(tr)
+    tr.maxs[-1] = 1.0  # a padding slot
+    assert T.check(tr) == math.inf
+    T.rebuild(tr)
+    for bad in (-1.0, np.nan, np.inf):
+        tr.leaves[17] = bad
+        assert T.check(tr) == math.inf
+    tr.leaves[17] = 0.5
+    T.rebuild(tr)
+    tr.sums[2] = np.nan
+    assert T.check(tr) == math.inf
+
+
+# -- reads -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cap", CAPACITIES)
+def test_range_and_prefix_sums(cap: int) -> None:
+    rng = np.random.default_rng(200 + cap)
+    tr = T.init(cap)
+    leaves = random_leaves(rng, cap)
+    T.update(tr, np.arange(cap), leaves)
+    cs = np.concatenate([[0.0], np.cumsum(leaves.astype(np.float64))])
+    for _ in range(200):
+        a, b = np.sort(rng.integers(0, cap + 1, 2))
+        assert T.range_sum(tr, int(a), int(b)) == pytest.approx(cs[b] - cs[a], rel=1e-12, abs=1e-12)
+        assert T.prefix_sum(tr, int(b)) == pytest.approx(cs[b], rel=1e-12, abs=1e-12)
+    assert T.prefix_sum(tr, cap) == pytest.approx(T.total(tr), rel=1e-14)
+    with pytest.raises(errors.InvalidArgumentError):
+        T.range_sum(tr, 0, cap + 1)
+
+
+@pytest.mark.parametrize("cap", CAPACITIES)
+def test_find_prefix_exact_on_integer_priorities(cap: int) -> None:
+    # Small integers: every partial sum is exact in float64, so the result
+    # must equal searchsorted on the cumsum everywhere, boundaries included.
+    rng = np.random.default_rng(300 + cap)
+    leaves = rng.integers(0, 5, cap).astype(np.float32)
+    leaves[rng.integers(0, cap)] = 3.0
+    tr = T.init(cap)
+    T.update(tr, np.arange(cap), leaves)
+    cs = np.cumsum(leaves.astype(np.float64))
+    tot = cs[-1]
+    targets = np.concatenate([rng.random(3000) * tot, cs, [0.0, tot - 0.5]])
+    targets = targets[targets < tot]
+    got = T.find_prefix(tr, targets)
+    want = np.searchsorted(cs, targets, side="right")
+    np.testing.assert_array_equal(got, want)
+    assert (leaves[got] > 0).all()
+
+
+@pytest.mark.parametrize("cap", CAPACITIES)
+def test_find_prefix_matches_searchsorted(cap: int) -> None:
+    rng = np.random.default_rng(400 + cap)
+    leaves = random_leaves(rng, cap, zero_frac=0.5)
+    leaves[rng.integers(0, cap)] = 0.5
+    tr = T.init(cap)
+    T.update(tr, np.arange(cap), leaves)
+    cs = np.cumsum(leaves.astype(np.float64))
+    tot = T.total(tr)
+    targets = (rng.random(20_000) * tot).reshape(100, 200)
+    got = T.find_prefix(tr, targets)
+    assert got.shape == targets.shape and got.dtype == np.int64
+    want = np.searchsorted(cs, targets, side="right")
+    off = got != want
+    # Disagreement only where rounding decides: within a hair of a boundary.
+    near = np.abs(targets[off] - cs[np.minimum(want[off], got[off])]) <= 1e-12 * tot
+    assert near.all(), (targets[off][~near], got[off][~near], want[off][~near])
+    assert off.mean() < 1e-3
+
+
+@pytest.mark.parametrize("cap", CAPACITIES)
+def test_find_prefix_never_returns_zero_leaf(cap: int) -> None:
+    rng = np.random.default_rng(500 + cap)
+    for trial in range(6):
+        leaves = (10.0 ** rng.uniform(-8, 8, cap)).astype(np.float32)
+        leaves[rng.random(cap) < 0.8] = 0.0
+        if trial == 0:  # a single live leaf, last of the last (partial) block
+            leaves[:] = 0.0
+            leaves[-1] = 1e-8
+        if trial == 1:  # a single live leaf at row 0
+            leaves[:] = 0.0
+            leaves[0] = 1e8
+        if not leaves.any():
+            leaves[rng.integers(0, cap)] = 1e-3
+        tr = T.init(cap)
+        T.update(tr, np.arange(cap), leaves)
+        tot = T.total(tr)
+        cs = np.cumsum(leaves.astype(np.float64))
+        block_cs = np.cumsum(tr.sums[tr.width : tr.width + -(-cap // 64)])
+        edges = np.array([0.0, -1.0, tot, np.nextafter(tot, 0), 2 * tot, np.inf, 1e-300])
+        targets = np.concatenate([rng.random(5000) * tot, cs, np.nextafter(cs, 0), block_cs, edges])
+        got = T.find_prefix(tr, targets)
+        assert ((got >= 0) & (got < cap)).all()
+        assert (leaves[got] > 0).all()
+        last = np.flatnonzero(leaves)[-1]
+        assert (got[targets >= tot] == last).all()
+
+
+def test_find_prefix_and_sample_refuse_empty_tree() -> None:
+    tr = T.init(100)
+    with pytest.raises(errors.EmptyBufferError):
+        T.find_prefix(tr, [0.0])
+    with pytest.raises(errors.EmptyBufferError):
+        T.sample(tr, 4)
+    T.set_range(tr, 10, 20, 1.0)
+    T.sample(tr, 4)
+    T.set_range(tr, 0, 100, 0.0)
+    with pytest.raises(LookupError):  # EmptyBufferError is a LookupError
+        T.sample(tr, 4)
+
+
+def test_sample_basics() -> None:
+    rng = np.random.default_rng(9)
+    cap = 1000
+    leaves = random_leaves(rng, cap, zero_frac=0.6)
+    tr = T.init(cap)
+    T.update(tr, np.arange(cap), leaves)
+    idx, p = T.sample(tr, 256, torch.Generator().manual_seed(1))
+    assert idx.shape == p.shape == (256,)
+    assert idx.dtype == np.int64 and p.dtype == np.float64
+    assert (np.diff(idx) >= 0).all()
+    assert (leaves[idx] > 0).all()
+    np.testing.assert_allclose(p, leaves[idx].astype(np.float64) / T.total(tr), rtol=1e-15)
+    again, _ = T.sample(tr, 256, torch.Generator().manual_seed(1))
+    np.testing.assert_array_equal(idx, again)
+    other, _ = T.sample(tr, 256, torch.Generator().manual_seed(2))
+    assert not np.array_equal(idx, other)
+    torch.manual_seed(0)
+    default, _ = T.sample(tr, 8)
+    assert default.shape == (8,)
+    empty, pe = T.sample(tr, 0)
+    assert empty.shape == pe.shape == (0,)
+    with pytest.raises(errors.InvalidArgumentError, match="batch_size"):
+        T.sample(tr, -1)
+
+
+def chi2_upper_quantile(df: int, z: float = 3.090232306167813) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile at N(0,1) quantile z."""
+    c = 2.0 / (9.0 * df)
+    return df * (1.0 - c + z * math.sqrt(c)) ** 3
+
+
+@pytest.mark.parametrize("cap,batch", [(50, 1000), (4097, 4000)])
+def test_sample_frequencies_chi_square(cap: int, batch: int) -> None:
+    rng = np.random.default_rng(11)
+    leaves = (rng.random(cap) * 0.9 + 0.1).astype(np.float32)
+    leaves[rng.random(cap) < 0.25] = 0.0
+    tr = T.init(cap)
+    T.update(tr, np.arange(cap), leaves)
+    g = torch.Generator().manual_seed(123)
+    counts = np.zeros(cap, dtype=np.int64)
+    draws = 0
+    while draws < 60 * cap and draws < 300_000:
+        idx, _ = T.sample(tr, batch, g)
+        counts += np.bincount(idx, minlength=cap)
+        draws += batch
+    p = leaves.astype(np.float64) / leaves.astype(np.float64).sum()
+    assert counts[p == 0].sum() == 0
+    live = p > 0
+    expected = draws * p[live]
+    assert expected.min() >= 5
+    stat = float((((counts[live] - expected) ** 2) / expected).sum())
+    assert stat < chi2_upper_quantile(int(live.sum()) - 1)  # p > 0.001
+
+
+def test_chi2_quantile_approximation() -> None:
+    # Known values: chi2.ppf(0.999, 10) = 29.588, chi2.ppf(0.999, 100) = 149.449
+    assert chi2_upper_quantile(10) == pytest.approx(29.588, rel=1e-2)
+    assert chi2_upper_quantile(100) == pytest.approx(149.449, rel=1e-3)
+
+
+# -- memory-mapped arrays ------------------------------------------------------------
+
+
+def test_memmap_backed_tree(tmp_path: object) -> None:
+    cap = 4097
+    rng = np.random.default_rng(12)
+    lay = T.layout(cap)
+    maps = {
+        name: np.lib.format.open_memmap(
+            f"{tmp_path}/{name}.npy", mode="w+", dtype=dtype, shape=shape
+        )
+        for name, (shape, dtype) in lay.items()
+    }
+    tr = T.PriorityTree(**maps)
+    T.reset(tr)  # fresh files are zeros; mins must start at +inf
+    ram = T.init(cap)
+    for _ in range(20):
+        idx = rng.integers(0, cap, 300)
+        val = random_leaves(rng, 300)
+        T.update(tr, idx, val)
+        T.update(ram, idx, val)
+    T.set_range(tr, 100, 900, 0.25)
+    T.set_range(ram, 100, 900, 0.25)
+    for m in maps.values():
+        m.flush()
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    a, pa = T.sample(tr, 512, g1)
+    b, pb = T.sample(ram, 512, g2)
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(pa, pb)
+    # a reader maps the same files read-only and samples the same batch
+    ro = T.PriorityTree(**{n: np.load(f"{tmp_path}/{n}.npy", mmap_mode="r") for n in lay})
+    c, pc = T.sample(ro, 512, torch.Generator().manual_seed(5))
+    np.testing.assert_array_equal(a, c)
+    np.testing.assert_array_equal(pa, pc)
+    assert T.check(ro) == 0.0
+    for name in lay:
+        np.testing.assert_array_equal(getattr(ro, name), getattr(ram, name))
+
+
+def test_doctests() -> None:
+    result = doctest.testmod(T, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 20
+    assert result.failed == 0
