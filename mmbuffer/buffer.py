@@ -35,7 +35,7 @@ import torch
 
 from . import errors, sampling
 from .gather import Batch, gather, resolve_keys
-from .store import PriorityConfig, Store, create_store
+from .store import PriorityConfig, Store, _check_int, create_store
 
 _REMEMBERED_BATCHES = 256
 
@@ -247,9 +247,7 @@ class Buffer(Store):
 
 
 def _positive(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) < 1:
-        raise errors.InvalidArgumentError(f"{name}: expected an integer >= 1, got {value!r}")
-    return int(value)
+    return _check_int(name, value, 1)
 
 
 def _beta(beta: object) -> float:

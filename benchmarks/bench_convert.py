@@ -1,0 +1,269 @@
+"""Conversion throughput and peak memory: a generated D4RL file into a store.
+
+    python benchmarks/bench_convert.py               # 20M rows (about 2 GB of source)
+    python benchmarks/bench_convert.py --rows 1e6    # a quick run
+
+Steps, all in one run on the same disk (``--dir``, default ``$MMBUFFER_BENCH_DIR``
+or ``benchmarks/_data``):
+
+1. generate a D4RL-layout HDF5 file (obs 17 float32, action 6 float32, rewards,
+   terminals, timeouts; 1000-step episodes, some terminated early), streamed;
+2. *raw disk write*: a ``dd``-style copy of the same file (16 MiB blocks, fsync at
+   the end) in a fresh process -- the ceiling of any conversion that writes it;
+3. ``mmbuffer.convert.convert_d4rl`` in a fresh process (verification pass on
+   and off), reporting rows/s, MB/s of row data, and peak RSS (VmHWM, with its
+   anonymous and file-backed parts sampled every 50 ms);
+4. TorchRL's in-memory path (the file loaded into a ``LazyTensorStorage`` replay
+   buffer, as TorchRL's D4RL loader does) when torchrl is installed.
+
+The source file is in the page cache for every measurement (just written), so
+the comparison is of write paths, not of source reads. Each measurement runs
+``--repeat`` times (``sync`` before each) and the median time is shown, with the
+largest peak memory; disks of shared machines vary a lot from run to run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import header, scratch, table  # noqa: E402
+
+OBS, ACT, EP = 17, 6, 1000
+
+
+# -- memory sampling (children) ------------------------------------------------------------------
+class PeakMemory:
+    """Peak VmHWM and peak RssAnon / RssFile+RssShmem of this process, sampled in a thread."""
+
+    def __init__(self, every: float = 0.05) -> None:
+        self.every = every
+        self.anon = self.file = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def _status() -> dict[str, int]:
+        out = {}
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("VmHWM", "RssAnon", "RssFile", "RssShmem"):
+                    out[key] = int(value.split()[0]) * 1024
+        return out
+
+    def _sample(self) -> None:
+        s = self._status()
+        self.anon = max(self.anon, s.get("RssAnon", 0))
+        self.file = max(self.file, s.get("RssFile", 0) + s.get("RssShmem", 0))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self._sample()
+
+    def __enter__(self) -> PeakMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+    def report(self) -> dict[str, int]:
+        return {"peak_rss": self._status()["VmHWM"], "peak_anon": self.anon, "peak_file": self.file}
+
+
+# -- steps ---------------------------------------------------------------------------------------
+def generate(path: Path, rows: int, chunk: int = 1 << 20) -> float:
+    import h5py
+
+    rng = np.random.default_rng(0)
+    t0 = time.perf_counter()
+    with h5py.File(path, "w") as f:
+        obs = f.create_dataset("observations", (rows, OBS), "float32")
+        act = f.create_dataset("actions", (rows, ACT), "float32")
+        rew = f.create_dataset("rewards", (rows,), "float32")
+        term = f.create_dataset("terminals", (rows,), "bool")
+        tout = f.create_dataset("timeouts", (rows,), "bool")
+        for a in range(0, rows, chunk):
+            b = min(rows, a + chunk)
+            n = b - a
+            obs[a:b] = rng.standard_normal((n, OBS), dtype=np.float32)
+            act[a:b] = rng.uniform(-1, 1, (n, ACT)).astype(np.float32)
+            rew[a:b] = rng.standard_normal(n, dtype=np.float32)
+            pos = np.arange(a, b)
+            tout[a:b] = pos % EP == EP - 1
+            term[a:b] = (pos % 7919 == 0) & (pos % EP != EP - 1)  # a few early terminations
+        f["metadata/algorithm"] = "generated"
+    return time.perf_counter() - t0
+
+
+def dd_copy(src: Path, dst: Path, block: int = 16 << 20) -> dict[str, float]:
+    buf = bytearray(block)
+    view = memoryview(buf)
+    t0 = time.perf_counter()
+    with open(src, "rb", buffering=0) as fi, open(dst, "wb", buffering=0) as fo:
+        while True:
+            n = fi.readinto(buf)
+            if not n:
+                break
+            fo.write(view[:n])
+        os.fsync(fo.fileno())
+    return {"seconds": time.perf_counter() - t0, "bytes": dst.stat().st_size}
+
+
+def child_convert(src: str, dst: str, verify: bool, chunk_rows: int | None) -> dict[str, object]:
+    import warnings
+
+    from mmbuffer.convert import convert_d4rl
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with PeakMemory() as mem:
+            t0 = time.perf_counter()
+            s = convert_d4rl(src, dst, progress=False, verify=verify, chunk_rows=chunk_rows)
+            seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "rows": s["rows"], "bytes": s["bytes"], "write_seconds": s["write_seconds"],
+            "episodes": s["episodes"], **mem.report()}
+
+
+def child_torchrl(src: str, chunk_rows: int) -> dict[str, object]:
+    import h5py
+    import torch
+    from tensordict import TensorDict
+    from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+
+    with PeakMemory() as mem:
+        t0 = time.perf_counter()
+        with h5py.File(src, "r") as f:
+            n = f["rewards"].shape[0]
+            rb = TensorDictReplayBuffer(storage=LazyTensorStorage(n))
+            for a in range(0, n, chunk_rows):
+                b = min(n, a + chunk_rows)
+                t = b - a
+                rb.extend(TensorDict({
+                    "observation": torch.from_numpy(f["observations"][a:b]),
+                    "action": torch.from_numpy(f["actions"][a:b]),
+                    "next": {"reward": torch.from_numpy(f["rewards"][a:b]),
+                             "terminated": torch.from_numpy(f["terminals"][a:b]),
+                             "truncated": torch.from_numpy(f["timeouts"][a:b])},
+                }, [t]))
+        seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "rows": n, **mem.report()}
+
+
+def _child(kind: str, *args: str) -> dict[str, object]:
+    code = [sys.executable, __file__, "--child", kind, *args]
+    env = dict(os.environ, RL_LOGGING_LEVEL="WARNING")
+    out = subprocess.run(code, capture_output=True, text=True, env=env)
+    if out.returncode:
+        raise RuntimeError(f"{kind} child failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=float, default=20e6, help="rows of the generated file (default 20M)")
+    p.add_argument("--dir", default=None, help="scratch directory (default $MMBUFFER_BENCH_DIR or benchmarks/_data)")
+    p.add_argument("--chunk-rows", type=int, default=None, help="convert_d4rl chunk_rows (default ~32 MiB)")
+    p.add_argument("--no-torchrl", action="store_true", help="skip the TorchRL in-memory baseline")
+    p.add_argument("--repeat", type=int, default=3, help="runs of each measurement; the median is shown")
+    p.add_argument("--keep", action="store_true", help="keep the generated file")
+    p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        kind, *rest = args.child
+        if kind == "convert":
+            out = child_convert(rest[0], rest[1], rest[2] == "1", int(rest[3]) or None)
+        elif kind == "torchrl":
+            out = child_torchrl(rest[0], int(rest[1]))
+        else:
+            out = dd_copy(Path(rest[0]), Path(rest[1]))
+        print(json.dumps(out))
+        return
+
+    rows = int(args.rows)
+    root = Path(args.dir) if args.dir else scratch()
+    work = root / f"convert_{rows}"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    src = work / "source.hdf5"
+    header(f"bench_convert: D4RL HDF5 -> mmbuffer store, {rows:,} rows (obs {OBS} f32, action {ACT} f32)")
+    gen = generate(src, rows)
+    size = src.stat().st_size
+    row_bytes = OBS * 4 + ACT * 4 + 4 + 2
+    print(f"generated {src} ({size / 1e9:.2f} GB) in {gen:.1f} s; disk free "
+          f"{shutil.disk_usage(work).free / 1e9:.0f} GB\n")
+
+    def median_of(kind: str, *child_args: str, cleanup: Path) -> dict[str, object]:
+        runs = []
+        for _ in range(args.repeat):
+            os.sync()  # start every measurement with no dirty pages of an earlier step
+            runs.append(_child(kind, *child_args))
+            if cleanup.is_dir():
+                shutil.rmtree(cleanup)
+            elif cleanup.exists():
+                cleanup.unlink()
+        runs.sort(key=lambda r: r["seconds"])
+        out = dict(runs[len(runs) // 2])
+        for key in ("peak_rss", "peak_anon", "peak_file"):
+            if key in out:
+                out[key] = max(r[key] for r in runs)
+        return out
+
+    results = []
+    dd = median_of("dd", str(src), str(work / "copy.bin"), cleanup=work / "copy.bin")
+    dd_mbps = dd["bytes"] / dd["seconds"] / 1e6
+    results.append({"path": "raw disk write (dd-style copy, fsync)", "seconds": dd["seconds"],
+                    "rows/s": rows / dd["seconds"], "MB/s": dd_mbps, "vs raw": 1.0,
+                    "peak RSS MB": float("nan"), "anon MB": float("nan"), "file MB": float("nan")})
+    chunk = str(args.chunk_rows or 0)
+    for verify in (False, True):
+        dst = work / f"store_{int(verify)}"
+        c = median_of("convert", str(src), str(dst), "1" if verify else "0", chunk, cleanup=dst)
+        mbps = c["bytes"] / c["seconds"] / 1e6
+        results.append({"path": f"mmbuffer convert d4rl ({'with' if verify else 'no'} verification)",
+                        "seconds": c["seconds"], "rows/s": rows / c["seconds"], "MB/s": mbps,
+                        "vs raw": mbps / dd_mbps, "peak RSS MB": c["peak_rss"] / 2**20,
+                        "anon MB": c["peak_anon"] / 2**20, "file MB": c["peak_file"] / 2**20})
+        if verify:
+            results[-1]["write only s"] = c["write_seconds"]
+    if not args.no_torchrl:
+        try:
+            import torchrl  # noqa: F401
+
+            t = median_of("torchrl", str(src), str(1 << 20), cleanup=work / "none")
+            mbps = rows * row_bytes / t["seconds"] / 1e6
+            results.append({"path": "torchrl LazyTensorStorage (in memory)", "seconds": t["seconds"],
+                            "rows/s": rows / t["seconds"], "MB/s": mbps, "vs raw": mbps / dd_mbps,
+                            "peak RSS MB": t["peak_rss"] / 2**20, "anon MB": t["peak_anon"] / 2**20,
+                            "file MB": t["peak_file"] / 2**20})
+        except ImportError:
+            print("torchrl not installed: no in-memory baseline\n")
+        except RuntimeError as exc:
+            print(f"torchrl baseline failed: {str(exc)[-500:]}\n")
+    for r in results:
+        r.setdefault("write only s", float("nan"))
+    table(results)
+    conv = results[2]
+    print(f"conversion with verification: {conv['MB/s']:.0f} MB/s of row data = {conv['vs raw']:.0%} of the raw "
+          f"write speed ({dd_mbps:.0f} MB/s); peak RSS {conv['peak RSS MB']:.0f} MB "
+          f"(anonymous {conv['anon MB']:.0f} MB, file-backed maps {conv['file MB']:.0f} MB)")
+    print("MB/s counts row bytes (obs, action, reward, two flags); the raw copy moves the whole source file.")
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Conversion tools: bring the offline datasets people have into a store, and back out.
+
+Readers (one per source format) are separate from writing: each yields the
+source in order as chunks ``(steps, final_obs)`` and a :class:`Schema`, and
+:func:`write_store` writes any reader into a new store. Every converter
+
+* streams the source a chunk at a time (the process never holds the dataset:
+  memory stays at a few chunks, ~32 MiB each by default, whatever the size),
+* shows a tqdm progress bar (``progress=False`` hides it),
+* keeps episode boundaries and the terminated/truncated distinction exactly,
+* builds the store at ``DST.partial`` and renames it to ``DST`` only after the
+  final commit and a verification pass (row and episode counts, episode lengths,
+  a CRC-32 per column and of the final observations, read back from the store
+  and compared with what was read from the source),
+* refuses an existing ``DST`` (:class:`~mmbuffer.errors.StoreExistsError`)
+  unless ``overwrite=True``,
+* raises :class:`~mmbuffer.errors.ConversionError` naming the file and key for
+  bad input (missing keys, mismatched lengths, not the declared format),
+* returns a summary dict (rows, episodes, open episode rows, NaN rewards,
+  checksums, throughput, warnings).
+
+Formats: ``d4rl`` (:func:`convert_d4rl`), ``minari`` (:func:`convert_minari`),
+``npz`` (:func:`convert_npz`), ``torchrl`` (:func:`convert_torchrl`: a
+``dumps()`` directory or a TD-MPC2 ``.pt`` file). Export: :func:`export_d4rl`,
+:func:`export_minari`; re-encode a store: :func:`copy`.
+
+Examples
+--------
+>>> import tempfile, numpy as np, mmbuffer as mb
+>>> from mmbuffer.convert import convert_npz
+>>> d = tempfile.mkdtemp()
+>>> T = 10
+>>> obs = np.random.rand(T + 1, 3).astype("float32")
+>>> np.savez(d + "/data.npz", observations=obs[:-1], next_observations=obs[1:],
+...          actions=np.zeros((T, 1), "float32"), rewards=np.ones(T, "float32"),
+...          terminals=np.arange(T) == 3, timeouts=np.arange(T) == T - 1)
+>>> summary = convert_npz(d + "/data.npz", d + "/store", progress=False)
+>>> summary["rows"], summary["episodes"], summary["verified"]
+(10, 2, True)
+>>> mb.open(d + "/store", mode="r").episodes()[1].tolist()
+[4, 6]
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ._common import Chunk, ConversionWarning, Reader, Schema, write_store
+from ._d4rl import D4RLReader, convert_d4rl
+from ._export import copy, copy_store, export_d4rl, export_minari
+from ._minari import MinariReader, convert_minari
+from ._npz import NpzReader, convert_npz
+from ._torchrl import TDMPC2Reader, TorchRLReader, convert_torchrl
+
+__all__ = [
+    "FORMATS",
+    "Chunk",
+    "ConversionWarning",
+    "D4RLReader",
+    "MinariReader",
+    "NpzReader",
+    "Reader",
+    "Schema",
+    "TDMPC2Reader",
+    "TorchRLReader",
+    "convert",
+    "convert_d4rl",
+    "convert_minari",
+    "convert_npz",
+    "convert_torchrl",
+    "copy",
+    "copy_store",
+    "export",
+    "export_d4rl",
+    "export_minari",
+    "write_store",
+]
+
+#: ``convert`` format name -> converter.
+FORMATS = {
+    "d4rl": convert_d4rl,
+    "minari": convert_minari,
+    "npz": convert_npz,
+    "torchrl": convert_torchrl,
+    "tdmpc2": convert_torchrl,
+}
+
+_EXPORTS = {"d4rl": export_d4rl, "minari": export_minari}
+
+
+def convert(
+    format: str,  # noqa: A002 - the CLI's word
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    **options: Any,
+) -> dict[str, Any]:
+    """Convert ``src`` of the given ``format`` into a new store at ``dst``.
+
+    ``format`` is one of :data:`FORMATS` (``d4rl``, ``minari``, ``npz``,
+    ``torchrl``/``tdmpc2``); ``options`` are those of the format's converter
+    (``overwrite``, ``compression``, ``chunk_rows``, ``progress``, ``verify``,
+    ``keep_infos``...). Returns the summary dict.
+
+    Raises
+    ------
+    InvalidArgumentError
+        Unknown format, or an option the format does not take.
+    """
+    from ..errors import InvalidArgumentError
+
+    fn = FORMATS.get(str(format).lower())
+    if fn is None:
+        raise InvalidArgumentError(f"format: expected one of {sorted(FORMATS)}, got {format!r}")
+    try:
+        return fn(src, dst, **options)
+    except TypeError as exc:
+        if "unexpected keyword" in str(exc):
+            raise InvalidArgumentError(f"convert {format}: {exc}") from None
+        raise
+
+
+def export(
+    format: str,  # noqa: A002
+    store: Any,
+    out: str | os.PathLike[str],
+    **options: Any,
+) -> dict[str, Any]:
+    """Export a store (path or open buffer) as ``d4rl`` HDF5 or a ``minari`` dataset."""
+    from ..errors import InvalidArgumentError
+
+    fn = _EXPORTS.get(str(format).lower())
+    if fn is None:
+        raise InvalidArgumentError(f"format: expected one of {sorted(_EXPORTS)}, got {format!r}")
+    return fn(store, out, **options)

@@ -1,0 +1,684 @@
+"""The shared half of every converter: the reader contract and the one store writer.
+
+A converter is two separate things:
+
+* a **reader** (:class:`Reader`) that knows one source format. It declares a
+  :class:`Schema` (columns, next-derived keys, row count, attributes) and yields
+  the source in order as chunks ``(steps, final_obs)``: ``steps`` maps each column
+  to ``[T, *shape]`` numpy rows, ``final_obs`` maps each next-derived column to
+  one row per episode that *ends* inside the chunk (terminated or truncated), in
+  order. A reader never holds more than about one chunk of the source in memory.
+* :func:`write_store`, which writes any reader into a new store, shows a progress
+  bar, checks what it wrote against what it read and returns a summary.
+
+Crash safety: the store is built at ``DST + ".partial"`` and renamed to ``DST``
+only after the final commit and a successful verification pass, so an interrupted
+conversion never leaves a half store under the name asked for. An existing
+``DST`` is refused (:class:`~mmbuffer.errors.StoreExistsError`) unless
+``overwrite=True``; a stale ``DST.partial`` from an interrupted run is replaced.
+
+Verification: while writing, a CRC-32 of every column (native byte order, row
+order), of the final observations and of the episode lengths is accumulated from
+the chunks the reader produced. After the commit the store is reopened read-only
+and read back in chunks; row count, episode count, episode lengths and every
+checksum must agree or :class:`~mmbuffer.errors.ConversionError` is raised (the
+``.partial`` directory is then left for inspection).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import shutil
+import time
+import warnings
+import zlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ..errors import ConversionError, StoreExistsError
+
+__all__ = [
+    "Chunk",
+    "ConversionWarning",
+    "Reader",
+    "Schema",
+    "write_store",
+    "DEFAULT_CHUNK_BYTES",
+]
+
+#: Target size of one chunk (all columns together) when ``chunk_rows`` is not given.
+DEFAULT_CHUNK_BYTES = 32 << 20
+#: Rows written between two commits of a conversion (the store is then reopened,
+#: which unmaps the pages written so far: resident memory stays about this size).
+SEGMENT_BYTES = 256 << 20
+
+_FLAGS = ("terminated", "truncated")
+
+
+class ConversionWarning(UserWarning):
+    """Something in a source was kept but changed or is suspicious (open episode, ...)."""
+
+
+class Chunk(NamedTuple):
+    """One piece of a source, in order.
+
+    ``steps``: column -> ``[T, *shape]`` array (``terminated``/``truncated`` bool
+    ``[T]`` always present). ``final_obs``: next-derived column -> ``[E, *shape]``,
+    one row per episode that ends inside ``steps``.
+    """
+
+    steps: dict[str, np.ndarray]
+    final_obs: dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class Schema:
+    """What a reader will produce.
+
+    ``columns`` maps a store column name to ``(shape, dtype)`` (without the two
+    flag columns, which every store has). ``next_keys`` are the columns whose next
+    value is derived by the store (their final observation comes in
+    ``Chunk.final_obs``). ``num_rows`` is the exact number of rows the reader
+    yields; ``num_episodes`` the number of ended episodes when the source tells it
+    up front (``None`` otherwise). ``attrs`` are JSON-serializable store attributes.
+    """
+
+    columns: dict[str, tuple[tuple[int, ...], str]]
+    next_keys: tuple[str, ...]
+    num_rows: int
+    attrs: dict[str, Any] = field(default_factory=dict)
+    num_episodes: int | None = None
+
+    def row_bytes(self) -> int:
+        total = 2  # the two flags
+        for shape, dtype in self.columns.values():
+            total += int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        return total
+
+
+class Reader(ABC):
+    """A source format opened for streaming; see the module docstring.
+
+    Subclasses set ``format`` and implement :attr:`schema` and :meth:`chunks`.
+    ``notes`` collects the warnings raised while reading (they also go through
+    :mod:`warnings` as :class:`ConversionWarning`).
+    """
+
+    format: str = "?"
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.notes: list[str] = []
+        self.stats: dict[str, int] = {}
+
+    @property
+    @abstractmethod
+    def schema(self) -> Schema:
+        """The columns, next keys, row count and attributes of the source."""
+
+    @abstractmethod
+    def chunks(self, chunk_rows: int) -> Iterator[Chunk]:
+        """Yield the whole source in order, at most about ``chunk_rows`` rows at a time."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook, most readers hold no file
+        """Release open files (idempotent)."""
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _warn(self, message: str) -> None:
+        self.notes.append(message)
+        warnings.warn(f"{self.path}: {message}", ConversionWarning, stacklevel=3)
+
+    def _error(self, message: str, key: str | None = None) -> ConversionError:
+        where = f"{self.path}" + (f" [{key}]" if key else "")
+        return ConversionError(f"{where}: {message}")
+
+
+# -- small helpers shared by the readers ------------------------------------------------------
+def jsonable(value: Any, *, max_items: int = 4096) -> Any:
+    """Turn numpy / bytes / nested values into JSON-serializable ones (big arrays are summarized)."""
+    if isinstance(value, Mapping):
+        return {str(k): jsonable(v, max_items=max_items) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set)):
+        return [jsonable(v, max_items=max_items) for v in value]
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    if isinstance(value, np.ndarray):
+        if value.size > max_items:
+            return {"shape": list(value.shape), "dtype": str(value.dtype), "omitted": True}
+        if value.dtype.kind in "SO":
+            return jsonable(value.tolist(), max_items=max_items)
+        return jsonable(value.tolist(), max_items=max_items)
+    if isinstance(value, np.generic):
+        return jsonable(value.item(), max_items=max_items)
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def as_flag(arr: np.ndarray) -> np.ndarray:
+    """A flag array of any numeric dtype and shape ``[T]`` or ``[T, 1]`` as bool ``[T]``."""
+    a = np.asarray(arr)
+    if a.ndim == 2 and a.shape[1] == 1:
+        a = a[:, 0]
+    if a.dtype != np.bool_:
+        a = a != 0
+    return a
+
+
+def default_chunk_rows(schema: Schema, chunk_rows: int | None) -> int:
+    if chunk_rows is not None:
+        if int(chunk_rows) < 1:
+            raise ConversionError(f"chunk_rows: expected a positive integer, got {chunk_rows!r}")
+        return int(chunk_rows)
+    return max(1024, DEFAULT_CHUNK_BYTES // max(1, schema.row_bytes()))
+
+
+class ChunkAssembler:
+    """Collect episode pieces and hand them back as chunks of about ``chunk_rows`` rows.
+
+    Used by episode-structured readers (Minari, TD-MPC2): each piece is part of one
+    episode; pieces are concatenated column-wise once ``chunk_rows`` rows are pending.
+    """
+
+    def __init__(self, chunk_rows: int) -> None:
+        self.chunk_rows = chunk_rows
+        self._steps: list[dict[str, np.ndarray]] = []
+        self._final: list[dict[str, np.ndarray]] = []
+        self._rows = 0
+
+    def add(self, steps: dict[str, np.ndarray], final: dict[str, np.ndarray] | None) -> Chunk | None:
+        self._steps.append(steps)
+        if final:
+            self._final.append(final)
+        self._rows += len(steps["terminated"])
+        if self._rows >= self.chunk_rows:
+            return self.flush()
+        return None
+
+    def flush(self) -> Chunk | None:
+        if not self._steps:
+            return None
+        if len(self._steps) == 1:
+            steps = self._steps[0]
+        else:
+            steps = {k: np.concatenate([s[k] for s in self._steps]) for k in self._steps[0]}
+        final: dict[str, np.ndarray] = {}
+        if self._final:
+            final = {k: np.stack([f[k] for f in self._final]) for k in self._final[0]}
+        self._steps, self._final, self._rows = [], [], 0
+        return Chunk(steps, final)
+
+
+# -- checksums ------------------------------------------------------------------------------
+class _Tally:
+    """Running CRC-32 per column, of final observations and of episode lengths."""
+
+    def __init__(self, schema: Schema) -> None:
+        self.crc: dict[str, int] = {k: 0 for k in (*schema.columns, *_FLAGS)}
+        self.final_crc: dict[str, int] = {k: 0 for k in schema.next_keys}
+        self.len_crc = 0
+        self.rows = 0
+        self.episodes = 0
+        self.open_rows = 0  # rows of the episode being written
+        self.nan_rewards = 0
+
+    def add_rows(self, name: str, arr: np.ndarray) -> None:
+        self.crc[name] = zlib.crc32(as_bytes(arr), self.crc[name])
+
+    def add_final(self, name: str, arr: np.ndarray) -> None:
+        self.final_crc[name] = zlib.crc32(as_bytes(arr), self.final_crc[name])
+
+    def add_flags(self, done: np.ndarray) -> None:
+        ends = np.flatnonzero(done)
+        n = len(done)
+        if len(ends):
+            lengths = np.diff(ends, prepend=-1).astype(np.int64)
+            lengths[0] += self.open_rows
+            self.len_crc = zlib.crc32(lengths.tobytes(), self.len_crc)
+            self.episodes += len(ends)
+            self.open_rows = n - 1 - int(ends[-1])
+        else:
+            self.open_rows += n
+        self.rows += n
+
+
+def as_bytes(arr: np.ndarray) -> memoryview | bytes:
+    """The bytes of ``arr`` in C order, for a checksum (no copy when already contiguous)."""
+    a = np.ascontiguousarray(arr)
+    if a.size == 0:
+        return b""
+    return memoryview(a).cast("B")
+
+
+def _hex(v: int) -> str:
+    return f"{v & 0xFFFFFFFF:08x}"
+
+
+# -- writing ----------------------------------------------------------------------------------
+def _partial_path(dst: Path) -> Path:
+    return dst.with_name(dst.name + ".partial")
+
+
+def check_destination(dst: str | os.PathLike[str], overwrite: bool) -> Path:
+    """Refuse an existing ``dst`` unless ``overwrite`` (before any work is done)."""
+    path = Path(dst)
+    if (path.exists() or path.is_symlink()) and not overwrite:
+        raise StoreExistsError(
+            f"{path}: output already exists (pass overwrite=True / --overwrite to replace it)"
+        )
+    return path
+
+
+def replace_destination(partial: Path, dst: Path) -> None:
+    """Move a finished ``partial`` to ``dst``, replacing an older ``dst`` last."""
+    old = None
+    if dst.exists() or dst.is_symlink():
+        old = dst.with_name(f"{dst.name}.old-{os.getpid()}")
+        os.replace(dst, old)
+    os.replace(partial, dst)
+    _fsync_dir(dst.parent)
+    if old is not None:
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old)
+        else:
+            old.unlink()
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def remove_partial(partial: Path) -> None:
+    if partial.is_dir() and not partial.is_symlink():
+        shutil.rmtree(partial, ignore_errors=True)
+    elif partial.exists() or partial.is_symlink():
+        partial.unlink()
+
+
+def progress_bar(total: int, desc: str, enabled: bool) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="row", unit_scale=True, disable=not enabled, leave=False)
+
+
+def _check_chunk(reader: Reader, schema: Schema, chunk: Chunk, done: np.ndarray) -> None:
+    steps, final = chunk
+    n = len(done)
+    for name in (*schema.columns, *_FLAGS):
+        if name not in steps:
+            raise reader._error(f"reader produced no column {name!r}", name)
+        arr = steps[name]
+        shape = schema.columns[name][0] if name in schema.columns else ()
+        if arr.shape != (n, *shape):
+            raise reader._error(
+                f"column {name!r}: expected rows of shape {(n, *shape)}, got {arr.shape}", name
+            )
+    extra = set(steps) - set(schema.columns) - set(_FLAGS)
+    if extra:
+        raise reader._error(f"reader produced undeclared columns {sorted(extra)}")
+    n_ends = int(done.sum())
+    for name in schema.next_keys:
+        got = final.get(name)
+        shape = schema.columns[name][0]
+        if n_ends == 0 and got is None:
+            continue
+        if got is None or got.shape != (n_ends, *shape):
+            raise reader._error(
+                f"final observation {name!r}: expected shape {(n_ends, *shape)}, "
+                f"got {None if got is None else got.shape}",
+                name,
+            )
+
+
+def write_store(
+    reader: Reader,
+    dst: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    compression: str | None = None,
+    chunk_rows: int | None = None,
+    progress: bool = True,
+    verify: bool = True,
+) -> dict[str, Any]:
+    """Write everything ``reader`` yields into a new store at ``dst``.
+
+    Parameters
+    ----------
+    reader
+        An opened :class:`Reader` (it is closed on return).
+    dst
+        Path of the store to create. Built at ``dst + ".partial"`` and renamed at
+        the end.
+    overwrite
+        Replace an existing ``dst`` (only after the new store is verified).
+    compression
+        ``None`` (raw, memory-mapped: for training), ``"zstd"`` or ``"lz4"``.
+    chunk_rows
+        Rows read and written at a time (default: about 32 MiB of rows).
+    progress
+        Show a tqdm progress bar on stderr.
+    verify
+        Reopen the store and compare counts and checksums with the source.
+
+    Returns
+    -------
+    dict
+        The summary: ``format, source, store, rows, episodes, open_episode_rows,
+        nan_rewards, checksums`` (column -> crc32 hex), ``final_obs_checksums``,
+        ``verified``, ``seconds``, ``rows_per_s``, ``mb_per_s``, ``warnings``
+        (plus reader statistics such as ``forced_truncations``).
+
+    Raises
+    ------
+    StoreExistsError
+        ``dst`` exists and ``overwrite`` is false.
+    ConversionError
+        The source is inconsistent, or the verification pass found a difference.
+    """
+    import mmbuffer as mb
+
+    t0 = time.perf_counter()
+    with reader:
+        dst_path = check_destination(dst, overwrite)
+        schema = reader.schema
+        if schema.num_rows < 1:
+            raise reader._error("the source holds no rows")
+        rows_per_chunk = default_chunk_rows(schema, chunk_rows)
+        partial = _partial_path(dst_path)
+        remove_partial(partial)
+        tally = _Tally(schema)
+        attrs = dict(schema.attrs)
+        segment_rows = max(rows_per_chunk, SEGMENT_BYTES // max(1, schema.row_bytes()))
+        buf = None
+        try:
+            buf = mb.create(
+                str(partial),
+                columns={k: (tuple(s), str(d)) for k, (s, d) in schema.columns.items()},
+                capacity=schema.num_rows,
+                num_streams=1,
+                compression=compression,
+                next_keys=tuple(schema.next_keys),
+                attrs=jsonable(attrs),
+            )
+            since_reopen = 0
+            source = _prepared(reader, schema, tally, rows_per_chunk)
+            with progress_bar(schema.num_rows, f"convert {reader.format}", progress) as bar, \
+                    _Prefetch(source, depth=2) as chunks:
+                for steps, final, n in chunks:
+                    buf.extend(steps, stream=0, final_obs=(final if schema.next_keys else None))
+                    bar.update(n)
+                    since_reopen += n
+                    if since_reopen >= segment_rows:
+                        # commit, and drop the memory maps: their pages would otherwise
+                        # stay resident in this process for the whole conversion
+                        buf.close()
+                        buf = None
+                        gc.collect()  # a store handle may sit in a reference cycle
+                        buf = mb.open(str(partial), mode="a")
+                        since_reopen = 0
+                if tally.rows != schema.num_rows:
+                    raise reader._error(
+                        f"the source declared {schema.num_rows} rows but yielded {tally.rows}"
+                    )
+                if schema.num_episodes is not None and schema.num_episodes != tally.episodes:
+                    raise reader._error(
+                        f"the source declares {schema.num_episodes} episodes but {tally.episodes} "
+                        "end with a terminated or truncated flag"
+                    )
+                if tally.open_rows:
+                    reader.stats.setdefault("open_episode_rows", tally.open_rows)
+                attrs["convert"] = {
+                    "format": reader.format,
+                    "source": str(reader.path),
+                    "rows": tally.rows,
+                    "episodes": tally.episodes,
+                    "open_episode_rows": tally.open_rows,
+                    "nan_rewards": tally.nan_rewards,
+                    "checksums": {k: _hex(v) for k, v in tally.crc.items()},
+                    "final_obs_checksums": {k: _hex(v) for k, v in tally.final_crc.items()},
+                    "notes": list(reader.notes),
+                }
+            _set_attrs(buf, attrs)
+            buf.commit()
+            buf.close()
+            buf = None  # unmap before the verification pass
+            gc.collect()
+        except BaseException:
+            try:
+                if buf is not None:
+                    buf.close()
+            except Exception:
+                pass
+            remove_partial(partial)
+            raise
+    t_write = time.perf_counter() - t0
+    summary: dict[str, Any] = {
+        "format": reader.format,
+        "source": str(reader.path),
+        "store": str(dst_path),
+        "rows": tally.rows,
+        "episodes": tally.episodes,
+        "open_episode_rows": tally.open_rows,
+        "nan_rewards": tally.nan_rewards,
+        "columns": {k: [list(s), str(d)] for k, (s, d) in schema.columns.items()},
+        "checksums": {k: _hex(v) for k, v in tally.crc.items()},
+        "final_obs_checksums": {k: _hex(v) for k, v in tally.final_crc.items()},
+        "verified": False,
+        **{k: v for k, v in reader.stats.items()},
+        "warnings": list(reader.notes),
+    }
+    if verify:
+        verify_store(partial, tally, schema, rows_per_chunk)
+        summary["verified"] = True
+    replace_destination(partial, dst_path)
+    seconds = time.perf_counter() - t0
+    nbytes = schema.row_bytes() * tally.rows
+    summary.update(
+        seconds=round(seconds, 3),
+        write_seconds=round(t_write, 3),
+        rows_per_s=round(tally.rows / seconds, 1) if seconds else None,
+        mb_per_s=round(nbytes / seconds / 1e6, 1) if seconds else None,
+        bytes=nbytes,
+    )
+    return summary
+
+
+def _prepared(
+    reader: Reader, schema: Schema, tally: _Tally, chunk_rows: int
+) -> Iterator[tuple[dict[str, np.ndarray], dict[str, np.ndarray], int]]:
+    """The reader's chunks, checked, in native dtypes, and added to ``tally``."""
+    for chunk in reader.chunks(chunk_rows):
+        steps = {k: np.ascontiguousarray(v, dtype=_native(schema, k)) for k, v in chunk.steps.items()}
+        final = {k: np.ascontiguousarray(v, dtype=_native(schema, k)) for k, v in chunk.final_obs.items()}
+        for k in schema.next_keys:  # no episode ended in this chunk
+            if k not in final:
+                final[k] = np.zeros((0, *schema.columns[k][0]), _native(schema, k))
+        done = steps["terminated"] | steps["truncated"]
+        _check_chunk(reader, schema, Chunk(steps, final), done)
+        n = len(done)
+        if n == 0:
+            continue
+        if tally.rows + n > schema.num_rows:
+            raise reader._error(f"the source yielded more rows than the {schema.num_rows} it declared")
+        for name, arr in steps.items():
+            tally.add_rows(name, arr)
+        for name, arr in final.items():
+            tally.add_final(name, arr)
+        tally.add_flags(done)
+        reward = steps.get("reward")
+        if reward is not None and reward.dtype.kind == "f":
+            tally.nan_rewards += int(np.isnan(reward).sum())
+        yield steps, final, n
+
+
+class _Prefetch:
+    """Run an iterator in a background thread, ``depth`` items ahead of the consumer.
+
+    Reading the source and checksumming (which release the GIL in h5py, zlib and
+    numpy copies) overlap with the store's writes. Exceptions raised by the
+    iterator are re-raised in the consumer; leaving the ``with`` block early
+    stops the thread.
+    """
+
+    _END = object()
+
+    def __init__(self, iterable: Any, depth: int = 2) -> None:
+        import queue
+        import threading
+
+        self._it = iterable
+        self._queue: Any = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mmbuffer-convert-read", daemon=True)
+
+    def _put(self, item: Any) -> bool:
+        import queue
+
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self) -> None:
+        try:
+            for item in self._it:
+                if not self._put((None, item)):
+                    return
+        except BaseException as exc:  # handed to the consumer
+            self._put((exc, None))
+            return
+        self._put((None, self._END))
+
+    def __enter__(self) -> Iterator[Any]:
+        self._thread.start()
+        return self._iter()
+
+    def _iter(self) -> Iterator[Any]:
+        while True:
+            exc, item = self._queue.get()
+            if exc is not None:
+                raise exc
+            if item is self._END:
+                return
+            yield item
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        close = getattr(self._it, "close", None)
+        if close is not None:
+            close()
+
+
+def _native(schema: Schema, name: str) -> np.dtype:
+    if name in _FLAGS:
+        return np.dtype(np.bool_)
+    return np.dtype(schema.columns[name][1]).newbyteorder("=")
+
+
+def _set_attrs(buf: Any, attrs: dict[str, Any]) -> None:
+    clean = jsonable(attrs)
+    json.dumps(clean)  # fail here, not at commit
+    target = buf.attrs
+    target.update(clean)
+
+
+# -- verification -----------------------------------------------------------------------------
+def verify_store(path: Path, tally: _Tally, schema: Schema, chunk_rows: int) -> None:
+    """Reopen the store at ``path`` read-only and compare it with ``tally``."""
+    import mmbuffer as mb
+
+    def fail(what: str, expected: Any, got: Any) -> ConversionError:
+        return ConversionError(
+            f"{path}: verification failed: {what}: expected {expected}, got {got} "
+            "(the partial store is left for inspection)"
+        )
+
+    with mb.open(str(path), mode="r") as buf:
+        # the last row of an open episode has no next observation yet, so a store
+        # with next-derived columns does not count it as live (store.py)
+        live = tally.rows - (1 if tally.open_rows and schema.next_keys else 0)
+        if len(buf) != live:
+            raise fail("live rows", live, len(buf))
+        if buf.num_episodes != tally.episodes:
+            raise fail("episodes", tally.episodes, buf.num_episodes)
+        starts, lengths = buf.episodes()
+        starts_np = starts.numpy().astype(np.int64)
+        lengths_np = lengths.numpy().astype(np.int64)
+        len_crc = zlib.crc32(lengths_np.tobytes())
+        if len_crc != tally.len_crc:
+            raise fail("episode lengths checksum", _hex(tally.len_crc), _hex(len_crc))
+        expected_starts = np.concatenate([[0], np.cumsum(lengths_np)[:-1]]) if len(lengths_np) else lengths_np
+        if not np.array_equal(starts_np, expected_starts):
+            raise fail("episode starts", "contiguous from row 0", starts_np[:8].tolist())
+    names = [*schema.columns, *_FLAGS]
+    crc = {k: 0 for k in names}
+    fcrc = {k: 0 for k in schema.next_keys}
+    next_names = [f"next_{k}" for k in schema.next_keys]
+    ends = starts_np + lengths_np - 1
+    segment = max(chunk_rows, SEGMENT_BYTES // max(1, schema.row_bytes()))
+
+    def read() -> Iterator[tuple[str, dict[str, Any]]]:
+        # a fresh read-only handle per segment: the pages it touched are unmapped
+        # when it goes, so resident memory stays about one segment
+        for s0 in range(0, tally.rows, segment):
+            s1 = min(tally.rows, s0 + segment)
+            with mb.open(str(path), mode="r") as seg:
+                for a in range(s0, s1, chunk_rows):
+                    b = min(s1, a + chunk_rows)
+                    yield "rows", seg.get(np.arange(a, b, dtype=np.int64), keys=names)
+                if next_names:
+                    lo, hi = np.searchsorted(ends, [s0, s1])
+                    for a in range(int(lo), int(hi), chunk_rows):
+                        idx = ends[a : min(int(hi), a + chunk_rows)]
+                        yield "final", seg.get(idx, keys=next_names)
+            del seg
+            gc.collect()  # a store handle may sit in a reference cycle
+
+    with _Prefetch(read(), depth=2) as chunks:  # gathers overlap with checksums
+        for kind, data in chunks:
+            if kind == "rows":
+                for k in names:
+                    crc[k] = zlib.crc32(as_bytes(_to_numpy(data[k])), crc[k])
+            else:
+                for k in schema.next_keys:
+                    fcrc[k] = zlib.crc32(as_bytes(_to_numpy(data[f"next_{k}"])), fcrc[k])
+    for k in names:
+        if crc[k] != tally.crc[k]:
+            raise fail(f"column {k!r} checksum", _hex(tally.crc[k]), _hex(crc[k]))
+    for k in schema.next_keys:
+        if fcrc[k] != tally.final_crc[k]:
+            raise fail(f"final observation {k!r} checksum", _hex(tally.final_crc[k]), _hex(fcrc[k]))
+
+
+def _to_numpy(x: Any) -> np.ndarray:
+    if hasattr(x, "numpy"):
+        return x.numpy()
+    return np.asarray(x)

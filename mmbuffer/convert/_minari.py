@@ -1,0 +1,547 @@
+"""Minari datasets (HDF5, and the Arrow/Parquet variant when ``pyarrow`` is installed).
+
+Layout read (Minari 0.4/0.5)::
+
+    DATASET/data/metadata.json          total_episodes, total_steps, data_format,
+                                        observation_space, action_space, env_spec, ...
+    DATASET/data/main_data.hdf5         data_format "hdf5": one group per episode
+        episode_<i>/observations        [T+1, ...] (a group of leaves for Dict/Tuple spaces)
+        episode_<i>/actions             [T, ...]
+        episode_<i>/rewards, terminations, truncations   [T]
+        episode_<i>/infos/...           [T+1 or T, ...]
+    DATASET/data/<i>/*.arrow|.parquet   data_format "arrow"/"parquet": one directory per
+                                        episode, every column padded to T+1 rows
+
+Row ``t`` of episode ``i`` becomes one store row (``obs``, ``action``, ``reward``,
+``terminated``, ``truncated``); observation ``T`` (the T+1-th) is the episode's
+final observation. Dict and Tuple spaces become one column per leaf:
+``obs/pixels``, ``obs/_index_0`` (HDF5 names kept, so the export can rebuild
+the group). JPEG-encoded image leaves are decoded (needs Pillow). An episode
+whose last step has neither flag gets ``truncated=True`` there (it is a complete
+Minari episode; counted as ``forced_truncations``, with a warning).
+``metadata.json`` goes into ``attrs["minari"]`` (spaces and env spec as the JSON
+strings Minari wrote). Episodes are read one at a time (an Arrow episode whole,
+an HDF5 episode in row slices), so memory stays at about one chunk.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ._common import Chunk, ChunkAssembler, Reader, Schema, jsonable, write_store
+
+__all__ = ["MinariReader", "convert_minari"]
+
+_EPISODE = re.compile(r"^episode_(\d+)$")
+_TOP = {"observations": "obs", "actions": "action"}
+
+
+def _space_leaves(space: dict[str, Any] | None, prefix: str) -> dict[str, dict[str, Any]]:
+    """Leaf path -> serialized leaf space (Minari's JSON space format)."""
+    if space is None:
+        return {}
+    kind = space.get("type")
+    if kind == "Dict":
+        out: dict[str, dict[str, Any]] = {}
+        for k, sub in space.get("subspaces", {}).items():
+            out.update(_space_leaves(sub, f"{prefix}/{k}"))
+        return out
+    if kind == "Tuple":
+        out = {}
+        for i, sub in enumerate(space.get("subspaces", [])):
+            out.update(_space_leaves(sub, f"{prefix}/_index_{i}"))
+        return out
+    return {prefix: space}
+
+
+def _parse_space(meta: dict[str, Any], key: str) -> dict[str, Any] | None:
+    value = meta.get(key)
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return None
+    return value if isinstance(value, dict) else None
+
+
+def _is_image(space: dict[str, Any]) -> bool:
+    if space.get("type") != "Box" or space.get("dtype") != "uint8":
+        return False
+    shape = space.get("shape", [])
+    if len(shape) not in (2, 3) or shape[0] < 32 or shape[1] < 32:
+        return False
+    low, high = np.asarray(space.get("low")), np.asarray(space.get("high"))
+    return bool(np.all(low == 0) and np.all(high == 255))
+
+
+def _decode_jpeg(frames: Any, where: str) -> np.ndarray:
+    from ..errors import ConversionError
+
+    try:
+        from PIL import Image
+    except ImportError as exc:
+        raise ConversionError(f"{where}: JPEG-encoded images need Pillow (pip install pillow)") from exc
+    images = [np.array(Image.open(io.BytesIO(bytes(np.asarray(f, dtype=np.uint8)))), dtype=np.uint8) for f in frames]
+    return np.stack(images) if images else np.zeros((0,), np.uint8)
+
+
+class MinariReader(Reader):
+    """Read a Minari dataset directory (see the module docstring).
+
+    Parameters
+    ----------
+    path
+        The dataset directory (``.../<dataset_id>``, holding ``data/``) or its ``data/``.
+    keep_infos
+        Keep numeric ``infos`` leaves as ``infos/<name>`` columns (rows 1..T of a
+        T+1-row info, i.e. the info returned by each step).
+    """
+
+    format = "minari"
+
+    def __init__(self, path: str | os.PathLike[str], *, keep_infos: bool = False) -> None:
+        super().__init__(path)
+        p = self.path
+        data = p / "data" if (p / "data" / "metadata.json").is_file() else p
+        meta_path = data / "metadata.json"
+        if not meta_path.is_file():
+            raise self._error(
+                "not a Minari dataset: no data/metadata.json (expected the dataset directory)"
+            )
+        try:
+            self.metadata: dict[str, Any] = json.loads(meta_path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise self._error(f"unreadable metadata.json ({exc})", "metadata.json") from exc
+        self._data = data
+        self._keep_infos = keep_infos
+        self.data_format = self.metadata.get("data_format", "hdf5")
+        self._obs_space = _parse_space(self.metadata, "observation_space")
+        self._act_space = _parse_space(self.metadata, "action_space")
+        self._jpeg = bool(self.metadata.get("jpeg_encoding", True))
+        self._leaf_space = {**_space_leaves(self._obs_space, "obs"), **_space_leaves(self._act_space, "action")}
+        self._h5: Any = None
+        if self.data_format == "hdf5":
+            self._schema = self._scan_hdf5()
+        elif self.data_format in ("arrow", "parquet"):
+            self._schema = self._scan_arrow()
+        else:
+            raise self._error(f"unknown data_format {self.data_format!r} (hdf5, arrow, parquet)", "metadata.json")
+
+    @property
+    def schema(self) -> Schema:
+        return self._schema
+
+    def close(self) -> None:
+        if self._h5 is not None:
+            self._h5.close()
+            self._h5 = None
+
+    # -- common ----------------------------------------------------------------------------
+    def _attrs(self) -> dict[str, Any]:
+        return {"source_format": "minari", "minari": jsonable(self.metadata)}
+
+    def _check_totals(self, steps: int, episodes: int) -> None:
+        for key, got in (("total_steps", steps), ("total_episodes", episodes)):
+            want = self.metadata.get(key)
+            if want is not None and int(want) != got:
+                raise self._error(f"metadata.json says {key}={want} but the data holds {got}", key)
+
+    def _finish_episode(self, ep: int, term: np.ndarray, trunc: np.ndarray) -> None:
+        if len(term) and not (term[-1] or trunc[-1]):
+            trunc[-1] = True
+            self.stats["forced_truncations"] = self.stats.get("forced_truncations", 0) + 1
+            if self.stats["forced_truncations"] == 1:
+                self._warn(
+                    f"episode {ep} ends with neither terminated nor truncated: marked truncated "
+                    "(further cases are counted in forced_truncations)"
+                )
+
+    # -- HDF5 ----------------------------------------------------------------------------------
+    def _episode_names(self) -> list[str]:
+        names = []
+        for name in self._h5:
+            m = _EPISODE.match(name)
+            if m is None:
+                raise self._error(f"unexpected entry {name!r} (expected episode_<i> groups)", "main_data.hdf5")
+            names.append((int(m.group(1)), name))
+        names.sort()
+        return [n for _, n in names]
+
+    def _scan_hdf5(self) -> Schema:
+        import h5py
+
+        path = self._data / "main_data.hdf5"
+        if not path.is_file():
+            raise self._error("data_format is hdf5 but data/main_data.hdf5 is missing", "main_data.hdf5")
+        try:
+            self._h5 = h5py.File(path, "r")
+        except OSError as exc:
+            raise self._error(f"not an HDF5 file ({exc})", "main_data.hdf5") from exc
+        self._episodes = self._episode_names()
+        if not self._episodes:
+            raise self._error("no episodes", "main_data.hdf5")
+        columns: dict[str, tuple[tuple[int, ...], str]] = {}
+        self._lengths: list[int] = []
+        first = True
+        dropped: set[str] = set()
+        for name in self._episodes:
+            g = self._h5[name]
+            for key in ("observations", "actions", "rewards", "terminations", "truncations"):
+                if key not in g:
+                    raise self._error(f"missing key {key!r}", f"{name}/{key}")
+            rew = g["rewards"]
+            t = int(rew.shape[0])
+            self._lengths.append(t)
+            leaves = self._h5_leaves(g, name)
+            for col, (ds, rows) in leaves.items():
+                want = t + 1 if col.startswith("obs") else t
+                if col.startswith("infos/"):
+                    if rows not in (t, t + 1):
+                        dropped.add(col)
+                        continue
+                elif rows != want:
+                    raise self._error(
+                        f"mismatched lengths: {rows} rows, expected {want} ({t} steps)", f"{name}/{ds.name.split('/', 2)[-1]}"
+                    )
+                shape, dtype = self._leaf_schema(col, ds)
+                if col.startswith("infos/") and np.dtype(dtype).kind not in "biuf":
+                    dropped.add(col)
+                    continue
+                if first:
+                    columns[col] = (shape, dtype)
+                elif col not in columns:
+                    if not col.startswith("infos/"):
+                        raise self._error(f"column {col!r} is not in episode 0", name)
+                    dropped.add(col)
+                elif columns[col] != (shape, dtype):
+                    raise self._error(
+                        f"shape/dtype {shape} {dtype} differ from the first episode's {columns[col]}",
+                        f"{name}/{col}",
+                    )
+            if not first:
+                missing = [c for c in columns if c not in leaves]
+                info_missing = [c for c in missing if c.startswith("infos/")]
+                for c in info_missing:
+                    dropped.add(c)
+                    columns.pop(c)
+                if len(missing) > len(info_missing):
+                    raise self._error(f"missing {sorted(set(missing) - set(info_missing))}", name)
+            first = False
+        for c in dropped:
+            columns.pop(c, None)
+        if dropped:
+            self._warn(f"info leaves not kept (non-numeric or not one per step): {sorted(dropped)}")
+        self._cols = columns
+        self._check_totals(sum(self._lengths), len(self._episodes))
+        next_keys = tuple(c for c in columns if c == "obs" or c.startswith("obs/"))
+        return Schema(columns, next_keys, sum(self._lengths), self._attrs(), len(self._episodes))
+
+    def _h5_leaves(self, g: Any, ep: str) -> dict[str, tuple[Any, int]]:
+        import h5py
+
+        out: dict[str, tuple[Any, int]] = {}
+
+        def walk(node: Any, col: str) -> None:
+            if isinstance(node, h5py.Dataset):
+                out[col] = (node, int(node.shape[0]) if node.shape else -1)
+            else:
+                for k in node:
+                    walk(node[k], f"{col}/{k}")
+
+        for key, col in (*_TOP.items(), ("rewards", "reward")):
+            walk(g[key], col)
+        if self._keep_infos and "infos" in g:
+            walk(g["infos"], "infos")
+        return out
+
+    def _leaf_schema(self, col: str, ds: Any) -> tuple[tuple[int, ...], str]:
+        space = self._leaf_space.get(col)
+        if ds.dtype.kind in "OV" or h5py_vlen(ds):
+            if space is not None and self._jpeg and _is_image(space):
+                return tuple(space["shape"]), "|u1"
+            raise self._error(f"unsupported non-numeric data (dtype {ds.dtype})", col)
+        if ds.dtype.kind not in "biuf":
+            if col.startswith("infos/"):
+                return (), ds.dtype.str
+            raise self._error(f"unsupported dtype {ds.dtype} (text spaces are not stored)", col)
+        shape = tuple(int(s) for s in ds.shape[1:])
+        if col == "reward":
+            if shape == (1,):
+                shape = ()
+        return shape, np.dtype(ds.dtype).newbyteorder("=").str
+
+    def _read_leaf(self, col: str, ds: Any, a: int, b: int) -> np.ndarray:
+        space = self._leaf_space.get(col)
+        if ds.dtype.kind in "OV" or h5py_vlen(ds):
+            return _decode_jpeg(ds[a:b], f"{self._data}/main_data.hdf5:{ds.name}")
+        rows = np.asarray(ds[a:b])
+        if col == "reward":
+            rows = rows.reshape(b - a)
+        del space
+        return rows
+
+    def _chunks_hdf5(self, chunk_rows: int) -> Iterator[Chunk]:
+        asm = ChunkAssembler(chunk_rows)
+        obs_cols = [c for c in self._cols if c == "obs" or c.startswith("obs/")]
+        for ep, (name, t) in enumerate(zip(self._episodes, self._lengths)):
+            g = self._h5[name]
+            leaves = self._h5_leaves(g, name)
+            term_ds, trunc_ds = g["terminations"], g["truncations"]
+            for a in range(0, t, chunk_rows):
+                b = min(t, a + chunk_rows)
+                steps: dict[str, np.ndarray] = {}
+                for col in self._cols:
+                    ds, rows = leaves[col]
+                    if col.startswith("infos/") and rows == t + 1:
+                        steps[col] = self._read_leaf(col, ds, a + 1, b + 1)
+                    else:
+                        steps[col] = self._read_leaf(col, ds, a, b)
+                term = np.asarray(term_ds[a:b]).reshape(b - a).astype(bool)
+                trunc = np.asarray(trunc_ds[a:b]).reshape(b - a).astype(bool)
+                last = b == t
+                if last:
+                    self._finish_episode(ep, term, trunc)
+                inner = term[:-1] | trunc[:-1] if last else term | trunc
+                if inner.any():
+                    raise self._error(
+                        f"a terminated/truncated flag before the last step (row {a + int(np.flatnonzero(inner)[0])})",
+                        f"{name}/terminations",
+                    )
+                steps["terminated"], steps["truncated"] = term, trunc
+                final = None
+                if last:
+                    final = {c: self._read_leaf(c, leaves[c][0], t, t + 1)[0] for c in obs_cols}
+                out = asm.add(steps, final)
+                if out is not None:
+                    yield out
+        out = asm.flush()
+        if out is not None:
+            yield out
+
+    # -- Arrow / Parquet ----------------------------------------------------------------------
+    def _episode_dirs(self) -> list[tuple[int, Path]]:
+        dirs = []
+        for d in self._data.iterdir():
+            if d.is_dir() and d.name.isdigit():
+                dirs.append((int(d.name), d))
+            elif d.is_dir() and d.name.startswith("episode_id="):
+                dirs.append((int(d.name.split("=", 1)[1]), d))
+        dirs.sort()
+        return dirs
+
+    def _arrow_table(self, d: Path) -> Any:
+        try:
+            import pyarrow.dataset as pds
+        except ImportError as exc:
+            raise self._error(f"data_format {self.data_format!r} needs pyarrow (pip install pyarrow)") from exc
+        ds = pds.dataset(str(d), format=self.data_format, ignore_prefixes=["_", ".", "metadata.json"])
+        return ds.to_table()
+
+    def _arrow_episode(self, d: Path) -> dict[str, np.ndarray]:
+        table = self._arrow_table(d)
+        n = table.num_rows
+        out: dict[str, np.ndarray] = {}
+        for key, col in (("observations", "obs"), ("actions", "action")):
+            if key not in table.column_names:
+                raise self._error(f"missing key {key!r}", f"{d.name}/{key}")
+            space = self._obs_space if key == "observations" else self._act_space
+            _arrow_leaves(table.column(key).combine_chunks(), space, col, out, self, jpeg=self._jpeg)
+        for key, col in (("rewards", "reward"), ("terminations", "terminated"), ("truncations", "truncated")):
+            if key not in table.column_names:
+                raise self._error(f"missing key {key!r}", f"{d.name}/{key}")
+            arr = table.column(key).combine_chunks()
+            out[col] = arr.fill_null(_zero(arr)).to_numpy(zero_copy_only=False)
+        if self._keep_infos and "infos" in table.column_names:
+            _arrow_info_leaves(table.column("infos").combine_chunks(), "infos", out, n)
+        return out
+
+    def _scan_arrow(self) -> Schema:
+        self._dirs = self._episode_dirs()
+        if not self._dirs:
+            raise self._error(f"data_format is {self.data_format} but data/ holds no episode directories")
+        self._lengths = []
+        columns: dict[str, tuple[tuple[int, ...], str]] = {}
+        for ep, d in self._dirs:
+            meta_file = d / "metadata.json"
+            t = None
+            if meta_file.is_file() and ep != self._dirs[0][0]:
+                t = json.loads(meta_file.read_text()).get("total_steps")
+            if t is None or not columns:
+                data = self._arrow_episode(d)
+                t = len(data["reward"]) - 1
+                if not columns:
+                    for col, arr in data.items():
+                        if col in ("terminated", "truncated"):
+                            continue
+                        if col.startswith("infos/") and arr.dtype.kind not in "biuf":
+                            continue
+                        shape = tuple(arr.shape[1:])
+                        columns[col] = (shape, np.dtype(arr.dtype).newbyteorder("=").str)
+            self._lengths.append(int(t))
+        self._cols = columns
+        self._check_totals(sum(self._lengths), len(self._dirs))
+        next_keys = tuple(c for c in columns if c == "obs" or c.startswith("obs/"))
+        return Schema(columns, next_keys, sum(self._lengths), self._attrs(), len(self._dirs))
+
+    def _chunks_arrow(self, chunk_rows: int) -> Iterator[Chunk]:
+        asm = ChunkAssembler(chunk_rows)
+        obs_cols = [c for c in self._cols if c == "obs" or c.startswith("obs/")]
+        for (ep, d), t in zip(self._dirs, self._lengths):
+            data = self._arrow_episode(d)
+            if len(data["reward"]) != t + 1:
+                raise self._error(
+                    f"mismatched lengths: {len(data['reward']) - 1} steps, metadata says {t}", f"{d.name}"
+                )
+            for col in self._cols:
+                if col not in data:
+                    raise self._error(f"missing column {col!r}", d.name)
+            steps = {c: data[c][:t] for c in self._cols}
+            for c in self._cols:
+                if c.startswith("infos/") and len(data[c]) == t + 1:
+                    steps[c] = data[c][1 : t + 1]
+            term = data["terminated"][:t].astype(bool)
+            trunc = data["truncated"][:t].astype(bool)
+            self._finish_episode(ep, term, trunc)
+            steps["terminated"], steps["truncated"] = term, trunc
+            final = {c: data[c][t] for c in obs_cols}
+            for a in range(0, t, chunk_rows):
+                b = min(t, a + chunk_rows)
+                piece = {k: v[a:b] for k, v in steps.items()}
+                out = asm.add(piece, final if b == t else None)
+                if out is not None:
+                    yield out
+        out = asm.flush()
+        if out is not None:
+            yield out
+
+    def chunks(self, chunk_rows: int) -> Iterator[Chunk]:
+        if self.data_format == "hdf5":
+            yield from self._chunks_hdf5(chunk_rows)
+        else:
+            yield from self._chunks_arrow(chunk_rows)
+
+
+def h5py_vlen(ds: Any) -> bool:
+    import h5py
+
+    return h5py.check_vlen_dtype(ds.dtype) is not None
+
+
+def _arrow_leaves(arr: Any, space: dict[str, Any] | None, col: str, out: dict[str, np.ndarray],
+                  reader: Reader, *, jpeg: bool) -> None:
+    import pyarrow as pa
+
+    kind = (space or {}).get("type")
+    if pa.types.is_struct(arr.type):
+        for i, field in enumerate(arr.type):
+            sub = None
+            if kind == "Dict":
+                sub = space["subspaces"].get(field.name)  # type: ignore[index]
+                name = field.name
+            elif kind == "Tuple":
+                sub = space["subspaces"][int(field.name)]  # type: ignore[index]
+                name = f"_index_{field.name}"
+            else:
+                name = field.name
+            _arrow_leaves(arr.field(i), sub, f"{col}/{name}", out, reader, jpeg=jpeg)
+        return
+    if space is not None and jpeg and _is_image(space) and pa.types.is_binary(arr.type):
+        frames = [np.frombuffer(x.as_py() or b"", np.uint8) for x in arr]
+        # the action column of an Arrow episode is padded with one null row
+        valid = [f for f in frames if len(f)]
+        img = _decode_jpeg(valid, f"{reader.path}:{col}")
+        if len(valid) < len(frames):
+            img = np.concatenate([img, np.zeros((len(frames) - len(valid), *img.shape[1:]), np.uint8)])
+        out[col] = img
+        return
+    if pa.types.is_fixed_size_list(arr.type):
+        width = arr.type.list_size
+        flat = arr.flatten().fill_null(_zero(arr)).to_numpy(zero_copy_only=False)
+        n = len(arr)
+        shape = tuple(space["shape"]) if space and "shape" in space else (width,)
+        if kind == "MultiBinary" and space is not None:
+            nsp = space.get("n")
+            shape = tuple(nsp) if isinstance(nsp, list) else (int(nsp),)
+        if kind == "MultiDiscrete" and space is not None:
+            shape = tuple(np.asarray(space["nvec"]).shape)
+        if int(np.prod(shape)) != width:
+            shape = (width,)
+        out[col] = flat.reshape(n, *shape)
+        return
+    if pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type) or pa.types.is_boolean(arr.type):
+        out[col] = arr.fill_null(_zero(arr)).to_numpy(zero_copy_only=False)
+        return
+    raise reader._error(f"unsupported Arrow type {arr.type}", col)
+
+
+def _zero(arr: Any) -> Any:
+    """A fill value for the nulls Minari pads Arrow episodes with (False for bool)."""
+    import pyarrow as pa
+
+    typ = arr.type.value_type if pa.types.is_fixed_size_list(arr.type) else arr.type
+    return pa.scalar(False if pa.types.is_boolean(typ) else 0, type=typ)
+
+
+def _arrow_info_leaves(arr: Any, col: str, out: dict[str, np.ndarray], n: int) -> None:
+    import pyarrow as pa
+
+    if pa.types.is_struct(arr.type):
+        for i, field in enumerate(arr.type):
+            _arrow_info_leaves(arr.field(i), f"{col}/{field.name}", out, n)
+            if f"{col}/{field.name}" in out and field.metadata and b"shape" in field.metadata:
+                shape = tuple(int(s) for s in field.metadata[b"shape"].split(b",") if s)
+                out[f"{col}/{field.name}"] = out[f"{col}/{field.name}"].reshape(-1, *shape)
+        return
+    if pa.types.is_fixed_size_list(arr.type):
+        flat = arr.flatten().fill_null(_zero(arr)).to_numpy(zero_copy_only=False)
+        out[col] = flat.reshape(len(arr), arr.type.list_size)
+    elif pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type) or pa.types.is_boolean(arr.type):
+        out[col] = arr.fill_null(_zero(arr)).to_numpy(zero_copy_only=False)
+
+
+def convert_minari(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    keep_infos: bool = False,
+    overwrite: bool = False,
+    compression: str | None = None,
+    chunk_rows: int | None = None,
+    progress: bool = True,
+    verify: bool = True,
+) -> dict[str, Any]:
+    """Convert a Minari dataset directory into a new store at ``dst``.
+
+    ``src`` is the dataset's directory (e.g. ``~/.minari/datasets/D4RL/door/human-v2``)
+    or its ``data/`` directory; Minari itself is not needed to read it. Options
+    and the returned summary are those of :func:`convert_d4rl`.
+
+    Raises
+    ------
+    ConversionError
+        Not a Minari dataset, a missing key, observations not ``T+1`` rows, totals
+        that disagree with ``metadata.json``.
+    StoreExistsError
+        ``dst`` exists and ``overwrite`` is false.
+
+    Examples
+    --------
+    ``convert_minari("~/.minari/datasets/D4RL/door/human-v2", "stores/door")``;
+    ``tests/test_convert.py`` runs it on datasets written by ``minari.DataCollector``.
+    """
+    from ._common import check_destination
+
+    check_destination(dst, overwrite)
+    reader = MinariReader(Path(src).expanduser(), keep_infos=keep_infos)
+    return write_store(
+        reader, dst, overwrite=overwrite, compression=compression, chunk_rows=chunk_rows,
+        progress=progress, verify=verify,
+    )

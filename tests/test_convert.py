@@ -1,0 +1,658 @@
+"""Conversion tools: D4RL, Minari, npz, TorchRL / TD-MPC2 in; D4RL, Minari, copies out.
+
+Every source is made here (gymnasium rollouts, Minari's own writers, TorchRL's
+own ``dumps``); nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+import zipfile
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+import mmbuffer as mb
+from mmbuffer.convert import (
+    ConversionWarning,
+    convert,
+    convert_d4rl,
+    convert_minari,
+    convert_npz,
+    convert_torchrl,
+    copy,
+    export_d4rl,
+    export_minari,
+)
+from mmbuffer.errors import ConversionError, InvalidArgumentError, StoreExistsError
+
+gym = pytest.importorskip("gymnasium")
+
+
+# -- sources -----------------------------------------------------------------------------------
+def collect(env_id: str, n_episodes: int, *, max_steps: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
+    """Random-policy episodes: obs [T+1], action [T], reward [T], terminated [T], truncated [T]."""
+    env = gym.make(env_id, max_episode_steps=max_steps)
+    env.action_space.seed(seed)
+    out = []
+    for i in range(n_episodes):
+        obs, _ = env.reset(seed=seed + i)
+        o, a, r, te, tr = [obs], [], [], [], []
+        while True:
+            act = env.action_space.sample()
+            obs, rew, term, trunc, _ = env.step(act)
+            o.append(obs)
+            a.append(act)
+            r.append(rew)
+            te.append(term)
+            tr.append(trunc)
+            if term or trunc:
+                break
+        out.append(_episode(o, a, r, te, tr))
+    env.close()
+    return out
+
+
+def _episode(o, a, r, te, tr) -> dict[str, np.ndarray]:
+    return {
+        "obs": np.asarray(o, dtype=np.float32),
+        "action": np.asarray(a),
+        "reward": np.asarray(r, dtype=np.float32),
+        "terminated": np.asarray(te, bool),
+        "truncated": np.asarray(tr, bool),
+    }
+
+
+def write_d4rl(path: Path, episodes, *, next_obs: bool = True, infos: bool = True, open_tail: bool = False) -> None:
+    cat = lambda k: np.concatenate([e[k] for e in episodes])  # noqa: E731
+    term, trunc = cat("terminated"), cat("truncated")
+    if open_tail:
+        term[-1] = trunc[-1] = False
+    with h5py.File(path, "w") as f:
+        f["observations"] = np.concatenate([e["obs"][:-1] for e in episodes])
+        f["actions"] = cat("action")
+        f["rewards"] = cat("reward")
+        f["terminals"] = term
+        f["timeouts"] = trunc
+        if next_obs:
+            f["next_observations"] = np.concatenate([e["obs"][1:] for e in episodes])
+        if infos:
+            f["infos/step"] = np.concatenate([np.arange(len(e["reward"])) for e in episodes])
+        f["metadata/algorithm"] = "random"
+        f["metadata/seed"] = 3
+
+
+@pytest.fixture(scope="module")
+def cartpole():
+    # max 30 steps: some episodes terminate (pole falls), some are cut by the time limit
+    eps = collect("CartPole-v1", 12, max_steps=30)
+    assert any(e["terminated"][-1] for e in eps) and any(e["truncated"][-1] for e in eps)
+    return eps
+
+
+def store_episodes(path) -> list[dict[str, np.ndarray]]:
+    """Complete episodes of a store, obs with T+1 rows like the sources above."""
+    with mb.open(str(path), mode="r") as buf:
+        starts, lengths = buf.episodes()
+        out = []
+        for s, n in zip(starts.tolist(), lengths.tolist()):
+            idx = torch.arange(s, s + n)
+            d = {k: v.numpy() for k, v in buf.get(idx, keys=["obs", "next_obs", "action", "reward",
+                                                             "terminated", "truncated"]).items()}
+            out.append({
+                "obs": np.concatenate([d["obs"], d["next_obs"][-1:]]),
+                "action": d["action"], "reward": d["reward"],
+                "terminated": d["terminated"], "truncated": d["truncated"],
+            })
+        return out
+
+
+def assert_same_episodes(got, want) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        for k in ("obs", "action", "reward", "terminated", "truncated"):
+            np.testing.assert_array_equal(g[k], np.asarray(w[k]).astype(g[k].dtype), err_msg=k)
+
+
+def read_all(path) -> dict[str, np.ndarray]:
+    """Every written row (open episode included) of a one-lane store, with next values."""
+    with mb.open(str(path), mode="r") as buf:
+        n = buf.view().written[0]
+        keys = [c for c in buf.columns] + [f"next_{k}" for k in buf.next_keys]
+        return {k: v.numpy() for k, v in buf.get(torch.arange(int(n)), keys=keys).items()}
+
+
+# -- D4RL -------------------------------------------------------------------------------------
+def test_d4rl_keeps_episodes_flags_and_final_obs(tmp_path, cartpole):
+    src = tmp_path / "cartpole.hdf5"
+    write_d4rl(src, cartpole)
+    summary = convert_d4rl(src, tmp_path / "store", progress=False, chunk_rows=37)
+    assert summary["verified"]
+    assert summary["rows"] == sum(len(e["reward"]) for e in cartpole)
+    assert summary["episodes"] == len(cartpole)
+    assert summary["open_episode_rows"] == 0 and summary["nan_rewards"] == 0
+    assert summary["next_obs_mismatch_rows"] == 0
+    assert set(summary["checksums"]) == {"obs", "action", "reward", "terminated", "truncated"}
+    assert_same_episodes(store_episodes(tmp_path / "store"), cartpole)
+    with mb.open(str(tmp_path / "store"), mode="r") as buf:
+        assert "infos/step" not in buf.columns
+        assert buf.attrs["source_format"] == "d4rl"
+        assert buf.attrs["source_metadata"]["algorithm"] == "random"
+        assert buf.attrs["final_obs_source"] == "next"
+        assert buf.attrs["convert"]["checksums"] == summary["checksums"]
+    assert not (tmp_path / "store.partial").exists()
+
+
+def test_d4rl_keep_infos_and_no_next_observations(tmp_path, cartpole):
+    src = tmp_path / "c.hdf5"
+    write_d4rl(src, cartpole, next_obs=False)
+    with pytest.warns(ConversionWarning, match="stored as zeros"):
+        convert_d4rl(src, tmp_path / "s", keep_infos=True, progress=False)
+    with mb.open(str(tmp_path / "s"), mode="r") as buf:
+        assert buf.columns["infos/step"].dtype == "int64"
+        assert buf.attrs["final_obs_source"] == "zeros"
+        starts, lengths = buf.episodes()
+        last = buf.get(starts + lengths - 1, keys=["next_obs", "infos/step"])
+        assert torch.all(last["next_obs"] == 0)
+        assert last["infos/step"].tolist() == [len(e["reward"]) - 1 for e in cartpole]
+
+
+def test_d4rl_open_final_episode_is_kept_with_a_warning(tmp_path, cartpole):
+    src = tmp_path / "c.hdf5"
+    write_d4rl(src, cartpole, open_tail=True)
+    with pytest.warns(ConversionWarning, match="open episode"):
+        s = convert_d4rl(src, tmp_path / "s", progress=False)
+    assert s["episodes"] == len(cartpole) - 1
+    assert s["open_episode_rows"] == len(cartpole[-1]["reward"])
+    with mb.open(str(tmp_path / "s"), mode="r") as buf:
+        assert buf.num_episodes == len(cartpole) - 1
+        rows = read_all(tmp_path / "s")
+        np.testing.assert_array_equal(rows["obs"][-len(cartpole[-1]["reward"]):], cartpole[-1]["obs"][:-1])
+
+
+def test_d4rl_nan_rewards_are_kept_and_counted(tmp_path, cartpole):
+    src = tmp_path / "c.hdf5"
+    write_d4rl(src, cartpole)
+    with h5py.File(src, "a") as f:
+        r = f["rewards"][:]
+        r[[3, 7]] = np.nan
+        f["rewards"][:] = r
+    s = convert_d4rl(src, tmp_path / "s", progress=False)
+    assert s["nan_rewards"] == 2
+    assert np.isnan(read_all(tmp_path / "s")["reward"][[3, 7]]).all()
+
+
+@pytest.mark.parametrize("drop", ["timeouts", "observations"])
+def test_d4rl_missing_key_names_file_and_key(tmp_path, cartpole, drop):
+    src = tmp_path / "c.hdf5"
+    write_d4rl(src, cartpole)
+    with h5py.File(src, "a") as f:
+        del f[drop]
+    with pytest.raises(ConversionError, match=rf"c\.hdf5.*missing key '{drop}'"):
+        convert_d4rl(src, tmp_path / "s", progress=False)
+    assert not (tmp_path / "s").exists() and not (tmp_path / "s.partial").exists()
+
+
+def test_d4rl_mismatched_lengths_and_wrong_format(tmp_path, cartpole):
+    src = tmp_path / "c.hdf5"
+    write_d4rl(src, cartpole)
+    with h5py.File(src, "a") as f:
+        a = f["actions"][:-1]
+        del f["actions"]
+        f["actions"] = a
+    with pytest.raises(ConversionError, match=r"\[actions\].*mismatched lengths"):
+        convert_d4rl(src, tmp_path / "s", progress=False)
+    (tmp_path / "text.hdf5").write_text("not hdf5")
+    with pytest.raises(ConversionError, match="not an HDF5 file"):
+        convert_d4rl(tmp_path / "text.hdf5", tmp_path / "s", progress=False)
+    with pytest.raises(InvalidArgumentError, match="format"):
+        convert("parquet-of-doom", src, tmp_path / "s")
+
+
+def test_existing_output_is_refused_unless_overwrite(tmp_path, cartpole):
+    src = tmp_path / "c.hdf5"
+    write_d4rl(src, cartpole)
+    (tmp_path / "s").mkdir()
+    with pytest.raises(StoreExistsError, match="overwrite"):
+        convert_d4rl(src, tmp_path / "s", progress=False)
+    s = convert("d4rl", src, tmp_path / "s", overwrite=True, progress=False)
+    assert s["verified"] and mb.open(str(tmp_path / "s"), mode="r").num_episodes == len(cartpole)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("s")] == ["s"]
+
+
+def test_interrupted_conversion_leaves_nothing_that_looks_complete(tmp_path, cartpole, monkeypatch):
+    from mmbuffer.convert import _flat
+
+    src = tmp_path / "c.hdf5"
+    write_d4rl(src, cartpole)
+    real = _flat.FlatReader.chunks
+
+    def chunks(self, n):
+        for i, c in enumerate(real(self, n)):
+            if i == 2:
+                raise KeyboardInterrupt
+            yield c
+
+    monkeypatch.setattr(_flat.FlatReader, "chunks", chunks)
+    with pytest.raises(KeyboardInterrupt):
+        convert_d4rl(src, tmp_path / "s", chunk_rows=16, progress=False)
+    assert not (tmp_path / "s").exists() and not (tmp_path / "s.partial").exists()
+
+
+def test_verification_catches_a_corrupted_store(tmp_path, cartpole, monkeypatch):
+    from mmbuffer.convert import _common
+
+    src = tmp_path / "c.hdf5"
+    write_d4rl(src, cartpole)
+    real = _common.verify_store
+
+    def corrupt_then_verify(path, *args):
+        shard = next((Path(path) / "columns" / "reward").rglob("c/*"))
+        while shard.is_dir():
+            shard = next(shard.iterdir())
+        with open(shard, "r+b") as f:
+            f.write(b"\xff\xff\xff\x7f")
+        return real(path, *args)
+
+    monkeypatch.setattr(_common, "verify_store", corrupt_then_verify)
+    with pytest.raises(ConversionError, match="reward.*checksum"):
+        convert_d4rl(src, tmp_path / "s", progress=False)
+    assert not (tmp_path / "s").exists()
+
+
+# -- npz ----------------------------------------------------------------------------------------
+def test_npz_and_npy_directory_match_d4rl(tmp_path, cartpole):
+    src = tmp_path / "c.hdf5"
+    write_d4rl(src, cartpole)
+    ref = convert_d4rl(src, tmp_path / "ref", keep_infos=True, progress=False)
+    with h5py.File(src, "r") as f:
+        arrays = {k: f[k][()] for k in ("observations", "actions", "rewards", "terminals", "timeouts",
+                                        "next_observations")}
+        arrays["infos/step"] = f["infos/step"][()]
+    np.savez(tmp_path / "plain.npz", **arrays)
+    np.savez_compressed(tmp_path / "small.npz", **arrays)
+    d = tmp_path / "npy"
+    (d / "infos").mkdir(parents=True)
+    for k, v in arrays.items():
+        np.save(d / f"{k}.npy", v)
+    for i, path in enumerate([tmp_path / "plain.npz", tmp_path / "small.npz", d]):
+        s = convert_npz(path, tmp_path / f"s{i}", keep_infos=True, chunk_rows=50, progress=False)
+        assert s["checksums"] == ref["checksums"], path
+        assert s["final_obs_checksums"] == ref["final_obs_checksums"]
+        assert s["episodes"] == ref["episodes"]
+
+
+def test_npz_refuses_pickles_and_non_archives(tmp_path, cartpole):
+    np.save(tmp_path / "obj.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    with zipfile.ZipFile(tmp_path / "evil.npz", "w") as z:
+        z.write(tmp_path / "obj.npy", "observations.npy")
+    with pytest.raises(ConversionError, match="pickle"):
+        convert_npz(tmp_path / "evil.npz", tmp_path / "s", progress=False)
+    (tmp_path / "x.npz").write_bytes(b"hello")
+    with pytest.raises(ConversionError, match="not an .npz"):
+        convert_npz(tmp_path / "x.npz", tmp_path / "s", progress=False)
+    np.savez(tmp_path / "partial.npz", observations=np.zeros((3, 2)), actions=np.zeros((3, 1)))
+    with pytest.raises(ConversionError, match="missing keys 'rewards', 'terminals', 'timeouts'"):
+        convert_npz(tmp_path / "partial.npz", tmp_path / "s", progress=False)
+
+
+def test_command_line_convert_export_copy(tmp_path, cartpole, capsys):
+    from mmbuffer.cli import main
+    from mmbuffer.convert.cli import tool_main
+
+    src = tmp_path / "c.hdf5"
+    write_d4rl(src, cartpole)
+    assert main(["convert", "d4rl", str(src), str(tmp_path / "s"), "--keep-infos", "--no-progress", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["verified"] and "infos/step" in summary["checksums"]
+    assert main(["convert", "d4rl", str(src), str(tmp_path / "s"), "--no-progress"]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert tool_main("d4rl", [str(src), str(tmp_path / "s"), "--overwrite", "--no-progress"]) == 0
+    assert main(["export", "d4rl", str(tmp_path / "s"), str(tmp_path / "o.hdf5"), "--no-progress"]) == 0
+    assert main(["copy", str(tmp_path / "s"), str(tmp_path / "z"), "--compression", "zstd", "--no-progress"]) == 0
+    assert "verified" in capsys.readouterr().out
+    with mb.open(str(tmp_path / "z"), mode="r") as buf:
+        assert buf.compression == "zstd" and buf.num_episodes == len(cartpole)
+
+
+# -- exports and copies ------------------------------------------------------------------------
+def test_store_export_d4rl_convert_gives_identical_data(tmp_path, cartpole):
+    src = tmp_path / "c.hdf5"
+    write_d4rl(src, cartpole, open_tail=True)
+    with pytest.warns(ConversionWarning):
+        first = convert_d4rl(src, tmp_path / "a", keep_infos=True, progress=False)
+    out = export_d4rl(tmp_path / "a", tmp_path / "back.hdf5", progress=False)
+    assert out["verified"] and out["rows"] == first["rows"] and out["open_episode_rows"] > 0
+    with pytest.warns(ConversionWarning, match="open episode"):
+        second = convert_d4rl(tmp_path / "back.hdf5", tmp_path / "b", keep_infos=True, progress=False)
+    assert second["checksums"] == first["checksums"]
+    assert second["final_obs_checksums"] == first["final_obs_checksums"]
+    a, b = read_all(tmp_path / "a"), read_all(tmp_path / "b")
+    assert a.keys() == b.keys()
+    for k in a:
+        if k == "next_obs":  # the open episode's last row has no next observation
+            a[k], b[k] = a[k][:-1], b[k][:-1]
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    with h5py.File(tmp_path / "back.hdf5") as f:
+        assert json.loads(f["metadata/mmbuffer_attrs"][()])["source_format"] == "d4rl"
+
+
+@pytest.mark.parametrize("compression", ["zstd", None])
+def test_copy_reencodes_and_keeps_lanes_and_open_episodes(tmp_path, compression):
+    path = tmp_path / "src"
+    buf = mb.create(str(path), {"obs": ((3,), "float32"), "reward": ((), "float32")}, capacity=60,
+                    num_streams=2, attrs={"note": "x"})
+    rng = np.random.default_rng(1)
+    for lane, n in ((0, 25), (1, 18)):
+        term = np.zeros(n, bool)
+        term[[4, 11]] = True  # two episodes, then an open one
+        buf.extend({"obs": rng.random((n, 3), dtype=np.float32), "reward": rng.random(n, dtype=np.float32),
+                    "terminated": term}, stream=lane, final_obs={"obs": rng.random((2, 3), dtype=np.float32)})
+    # wrap lane 0 (30 rows): its oldest episode is evicted
+    term = np.zeros(12, bool)
+    term[5] = True
+    buf.extend({"obs": rng.random((12, 3), dtype=np.float32), "reward": np.ones(12, np.float32),
+                "terminated": term}, stream=0, final_obs={"obs": np.ones((1, 3), np.float32)})
+    buf.commit()
+    buf.close()
+    s = copy(path, tmp_path / "c1", compression=compression or "lz4", chunk_rows=7, progress=False)
+    s2 = copy(tmp_path / "c1", tmp_path / "c2", compression=compression, progress=False)
+    assert s["verified"] and s2["verified"] and s["checksums"] == s2["checksums"]
+    with mb.open(str(path), mode="r") as a, mb.open(str(tmp_path / "c2"), mode="r") as b:
+        assert (b.capacity, b.num_streams, b.attrs["note"]) == (60, 2, "x")
+        assert a.num_episodes == b.num_episodes and len(a) == len(b)
+        la, lb = a.episodes()[1], b.episodes()[1]
+        assert la.tolist() == lb.tolist()
+        ga = a.get(a.episodes()[0], keys=["obs", "next_obs"])
+        gb = b.get(b.episodes()[0], keys=["obs", "next_obs"])
+        for k in ga:
+            assert torch.equal(ga[k], gb[k])
+
+
+# -- Minari -----------------------------------------------------------------------------------
+minari = pytest.importorskip("minari")
+
+
+class PixelsAndState(gym.ObservationWrapper):
+    """Pendulum with a Dict observation: a state vector and a 32x32 image."""
+
+    def __init__(self, env):
+        super().__init__(env)
+        self.observation_space = gym.spaces.Dict({
+            "state": env.observation_space,
+            "pixels": gym.spaces.Box(0, 255, (32, 32, 3), np.uint8),
+        })
+
+    def observation(self, obs):
+        img = np.zeros((32, 32, 3), np.uint8)
+        img[..., 0] = np.uint8((obs[0] + 1) * 100)
+        return {"state": obs, "pixels": img}
+
+
+def make_minari(tmp_path, monkeypatch, dataset_id, env, n_episodes, *, data_format="hdf5", steps=None):
+    """A dataset written by Minari itself (DataCollector when jax is there, else from buffers)."""
+    monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path / "minari"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            import jax  # noqa: F401 - DataCollector needs it
+
+            collector = minari.DataCollector(env, data_format=data_format)
+            collector.action_space.seed(0)
+            for i in range(n_episodes):
+                collector.reset(seed=i)
+                while True:
+                    *_, term, trunc, _ = collector.step(collector.action_space.sample())
+                    if term or trunc:
+                        break
+            ds = collector.create_dataset(dataset_id=dataset_id, algorithm_name="random",
+                                          author="t", author_email="t@x", code_permalink="x",
+                                          description="test")
+            # DataCollector.close() removes its temporary directory behind the back of
+            # the TemporaryDirectory object (a ResourceWarning at exit): clean it properly
+            collector._tmp_dir.cleanup()
+            collector.env.close()
+        except ImportError:
+            from minari.data_collector import EpisodeBuffer
+
+            buffers = []
+            env.action_space.seed(0)
+            for i in range(n_episodes):
+                obs, _ = env.reset(seed=i)
+                o, a, r, te, tr = [obs], [], [], [], []
+                while True:
+                    act = env.action_space.sample()
+                    obs, rew, term, trunc, _ = env.step(act)
+                    o.append(obs), a.append(act), r.append(rew), te.append(term), tr.append(trunc)
+                    if term or trunc:
+                        break
+                if isinstance(o[0], dict):
+                    o = {k: [x[k] for x in o] for k in o[0]}
+                buffers.append(EpisodeBuffer(observations=o, actions=a, rewards=r, terminations=te,
+                                             truncations=tr, infos={}))
+            ds = minari.create_dataset_from_buffers(dataset_id, buffers, env=env, algorithm_name="random",
+                                                    author="t", author_email="t@x", code_permalink="x",
+                                                    description="test", data_format=data_format)
+    return ds, tmp_path / "minari" / dataset_id
+
+
+def compare_with_minari(store, dataset, obs_keys=None) -> None:
+    with mb.open(str(store), mode="r") as buf:
+        starts, lengths = buf.episodes()
+        episodes = list(dataset.iterate_episodes())
+        assert len(episodes) == len(starts) == buf.num_episodes
+        for ep, s, n in zip(episodes, starts.tolist(), lengths.tolist()):
+            idx = torch.arange(s, s + n)
+            got = {k: v.numpy() for k, v in buf.get(idx).items()}
+            assert n == len(ep.rewards)
+            if obs_keys is None:
+                nxt = buf.get(idx[-1:], keys=["next_obs"])["next_obs"].numpy()
+                np.testing.assert_array_equal(np.concatenate([got["obs"], nxt]), ep.observations)
+            else:
+                for k in obs_keys:
+                    nxt = buf.get(idx[-1:], keys=[f"next_obs/{k}"])[f"next_obs/{k}"].numpy()
+                    np.testing.assert_array_equal(np.concatenate([got[f"obs/{k}"], nxt]), ep.observations[k])
+            np.testing.assert_array_equal(got["action"], ep.actions)
+            np.testing.assert_array_equal(got["reward"], ep.rewards)
+            np.testing.assert_array_equal(got["terminated"], ep.terminations)
+            np.testing.assert_array_equal(got["truncated"], ep.truncations)
+
+
+def test_minari_hdf5_cartpole_episode_by_episode(tmp_path, monkeypatch):
+    _, path = make_minari(tmp_path, monkeypatch, "test/cartpole-v0",
+                          gym.make("CartPole-v1", max_episode_steps=40), 10)
+    s = convert_minari(path, tmp_path / "store", chunk_rows=25, progress=False)
+    assert s["verified"] and s["episodes"] == 10
+    compare_with_minari(tmp_path / "store", minari.load_dataset("test/cartpole-v0"))
+    with mb.open(str(tmp_path / "store"), mode="r") as buf:
+        meta = buf.attrs["minari"]
+        assert meta["dataset_id"] == "test/cartpole-v0"
+        assert json.loads(meta["action_space"])["type"] == "Discrete"
+        assert "CartPole-v1" in meta["env_spec"]
+
+
+def test_minari_arrow_pendulum(tmp_path, monkeypatch):
+    pytest.importorskip("pyarrow")
+    _, path = make_minari(tmp_path, monkeypatch, "test/pendulum-v0",
+                          gym.make("Pendulum-v1", max_episode_steps=50), 4, data_format="arrow")
+    s = convert_minari(path / "data", tmp_path / "store", progress=False)
+    assert s["verified"] and s["rows"] == 200
+    compare_with_minari(tmp_path / "store", minari.load_dataset("test/pendulum-v0"))
+
+
+def test_minari_dict_observations_become_leaf_columns(tmp_path, monkeypatch):
+    pytest.importorskip("PIL")
+    env = PixelsAndState(gym.make("Pendulum-v1", max_episode_steps=20))
+    _, path = make_minari(tmp_path, monkeypatch, "test/pixels-v0", env, 3)
+    s = convert_minari(path, tmp_path / "store", progress=False)
+    assert s["verified"]
+    with mb.open(str(tmp_path / "store"), mode="r") as buf:
+        assert buf.columns["obs/pixels"] == mb.Column((32, 32, 3), "uint8")
+        assert set(buf.next_keys) == {"obs/pixels", "obs/state"}
+    compare_with_minari(tmp_path / "store", minari.load_dataset("test/pixels-v0"), obs_keys=["pixels", "state"])
+
+
+def test_store_export_minari_load_dataset_convert_roundtrip(tmp_path, monkeypatch):
+    _, path = make_minari(tmp_path, monkeypatch, "test/cart-v0", gym.make("CartPole-v1", max_episode_steps=40), 6)
+    first = convert_minari(path, tmp_path / "a", progress=False)
+    out = tmp_path / "minari" / "test" / "exported-v0"
+    e = export_minari(tmp_path / "a", out, dataset_id="test/exported-v0", progress=False)
+    assert e["verified"] and e["episodes"] == 6
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ds = minari.load_dataset("test/exported-v0")
+    assert ds.total_episodes == 6 and ds.total_steps == first["rows"]
+    compare_with_minari(tmp_path / "a", ds)
+    second = convert_minari(out, tmp_path / "b", progress=False)
+    assert second["checksums"] == first["checksums"]
+    assert second["final_obs_checksums"] == first["final_obs_checksums"]
+
+
+def test_minari_bad_input(tmp_path, monkeypatch):
+    with pytest.raises(ConversionError, match="not a Minari dataset"):
+        convert_minari(tmp_path, tmp_path / "s", progress=False)
+    _, path = make_minari(tmp_path, monkeypatch, "test/bad-v0", gym.make("CartPole-v1", max_episode_steps=20), 2)
+    with h5py.File(path / "data" / "main_data.hdf5", "a") as f:
+        obs = f["episode_1/observations"][:-1]
+        del f["episode_1/observations"]
+        f["episode_1/observations"] = obs
+    with pytest.raises(ConversionError, match=r"episode_1/observations.*mismatched lengths"):
+        convert_minari(path, tmp_path / "s", progress=False)
+
+
+# -- TorchRL / TD-MPC2 --------------------------------------------------------------------------
+def _memmap_dump(root: Path, leaves: dict[str, np.ndarray], length: int, cursor: int, write_count: int) -> None:
+    """TorchRL's dumps() layout written by hand (tensordict memmap + JSON)."""
+    tdtype = {np.dtype("float32"): "torch.float32", np.dtype("bool"): "torch.bool", np.dtype("int64"): "torch.int64"}
+    metas: dict[Path, dict] = {}
+    for key, arr in leaves.items():
+        parts = key.split("/")
+        d = root / "storage" / Path(*parts[:-1]) if len(parts) > 1 else root / "storage"
+        d.mkdir(parents=True, exist_ok=True)
+        arr.tofile(d / f"{parts[-1]}.memmap")
+        metas.setdefault(d, {})[parts[-1]] = {"device": "cpu", "shape": list(arr.shape),
+                                              "dtype": tdtype[arr.dtype], "is_nested": False}
+        for i in range(1, len(parts)):
+            parent = root / "storage" / Path(*parts[: i - 1]) if i > 1 else root / "storage"
+            metas.setdefault(parent, {})[parts[i - 1]] = {"type": "TensorDict"}
+    for d, m in metas.items():
+        m.update(shape=[len(next(iter(leaves.values())))], device="cpu", _type="<class 'TensorDict'>")
+        (d / "meta.json").write_text(json.dumps(m))
+    (root / "storage" / "storage_metadata.json").write_text(json.dumps({"metadata": {}, "is_pytree": False,
+                                                                       "len": length}))
+    (root / "writer").mkdir()
+    (root / "writer" / "metadata.json").write_text(json.dumps({"cursor": cursor, "write_count": write_count}))
+
+
+def test_torchrl_layout_read_without_torchrl_including_a_wrapped_ring(tmp_path):
+    cap, rng = 12, np.random.default_rng(0)
+    obs = rng.random((cap, 2), dtype=np.float32)
+    nxt = rng.random((cap, 2), dtype=np.float32)
+    term = np.zeros((cap, 1), bool)
+    trunc = np.zeros((cap, 1), bool)
+    term[[1, 6]] = True
+    trunc[9] = True
+    # wrote 17 rows into 12 slots: the oldest row is at the cursor, 5
+    leaves = {"observation": obs, "action": rng.random((cap, 1), dtype=np.float32),
+              "next/observation": nxt, "next/reward": rng.random((cap, 1), dtype=np.float32),
+              "next/terminated": term, "next/truncated": trunc, "next/done": term | trunc,
+              "index": np.arange(cap, dtype=np.int64)}
+    _memmap_dump(tmp_path / "rb", leaves, cap, cursor=5, write_count=17)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        s = convert_torchrl(tmp_path / "rb", tmp_path / "s", chunk_rows=5, progress=False)
+    messages = " ".join(str(w.message) for w in caught if w.category is ConversionWarning)
+    assert "wrapped" in messages and "next observation that differs" in messages
+    order = np.r_[5:12, 0:5]
+    rows = read_all(tmp_path / "s")
+    assert set(rows) == {"obs", "action", "reward", "terminated", "truncated", "next_obs"}
+    np.testing.assert_array_equal(rows["obs"], obs[order])
+    np.testing.assert_array_equal(rows["reward"], leaves["next/reward"][order, 0])
+    np.testing.assert_array_equal(rows["terminated"], term[order, 0])
+    ends = np.flatnonzero((term | trunc)[order, 0])
+    np.testing.assert_array_equal(rows["next_obs"][ends], nxt[order][ends])
+    assert s["episodes"] == 3 and s["open_episode_rows"] == 12 - 1 - ends[-1]
+
+
+def test_torchrl_dumps_written_by_torchrl(tmp_path):
+    pytest.importorskip("torchrl")
+    from tensordict import TensorDict
+    from torchrl.data import LazyMemmapStorage, TensorDictReplayBuffer
+
+    eps = collect("CartPole-v1", 5, max_steps=25, seed=3)
+    rb = TensorDictReplayBuffer(storage=LazyMemmapStorage(1000))
+    for i, e in enumerate(eps):
+        t = len(e["reward"])
+        obs = torch.from_numpy(e["obs"])
+        flag = lambda x: torch.from_numpy(x)[:, None]  # noqa: E731
+        rb.extend(TensorDict({
+            "observation": obs[:-1], "action": torch.from_numpy(e["action"]),
+            "collector": {"traj_ids": torch.full((t,), i)},
+            "next": {"observation": obs[1:], "reward": torch.from_numpy(e["reward"])[:, None],
+                     "terminated": flag(e["terminated"]), "truncated": flag(e["truncated"]),
+                     "done": flag(e["terminated"] | e["truncated"])},
+        }, [t]))
+    rb.dumps(tmp_path / "rb")
+    s = convert_torchrl(tmp_path / "rb", tmp_path / "s", progress=False)
+    assert s["verified"] and s["episodes"] == 5 and s["next_obs_mismatch_rows"] == 0
+    assert_same_episodes(store_episodes(tmp_path / "s"), eps)
+
+
+def _tdmpc2(E=5, L=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    obs = torch.randn(E, L, 4, generator=g)
+    action = torch.randn(E, L, 2, generator=g)
+    reward = torch.randn(E, L, generator=g)
+    action[:, 0] = float("nan")
+    reward[:, 0] = float("nan")
+    episode = torch.arange(E)[:, None].expand(E, L).clone()
+    return {"obs": obs, "action": action, "reward": reward, "episode": episode}
+
+
+def check_tdmpc2(store, d) -> None:
+    E, L = d["reward"].shape
+    rows = read_all(store)
+    np.testing.assert_array_equal(rows["obs"], d["obs"][:, :-1].reshape(-1, 4).numpy())
+    np.testing.assert_array_equal(rows["action"], d["action"][:, 1:].reshape(-1, 2).numpy())
+    np.testing.assert_array_equal(rows["reward"], d["reward"][:, 1:].reshape(-1).numpy())
+    np.testing.assert_array_equal(rows["next_obs"], d["obs"][:, 1:].reshape(-1, 4).numpy())
+    trunc = rows["truncated"].reshape(E, L - 1)
+    assert trunc[:, -1].all() and not trunc[:, :-1].any() and not rows["terminated"].any()
+
+
+def test_tdmpc2_tensordict_file(tmp_path):
+    td_mod = pytest.importorskip("tensordict")
+    d = _tdmpc2()
+    torch.save(td_mod.TensorDict(d, batch_size=[5, 7]), tmp_path / "chunk_0.pt")
+    s = convert_torchrl(tmp_path / "chunk_0.pt", tmp_path / "s", chunk_rows=12, progress=False)
+    assert s["format"] == "tdmpc2" and s["episodes"] == 5 and s["rows"] == 30 and s["verified"]
+    check_tdmpc2(tmp_path / "s", d)
+
+
+def test_tdmpc2_plain_dict_file_and_refused_pickles(tmp_path):
+    d = _tdmpc2(E=3, L=4)
+    torch.save(d, tmp_path / "plain.pt")
+    convert_torchrl(tmp_path / "plain.pt", tmp_path / "s", progress=False)
+    check_tdmpc2(tmp_path / "s", d)
+    marker = tmp_path / "exploited"
+    torch.save({**d, "callback": Exploit(marker)}, tmp_path / "evil.pt")
+    with pytest.raises(ConversionError, match="refused.*exec"):
+        convert_torchrl(tmp_path / "evil.pt", tmp_path / "s2", progress=False)
+    assert not marker.exists()
+    torch.save({"obs": d["obs"]}, tmp_path / "noep.pt")
+    with pytest.raises(ConversionError, match="missing key 'action'"):
+        convert_torchrl(tmp_path / "noep.pt", tmp_path / "s3", progress=False)
+
+
+class Exploit:
+    """Unpickling this would run code (creating ``marker``)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (exec, (f"open({str(self.marker)!r}, 'w').close()",))

@@ -1,0 +1,12 @@
+#!/usr/bin/env python
+"""Convert a npz dataset into an mmbuffer store: `python tools/convert_npz.py SRC DST [--overwrite ...]`.
+
+The same code as `mmbuffer convert npz SRC DST` (see `mmbuffer.convert`); `--help` lists the options.
+"""
+
+import sys
+
+from mmbuffer.convert.cli import tool_main
+
+if __name__ == "__main__":
+    sys.exit(tool_main("npz"))
