@@ -11,9 +11,11 @@ and ``losses`` are public too.
 torch.Size([4, 2])
 """
 
-from . import errors, losses
+from . import convert, errors, losses
 from .buffer import Buffer, create, open
 from .epoch import EpochSampler
+from . import data  # noqa: E402 - needs the names above
+from .stream import Stream, stream
 from .gather import Batch
 from .store import Column, PriorityConfig
 
@@ -23,11 +25,15 @@ __all__ = [
     "Batch",
     "Buffer",
     "Column",
+    "convert",
     "EpochSampler",
     "PriorityConfig",
     "create",
+    "data",
     "errors",
     "losses",
     "open",
+    "stream",
+    "Stream",
     "__version__",
 ]

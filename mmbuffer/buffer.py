@@ -35,7 +35,7 @@ import torch
 
 from . import errors, sampling
 from .gather import Batch, gather, resolve_keys
-from .store import PriorityConfig, Store, _check_int, create_store
+from .store import PriorityConfig, Store, _check_int, create_store, locked
 
 _REMEMBERED_BATCHES = 256
 
@@ -55,6 +55,7 @@ class Buffer(Store):
         )
 
     # -- reading -----------------------------------------------------------------------
+    @locked
     def episodes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(starts, lengths)`` of live complete episodes as int64 tensors.
 
@@ -64,6 +65,7 @@ class Buffer(Store):
         starts, lengths = self.episode_bounds()
         return torch.from_numpy(starts), torch.from_numpy(lengths)
 
+    @locked
     def get(self, index: Any, keys: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
         """Rows at global ids ``index`` (any integer shape) as ``{key: tensor}``.
 
@@ -75,6 +77,7 @@ class Buffer(Store):
         return gather(self, idx, keys)
 
     # -- sampling ----------------------------------------------------------------------
+    @locked
     def sample(
         self,
         batch_size: int,
@@ -95,6 +98,7 @@ class Buffer(Store):
         rows, weights, written = self.sample_indices(batch_size, generator, prioritized=prioritized, beta=beta)
         return self._batch(rows, weights, None, names, written)
 
+    @locked
     def sample_indices(
         self,
         batch_size: int,
@@ -114,6 +118,7 @@ class Buffer(Store):
             weights = np.ones(batch_size, dtype=np.float32)
         return rows, weights, view.written
 
+    @locked
     def sample_slices(
         self,
         num_slices: int,
@@ -144,6 +149,7 @@ class Buffer(Store):
         )
         return self._batch(rows, weights, mask, names, written)
 
+    @locked
     def slice_indices(
         self,
         num_slices: int,
@@ -176,6 +182,7 @@ class Buffer(Store):
             weights = np.ones(num_slices, dtype=np.float32)
         return rows, weights, mask, view.written
 
+    @locked
     def update_priorities(self, indices: Any, priorities: Any) -> None:  # type: ignore[override]
         """Set the priorities of sampled rows (before ``eps`` and ``alpha``).
 

@@ -191,6 +191,10 @@ class EpochSampler:
         return int((closed + opened).sum())
 
     def _batch(self, ranks: np.ndarray) -> Batch:
+        with self.buf._lock:
+            return self._batch_locked(ranks)
+
+    def _batch_locked(self, ranks: np.ndarray) -> Batch:
         view = self.buf.view()
         ranks = np.minimum(ranks, self._items_now() - 1)  # a store that shrank keeps a valid rank
         weights = np.ones(len(ranks), dtype=np.float32)

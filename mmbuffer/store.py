@@ -31,12 +31,14 @@ then the index and the tree, then ``manifest.json`` is replaced atomically.
 from __future__ import annotations
 
 import fcntl
+import functools
 import os
 import shutil
-from collections.abc import Iterable, Mapping
+import threading
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -44,6 +46,21 @@ from . import _format as fmt
 from . import errors, index, tree
 from .config import config
 from .index import Lane
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def locked(method: _F) -> _F:
+    """Run a method under the object's re-entrant lock (samplers in a prefetch
+    thread and writes in the training thread must not interleave)."""
+
+    @functools.wraps(method)
+    def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return guarded  # type: ignore[return-value]
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,9 +127,17 @@ class View:
 
 
 class Store:
-    """Columns, index and tree of one store directory. Use ``mb.create``/``mb.open``."""
+    """Columns, index and tree of one store directory. Use ``mb.create``/``mb.open``.
+
+    Thread-safe: every method that reads or changes cursors, index, tree or rows
+    holds ``self._lock`` (re-entrant), so a prefetching thread may sample while
+    the training thread extends, commits and updates priorities.
+    """
+
+    _thread_safe = True
 
     def __init__(self, path: str | os.PathLike[str], mode: str = "a") -> None:
+        self._lock = threading.RLock()
         if mode not in ("r", "a"):
             raise errors.InvalidArgumentError(f"mode: expected 'r' or 'a', got {mode!r}")
         self.path = Path(path)
@@ -219,6 +244,7 @@ class Store:
         """Live complete episodes over all lanes."""
         return int(sum(v.ep_tail - v.ep_head for v in self.view().lanes))
 
+    @locked
     def view(self) -> View:
         """The index as samplers may use it now (see the module docstring)."""
         lanes = []
@@ -258,6 +284,7 @@ class Store:
         return np.asarray(self._data[name][rows])
 
     # -- writing -----------------------------------------------------------------------
+    @locked
     def extend(
         self,
         steps: Mapping[str, Any],
@@ -323,6 +350,7 @@ class Store:
             for a, b in segments:
                 tree.set_range(self._tree, a, b, default)
 
+    @locked
     def commit(self) -> int:
         """Make every extended row durable and visible to readers; return the generation."""
         self._check_writable("commit")
@@ -343,6 +371,7 @@ class Store:
             self._tree_dirty = False
         return self.generation
 
+    @locked
     def refresh(self) -> bool:
         """Reload the last commit (readers); return whether it changed."""
         manifest = fmt.read_manifest(self.path)
@@ -356,6 +385,7 @@ class Store:
         self._lanes = list(self._committed)
         return True
 
+    @locked
     def update_priorities(self, indices: Any, priorities: Any, written_at: np.ndarray | None = None) -> None:
         """Set new priorities (raw, before ``eps`` and ``alpha``) of sampled rows.
 
@@ -406,6 +436,7 @@ class Store:
         return float(min(live, cap)) if live > 0 else float(cap)
 
     # -- closing -----------------------------------------------------------------------
+    @locked
     def close(self) -> None:
         """Commit (writer) and release the lock; the object is unusable afterwards."""
         if self._lock_fd is None and self.mode == "a":
