@@ -71,12 +71,37 @@ def uniform(view: View, batch_size: int, generator: torch.Generator | None = Non
 # -- slices -------------------------------------------------------------------------------
 @dataclass(slots=True)
 class _LaneCounts:
+    """``cum[i]``: eligible items in episodes ``base .. base + i - 1`` of a lane.
+
+    Stored in a buffer that grows by doubling, so adding an episode costs O(1)
+    amortized (an online learner adds one per step), never a copy of all.
+    """
+
     base: int = 0  # episode sequence number of cum[0]
-    cum: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int64))
+    store: np.ndarray = field(default_factory=lambda: np.zeros(1024, dtype=np.int64))
+    size: int = 1
+
+    @property
+    def cum(self) -> np.ndarray:
+        return self.store[: self.size]
 
     @property
     def upto(self) -> int:
-        return self.base + len(self.cum) - 1
+        return self.base + self.size - 1
+
+    def append(self, values: np.ndarray) -> None:
+        need = self.size + len(values)
+        if need > len(self.store):
+            grown = np.empty(max(need, 2 * len(self.store)), dtype=np.int64)
+            grown[: self.size] = self.cum
+            self.store = grown
+        self.store[self.size : need] = values
+        self.size = need
+
+    def drop_front(self, count: int) -> None:
+        self.store = self.store[count : self.size].copy()
+        self.size -= count
+        self.base += count
 
 
 @dataclass(slots=True)
@@ -113,12 +138,10 @@ class SliceCounts:
             lo = lc.upto
             starts = index.episode_starts(view.ends, lane, view.lane_size, state, lo, lv.ep_tail)
             ends = index.episode_ends(view.ends, lane, view.lane_size, lo, lv.ep_tail)
-            added = np.cumsum(self.weight(ends - starts)) + lc.cum[-1]
-            lc.cum = np.concatenate((lc.cum, added))
+            lc.append(np.cumsum(self.weight(ends - starts)) + lc.cum[-1])
         drop = lv.ep_head - lc.base
-        if drop > 1024 and drop * 2 > len(lc.cum):  # amortized O(1) trimming
-            lc.cum = lc.cum[drop:].copy()
-            lc.base = lv.ep_head
+        if drop > 1024 and drop * 2 > lc.size:  # amortized O(1) trimming
+            lc.drop_front(drop)
         return lc
 
     def open_weight(self, lv: LaneView) -> int:

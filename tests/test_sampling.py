@@ -247,3 +247,26 @@ def test_epoch_shards_split_slices_without_overlap(tmp_path, rng):
     for i in range(3):
         for j in range(i + 1, 3):
             assert not set(parts[i].tolist()) & set(parts[j].tolist())
+
+
+def test_cached_counts_survive_growth_and_trimming(tmp_path, rng):
+    """Thousands of short episodes: the per-lane count buffers grow and drop their
+    evicted front, and their totals always equal a recount from episodes()."""
+    from mmbuffer import sampling
+
+    buf = mb.create(tmp_path / "s", {"obs": ((), "float32")}, capacity=2 * 600, num_streams=2, next_keys=())
+    L = 2
+    g = torch.Generator().manual_seed(0)
+    for step in range(3000):
+        n = int(rng.integers(1, 4))
+        buf.extend({"obs": np.zeros(n, np.float32), "terminated": np.arange(n) == n - 1}, stream=step % 2)
+        if step % 3:
+            continue
+        buf.sample_slices(8, L, generator=g)
+        counts = buf._slice_counts(L, True, "windows")
+        closed, opened = counts.totals(buf.view())
+        _, lengths = buf.episodes()
+        assert int(closed.sum()) == int(np.maximum(lengths.numpy() - L + 1, 0).sum())
+        assert int(opened.sum()) == 0
+    assert max(lc.base for lc in counts.lanes.values()) > 1024  # the front was trimmed
+    assert isinstance(counts, sampling.SliceCounts)
