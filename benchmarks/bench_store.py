@@ -143,6 +143,8 @@ import sys, time
 t0 = time.perf_counter()
 import mmbuffer as mb
 t1 = time.perf_counter()
+with open("/proc/self/status") as f:
+    rss0 = [int(l.split()[1]) / 1024 for l in f if l.startswith("VmRSS:")][0]
 buf = mb.open(sys.argv[1], mode="r")
 n, e = len(buf), buf.num_episodes
 t2 = time.perf_counter()
@@ -150,7 +152,7 @@ with open("/proc/self/status") as f:
     rss = [int(l.split()[1]) / 1024 for l in f if l.startswith("VmRSS:")][0]
 b = buf.sample_slices(256, 64)
 t3 = time.perf_counter()
-print(t2 - t1, rss, t3 - t2, n, e)
+print(t2 - t1, rss, t3 - t2, n, e, rss0)
 """
 
 
@@ -160,7 +162,8 @@ def bench_reopen(paths: list[Path]) -> list[dict[str, object]]:
         samples = [run_python(REOPEN, str(path)).split() for _ in range(5)]
         med = sorted(samples, key=lambda s: float(s[0]))[2]
         out.append({"store rows": int(med[3]), "episodes": int(med[4]), "open ms": float(med[0]) * 1e3,
-                    "RSS after open MiB": float(med[1]), "first sample (256x64) ms": float(med[2]) * 1e3})
+                    "RSS after import MiB": float(med[5]), "RSS after open MiB": float(med[1]),
+                    "first sample (256x64) ms": float(med[2]) * 1e3})
     return out
 
 

@@ -109,7 +109,7 @@ class Buffer(Store):
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The index half of ``sample``: ``(rows [B], weights [B], lane cursors)`` as
         numpy arrays, with no column read."""
-        batch_size = _positive("batch_size", batch_size)
+        batch_size = _check_int("batch_size", batch_size, 1)
         view = self.view()
         if prioritized:
             rows, weights = sampling.prioritized(view, self._require_tree(), batch_size, _beta(beta), generator)
@@ -163,8 +163,8 @@ class Buffer(Store):
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The index half of ``sample_slices``: ``(rows [B, L], weights [B], mask [B, L],
         lane cursors)`` as numpy arrays, with no column read."""
-        num_slices = _positive("num_slices", num_slices)
-        slice_len = _positive("slice_len", slice_len)
+        num_slices = _check_int("num_slices", num_slices, 1)
+        slice_len = _check_int("slice_len", slice_len, 1)
         if weighting not in ("windows", "episodes"):
             raise errors.InvalidArgumentError(f"weighting: expected 'windows' or 'episodes', got {weighting!r}")
         view = self.view()
@@ -251,10 +251,6 @@ class Buffer(Store):
                 self._sampled.pop(next(iter(self._sampled)))
         assert written is not None
         self._sampled[id(indices)] = (weakref.ref(indices), written)
-
-
-def _positive(name: str, value: object) -> int:
-    return _check_int(name, value, 1)
 
 
 def _beta(beta: object) -> float:

@@ -39,6 +39,7 @@ from . import _format as fmt
 from . import errors, sampling
 from .buffer import Buffer
 from .gather import Batch, resolve_keys
+from .store import _check_int
 
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
@@ -115,11 +116,9 @@ class EpochSampler:
         shard: tuple[int, int] = (0, 1),
         keys: Iterable[str] | None = None,
     ) -> None:
-        from .buffer import _positive
-
         self.buf = buf
-        self.batch_size = _positive("batch_size", batch_size)
-        self.slice_len = None if slice_len is None else _positive("slice_len", slice_len)
+        self.batch_size = _check_int("batch_size", batch_size, 1)
+        self.slice_len = None if slice_len is None else _check_int("slice_len", slice_len, 1)
         index, count = (int(shard[0]), int(shard[1]))
         if count < 1 or not 0 <= index < count:
             raise errors.InvalidArgumentError(f"shard: expected (index, count) with 0 <= index < count, got {shard!r}")

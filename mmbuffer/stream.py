@@ -81,6 +81,7 @@ from typing import Any, Self
 import torch
 
 from . import errors
+from .store import _check_int
 from .gather import Batch, resolve_keys
 
 __all__ = ["Stream", "buffer_lock", "stream"]
@@ -298,12 +299,12 @@ def stream(
     >>> s.delivered
     5
     """
-    batch_size = _int_at_least("batch_size", batch_size, 1)
+    batch_size = _check_int("batch_size", batch_size, 1)
     if slice_len is not None:
-        slice_len = _int_at_least("slice_len", slice_len, 1)
-    prefetch = _int_at_least("prefetch", prefetch, 1)
+        slice_len = _check_int("slice_len", slice_len, 1)
+    prefetch = _check_int("prefetch", prefetch, 1)
     if num_batches is not None:
-        num_batches = _int_at_least("num_batches", num_batches, 0)
+        num_batches = _check_int("num_batches", num_batches, 0)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise errors.InvalidArgumentError(f"generator: expected a torch.Generator or None, got {type(generator).__name__}")
     if prioritized and getattr(buf, "priorities", None) is None:
@@ -442,10 +443,6 @@ def _can_pin() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def _int_at_least(name: str, value: object, low: int) -> int:
-    if isinstance(value, bool) or not hasattr(value, "__index__") or int(value.__index__()) < low:  # type: ignore[attr-defined]
-        raise errors.InvalidArgumentError(f"{name}: expected an integer >= {low}, got {value!r}")
-    return int(value.__index__())  # type: ignore[attr-defined]
 
 
 @atexit.register
