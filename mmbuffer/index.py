@@ -174,6 +174,20 @@ def evict(ends: np.ndarray, lane: int, lane_size: int, state: Lane, threshold: i
     return replace(state, ep_head=state.ep_head + k, first_start=last_end), last_end
 
 
+def drop_below(ends: np.ndarray, lane: int, lane_size: int, state: Lane, threshold: int) -> Lane:
+    """The state with every episode (the open one too) that starts below
+    ``threshold`` dropped: what survives a writer that may have rewritten the ring
+    up to ``threshold + lane_size``. A dropped open episode leaves its rows unused;
+    rows written after it start a new episode."""
+    if threshold <= state.first_start:
+        return state
+    if threshold < state.written:
+        state, _ = evict(ends, lane, lane_size, state, threshold)
+        if threshold <= state.open_start(ends, lane, lane_size):
+            return state
+    return Lane(state.written, state.ep_tail, state.ep_tail, state.written)
+
+
 def check_fits(state: Lane, ends: np.ndarray, lane: int, lane_size: int, done: np.ndarray) -> None:
     """Refuse a block that would make an episode longer than the lane."""
     rows = int(done.shape[0])

@@ -200,17 +200,8 @@ class Store:
         torn = False
         for lane in range(self.num_streams):
             st = self._lanes[lane]
-            reserved = int(self._reserved[lane])
-            if reserved > st.written:
-                threshold = reserved - self.lane_size
-                if threshold >= st.written:
-                    st = Lane(st.written, st.ep_tail, st.ep_tail, st.written)
-                else:
-                    st, _ = index.evict(self._ends, lane, self.lane_size, st, threshold)
-                    if threshold > st.open_start(self._ends, lane, self.lane_size):
-                        st = Lane(st.written, st.ep_tail, st.ep_tail, st.written)  # open episode lost too
-                torn = torn or st != self._lanes[lane]
-                self._lanes[lane] = st
+            self._lanes[lane] = index.drop_below(self._ends, lane, self.lane_size, st, self._reserved_threshold(lane))
+            torn = torn or self._lanes[lane] != st
         self._tree_dirty = False
         dirty = self.path / "priority" / "DIRTY"
         if self._tree is not None and (torn or dirty.exists()):
@@ -220,6 +211,10 @@ class Store:
         if torn or self._tree_dirty:
             self.commit()
         self._release_reservation()
+
+    def _reserved_threshold(self, lane: int) -> int:
+        """Rows below this may have been rewritten by a writer past its last commit."""
+        return int(self._reserved[lane]) - self.lane_size
 
     def _release_reservation(self) -> None:
         """No writer is ahead of the cursors any more: readers may use every committed row."""
@@ -252,17 +247,10 @@ class Store:
         for lane in range(self.num_streams):
             st = self._lanes[lane]
             written[lane] = st.written
-            # a reader keeps away from rows the writer may be overwriting
-            threshold = int(self._reserved[lane]) - self.lane_size if self.mode == "r" else -1
-            if threshold >= st.written:  # the writer went round the whole lane
-                lanes.append(LaneView(st.written, st.ep_tail, st.ep_tail, st.written, st.written))
-                continue
-            if threshold > st.first_start:
-                st, _ = index.evict(self._ends, lane, self.lane_size, st, threshold)
+            if self.mode == "r":  # a reader keeps away from rows the writer may be rewriting
+                st = index.drop_below(self._ends, lane, self.lane_size, st, self._reserved_threshold(lane))
             open_start = st.open_start(self._ends, lane, self.lane_size)
             visible_end = st.written - (1 if self.next_keys and st.written > open_start else 0)
-            if threshold > open_start:
-                visible_end = open_start
             lanes.append(LaneView(st.first_start, st.ep_head, st.ep_tail, open_start, visible_end))
         return View(tuple(lanes), self._ends, self.lane_size, written, self.generation)
 

@@ -467,3 +467,36 @@ def test_config_reads_environment_overrides():
     env = {**os.environ, "MMBUFFER_MADVISE_RANDOM": "0", "MMBUFFER_CHUNK_BYTES": "4096"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.split() == ["False", "4096"]
+
+
+def test_reader_never_sees_rows_the_writer_is_rewriting(tmp_path):
+    """A writer goes round the ring without committing; a reader of the old commit
+    drops every episode the writer may have rewritten, and what it keeps is intact."""
+    path = tmp_path / "s"
+    writer = mb.create(path, {"x": ((), "int64")}, capacity=400, num_streams=2, next_keys=("x",))
+
+    def write(n, lane=1):
+        w = writer._lanes[lane].written
+        rows = w + np.arange(n)
+        ends = rows % 9 == 8
+        writer.extend({"x": rows * 10 + lane, "terminated": ends}, stream=lane,
+                      final_obs={"x": rows[ends] * 10 + lane + 1})
+
+    write(200)
+    writer.commit()
+    reader = mb.open(path, mode="r")
+    before = reader.num_episodes
+    for step in range(30):
+        write(13)  # uncommitted, wrapping over committed rows
+        starts, lengths = reader.episodes()
+        assert reader.num_episodes <= before
+        for s, n in zip(starts.tolist(), lengths.tolist()):
+            rows = 200 + (s - 200 + np.arange(n)) % 200
+            v = reader.get(rows, keys=["x"])["x"].numpy()
+            a = v // 10
+            assert (np.diff(a) == 1).all() and a[-1] % 9 == 8, f"torn episode at step {step}"
+        if reader.num_episodes:
+            reader.sample_slices(16, 3, generator=torch.Generator().manual_seed(step))
+    assert reader.num_episodes < before  # the reservation hid what the writer reached
+    writer.close()
+    assert reader.refresh() and reader.num_episodes == writer.num_episodes
