@@ -2,10 +2,13 @@
 
 For each capacity a store (one uint8 column, episodes of 1000 rows, full) with a
 priority tree is built on disk; a fresh process then opens it and times
-``sample_indices(256, prioritized=True)`` (the sampler alone), ``sample`` (with
-the gather) and ``update_priorities`` of the sampled rows, an update that lowers
+``sample_indices(256, prioritized=True)`` (the sampler alone; the first 50
+samples of the fresh process separately, then warm: after one sequential read of
+the tree has mapped its pages, as in a learner that has run a while), ``sample``
+(with the gather) and ``update_priorities`` of the sampled rows, an update that lowers
 the row holding the max (the default for new rows must follow the live max), and
-reports its RSS. When TorchRL's PrioritizedSampler is available (see
+reports its RSS, split into anonymous memory (the process's own) and file-backed
+pages (the page cache of the store's maps, shared and reclaimable). When TorchRL's PrioritizedSampler is available (see
 ``_torchrl_baseline.py``) it runs at the capacities up to ``--torchrl-max``.
 
     python benchmarks/bench_priority.py                  # 1e6, 1e8, 6e8 (needs ~5 GB free per 1e9 rows)
@@ -61,6 +64,14 @@ t_open = time.perf_counter() - t0
 reps = int(sys.argv[2])
 g = torch.Generator().manual_seed(0)
 rng = np.random.default_rng(0)
+t_cold = []
+for _ in range(50):  # a fresh process: every tree page touched the first time faults
+    t0 = time.perf_counter(); buf.sample_indices(256, g, prioritized=True); t_cold.append(time.perf_counter() - t0)
+t0 = time.perf_counter()
+for arr in (buf._tree.sums, buf._tree.mins, buf._tree.maxs, buf._tree.leaves, buf._data["x"]):
+    for lo in range(0, len(arr), 1 << 24):
+        np.asarray(arr[lo : lo + (1 << 24)]).sum()  # a learner that has run a while has these mapped
+t_warm = time.perf_counter() - t0
 t_idx, t_tot, t_upd = [], [], []
 for _ in range(reps):
     t0 = time.perf_counter(); rows, w, _ = buf.sample_indices(256, g, prioritized=True); t1 = time.perf_counter()
@@ -78,13 +89,13 @@ for _ in range(20):
     t_max.append(time.perf_counter() - t0)
 buf.close()
 with open("/proc/self/status") as f:
-    rss = [int(l.split()[1]) / 1024 for l in f if l.startswith("VmRSS:")][0]
+    mem = {l.split(":")[0]: int(l.split()[1]) / 1024 for l in f if l.startswith(("VmRSS:", "RssAnon:", "RssFile:"))}
 med = statistics.median
-print(json.dumps({"open": t_open, "index": med(t_idx), "total": med(t_tot), "update": med(t_upd),
-                  "update_max": med(t_max), "rss": rss}))
+print(json.dumps({"open": t_open, "cold_index": med(t_cold), "warm_up": t_warm, "index": med(t_idx), "total": med(t_tot), "update": med(t_upd),
+                  "update_max": med(t_max), "rss": mem["VmRSS"], "anon": mem["RssAnon"], "file": mem["RssFile"]}))
 """
 
-IMPORT_RSS = "import torch, mmbuffer\nprint([int(l.split()[1]) / 1024 for l in open('/proc/self/status') if l.startswith('VmRSS:')][0])"
+IMPORT_RSS = "import torch, mmbuffer\nprint([int(l.split()[1]) / 1024 for l in open('/proc/self/status') if l.startswith('RssAnon:')][0])"
 
 
 def main() -> None:
@@ -96,7 +107,7 @@ def main() -> None:
     root = scratch()
     header("bench_priority")
     base_rss = float(run_python(IMPORT_RSS))
-    print(f"RSS of a process that only imported torch and mmbuffer: {base_rss:.0f} MiB\n")
+    print(f"anonymous RSS of a process that only imported torch and mmbuffer: {base_rss:.0f} MiB\n")
     rows = []
     for cap in (int(float(c)) for c in args.capacities.split(",")):
         free = shutil.disk_usage(root).free
@@ -112,12 +123,14 @@ def main() -> None:
             "build s": built,
             "tree B/row": tree.nbytes(cap) / cap,
             "open ms": res["open"] * 1e3,
+            "first 50 samples idx ms": res["cold_index"] * 1e3,
             "sample idx ms": res["index"] * 1e3,
             "sample+gather ms": res["total"] * 1e3,
             "update ms": res["update"] * 1e3,
             "lower max ms": res["update_max"] * 1e3,
             "RSS MiB": res["rss"],
-            "RSS - imports MiB": res["rss"] - base_rss,
+            "anon RSS - imports MiB": res["anon"] - base_rss,
+            "file-backed RSS MiB": res["file"],
         }
         if cap <= args.torchrl_max:
             t = trl.prioritized_sampler_times(cap, 256, reps=50)
