@@ -2,10 +2,11 @@
 
 For each capacity a store (one uint8 column, episodes of 1000 rows, full) with a
 priority tree is built on disk; a fresh process then opens it and times
-``sample_indices(256, prioritized=True)`` (the sampler alone; the first 50
-samples of the fresh process separately, then warm: after one sequential read of
-the tree has mapped its pages, as in a learner that has run a while), ``sample``
-(with the gather) and ``update_priorities`` of the sampled rows, an update that lowers
+``sample_indices(256, prioritized=True)`` (the sampler alone) and
+``update_priorities`` of the sampled rows: its first 50 samples separately (cold
+mappings), then a sample+update loop of ``--seconds`` whose later half is timed
+(median and 90th percentile: the steady state of a learner, whose tree pages are
+mapped and dirty); then ``sample`` with the gather, an update that lowers
 the row holding the max (the default for new rows must follow the live max), and
 reports its RSS, split into anonymous memory (the process's own) and file-backed
 pages (the page cache of the store's maps, shared and reclaimable). When TorchRL's PrioritizedSampler is available (see
@@ -67,17 +68,20 @@ rng = np.random.default_rng(0)
 t_cold = []
 for _ in range(50):  # a fresh process: every tree page touched the first time faults
     t0 = time.perf_counter(); buf.sample_indices(256, g, prioritized=True); t_cold.append(time.perf_counter() - t0)
-t0 = time.perf_counter()
-for arr in (buf._tree.sums, buf._tree.mins, buf._tree.maxs, buf._tree.leaves, buf._data["x"]):
-    for lo in range(0, len(arr), 1 << 24):
-        np.asarray(arr[lo : lo + (1 << 24)]).sum()  # a learner that has run a while has these mapped
-t_warm = time.perf_counter() - t0
+# steady state: a learner samples and updates for a while, so the tree's pages are
+# mapped and dirty; time the later half of a fixed-duration loop
 t_idx, t_tot, t_upd = [], [], []
-for _ in range(reps):
+end = time.time() + float(sys.argv[3])
+while time.time() < end or len(t_idx) < reps:
     t0 = time.perf_counter(); rows, w, _ = buf.sample_indices(256, g, prioritized=True); t1 = time.perf_counter()
-    b = buf.sample(256, g, prioritized=True); t2 = time.perf_counter()
-    buf.update_priorities(b.indices, torch.from_numpy(rng.random(256))); t3 = time.perf_counter()
-    t_idx.append(t1 - t0); t_tot.append(t2 - t1); t_upd.append(t3 - t2)
+    buf.update_priorities(torch.from_numpy(rows), torch.from_numpy(rng.random(256))); t2 = time.perf_counter()
+    t_idx.append(t1 - t0); t_upd.append(t2 - t1)
+half = len(t_idx) // 2
+steps = len(t_idx)
+p90_idx, p90_upd = np.percentile(t_idx[half:], 90), np.percentile(t_upd[half:], 90)
+t_idx, t_upd = t_idx[half:], t_upd[half:]
+for _ in range(reps):
+    t0 = time.perf_counter(); b = buf.sample(256, g, prioritized=True); t_tot.append(time.perf_counter() - t0)
 # lower the row holding the max: the next default must follow the new live max
 t_max = []
 for _ in range(20):
@@ -91,7 +95,7 @@ buf.close()
 with open("/proc/self/status") as f:
     mem = {l.split(":")[0]: int(l.split()[1]) / 1024 for l in f if l.startswith(("VmRSS:", "RssAnon:", "RssFile:"))}
 med = statistics.median
-print(json.dumps({"open": t_open, "cold_index": med(t_cold), "warm_up": t_warm, "index": med(t_idx), "total": med(t_tot), "update": med(t_upd),
+print(json.dumps({"open": t_open, "cold_index": med(t_cold), "steps": steps, "p90_index": p90_idx, "p90_update": p90_upd, "index": med(t_idx), "total": med(t_tot), "update": med(t_upd),
                   "update_max": med(t_max), "rss": mem["VmRSS"], "anon": mem["RssAnon"], "file": mem["RssFile"]}))
 """
 
@@ -102,6 +106,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--capacities", default="1e6,1e8,6e8")
     parser.add_argument("--reps", type=int, default=500)
+    parser.add_argument("--seconds", type=float, default=45.0, help="steady-state sample+update loop per capacity")
     parser.add_argument("--torchrl-max", type=float, default=1e8)
     args = parser.parse_args()
     root = scratch()
@@ -117,16 +122,19 @@ def main() -> None:
             continue
         path = root / f"priority_{cap}"
         built = build(path, cap)
-        res = json.loads(run_python(WORKER, str(path), str(args.reps)))
+        res = json.loads(run_python(WORKER, str(path), str(args.reps), str(args.seconds)))
         row = {
             "capacity": cap,
             "build s": built,
             "tree B/row": tree.nbytes(cap) / cap,
             "open ms": res["open"] * 1e3,
             "first 50 samples idx ms": res["cold_index"] * 1e3,
+            "steps": res["steps"],
             "sample idx ms": res["index"] * 1e3,
+            "p90 idx ms": res["p90_index"] * 1e3,
             "sample+gather ms": res["total"] * 1e3,
             "update ms": res["update"] * 1e3,
+            "p90 update ms": res["p90_update"] * 1e3,
             "lower max ms": res["update_max"] * 1e3,
             "RSS MiB": res["rss"],
             "anon RSS - imports MiB": res["anon"] - base_rss,

@@ -70,6 +70,9 @@ class Buffer(Store):
         """Rows at global ids ``index`` (any integer shape) as ``{key: tensor}``.
 
         ``keys`` may name stored columns and ``next_<col>`` for next-derived ones.
+        The ``next_<col>`` of an open episode's last row is not known until the
+        next ``extend`` (it reads whatever the following ring row holds); the
+        samplers never return that row.
         """
         idx = torch.as_tensor(index).numpy() if isinstance(index, torch.Tensor) else np.asarray(index)
         if idx.dtype.kind not in "iu":
