@@ -310,7 +310,8 @@ class Store:
         new_written = st.written + rows
         if new_written > int(self._reserved[lane]):
             ahead = max(1, int(self.lane_size * config.reserve_fraction))
-            self._reserved[lane] = new_written + ahead  # before touching any row
+            self._reserved[lane] = new_written + ahead
+            fmt.flush_rows(self._reserved, lane, lane + 1)  # on disk before any row it covers
 
         segments = _ring_segments(lane, self.lane_size, st.written, new_written)
         for name, arr in arrays.items():
@@ -348,8 +349,10 @@ class Store:
                 for col in (*self._data.values(), *self._final.values()):
                     if fmt.is_mapped(col):
                         fmt.flush_rows(col, a, b)
-        fmt.flush_rows(self._ends, 0, len(self._ends))
-        fmt.flush_rows(self._reserved, 0, len(self._reserved))
+            # the ring slots of the episodes added since the last commit
+            slots = 2 * self.lane_size
+            for a, b in _ring_segments(lane, slots, self._committed[lane].ep_tail, self._lanes[lane].ep_tail):
+                fmt.flush_rows(self._ends, a, b)
         self._flush_tree()
         self.generation += 1
         self._write_manifest()

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _format as fmt
 from . import index, tree
 from .index import Lane
 from .store import Store, _ring_segments
@@ -65,9 +66,11 @@ def verify(store: Store, repair: bool = False) -> dict[str, Any]:
             slots = lane * 2 * store.lane_size + seqs % (2 * store.lane_size)
             store._ends[slots] = ends[slots]
             store._lanes[lane] = new
+        fmt.flush_rows(store._ends, 0, len(store._ends))  # commit flushes only new slots
         if store._tree is not None:
             tree.rebuild(store._tree)
             store._mark_tree_dirty()
+        getattr(store, "_counts", {}).clear()  # cached slice counts came from the old index
         store.commit()
         repaired = True
     return {"ok": not problems, "problems": problems, "repaired": repaired, "tree_drift": drift}
