@@ -148,12 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("suite", choices=["store", "sampling", "priority", "convert", "stream"])
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=_cmd_bench)
-    try:
-        from .convert import cli as convert_cli
-    except ImportError:  # TODO(lead): wire when mmbuffer.convert lands
-        convert_cli = None
-    if convert_cli is not None:
-        convert_cli.add_subcommands(sub)  # convert, export, copy
+    from .convert import cli as convert_cli
+
+    convert_cli.add_subcommands(sub)  # convert, export, copy
     return parser
 
 
