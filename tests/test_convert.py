@@ -656,3 +656,15 @@ class Exploit:
 
     def __reduce__(self):
         return (exec, (f"open({str(self.marker)!r}, 'w').close()",))
+
+
+def test_export_d4rl_refuses_a_store_without_d4rl_columns(tmp_path):
+    buf = mb.create(tmp_path / "s", {"obs": ((2,), "float32"), "act": ((), "int64")}, capacity=20)
+    buf.extend({"obs": np.zeros((4, 2)), "act": np.arange(4), "terminated": np.arange(4) == 3},
+               final_obs={"obs": np.zeros((1, 2))})
+    buf.close()
+    from mmbuffer.convert import export_d4rl
+
+    with pytest.raises(mb.errors.ConversionError, match="missing \\['action', 'reward'\\]"):
+        export_d4rl(tmp_path / "s", tmp_path / "out.hdf5", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]

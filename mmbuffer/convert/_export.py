@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import ConversionError
 from ._common import (
     _hex,
     as_bytes,
@@ -286,9 +287,15 @@ def export_d4rl(
     t0 = time.perf_counter()
     out_path = check_destination(out, overwrite)
     partial = _partial(out_path)
-    remove_partial(partial)
     opened = _Opened(store)
     with opened as buf:
+        missing = [k for k in ("obs", "action", "reward") if k not in buf.columns]
+        if missing:
+            raise ConversionError(
+                f"{getattr(buf, 'path', store)}: expected columns obs, action and reward for a D4RL file "
+                f"(observations, actions, rewards), got {sorted(buf.columns)}; missing {missing}"
+            )
+        remove_partial(partial)
         rows_per = _chunk_rows(buf, chunk_rows)
         plan, skipped = _plan(buf, "single-lane")
         n = plan.rows
@@ -347,8 +354,12 @@ def export_d4rl(
     if verify:
         from ._d4rl import D4RLReader
 
-        reader = D4RLReader(partial, keep_infos=True)
-        _check_reader(reader, summary, crc, final_crc if derive_next else None, partial, warn_open=False)
+        try:
+            reader = D4RLReader(partial, keep_infos=True)
+            _check_reader(reader, summary, crc, final_crc if derive_next else None, partial, warn_open=False)
+        except BaseException:
+            remove_partial(partial)
+            raise
         summary["verified"] = True
     replace_destination(partial, out_path)
     summary["seconds"] = round(time.perf_counter() - t0, 3)
@@ -387,8 +398,6 @@ def _check_reader(
 ) -> None:
     """Stream ``reader`` and compare its columns with the checksums taken while writing."""
     import warnings
-
-    from ..errors import ConversionError
 
     got: dict[str, int] = {}
     got_final: dict[str, int] = {}
@@ -511,8 +520,6 @@ def export_minari(
         ``mmbuffer/<out name>-v0``.
     """
     import h5py
-
-    from ..errors import ConversionError
 
     t0 = time.perf_counter()
     out_path = check_destination(out, overwrite)
@@ -788,9 +795,7 @@ def copy(
         }
         nbytes = _row_bytes(buf) * plan.rows
     if verify:
-        from ..errors import ConversionError
-
-        got: dict[str, int] = {}
+            got: dict[str, int] = {}
         got_final: dict[str, int] = {}
         with mb.open(str(partial), mode="r") as new:
             new_plan, _ = _plan(new, "all")
