@@ -795,7 +795,7 @@ def copy(
         }
         nbytes = _row_bytes(buf) * plan.rows
     if verify:
-            got: dict[str, int] = {}
+        got: dict[str, int] = {}
         got_final: dict[str, int] = {}
         with mb.open(str(partial), mode="r") as new:
             new_plan, _ = _plan(new, "all")
