@@ -199,6 +199,17 @@ def _mmap_of(arr: np.ndarray) -> mmap.mmap | None:
     return None
 
 
+def release(arr: np.ndarray) -> None:
+    """Unmap this process's pages of a memory-mapped array (MADV_DONTNEED).
+
+    The data stays in the page cache and in the file (a shared mapping's dirty
+    pages stay dirty); the next access maps the page again.
+    """
+    handle = _mmap_of(arr)
+    if handle is not None and hasattr(mmap, "MADV_DONTNEED"):
+        handle.madvise(mmap.MADV_DONTNEED)
+
+
 def is_mapped(arr: object) -> bool:
     return isinstance(arr, np.ndarray) and _mmap_of(arr) is not None
 

@@ -426,6 +426,21 @@ class Store:
         live = tree.max_live(self._tree)
         return float(min(live, cap)) if live > 0 else float(cap)
 
+    @locked
+    def release_memory(self) -> None:
+        """Drop this process's mappings of the store's pages.
+
+        A process that streams through a whole store (a converter, a verification
+        pass) otherwise keeps every page it touched counted in its RSS. Nothing is
+        lost: the pages stay in the page cache and the next access maps them again.
+        """
+        arrays = [*self._data.values(), *self._final.values(), self._ends]
+        if self._tree is not None:
+            arrays += [self._tree.leaves, self._tree.sums, self._tree.mins, self._tree.maxs]
+        for arr in arrays:
+            if fmt.is_mapped(arr):
+                fmt.release(arr)
+
     # -- closing -----------------------------------------------------------------------
     @locked
     def close(self) -> None:

@@ -500,3 +500,18 @@ def test_reader_never_sees_rows_the_writer_is_rewriting(tmp_path):
     assert reader.num_episodes < before  # the reservation hid what the writer reached
     writer.close()
     assert reader.refresh() and reader.num_episodes == writer.num_episodes
+
+
+def test_release_memory_keeps_data_and_drops_resident_pages(tmp_path):
+    buf = mb.create(tmp_path / "s", {"obs": ((256,), "float32")}, capacity=20_000, next_keys=())
+    buf.extend({"obs": np.ones((20_000, 256), np.float32), "truncated": np.arange(20_000) == 19_999})
+    def rss():
+        with open("/proc/self/status") as f:
+            return [int(line.split()[1]) for line in f if line.startswith("RssFile:")][0]
+
+    before = rss()
+    buf.release_memory()  # uncommitted dirty pages too: nothing may be lost
+    assert rss() < before - 10_000  # ~20 MB of mapped column pages let go (kB)
+    assert float(buf.get(np.arange(0, 20_000, 997))["obs"].sum()) == 21 * 256
+    buf.close()
+    assert mb.open(tmp_path / "s", mode="r").get([19_999])["obs"].sum().item() == 256

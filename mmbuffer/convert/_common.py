@@ -56,8 +56,8 @@ __all__ = [
 
 #: Target size of one chunk (all columns together) when ``chunk_rows`` is not given.
 DEFAULT_CHUNK_BYTES = 32 << 20
-#: Rows written between two commits of a conversion (the store is then reopened,
-#: which unmaps the pages written so far: resident memory stays about this size).
+#: Rows written between two commits of a conversion (the written pages are then
+#: unmapped with ``Buffer.release_memory``: resident memory stays about this size).
 SEGMENT_BYTES = 256 << 20
 
 _FLAGS = ("terminated", "truncated")
@@ -433,12 +433,10 @@ def write_store(
                     bar.update(n)
                     since_reopen += n
                     if since_reopen >= segment_rows:
-                        # commit, and drop the memory maps: their pages would otherwise
+                        # commit, and unmap the written pages: they would otherwise
                         # stay resident in this process for the whole conversion
-                        buf.close()
-                        buf = None
-                        gc.collect()  # a store handle may sit in a reference cycle
-                        buf = mb.open(str(partial), mode="a")
+                        buf.commit()
+                        buf.release_memory()
                         since_reopen = 0
                 if tally.rows != schema.num_rows:
                     raise reader._error(
@@ -646,11 +644,11 @@ def verify_store(path: Path, tally: _Tally, schema: Schema, chunk_rows: int) -> 
     segment = max(chunk_rows, SEGMENT_BYTES // max(1, schema.row_bytes()))
 
     def read() -> Iterator[tuple[str, dict[str, Any]]]:
-        # a fresh read-only handle per segment: the pages it touched are unmapped
-        # when it goes, so resident memory stays about one segment
-        for s0 in range(0, tally.rows, segment):
-            s1 = min(tally.rows, s0 + segment)
-            with mb.open(str(path), mode="r") as seg:
+        # one read-only handle; the pages of each segment are unmapped after it,
+        # so resident memory stays about one segment
+        with mb.open(str(path), mode="r") as seg:
+            for s0 in range(0, tally.rows, segment):
+                s1 = min(tally.rows, s0 + segment)
                 for a in range(s0, s1, chunk_rows):
                     b = min(s1, a + chunk_rows)
                     yield "rows", seg.get(np.arange(a, b, dtype=np.int64), keys=names)
@@ -659,8 +657,7 @@ def verify_store(path: Path, tally: _Tally, schema: Schema, chunk_rows: int) -> 
                     for a in range(int(lo), int(hi), chunk_rows):
                         idx = ends[a : min(int(hi), a + chunk_rows)]
                         yield "final", seg.get(idx, keys=next_names)
-            del seg
-            gc.collect()  # a store handle may sit in a reference cycle
+                seg.release_memory()  # resident memory stays about one segment
 
     with _Prefetch(read(), depth=2) as chunks:  # gathers overlap with checksums
         for kind, data in chunks:
