@@ -63,6 +63,7 @@ MANIFEST: Final = "manifest.json"
 LOCK: Final = "LOCK"
 RESERVED_NAMES: Final = frozenset({"terminated", "truncated"})
 COMPRESSIONS: Final = (None, "zstd", "lz4")
+PWRITE_MIN_BYTES: Final = 1 << 16
 
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*(/[A-Za-z0-9_][A-Za-z0-9_.\-]*)*$")
 
@@ -176,6 +177,30 @@ def open_raw(root: Path, name: str, *, writable: bool) -> np.ndarray:
         mm._mmap.madvise(mmap.MADV_RANDOM)  # read-ahead wrecks cold random gathers
     # a plain ndarray view: np.memmap's subclass hooks cost microseconds per access
     return mm.view(np.ndarray)
+
+
+def raw_file(root: Path, name: str) -> Path:
+    """The shard file holding raw array ``root/name``'s rows from byte 0."""
+    meta = read_json(root / name / "zarr.json")
+    return _shard_file(root / name, len(meta["shape"]))
+
+
+def write_rows(fd: int, mm: np.ndarray, start: int, rows: np.ndarray) -> None:
+    """Write ``rows`` at row ``start`` of the raw array mapped as ``mm``, with pwrite.
+
+    The page cache is shared with every memory map of the file, so readers see the
+    rows at once; a write() fills fresh pages 2-4x faster than stores through a
+    map advised MADV_RANDOM (measured on this project's dev machine). Blocks under
+    ``PWRITE_MIN_BYTES`` go through the map: there the syscall costs more.
+    """
+    if rows.nbytes < PWRITE_MIN_BYTES:  # a few rows: a store through the map is cheaper
+        mm[start : start + len(rows)] = rows
+        return
+    data = memoryview(np.ascontiguousarray(rows, dtype=mm.dtype)).cast("B")
+    offset = start * mm.strides[0]
+    while len(data):
+        done = os.pwrite(fd, data, offset)
+        data, offset = data[done:], offset + done
 
 
 def flush_rows(mm: np.ndarray, start: int, stop: int) -> None:

@@ -169,9 +169,12 @@ class Store:
         writable = self.mode == "a"
         root = self.path
         self._data: dict[str, Any] = {}
+        self._fds: dict[str, int] = {}  # the writer's raw column files, for pwrite
         for name in self.columns:
             if name in fmt.RESERVED_NAMES or self.compression is None:
                 self._data[name] = fmt.open_raw(root, f"columns/{name}", writable=writable)
+                if writable:
+                    self._fds[name] = os.open(fmt.raw_file(root, f"columns/{name}"), os.O_RDWR)
             else:
                 self._data[name] = fmt.CompressedArray(root, f"columns/{name}", writable=writable)
         self._final = {k: fmt.open_raw(root, f"final/{k}", writable=writable) for k in self.next_keys}
@@ -316,9 +319,13 @@ class Store:
         segments = _ring_segments(lane, self.lane_size, st.written, new_written)
         for name, arr in arrays.items():
             col = self._data[name]
+            fd = self._fds.get(name)
             off = 0
             for a, b in segments:
-                col[a:b] = arr[off : off + b - a]
+                if fd is None:
+                    col[a:b] = arr[off : off + b - a]  # a compressed column, through zarr
+                else:
+                    fmt.write_rows(fd, col, a, arr[off : off + b - a])
                 off += b - a
         if finals:
             last_rows = _global_rows(lane, self.lane_size, st.written + np.flatnonzero(done))
@@ -488,6 +495,9 @@ class Store:
         fmt.atomic_write_json(self.path / fmt.MANIFEST, _manifest(self))
 
     def _release_lock(self) -> None:
+        for fd in getattr(self, "_fds", {}).values():
+            os.close(fd)
+        self._fds = {}
         fd = getattr(self, "_lock_fd", None)
         if fd is not None:
             self._lock_fd = None
