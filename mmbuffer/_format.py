@@ -20,7 +20,8 @@ tensorstore or xarray read it without mmbuffer. Nothing in it is a pickle::
 Raw arrays (the default, and always the index and the tree) hold a single shard
 with the ``bytes`` codec and the shard index at the end. The first
 ``rows * row_bytes`` bytes of the shard file ``c/0[/0...]`` are then exactly a
-C-order numpy array, which mmbuffer memory-maps, while a Zarr reader still makes
+C-order numpy array, which mmbuffer memory-maps (and writes large blocks into
+with ``pwrite``), while a Zarr reader still makes
 partial reads through the shard index (one entry per inner chunk of about
 ``config.chunk_bytes``). mmbuffer writes that index itself when it creates the file
 (every inner chunk present, crc32c like zarr's default), and allocates the file
