@@ -169,7 +169,7 @@ def train(args: argparse.Namespace) -> None:
         rows = len(buf)
         print(f"resumed from {rows} stored rows ({buf.num_episodes} episodes, generation {buf.generation})")
         if ckpt.exists():
-            state = torch.load(ckpt, weights_only=False)
+            state = torch.load(ckpt, weights_only=True)  # tensors and plain containers only: no pickled code
             agent.load_state_dict(state["agent"])
             torch.set_rng_state(state["rng"])
             print(f"restored learner from checkpoint at {state['rows']} rows ({agent.updates} updates)")
