@@ -354,12 +354,8 @@ def export_d4rl(
     if verify:
         from ._d4rl import D4RLReader
 
-        try:
-            reader = D4RLReader(partial, keep_infos=True)
-            _check_reader(reader, summary, crc, final_crc if derive_next else None, partial, warn_open=False)
-        except BaseException:
-            remove_partial(partial)
-            raise
+        reader = D4RLReader(partial, keep_infos=True)
+        _check_reader(reader, summary, crc, final_crc if derive_next else None, partial, warn_open=False)
         summary["verified"] = True
     replace_destination(partial, out_path)
     summary["seconds"] = round(time.perf_counter() - t0, 3)
