@@ -17,14 +17,18 @@ or ``benchmarks/_data``):
    buffer, as TorchRL's D4RL loader does) when torchrl is installed.
 
 The source file is in the page cache for every measurement (just written), so
-the comparison is of write paths, not of source reads. Each measurement runs
-``--repeat`` times (``sync`` before each) and the median time is shown, with the
-largest peak memory; disks of shared machines vary a lot from run to run.
+the comparison is of write paths, not of source reads. The write speed of the
+dev VM swings 3x from minute to minute, so the measurements run in ``--repeat``
+rounds (``sync`` before each measurement): each round runs the raw copy and the
+conversions back to back, each conversion is compared with the raw copy of its
+own round, and the round with the median ratio is shown, with every round's
+ratio and the largest peak memory.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -109,16 +113,24 @@ def generate(path: Path, rows: int, chunk: int = 1 << 20) -> float:
     return time.perf_counter() - t0
 
 
-def dd_copy(src: Path, dst: Path, block: int = 16 << 20) -> dict[str, float]:
+def dd_copy(src: Path, dst: Path, drop_behind: bool, block: int = 16 << 20) -> dict[str, float]:
+    """``dd bs=16M conv=fsync``; with ``drop_behind`` also ``oflag=nocache``: each block
+    is written behind and dropped from the page cache a few blocks later, as the
+    converter does."""
     buf = bytearray(block)
     view = memoryview(buf)
     t0 = time.perf_counter()
     with open(src, "rb", buffering=0) as fi, open(dst, "wb", buffering=0) as fo:
+        off = 0
         while True:
             n = fi.readinto(buf)
             if not n:
                 break
             fo.write(view[:n])
+            off += n
+            if drop_behind:
+                lo = max(0, off - 3 * block)
+                os.posix_fadvise(fo.fileno(), lo, off - lo, os.POSIX_FADV_DONTNEED)
         os.fsync(fo.fileno())
     return {"seconds": time.perf_counter() - t0, "bytes": dst.stat().st_size}
 
@@ -189,7 +201,7 @@ def main() -> None:
         elif kind == "torchrl":
             out = child_torchrl(rest[0], int(rest[1]))
         else:
-            out = dd_copy(Path(rest[0]), Path(rest[1]))
+            out = dd_copy(Path(rest[0]), Path(rest[1]), kind == "dd-nocache")
         print(json.dumps(out))
         return
 
@@ -206,59 +218,61 @@ def main() -> None:
     print(f"generated {src} ({size / 1e9:.2f} GB) in {gen:.1f} s; disk free "
           f"{shutil.disk_usage(work).free / 1e9:.0f} GB\n")
 
-    def median_of(kind: str, *child_args: str, cleanup: Path) -> dict[str, object]:
-        runs = []
-        for _ in range(args.repeat):
-            os.sync()  # start every measurement with no dirty pages of an earlier step
-            runs.append(_child(kind, *child_args))
-            if cleanup.is_dir():
-                shutil.rmtree(cleanup)
-            elif cleanup.exists():
-                cleanup.unlink()
-        runs.sort(key=lambda r: r["seconds"])
-        out = dict(runs[len(runs) // 2])
-        for key in ("peak_rss", "peak_anon", "peak_file"):
-            if key in out:
-                out[key] = max(r[key] for r in runs)
+    def run(kind: str, *child_args: str, cleanup: Path) -> dict[str, object]:
+        os.sync()  # start every measurement with no dirty pages of an earlier step
+        out = _child(kind, *child_args)
+        if cleanup.is_dir():
+            shutil.rmtree(cleanup)
+        elif cleanup.exists():
+            cleanup.unlink()
         return out
 
-    results = []
-    dd = median_of("dd", str(src), str(work / "copy.bin"), cleanup=work / "copy.bin")
-    dd_mbps = dd["bytes"] / dd["seconds"] / 1e6
-    results.append({"path": "raw disk write (dd-style copy, fsync)", "seconds": dd["seconds"],
-                    "rows/s": rows / dd["seconds"], "MB/s": dd_mbps, "vs raw": 1.0,
-                    "peak RSS MB": float("nan"), "anon MB": float("nan"), "file MB": float("nan")})
+    # The VM's write speed swings 3x between minutes (fresh page-cache pages), so
+    # every round measures the raw copy and both conversions back to back, and a
+    # conversion's ratio is taken against the raw copy of its own round.
     chunk = str(args.chunk_rows or 0)
-    for verify in (False, True):
-        dst = work / f"store_{int(verify)}"
-        c = median_of("convert", str(src), str(dst), "1" if verify else "0", chunk, cleanup=dst)
-        mbps = c["bytes"] / c["seconds"] / 1e6
-        results.append({"path": f"mmbuffer convert d4rl ({'with' if verify else 'no'} verification)",
-                        "seconds": c["seconds"], "rows/s": rows / c["seconds"], "MB/s": mbps,
-                        "vs raw": mbps / dd_mbps, "peak RSS MB": c["peak_rss"] / 2**20,
-                        "anon MB": c["peak_anon"] / 2**20, "file MB": c["peak_file"] / 2**20})
-        if verify:
-            results[-1]["write only s"] = c["write_seconds"]
-    if not args.no_torchrl:
-        try:
-            import torchrl  # noqa: F401
+    have_torchrl = not args.no_torchrl and importlib.util.find_spec("torchrl") is not None
+    rounds: list[dict[str, dict[str, object]]] = []
+    for _ in range(args.repeat):
+        r = {dd: run(dd, str(src), str(work / "copy.bin"), cleanup=work / "copy.bin") for dd in ("dd", "dd-nocache")}
+        for verify in (False, True):
+            dst = work / f"store_{int(verify)}"
+            r[f"convert{int(verify)}"] = run("convert", str(src), str(dst), "1" if verify else "0", chunk, cleanup=dst)
+        if have_torchrl:
+            r["torchrl"] = run("torchrl", str(src), str(1 << 20), cleanup=work / "none")
+        for k, v in r.items():
+            v["MB/s"] = v["bytes"] / v["seconds"] / 1e6 if k.startswith("dd") else rows * row_bytes / v["seconds"] / 1e6
+        for v in r.values():
+            v["vs raw"] = v["MB/s"] / r["dd"]["MB/s"]
+            v["vs nocache"] = v["MB/s"] / r["dd-nocache"]["MB/s"]
+        rounds.append(r)
+        print("round:", {k: f"{v['MB/s']:.0f} MB/s ({v['vs raw']:.2f})" for k, v in r.items()})
+    print()
 
-            t = median_of("torchrl", str(src), str(1 << 20), cleanup=work / "none")
-            mbps = rows * row_bytes / t["seconds"] / 1e6
-            results.append({"path": "torchrl LazyTensorStorage (in memory)", "seconds": t["seconds"],
-                            "rows/s": rows / t["seconds"], "MB/s": mbps, "vs raw": mbps / dd_mbps,
-                            "peak RSS MB": t["peak_rss"] / 2**20, "anon MB": t["peak_anon"] / 2**20,
-                            "file MB": t["peak_file"] / 2**20})
-        except ImportError:
-            print("torchrl not installed: no in-memory baseline\n")
-        except RuntimeError as exc:
-            print(f"torchrl baseline failed: {str(exc)[-500:]}\n")
+    labels = {"dd": "raw disk write (dd-style copy, fsync)",
+              "dd-nocache": "raw disk write, dropped behind (dd oflag=nocache-style)", "convert0": "mmbuffer convert d4rl (no verification)",
+              "convert1": "mmbuffer convert d4rl (with verification)", "torchrl": "torchrl LazyTensorStorage (in memory)"}
+    results = []
+    for key, label in labels.items():
+        if key not in rounds[0]:
+            continue
+        runs = sorted((r[key] for r in rounds), key=lambda v: v["vs raw"])
+        med = runs[len(runs) // 2]  # the round with the median ratio
+        res = {"path": label, "seconds": med["seconds"], "rows/s": rows / med["seconds"], "MB/s": med["MB/s"],
+               "vs raw": med["vs raw"], "vs nocache": med["vs nocache"],
+               "ratios vs raw": " ".join(f"{v['vs raw']:.2f}" for v in runs),
+               "ratios vs nocache": " ".join(f"{v['vs nocache']:.2f}" for v in runs)}
+        for name, field in (("peak RSS MB", "peak_rss"), ("anon MB", "peak_anon"), ("file MB", "peak_file")):
+            res[name] = max(v[field] for v in runs) / 2**20 if field in med else float("nan")
+        if key == "convert1":
+            res["write only s"] = med["write_seconds"]
+        results.append(res)
     for r in results:
         r.setdefault("write only s", float("nan"))
     table(results)
-    conv = results[2]
+    conv = results[3]
     print(f"conversion with verification: {conv['MB/s']:.0f} MB/s of row data = {conv['vs raw']:.0%} of the raw "
-          f"write speed ({dd_mbps:.0f} MB/s); peak RSS {conv['peak RSS MB']:.0f} MB "
+          f"write speed of its round ({results[0]['MB/s']:.0f} MB/s), {conv['vs nocache']:.0%} of a dropped-behind copy's; peak RSS {conv['peak RSS MB']:.0f} MB "
           f"(anonymous {conv['anon MB']:.0f} MB, file-backed maps {conv['file MB']:.0f} MB)")
     print("MB/s counts row bytes (obs, action, reward, two flags); the raw copy moves the whole source file.")
     if not args.keep:

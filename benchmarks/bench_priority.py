@@ -1,16 +1,21 @@
 """Prioritized replay benchmark: sample 256 + update 256 as the store grows to 6e8 rows.
 
 For each capacity a store (one uint8 column, episodes of 1000 rows, full) with a
-priority tree is built on disk; a fresh process then opens it and times
-``sample_indices(256, prioritized=True)`` (the sampler alone) and
-``update_priorities`` of the sampled rows: its first 50 samples separately (cold
-mappings), then a sample+update loop of ``--seconds`` whose later half is timed
-(median and 90th percentile: the steady state of a learner, whose tree pages are
-mapped and dirty); then ``sample`` with the gather, an update that lowers
-the row holding the max (the default for new rows must follow the live max), and
-reports its RSS, split into anonymous memory (the process's own) and file-backed
-pages (the page cache of the store's maps, shared and reclaimable). When TorchRL's PrioritizedSampler is available (see
-``_torchrl_baseline.py``) it runs at the capacities up to ``--torchrl-max``.
+priority tree is built on disk (kept between runs). Its tree files are then
+dropped from the page cache (``posix_fadvise(DONTNEED)``: what the kernel does
+to a file nobody maps, after ~30 s idle on the VM of RESULTS.md) and a fresh
+process opens the store and times ``sample_indices(256, prioritized=True)``
+(the sampler alone): its first 50 samples separately (cold: a random disk read
+per tree page), then ``buf.warm()`` (the tree read at sequential disk speed and
+mapped), then ``sample_indices`` and ``update_priorities`` of the sampled rows
+in a loop of ``--seconds`` whose later half is timed (median and 90th
+percentile: the steady state of a learner, whose tree is mapped and dirty);
+then ``sample`` with the gather, an update that lowers the row holding the max
+(the default for new rows must follow the live max), and reports its RSS,
+split into anonymous memory (the process's own) and file-backed pages (the
+page cache of the store's maps, shared and reclaimable). When TorchRL's
+PrioritizedSampler is available (see ``_torchrl_baseline.py``) it runs at the
+capacities up to ``--torchrl-max``.
 
     python benchmarks/bench_priority.py                  # 1e6, 1e8, 6e8 (needs ~5 GB free per 1e9 rows)
     python benchmarks/bench_priority.py --capacities 1e6  # quick
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
@@ -54,6 +60,18 @@ def build(path: Path, capacity: int) -> float:
     return time.perf_counter() - t0
 
 
+def drop_cache(folder: Path) -> None:
+    """Drop the clean pages of every file under ``folder`` from the page cache."""
+    for file in folder.rglob("*"):
+        if file.is_file():
+            fd = os.open(file, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 WORKER = """
 import json, statistics, sys, time
 import numpy as np, torch
@@ -66,8 +84,11 @@ reps = int(sys.argv[2])
 g = torch.Generator().manual_seed(0)
 rng = np.random.default_rng(0)
 t_cold = []
-for _ in range(50):  # a fresh process: every tree page touched the first time faults
+for _ in range(50):  # tree not in the page cache: every page touched the first time is a disk read
     t0 = time.perf_counter(); buf.sample_indices(256, g, prioritized=True); t_cold.append(time.perf_counter() - t0)
+t0 = time.perf_counter()
+buf.warm()  # the whole tree at sequential disk speed, mapped
+t_warm = time.perf_counter() - t0
 # steady state: a learner samples and updates for a while, so the tree's pages are
 # mapped and dirty; time the later half of a fixed-duration loop
 t_idx, t_tot, t_upd = [], [], []
@@ -95,7 +116,7 @@ buf.close()
 with open("/proc/self/status") as f:
     mem = {l.split(":")[0]: int(l.split()[1]) / 1024 for l in f if l.startswith(("VmRSS:", "RssAnon:", "RssFile:"))}
 med = statistics.median
-print(json.dumps({"open": t_open, "cold_index": med(t_cold), "steps": steps, "p90_index": p90_idx, "p90_update": p90_upd, "index": med(t_idx), "total": med(t_tot), "update": med(t_upd),
+print(json.dumps({"open": t_open, "cold_index": med(t_cold), "warm": t_warm, "steps": steps, "p90_index": p90_idx, "p90_update": p90_upd, "index": med(t_idx), "total": med(t_tot), "update": med(t_upd),
                   "update_max": med(t_max), "rss": mem["VmRSS"], "anon": mem["RssAnon"], "file": mem["RssFile"]}))
 """
 
@@ -122,6 +143,7 @@ def main() -> None:
             continue
         path = root / f"priority_{cap}"
         built = build(path, cap)
+        drop_cache(path / "priority")
         res = json.loads(run_python(WORKER, str(path), str(args.reps), str(args.seconds)))
         row = {
             "capacity": cap,
@@ -129,6 +151,7 @@ def main() -> None:
             "tree B/row": tree.nbytes(cap) / cap,
             "open ms": res["open"] * 1e3,
             "first 50 samples idx ms": res["cold_index"] * 1e3,
+            "warm s": res["warm"],
             "steps": res["steps"],
             "sample idx ms": res["index"] * 1e3,
             "p90 idx ms": res["p90_index"] * 1e3,

@@ -59,7 +59,7 @@ from . import errors
 from .config import config
 
 FORMAT_NAME: Final = "mmbuffer"
-FORMAT_VERSION: Final = 1
+FORMAT_VERSION: Final = 2
 MANIFEST: Final = "manifest.json"
 LOCK: Final = "LOCK"
 RESERVED_NAMES: Final = frozenset({"terminated", "truncated"})
@@ -89,7 +89,7 @@ def check_column_name(name: object) -> str:
 
 def check_dtype(name: str, dtype: object) -> np.dtype:
     try:
-        dt = np.dtype(dtype)  # type: ignore[call-overload]
+        dt: np.dtype = np.dtype(dtype)  # type: ignore[call-overload]
     except TypeError as exc:
         raise errors.SchemaError(f"column {name!r}: expected a numpy dtype, got {dtype!r}") from exc
     if dt.kind not in "biuf" or dt.hasobject:
@@ -103,7 +103,7 @@ def check_shape(name: str, shape: object) -> tuple[int, ...]:
     if isinstance(shape, (int, np.integer)):
         shape = (int(shape),)
     try:
-        out = tuple(int(s) for s in shape)  # type: ignore[union-attr]
+        out = tuple(int(s) for s in shape)  # type: ignore[attr-defined]
     except TypeError as exc:
         raise errors.SchemaError(f"column {name!r}: expected a shape tuple, got {shape!r}") from exc
     if any(s < 1 for s in out):
@@ -197,11 +197,33 @@ def write_rows(fd: int, mm: np.ndarray, start: int, rows: np.ndarray) -> None:
     if rows.nbytes < PWRITE_MIN_BYTES:  # a few rows: a store through the map is cheaper
         mm[start : start + len(rows)] = rows
         return
-    data = memoryview(np.ascontiguousarray(rows, dtype=mm.dtype)).cast("B")
+    data = np.ascontiguousarray(rows, dtype=mm.dtype).data.cast("B")
     offset = start * mm.strides[0]
     while len(data):
         done = os.pwrite(fd, data, offset)
         data, offset = data[done:], offset + done
+
+
+def read_rows(fd: int, mm: np.ndarray, start: int, out: np.ndarray) -> None:
+    """Fill ``out`` (C-contiguous) with the rows from row ``start`` of the raw array
+    mapped as ``mm``, with pread: the mirror of :func:`write_rows`."""
+    if out.dtype != mm.dtype or out.shape[1:] != mm.shape[1:] or not out.flags.c_contiguous:
+        raise ValueError(f"read_rows: out must be C-contiguous {mm.dtype} rows of shape {mm.shape[1:]}")
+    data = out.reshape(-1).view(np.uint8).data
+    offset = start * mm.strides[0]
+    while len(data):
+        done = os.preadv(fd, [data], offset)
+        if done == 0:
+            raise errors.CorruptStoreError(f"read_rows: file ends before byte {offset}")
+        data, offset = data[done:], offset + done
+
+
+def drop_cache(fd: int, mm: np.ndarray, start: int, stop: int) -> None:
+    """Start writing rows ``[start, stop)`` back and drop their clean pages from the
+    page cache (``posix_fadvise(DONTNEED)``): dirty pages are written, never lost."""
+    if stop > start and hasattr(os, "posix_fadvise"):
+        row_bytes = mm.strides[0]
+        os.posix_fadvise(fd, start * row_bytes, (stop - start) * row_bytes, os.POSIX_FADV_DONTNEED)
 
 
 def flush_rows(mm: np.ndarray, start: int, stop: int) -> None:

@@ -39,10 +39,10 @@ def _from_env() -> Config:
         raw = os.environ.get(f"MMBUFFER_{f.name.upper()}")
         if raw is None:
             continue
-        default = f.default
+        default: object = f.default
         if isinstance(default, bool):
             values[f.name] = raw.strip().lower() in ("1", "true", "yes", "on")
-        else:
+        elif isinstance(default, (int, float)):
             values[f.name] = type(default)(raw)
     return Config(**values)  # type: ignore[arg-type]
 

@@ -155,7 +155,7 @@ class BufferDataset(IterableDataset[Batch]):
             rank = _check_int("rank", rank, 0)
             if rank >= world_size:
                 raise errors.InvalidArgumentError(f"rank: expected an integer in [0, {world_size}), got {rank}")
-        self._shard_override = None if world_size is None else (rank, world_size)
+        self._shard_override = None if world_size is None else (int(rank), world_size)  # type: ignore[arg-type]
         self._set_epoch = 0
         self._passes = 0
         self._buf: Buffer | None = None

@@ -372,7 +372,7 @@ def gae(rewards: Any, values: Any, next_values: Any, terminated: Any, truncated:
         # broadcast shape under leading-dim alignment
         padded = [tuple(x.shape) + (1,) * (ndim - x.dim()) for x in named.values()]
         try:
-            shape: tuple[int, ...] | None = tuple(torch.broadcast_shapes(*padded))
+            shape: tuple[int, ...] | None = tuple(torch.broadcast_shapes(*padded))  # type: ignore[no-untyped-call]
         except RuntimeError:
             shape = None
         if shape is None or any(x.dim() == 0 or x.shape[0] != t for x in named.values()):

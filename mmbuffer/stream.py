@@ -143,7 +143,7 @@ class Stream:
         self._device = device
         cuda = device is not None and device.type == "cuda"
         self._cuda = cuda
-        side = torch.cuda.Stream(device) if cuda else None
+        side = torch.cuda.Stream(device) if cuda else None  # type: ignore[no-untyped-call]
         move = device if cuda else None
         # the worker gets everything it needs but never ``self``
         self._thread = threading.Thread(
@@ -369,7 +369,7 @@ def _produce(
             if device is not None:  # CUDA: copy on the side stream, hand over an event
                 with torch.cuda.device(device), torch.cuda.stream(side):
                     batch = batch.to(device, non_blocking=True)
-                    event = torch.cuda.Event()
+                    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
                     event.record(side)
             if not _put(q, ("batch", batch, event), stop):
                 return

@@ -1,9 +1,9 @@
 """Blocked priority tree: sums, minima and maxima of row priorities.
 
-The tree is four flat numpy arrays, allocated by the caller (in a store they
-are ``numpy.memmap`` views of files) and changed in place by the pure
-functions of this module. The functions never loop in Python over rows or
-batch items, only over the depth of the tree (at most ~30 levels).
+The tree is five numpy arrays, allocated by the caller (in a store they are
+``numpy.memmap`` views of files) and changed in place by the pure functions
+of this module. The functions never loop in Python over rows or batch items,
+only over the levels of the tree (at most 8 below 2**38 rows).
 
 Layout
 ------
@@ -12,8 +12,15 @@ For a tree over ``capacity >= 1`` rows:
 - ``nblocks = ceil(capacity / BLOCK)`` with ``BLOCK = 64``: leaves are grouped
   in blocks of 64 consecutive rows; the last block may be partial and reads as
   if padded with zeros.
-- ``P = 2 ** ceil(log2(nblocks))`` leaf slots of the heap (``P = 1`` when
-  ``nblocks = 1``); the heap has ``depth = log2(P)`` levels above its slots.
+- Above the blocks is a tree of fanout ``FANOUT = 16``, stored as *rows* of 16
+  *slots*, one slot per child. The lowest level, ``D``, has ``r_D = ceil(nblocks
+  / 16)`` rows, and its row ``i`` has the blocks ``16 i, ..., 16 i + 15`` as
+  slots; level ``d < D`` has ``r_d = ceil(r_(d+1) / 16)`` rows, and its row
+  ``i`` has the rows ``16 i, ..., 16 i + 15`` of level ``d + 1`` as slots;
+  level 0 is the root row (``r_0 = 1``; ``D = 0`` when ``nblocks <= 16``).
+  The rows are stored level by level from the root: level ``d`` is the rows
+  ``[o_d, o_d + r_d)`` with ``o_0 = 0`` and ``o_(d+1) = o_d + r_d``; ``R`` rows
+  in all.
 
 ========  =======  ===========  ==============================================
 name      dtype    shape        content
@@ -22,44 +29,55 @@ leaves    float32  (capacity,)  priority of each row, already transformed
                                 (``(p + eps) ** alpha`` is the caller's
                                 business); ``0.0`` for a row that is not live.
                                 Leaves must be finite and ``>= 0``.
-sums      float64  (2 * P,)     heap of sums: node ``1`` is the root, node
-                                ``P + b`` the sum of block ``b``'s 64 leaves,
-                                node ``i`` is ``sums[2 i] + sums[2 i + 1]``.
-mins      float32  (2 * P,)     same heap, minimum over the leaves ``> 0`` of
-                                the subtree; ``+inf`` when it has none.
-maxs      float32  (2 * P,)     same heap, maximum over the leaves of the
-                                subtree; ``0`` when it has none.
+sums      float64  (R, 16)      ``sums[g, c]``: sum of the leaves under slot
+                                ``c`` of row ``g``: a block sum on level
+                                ``D``, else ``prefix[child, 16]``.
+prefix    float64  (R, 17)      running sums of each row: ``prefix[g, 0] =
+                                0``, ``prefix[g, c + 1] = prefix[g, c] +
+                                sums[g, c]``, added in this order; so
+                                ``prefix[g, 16]`` is the row's total, and
+                                ``prefix[0, 16]`` the sum of all leaves.
+mins      float32  (R, 16)      minimum over the leaves ``> 0`` under the
+                                slot; ``+inf`` when it has none.
+maxs      float32  (R, 16)      maximum over the leaves under the slot; ``0``
+                                when it has none.
 ========  =======  ===========  ==============================================
 
-Node ``0`` (unused) and the padding slots ``P + b``, ``b >= nblocks``, hold
-the neutral values (sum 0, min ``+inf``, max 0). Arrays must be C-contiguous:
-nodes are read in child pairs through ``reshape(P, 2)``, leaves in whole
-blocks through ``reshape(-1, 64)``. A block sum is the float64 sum of its 64
-leaves, always computed by ``np.add.reduceat`` over whole blocks (one fixed
-order per block, however many blocks are recomputed at once).
+Slots with no block or row under them (past ``nblocks``, or past ``r_(d+1)``)
+hold the neutral values (sum 0, min ``+inf``, max 0). Arrays must be
+C-contiguous: a descent reads one ``prefix`` row per level. A block sum is the
+float64 sum of its 64 leaves, always computed by ``np.add.reduceat`` over whole
+blocks (one fixed order per block, however many blocks are recomputed at once);
+running sums always by ``torch.cumsum`` over whole rows (sequential per row).
 
-Size: ``4 * capacity + 32 * P`` bytes (:func:`nbytes`); since ``P < 2 *
-nblocks``, ``32 * P <= capacity + 64``: at most 5 bytes per row plus 64 bytes
-(4.9 bytes per row at 6e8 rows).
+Size: ``4 * capacity + 392 * R`` bytes (:func:`nbytes`); ``R <= nblocks / 15 +
+D + 1``: 4.41 bytes per row from 1e6 rows on (the leaves' 4 bytes and 0.41 for
+the nodes), at most 4.8 from 2,000 rows on.
 
 Exactness
 ---------
-Every write recomputes each touched block from its 64 leaves, then every
-touched ancestor from its two children (mins and maxs stop at the first level
-where none changed: no ancestor's can); nothing is ever incremented by a
-delta, so the float64 sums accumulate no drift however many updates are made.
-From a consistent tree, any sequence of :func:`update` and :func:`set_range`
-leaves the arrays bit-identical to a fresh :func:`rebuild` of the same leaves.
+Every write recomputes each touched block from its 64 leaves, then each
+touched row's running sums from its slots and its slot in the parent row from
+the row (mins and maxs stop at the first level where none changed: no
+ancestor's can); nothing is ever incremented by a delta, so the float64 sums
+accumulate no drift however many updates are made. From a consistent tree, any
+sequence of :func:`update` and :func:`set_range` leaves the arrays bit-identical
+to a fresh :func:`rebuild` of the same leaves.
 
 Cost and concurrency
 --------------------
 :func:`update` of ``k`` rows and :func:`sample` of ``k`` draws cost
-O(k log k + 64 k + k depth) in a fixed number of numpy calls per level.
-:func:`rebuild` and :func:`check` stream the leaves in chunks (bounded RAM).
-One writer; readers in other processes may map the files read-only and see
-writes at once, so a read during a write can see a block whose leaves disagree
-with its sum: :func:`find_prefix` still never returns a zero leaf while its
-block has a nonzero one, but such probabilities are approximate.
+O(k log k + 64 k + 16 k D) in a fixed number of numpy calls per level: a
+descent searches the slots of the deepest level of at most 256 rows at once,
+then reads one 136-byte ``prefix`` row per level below it and one 256-byte
+block of leaves. :func:`rebuild` and :func:`check` stream the leaves in
+chunks (bounded RAM). :func:`warm` reads all five arrays into memory at
+sequential disk speed (a cold tree is otherwise read a random 4 KiB page at
+a time). One writer; readers in other processes may map the files read-only
+and see writes at once, so a read during a write can see a block whose
+leaves disagree with its sum: :func:`find_prefix` still never returns a zero
+leaf while its block has a nonzero one, but such probabilities are
+approximate.
 
 Examples
 --------
@@ -74,6 +92,9 @@ Examples
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -85,81 +106,93 @@ import torch
 from .errors import EmptyBufferError, InvalidArgumentError
 
 __all__ = [
-    "BLOCK", "PriorityTree", "layout", "nbytes", "init", "reset", "update", "set_range",
-    "total", "min_live", "max_live", "find_prefix", "sample", "range_sum", "prefix_sum",
-    "rebuild", "check",
+    "BLOCK", "FANOUT", "PriorityTree", "layout", "nbytes", "init", "reset", "update",
+    "set_range", "total", "min_live", "max_live", "find_prefix", "sample", "rebuild", "check",
+    "warm",
 ]
 
 BLOCK: Final = 64
-"""Leaves per block (the leaf level of the heap)."""
+"""Leaves per block (the leaf level of the tree)."""
+FANOUT: Final = 16
+"""Slots per row of the tree above the blocks."""
 
 _SHIFT: Final = 6  # log2(BLOCK)
+_FSHIFT: Final = 4  # log2(FANOUT)
 _CHUNK_BLOCKS: Final = 1 << 16  # blocks per chunk in rebuild/check/set_range: 4M leaves
-_CHUNK_NODES: Final = 1 << 20  # heap nodes per chunk when sweeping a level
-_LEVELS_AT_ONCE: Final = 1 << 18  # update: node ids of all levels at once up to this many
+_CHUNK_ROWS: Final = 1 << 16  # tree rows per chunk when sweeping a level
+_FLAT_ROWS: Final = 256  # a descent starts with one search over a level this small
+_LEVELS_AT_ONCE: Final = 1 << 14  # update: row ids of all levels at once up to this many
 _INF_BITS: Final = np.float32(np.inf).view(np.uint32)
+_MADV_POPULATE_READ: Final = 22  # Linux >= 5.14; Python 3.11's mmap module lacks it
 
 Float32Array = npt.NDArray[np.float32]
 Float64Array = npt.NDArray[np.float64]
 Int64Array = npt.NDArray[np.int64]
 Stats = tuple[Float64Array, Float32Array, Float32Array]
+_NAMES: Final = ("leaves", "sums", "prefix", "mins", "maxs")
 
 
-def _geometry(capacity: int) -> tuple[int, int]:
-    """Return ``(nblocks, P)`` for ``capacity`` rows."""
+def _geometry(capacity: int) -> tuple[int, tuple[int, ...]]:
+    """Return ``(nblocks, (r_0, ..., r_D))`` for ``capacity`` rows."""
     if isinstance(capacity, bool) or not isinstance(capacity, int | np.integer) or capacity < 1:
         raise InvalidArgumentError(f"capacity: expected an int >= 1, got {capacity!r}")
     nblocks = (int(capacity) + BLOCK - 1) >> _SHIFT
-    return nblocks, 1 << (nblocks - 1).bit_length()
+    rows = [(nblocks + FANOUT - 1) >> _FSHIFT]
+    while rows[-1] > 1:
+        rows.append((rows[-1] + FANOUT - 1) >> _FSHIFT)
+    return nblocks, tuple(reversed(rows))
 
 
 def layout(capacity: int) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Shapes and dtypes of the four arrays of a tree over ``capacity`` rows.
+    """Shapes and dtypes of the five arrays of a tree over ``capacity`` rows.
 
-    Returns ``name -> (shape, dtype)`` for ``leaves``, ``sums``, ``mins`` and
-    ``maxs``, the keyword arguments of :class:`PriorityTree`. ``capacity`` may
-    be any size (row ids are int64); :class:`InvalidArgumentError` unless it
-    is a positive integer.
+    Returns ``name -> (shape, dtype)`` for ``leaves``, ``sums``, ``prefix``,
+    ``mins`` and ``maxs``, the keyword arguments of :class:`PriorityTree`.
+    ``capacity`` may be any size (row ids are int64);
+    :class:`InvalidArgumentError` unless it is a positive integer.
 
     Examples
     --------
     >>> from mmbuffer import tree as T
-    >>> for name, (shape, dtype) in T.layout(1000).items():
+    >>> for name, (shape, dtype) in T.layout(5000).items():
     ...     print(name, shape, dtype)
-    leaves (1000,) float32
-    sums (32,) float64
-    mins (32,) float32
-    maxs (32,) float32
+    leaves (5000,) float32
+    sums (6, 16) float64
+    prefix (6, 17) float64
+    mins (6, 16) float32
+    maxs (6, 16) float32
     """
-    _, width = _geometry(capacity)
+    _, rows = _geometry(capacity)
+    r = sum(rows)
     return {
         "leaves": ((int(capacity),), "float32"),
-        "sums": ((2 * width,), "float64"),
-        "mins": ((2 * width,), "float32"),
-        "maxs": ((2 * width,), "float32"),
+        "sums": ((r, FANOUT), "float64"),
+        "prefix": ((r, FANOUT + 1), "float64"),
+        "mins": ((r, FANOUT), "float32"),
+        "maxs": ((r, FANOUT), "float32"),
     }
 
 
 def nbytes(capacity: int) -> int:
-    """Total bytes of the four arrays: ``4 * capacity + 32 * P``.
+    """Total bytes of the five arrays: ``4 * capacity + 392 * R``.
 
     Examples
     --------
     >>> from mmbuffer import tree as T
-    >>> T.nbytes(600_000_000) / 600_000_000
-    4.894784853333333
+    >>> round(T.nbytes(600_000_000) / 600_000_000, 4)
+    4.4083
     """
-    _, width = _geometry(capacity)
-    return 4 * int(capacity) + 32 * width
+    _, rows = _geometry(capacity)
+    return 4 * int(capacity) + (24 * FANOUT + 8) * sum(rows)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
 class PriorityTree:
-    """The four arrays of a priority tree (see the module docstring).
+    """The five arrays of a priority tree (see the module docstring).
 
     Frozen, but the arrays are mutated in place by :func:`update`,
     :func:`set_range`, :func:`reset` and :func:`rebuild`. They are C-contiguous
-    1-D arrays of the shapes and dtypes :func:`layout` gives (else
+    arrays of the shapes and dtypes :func:`layout` gives (else
     :class:`InvalidArgumentError`), possibly ``numpy.memmap`` objects: the
     fields keep them (for ``flush``), the functions compute on plain ndarray
     views. ``PriorityTree(**arrays)`` takes a mapping keyed like :func:`layout`.
@@ -170,39 +203,47 @@ class PriorityTree:
     >>> from mmbuffer import tree as T
     >>> tr = T.PriorityTree(**{k: np.zeros(s, d) for k, (s, d) in T.layout(10).items()})
     >>> T.reset(tr)  # fresh zero-filled arrays need min = +inf
-    >>> tr.capacity, tr.width, tr.depth
-    (10, 1, 0)
+    >>> tr.capacity, tr.depth, len(tr.arrays)
+    (10, 1, 5)
     """
 
     leaves: Float32Array
     sums: Float64Array
+    prefix: Float64Array
     mins: Float32Array
     maxs: Float32Array
     _leaf: Float32Array = field(init=False, repr=False)
     _rows: Float32Array = field(init=False, repr=False)  # whole blocks, [nfull, 64]
     _sum: Float64Array = field(init=False, repr=False)
+    _pre: Float64Array = field(init=False, repr=False)
     _min: Float32Array = field(init=False, repr=False)
     _max: Float32Array = field(init=False, repr=False)
-    _shifts: Int64Array = field(init=False, repr=False)  # [[1], [2], ..., [depth]]
+    _levels: tuple[tuple[int, int], ...] = field(init=False, repr=False)  # (o_d, r_d)
+    _slot: tuple[tuple[Any, Any, Any], ...] = field(init=False, repr=False)  # flat sums, mins, maxs
+    # of the slots of each level: slot i of level d is child i of the level
+    _top: int = field(init=False, repr=False)  # see _descend
     _nblocks: int = field(init=False, repr=False)
     _nfull: int = field(init=False, repr=False)
-    _width: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         leaf = _plain("leaves", self.leaves, np.float32, None)
-        nblocks, width = _geometry(leaf.shape[0])
+        shapes = layout(leaf.shape[0])
+        nblocks, rows = _geometry(leaf.shape[0])
         nfull = leaf.shape[0] >> _SHIFT
         put = object.__setattr__
         put(self, "_leaf", leaf)
         put(self, "_rows", leaf[: nfull * BLOCK].reshape(nfull, BLOCK))
-        put(self, "_sum", _plain("sums", self.sums, np.float64, 2 * width))
-        put(self, "_min", _plain("mins", self.mins, np.float32, 2 * width))
-        put(self, "_max", _plain("maxs", self.maxs, np.float32, 2 * width))
-        depth = width.bit_length() - 1
-        put(self, "_shifts", np.arange(1, depth + 1, dtype=np.int64)[:, None])
+        for attr, name, dtype in (("_sum", "sums", np.float64), ("_pre", "prefix", np.float64),
+                                  ("_min", "mins", np.float32), ("_max", "maxs", np.float32)):
+            put(self, attr, _plain(name, getattr(self, name), dtype, shapes[name][0]))
+        offsets = np.cumsum((0,) + rows[:-1]).tolist()
+        put(self, "_levels", tuple(zip(offsets, rows)))
+        flat = [a.reshape(-1) for a in (self._sum, self._min, self._max)]
+        put(self, "_slot", tuple(tuple(a[o * FANOUT : (o + r) * FANOUT] for a in flat)
+                                 for o, r in self._levels))
+        put(self, "_top", max(d for d, r in enumerate(rows) if r <= _FLAT_ROWS))
         put(self, "_nblocks", nblocks)
         put(self, "_nfull", nfull)
-        put(self, "_width", width)
 
     @property
     def capacity(self) -> int:
@@ -210,24 +251,24 @@ class PriorityTree:
         return int(self._leaf.shape[0])
 
     @property
-    def width(self) -> int:
-        """``P``: leaf slots of the block heap (a power of two)."""
-        return self._width
+    def depth(self) -> int:
+        """``D + 1``: levels of rows above the blocks."""
+        return len(self._levels)
 
     @property
-    def depth(self) -> int:
-        """``log2(P)``: levels of the heap above its block level."""
-        return self._width.bit_length() - 1
+    def arrays(self) -> tuple[Any, ...]:
+        """The five arrays as given, in :func:`layout` order (to flush or map them)."""
+        return (self.leaves, self.sums, self.prefix, self.mins, self.maxs)
 
 
-def _plain(name: str, arr: Any, dtype: type, size: int | None) -> Any:
+def _plain(name: str, arr: Any, dtype: type, shape: tuple[int, ...] | None) -> Any:
     """Validate one array of a tree and return a plain ndarray view of it."""
     if not isinstance(arr, np.ndarray):
         raise InvalidArgumentError(f"{name}: expected a numpy array, got {type(arr).__name__}")
     if arr.dtype != np.dtype(dtype):
         raise InvalidArgumentError(f"{name}: expected dtype {np.dtype(dtype)}, got {arr.dtype}")
-    if arr.ndim != 1 or (size is not None and arr.shape[0] != size):
-        expected = "(capacity,)" if size is None else f"({size},)"
+    if (arr.ndim != 1) if shape is None else (arr.shape != shape):
+        expected = "(capacity,)" if shape is None else str(shape)
         raise InvalidArgumentError(f"{name}: expected shape {expected}, got {arr.shape}")
     if not arr.flags.c_contiguous:
         raise InvalidArgumentError(f"{name}: expected C-contiguous, got strides {arr.strides}")
@@ -255,8 +296,41 @@ def reset(tree: PriorityTree) -> None:
     Call it on freshly allocated (zero-filled) arrays: the neutral min is
     ``+inf``, not 0. Example: :class:`PriorityTree`.
     """
-    for arr, neutral in ((tree._leaf, 0), (tree._sum, 0), (tree._min, np.inf), (tree._max, 0)):
+    for arr, neutral in ((tree._leaf, 0), (tree._sum, 0), (tree._pre, 0), (tree._min, np.inf),
+                         (tree._max, 0)):
         arr.fill(neutral)
+
+
+def warm(tree: PriorityTree, *, random: bool = True) -> None:
+    """Read the tree's pages into memory and map them, at sequential disk speed.
+
+    Per array: ``madvise(MADV_SEQUENTIAL)``, then ``MADV_POPULATE_READ`` (Linux
+    5.14+; elsewhere, or if refused, one byte per page is read in order) maps
+    every page into this process, so later descents take no page fault and
+    the kernel sees the pages in use; then ``MADV_RANDOM`` (``random=True``,
+    as a store advises its maps) or ``MADV_NORMAL``. Under ``MADV_RANDOM`` the
+    same populate reads a 4 KiB page per disk read: 42 s instead of 1.2-2.3 s
+    for 2.5 GB (RESULTS.md). Releases the GIL: can run in a background thread.
+    """
+    for arr in tree.arrays:
+        _populate(arr, mmap.MADV_RANDOM if random else mmap.MADV_NORMAL)
+
+
+def _populate(arr: np.ndarray, after: int) -> None:
+    if arr.nbytes == 0:
+        return
+    page = mmap.PAGESIZE
+    start = arr.ctypes.data // page * page
+    addr = ctypes.c_void_p(start)
+    size = ctypes.c_size_t(arr.ctypes.data + arr.nbytes - start)
+    advise = hasattr(mmap, "MADV_SEQUENTIAL")  # POSIX
+    madvise = ctypes.CDLL(None, use_errno=True).madvise if advise else None
+    if madvise is not None:
+        madvise(addr, size, mmap.MADV_SEQUENTIAL)
+    if madvise is None or not sys.platform.startswith("linux") or madvise(addr, size, _MADV_POPULATE_READ):
+        int(arr.reshape(-1).view(np.uint8)[::page].max())  # one read per page, in order
+    if madvise is not None:
+        madvise(addr, size, after)
 
 
 # -- computing nodes -------------------------------------------------------------
@@ -283,17 +357,25 @@ def _block_stats(rows: Float32Array) -> Stats:
     return sums, low.view(np.float32), high.view(np.float32)
 
 
+def _running(sums: Float64Array) -> Float64Array:
+    """Running sums [k, 17] of slot sums [k, 16]: the one definition of ``prefix`` rows."""
+    out = np.zeros((sums.shape[0], FANOUT + 1), np.float64)
+    src = sums if sums.flags.writeable else sums.copy()  # torch refuses read-only maps
+    out[:, 1:] = torch.cumsum(torch.from_numpy(src), 1).numpy()
+    return out
+
+
 def _block_rows(tree: PriorityTree, blocks: Int64Array) -> Float32Array:
     """Gather the leaves of ``blocks`` (any order, duplicates allowed) as [k, 64]."""
     nfull = tree._nfull
     if nfull == tree._nblocks:
-        return tree._rows.take(blocks, axis=0)
+        return tree._rows.take(blocks, axis=0, mode="clip")
     tail = np.zeros(BLOCK, np.float32)
     tail[: tree.capacity - nfull * BLOCK] = tree._leaf[nfull * BLOCK :]
     if nfull == 0:
         return np.tile(tail, (blocks.shape[0], 1))
     rows = tree._rows.take(np.minimum(blocks, nfull - 1), axis=0)
-    rows[blocks == nfull] = tail
+    rows[blocks >= nfull] = tail
     return rows
 
 
@@ -304,56 +386,6 @@ def _span_rows(tree: PriorityTree, b0: int, b1: int) -> Float32Array:
     return _block_rows(tree, np.arange(b0, b1, dtype=np.int64))
 
 
-def _propagate(tree: PriorityTree, nodes: Int64Array) -> None:
-    """Recompute all ancestors of the sorted, unique block-level heap ``nodes``."""
-    depth = tree.depth
-    if depth == 0:
-        return
-    if nodes.shape[0] * depth <= _LEVELS_AT_ONCE:
-        # The ids of every level in one array, one row per level; the
-        # duplicates near the root are harmless (they write equal values).
-        _recompute(tree, nodes >> tree._shifts)
-        return
-    up = nodes  # big batches: dedupe level by level instead
-    for _ in range(depth):
-        up = (up >> 1)[_run_ends(up >> 1, last=False)]
-        _recompute(tree, up[None, :])
-
-
-def _recompute(tree: PriorityTree, levels: Int64Array) -> None:
-    """Recompute the nodes of each row of ``levels`` from their children, rows in order."""
-    s, mn, mx = tree._sum, tree._min, tree._max
-    s2, mn2, mx2 = s.reshape(-1, 2), mn.reshape(-1, 2), mx.reshape(-1, 2)
-    # Child pairs are gathered into fixed buffers whose column views are made
-    # once: at ~256 nodes a level the cost is numpy's per-call overhead, so
-    # every call saved per level counts. mode="clip" lets take write straight
-    # into ``out`` (the ids are valid by construction). Once a whole level of
-    # mins (maxs) comes out unchanged, no ancestor's can change: stop there
-    # (random updates rarely change a min or max more than ~6 levels up).
-    k = levels.shape[1]
-    pair64, new64 = np.empty((k, 2), np.float64), np.empty(k, np.float64)
-    pair32, new32 = np.empty((k, 2), np.float32), np.empty(k, np.float32)
-    old32 = np.empty(k, np.float32)
-    l64, r64, l32, r32 = pair64[:, 0], pair64[:, 1], pair32[:, 0], pair32[:, 1]
-    do_min = do_max = True
-    for up in levels:
-        s2.take(up, axis=0, out=pair64, mode="clip")
-        np.add(l64, r64, out=new64)
-        s[up] = new64
-        if do_min:
-            mn2.take(up, axis=0, out=pair32, mode="clip")
-            np.minimum(l32, r32, out=new32)
-            mn.take(up, out=old32, mode="clip")
-            if do_min := bool((old32 != new32).any()):
-                mn[up] = new32
-        if do_max:
-            mx2.take(up, axis=0, out=pair32, mode="clip")
-            np.maximum(l32, r32, out=new32)
-            mx.take(up, out=old32, mode="clip")
-            if do_max := bool((old32 != new32).any()):
-                mx[up] = new32
-
-
 def _run_ends(ids: Int64Array, last: bool) -> npt.NDArray[np.bool_]:
     """Mask of the last (or first) element of each run of equal sorted ``ids``."""
     mask = np.ones(ids.shape[0], dtype=bool)
@@ -361,35 +393,90 @@ def _run_ends(ids: Int64Array, last: bool) -> npt.NDArray[np.bool_]:
     return mask
 
 
+def _propagate(tree: PriorityTree, kids: Int64Array, low: Int64Array, high: Int64Array) -> None:
+    """Recompute the rows above the sorted, unique level-``D`` slots ``kids``.
+
+    ``low`` and ``high`` are the slots among ``kids`` whose min and max changed:
+    only their rows' mins and maxs are recomputed, and those stop at the first
+    level where none changed (no ancestor's can). Levels of at most
+    ``_FLAT_ROWS`` rows are recomputed whole.
+    """
+    levels, top = tree._levels, tree._top
+    dedupe = kids.shape[0] * len(levels) > _LEVELS_AT_ONCE  # else duplicates write equal values
+    for d in range(len(levels) - 1, -1, -1):
+        o, r = levels[d]
+        if d <= top:  # a small level: all its rows
+            kids = np.arange(r, dtype=np.int64)
+            low, high = (kids if x.shape[0] else x for x in (low, high))
+        else:
+            kids = kids >> _FSHIFT
+            if dedupe:
+                kids = kids[_run_ends(kids, last=False)]
+            low, high = low >> _FSHIFT, high >> _FSHIFT
+        rows = kids + o
+        cum = torch.cumsum(torch.from_numpy(tree._sum.take(rows, axis=0)), 1).numpy()
+        tree._pre[rows, 1:] = cum  # column 0 is always 0
+        if d == 0:
+            return
+        s, mn, mx = tree._slot[d - 1]
+        s[kids] = cum[:, FANOUT - 1]
+        if low.shape[0]:
+            low = _changed(mn, low, _reduce_rows(np.minimum, tree._min.take(low + o, axis=0)))
+        if high.shape[0]:
+            high = _changed(mx, high, _reduce_rows(np.maximum, tree._max.take(high + o, axis=0)))
+
+
+def _reduce_rows(op: np.ufunc, rows: Float32Array) -> Float32Array:
+    """``op.reduce`` of each row of [k, 16]. Along rows numpy loops once per
+    row; over the transposed copy it is 4x faster at k = 256."""
+    return op.reduce(np.ascontiguousarray(rows.T), axis=0)  # type: ignore[no-any-return]
+
+
+def _changed(slots: Float32Array, ids: Int64Array, new: Float32Array) -> Int64Array:
+    """Write ``new`` into ``slots[ids]`` where it differs; return those ids.
+
+    Writing only changes matters for a memory-mapped tree: a store of an
+    equal value still dirties the page, which the kernel must write back.
+    """
+    diff = slots.take(ids) != new
+    ids = ids[diff]
+    slots[ids] = new[diff]
+    return ids
+
+
 def _blocks_span(tree: PriorityTree, b0: int, b1: int) -> None:
-    """Recompute the heap slots of the real blocks ``[b0, b1)`` from the leaves."""
-    w = tree._width
+    """Recompute the level-``D`` slots of the real blocks ``[b0, b1)`` from the leaves."""
+    s, mn, mx = tree._slot[-1]
     for c in range(b0, b1, _CHUNK_BLOCKS):
         e = min(c + _CHUNK_BLOCKS, b1)
-        sums, mins, maxs = _block_stats(_span_rows(tree, c, e))
-        tree._sum[w + c : w + e], tree._min[w + c : w + e], tree._max[w + c : w + e] = (
-            sums, mins, maxs
-        )
+        s[c:e], mn[c:e], mx[c:e] = _block_stats(_span_rows(tree, c, e))
 
 
-def _upward(lo: int, hi: int) -> Iterator[tuple[int, int]]:
-    """Chunks ``[c, e)`` of the ancestors of the nodes ``[lo, hi)``, level by level up."""
-    while lo > 1:
-        lo, hi = lo >> 1, ((hi - 1) >> 1) + 1
-        for c in range(lo, hi, _CHUNK_NODES):
-            yield c, min(c + _CHUNK_NODES, hi)
+def _upward(tree: PriorityTree, lo: int, hi: int) -> Iterator[tuple[int, int, int]]:
+    """``(d, c, e)``: chunks of the local rows of level ``d`` above the level-``D`` slots ``[lo, hi)``."""
+    for d in range(len(tree._levels) - 1, -1, -1):
+        lo, hi = lo >> _FSHIFT, ((hi - 1) >> _FSHIFT) + 1
+        for c in range(lo, hi, _CHUNK_ROWS):
+            yield d, c, min(c + _CHUNK_ROWS, hi)
 
 
-def _parents(tree: PriorityTree, c: int, e: int) -> Stats:
-    """Sums, mins and maxs of the nodes ``[c, e)`` recomputed from their children."""
-    s, mn, mx = tree._sum[2 * c : 2 * e], tree._min[2 * c : 2 * e], tree._max[2 * c : 2 * e]
-    return s[0::2] + s[1::2], np.minimum(mn[0::2], mn[1::2]), np.maximum(mx[0::2], mx[1::2])
+def _row_values(tree: PriorityTree, d: int, c: int, e: int) -> tuple[Float64Array, Float32Array, Float32Array]:
+    """Running sums [e - c, 17], mins and maxs of the local rows ``[c, e)`` of level ``d``."""
+    o = tree._levels[d][0]
+    pre = _running(tree._sum[o + c : o + e])
+    return (pre, _reduce_rows(np.minimum, tree._min[o + c : o + e]),
+            _reduce_rows(np.maximum, tree._max[o + c : o + e]))
 
 
 def _levels_span(tree: PriorityTree, lo: int, hi: int) -> None:
-    """Recompute every ancestor of the block-level heap nodes ``[lo, hi)``."""
-    for c, e in _upward(lo, hi):
-        tree._sum[c:e], tree._min[c:e], tree._max[c:e] = _parents(tree, c, e)
+    """Recompute every row above the level-``D`` slots ``[lo, hi)``."""
+    for d, c, e in _upward(tree, lo, hi):
+        pre, mins, maxs = _row_values(tree, d, c, e)
+        o = tree._levels[d][0]
+        tree._pre[o + c : o + e] = pre
+        if d > 0:
+            s, mn, mx = tree._slot[d - 1]
+            s[c:e], mn[c:e], mx[c:e] = pre[:, FANOUT], mins, maxs
 
 
 # -- writes ------------------------------------------------------------------
@@ -401,8 +488,8 @@ def update(tree: PriorityTree, indices: npt.ArrayLike, values: npt.ArrayLike) ->
     Batch-first: ``indices`` may have any shape and repeat; a repeated index
     takes the value of its last occurrence in C order (last write wins), as if
     the pairs were applied one by one. Each touched block is recomputed from
-    its 64 leaves, then each touched ancestor from its two children, so no
-    rounding accumulates (see "Exactness" in the module docstring).
+    its 64 leaves, then each touched row from its slots, so no rounding
+    accumulates (see "Exactness" in the module docstring).
 
     Parameters
     ----------
@@ -455,17 +542,17 @@ def update(tree: PriorityTree, indices: npt.ArrayLike, values: npt.ArrayLike) ->
     tree._leaf[idx] = val
     blocks = idx >> _SHIFT
     blocks = blocks[_run_ends(blocks, last=False)]
-    nodes = blocks + tree._width
+    s, mn, mx = tree._slot[-1]
     sums, mins, maxs = _block_stats(_block_rows(tree, blocks))
-    tree._sum[nodes], tree._min[nodes], tree._max[nodes] = sums, mins, maxs
-    _propagate(tree, nodes)
+    s[blocks] = sums
+    _propagate(tree, blocks, _changed(mn, blocks, mins), _changed(mx, blocks, maxs))
 
 
 def set_range(tree: PriorityTree, start: int, stop: int, value: npt.ArrayLike) -> None:
     """Set ``leaves[start:stop] = value`` and recompute the touched nodes.
 
     For the contiguous rows a ring writes or evicts: O(stop - start) for the
-    leaves plus O(touched blocks + log P) for the nodes, with slices only. The
+    leaves plus O(touched blocks + 16 D) for the nodes, with slices only. The
     result is bit-identical to :func:`update` on the same rows.
 
     Parameters
@@ -502,7 +589,7 @@ def set_range(tree: PriorityTree, start: int, stop: int, value: npt.ArrayLike) -
     tree._leaf[start:stop] = val
     b0, b1 = start >> _SHIFT, ((stop - 1) >> _SHIFT) + 1
     _blocks_span(tree, b0, b1)
-    _levels_span(tree, tree._width + b0, tree._width + b1)
+    _levels_span(tree, b0, b1)
 
 
 def _check_range(tree: PriorityTree, start: int, stop: int) -> tuple[int, int]:
@@ -512,11 +599,19 @@ def _check_range(tree: PriorityTree, start: int, stop: int) -> tuple[int, int]:
     return int(start), int(stop)
 
 
+def _padding(tree: PriorityTree) -> Iterator[tuple[int, int]]:
+    """Flat slot ranges ``[lo, hi)`` with nothing under them, level by level."""
+    levels = tree._levels
+    for d, (o, r) in enumerate(levels):
+        used = levels[d + 1][1] if d + 1 < len(levels) else tree._nblocks
+        yield o * FANOUT + used, (o + r) * FANOUT
+
+
 def rebuild(tree: PriorityTree) -> None:
     """Recompute every node from the leaves, in place.
 
     Streams the leaves in chunks of ``2**22`` rows (bounded RAM) and restores
-    node 0 and the padding slots to their neutral values.
+    the padding slots to their neutral values.
 
     Examples
     --------
@@ -527,18 +622,18 @@ def rebuild(tree: PriorityTree) -> None:
     >>> T.total(tr), T.check(tr)
     (300.0, 0.0)
     """
-    width, nblocks = tree._width, tree._nblocks
-    for arr, neutral in ((tree._sum, 0.0), (tree._min, np.inf), (tree._max, 0.0)):
-        arr[0] = arr[width + nblocks :] = neutral
-    _blocks_span(tree, 0, nblocks)
-    _levels_span(tree, width, 2 * width)
+    for lo, hi in _padding(tree):
+        for arr, neutral in ((tree._sum, 0.0), (tree._min, np.inf), (tree._max, 0.0)):
+            arr.reshape(-1)[lo:hi] = neutral
+    _blocks_span(tree, 0, tree._nblocks)
+    _levels_span(tree, 0, tree._nblocks)
 
 
 # -- reads -------------------------------------------------------------------
 
 
 def total(tree: PriorityTree) -> float:
-    """Sum of all leaves (the root), as a Python float.
+    """Sum of all leaves (the root row's total), as a Python float.
 
     Examples
     --------
@@ -548,53 +643,79 @@ def total(tree: PriorityTree) -> float:
     >>> T.total(tr), T.min_live(tr), T.max_live(tr)
     (0.75, 0.25, 0.5)
     """
-    return float(tree._sum[1])
+    return float(tree._pre[0, FANOUT])
 
 
 def min_live(tree: PriorityTree) -> float:
     """Smallest leaf ``> 0``; ``inf`` when no leaf is live (example: :func:`total`)."""
-    return float(tree._min[1])
+    return float(tree._min[0].min())
 
 
 def max_live(tree: PriorityTree) -> float:
     """Largest leaf; ``0.0`` when no leaf is live (example: :func:`total`)."""
-    return float(tree._max[1])
+    return float(tree._max[0].max())
 
 
-def _descend(s: Float64Array, t: Float64Array, depth: int, guarded: bool) -> Int64Array:
-    """Heap node on the block level for each target; ``t`` becomes the rest.
+def _descend(tree: PriorityTree, t: Float64Array, guarded: bool) -> Int64Array:
+    """Block holding each target (``>= 0``); ``t`` becomes the rest within it.
 
-    Goes right when the target is at or past the left child's mass. Rounding
-    (``t - left`` can reach the right sum although ``t < left + right``), or a
-    target outside ``[0, total)``, can lead this into a subtree of mass 0; the
-    guarded descent never enters one (it takes the other child instead).
+    First one search over the running sums of all slots of the deepest level
+    of at most ``_FLAT_ROWS`` rows (the levels above are skipped); then one
+    ``prefix`` row per level: the slot ``j`` with ``prefix[j] <= t <
+    prefix[j + 1]`` (the last one when ``t`` reaches the row's total), and
+    ``t -= prefix[j]``. Rounding, or a target past the total, can lead into
+    a slot of sum 0; the guarded descent takes the nearest nonzero slot
+    before, else after, instead.
     """
-    n = t.shape[0]
-    node = np.ones(n, dtype=np.int64)
-    child, left, go = np.empty(n, np.int64), np.empty(n, np.float64), np.empty(n, bool)
-    for _ in range(depth):  # preallocated outputs: a level costs 5 numpy calls
-        np.left_shift(node, 1, out=child)
-        s.take(child, out=left, mode="clip")
-        np.greater_equal(t, left, out=go)
+    k, top = t.shape[0], tree._top
+    sums = tree._slot[top][0]
+    alive = np.flatnonzero(sums > 0) if guarded else None
+    if alive is not None:
+        sums = sums[alive]
+    cum = np.zeros(sums.shape[0] + 1, np.float64)
+    np.cumsum(sums, out=cum[1:])
+    at = np.searchsorted(cum, t, "right") - 1  # cum[at] <= t < cum[at + 1]
+    np.minimum(at, sums.shape[0] - 1, out=at)
+    t -= cum.take(at)
+    node = at if alive is None else alive.take(at)
+    buf, above = np.empty((k, FANOUT + 1), np.float64), np.empty((k, FANOUT + 1), bool)
+    j, at, rest = np.empty(k, np.int64), np.empty(k, np.int64), np.empty(k, np.float64)
+    flat, base = buf.reshape(-1), np.arange(0, k * (FANOUT + 1), FANOUT + 1, dtype=np.int64)
+    t_col = t[:, None]
+    for o, r in tree._levels[top + 1 :]:  # preallocated outputs: a level costs 10 numpy calls
+        tree._pre[o : o + r].take(node, axis=0, out=buf, mode="clip")
+        np.greater(buf, t_col, out=above)  # column 0 (0.0) is never above t >= 0
+        above.argmax(axis=1, out=j)  # first running sum above t; 0 when none is
+        j -= 1
+        j &= FANOUT - 1  # none above: the last slot
         if guarded:
-            go |= left <= 0
-            go &= s.take(child + 1) > 0
-        np.subtract(t, left, out=t, where=go)
-        np.add(child, go, out=node)
+            np.copyto(j, _nearest(tree._sum[o : o + r].take(node, axis=0) > 0, j))
+        np.add(base, j, out=at)
+        flat.take(at, out=rest, mode="clip")
+        t -= rest
+        if guarded:
+            np.maximum(t, 0.0, out=t)  # moved right past t: start at the slot's beginning
+        node <<= _FSHIFT
+        node += j
     return node
 
 
-def _find(tree: PriorityTree, targets: Float64Array) -> tuple[Int64Array, Float32Array]:
+def _nearest(live: npt.NDArray[np.bool_], j: Int64Array) -> Int64Array:
+    """Per row of ``live`` [k, n]: the last True at or before ``j``, else the first after."""
+    pos = np.arange(live.shape[1], dtype=np.int64)
+    prev = np.where(live & (pos <= j[:, None]), pos, -1).max(axis=1)
+    nxt = np.where(live & (pos >= j[:, None]), pos, live.shape[1] - 1).min(axis=1)
+    return np.where(prev >= 0, prev, nxt)  # type: ignore[no-any-return]
+
+
+def _find(
+    tree: PriorityTree, targets: Float64Array, guarded: bool = False
+) -> tuple[Int64Array, Float32Array]:
     """Leaf index and leaf value for each of the 1-D float64 ``targets``."""
-    s, depth = tree._sum, tree.depth
-    t = targets.copy()
-    node = _descend(s, t, depth, guarded=False)
-    empty = s.take(node) <= 0
-    if empty.any():  # rare: redo those targets with the guarded descent
-        redo = targets[empty]
-        node[empty] = _descend(s, redo, depth, guarded=True)
-        t[empty] = redo
-    blocks = node - tree._width
+    t = np.maximum(targets, 0.0)  # a copy; -0.0 and negatives become +0.0
+    blocks = _descend(tree, t, guarded)
+    astray = blocks >= tree._nblocks  # a padding slot (rounding, t >= total): redone below
+    np.minimum(blocks, tree._nblocks - 1, out=blocks)
     rows = _block_rows(tree, blocks)
     cum = torch.cumsum(torch.from_numpy(rows), 1, dtype=torch.float64).numpy()
     below = cum <= t[:, None]
@@ -603,24 +724,23 @@ def _find(tree: PriorityTree, targets: Float64Array) -> tuple[Int64Array, Float3
     # The in-block cumsum adds in another order than the block sum the descent
     # used, so t can reach past the block's last prefix sum (j == 64, and a
     # target >= total lands there too). j can also point at a zero leaf (a
-    # negative target, a partial last block, a torn concurrent read). Move such
-    # picks to the last nonzero leaf before j, else the first one after it:
-    # sampling must never return a row of zero priority.
+    # partial last block, a torn concurrent read). Move such picks to the last
+    # nonzero leaf before j, else the first one after it: sampling must never
+    # return a row of zero priority.
     flat = rows.reshape(-1)
     base = np.arange(t.shape[0], dtype=np.int64) * BLOCK
     value = flat.take(base + np.minimum(j, BLOCK - 1))
-    bad = (j == BLOCK) | (value <= 0)
+    bad = (j == BLOCK) | (value <= 0) | astray
     if not bad.any():
         return blocks * BLOCK + j, value
-    live = rows[bad] > 0
-    jb = j[bad][:, None]
-    pos = np.arange(BLOCK, dtype=np.int64)
-    prev = np.where(live & (pos <= jb), pos, -1).max(axis=1)
-    nxt = np.where(live & (pos >= jb), pos, BLOCK - 1).min(axis=1)
-    j[bad] = fixed = np.where(prev >= 0, prev, nxt)
+    j[bad] = fixed = _nearest(rows[bad] > 0, j[bad])
     value[bad] = flat.take(base[bad] + fixed)
+    idx = blocks * BLOCK + j
+    empty = (value <= 0) | astray  # a block of zeros: the descent went astray too
+    if empty.any() and not guarded:  # rare: redo those targets with the guarded descent
+        idx[empty], value[empty] = _find(tree, targets[empty], guarded=True)
     # an all-zero block (only under a torn read) must still give a valid row id
-    return np.minimum(blocks * BLOCK + j, tree.capacity - 1), value
+    return np.minimum(idx, tree.capacity - 1), value
 
 
 def find_prefix(tree: PriorityTree, targets: npt.ArrayLike) -> Int64Array:
@@ -628,10 +748,11 @@ def find_prefix(tree: PriorityTree, targets: npt.ArrayLike) -> Int64Array:
 
     For a target ``t`` in ``[0, total)`` the result is the ``i`` with
     ``cumsum(leaves)[i - 1] <= t < cumsum(leaves)[i]``, found by descending
-    the block heap (a loop over depth) and then a float64 cumsum inside the
+    the tree (a loop over its levels) and then a float64 cumsum inside the
     block. The result is never a leaf of priority 0: rounding that would land
     on a zero leaf or past the block is moved to the nearest nonzero leaf of
-    that block, and ``t >= total`` gives the last nonzero leaf.
+    that block, ``t < 0`` gives the first nonzero leaf and ``t >= total`` the
+    last.
 
     ``targets`` may have any shape; the int64 result has the same.
     :class:`EmptyBufferError` when every leaf is 0.
@@ -645,7 +766,7 @@ def find_prefix(tree: PriorityTree, targets: npt.ArrayLike) -> Int64Array:
     [1, 1, 2, 2, 4, 4, 4]
     """
     t = np.asarray(targets, dtype=np.float64)
-    if not tree._sum[1] > 0:
+    if not total(tree) > 0:
         raise EmptyBufferError("find_prefix: expected a tree with total > 0, got total 0")
     idx, _ = _find(tree, t.reshape(-1))
     return idx.reshape(t.shape)
@@ -694,7 +815,7 @@ def sample(
     is_int = isinstance(batch_size, int | np.integer) and not isinstance(batch_size, bool)
     if not is_int or batch_size < 0:
         raise InvalidArgumentError(f"batch_size: expected an int >= 0, got {batch_size!r}")
-    mass = float(tree._sum[1])
+    mass = total(tree)
     if not mass > 0:
         raise EmptyBufferError(
             "sample: expected a tree with total priority > 0, got total 0 (no live row)"
@@ -705,51 +826,16 @@ def sample(
     return idx, value.astype(np.float64) / mass
 
 
-def range_sum(tree: PriorityTree, start: int, stop: int) -> float:
-    """Sum of ``leaves[start:stop]`` from O(log P) nodes plus two partial blocks.
-
-    :class:`InvalidArgumentError` unless ``0 <= start <= stop <= capacity``.
-
-    Examples
-    --------
-    >>> from mmbuffer import tree as T
-    >>> tr = T.init(1000)
-    >>> T.set_range(tr, 0, 1000, 1.0)
-    >>> T.range_sum(tr, 10, 990), T.range_sum(tr, 5, 5), T.prefix_sum(tr, 65)
-    (980.0, 0.0, 65.0)
-    """
-    start, stop = _check_range(tree, start, stop)
-    b0, b1 = (start + BLOCK - 1) >> _SHIFT, stop >> _SHIFT  # whole blocks [b0, b1)
-    leaf, s = tree._leaf, tree._sum
-    if b0 >= b1:
-        return float(leaf[start:stop].astype(np.float64).sum())
-    acc = float(leaf[start : b0 * BLOCK].astype(np.float64).sum())
-    acc += float(leaf[b1 * BLOCK : stop].astype(np.float64).sum())
-    lo, hi = tree._width + b0, tree._width + b1
-    while lo < hi:  # the classic bottom-up segment-tree walk over [lo, hi)
-        if lo & 1:
-            acc, lo = acc + float(s[lo]), lo + 1
-        if hi & 1:
-            hi -= 1
-            acc += float(s[hi])
-        lo, hi = lo >> 1, hi >> 1
-    return acc
-
-
-def prefix_sum(tree: PriorityTree, stop: int) -> float:
-    """Sum of ``leaves[:stop]``: ``range_sum(tree, 0, stop)``."""
-    return range_sum(tree, 0, stop)
-
-
 def check(tree: PriorityTree) -> float:
     """Largest disagreement between the stored nodes and the leaves.
 
-    Recomputes every block from its leaves and every node from its stored
-    children, in chunks (bounded RAM, like :func:`rebuild`). Returns the
-    largest relative difference ``|stored - recomputed| / max(|stored|,
-    |recomputed|)`` of the sums; ``inf`` when any min or max differs (they
-    are exact), a neutral slot is not neutral, or a leaf is NaN, infinite or
-    negative. ``0.0`` means the tree is exactly what :func:`rebuild` makes.
+    Recomputes every block from its leaves and every row from its stored
+    slots, in chunks (bounded RAM, like :func:`rebuild`). Returns the largest
+    relative difference ``|stored - recomputed| / max(|stored|,
+    |recomputed|)`` of the sums and running sums; ``inf`` when any min or max
+    differs (they are exact), a padding slot is not neutral, or a leaf is NaN,
+    infinite or negative. ``0.0`` means the tree is exactly what
+    :func:`rebuild` makes.
 
     Examples
     --------
@@ -758,32 +844,34 @@ def check(tree: PriorityTree) -> float:
     >>> T.update(tr, [1, 50], [1.0, 2.0])
     >>> T.check(tr)
     0.0
-    >>> tr.sums[1] = 3.5  # corrupt the root
+    >>> tr.prefix[0, 16] = 3.5  # corrupt the root's total
     >>> T.check(tr)
     0.14285714285714285
     """
-    width, nblocks = tree._width, tree._nblocks
-    s, mn, mx = tree._sum, tree._min, tree._max
-    pad = slice(width + nblocks, None)
-    neutral = (mn[pad] == np.inf).all() and not (s[pad].any() or mx[pad].any())
-    if s[0] or mn[0] != np.inf or mx[0] or not neutral:
-        return float("inf")
+    for lo, hi in _padding(tree):
+        s, mn, mx = (a.reshape(-1)[lo:hi] for a in (tree._sum, tree._min, tree._max))
+        if s.any() or mx.any() or not (mn == np.inf).all():
+            return float("inf")
     worst = 0.0
-    for c in range(0, nblocks, _CHUNK_BLOCKS):
-        e = min(c + _CHUNK_BLOCKS, nblocks)
+    s, mn, mx = tree._slot[-1]
+    for c in range(0, tree._nblocks, _CHUNK_BLOCKS):
+        e = min(c + _CHUNK_BLOCKS, tree._nblocks)
         rows = _span_rows(tree, c, e)
         if not ((rows >= 0).all() and np.isfinite(rows).all()):
             return float("inf")
         sums, mins, maxs = _block_stats(rows)
-        lo, hi = width + c, width + e
-        if not (np.array_equal(mn[lo:hi], mins) and np.array_equal(mx[lo:hi], maxs)):
-            return float("inf")
-        worst = max(worst, _rel(s[lo:hi], sums))
-    for c, e in _upward(width, 2 * width):
-        sums, mins, maxs = _parents(tree, c, e)
         if not (np.array_equal(mn[c:e], mins) and np.array_equal(mx[c:e], maxs)):
             return float("inf")
         worst = max(worst, _rel(s[c:e], sums))
+    for d, c, e in _upward(tree, 0, tree._nblocks):
+        pre, mins, maxs = _row_values(tree, d, c, e)
+        o = tree._levels[d][0]
+        worst = max(worst, _rel(tree._pre[o + c : o + e], pre))
+        if d > 0:
+            s, mn, mx = tree._slot[d - 1]
+            if not (np.array_equal(mn[c:e], mins) and np.array_equal(mx[c:e], maxs)):
+                return float("inf")
+            worst = max(worst, _rel(s[c:e], pre[:, FANOUT]))
     return worst
 
 

@@ -30,7 +30,7 @@ def _live_done(store: Store, lane: int, st: Lane) -> np.ndarray:
     for a, b in _ring_segments(lane, store.lane_size, st.first_start, st.written):
         for lo in range(a, b, _CHUNK_ROWS):
             hi = min(b, lo + _CHUNK_ROWS)
-            parts.append(np.asarray(store._data["terminated"][lo:hi]) | np.asarray(store._data["truncated"][lo:hi]))
+            parts.append(store.read_range("terminated", lo, hi) | store.read_range("truncated", lo, hi))
     return np.concatenate(parts) if parts else np.zeros(0, dtype=bool)
 
 

@@ -243,23 +243,58 @@ def test_interrupted_conversion_leaves_nothing_that_looks_complete(tmp_path, car
     assert not (tmp_path / "s").exists() and not (tmp_path / "s.partial").exists()
 
 
-def test_verification_catches_a_corrupted_store(tmp_path, cartpole, monkeypatch):
+def test_verification_catches_a_bad_write(tmp_path, cartpole, monkeypatch):
+    from mmbuffer import _format
+
+    src = tmp_path / "c.hdf5"
+    write_d4rl(src, cartpole)
+    real = _format.write_rows
+
+    def corrupting_write(fd, mm, start, rows):
+        if mm.dtype == np.float32 and mm.ndim == 1 and start <= 40 < start + len(rows):  # the reward column
+            rows = rows.copy()
+            rows[40 - start] += 1.0
+        return real(fd, mm, start, rows)
+
+    monkeypatch.setattr(_format, "write_rows", corrupting_write)
+    with pytest.raises(ConversionError, match="column 'reward' at row 40"):
+        convert_d4rl(src, tmp_path / "s", progress=False)
+    assert not (tmp_path / "s").exists()
+    assert (tmp_path / "s.partial").exists()  # left for inspection
+
+
+def test_copy_verification_catches_a_bad_write(tmp_path, monkeypatch):
+    from mmbuffer import _format
+
+    with mb.create(str(tmp_path / "src"), {"obs": ((4,), "float32")}, capacity=20_000, next_keys=()) as buf:
+        buf.extend({"obs": np.ones((20_000, 4), np.float32), "truncated": np.arange(20_000) % 1000 == 999})
+    real = _format.write_rows
+
+    def corrupting_write(fd, mm, start, rows):
+        if mm.ndim == 2 and start <= 12_345 < start + len(rows):
+            rows = rows.copy()
+            rows[12_345 - start, 2] = -1.0
+        return real(fd, mm, start, rows)
+
+    monkeypatch.setattr(_format, "write_rows", corrupting_write)
+    with pytest.raises(ConversionError, match="column 'obs' at row 12345"):
+        copy(tmp_path / "src", tmp_path / "c", progress=False)
+    assert not (tmp_path / "c").exists() and (tmp_path / "c.partial").exists()
+
+
+def test_verification_compares_episodes_after_reopening(tmp_path, cartpole, monkeypatch):
     from mmbuffer.convert import _common
 
     src = tmp_path / "c.hdf5"
     write_d4rl(src, cartpole)
     real = _common.verify_store
 
-    def corrupt_then_verify(path, *args):
-        shard = next((Path(path) / "columns" / "reward").rglob("c/*"))
-        while shard.is_dir():
-            shard = next(shard.iterdir())
-        with open(shard, "r+b") as f:
-            f.write(b"\xff\xff\xff\x7f")
-        return real(path, *args)
+    def one_more_episode(path, tally, schema):
+        tally.episodes += 1
+        return real(path, tally, schema)
 
-    monkeypatch.setattr(_common, "verify_store", corrupt_then_verify)
-    with pytest.raises(ConversionError, match="reward.*checksum"):
+    monkeypatch.setattr(_common, "verify_store", one_more_episode)
+    with pytest.raises(ConversionError, match="episodes: expected"):
         convert_d4rl(src, tmp_path / "s", progress=False)
     assert not (tmp_path / "s").exists()
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import mmbuffer as mb
+from mmbuffer import tree as T
 from conftest import tree_hash
 from test_sampling import chi2_pvalue
 
@@ -176,12 +177,31 @@ def test_tree_survives_many_updates_and_reopen(tmp_path, rng):
     for _ in range(200):
         idx = rng.integers(0, 5000, 5000)
         buf.update_priorities(torch.from_numpy(idx), torch.from_numpy(rng.exponential(size=5000)))
-    total = float(buf._tree.sums[1])
+    total = T.total(buf._tree)
     buf.close()
     ro = mb.open(tmp_path / "p", mode="r")
     ref = np.sum(ro._tree.leaves[:5000].astype(np.float64))
-    assert float(ro._tree.sums[1]) == total
+    assert T.total(ro._tree) == total
     assert abs(total - ref) <= 1e-9 * ref
     from mmbuffer.verify import verify
 
     assert verify(ro)["ok"]
+
+
+def test_warm_keeps_the_store_unchanged(tmp_path, rng):
+    buf = make(tmp_path, capacity=5000)
+    fill(buf, 5000)
+    buf.update_priorities(torch.arange(5000), torch.from_numpy(rng.exponential(size=5000)))
+    buf.close()
+    before = tree_hash(tmp_path / "p")
+    ro = mb.open(tmp_path / "p", mode="r")
+    g1, g2 = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+    a = ro.sample_indices(64, g1, prioritized=True)[0]
+    ro.warm()
+    b = ro.sample_indices(64, g2, prioritized=True)[0]
+    np.testing.assert_array_equal(a, b)
+    ro.close()
+    assert tree_hash(tmp_path / "p") == before
+    plain = mb.create(tmp_path / "u", {"x": ((), "int64")}, capacity=10)
+    plain.warm()  # no tree: nothing to do
+    plain.close()

@@ -516,3 +516,31 @@ def test_release_memory_keeps_data_and_drops_resident_pages(tmp_path):
     assert float(buf.get(np.arange(0, 20_000, 997))["obs"].sum()) == 21 * 256
     buf.close()
     assert mb.open(tmp_path / "s", mode="r").get([19_999])["obs"].sum().item() == 256
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_read_range_matches_gathered_rows(tmp_path, rng, compression):
+    buf = mb.create(tmp_path / "s", COLUMNS, capacity=900, num_streams=3, compression=compression)
+    for step in range(6):
+        steps, final = random_steps(rng, 250)
+        buf.extend(steps, stream=step % 3, final_obs={"obs": final})
+    buf.commit()
+    for reader in (buf, mb.open(tmp_path / "s", mode="r")):
+        for name in ("obs", "terminated"):
+            want = reader.read(name, np.arange(310, 590))
+            out = np.full_like(want, 7)
+            got = reader.read_range(name, 310, 590, out=out)
+            assert got is out and np.array_equal(got, want)
+            assert np.array_equal(reader.read_range(name, 0, 300), reader.read(name, np.arange(300)))
+
+
+def test_drop_cache_loses_no_uncommitted_row(tmp_path, rng):
+    buf = mb.create(tmp_path / "s", {"obs": ((64,), "float32")}, capacity=50_000, next_keys=())
+    data = rng.standard_normal((50_000, 64), dtype=np.float32)
+    buf.extend({"obs": data[:30_000]})
+    buf.drop_cache(0, 30_000)  # dirty pages: written back, not discarded
+    buf.extend({"obs": data[30_000:], "truncated": np.arange(20_000) == 19_999})
+    buf.drop_cache(0, 50_000)
+    assert np.array_equal(buf.read_range("obs", 0, 50_000), data)
+    buf.close()
+    assert np.array_equal(mb.open(tmp_path / "s", mode="r").read_range("obs", 0, 50_000), data)

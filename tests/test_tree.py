@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import doctest
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -24,35 +25,43 @@ CAPACITIES = [1, 7, 50, 63, 64, 65, 1000, 4097]
 # -- naive reference -----------------------------------------------------------
 
 
-def naive_heap(leaves: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """sums/mins/maxs heaps built with Python-level clarity, float64 sums."""
+def naive_tree(leaves: np.ndarray) -> dict[str, np.ndarray]:
+    """sums/prefix/mins/maxs built with Python-level clarity, float64 sums."""
     cap = leaves.shape[0]
     nblocks = -(-cap // 64)
-    width = 1
-    while width < nblocks:
-        width *= 2
-    padded = np.zeros(width * 64, dtype=np.float64)
+    counts = [-(-nblocks // 16)]
+    while counts[-1] > 1:
+        counts.append(-(-counts[-1] // 16))
+    counts.reverse()  # rows per level, root first
+    padded = np.zeros(counts[-1] * 16 * 64, dtype=np.float64)
     padded[:cap] = leaves
-    blocks = padded.reshape(width, 64)
-    sums = np.zeros(2 * width)
-    mins = np.full(2 * width, np.inf, dtype=np.float32)
-    maxs = np.zeros(2 * width, dtype=np.float32)
-    sums[width:] = [math.fsum(b) for b in blocks]
-    mins[width:] = [b[b > 0].min() if (b > 0).any() else np.inf for b in blocks]
-    maxs[width:] = blocks.max(axis=1)
-    for i in range(width - 1, 0, -1):
-        sums[i] = sums[2 * i] + sums[2 * i + 1]
-        mins[i] = min(mins[2 * i], mins[2 * i + 1])
-        maxs[i] = max(maxs[2 * i], maxs[2 * i + 1])
-    return sums, mins, maxs
+    blocks = padded.reshape(-1, 64)
+    # child values of the lowest level: one per block (padding blocks are neutral)
+    s = np.array([math.fsum(b) for b in blocks])
+    mn = np.array([b[b > 0].min() if (b > 0).any() else np.inf for b in blocks], np.float32)
+    mx = blocks.max(axis=1).astype(np.float32)
+    levels = []
+    for r in reversed(counts):
+        s, mn, mx = s[: r * 16].reshape(r, 16), mn[: r * 16].reshape(r, 16), mx[: r * 16].reshape(r, 16)
+        pre = np.zeros((r, 17))
+        for c in range(16):
+            pre[:, c + 1] = pre[:, c] + s[:, c]
+        levels.append((s, pre, mn, mx))
+        pad = -(-r // 16) * 16 - r
+        s = np.concatenate([pre[:, 16], np.zeros(pad)])
+        mn = np.concatenate([mn.min(axis=1), np.full(pad, np.inf, np.float32)])
+        mx = np.concatenate([mx.max(axis=1), np.zeros(pad, np.float32)])
+    levels.reverse()
+    return {name: np.concatenate([lv[i] for lv in levels]) for i, name in enumerate(("sums", "prefix", "mins", "maxs"))}
 
 
 def assert_matches_reference(tr: T.PriorityTree, leaves: np.ndarray) -> None:
     np.testing.assert_array_equal(tr.leaves, leaves.astype(np.float32))
-    sums, mins, maxs = naive_heap(leaves.astype(np.float32).astype(np.float64))
-    np.testing.assert_allclose(tr.sums, sums, rtol=1e-12, atol=0)
-    np.testing.assert_array_equal(tr.mins, mins)
-    np.testing.assert_array_equal(tr.maxs, maxs)
+    ref = naive_tree(leaves.astype(np.float32).astype(np.float64))
+    np.testing.assert_allclose(tr.sums, ref["sums"], rtol=1e-12, atol=0)
+    np.testing.assert_allclose(tr.prefix, ref["prefix"], rtol=1e-12, atol=0)
+    np.testing.assert_array_equal(tr.mins, ref["mins"])
+    np.testing.assert_array_equal(tr.maxs, ref["maxs"])
     live = leaves[leaves > 0]
     assert T.total(tr) == pytest.approx(math.fsum(leaves.astype(np.float32).tolist()), rel=1e-12)
     assert T.min_live(tr) == (float(live.min()) if live.size else math.inf)
@@ -64,7 +73,7 @@ def assert_same_as_rebuild(tr: T.PriorityTree) -> None:
     fresh = T.init(tr.capacity)
     fresh.leaves[:] = tr.leaves
     T.rebuild(fresh)
-    for name in ("sums", "mins", "maxs"):
+    for name in ("sums", "prefix", "mins", "maxs"):
         np.testing.assert_array_equal(getattr(tr, name), getattr(fresh, name), err_msg=name)
 
 
@@ -80,22 +89,29 @@ def random_leaves(rng: np.random.Generator, n: int, zero_frac: float = 0.3) -> n
 @pytest.mark.parametrize("cap", CAPACITIES + [6_000_000_000])
 def test_layout_shapes_and_size(cap: int) -> None:
     lay = T.layout(cap)
-    assert list(lay) == ["leaves", "sums", "mins", "maxs"]
+    assert list(lay) == ["leaves", "sums", "prefix", "mins", "maxs"]
     nblocks = -(-cap // 64)
-    (two_p,), _ = lay["sums"]
-    width = two_p // 2
-    assert width >= nblocks and width & (width - 1) == 0 and (width == 1 or width // 2 < nblocks)
+    (rows, fanout), _ = lay["sums"]
+    assert fanout == T.FANOUT == 16
+    expect, r = 0, nblocks
+    while True:  # ceil(nblocks / 16) rows, then ceil of that / 16, ... up to one root row
+        r = -(-r // 16)
+        expect += r
+        if r == 1:
+            break
+    assert rows == expect
     assert lay["leaves"] == ((cap,), "float32")
-    assert lay["sums"][1] == "float64" and lay["mins"] == ((two_p,), "float32")
-    assert lay["maxs"] == ((two_p,), "float32")
+    assert lay["sums"][1] == "float64" and lay["prefix"] == ((rows, 17), "float64")
+    assert lay["mins"] == ((rows, 16), "float32") and lay["maxs"] == ((rows, 16), "float32")
     size = sum(math.prod(s) * np.dtype(d).itemsize for s, d in lay.values())
-    assert size == T.nbytes(cap) == 4 * cap + 32 * width
-    assert size <= 5 * cap + 64
+    assert size == T.nbytes(cap) == 4 * cap + 392 * rows
+    assert rows <= nblocks / 15 + 10
 
 
 def test_bytes_per_row_at_scale() -> None:
     for cap in (10**6, 10**8, 6 * 10**8, 2**30 + 1):
-        assert T.nbytes(cap) / cap <= 6.0
+        assert T.nbytes(cap) / cap <= 4.41
+    assert max(T.nbytes(cap) / cap for cap in range(2000, 100_000, 13)) <= 4.8
 
 
 @pytest.mark.parametrize("bad", [0, -5, 2.5, True, "7"])
@@ -109,12 +125,14 @@ def test_tree_validates_arrays() -> None:
     T.PriorityTree(**ok)
     with pytest.raises(errors.InvalidArgumentError, match="sums: expected dtype float64"):
         T.PriorityTree(**{**ok, "sums": ok["sums"].astype(np.float32)})
-    with pytest.raises(errors.InvalidArgumentError, match=r"mins: expected shape \(4,\)"):
-        T.PriorityTree(**{**ok, "mins": np.zeros(8, np.float32)})
+    with pytest.raises(errors.InvalidArgumentError, match=r"mins: expected shape \(1, 16\)"):
+        T.PriorityTree(**{**ok, "mins": np.zeros(16, np.float32)})
+    with pytest.raises(errors.InvalidArgumentError, match=r"prefix: expected shape \(1, 17\)"):
+        T.PriorityTree(**{**ok, "prefix": np.zeros((2, 17))})
     with pytest.raises(errors.InvalidArgumentError, match="C-contiguous"):
         T.PriorityTree(**{**ok, "leaves": np.zeros(200, np.float32)[::2]})
     with pytest.raises(errors.InvalidArgumentError, match="numpy array"):
-        T.PriorityTree(**{**ok, "maxs": [0.0] * 4})  # type: ignore[arg-type]
+        T.PriorityTree(**{**ok, "maxs": [[0.0] * 16]})  # type: ignore[arg-type]
     tr = T.init(5)
     with pytest.raises(dataclasses.FrozenInstanceError):
         tr.leaves = np.zeros(5, np.float32)  # type: ignore[misc]
@@ -279,33 +297,36 @@ def test_rebuild_and_check_chunk_independent(cap: int, monkeypatch: pytest.Monke
     rng = np.random.default_rng(cap)
     tr = T.init(cap)
     T.update(tr, np.arange(cap), random_leaves(rng, cap))
-    expected = [a.copy() for a in (tr.sums, tr.mins, tr.maxs)]
+    expected = [a.copy() for a in (tr.sums, tr.prefix, tr.mins, tr.maxs)]
     monkeypatch.setattr(T, "_CHUNK_BLOCKS", 3)
-    monkeypatch.setattr(T, "_CHUNK_NODES", 5)
-    tr.sums[:] = -1.0  # garbage everywhere, padding and node 0 included
+    monkeypatch.setattr(T, "_CHUNK_ROWS", 2)
+    tr.sums[:] = -1.0  # garbage everywhere, padding included
+    tr.prefix[:] = 5.0
     tr.mins[:] = 0.0
     tr.maxs[:] = 7.0
     assert T.check(tr) == math.inf
     T.rebuild(tr)
-    for a, b in zip(expected, (tr.sums, tr.mins, tr.maxs)):
+    for a, b in zip(expected, (tr.sums, tr.prefix, tr.mins, tr.maxs)):
         np.testing.assert_array_equal(a, b)
     assert T.check(tr) == 0.0
 
 
 def test_check_reports_corruption() -> None:
     rng = np.random.default_rng(3)
-    cap = 1000
+    cap = 5000  # 79 blocks: a root row over 5 rows
     tr = T.init(cap)
     T.update(tr, np.arange(cap), random_leaves(rng, cap))
     assert T.check(tr) == 0.0
-    node = tr.width + 3
-    tr.sums[node] *= 1 + 1e-9
+    tr.sums[1, 3] *= 1 + 1e-9  # a block sum
     assert 0 < T.check(tr) < 1e-8
     T.rebuild(tr)
-    tr.mins[5] = 0.001
+    tr.prefix[0, 1] *= 1 + 1e-9  # a running sum
+    assert 0 < T.check(tr) < 1e-8
+    T.rebuild(tr)
+    tr.mins[0, 1] = 0.001
     assert T.check(tr) == math.inf
     T.rebuild(tr)
-    tr.maxs[-1] = 1.0  # a padding slot
+    tr.maxs[-1, -1] = 1.0  # a padding slot
     assert T.check(tr) == math.inf
     T.rebuild(tr)
     for bad in (-1.0, np.nan, np.inf):
@@ -313,27 +334,11 @@ def test_check_reports_corruption() -> None:
         assert T.check(tr) == math.inf
     tr.leaves[17] = 0.5
     T.rebuild(tr)
-    tr.sums[2] = np.nan
+    tr.sums[0, 1] = np.nan
     assert T.check(tr) == math.inf
 
 
 # -- reads -----------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("cap", CAPACITIES)
-def test_range_and_prefix_sums(cap: int) -> None:
-    rng = np.random.default_rng(200 + cap)
-    tr = T.init(cap)
-    leaves = random_leaves(rng, cap)
-    T.update(tr, np.arange(cap), leaves)
-    cs = np.concatenate([[0.0], np.cumsum(leaves.astype(np.float64))])
-    for _ in range(200):
-        a, b = np.sort(rng.integers(0, cap + 1, 2))
-        assert T.range_sum(tr, int(a), int(b)) == pytest.approx(cs[b] - cs[a], rel=1e-12, abs=1e-12)
-        assert T.prefix_sum(tr, int(b)) == pytest.approx(cs[b], rel=1e-12, abs=1e-12)
-    assert T.prefix_sum(tr, cap) == pytest.approx(T.total(tr), rel=1e-14)
-    with pytest.raises(errors.InvalidArgumentError):
-        T.range_sum(tr, 0, cap + 1)
 
 
 @pytest.mark.parametrize("cap", CAPACITIES)
@@ -393,7 +398,7 @@ def test_find_prefix_never_returns_zero_leaf(cap: int) -> None:
         T.update(tr, np.arange(cap), leaves)
         tot = T.total(tr)
         cs = np.cumsum(leaves.astype(np.float64))
-        block_cs = np.cumsum(tr.sums[tr.width : tr.width + -(-cap // 64)])
+        block_cs = np.cumsum(tr.sums[-(-(-cap // 64) // 16) :].reshape(-1))
         edges = np.array([0.0, -1.0, tot, np.nextafter(tot, 0), 2 * tot, np.inf, 1e-300])
         targets = np.concatenate([rng.random(5000) * tot, cs, np.nextafter(cs, 0), block_cs, edges])
         got = T.find_prefix(tr, targets)
@@ -514,6 +519,45 @@ def test_memmap_backed_tree(tmp_path: object) -> None:
     assert T.check(ro) == 0.0
     for name in lay:
         np.testing.assert_array_equal(getattr(ro, name), getattr(ram, name))
+
+
+def _mapped_kib(path: str) -> int:
+    """Resident KiB of this process's maps of ``path`` (from /proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and not head[0].endswith(":"):
+                inside = head[-1] == path
+            elif inside and head[0] == "Rss:":
+                total += int(head[1])
+    return total
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+@pytest.mark.parametrize("fallback", [False, True])
+def test_warm_maps_every_page(tmp_path: object, monkeypatch: pytest.MonkeyPatch, fallback: bool) -> None:
+    cap = 1_000_003
+    lay = T.layout(cap)
+    files = {name: f"{tmp_path}/{name}.npy" for name in lay}
+    maps = {n: np.lib.format.open_memmap(files[n], mode="w+", dtype=d, shape=s) for n, (s, d) in lay.items()}
+    tr = T.PriorityTree(**maps)
+    T.reset(tr)
+    T.set_range(tr, 0, cap, np.random.default_rng(0).random(cap).astype(np.float32))
+    expected = {n: np.array(a) for n, a in maps.items()}
+    for m in maps.values():
+        m.flush()
+    del tr, maps
+    ro = T.PriorityTree(**{n: np.load(files[n], mmap_mode="r") for n in lay})
+    assert _mapped_kib(files["leaves"]) < 64  # a fresh map: nothing resident yet
+    if fallback:  # the portable path: one read per page
+        monkeypatch.setattr(T.sys, "platform", "other")
+    T.warm(ro)
+    for name in lay:
+        assert _mapped_kib(files[name]) * 1024 >= expected[name].nbytes - 4096, name
+        np.testing.assert_array_equal(getattr(ro, name), expected[name])
+    T.warm(T.init(100))  # arrays in RAM: harmless
+    assert T.check(ro) == 0.0
 
 
 def test_doctests() -> None:

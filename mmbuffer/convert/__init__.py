@@ -8,10 +8,14 @@ source in order as chunks ``(steps, final_obs)`` and a :class:`Schema`, and
   memory stays at a few chunks, ~32 MiB each by default, whatever the size),
 * shows a tqdm progress bar (``progress=False`` hides it),
 * keeps episode boundaries and the terminated/truncated distinction exactly,
+* verifies: every chunk is read back from the store's files as it is written
+  and compared byte for byte with the source chunk (final observations too), a
+  CRC-32 per column of the source is recorded in ``attrs["convert"]``, and the
+  reopened store's row count, episode count, starts and lengths must match,
 * builds the store at ``DST.partial`` and renames it to ``DST`` only after the
-  final commit and a verification pass (row and episode counts, episode lengths,
-  a CRC-32 per column and of the final observations, read back from the store
-  and compared with what was read from the source),
+  final commit and the verification,
+* writes behind (``Buffer.drop_cache``): a dataset larger than memory does not
+  push what other processes use out of the page cache,
 * refuses an existing ``DST`` (:class:`~mmbuffer.errors.StoreExistsError`)
   unless ``overwrite=True``,
 * raises :class:`~mmbuffer.errors.ConversionError` naming the file and key for
@@ -44,11 +48,13 @@ Examples
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 from ._common import Chunk, ConversionWarning, Reader, Schema, write_store
 from ._d4rl import D4RLReader, convert_d4rl
-from ._export import copy, copy_store, export_d4rl, export_minari
+from ._copy import copy, copy_store
+from ._export import export_d4rl, export_minari
 from ._minari import MinariReader, convert_minari
 from ._npz import NpzReader, convert_npz
 from ._torchrl import TDMPC2Reader, TorchRLReader, convert_torchrl
@@ -86,7 +92,7 @@ FORMATS = {
     "tdmpc2": convert_torchrl,
 }
 
-_EXPORTS = {"d4rl": export_d4rl, "minari": export_minari}
+_EXPORTS: dict[str, Callable[..., dict[str, Any]]] = {"d4rl": export_d4rl, "minari": export_minari}
 
 
 def convert(

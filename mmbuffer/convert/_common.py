@@ -17,17 +17,23 @@ conversion never leaves a half store under the name asked for. An existing
 ``DST`` is refused (:class:`~mmbuffer.errors.StoreExistsError`) unless
 ``overwrite=True``; a stale ``DST.partial`` from an interrupted run is replaced.
 
-Verification: while writing, a CRC-32 of every column (native byte order, row
-order), of the final observations and of the episode lengths is accumulated from
-the chunks the reader produced. After the commit the store is reopened read-only
-and read back in chunks; row count, episode count, episode lengths and every
-checksum must agree or :class:`~mmbuffer.errors.ConversionError` is raised (the
-``.partial`` directory is then left for inspection).
+Verification: a CRC-32 of every column (native byte order, row order), of the
+final observations and of the episode lengths is accumulated from the chunks the
+reader produced and recorded in the store's ``attrs["convert"]``. Every chunk is
+read back from the store's files right after it is written (``pread``, while its
+pages are still in the page cache) and compared byte for byte with the chunk the
+reader produced, final observations included: equal bytes give equal checksums,
+and a mismatch names the column and rows. After the last commit the store is
+reopened read-only; its row count, episode count, episode starts and episode
+lengths must agree with the source. Any difference raises
+:class:`~mmbuffer.errors.ConversionError` and leaves the ``.partial`` directory
+for inspection. (A separate pass re-reading the whole store after the commit
+cost more than the write itself: a 2 GB store fell out of the page cache of the
+dev VM, and the maps fault one page at a time.)
 """
 
 from __future__ import annotations
 
-import gc
 import json
 import math
 import os
@@ -56,9 +62,12 @@ __all__ = [
 
 #: Target size of one chunk (all columns together) when ``chunk_rows`` is not given.
 DEFAULT_CHUNK_BYTES = 32 << 20
-#: Rows written between two commits of a conversion (the written pages are then
-#: unmapped with ``Buffer.release_memory``: resident memory stays about this size).
+#: Rows written between two ``Buffer.release_memory`` calls of a conversion (the pages
+#: written through the maps are unmapped: resident memory stays about this size).
 SEGMENT_BYTES = 256 << 20
+#: A converter drops a chunk from the page cache this many chunks after writing it
+#: (by then the kernel has written it back; pages still dirty are never dropped).
+DROP_BEHIND_CHUNKS = 3
 
 _FLAGS = ("terminated", "truncated")
 
@@ -262,7 +271,7 @@ def as_bytes(arr: np.ndarray) -> memoryview | bytes:
     a = np.ascontiguousarray(arr)
     if a.size == 0:
         return b""
-    return memoryview(a).cast("B")
+    return a.data.cast("B")
 
 
 def _hex(v: int) -> str:
@@ -317,6 +326,18 @@ def remove_partial(partial: Path) -> None:
         shutil.rmtree(partial, ignore_errors=True)
     elif partial.exists() or partial.is_symlink():
         partial.unlink()
+
+
+def abandon(store: Any, partial: Path, exc: BaseException) -> None:
+    """After ``exc``: close ``store`` (if open) and delete the partial output, unless
+    the verification found a mismatch (the partial output is left for inspection)."""
+    if store is not None:
+        try:
+            store.close()
+        except Exception:
+            pass  # exc is the error to report
+    if not isinstance(exc, _Mismatch):
+        remove_partial(partial)
 
 
 def progress_bar(total: int, desc: str, enabled: bool) -> Any:
@@ -424,20 +445,32 @@ def write_store(
                 next_keys=tuple(schema.next_keys),
                 attrs=jsonable(attrs),
             )
-            since_reopen = 0
+            since_release = 0
+            row = 0  # one lane, no wrap: the store's row numbers are the source's
+            readback = _ReadBack(partial) if verify else None
+            starts = [0] * DROP_BEHIND_CHUNKS
             source = _prepared(reader, schema, tally, rows_per_chunk)
             with progress_bar(schema.num_rows, f"convert {reader.format}", progress) as bar, \
                     _Prefetch(source, depth=2) as chunks:
                 for steps, final, n in chunks:
                     buf.extend(steps, stream=0, final_obs=(final if schema.next_keys else None))
+                    if readback is not None:
+                        readback.check(buf, row, steps, final)
+                    # write behind: start writing this chunk to disk, and drop the
+                    # earlier ones, written by now, from the page cache (2-3x faster
+                    # on the dev VM, where fresh page-cache pages are slow to get)
+                    starts.append(row)
+                    buf.drop_cache(starts[-DROP_BEHIND_CHUNKS], row + n)
+                    row += n
                     bar.update(n)
-                    since_reopen += n
-                    if since_reopen >= segment_rows:
-                        # commit, and unmap the written pages: they would otherwise
-                        # stay resident in this process for the whole conversion
-                        buf.commit()
+                    since_release += n
+                    if since_release >= segment_rows:
+                        # unmap the pages written through the maps (final
+                        # observations, index): they would otherwise stay resident
+                        # in this process for the whole conversion. No commit: the
+                        # store is renamed into place only after the last one
                         buf.release_memory()
-                        since_reopen = 0
+                        since_release = 0
                 if tally.rows != schema.num_rows:
                     raise reader._error(
                         f"the source declared {schema.num_rows} rows but yielded {tally.rows}"
@@ -463,15 +496,9 @@ def write_store(
             _set_attrs(buf, attrs)
             buf.commit()
             buf.close()
-            buf = None  # unmap before the verification pass
-            gc.collect()
-        except BaseException:
-            try:
-                if buf is not None:
-                    buf.close()
-            except Exception:
-                pass
-            remove_partial(partial)
+            buf = None
+        except BaseException as exc:
+            abandon(buf, partial, exc)
             raise
     t_write = time.perf_counter() - t0
     summary: dict[str, Any] = {
@@ -490,7 +517,7 @@ def write_store(
         "warnings": list(reader.notes),
     }
     if verify:
-        verify_store(partial, tally, schema, rows_per_chunk)
+        verify_store(partial, tally, schema)
         summary["verified"] = True
     replace_destination(partial, dst_path)
     seconds = time.perf_counter() - t0
@@ -609,73 +636,76 @@ def _set_attrs(buf: Any, attrs: dict[str, Any]) -> None:
 
 
 # -- verification -----------------------------------------------------------------------------
-def verify_store(path: Path, tally: _Tally, schema: Schema, chunk_rows: int) -> None:
-    """Reopen the store at ``path`` read-only and compare it with ``tally``."""
-    import mmbuffer as mb
+class _Mismatch(ConversionError):
+    """The store does not hold what the source held (the partial store is kept)."""
 
-    def fail(what: str, expected: Any, got: Any) -> ConversionError:
-        return ConversionError(
-            f"{path}: verification failed: {what}: expected {expected}, got {got} "
-            "(the partial store is left for inspection)"
-        )
 
-    with mb.open(str(path), mode="r") as buf:
+def _mismatch(path: Path, what: str, expected: Any, got: Any) -> _Mismatch:
+    return _Mismatch(
+        f"{path}: verification failed: {what}: expected {expected}, got {got} "
+        "(the partial store is left for inspection)"
+    )
+
+
+def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two C-contiguous arrays hold the same bytes (NaN payloads included)."""
+    x, y = a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8)
+    if len(x) != len(y):
+        return False
+    k = len(x) // 8 * 8  # eight bytes a comparison: about 10 GB/s
+    return bool(np.array_equal(x[:k].view(np.uint64), y[:k].view(np.uint64)) and np.array_equal(x[k:], y[k:]))
+
+
+class _ReadBack:
+    """Reads each written chunk back from the store's files and compares its bytes."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._scratch: dict[str, np.ndarray] = {}  # reused: no fresh pages per chunk
+
+    def _out(self, buf: Any, name: str, rows: int) -> np.ndarray:
+        out = self._scratch.get(name)
+        if out is None or len(out) < rows:
+            col = buf.columns[name]
+            out = self._scratch[name] = np.empty((rows, *col.shape), dtype=np.dtype(col.dtype).newbyteorder("<"))
+        return out[:rows]
+
+    def check(self, buf: Any, row: int, steps: Mapping[str, np.ndarray], final: Mapping[str, np.ndarray]) -> None:
+        n = len(steps["terminated"])
+        for name, arr in steps.items():
+            back = buf.read_range(name, row, row + n, out=self._out(buf, name, n))
+            src = np.ascontiguousarray(arr, dtype=back.dtype)
+            if not same_bytes(back, src):
+                differs = back.reshape(n, -1).view(np.uint8) != src.reshape(n, -1).view(np.uint8)
+                bad = int(np.flatnonzero(differs.any(axis=1))[0])
+                raise _mismatch(self.path, f"column {name!r} at row {row + bad}", src[bad], back[bad])
+        ends = row + np.flatnonzero(steps["terminated"] | steps["truncated"])
+        for name, arr in final.items():
+            if len(arr):
+                back = buf.read(f"final/{name}", ends)
+                if not same_bytes(np.ascontiguousarray(back), np.ascontiguousarray(arr, dtype=back.dtype)):
+                    raise _mismatch(self.path, f"final observations {name!r} of the episodes ending in "
+                                    f"rows [{row}, {row + n})", "the source's", "other values")
+
+
+def verify_store(path: Path, tally: _Tally, schema: Schema) -> None:
+    """Reopen the store at ``path`` read-only and compare its episodes with ``tally``."""
+    from ..buffer import Buffer
+
+    with Buffer(path, mode="r") as buf:
         # the last row of an open episode has no next observation yet, so a store
         # with next-derived columns does not count it as live (store.py)
         live = tally.rows - (1 if tally.open_rows and schema.next_keys else 0)
         if len(buf) != live:
-            raise fail("live rows", live, len(buf))
+            raise _mismatch(path, "live rows", live, len(buf))
         if buf.num_episodes != tally.episodes:
-            raise fail("episodes", tally.episodes, buf.num_episodes)
+            raise _mismatch(path, "episodes", tally.episodes, buf.num_episodes)
         starts, lengths = buf.episodes()
         starts_np = starts.numpy().astype(np.int64)
         lengths_np = lengths.numpy().astype(np.int64)
-        len_crc = zlib.crc32(lengths_np.tobytes())
-        if len_crc != tally.len_crc:
-            raise fail("episode lengths checksum", _hex(tally.len_crc), _hex(len_crc))
-        expected_starts = np.concatenate([[0], np.cumsum(lengths_np)[:-1]]) if len(lengths_np) else lengths_np
-        if not np.array_equal(starts_np, expected_starts):
-            raise fail("episode starts", "contiguous from row 0", starts_np[:8].tolist())
-    names = [*schema.columns, *_FLAGS]
-    crc = {k: 0 for k in names}
-    fcrc = {k: 0 for k in schema.next_keys}
-    next_names = [f"next_{k}" for k in schema.next_keys]
-    ends = starts_np + lengths_np - 1
-    segment = max(chunk_rows, SEGMENT_BYTES // max(1, schema.row_bytes()))
-
-    def read() -> Iterator[tuple[str, dict[str, Any]]]:
-        # one read-only handle; the pages of each segment are unmapped after it,
-        # so resident memory stays about one segment
-        with mb.open(str(path), mode="r") as seg:
-            for s0 in range(0, tally.rows, segment):
-                s1 = min(tally.rows, s0 + segment)
-                for a in range(s0, s1, chunk_rows):
-                    b = min(s1, a + chunk_rows)
-                    yield "rows", seg.get(np.arange(a, b, dtype=np.int64), keys=names)
-                if next_names:
-                    lo, hi = np.searchsorted(ends, [s0, s1])
-                    for a in range(int(lo), int(hi), chunk_rows):
-                        idx = ends[a : min(int(hi), a + chunk_rows)]
-                        yield "final", seg.get(idx, keys=next_names)
-                seg.release_memory()  # resident memory stays about one segment
-
-    with _Prefetch(read(), depth=2) as chunks:  # gathers overlap with checksums
-        for kind, data in chunks:
-            if kind == "rows":
-                for k in names:
-                    crc[k] = zlib.crc32(as_bytes(_to_numpy(data[k])), crc[k])
-            else:
-                for k in schema.next_keys:
-                    fcrc[k] = zlib.crc32(as_bytes(_to_numpy(data[f"next_{k}"])), fcrc[k])
-    for k in names:
-        if crc[k] != tally.crc[k]:
-            raise fail(f"column {k!r} checksum", _hex(tally.crc[k]), _hex(crc[k]))
-    for k in schema.next_keys:
-        if fcrc[k] != tally.final_crc[k]:
-            raise fail(f"final observation {k!r} checksum", _hex(tally.final_crc[k]), _hex(fcrc[k]))
-
-
-def _to_numpy(x: Any) -> np.ndarray:
-    if hasattr(x, "numpy"):
-        return x.numpy()
-    return np.asarray(x)
+    len_crc = zlib.crc32(lengths_np.tobytes())
+    if len_crc != tally.len_crc:
+        raise _mismatch(path, "episode lengths checksum", _hex(tally.len_crc), _hex(len_crc))
+    expected_starts = np.concatenate([[0], np.cumsum(lengths_np)[:-1]]) if len(lengths_np) else lengths_np
+    if not np.array_equal(starts_np, expected_starts):
+        raise _mismatch(path, "episode starts", "contiguous from row 0", starts_np[:8].tolist())

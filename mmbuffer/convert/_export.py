@@ -1,6 +1,6 @@
-"""Stores back out: D4RL HDF5, Minari datasets, and re-encoded copies of a store.
+"""Stores back out: D4RL HDF5 and Minari datasets (and the store walk :mod:`._copy` shares).
 
-All three walk the store the same way: lane by lane, each lane's live complete
+Both walk the store the same way: lane by lane, each lane's live complete
 episodes oldest first, then (where kept) the lane's open episode, reading about
 ``chunk_rows`` rows at a time with one ``get`` per chunk, so memory stays flat.
 Each writes to ``OUT + ".partial"`` and renames at the end; an existing ``OUT``
@@ -16,9 +16,6 @@ the store, and returns a summary dict.
   final observation); spaces come from ``attrs["minari"]`` when the store was
   converted from Minari, otherwise ``Box`` spaces are built from the columns.
   ``jpeg_encoding`` is false: images are stored raw.
-* :func:`copy` keeps the geometry (capacity, streams, priority settings) and
-  every lane's open episode, and changes the encoding (``compression``); the
-  priorities themselves are not copied (new rows get the default priority).
 """
 
 from __future__ import annotations
@@ -46,7 +43,7 @@ from ._common import (
     replace_destination,
 )
 
-__all__ = ["export_d4rl", "export_minari", "copy", "copy_store"]
+__all__ = ["export_d4rl", "export_minari"]
 
 _FLAGS = ("terminated", "truncated")
 _DEFAULT_CHUNK_BYTES = 32 << 20
@@ -683,148 +680,3 @@ def _minari_episode(f: Any, ep_id: int, t: int, buf: Any, obs_cols: list[str], a
 
 
 # -- copy -------------------------------------------------------------------------------------
-def copy(
-    src: Any,
-    dst: str | os.PathLike[str],
-    *,
-    compression: str | None = None,
-    chunk_rows: int | None = None,
-    overwrite: bool = False,
-    progress: bool = True,
-    verify: bool = True,
-) -> dict[str, Any]:
-    """Copy a store into a new one with another encoding (``compression``).
-
-    ``None`` gives a raw memory-mapped store (for training), ``"zstd"`` /
-    ``"lz4"`` a compressed archive. Capacity, streams, columns, next keys,
-    priority settings and ``attrs`` are kept; every lane's live episodes are
-    written oldest first, then its open episode, so the copy samples the same
-    data (its rows start at row 0 of each lane; priorities restart at the
-    default). Built at ``dst + ".partial"``, verified, then renamed.
-
-    Parameters
-    ----------
-    src
-        A store path or an open ``mb.Buffer``.
-    dst
-        The new store's path.
-    compression
-        ``None``, ``"zstd"`` or ``"lz4"``.
-    chunk_rows
-        Rows per read and ``extend`` (default: about 32 MiB of rows).
-
-    Returns
-    -------
-    dict
-        Summary: ``rows``, ``episodes``, ``open_episode_rows``, ``checksums``,
-        ``verified``, ``seconds``, ``rows_per_s``, ``mb_per_s``.
-    """
-    import gc
-
-    import mmbuffer as mb
-
-    from ._common import SEGMENT_BYTES
-
-    t0 = time.perf_counter()
-    dst_path = check_destination(dst, overwrite)
-    partial = _partial(dst_path)
-    remove_partial(partial)
-    opened = _Opened(src)
-    with opened as buf:
-        rows_per = min(_chunk_rows(buf, chunk_rows), int(buf.lane_size))
-        plan, _ = _plan(buf, "all")
-        cols = _data_columns(buf)
-        keys = [*cols, *_FLAGS]
-        walk_keys = keys
-        crc: dict[str, int] = {}
-        final_crc: dict[str, int] = {}
-        out = None
-        try:
-            out = mb.create(
-                str(partial),
-                columns={k: (tuple(buf.columns[k].shape), buf.columns[k].dtype) for k in cols},
-                capacity=int(buf.capacity),
-                num_streams=int(buf.num_streams),
-                compression=compression,
-                priorities=getattr(buf, "priorities", None),
-                next_keys=tuple(buf.next_keys),
-                attrs=jsonable(dict(buf.attrs)),
-            )
-            segment = max(rows_per, SEGMENT_BYTES // max(1, _row_bytes(buf)))
-            since = 0
-            with progress_bar(plan.rows, "copy", progress) as bar:
-                for piece in _walk(buf, plan, walk_keys, rows_per, reopen=opened.owned):
-                    for name in keys:
-                        _crc_update(crc, f"{piece.lane}:{name}", piece.data[name])
-                    for k, v in piece.final.items():
-                        _crc_update(final_crc, f"{piece.lane}:{k}", v)
-                    out.extend(piece.data, stream=piece.lane, final_obs=piece.final or None)
-                    bar.update(len(piece.rows))
-                    since += len(piece.rows)
-                    if since >= segment:  # commit and unmap what was written (flat memory)
-                        out.close()
-                        out = None
-                        gc.collect()
-                        out = mb.open(str(partial), mode="a")
-                        since = 0
-            out.commit()
-            out.close()
-            out = None
-        except BaseException:
-            if out is not None:
-                try:
-                    out.close()
-                except Exception:
-                    pass
-            remove_partial(partial)
-            raise
-        summary: dict[str, Any] = {
-            "format": "copy",
-            "store": str(getattr(buf, "path", src)),
-            "out": str(dst_path),
-            "compression": compression,
-            "rows": plan.rows,
-            "episodes": int(plan.complete.sum()),
-            "open_episode_rows": int(plan.lengths[~plan.complete].sum()),
-            "checksums": {k: _hex(v) for k, v in crc.items()},
-            "verified": False,
-        }
-        nbytes = _row_bytes(buf) * plan.rows
-    if verify:
-        got: dict[str, int] = {}
-        got_final: dict[str, int] = {}
-        with mb.open(str(partial), mode="r") as new:
-            new_plan, _ = _plan(new, "all")
-            if new_plan.rows != plan.rows or int(new_plan.complete.sum()) != summary["episodes"]:
-                raise ConversionError(
-                    f"{partial}: verification failed: expected {plan.rows} rows in {summary['episodes']} "
-                    f"episodes, got {new_plan.rows} in {int(new_plan.complete.sum())}"
-                )
-            if not np.array_equal(new_plan.lengths, plan.lengths):
-                raise ConversionError(f"{partial}: verification failed: episode lengths differ")
-            for piece in _walk(new, new_plan, keys, rows_per, reopen=True):
-                for name in keys:
-                    _crc_update(got, f"{piece.lane}:{name}", piece.data[name])
-                for k, v in piece.final.items():
-                    _crc_update(got_final, f"{piece.lane}:{k}", v)
-        for k, v in crc.items():
-            if got.get(k) != v:
-                raise ConversionError(
-                    f"{partial}: verification failed: column {k!r} checksum: expected {_hex(v)}, "
-                    f"got {_hex(got.get(k, 0))} (the partial store is left for inspection)"
-                )
-        if got_final != final_crc:
-            raise ConversionError(f"{partial}: verification failed: final observations differ")
-        summary["verified"] = True
-    replace_destination(partial, dst_path)
-    seconds = time.perf_counter() - t0
-    summary.update(
-        seconds=round(seconds, 3),
-        rows_per_s=round(plan.rows / seconds, 1) if seconds else None,
-        mb_per_s=round(nbytes / seconds / 1e6, 1) if seconds else None,
-    )
-    return summary
-
-
-#: Alias that does not shadow the standard library's ``copy`` in ``from ... import *``.
-copy_store = copy

@@ -76,17 +76,18 @@ class FileArray:
     def __getitem__(self, idx: Any) -> np.ndarray:
         if not self.shape:
             out = np.empty((), self.dtype)
-            _pread_into(self._open(), memoryview(out.reshape(1)).cast("B"), self.offset)
+            _pread_into(self._open(), out.reshape(1).data.cast("B"), self.offset)
             return out
         if isinstance(idx, (int, np.integer)):
-            return self[int(idx) : int(idx) + 1][0]
+            row: np.ndarray = self[int(idx) : int(idx) + 1][0]
+            return row
         if not isinstance(idx, slice) or idx.step not in (None, 1):
             raise TypeError(f"FileArray supports contiguous slices only, got {idx!r}")
         a, b, _ = idx.indices(self.shape[0])
         b = max(a, b)
         out = np.empty((b - a, *self.shape[1:]), self.dtype)
         if b > a:
-            _pread_into(self._open(), memoryview(out).cast("B"), self.offset + a * self._row_bytes)
+            _pread_into(self._open(), out.data.cast("B"), self.offset + a * self._row_bytes)
         return out
 
 
@@ -280,4 +281,5 @@ def _rows_differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         same = (a == b) | (np.isnan(a) & np.isnan(b))
     else:
         same = a == b
-    return ~same.reshape(len(a), -1).all(axis=1)
+    differs: np.ndarray = ~same.reshape(len(a), -1).all(axis=1)
+    return differs

@@ -66,7 +66,8 @@ def _parse_space(meta: dict[str, Any], key: str) -> dict[str, Any] | None:
     value = meta.get(key)
     if isinstance(value, str):
         try:
-            return json.loads(value)
+            parsed: dict[str, Any] | None = json.loads(value)
+            return parsed
         except json.JSONDecodeError:
             return None
     return value if isinstance(value, dict) else None
@@ -469,7 +470,7 @@ def _arrow_leaves(arr: Any, space: dict[str, Any] | None, col: str, out: dict[st
         shape = tuple(space["shape"]) if space and "shape" in space else (width,)
         if kind == "MultiBinary" and space is not None:
             nsp = space.get("n")
-            shape = tuple(nsp) if isinstance(nsp, list) else (int(nsp),)
+            shape = tuple(nsp) if isinstance(nsp, list) else (int(str(nsp)),)
         if kind == "MultiDiscrete" and space is not None:
             shape = tuple(np.asarray(space["nvec"]).shape)
         if int(np.prod(shape)) != width:

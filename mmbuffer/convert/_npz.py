@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import zipfile
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import IO, Any
 
 import numpy as np
 
@@ -28,7 +28,7 @@ from ._flat import FileArray, FlatReader
 __all__ = ["NpzReader", "convert_npz"]
 
 
-def _read_header(f: BinaryIO, where: str) -> tuple[tuple[int, ...], bool, np.dtype]:
+def _read_header(f: IO[bytes], where: str) -> tuple[tuple[int, ...], bool, np.dtype]:
     from ..errors import ConversionError
 
     fmt = np.lib.format
@@ -97,7 +97,7 @@ class _ZipMemberArray:
         out = np.empty((b - a, *self.shape[1:]), self.dtype)
         if b > a:
             f = self._stream(a)
-            view = memoryview(out).cast("B")
+            view = out.data.cast("B")
             n = 0
             while n < len(view):
                 got = f.readinto(view[n:])

@@ -195,7 +195,7 @@ class TorchRLReader(FlatReader):
             term = done
         zeros = None
         if term is None or trunc is None:
-            n = len(term if term is not None else trunc)
+            n = len(term if term is not None else trunc)  # type: ignore[arg-type]  # one is set
             zeros = np.zeros(n, bool)
         keys["terminated"], keys["truncated"] = "next/terminated", "next/truncated"
         return dict(
