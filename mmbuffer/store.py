@@ -36,7 +36,7 @@ import os
 import shutil
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self, TypeVar
 
@@ -460,7 +460,7 @@ class Store:
         a large store whose tree is not in the page cache (the kernel dropped it,
         or the machine restarted) pays a random disk read per page at first use;
         at 6e8 rows that is minutes of slow samples. ``warm`` reads the whole
-        tree at sequential disk speed (``tree.warm``: seconds at 6e8 rows) and
+        tree at sequential disk speed (``_format.populate``: seconds at 6e8 rows) and
         keeps it mapped, so that the kernel sees it as in use. ``open`` does not
         call it (reopening stays a few milliseconds, and a reader that samples
         little needs no warm tree); call it after ``open`` in a learner. It is
@@ -469,7 +469,8 @@ class Store:
         A store without priorities has nothing to warm.
         """
         if self._tree is not None:
-            tree.warm(self._tree, random=config.madvise_random)
+            for arr in self._tree.arrays:
+                fmt.populate(arr, random=config.madvise_random)
 
     @locked
     def release_memory(self) -> None:

@@ -71,9 +71,9 @@ O(k log k + 64 k + 16 k D) in a fixed number of numpy calls per level: a
 descent searches the slots of the deepest level of at most 256 rows at once,
 then reads one 136-byte ``prefix`` row per level below it and one 256-byte
 block of leaves. :func:`rebuild` and :func:`check` stream the leaves in
-chunks (bounded RAM). :func:`warm` reads all five arrays into memory at
-sequential disk speed (a cold tree is otherwise read a random 4 KiB page at
-a time). One writer; readers in other processes may map the files read-only
+chunks (bounded RAM). A store's ``warm()`` reads all five arrays into memory at
+sequential disk speed (``_format.populate``; a cold tree is otherwise read a
+random 4 KiB page at a time). One writer; readers in other processes may map the files read-only
 and see writes at once, so a read during a write can see a block whose
 leaves disagree with its sum: :func:`find_prefix` still never returns a zero
 leaf while its block has a nonzero one, but such probabilities are
@@ -92,9 +92,6 @@ Examples
 
 from __future__ import annotations
 
-import ctypes
-import mmap
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -108,7 +105,6 @@ from .errors import EmptyBufferError, InvalidArgumentError
 __all__ = [
     "BLOCK", "FANOUT", "PriorityTree", "layout", "nbytes", "init", "reset", "update",
     "set_range", "total", "min_live", "max_live", "find_prefix", "sample", "rebuild", "check",
-    "warm",
 ]
 
 BLOCK: Final = 64
@@ -123,7 +119,6 @@ _CHUNK_ROWS: Final = 1 << 16  # tree rows per chunk when sweeping a level
 _FLAT_ROWS: Final = 256  # a descent starts with one search over a level this small
 _LEVELS_AT_ONCE: Final = 1 << 14  # update: row ids of all levels at once up to this many
 _INF_BITS: Final = np.float32(np.inf).view(np.uint32)
-_MADV_POPULATE_READ: Final = 22  # Linux >= 5.14; Python 3.11's mmap module lacks it
 
 Float32Array = npt.NDArray[np.float32]
 Float64Array = npt.NDArray[np.float64]
@@ -299,41 +294,6 @@ def reset(tree: PriorityTree) -> None:
     for arr, neutral in ((tree._leaf, 0), (tree._sum, 0), (tree._pre, 0), (tree._min, np.inf),
                          (tree._max, 0)):
         arr.fill(neutral)
-
-
-def warm(tree: PriorityTree, *, random: bool = True) -> None:
-    """Read the tree's pages into memory and map them, at sequential disk speed.
-
-    Per array: ``madvise(MADV_SEQUENTIAL)``, then ``MADV_POPULATE_READ`` (Linux
-    5.14+; elsewhere, or if refused, one byte per page is read in order) maps
-    every page into this process, so later descents take no page fault and
-    the kernel sees the pages in use; then ``MADV_RANDOM`` (``random=True``,
-    as a store advises its maps) or ``MADV_NORMAL``. Under ``MADV_RANDOM`` the
-    same populate reads a 4 KiB page per disk read: 42 s instead of 1.2-2.3 s
-    for 2.5 GB (RESULTS.md). Releases the GIL: can run in a background thread.
-    """
-    for arr in tree.arrays:
-        _populate(arr, mmap.MADV_RANDOM if random else mmap.MADV_NORMAL)
-
-
-def _populate(arr: np.ndarray, after: int) -> None:
-    if arr.nbytes == 0:
-        return
-    page = mmap.PAGESIZE
-    start = arr.ctypes.data // page * page
-    addr = ctypes.c_void_p(start)
-    size = ctypes.c_size_t(arr.ctypes.data + arr.nbytes - start)
-    advise = hasattr(mmap, "MADV_SEQUENTIAL")  # POSIX
-    madvise = ctypes.CDLL(None, use_errno=True).madvise if advise else None
-    if madvise is not None:
-        madvise(addr, size, mmap.MADV_SEQUENTIAL)
-    if madvise is None or not sys.platform.startswith("linux") or madvise(addr, size, _MADV_POPULATE_READ):
-        int(arr.reshape(-1).view(np.uint8)[::page].max())  # one read per page, in order
-    if madvise is not None:
-        madvise(addr, size, after)
-
-
-# -- computing nodes -------------------------------------------------------------
 
 
 def _block_stats(rows: Float32Array) -> Stats:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from mmbuffer import errors
+from mmbuffer import _format, errors
 from mmbuffer import tree as T
 
 CAPACITIES = [1, 7, 50, 63, 64, 65, 1000, 4097]
@@ -551,12 +551,14 @@ def test_warm_maps_every_page(tmp_path: object, monkeypatch: pytest.MonkeyPatch,
     ro = T.PriorityTree(**{n: np.load(files[n], mmap_mode="r") for n in lay})
     assert _mapped_kib(files["leaves"]) < 64  # a fresh map: nothing resident yet
     if fallback:  # the portable path: one read per page
-        monkeypatch.setattr(T.sys, "platform", "other")
-    T.warm(ro)
+        monkeypatch.setattr(_format.sys, "platform", "other")
+    for arr in ro.arrays:
+        _format.populate(arr)
     for name in lay:
         assert _mapped_kib(files[name]) * 1024 >= expected[name].nbytes - 4096, name
         np.testing.assert_array_equal(getattr(ro, name), expected[name])
-    T.warm(T.init(100))  # arrays in RAM: harmless
+    for arr in T.init(100).arrays:
+        _format.populate(arr)  # arrays in RAM: left alone
     assert T.check(ro) == 0.0
 
 
