@@ -16,8 +16,9 @@ or ``benchmarks/_data``):
 4. TorchRL's in-memory path (the file loaded into a ``LazyTensorStorage`` replay
    buffer, as TorchRL's D4RL loader does) when torchrl is installed.
 
-The source file is in the page cache for every measurement (just written), so
-the comparison is of write paths, not of source reads. The write speed of the
+The source file was just written, but a VM may drop idle page cache (the dev VM
+pages out unmapped file pages after ~30 s idle), so the source may come from
+disk: the raw copies and the conversions read it alike. The write speed of the
 dev VM swings 3x from minute to minute, so the measurements run in ``--repeat``
 rounds (``sync`` before each measurement): each round runs the raw copy and the
 conversions back to back, each conversion is compared with the raw copy of its
