@@ -117,7 +117,7 @@ def copy(
             segment = max(rows_per, SEGMENT_BYTES // max(1, _row_bytes(buf)))
             since = 0
             with progress_bar(plan.rows, "copy", progress) as bar:
-                for piece in _walk(buf, plan, keys, rows_per, reopen=opened.owned):
+                for piece in _walk(buf, plan, keys, rows_per, release=opened.owned):
                     for name in keys:
                         _crc_update(crc, f"{piece.lane}:{name}", piece.data[name])
                     out.extend(piece.data, stream=piece.lane, final_obs=piece.final or None)

@@ -125,22 +125,22 @@ class _Piece:
     final: dict[str, np.ndarray]  # next-derived column -> rows for ``last``
 
 
-def _walk(buf: Any, plan: _Plan, keys: list[str], chunk_rows: int, *, reopen: bool = False) -> Iterator[_Piece]:
+def _walk(buf: Any, plan: _Plan, keys: list[str], chunk_rows: int, *, release: bool = False) -> Iterator[_Piece]:
     """Read the plan's rows in order, ``chunk_rows`` at a time, never across lanes.
 
-    With ``reopen`` (a read-only handle this module opened), a fresh handle is
-    used every ``SEGMENT_BYTES`` of rows so the pages read are unmapped as it goes.
+    Stored columns are read with ``Buffer.read_range`` (a lane's live episodes
+    are consecutive in its ring: one or two runs a chunk); derived ``next_*``
+    keys are gathered. With ``release`` (a read-only handle this module
+    opened), the pages the gathers mapped are unmapped every ``SEGMENT_BYTES``
+    of rows, so resident memory stays flat.
     """
-    import gc
-
-    import mmbuffer as mb
-
     from ._common import SEGMENT_BYTES
 
     next_keys = list(buf.next_keys)
+    stored = [n for n in keys if n in buf.columns]
+    derived = [n for n in keys if n not in buf.columns]
     segment = max(chunk_rows, SEGMENT_BYTES // max(1, _row_bytes(buf)))
     since = 0
-    first = buf
     for lane in np.unique(plan.lanes) if len(plan.lanes) else []:
         idx = np.flatnonzero(plan.lanes == lane)
         lengths = plan.lengths[idx]
@@ -154,7 +154,9 @@ def _walk(buf: Any, plan: _Plan, keys: list[str], chunk_rows: int, *, reopen: bo
             off = pos - (cum[k] - lengths[k])
             rows = base + (plan.starts[idx][k] - base + off) % plan.lane_size
             ep = idx[k]
-            data = {n: _np(v) for n, v in buf.get(rows, keys=keys).items()}
+            data = _read_runs(buf, rows, stored)
+            if derived:
+                data.update({n: _np(v) for n, v in buf.get(rows, keys=derived).items()})
             last = (off == lengths[k] - 1) & plan.complete[ep]
             final: dict[str, np.ndarray] = {}
             if next_keys and last.any():
@@ -162,15 +164,20 @@ def _walk(buf: Any, plan: _Plan, keys: list[str], chunk_rows: int, *, reopen: bo
                 final = {n: _np(got[f"next_{n}"]) for n in next_keys}
             yield _Piece(int(lane), rows, ep, off, data, last, final)
             since += len(rows)
-            if reopen and since >= segment:
-                if buf is not first:
-                    buf.close()
-                buf = None
-                gc.collect()
-                buf = mb.open(str(first.path), mode="r")
+            if release and since >= segment:
+                buf.release_memory()
                 since = 0
-    if buf is not first and buf is not None:
-        buf.close()
+
+
+def _read_runs(buf: Any, rows: np.ndarray, names: list[str]) -> dict[str, np.ndarray]:
+    """``names`` at ``rows``, read a contiguous run at a time."""
+    cuts = np.flatnonzero(np.diff(rows) != 1) + 1
+    runs = [(int(r[0]), int(r[-1]) + 1) for r in np.split(rows, cuts) if len(r)]
+    out = {}
+    for name in names:
+        parts = [buf.read_range(name, a, b) for a, b in runs]
+        out[name] = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    return out
 
 
 def _np(x: Any) -> np.ndarray:
@@ -319,7 +326,7 @@ def export_d4rl(
                         )
                 at = 0
                 walk_keys = [*keys, *(f"next_{k}" for k in nxt)]
-                for piece in _walk(buf, plan, walk_keys, rows_per, reopen=opened.owned):
+                for piece in _walk(buf, plan, walk_keys, rows_per, release=opened.owned):
                     m = len(piece.rows)
                     for name in keys:
                         dsets[name][at : at + m] = piece.data[name]
@@ -572,7 +579,7 @@ def export_minari(
                     progress_bar(n, "export minari", progress) as bar:
                 groups: dict[int, dict[str, Any]] = {}
                 next_id = 0
-                for piece in _walk(buf, plan, walk_keys, rows_per, reopen=opened.owned):
+                for piece in _walk(buf, plan, walk_keys, rows_per, release=opened.owned):
                     for name in keys:
                         _crc_update(crc, name, piece.data[name])
                     for k, v in piece.final.items():
