@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--episodes", type=int, default=400)
     p.set_defaults(func=_cmd_demo)
     p = sub.add_parser("bench", help="run a benchmark script from benchmarks/")
-    p.add_argument("suite", choices=["store", "sampling", "priority", "convert", "stream"])
+    p.add_argument("suite", choices=["store", "sampling", "priority", "convert", "export", "stream"])
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=_cmd_bench)
     from .convert import cli as convert_cli
