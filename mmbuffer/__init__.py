@@ -11,13 +11,17 @@ and ``losses`` are public too.
 torch.Size([4, 2])
 """
 
-from . import convert, errors, losses
+from . import (
+    convert,
+    data,  # noqa: E402 - needs the names above
+    errors,
+    losses,
+)
 from .buffer import Buffer, create, open
 from .epoch import EpochSampler
-from . import data  # noqa: E402 - needs the names above
-from .stream import Stream, stream
 from .gather import Batch
 from .store import Column, PriorityConfig
+from .stream import Stream, stream
 
 __version__ = "0.1.0"
 

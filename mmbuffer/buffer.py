@@ -34,8 +34,9 @@ import numpy as np
 import torch
 
 from . import errors, sampling
+from ._checks import check_int
 from .gather import Batch, gather, resolve_keys
-from .store import PriorityConfig, Store, _check_int, create_store, locked
+from .store import PriorityConfig, Store, create_store, locked
 
 _REMEMBERED_BATCHES = 256
 
@@ -112,7 +113,7 @@ class Buffer(Store):
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The index half of ``sample``: ``(rows [B], weights [B], lane cursors)`` as
         numpy arrays, with no column read."""
-        batch_size = _check_int("batch_size", batch_size, 1)
+        batch_size = check_int("batch_size", batch_size, 1)
         view = self.view()
         if prioritized:
             rows, weights = sampling.prioritized(view, self._require_tree(), batch_size, _beta(beta), generator)
@@ -166,8 +167,8 @@ class Buffer(Store):
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The index half of ``sample_slices``: ``(rows [B, L], weights [B], mask [B, L],
         lane cursors)`` as numpy arrays, with no column read."""
-        num_slices = _check_int("num_slices", num_slices, 1)
-        slice_len = _check_int("slice_len", slice_len, 1)
+        num_slices = check_int("num_slices", num_slices, 1)
+        slice_len = check_int("slice_len", slice_len, 1)
         if weighting not in ("windows", "episodes"):
             raise errors.InvalidArgumentError(f"weighting: expected 'windows' or 'episodes', got {weighting!r}")
         view = self.view()

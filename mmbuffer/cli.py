@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 
-
 def _disk_usage(path: Path) -> tuple[int, int]:
     """(allocated bytes, apparent bytes) of every file under ``path``."""
     used = apparent = 0

@@ -57,7 +57,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from . import errors
-from .store import _check_int
+from ._checks import check_int
 from .buffer import Buffer
 from .buffer import open as open_store
 from .epoch import EpochSampler
@@ -130,13 +130,13 @@ class BufferDataset(IterableDataset[Batch]):
     ) -> None:
         super().__init__()
         self.path = Path(path)
-        self.batch_size = _check_int("batch_size", batch_size, 1)
-        self.slice_len = None if slice_len is None else _check_int("slice_len", slice_len, 1)
+        self.batch_size = check_int("batch_size", batch_size, 1)
+        self.slice_len = None if slice_len is None else check_int("slice_len", slice_len, 1)
         self.keys = None if keys is None else ([keys] if isinstance(keys, str) else list(keys))
         self.epoch = bool(epoch)
-        self.seed = _check_int("seed", seed, 0)
-        self.num_batches = None if num_batches is None else _check_int("num_batches", num_batches, 0)
-        self.refresh_every = _check_int("refresh_every", refresh_every, 0)
+        self.seed = check_int("seed", seed, 0)
+        self.num_batches = None if num_batches is None else check_int("num_batches", num_batches, 0)
+        self.refresh_every = check_int("refresh_every", refresh_every, 0)
         self.prioritized = bool(prioritized)
         self.beta = beta
         self.strict = bool(strict)
@@ -151,8 +151,8 @@ class BufferDataset(IterableDataset[Batch]):
                 f"rank, world_size: expected both or neither, got rank={rank!r}, world_size={world_size!r}"
             )
         if world_size is not None:
-            world_size = _check_int("world_size", world_size, 1)
-            rank = _check_int("rank", rank, 0)
+            world_size = check_int("world_size", world_size, 1)
+            rank = check_int("rank", rank, 0)
             if rank >= world_size:
                 raise errors.InvalidArgumentError(f"rank: expected an integer in [0, {world_size}), got {rank}")
         self._shard_override = None if world_size is None else (int(rank), world_size)  # type: ignore[arg-type]
@@ -164,7 +164,7 @@ class BufferDataset(IterableDataset[Batch]):
     # -- configuration -------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Mix ``epoch`` into the random-mode seeds (as ``DistributedSampler.set_epoch``)."""
-        self._set_epoch = _check_int("epoch", epoch, 0)
+        self._set_epoch = check_int("epoch", epoch, 0)
 
     def reset(self) -> None:
         """Epoch mode: forget the saved epoch positions; the next pass starts epoch 0."""

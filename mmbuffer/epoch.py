@@ -37,9 +37,9 @@ import numpy as np
 
 from . import _format as fmt
 from . import errors, sampling
+from ._checks import check_int
 from .buffer import Buffer
 from .gather import Batch, resolve_keys
-from .store import _check_int
 
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
@@ -118,8 +118,8 @@ class EpochSampler:
         keys: Iterable[str] | None = None,
     ) -> None:
         self.buf = buf
-        self.batch_size = _check_int("batch_size", batch_size, 1)
-        self.slice_len = None if slice_len is None else _check_int("slice_len", slice_len, 1)
+        self.batch_size = check_int("batch_size", batch_size, 1)
+        self.slice_len = None if slice_len is None else check_int("slice_len", slice_len, 1)
         index, count = (int(shard[0]), int(shard[1]))
         if count < 1 or not 0 <= index < count:
             raise errors.InvalidArgumentError(f"shard: expected (index, count) with 0 <= index < count, got {shard!r}")

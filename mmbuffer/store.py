@@ -44,9 +44,9 @@ import numpy as np
 
 from . import _format as fmt
 from . import errors, index, tree
+from ._checks import as_numpy, check_int, check_json, check_schema, check_stream
 from .config import config
 from .index import Lane
-
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -327,7 +327,7 @@ class Store:
             Before anything is written.
         """
         self._check_writable("extend")
-        lane = _check_stream(stream, self.num_streams)
+        lane = check_stream(stream, self.num_streams)
         arrays, done = self._validate_steps(steps)
         rows = len(done)
         if rows == 0:
@@ -422,8 +422,8 @@ class Store:
             raise errors.InvalidPriorityError(
                 "update_priorities: expected a store created with priorities=mb.PriorityConfig(...), got priorities=None"
             )
-        idx = _as_numpy(indices, "indices").astype(np.int64, copy=False).reshape(-1)
-        pri = _as_numpy(priorities, "priorities").astype(np.float64, copy=False)
+        idx = as_numpy(indices, "indices").astype(np.int64, copy=False).reshape(-1)
+        pri = as_numpy(priorities, "priorities").astype(np.float64, copy=False)
         try:
             pri = np.broadcast_to(pri.reshape(-1) if pri.size == idx.size else pri, idx.shape)
         except ValueError:
@@ -578,7 +578,7 @@ class Store:
             )
         arrays = {}
         for name in steps:
-            arr = _as_numpy(steps[name], name)
+            arr = as_numpy(steps[name], name)
             col = self.columns[name]
             if arr.shape[1:] != col.shape or arr.ndim != 1 + len(col.shape):
                 raise errors.SchemaError(
@@ -614,7 +614,7 @@ class Store:
             raise errors.SchemaError(f"final_obs: expected keys {sorted(self.next_keys)}, got {sorted(final_obs)}")
         out = {}
         for name in self.next_keys:
-            arr = _as_numpy(final_obs[name], f"final_obs[{name!r}]")
+            arr = as_numpy(final_obs[name], f"final_obs[{name!r}]")
             col = self.columns[name]
             if arr.shape != (n_done, *col.shape):
                 raise errors.SchemaError(
@@ -643,10 +643,10 @@ def create_store(
     path = Path(path)
     if path.exists():
         raise errors.StoreExistsError(f"{path}: expected a path that does not exist, got an existing {'directory' if path.is_dir() else 'file'}")
-    schema = _check_schema(columns, next_keys)
+    schema = check_schema(columns, next_keys)
     next_keys = tuple(next_keys)
-    capacity = _check_int("capacity", capacity, 1)
-    num_streams = _check_int("num_streams", num_streams, 1)
+    capacity = check_int("capacity", capacity, 1)
+    num_streams = check_int("num_streams", num_streams, 1)
     if capacity % num_streams:
         raise errors.InvalidArgumentError(
             f"capacity: expected a multiple of num_streams={num_streams}, got {capacity}"
@@ -672,7 +672,7 @@ def create_store(
         "lanes": [Lane().to_json() for _ in range(num_streams)],
         "attrs": dict(attrs or {}),
     }
-    _check_json(manifest["attrs"])
+    check_json(manifest["attrs"])
     tmp = path.with_name(path.name + ".creating")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -704,54 +704,6 @@ def create_store(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-def _check_schema(columns: Mapping[str, tuple[Any, Any]], next_keys: Iterable[str]) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    if not isinstance(columns, Mapping) or not columns:
-        raise errors.SchemaError(f"columns: expected a non-empty mapping name -> (shape, dtype), got {columns!r}")
-    schema: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
-    for name, spec in columns.items():
-        fmt.check_column_name(name)
-        if name in fmt.RESERVED_NAMES:
-            raise errors.SchemaError(f"column {name!r}: reserved (always present as bool), remove it from columns")
-        try:
-            shape, dtype = spec
-        except (TypeError, ValueError):
-            raise errors.SchemaError(f"column {name!r}: expected (shape, dtype), got {spec!r}") from None
-        schema[name] = (fmt.check_shape(name, shape), fmt.check_dtype(name, dtype))
-    names = sorted(schema)
-    for a, b in zip(names, names[1:]):
-        if b.startswith(a + "/"):
-            raise errors.SchemaError(f"column {b!r}: nested under column {a!r}; a name cannot be both a column and a group")
-    for flag in sorted(fmt.RESERVED_NAMES):
-        schema[flag] = ((), np.dtype(bool))
-    if isinstance(next_keys, str):
-        raise errors.SchemaError(f"next_keys: expected a sequence of column names, got the string {next_keys!r}")
-    for key in next_keys:
-        if key not in schema or key in fmt.RESERVED_NAMES:
-            raise errors.SchemaError(f"next_keys: expected names among columns {sorted(columns)}, got {key!r}")
-    return schema
-
-
-def _check_int(name: str, value: object, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) < low:
-        raise errors.InvalidArgumentError(f"{name}: expected an integer >= {low}, got {value!r}")
-    return int(value)
-
-
-def _check_stream(stream: object, num_streams: int) -> int:
-    if isinstance(stream, bool) or not isinstance(stream, (int, np.integer)) or not 0 <= int(stream) < num_streams:
-        raise errors.InvalidArgumentError(f"stream: expected an integer in [0, {num_streams}), got {stream!r}")
-    return int(stream)
-
-
-def _check_json(obj: Any) -> None:
-    import json
-
-    try:
-        json.dumps(obj)
-    except (TypeError, ValueError) as exc:
-        raise errors.InvalidArgumentError(f"attrs: expected JSON-serializable values, got {exc}") from None
 
 
 def _manifest(store: Store) -> dict[str, Any]:
@@ -804,12 +756,3 @@ def _ring_segments(lane: int, lane_size: int, lo: int, hi: int) -> list[tuple[in
 
 def _global_rows(lane: int, lane_size: int, absolute: np.ndarray) -> np.ndarray:
     return lane * lane_size + np.asarray(absolute, dtype=np.int64) % lane_size
-
-
-def _as_numpy(value: Any, name: str) -> np.ndarray:
-    if hasattr(value, "detach") and hasattr(value, "cpu"):
-        value = value.detach().cpu().numpy()
-    try:
-        return np.asarray(value)
-    except (TypeError, ValueError) as exc:
-        raise errors.SchemaError(f"{name}: expected an array, got {type(value).__name__} ({exc})") from None

@@ -81,7 +81,7 @@ from typing import Any, Self
 import torch
 
 from . import errors
-from .store import _check_int
+from ._checks import check_int
 from .gather import Batch, resolve_keys
 
 __all__ = ["Stream", "buffer_lock", "stream"]
@@ -299,12 +299,12 @@ def stream(
     >>> s.delivered
     5
     """
-    batch_size = _check_int("batch_size", batch_size, 1)
+    batch_size = check_int("batch_size", batch_size, 1)
     if slice_len is not None:
-        slice_len = _check_int("slice_len", slice_len, 1)
-    prefetch = _check_int("prefetch", prefetch, 1)
+        slice_len = check_int("slice_len", slice_len, 1)
+    prefetch = check_int("prefetch", prefetch, 1)
     if num_batches is not None:
-        num_batches = _check_int("num_batches", num_batches, 0)
+        num_batches = check_int("num_batches", num_batches, 0)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise errors.InvalidArgumentError(f"generator: expected a torch.Generator or None, got {type(generator).__name__}")
     if prioritized and getattr(buf, "priorities", None) is None:

@@ -52,8 +52,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ._common import Chunk, ConversionWarning, Reader, Schema, write_store
-from ._d4rl import D4RLReader, convert_d4rl
 from ._copy import copy, copy_store
+from ._d4rl import D4RLReader, convert_d4rl
 from ._export import export_d4rl, export_minari
 from ._minari import MinariReader, convert_minari
 from ._npz import NpzReader, convert_npz

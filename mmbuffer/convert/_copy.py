@@ -31,7 +31,17 @@ from ._common import (
     remove_partial,
     replace_destination,
 )
-from ._export import _FLAGS, _chunk_rows, _crc_update, _data_columns, _Opened, _partial, _plan, _row_bytes, _walk
+from ._export import (
+    _FLAGS,
+    _chunk_rows,
+    _crc_update,
+    _data_columns,
+    _Opened,
+    _partial,
+    _plan,
+    _row_bytes,
+    _walk,
+)
 
 __all__ = ["copy", "copy_store"]
 

@@ -267,7 +267,10 @@ def _safe_load(path: Path) -> Any:
     allowed: list[Any] = []
     try:
         from tensordict import LazyStackedTensorDict, TensorDict
-        from tensordict._reductions import _make_td, _rebuild_tensordict_files_consolidated
+        from tensordict._reductions import (
+            _make_td,
+            _rebuild_tensordict_files_consolidated,
+        )
 
         allowed = [TensorDict, LazyStackedTensorDict, _make_td, _rebuild_tensordict_files_consolidated]
     except ImportError:

@@ -1,0 +1,76 @@
+"""Checks of user input shared by the store's entry points: each raises a typed error
+from :mod:`mmbuffer.errors` that names the argument, the expected and the received value.
+
+>>> check_int("batch_size", 256, 1)
+256
+>>> check_int("batch_size", 0, 1)
+Traceback (most recent call last):
+    ...
+mmbuffer.errors.InvalidArgumentError: batch_size: expected an integer >= 1, got 0
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from . import _format as fmt
+from . import errors
+
+
+def check_schema(columns: Mapping[str, tuple[Any, Any]], next_keys: Iterable[str]) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    if not isinstance(columns, Mapping) or not columns:
+        raise errors.SchemaError(f"columns: expected a non-empty mapping name -> (shape, dtype), got {columns!r}")
+    schema: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+    for name, spec in columns.items():
+        fmt.check_column_name(name)
+        if name in fmt.RESERVED_NAMES:
+            raise errors.SchemaError(f"column {name!r}: reserved (always present as bool), remove it from columns")
+        try:
+            shape, dtype = spec
+        except (TypeError, ValueError):
+            raise errors.SchemaError(f"column {name!r}: expected (shape, dtype), got {spec!r}") from None
+        schema[name] = (fmt.check_shape(name, shape), fmt.check_dtype(name, dtype))
+    names = sorted(schema)
+    for a, b in zip(names, names[1:]):
+        if b.startswith(a + "/"):
+            raise errors.SchemaError(f"column {b!r}: nested under column {a!r}; a name cannot be both a column and a group")
+    for flag in sorted(fmt.RESERVED_NAMES):
+        schema[flag] = ((), np.dtype(bool))
+    if isinstance(next_keys, str):
+        raise errors.SchemaError(f"next_keys: expected a sequence of column names, got the string {next_keys!r}")
+    for key in next_keys:
+        if key not in schema or key in fmt.RESERVED_NAMES:
+            raise errors.SchemaError(f"next_keys: expected names among columns {sorted(columns)}, got {key!r}")
+    return schema
+
+
+def check_int(name: str, value: object, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) < low:
+        raise errors.InvalidArgumentError(f"{name}: expected an integer >= {low}, got {value!r}")
+    return int(value)
+
+
+def check_stream(stream: object, num_streams: int) -> int:
+    if isinstance(stream, bool) or not isinstance(stream, (int, np.integer)) or not 0 <= int(stream) < num_streams:
+        raise errors.InvalidArgumentError(f"stream: expected an integer in [0, {num_streams}), got {stream!r}")
+    return int(stream)
+
+
+def check_json(obj: Any) -> None:
+    try:
+        json.dumps(obj)
+    except (TypeError, ValueError) as exc:
+        raise errors.InvalidArgumentError(f"attrs: expected JSON-serializable values, got {exc}") from None
+
+
+def as_numpy(value: Any, name: str) -> np.ndarray:
+    if hasattr(value, "detach") and hasattr(value, "cpu"):
+        value = value.detach().cpu().numpy()
+    try:
+        return np.asarray(value)
+    except (TypeError, ValueError) as exc:
+        raise errors.SchemaError(f"{name}: expected an array, got {type(value).__name__} ({exc})") from None
