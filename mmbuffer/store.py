@@ -417,10 +417,51 @@ class Store:
         ``written`` counters at sampling time), or not live now, are ignored.
         Duplicates resolve to the last value.
         """
-        self._check_writable("update_priorities")
+        idx, pri = self._checked_priorities("update_priorities", indices, priorities)
+        keep = self._live_rows(idx, written_at)
+        cfg = self.priorities
+        assert self._tree is not None and cfg is not None  # checked above
+        self._mark_tree_dirty()
+        tree.update(self._tree, idx[keep], (pri[keep] + cfg.eps) ** cfg.alpha)
+
+    def leaf_priorities(self, rows: Any) -> np.ndarray:
+        """The stored priorities ``(p + eps) ** alpha`` of ``rows`` (float32; 0 where a
+        row is not live): sampling is proportional to them.
+
+        >>> import tempfile, numpy as np, mmbuffer as mb
+        >>> buf = mb.create(tempfile.mkdtemp() + "/l", {"x": ((), "int32")}, capacity=8, next_keys=(),
+        ...                 priorities=mb.PriorityConfig(alpha=0.5, eps=0.0))
+        >>> buf.extend({"x": np.arange(3)})
+        >>> buf.update_priorities([0, 1, 2], [4.0, 9.0, 16.0])
+        >>> buf.leaf_priorities([0, 1, 2]).tolist()
+        [2.0, 3.0, 4.0]
+        """
+        if self._tree is None:
+            raise errors.InvalidPriorityError(
+                "leaf_priorities: expected a store created with priorities=mb.PriorityConfig(...), got priorities=None"
+            )
+        idx = self._checked_rows(as_numpy(rows, "rows").astype(np.int64, copy=False).reshape(-1))
+        return np.asarray(self._tree.leaves[idx])
+
+    @locked
+    def set_leaf_priorities(self, rows: Any, values: Any) -> None:
+        """Set stored priorities directly, already ``(p + eps) ** alpha``: for instance
+        values read with :meth:`leaf_priorities` from a store with the same
+        ``PriorityConfig`` (``mmbuffer copy`` does this). Rows not live are
+        ignored; checks and errors as :meth:`update_priorities`.
+        """
+        idx, val = self._checked_priorities("set_leaf_priorities", rows, values)
+        keep = self._live_rows(idx, None)
+        assert self._tree is not None  # checked above
+        self._mark_tree_dirty()
+        tree.update(self._tree, idx[keep], val[keep])
+
+    def _checked_priorities(self, what: str, indices: Any, priorities: Any) -> tuple[np.ndarray, np.ndarray]:
+        """Row ids and finite, non-negative values of the same size, or a typed error."""
+        self._check_writable(what)
         if self._tree is None or self.priorities is None:
             raise errors.InvalidPriorityError(
-                "update_priorities: expected a store created with priorities=mb.PriorityConfig(...), got priorities=None"
+                f"{what}: expected a store created with priorities=mb.PriorityConfig(...), got priorities=None"
             )
         idx = as_numpy(indices, "indices").astype(np.int64, copy=False).reshape(-1)
         pri = as_numpy(priorities, "priorities").astype(np.float64, copy=False)
@@ -435,14 +476,14 @@ class Store:
             raise errors.InvalidPriorityError(
                 f"priorities: expected finite values >= 0, got {pri[bad][:3].tolist()}"
             )
+        return self._checked_rows(idx), pri
+
+    def _checked_rows(self, idx: np.ndarray) -> np.ndarray:
         if ((idx < 0) | (idx >= self.capacity)).any():
             raise errors.InvalidArgumentError(
                 f"indices: expected row ids in [0, {self.capacity}), got {idx[(idx < 0) | (idx >= self.capacity)][:3].tolist()}"
             )
-        keep = self._live_rows(idx, written_at)
-        cfg = self.priorities
-        self._mark_tree_dirty()
-        tree.update(self._tree, idx[keep], (pri[keep] + cfg.eps) ** cfg.alpha)
+        return idx
 
     def _live_rows(self, rows: np.ndarray, written_at: np.ndarray | None) -> np.ndarray:
         """Rows that still hold what was sampled when the lanes' cursors were ``written_at``."""

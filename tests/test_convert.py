@@ -263,6 +263,37 @@ def test_verification_catches_a_bad_write(tmp_path, cartpole, monkeypatch):
     assert (tmp_path / "s.partial").exists()  # left for inspection
 
 
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_copy_keeps_stored_priorities(tmp_path, compression):
+    path = tmp_path / "src"
+    rng = np.random.default_rng(3)
+    buf = mb.create(str(path), {"x": ((), "float32")}, capacity=400, num_streams=2, next_keys=(),
+                    priorities=mb.PriorityConfig(alpha=0.7, eps=1e-3))
+    for lane, n in ((0, 180), (1, 150), (0, 90)):  # lane 0 (200 rows) wraps and evicts
+        buf.extend({"x": rng.random(n, dtype=np.float32), "truncated": rng.random(n) < 0.05}, stream=lane)
+        live = np.concatenate([s + np.arange(k) for s, k in zip(*(t.numpy() for t in buf.episodes()))])
+        buf.update_priorities(live, rng.exponential(size=len(live)) * 10.0 ** rng.integers(-4, 4, len(live)))
+    buf.close()
+    src = mb.open(str(path), mode="r")
+    copy(path, tmp_path / "c", compression=compression, progress=False)
+    dst = mb.open(str(tmp_path / "c"), mode="r")
+    (s0, n0), (s1, n1) = ((t.numpy() for t in b.episodes()) for b in (src, dst))
+    rows_src = np.concatenate([s + np.arange(k) for s, k in zip(s0, n0)])
+    rows_dst = np.concatenate([s + np.arange(k) for s, k in zip(s1, n1)])
+    np.testing.assert_array_equal(dst.get(rows_dst)["x"].numpy(), src.get(rows_src)["x"].numpy())
+    np.testing.assert_array_equal(dst.leaf_priorities(rows_dst), src.leaf_priorities(rows_src))
+    assert len(np.unique(src.leaf_priorities(rows_src))) > 100  # not the default for every row
+    # the copy's rows sit elsewhere, so the same generator draws other rows; the
+    # weights it returns must be those the source's priorities give those rows
+    # (open episodes included): find each drawn row in the source by its unique x
+    leaf_all = src.leaf_priorities(np.arange(400)).astype(np.float64)  # 0 where not live
+    live = leaf_all > 0
+    leaf_of_x = dict(zip(src.read_range("x", 0, 400)[live].tolist(), leaf_all[live].tolist()))
+    b = dst.sample(256, torch.Generator().manual_seed(0), prioritized=True, beta=0.4)
+    want = np.array([leaf_of_x[x] for x in b.data["x"].tolist()])
+    np.testing.assert_allclose(b.weights.numpy(), (want / leaf_all[live].min()) ** -0.4, rtol=1e-6)
+
+
 def test_copy_verification_catches_a_bad_write(tmp_path, monkeypatch):
     from mmbuffer import _format
 

@@ -205,3 +205,27 @@ def test_warm_keeps_the_store_unchanged(tmp_path, rng):
     plain = mb.create(tmp_path / "u", {"x": ((), "int64")}, capacity=10)
     plain.warm()  # no tree: nothing to do
     plain.close()
+
+
+def test_leaf_priorities_round_trip_and_bad_values_change_nothing(tmp_path, rng):
+    buf = make(tmp_path, capacity=500, alpha=0.5, eps=0.0)
+    fill(buf, 300)
+    buf.update_priorities(np.arange(300), np.arange(300, dtype=np.float64) ** 2)
+    np.testing.assert_allclose(buf.leaf_priorities(np.arange(300)), np.arange(300), rtol=1e-6)
+    values = rng.exponential(size=300).astype(np.float32)
+    buf.set_leaf_priorities(np.arange(300), values)
+    np.testing.assert_array_equal(buf.leaf_priorities(np.arange(300)), values)
+    assert buf.leaf_priorities([400]).tolist() == [0.0]  # never written: not live
+    buf.set_leaf_priorities([400], [5.0])  # not live: ignored
+    assert buf.leaf_priorities([400]).tolist() == [0.0]
+    buf.commit()
+    before = tree_hash(tmp_path / "p")
+    for bad in ([np.nan], [-1.0], [np.inf]):
+        with pytest.raises(mb.errors.InvalidPriorityError, match="finite values >= 0"):
+            buf.set_leaf_priorities([3], bad)
+    with pytest.raises(mb.errors.InvalidArgumentError, match=r"indices: expected row ids in \[0, 500\)"):
+        buf.leaf_priorities([500])
+    assert tree_hash(tmp_path / "p") == before
+    plain = mb.create(tmp_path / "u", {"x": ((), "int64")}, capacity=10)
+    with pytest.raises(mb.errors.InvalidPriorityError, match="leaf_priorities: expected a store created with priorities"):
+        plain.leaf_priorities([0])

@@ -6,8 +6,8 @@
 lane by lane, live complete episodes oldest first, then the open episode) and
 verifies like the converters (:mod:`._common`): every written piece is read back
 from the new store's files and compared byte for byte, and the reopened copy
-must hold the same episodes. The priorities themselves are not copied: new rows
-get the default priority.
+must hold the same episodes. The stored priorities of a prioritized store are
+copied exactly (:meth:`~mmbuffer.Buffer.set_leaf_priorities`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from ._common import (
     _mismatch,
     _ReadBack,
     abandon,
+    same_bytes,
     check_destination,
     jsonable,
     progress_bar,
@@ -62,8 +63,9 @@ def copy(
     ``"lz4"`` a compressed archive. Capacity, streams, columns, next keys,
     priority settings and ``attrs`` are kept; every lane's live episodes are
     written oldest first, then its open episode, so the copy samples the same
-    data (its rows start at row 0 of each lane; priorities restart at the
-    default). Built at ``dst + ".partial"``, verified, then renamed.
+    data with the same probabilities (its rows start at row 0 of each lane;
+    each row keeps its stored priority). Built at ``dst + ".partial"``,
+    verified, then renamed.
 
     Parameters
     ----------
@@ -131,10 +133,15 @@ def copy(
                     for name in keys:
                         _crc_update(crc, f"{piece.lane}:{name}", piece.data[name])
                     out.extend(piece.data, stream=piece.lane, final_obs=piece.final or None)
-                    if readback is not None:
-                        row = piece.lane * int(buf.lane_size) + int(written[piece.lane])
-                        readback.check(out, row, piece.data, piece.final)
                     n = len(piece.rows)
+                    row = piece.lane * int(buf.lane_size) + int(written[piece.lane])
+                    if out.priorities is not None:  # the stored priorities, exactly
+                        leaves = buf.leaf_priorities(piece.rows)
+                        out.set_leaf_priorities(np.arange(row, row + n), leaves)
+                        if readback is not None and not same_bytes(out.leaf_priorities(np.arange(row, row + n)), leaves):
+                            raise _mismatch(partial, f"priorities of rows [{row}, {row + n})", "the source's", "others")
+                    if readback is not None:
+                        readback.check(out, row, piece.data, piece.final)
                     written[piece.lane] += n
                     bar.update(n)
                     since += n
