@@ -280,7 +280,8 @@ def _hex(v: int) -> str:
 
 
 # -- writing ----------------------------------------------------------------------------------
-def _partial_path(dst: Path) -> Path:
+def partial_path(dst: Path) -> Path:
+    """Where the output ``dst`` is built before it is renamed into place."""
     return dst.with_name(dst.name + ".partial")
 
 
@@ -430,7 +431,7 @@ def write_store(
         if schema.num_rows < 1:
             raise reader._error("the source holds no rows")
         rows_per_chunk = default_chunk_rows(schema, chunk_rows)
-        partial = _partial_path(dst_path)
+        partial = partial_path(dst_path)
         remove_partial(partial)
         tally = _Tally(schema)
         attrs = dict(schema.attrs)

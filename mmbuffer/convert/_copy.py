@@ -25,12 +25,13 @@ from ._common import (
     _mismatch,
     _ReadBack,
     abandon,
-    same_bytes,
     check_destination,
     jsonable,
+    partial_path,
     progress_bar,
     remove_partial,
     replace_destination,
+    same_bytes,
 )
 from ._export import (
     _FLAGS,
@@ -38,7 +39,6 @@ from ._export import (
     _crc_update,
     _data_columns,
     _Opened,
-    _partial,
     _plan,
     _row_bytes,
     _walk,
@@ -103,7 +103,7 @@ def copy(
 
     t0 = time.perf_counter()
     dst_path = check_destination(dst, overwrite)
-    partial = _partial(dst_path)
+    partial = partial_path(dst_path)
     remove_partial(partial)
     opened = _Opened(src)
     with opened as buf:
@@ -136,9 +136,9 @@ def copy(
                     n = len(piece.rows)
                     row = piece.lane * int(buf.lane_size) + int(written[piece.lane])
                     if out.priorities is not None:  # the stored priorities, exactly
-                        leaves = buf.leaf_priorities(piece.rows)
-                        out.set_leaf_priorities(np.arange(row, row + n), leaves)
-                        if readback is not None and not same_bytes(out.leaf_priorities(np.arange(row, row + n)), leaves):
+                        leaves, rows = buf.leaf_priorities(piece.rows), np.arange(row, row + n)
+                        out.set_leaf_priorities(rows, leaves)
+                        if readback is not None and not same_bytes(out.leaf_priorities(rows), leaves):
                             raise _mismatch(partial, f"priorities of rows [{row}, {row + n})", "the source's", "others")
                     if readback is not None:
                         readback.check(out, row, piece.data, piece.final)

@@ -38,6 +38,7 @@ from ._common import (
     as_bytes,
     check_destination,
     jsonable,
+    partial_path,
     progress_bar,
     remove_partial,
     replace_destination,
@@ -235,10 +236,6 @@ def _crc_update(crc: dict[str, int], name: str, arr: np.ndarray) -> None:
     crc[name] = zlib.crc32(as_bytes(arr), crc.get(name, 0))
 
 
-def _partial(out: Path) -> Path:
-    return out.with_name(out.name + ".partial")
-
-
 # -- D4RL -------------------------------------------------------------------------------------
 _D4RL_NAMES = {"obs": "observations", "action": "actions", "reward": "rewards",
                "terminated": "terminals", "truncated": "timeouts"}
@@ -290,7 +287,7 @@ def export_d4rl(
 
     t0 = time.perf_counter()
     out_path = check_destination(out, overwrite)
-    partial = _partial(out_path)
+    partial = partial_path(out_path)
     opened = _Opened(store)
     with opened as buf:
         missing = [k for k in ("obs", "action", "reward") if k not in buf.columns]
@@ -523,7 +520,7 @@ def export_minari(
 
     t0 = time.perf_counter()
     out_path = check_destination(out, overwrite)
-    partial = _partial(out_path)
+    partial = partial_path(out_path)
     remove_partial(partial)
     opened = _Opened(store)
     with opened as buf:
