@@ -43,6 +43,8 @@ committed ``written``.
 from __future__ import annotations
 
 import ctypes
+import errno
+import functools
 import json
 import mmap
 import os
@@ -125,8 +127,11 @@ def _shard_file(array_dir: Path, ndim: int) -> Path:
     return array_dir.joinpath("c", *(["0"] * ndim))
 
 
-def create_raw(root: Path, name: str, rows: int, row_shape: tuple[int, ...], dtype: np.dtype) -> None:
-    """Create a raw single-shard Zarr array and its sparse shard file."""
+def create_raw(
+    root: Path, name: str, rows: int, row_shape: tuple[int, ...], dtype: np.dtype, *, allocate: bool = False
+) -> None:
+    """Create a raw single-shard Zarr array and its sparse shard file; ``allocate``
+    reserves the disk blocks of every row at once (arrays written whole at creation)."""
     row_bytes = int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize
     chunk = _chunk_rows(rows, row_bytes)
     shard_rows = -(-rows // chunk) * chunk
@@ -156,6 +161,9 @@ def create_raw(root: Path, name: str, rows: int, row_shape: tuple[int, ...], dty
         f.truncate(shard_rows * row_bytes)  # sparse: no block is allocated yet
         f.seek(shard_rows * row_bytes)
         f.write(blob)
+        f.flush()
+        if allocate:
+            reserve_rows(f.fileno(), row_bytes, 0, shard_rows)
 
 
 def open_raw(root: Path, name: str, *, writable: bool) -> np.ndarray:
@@ -400,3 +408,76 @@ def read_manifest(path: Path) -> dict[str, Any]:
 
 def lock_owner() -> str:
     return f"pid {os.getpid()} on {socket.gethostname()}"
+
+
+# -- disk space and atomic placement ---------------------------------------------------
+_AT_FDCWD: Final = -100
+_RENAME_NOREPLACE: Final = 1
+
+
+def reserve_rows(fd: int, row_bytes: int, start: int, stop: int) -> None:
+    """Allocate the disk blocks under rows ``[start, stop)`` of the raw array file ``fd``.
+
+    A store through a memory map into a hole of a sparse file needs a block at
+    page-fault time; on a full disk the kernel can only answer with SIGBUS.
+    ``posix_fallocate`` reserves the blocks first, and a full disk is then an
+    ``OSError(ENOSPC)`` here. Whole pages are reserved (a store dirties its whole
+    page), never past the end of the file (the shard index lies there). Data is
+    unchanged. Filesystems without fallocate support are left to allocate on write.
+    """
+    page = mmap.PAGESIZE
+    lo = start * row_bytes // page * page
+    hi = min(-(-stop * row_bytes // page) * page, os.fstat(fd).st_size)
+    if hi <= lo or not hasattr(os, "posix_fallocate"):
+        return
+    try:
+        os.posix_fallocate(fd, lo, hi - lo)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise
+
+
+def reserve_raw(root: Path, name: str, start: int, stop: int) -> None:
+    """:func:`reserve_rows` for rows ``[start, stop)`` of the raw array ``root/name``."""
+    meta = read_json(root / name / "zarr.json")
+    row_bytes = int(np.prod(meta["shape"][1:], dtype=np.int64)) * np.dtype(meta["data_type"]).itemsize
+    fd = os.open(_shard_file(root / name, len(meta["shape"])), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        reserve_rows(fd, row_bytes, start, stop)
+    finally:
+        os.close(fd)
+
+
+@functools.cache
+def _renameat2() -> Any:
+    try:
+        return ctypes.CDLL(None, use_errno=True).renameat2
+    except AttributeError:  # libc without renameat2 (glibc < 2.28, not Linux)
+        return None
+
+
+def rename_noreplace(src: Path, dst: Path) -> None:
+    """Rename ``src`` to ``dst``, or raise ``FileExistsError`` if ``dst`` exists.
+
+    ``os.rename`` of a directory onto an existing *empty* directory succeeds on
+    Linux, so two processes renaming into one path would both "win". Linux's
+    ``renameat2(RENAME_NOREPLACE)`` refuses any existing ``dst`` atomically.
+    Where it is missing (or the filesystem refuses the flag) ``dst`` is checked
+    first, which leaves a window only against a directory that is empty: a
+    rename onto a non-empty one fails by itself.
+    """
+    func = _renameat2()
+    if func is not None:
+        if func(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise OSError(err, os.strerror(err), str(src), None, str(dst))
+    if os.path.lexists(dst):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(src), None, str(dst))
+    try:
+        os.rename(src, dst)
+    except OSError as exc:
+        if exc.errno == errno.ENOTEMPTY:  # a non-empty directory appeared at dst meanwhile
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(src), None, str(dst)) from None
+        raise

@@ -28,9 +28,11 @@ for stores that are not written during the epoch (offline training).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -140,6 +142,7 @@ class EpochSampler:
                         f"{getattr(fresh, field)!r}; call reset() or use another name"
                     )
             self._state = old
+        self._saved = replace(self._state)  # what the file holds (or a fresh state)
 
     @property
     def epoch(self) -> int:
@@ -206,8 +209,29 @@ class EpochSampler:
         return self.buf._batch(rows, weights, mask, self.keys, view.written)
 
     def _save(self) -> None:
-        self._file.parent.mkdir(exist_ok=True)
-        fmt.atomic_write_json(self._file, asdict(self._state), durable=False)
+        """Write the state; if it cannot be written, go back to the last state saved
+        (no batch is delivered or skipped) and raise a typed error."""
+        try:
+            self._file.parent.mkdir(exist_ok=True)
+            fmt.atomic_write_json(self._file, asdict(self._state), durable=False)
+        except OSError as exc:
+            for f in fields(_State):
+                setattr(self._state, f.name, getattr(self._saved, f.name))
+            with contextlib.suppress(OSError):
+                self._file.with_name(self._file.name + ".partial").unlink(missing_ok=True)
+            where = f"{exc.strerror} ({exc.filename})"
+            if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise errors.ReadOnlyError(
+                    exc.errno,
+                    f"EpochSampler: expected to save its state to {self._file}, got {where}: the store "
+                    f"{self.buf.path} is read-only here, so a sampler's state cannot be saved in it",
+                ) from exc
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise errors.DiskFullError(
+                    exc.errno, f"EpochSampler: expected free space to save its state to {self._file}, got {where}"
+                ) from exc
+            raise
+        self._saved = replace(self._state)
 
 
 def _shard_size(n: int, index: int, count: int) -> int:

@@ -25,6 +25,7 @@ __all__ = [
     "CorruptStoreError",
     "EmptyBufferError",
     "CapacityError",
+    "DiskFullError",
     "InvalidPriorityError",
     "NoValidSliceError",
     "ConversionError",
@@ -73,6 +74,15 @@ class EmptyBufferError(MMBufferError, LookupError):
 
 class CapacityError(MMBufferError, ValueError):
     """A write does not fit the ring it is written to (e.g. an episode longer than a lane)."""
+
+
+class DiskFullError(MMBufferError, OSError):
+    """The filesystem has no space left (``ENOSPC``, or ``EDQUOT``: quota) for a write.
+
+    ``errno`` is the filesystem's error number, so ``exc.errno == errno.ENOSPC``
+    still holds. The refused call changed nothing a reader or a reopen sees; free
+    space and call it again.
+    """
 
 
 class InvalidPriorityError(MMBufferError, ValueError):

@@ -30,9 +30,11 @@ then the index and the tree, then ``manifest.json`` is replaced atomically.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import functools
 import os
+import secrets
 import shutil
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -145,7 +147,11 @@ class Store:
         manifest = fmt.read_manifest(self.path)
         self._lock_fd: int | None = None
         if mode == "a":
-            self._lock_fd = _acquire_lock(self.path)
+            try:
+                self._lock_fd = _acquire_lock(self.path)
+            except OSError as exc:  # a read-only filesystem, no space for the LOCK file
+                _raise_typed(exc, "open(mode='a')", self.path)
+                raise
         try:
             self._load(manifest)
         except BaseException:
@@ -325,6 +331,9 @@ class Store:
         ------
         ReadOnlyError, SchemaError, InvalidArgumentError, CapacityError
             Before anything is written.
+        DiskFullError
+            No disk space for the rows (see ``_reserve_space``); the store is as
+            before the call, and the call may be repeated once space is freed.
         """
         self._check_writable("extend")
         lane = check_stream(stream, self.num_streams)
@@ -337,58 +346,48 @@ class Store:
         index.check_fits(st, self._ends, lane, self.lane_size, done)
 
         new_written = st.written + rows
-        if new_written > int(self._reserved[lane]):
-            ahead = max(1, int(self.lane_size * config.reserve_fraction))
-            self._reserved[lane] = new_written + ahead
-            fmt.flush_rows(self._reserved, lane, lane + 1)  # on disk before any row it covers
-
-        segments = _ring_segments(lane, self.lane_size, st.written, new_written)
-        for name, arr in arrays.items():
-            col = self._data[name]
-            fd = self._fds.get(name)
-            off = 0
-            for a, b in segments:
-                if fd is None:
-                    col[a:b] = arr[off : off + b - a]  # a compressed column, through zarr
-                else:
-                    fmt.write_rows(fd, col, a, arr[off : off + b - a])
-                off += b - a
-        if finals:
-            last_rows = _global_rows(lane, self.lane_size, st.written + np.flatnonzero(done))
-            for name, arr in finals.items():
-                self._final[name][last_rows] = arr
-
-        st = index.append(self._ends, lane, self.lane_size, st, rows=rows, done=done)
-        threshold = new_written - self.lane_size
-        st, dropped_end = index.evict(self._ends, lane, self.lane_size, st, threshold)
-        self._lanes[lane] = st
-        if self._tree is not None:
-            self._mark_tree_dirty()
-            # overwritten and evicted rows leave the tree before the default is
-            # taken, so a new row gets the max of what stays live
-            for a, b in _ring_segments(lane, self.lane_size, max(0, new_written - rows - self.lane_size), dropped_end):
-                tree.set_range(self._tree, a, b, 0.0)
-            default = self._default_priority()
-            for a, b in segments:
-                tree.set_range(self._tree, a, b, default)
+        try:
+            self._reserve_space(lane, st, rows, int(np.count_nonzero(done)), new_written > int(self._reserved[lane]))
+            if self._tree is not None:
+                self._mark_tree_dirty()
+            if new_written > int(self._reserved[lane]):
+                ahead = max(1, int(self.lane_size * config.reserve_fraction))
+                self._reserved[lane] = new_written + ahead
+                fmt.flush_rows(self._reserved, lane, lane + 1)  # on disk before any row it covers
+            self._write_block(lane, st, arrays, done, finals)
+        except OSError as exc:
+            _raise_typed(exc, f"extend(stream={lane}) of {rows} rows", self.path)
+            raise
 
     @locked
     def commit(self) -> int:
-        """Make every extended row durable and visible to readers; return the generation."""
+        """Make every extended row durable and visible to readers; return the generation.
+
+        Raises
+        ------
+        DiskFullError
+            No space for the new manifest: the last commit stays in place, the
+            generation is unchanged, the extended rows stay extended, and
+            ``commit`` may be called again once space is freed.
+        """
         self._check_writable("commit")
-        for lane in range(self.num_streams):
-            segs = _ring_segments(lane, self.lane_size, self._committed[lane].written, self._lanes[lane].written)
-            for a, b in segs:
-                for col in (*self._data.values(), *self._final.values()):
-                    if fmt.is_mapped(col):
-                        fmt.flush_rows(col, a, b)
-            # the ring slots of the episodes added since the last commit
-            slots = 2 * self.lane_size
-            for a, b in _ring_segments(lane, slots, self._committed[lane].ep_tail, self._lanes[lane].ep_tail):
-                fmt.flush_rows(self._ends, a, b)
-        self._flush_tree()
+        try:
+            for lane in range(self.num_streams):
+                segs = _ring_segments(lane, self.lane_size, self._committed[lane].written, self._lanes[lane].written)
+                for a, b in segs:
+                    for col in (*self._data.values(), *self._final.values()):
+                        if fmt.is_mapped(col):
+                            fmt.flush_rows(col, a, b)
+                # the ring slots of the episodes added since the last commit
+                slots = 2 * self.lane_size
+                for a, b in _ring_segments(lane, slots, self._committed[lane].ep_tail, self._lanes[lane].ep_tail):
+                    fmt.flush_rows(self._ends, a, b)
+            self._flush_tree()
+            self._write_manifest(self.generation + 1)
+        except OSError as exc:
+            _raise_typed(exc, "commit", self.path)
+            raise
         self.generation += 1
-        self._write_manifest()
         self._committed = list(self._lanes)
         if self._tree is not None and self._tree_dirty:
             (self.path / "priority" / "DIRTY").unlink(missing_ok=True)
@@ -551,7 +550,13 @@ class Store:
     # -- closing -----------------------------------------------------------------------
     @locked
     def close(self) -> None:
-        """Commit (writer) and release the lock; the object is unusable afterwards."""
+        """Commit (writer) and release the lock; the object is unusable afterwards.
+
+        If that commit fails (``DiskFullError``), the lock is released all the
+        same: the rows extended since the last commit are lost, and the next
+        writer recovers the store as after a crash. To keep them, free space and
+        call ``commit`` before ``close``.
+        """
         if self._lock_fd is None and self.mode == "a":
             return
         try:
@@ -591,8 +596,20 @@ class Store:
             for arr in self._tree.arrays:
                 fmt.flush_rows(arr, 0, len(arr))
 
-    def _write_manifest(self) -> None:
-        fmt.atomic_write_json(self.path / fmt.MANIFEST, _manifest(self))
+    def _write_manifest(self, generation: int) -> None:
+        """Replace ``manifest.json`` by this state as commit ``generation``; a failed
+        attempt leaves no ``.partial`` behind."""
+        manifest = _manifest(self)
+        manifest["generation"] = generation
+        target = self.path / fmt.MANIFEST
+        try:
+            fmt.atomic_write_json(target, manifest)
+        except BaseException:
+            try:
+                target.with_name(target.name + ".partial").unlink(missing_ok=True)
+            except OSError:
+                pass  # a read-only filesystem wrote none
+            raise
 
     def _release_lock(self) -> None:
         for fd in getattr(self, "_fds", {}).values():
@@ -667,6 +684,87 @@ class Store:
             out[name] = arr.astype(col.dtype, copy=False)
         return out
 
+    def _write_block(
+        self, lane: int, st: Lane, arrays: dict[str, np.ndarray], done: np.ndarray, finals: dict[str, np.ndarray]
+    ) -> None:
+        """``extend`` past its checks and its reservation: the rows, their final
+        observations, the index, then the tree (already marked dirty)."""
+        rows = len(done)
+        new_written = st.written + rows
+        segments = _ring_segments(lane, self.lane_size, st.written, new_written)
+        for name, arr in arrays.items():
+            col = self._data[name]
+            fd = self._fds.get(name)
+            off = 0
+            for a, b in segments:
+                if fd is None:
+                    col[a:b] = arr[off : off + b - a]  # a compressed column, through zarr
+                else:
+                    fmt.write_rows(fd, col, a, arr[off : off + b - a])
+                off += b - a
+        if finals:
+            last_rows = _global_rows(lane, self.lane_size, st.written + np.flatnonzero(done))
+            for name, arr in finals.items():
+                self._final[name][last_rows] = arr
+
+        st = index.append(self._ends, lane, self.lane_size, st, rows=rows, done=done)
+        threshold = new_written - self.lane_size
+        st, dropped_end = index.evict(self._ends, lane, self.lane_size, st, threshold)
+        self._lanes[lane] = st
+        if self._tree is not None:
+            # overwritten and evicted rows leave the tree before the default is
+            # taken, so a new row gets the max of what stays live
+            for a, b in _ring_segments(lane, self.lane_size, max(0, new_written - rows - self.lane_size), dropped_end):
+                tree.set_range(self._tree, a, b, 0.0)
+            default = self._default_priority()
+            for a, b in segments:
+                tree.set_range(self._tree, a, b, default)
+
+
+    def _reserve_space(self, lane: int, st: Lane, rows: int, episodes: int, first: bool) -> None:
+        """Allocate the disk blocks that ``rows`` rows ending ``episodes`` episodes will
+        be written to, before anything is written.
+
+        Small blocks of rows, final observations, episode ends and priority leaves
+        are stored through memory maps of sparse files, and a store into a hole on
+        a full disk can only be a SIGBUS. So blocks are allocated
+        (``posix_fallocate``; ``OSError(ENOSPC)`` if there is no room) a window at
+        a time: the rows of the lane's first pass through the ring up to the end of
+        the window (``_room_rows`` rows, aligned) holding the next row, and likewise
+        the ``index/ends`` slots in windows of ``_ROOM_SLOTS``. A new window is taken
+        when the cursor enters it and whenever the reservation advances (``first``:
+        always the first ``extend`` of a lane after opening), so the rows from the
+        cursor to the end of its window are always allocated. Once a lane has
+        wrapped, what it rewrites is allocated already; the tree's inner arrays and
+        ``index/reserved`` are allocated at creation.
+        """
+        size, w, t = self._room_rows, st.written, st.ep_tail
+        if w < self.lane_size and (first or w // size != (w + rows) // size):
+            hi = min(((w + rows) // size + 1) * size, self.lane_size)
+            base = lane * self.lane_size
+            for name in self._row_files():
+                fmt.reserve_raw(self.path, name, base + w, base + hi)
+        slots = 2 * self.lane_size
+        if t < slots and (first or t // _ROOM_SLOTS != (t + episodes) // _ROOM_SLOTS):
+            hi = min(((t + episodes) // _ROOM_SLOTS + 1) * _ROOM_SLOTS, slots)
+            fmt.reserve_raw(self.path, "index/ends", lane * slots + t, lane * slots + hi)
+
+    def _row_files(self) -> list[str]:
+        """The raw arrays with one row per store row that ``extend`` writes."""
+        names = [f"columns/{n}" for n in self.columns if self.compression is None or n in fmt.RESERVED_NAMES]
+        names += [f"final/{k}" for k in self.next_keys]
+        return names + (["priority/leaves"] if self._tree is not None else [])
+
+    @functools.cached_property
+    def _room_rows(self) -> int:
+        """Rows allocated at a time: the reservation window, at most ``_ROOM_BYTES`` over
+        all row arrays (1/16 of a 3e9-row lane would make a sparse store dense at once)."""
+        cols = [c for n, c in self.columns.items() if self.compression is None or n in fmt.RESERVED_NAMES]
+        cols += [self.columns[k] for k in self.next_keys]
+        row_bytes = sum(int(np.prod(c.shape, dtype=np.int64)) * np.dtype(c.dtype).itemsize for c in cols)
+        row_bytes += 4 if self._tree is not None else 0  # a float32 leaf
+        ahead = max(1, int(self.lane_size * config.reserve_fraction))
+        return max(1, min(ahead, _ROOM_BYTES // max(1, row_bytes)))
 
 # -- creation ----------------------------------------------------------------------------
 def create_store(
@@ -714,8 +812,11 @@ def create_store(
         "attrs": dict(attrs or {}),
     }
     check_json(manifest["attrs"])
-    tmp = path.with_name(path.name + ".creating")
-    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp = _creation_dir(path)
+    except OSError as exc:
+        _raise_typed(exc, "create", path)
+        raise
     try:
         import zarr
 
@@ -729,10 +830,11 @@ def create_store(
             shape, dtype = schema[name]
             fmt.create_raw(tmp, f"final/{name}", capacity, shape, dtype)
         fmt.create_raw(tmp, "index/ends", num_streams * 2 * lane_size, (), np.dtype(np.int64))
-        fmt.create_raw(tmp, "index/reserved", num_streams, (), np.dtype(np.int64))
+        fmt.create_raw(tmp, "index/reserved", num_streams, (), np.dtype(np.int64), allocate=True)
         if priorities is not None:
             for name, (shape, kind) in tree.layout(capacity).items():
-                fmt.create_raw(tmp, f"priority/{name}", shape[0], tuple(shape[1:]), np.dtype(kind))
+                # written whole by reset (and the inner arrays by any write): allocated now
+                fmt.create_raw(tmp, f"priority/{name}", shape[0], tuple(shape[1:]), np.dtype(kind), allocate=True)
             leaves = {k: fmt.open_raw(tmp, f"priority/{k}", writable=True) for k in tree.layout(capacity)}
             tree.reset(tree.PriorityTree(**leaves))
             for arr in leaves.values():
@@ -740,10 +842,18 @@ def create_store(
             del leaves
         (tmp / "sampler").mkdir()
         fmt.atomic_write_json(tmp / fmt.MANIFEST, manifest)
-        os.replace(tmp, path)  # the store appears whole or not at all
+        try:
+            fmt.rename_noreplace(tmp, path)  # the store appears whole or not at all
+        except FileExistsError:
+            raise errors.StoreExistsError(
+                f"{path}: expected a path that does not exist, got one created meanwhile (by another process?)"
+            ) from None
         fmt.fsync_dir(path.parent.resolve())
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as exc:
+        if tmp.exists():  # only this call's own directory, never another's
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError):
+            _raise_typed(exc, "create", path)
         raise
 
 
@@ -797,3 +907,46 @@ def _ring_segments(lane: int, lane_size: int, lo: int, hi: int) -> list[tuple[in
 
 def _global_rows(lane: int, lane_size: int, absolute: np.ndarray) -> np.ndarray:
     return lane * lane_size + np.asarray(absolute, dtype=np.int64) % lane_size
+
+
+# -- refusals from the filesystem -------------------------------------------------------------
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+_ROOM_BYTES = 1 << 24  # disk allocated ahead of a lane's cursor, at most (see Store._reserve_space)
+_ROOM_SLOTS = 1 << 13  # index/ends slots allocated at a time (64 KiB)
+_READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def _raise_typed(exc: OSError, what: str, path: Path) -> None:
+    """Raise ``exc`` as a ``DiskFullError`` or ``ReadOnlyError`` when it is one; else return
+    (the caller re-raises it as it is)."""
+    if isinstance(exc, errors.MMBufferError):
+        return
+    where = f"{exc.strerror} ({exc.filename})" if exc.filename else str(exc.strerror)
+    if exc.errno in _NO_SPACE:
+        raise errors.DiskFullError(
+            exc.errno,
+            f"{what}: store {path}: expected free disk space, got {where}; the store keeps its last "
+            "state: free space and call it again",
+        ) from exc
+    if exc.errno in _READ_ONLY:
+        raise errors.ReadOnlyError(
+            exc.errno,
+            f"{what}: store {path}: expected a writable filesystem, got {where}; "
+            "a store there can only be read: open it with mode='r'",
+        ) from exc
+
+
+def _creation_dir(path: Path) -> Path:
+    """A new, empty directory beside ``path``, unique to this call, to build a store in.
+
+    Made with ``mkdir`` (the umask applies, unlike ``tempfile.mkdtemp``'s 0700), so
+    the finished store has the permissions of any directory its owner creates.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        tmp = path.with_name(f".{path.name}.creating-{secrets.token_hex(6)}")
+        try:
+            tmp.mkdir()
+            return tmp
+        except FileExistsError:
+            continue

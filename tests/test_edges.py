@@ -1,0 +1,342 @@
+"""The filesystem's edges: concurrent create, a full disk, a read-only mount.
+
+The disk-full and read-only tests mount a small tmpfs of their own (root, or
+CAP_SYS_ADMIN, is needed; they skip, saying so, where mounting is refused). A
+writer that may die of SIGBUS runs in a subprocess, so that a SIGBUS fails the
+test instead of killing pytest.
+"""
+
+import errno
+import gc
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+
+import mmbuffer as mb
+from conftest import tree_hash
+
+COLUMNS = {"obs": ((16,), "float32"), "action": ((), "int64")}
+PKG_ROOT = str(Path(mb.__file__).resolve().parents[1])
+
+
+def _run(code: str, *args: object) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([PKG_ROOT, os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(
+        [sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, env=env, timeout=300
+    )
+
+
+def _result(proc: subprocess.CompletedProcess[str]) -> object:
+    """The JSON a subprocess printed last; a signal (SIGBUS: -7) or an error fails here."""
+    assert proc.returncode == 0, f"writer exited with {proc.returncode} (negative: killed by that signal)\n{proc.stderr}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# -- two creators at once ---------------------------------------------------------------------
+CREATE_RACE = r"""
+import json, os, sys
+import numpy as np
+import mmbuffer as mb
+
+root, trials, procs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+out = []
+for t in range(trials):
+    path = os.path.join(root, f"s{t}")
+    go_r, go_w = os.pipe()
+    res_r, res_w = os.pipe()
+    pids = []
+    for _ in range(procs):
+        pid = os.fork()  # zarr has not run in this parent yet: its event loop starts in each child
+        if pid == 0:
+            os.close(go_w)
+            os.close(res_r)
+            os.read(go_r, 1)  # every child starts at once
+            try:
+                mb.create(path, {"x": ((4,), "float32")}, capacity=4096, num_streams=2,
+                          priorities=mb.PriorityConfig(), next_keys=("x",))
+                r = "created"
+            except mb.errors.StoreExistsError:
+                r = "exists"
+            except BaseException as exc:
+                r = f"{type(exc).__name__}: {exc}"
+            os.write(res_w, (json.dumps(r) + "\n").encode())
+            os._exit(0)
+        pids.append(pid)
+    os.close(go_r)
+    os.close(res_w)
+    os.write(go_w, b"x" * procs)
+    os.close(go_w)
+    for pid in pids:
+        os.waitpid(pid, 0)
+    with os.fdopen(res_r) as f:
+        out.append(sorted(json.loads(line) for line in f))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_concurrent_creates_make_one_whole_store_and_typed_losers(tmp_path):
+    trials, procs = 12, 4
+    outcomes = _result(_run(CREATE_RACE, tmp_path, trials, procs))
+    assert outcomes == [["created"] + ["exists"] * (procs - 1)] * trials
+    for t in range(trials):
+        with mb.open(tmp_path / f"s{t}") as buf:  # whole: opens as a writer, takes rows
+            buf.extend({"x": np.ones((3, 4))})
+            assert buf.commit() == 1 and len(buf) == 2  # the last row waits for its next obs
+    # the losers removed their own build directories, and only those
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"s{t}" for t in range(trials))
+
+
+def test_create_leaves_other_directories_alone(tmp_path):
+    """An older ``<path>.creating`` (someone else's) survives a create of ``<path>``."""
+    theirs = tmp_path / "s.creating"
+    theirs.mkdir()
+    (theirs / "keep.txt").write_text("not mmbuffer's")
+    mb.create(tmp_path / "s", COLUMNS, capacity=64).close()
+    assert (theirs / "keep.txt").read_text() == "not mmbuffer's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s", "s.creating"]
+
+
+def test_create_refuses_an_empty_directory_made_meanwhile(tmp_path, monkeypatch):
+    """A rename onto an existing empty directory succeeds on Linux: create must not
+    take that directory over when it appears while the store is being built."""
+    target = tmp_path / "s"
+    real = zarr.open_group
+
+    def racing_open_group(*args, **kwargs):
+        group = real(*args, **kwargs)
+        target.mkdir()  # another process (or user) claims the path meanwhile
+        return group
+
+    monkeypatch.setattr(zarr, "open_group", racing_open_group)
+    with pytest.raises(mb.errors.StoreExistsError, match=str(target)):
+        mb.create(target, COLUMNS, capacity=64)
+    assert target.is_dir() and list(target.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == ["s"]  # the build directory is gone
+
+
+# -- a small filesystem of our own -------------------------------------------------------------
+@pytest.fixture
+def small_fs(tmp_path):
+    """A fresh 8 MiB tmpfs, unmounted after the test."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    try:
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    except FileNotFoundError:
+        pytest.skip("no mount command: cannot mount a tmpfs to fill or make read-only")
+    if r.returncode:
+        pytest.skip(f"mounting a tmpfs is not permitted here (needs root or CAP_SYS_ADMIN): {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        gc.collect()  # drop this process's maps of the files
+        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode:
+            subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def _fill(fs: Path) -> Path:
+    """Take every free block of ``fs`` with one file; return it (delete it to free them)."""
+    filler = fs / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        for size in (1 << 20, 4096, 1):
+            block = b"\xff" * size
+            while True:
+                try:
+                    os.write(fd, block)
+                except OSError as exc:
+                    assert exc.errno == errno.ENOSPC
+                    break
+    finally:
+        os.close(fd)
+    assert os.statvfs(fs).f_bavail == 0
+    return filler
+
+
+def _remount_read_only(fs: Path) -> None:
+    gc.collect()  # a writable map of a file (a closed Buffer's, until collected) keeps the mount writable
+    r = subprocess.run(["mount", "-o", "remount,ro", str(fs)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def _small_store(path: Path, **kwargs: object) -> None:
+    with mb.create(path, COLUMNS, capacity=64, **kwargs) as buf:
+        _extend(buf, 0, 10, 5)
+
+
+def _extend(buf: mb.Buffer, start: int, n: int, episode_len: int, stream: int = 0) -> None:
+    """Extend rows whose values are their lane's row counters ``start .. start + n``;
+    an episode ends every ``episode_len`` rows."""
+    a = np.arange(start, start + n)
+    done = a % episode_len == episode_len - 1
+    steps = {"obs": np.repeat(a[:, None], 16, 1).astype(np.float32), "action": a, "terminated": done}
+    final = {"obs": np.full((int(done.sum()), 16), -1, np.float32)} if buf.next_keys else None
+    buf.extend(steps, stream=stream, final_obs=final)
+
+
+# -- a full disk -------------------------------------------------------------------------------
+FULL_DISK_WRITER = r"""
+import hashlib, json, os, sys
+from pathlib import Path
+import numpy as np
+import mmbuffer as mb
+sys.path.insert(0, sys.argv[3])
+from test_edges import _extend, _fill
+
+fs, path = Path(sys.argv[1]), Path(sys.argv[2])
+out = {}
+
+def digest():
+    h = hashlib.sha256()
+    for p in sorted(path.rglob("*")):
+        if p.is_file() and p.name != "LOCK":
+            h.update(str(p.relative_to(path)).encode() + p.read_bytes())
+    return h.hexdigest()
+
+def attempt(name, fn):
+    try:
+        fn()
+        out[name] = "ok"
+    except Exception as exc:
+        out[name] = [type(exc).__name__, str(exc)]
+
+buf = mb.open(path)
+g0 = buf.generation
+_extend(buf, 100, 1, 7)                                 # lane 0 at row 101: its window is allocated
+filler = _fill(fs)
+for start in range(101, 200, 9):                        # inside the window: rows through the maps,
+    _extend(buf, start, 9, 7)                           # episode ends, final observations, priorities
+before = digest()
+attempt("small_past_window", lambda: _extend(buf, 200, 300, 7))
+attempt("large", lambda: _extend(buf, 200, 1100, 7))      # >= 64 KiB: written with pwrite
+attempt("other_lane", lambda: _extend(buf, 0, 1, 7, stream=1))
+attempt("commit", buf.commit)
+out["unchanged"] = digest() == before
+out["partial"] = sorted(p.name for p in path.iterdir() if p.name.endswith(".partial"))
+out["generation_after_refusals"] = buf.generation - g0
+filler.unlink()                                         # space again: the same calls succeed
+attempt("small_again", lambda: _extend(buf, 200, 300, 7))
+attempt("large_again", lambda: _extend(buf, 500, 1100, 7))
+attempt("other_lane_again", lambda: _extend(buf, 0, 1, 7, stream=1))
+attempt("commit_again", buf.commit)
+out["generation"] = buf.generation - g0
+buf.close()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_full_disk_extends_are_typed_errors_never_sigbus(small_fs):
+    path = small_fs / "s"
+    buf = mb.create(path, COLUMNS, capacity=2 * 4096, num_streams=2, priorities=mb.PriorityConfig())
+    _extend(buf, 0, 100, 7)
+    buf.commit()
+    buf.close()
+    out = _result(_run(FULL_DISK_WRITER, small_fs, path, Path(__file__).parent))
+    for name in ("small_past_window", "large", "other_lane", "commit"):
+        kind, message = out[name]
+        assert kind == "DiskFullError", out[name]
+        assert str(path) in message and ("extend" in message or name == "commit")
+    assert "commit" in out["commit"][1]
+    assert out["unchanged"] is True  # no file of the store changed: nothing a reader or a reopen sees
+    assert out["partial"] == [] and out["generation_after_refusals"] == 0
+    for name in ("small_again", "large_again", "other_lane_again", "commit_again"):
+        assert out[name] == "ok", out[name]
+    assert out["generation"] == 1
+    ro = mb.open(path, mode="r")  # everything written since the last commit arrived
+    # lane 0 holds rows 0..1599, lane 1 one row; an open episode's last row waits for its next obs
+    assert ro.generation == 2 and len(ro) == 1599
+    rows = np.arange(1600)
+    got = ro.get(rows)
+    np.testing.assert_array_equal(got["action"].numpy(), rows)
+    np.testing.assert_array_equal(got["obs"].numpy()[:, 3], rows)
+    starts, lengths = ro.episodes()
+    assert (lengths == 7).all() and starts.tolist() == list(range(0, 1596, 7))
+    assert (ro.leaf_priorities(rows) > 0).all() and ro.get([4096])["action"].tolist() == [0]
+
+
+def test_failed_commit_keeps_the_last_commit_and_its_generation(small_fs):
+    path = small_fs / "s"
+    buf = mb.create(path, COLUMNS, capacity=4096, priorities=mb.PriorityConfig())
+    _extend(buf, 0, 10, 5)
+    assert buf.commit() == 1
+    _extend(buf, 10, 5, 5)  # allocated while there is room
+    filler = _fill(small_fs)
+    with pytest.raises(mb.errors.DiskFullError, match="commit") as info:
+        buf.commit()
+    assert str(path) in str(info.value) and info.value.errno == errno.ENOSPC
+    assert isinstance(info.value, OSError)
+    assert buf.generation == 1 and not (path / "manifest.json.partial").exists()
+    assert mb.open(path, mode="r").num_episodes == 2  # a reader sees the last commit
+    filler.unlink()
+    assert buf.commit() == 2
+    assert mb.open(path, mode="r").num_episodes == 3
+    # close() commits: when that fails, the lock is released and the last commit stays
+    _extend(buf, 15, 5, 5)
+    filler = _fill(small_fs)
+    with pytest.raises(mb.errors.DiskFullError, match="commit"):
+        buf.close()
+    assert not (path / "manifest.json.partial").exists()
+    filler.unlink()
+    with mb.open(path) as again:
+        assert again.generation >= 2 and again.num_episodes == 3
+
+
+FULL_DISK_CREATE = r"""
+import json, sys
+import mmbuffer as mb
+out = {}
+try:
+    mb.create(sys.argv[1] + "/big", {"x": ((), "float32")}, capacity=4_000_000, priorities=mb.PriorityConfig())
+    out["priorities"] = "ok"
+except Exception as exc:
+    out["priorities"] = [type(exc).__name__, str(exc)]
+mb.create(sys.argv[1] + "/sparse", {"x": ((), "float32")}, capacity=4_000_000).close()
+out["sparse"] = "ok"
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_create_on_a_small_disk_is_a_typed_error(small_fs):
+    """The priority tree is written whole at creation: 16 MB of leaves do not fit 8 MiB."""
+    out = _result(_run(FULL_DISK_CREATE, small_fs))
+    kind, message = out["priorities"]
+    assert kind == "DiskFullError" and "create" in message and str(small_fs / "big") in message
+    assert out["sparse"] == "ok"  # without priorities the files are sparse: they fit
+    assert sorted(p.name for p in small_fs.iterdir()) == ["sparse"]  # no build directory left
+
+
+# -- a read-only filesystem ---------------------------------------------------------------------
+def test_read_only_filesystem_refuses_a_writer_with_a_typed_error(small_fs):
+    path = small_fs / "s"
+    _small_store(path)
+    _remount_read_only(small_fs)
+    before = tree_hash(path)
+    with pytest.raises(mb.errors.ReadOnlyError, match="mode='r'") as info:
+        mb.open(path)
+    assert str(path) in str(info.value)
+    with pytest.raises(mb.errors.ReadOnlyError, match=str(small_fs / "t")):
+        mb.create(small_fs / "t", COLUMNS, capacity=64)
+    ro = mb.open(path, mode="r")  # reading works
+    assert ro.num_episodes == 2 and ro.get([7])["action"].tolist() == [7]
+    assert tree_hash(path) == before
+
+
+def test_epoch_sampler_on_a_read_only_filesystem_says_its_state_cannot_be_saved(small_fs):
+    path = small_fs / "s"
+    _small_store(path, next_keys=())
+    _remount_read_only(small_fs)
+    ro = mb.open(path, mode="r")
+    sampler = mb.EpochSampler(ro, batch_size=4, seed=3)
+    with pytest.raises(mb.errors.ReadOnlyError, match="state") as info:
+        next(iter(sampler))
+    assert str(path) in str(info.value) and "default.json" in str(info.value)
+    assert sampler.position == 0 and sampler.epoch == 0  # no batch was taken
