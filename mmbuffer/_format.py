@@ -441,9 +441,12 @@ def reserve_raw(root: Path, name: str, start: int, stop: int) -> None:
     """:func:`reserve_rows` for rows ``[start, stop)`` of the raw array ``root/name``."""
     meta = read_json(root / name / "zarr.json")
     row_bytes = int(np.prod(meta["shape"][1:], dtype=np.int64)) * np.dtype(meta["data_type"]).itemsize
-    fd = os.open(_shard_file(root / name, len(meta["shape"])), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    path = _shard_file(root / name, len(meta["shape"]))
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         reserve_rows(fd, row_bytes, start, stop)
+    except OSError as exc:  # name the file: posix_fallocate's error does not
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
     finally:
         os.close(fd)
 

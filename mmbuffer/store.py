@@ -65,6 +65,24 @@ def locked(method: _F) -> _F:
     return guarded  # type: ignore[return-value]
 
 
+def _typed_os_errors(what: str) -> Callable[[_F], _F]:
+    """Raise the ``OSError`` of a full or read-only filesystem from a method as
+    ``DiskFullError`` / ``ReadOnlyError`` naming the store (``_raise_typed``)."""
+
+    def wrap(method: _F) -> _F:
+        @functools.wraps(method)
+        def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(self, *args, **kwargs)
+            except OSError as exc:
+                _raise_typed(exc, what, self.path)
+                raise
+
+        return guarded  # type: ignore[return-value]
+
+    return wrap
+
+
 @dataclass(frozen=True, slots=True)
 class Column:
     """Schema of one column: the shape of a row and its dtype.
@@ -308,6 +326,7 @@ class Store:
 
     # -- writing -----------------------------------------------------------------------
     @locked
+    @_typed_os_errors("extend")
     def extend(
         self,
         steps: Mapping[str, Any],
@@ -346,20 +365,45 @@ class Store:
         index.check_fits(st, self._ends, lane, self.lane_size, done)
 
         new_written = st.written + rows
-        try:
-            self._reserve_space(lane, st, rows, int(np.count_nonzero(done)), new_written > int(self._reserved[lane]))
-            if self._tree is not None:
-                self._mark_tree_dirty()
-            if new_written > int(self._reserved[lane]):
-                ahead = max(1, int(self.lane_size * config.reserve_fraction))
-                self._reserved[lane] = new_written + ahead
-                fmt.flush_rows(self._reserved, lane, lane + 1)  # on disk before any row it covers
-            self._write_block(lane, st, arrays, done, finals)
-        except OSError as exc:
-            _raise_typed(exc, f"extend(stream={lane}) of {rows} rows", self.path)
-            raise
+        self._reserve_space(lane, st, done, new_written > int(self._reserved[lane]))
+        if self._tree is not None:
+            self._mark_tree_dirty()  # before anything it marks is written
+        if new_written > int(self._reserved[lane]):
+            ahead = max(1, int(self.lane_size * config.reserve_fraction))
+            self._reserved[lane] = new_written + ahead
+            fmt.flush_rows(self._reserved, lane, lane + 1)  # on disk before any row it covers
+
+        segments = _ring_segments(lane, self.lane_size, st.written, new_written)
+        for name, arr in arrays.items():
+            col = self._data[name]
+            fd = self._fds.get(name)
+            off = 0
+            for a, b in segments:
+                if fd is None:
+                    col[a:b] = arr[off : off + b - a]  # a compressed column, through zarr
+                else:
+                    fmt.write_rows(fd, col, a, arr[off : off + b - a])
+                off += b - a
+        if finals:
+            last_rows = _global_rows(lane, self.lane_size, st.written + np.flatnonzero(done))
+            for name, arr in finals.items():
+                self._final[name][last_rows] = arr
+
+        st = index.append(self._ends, lane, self.lane_size, st, rows=rows, done=done)
+        threshold = new_written - self.lane_size
+        st, dropped_end = index.evict(self._ends, lane, self.lane_size, st, threshold)
+        self._lanes[lane] = st
+        if self._tree is not None:
+            # overwritten and evicted rows leave the tree before the default is
+            # taken, so a new row gets the max of what stays live
+            for a, b in _ring_segments(lane, self.lane_size, max(0, new_written - rows - self.lane_size), dropped_end):
+                tree.set_range(self._tree, a, b, 0.0)
+            default = self._default_priority()
+            for a, b in segments:
+                tree.set_range(self._tree, a, b, default)
 
     @locked
+    @_typed_os_errors("commit")
     def commit(self) -> int:
         """Make every extended row durable and visible to readers; return the generation.
 
@@ -371,22 +415,18 @@ class Store:
             ``commit`` may be called again once space is freed.
         """
         self._check_writable("commit")
-        try:
-            for lane in range(self.num_streams):
-                segs = _ring_segments(lane, self.lane_size, self._committed[lane].written, self._lanes[lane].written)
-                for a, b in segs:
-                    for col in (*self._data.values(), *self._final.values()):
-                        if fmt.is_mapped(col):
-                            fmt.flush_rows(col, a, b)
-                # the ring slots of the episodes added since the last commit
-                slots = 2 * self.lane_size
-                for a, b in _ring_segments(lane, slots, self._committed[lane].ep_tail, self._lanes[lane].ep_tail):
-                    fmt.flush_rows(self._ends, a, b)
-            self._flush_tree()
-            self._write_manifest(self.generation + 1)
-        except OSError as exc:
-            _raise_typed(exc, "commit", self.path)
-            raise
+        for lane in range(self.num_streams):
+            segs = _ring_segments(lane, self.lane_size, self._committed[lane].written, self._lanes[lane].written)
+            for a, b in segs:
+                for col in (*self._data.values(), *self._final.values()):
+                    if fmt.is_mapped(col):
+                        fmt.flush_rows(col, a, b)
+            # the ring slots of the episodes added since the last commit
+            slots = 2 * self.lane_size
+            for a, b in _ring_segments(lane, slots, self._committed[lane].ep_tail, self._lanes[lane].ep_tail):
+                fmt.flush_rows(self._ends, a, b)
+        self._flush_tree()
+        self._write_manifest(self.generation + 1)  # the generation advances once it is written
         self.generation += 1
         self._committed = list(self._lanes)
         if self._tree is not None and self._tree_dirty:
@@ -604,11 +644,13 @@ class Store:
         target = self.path / fmt.MANIFEST
         try:
             fmt.atomic_write_json(target, manifest)
-        except BaseException:
+        except BaseException as exc:
             try:
                 target.with_name(target.name + ".partial").unlink(missing_ok=True)
             except OSError:
                 pass  # a read-only filesystem wrote none
+            if isinstance(exc, OSError) and exc.filename is None:  # a failed write names no file
+                raise OSError(exc.errno, exc.strerror, str(target)) from exc
             raise
 
     def _release_lock(self) -> None:
@@ -684,46 +726,9 @@ class Store:
             out[name] = arr.astype(col.dtype, copy=False)
         return out
 
-    def _write_block(
-        self, lane: int, st: Lane, arrays: dict[str, np.ndarray], done: np.ndarray, finals: dict[str, np.ndarray]
-    ) -> None:
-        """``extend`` past its checks and its reservation: the rows, their final
-        observations, the index, then the tree (already marked dirty)."""
-        rows = len(done)
-        new_written = st.written + rows
-        segments = _ring_segments(lane, self.lane_size, st.written, new_written)
-        for name, arr in arrays.items():
-            col = self._data[name]
-            fd = self._fds.get(name)
-            off = 0
-            for a, b in segments:
-                if fd is None:
-                    col[a:b] = arr[off : off + b - a]  # a compressed column, through zarr
-                else:
-                    fmt.write_rows(fd, col, a, arr[off : off + b - a])
-                off += b - a
-        if finals:
-            last_rows = _global_rows(lane, self.lane_size, st.written + np.flatnonzero(done))
-            for name, arr in finals.items():
-                self._final[name][last_rows] = arr
-
-        st = index.append(self._ends, lane, self.lane_size, st, rows=rows, done=done)
-        threshold = new_written - self.lane_size
-        st, dropped_end = index.evict(self._ends, lane, self.lane_size, st, threshold)
-        self._lanes[lane] = st
-        if self._tree is not None:
-            # overwritten and evicted rows leave the tree before the default is
-            # taken, so a new row gets the max of what stays live
-            for a, b in _ring_segments(lane, self.lane_size, max(0, new_written - rows - self.lane_size), dropped_end):
-                tree.set_range(self._tree, a, b, 0.0)
-            default = self._default_priority()
-            for a, b in segments:
-                tree.set_range(self._tree, a, b, default)
-
-
-    def _reserve_space(self, lane: int, st: Lane, rows: int, episodes: int, first: bool) -> None:
-        """Allocate the disk blocks that ``rows`` rows ending ``episodes`` episodes will
-        be written to, before anything is written.
+    def _reserve_space(self, lane: int, st: Lane, done: np.ndarray, first: bool) -> None:
+        """Allocate the disk blocks that a block of rows with end flags ``done`` will be
+        written to, before anything is written.
 
         Small blocks of rows, final observations, episode ends and priority leaves
         are stored through memory maps of sparse files, and a store into a hole on
@@ -738,16 +743,18 @@ class Store:
         wrapped, what it rewrites is allocated already; the tree's inner arrays and
         ``index/reserved`` are allocated at creation.
         """
-        size, w, t = self._room_rows, st.written, st.ep_tail
+        size, w, t, rows = self._room_rows, st.written, st.ep_tail, len(done)
         if w < self.lane_size and (first or w // size != (w + rows) // size):
             hi = min(((w + rows) // size + 1) * size, self.lane_size)
             base = lane * self.lane_size
             for name in self._row_files():
                 fmt.reserve_raw(self.path, name, base + w, base + hi)
         slots = 2 * self.lane_size
-        if t < slots and (first or t // _ROOM_SLOTS != (t + episodes) // _ROOM_SLOTS):
-            hi = min(((t + episodes) // _ROOM_SLOTS + 1) * _ROOM_SLOTS, slots)
-            fmt.reserve_raw(self.path, "index/ends", lane * slots + t, lane * slots + hi)
+        if t < slots and (first or t // _ROOM_SLOTS != (t + rows) // _ROOM_SLOTS):  # rows >= episodes
+            episodes = int(np.count_nonzero(done))
+            if first or t // _ROOM_SLOTS != (t + episodes) // _ROOM_SLOTS:
+                hi = min(((t + episodes) // _ROOM_SLOTS + 1) * _ROOM_SLOTS, slots)
+                fmt.reserve_raw(self.path, "index/ends", lane * slots + t, lane * slots + hi)
 
     def _row_files(self) -> list[str]:
         """The raw arrays with one row per store row that ``extend`` writes."""

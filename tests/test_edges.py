@@ -210,7 +210,10 @@ def attempt(name, fn):
 buf = mb.open(path)
 g0 = buf.generation
 _extend(buf, 100, 1, 7)                                 # lane 0 at row 101: its window is allocated
+ring = mb.open(fs / "ring")                             # a lane that has wrapped ...
+_extend(ring, 600, 1, 7)
 filler = _fill(fs)
+attempt("wrapped", lambda: [_extend(ring, s, 10, 7) for s in range(601, 2601, 10)])  # ... needs no new space
 for start in range(101, 200, 9):                        # inside the window: rows through the maps,
     _extend(buf, start, 9, 7)                           # episode ends, final observations, priorities
 before = digest()
@@ -228,6 +231,7 @@ attempt("other_lane_again", lambda: _extend(buf, 0, 1, 7, stream=1))
 attempt("commit_again", buf.commit)
 out["generation"] = buf.generation - g0
 buf.close()
+ring.close()
 print(json.dumps(out))
 """
 
@@ -239,7 +243,11 @@ def test_full_disk_extends_are_typed_errors_never_sigbus(small_fs):
     _extend(buf, 0, 100, 7)
     buf.commit()
     buf.close()
+    with mb.create(small_fs / "ring", COLUMNS, capacity=512, priorities=mb.PriorityConfig()) as ring:
+        _extend(ring, 0, 300, 7)
+        _extend(ring, 300, 300, 7)
     out = _result(_run(FULL_DISK_WRITER, small_fs, path, Path(__file__).parent))
+    assert out["wrapped"] == "ok", out["wrapped"]
     for name in ("small_past_window", "large", "other_lane", "commit"):
         kind, message = out[name]
         assert kind == "DiskFullError", out[name]
@@ -260,6 +268,9 @@ def test_full_disk_extends_are_typed_errors_never_sigbus(small_fs):
     starts, lengths = ro.episodes()
     assert (lengths == 7).all() and starts.tolist() == list(range(0, 1596, 7))
     assert (ro.leaf_priorities(rows) > 0).all() and ro.get([4096])["action"].tolist() == [0]
+    ring = mb.open(small_fs / "ring", mode="r")  # went round the ring four more times on a full disk
+    np.testing.assert_array_equal(ring.get(np.arange(512))["action"].numpy() % 512, np.arange(512))
+    assert ring.get([0])["action"].tolist() == [2560]
 
 
 def test_failed_commit_keeps_the_last_commit_and_its_generation(small_fs):
