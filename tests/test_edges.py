@@ -103,9 +103,15 @@ def test_create_leaves_other_directories_alone(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s", "s.creating"]
 
 
-def test_create_refuses_an_empty_directory_made_meanwhile(tmp_path, monkeypatch):
+@pytest.mark.parametrize("renameat2", [True, False], ids=["renameat2", "fallback"])
+def test_create_refuses_an_empty_directory_made_meanwhile(tmp_path, monkeypatch, renameat2):
     """A rename onto an existing empty directory succeeds on Linux: create must not
-    take that directory over when it appears while the store is being built."""
+    take that directory over when it appears while the store is being built (also
+    where ``renameat2`` is missing: then the directory is checked just before)."""
+    if not renameat2:
+        from mmbuffer import _format
+
+        monkeypatch.setattr(_format, "_renameat2", lambda: None)
     target = tmp_path / "s"
     real = zarr.open_group
 
