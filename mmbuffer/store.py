@@ -14,7 +14,8 @@ Visibility. The writer samples rows as soon as ``extend`` returns; ``commit``
 makes them durable and visible to readers. A ring overwrites committed rows before
 the next commit, so the writer first *reserves* rows ahead of its cursor in
 ``index/reserved`` (a memory-mapped counter, bumped by ``config.reserve_fraction``
-of a lane at a time). Readers, and a writer reopening after a crash, treat every
+of a lane at a time, at most 16 MiB of rows, whose disk blocks are allocated first:
+``Store._reserve_space``). Readers, and a writer reopening after a crash, treat every
 committed episode whose first row lies below ``reserved - lane_size`` as evicted:
 they never sample a row the writer may be rewriting, and a kill at any instant
 leaves the last commit readable.
@@ -65,18 +66,19 @@ def locked(method: _F) -> _F:
     return guarded  # type: ignore[return-value]
 
 
-def _typed_os_errors(what: str) -> Callable[[_F], _F]:
-    """Raise the ``OSError`` of a full or read-only filesystem from a method as
+def locked_write(what: str) -> Callable[[_F], _F]:
+    """``locked``, and the ``OSError`` of a full or read-only filesystem raised as
     ``DiskFullError`` / ``ReadOnlyError`` naming the store (``_raise_typed``)."""
 
     def wrap(method: _F) -> _F:
         @functools.wraps(method)
         def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
-            try:
-                return method(self, *args, **kwargs)
-            except OSError as exc:
-                _raise_typed(exc, what, self.path)
-                raise
+            with self._lock:
+                try:
+                    return method(self, *args, **kwargs)
+                except OSError as exc:
+                    _raise_typed(exc, what, self.path)
+                    raise
 
         return guarded  # type: ignore[return-value]
 
@@ -325,8 +327,7 @@ class Store:
         return out
 
     # -- writing -----------------------------------------------------------------------
-    @locked
-    @_typed_os_errors("extend")
+    @locked_write("extend")
     def extend(
         self,
         steps: Mapping[str, Any],
@@ -365,13 +366,13 @@ class Store:
         index.check_fits(st, self._ends, lane, self.lane_size, done)
 
         new_written = st.written + rows
-        self._reserve_space(lane, st, done, new_written > int(self._reserved[lane]))
+        if new_written > int(self._reserved[lane]):
+            reserved = new_written + self._room_rows
+            self._reserve_space(lane, st, reserved)  # a full disk refuses here, before any change
+            self._reserved[lane] = reserved
+            fmt.flush_rows(self._reserved, lane, lane + 1)  # on disk before any row it covers
         if self._tree is not None:
             self._mark_tree_dirty()  # before anything it marks is written
-        if new_written > int(self._reserved[lane]):
-            ahead = max(1, int(self.lane_size * config.reserve_fraction))
-            self._reserved[lane] = new_written + ahead
-            fmt.flush_rows(self._reserved, lane, lane + 1)  # on disk before any row it covers
 
         segments = _ring_segments(lane, self.lane_size, st.written, new_written)
         for name, arr in arrays.items():
@@ -402,8 +403,7 @@ class Store:
             for a, b in segments:
                 tree.set_range(self._tree, a, b, default)
 
-    @locked
-    @_typed_os_errors("commit")
+    @locked_write("commit")
     def commit(self) -> int:
         """Make every extended row durable and visible to readers; return the generation.
 
@@ -726,35 +726,27 @@ class Store:
             out[name] = arr.astype(col.dtype, copy=False)
         return out
 
-    def _reserve_space(self, lane: int, st: Lane, done: np.ndarray, first: bool) -> None:
-        """Allocate the disk blocks that a block of rows with end flags ``done`` will be
-        written to, before anything is written.
+    def _reserve_space(self, lane: int, st: Lane, stop: int) -> None:
+        """Allocate the disk blocks the writes up to a lane's absolute row ``stop`` need.
 
         Small blocks of rows, final observations, episode ends and priority leaves
-        are stored through memory maps of sparse files, and a store into a hole on
-        a full disk can only be a SIGBUS. So blocks are allocated
-        (``posix_fallocate``; ``OSError(ENOSPC)`` if there is no room) a window at
-        a time: the rows of the lane's first pass through the ring up to the end of
-        the window (``_room_rows`` rows, aligned) holding the next row, and likewise
-        the ``index/ends`` slots in windows of ``_ROOM_SLOTS``. A new window is taken
-        when the cursor enters it and whenever the reservation advances (``first``:
-        always the first ``extend`` of a lane after opening), so the rows from the
-        cursor to the end of its window are always allocated. Once a lane has
-        wrapped, what it rewrites is allocated already; the tree's inner arrays and
+        are stored through memory maps of sparse files, and a store into a hole
+        on a full disk can only be a SIGBUS. So blocks are allocated
+        (``posix_fallocate``; ``OSError(ENOSPC)`` when there is no room) with the
+        reservation, before it advances: the rows ``[written, stop)`` of the lane's
+        first pass through the ring, and the ``index/ends`` slots of the episodes
+        that can end in them (at most one per row). Once a lane has wrapped, what
+        it rewrites is allocated already; the tree's inner arrays and
         ``index/reserved`` are allocated at creation.
         """
-        size, w, t, rows = self._room_rows, st.written, st.ep_tail, len(done)
-        if w < self.lane_size and (first or w // size != (w + rows) // size):
-            hi = min(((w + rows) // size + 1) * size, self.lane_size)
-            base = lane * self.lane_size
+        w, t = st.written, st.ep_tail
+        if w < self.lane_size:
+            base, hi = lane * self.lane_size, min(stop, self.lane_size)
             for name in self._row_files():
                 fmt.reserve_raw(self.path, name, base + w, base + hi)
         slots = 2 * self.lane_size
-        if t < slots and (first or t // _ROOM_SLOTS != (t + rows) // _ROOM_SLOTS):  # rows >= episodes
-            episodes = int(np.count_nonzero(done))
-            if first or t // _ROOM_SLOTS != (t + episodes) // _ROOM_SLOTS:
-                hi = min(((t + episodes) // _ROOM_SLOTS + 1) * _ROOM_SLOTS, slots)
-                fmt.reserve_raw(self.path, "index/ends", lane * slots + t, lane * slots + hi)
+        if t < slots:
+            fmt.reserve_raw(self.path, "index/ends", lane * slots + t, lane * slots + min(t + stop - w, slots))
 
     def _row_files(self) -> list[str]:
         """The raw arrays with one row per store row that ``extend`` writes."""
@@ -764,14 +756,15 @@ class Store:
 
     @functools.cached_property
     def _room_rows(self) -> int:
-        """Rows allocated at a time: the reservation window, at most ``_ROOM_BYTES`` over
-        all row arrays (1/16 of a 3e9-row lane would make a sparse store dense at once)."""
+        """How far the reservation runs ahead of the cursor: ``config.reserve_fraction``
+        of a lane, but at most ``_ROOM_BYTES`` of disk to allocate (1/16 of a 3e9-row
+        lane would make a sparse store dense at once)."""
         cols = [c for n, c in self.columns.items() if self.compression is None or n in fmt.RESERVED_NAMES]
         cols += [self.columns[k] for k in self.next_keys]
         row_bytes = sum(int(np.prod(c.shape, dtype=np.int64)) * np.dtype(c.dtype).itemsize for c in cols)
-        row_bytes += 4 if self._tree is not None else 0  # a float32 leaf
+        row_bytes += 8 + (4 if self._tree is not None else 0)  # an episode-end slot, a float32 leaf
         ahead = max(1, int(self.lane_size * config.reserve_fraction))
-        return max(1, min(ahead, _ROOM_BYTES // max(1, row_bytes)))
+        return max(1, min(ahead, _ROOM_BYTES // row_bytes))
 
 # -- creation ----------------------------------------------------------------------------
 def create_store(
@@ -918,8 +911,7 @@ def _global_rows(lane: int, lane_size: int, absolute: np.ndarray) -> np.ndarray:
 
 # -- refusals from the filesystem -------------------------------------------------------------
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
-_ROOM_BYTES = 1 << 24  # disk allocated ahead of a lane's cursor, at most (see Store._reserve_space)
-_ROOM_SLOTS = 1 << 13  # index/ends slots allocated at a time (64 KiB)
+_ROOM_BYTES = 1 << 24  # disk allocated ahead of a lane's cursor, at most (see Store._room_rows)
 _READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
