@@ -215,24 +215,24 @@ def attempt(name, fn):
 
 buf = mb.open(path)
 g0 = buf.generation
-_extend(buf, 100, 1, 7)                                 # lane 0 at row 101: its window is allocated
+_extend(buf, 500, 2, 1)                                 # lane 0 at row 502: its window is allocated
 ring = mb.open(fs / "ring")                             # a lane that has wrapped ...
 _extend(ring, 600, 1, 7)
 filler = _fill(fs)
 attempt("wrapped", lambda: [_extend(ring, s, 10, 7) for s in range(601, 2601, 10)])  # ... needs no new space
-for start in range(101, 200, 9):                        # inside the window: rows through the maps,
-    _extend(buf, start, 9, 7)                           # episode ends, final observations, priorities
-before = digest()
-attempt("small_past_window", lambda: _extend(buf, 200, 300, 7))
-attempt("large", lambda: _extend(buf, 200, 1100, 7))      # >= 64 KiB: written with pwrite
+for start in range(502, 700, 9):                        # inside the window: rows through the maps, one
+    _extend(buf, start, 9, 1)                           # episode each (index slots past the first page),
+before = digest()                                       # final observations, priorities
+attempt("small_past_window", lambda: _extend(buf, 700, 300, 7))
+attempt("large", lambda: _extend(buf, 700, 1100, 7))      # >= 64 KiB: written with pwrite
 attempt("other_lane", lambda: _extend(buf, 0, 1, 7, stream=1))
 attempt("commit", buf.commit)
 out["unchanged"] = digest() == before
 out["partial"] = sorted(p.name for p in path.iterdir() if p.name.endswith(".partial"))
 out["generation_after_refusals"] = buf.generation - g0
 filler.unlink()                                         # space again: the same calls succeed
-attempt("small_again", lambda: _extend(buf, 200, 300, 7))
-attempt("large_again", lambda: _extend(buf, 500, 1100, 7))
+attempt("small_again", lambda: _extend(buf, 700, 300, 7))
+attempt("large_again", lambda: _extend(buf, 1000, 1100, 7))
 attempt("other_lane_again", lambda: _extend(buf, 0, 1, 7, stream=1))
 attempt("commit_again", buf.commit)
 out["generation"] = buf.generation - g0
@@ -246,7 +246,7 @@ print(json.dumps(out))
 def test_full_disk_extends_are_typed_errors_never_sigbus(small_fs):
     path = small_fs / "s"
     buf = mb.create(path, COLUMNS, capacity=2 * 4096, num_streams=2, priorities=mb.PriorityConfig())
-    _extend(buf, 0, 100, 7)
+    _extend(buf, 0, 500, 1)  # 500 one-row episodes: the writer's go past the index's first page
     buf.commit()
     buf.close()
     with mb.create(small_fs / "ring", COLUMNS, capacity=512, priorities=mb.PriorityConfig()) as ring:
@@ -265,14 +265,16 @@ def test_full_disk_extends_are_typed_errors_never_sigbus(small_fs):
         assert out[name] == "ok", out[name]
     assert out["generation"] == 1
     ro = mb.open(path, mode="r")  # everything written since the last commit arrived
-    # lane 0 holds rows 0..1599, lane 1 one row; an open episode's last row waits for its next obs
-    assert ro.generation == 2 and len(ro) == 1599
-    rows = np.arange(1600)
+    # lane 0 holds rows 0..2099 in whole episodes; lane 1 one row, whose next obs is not known yet
+    assert ro.generation == 2 and len(ro) == 2100
+    rows = np.arange(2100)
     got = ro.get(rows)
     np.testing.assert_array_equal(got["action"].numpy(), rows)
     np.testing.assert_array_equal(got["obs"].numpy()[:, 3], rows)
     starts, lengths = ro.episodes()
-    assert (lengths == 7).all() and starts.tolist() == list(range(0, 1596, 7))
+    assert starts.tolist() == list(range(700)) + list(range(700, 2100, 7))
+    assert lengths.tolist() == [1] * 700 + [7] * 200
+    assert (ro.get(rows[:700], keys=["next_obs"])["next_obs"].numpy() == -1).all()  # the final observations
     assert (ro.leaf_priorities(rows) > 0).all() and ro.get([4096])["action"].tolist() == [0]
     ring = mb.open(small_fs / "ring", mode="r")  # went round the ring four more times on a full disk
     np.testing.assert_array_equal(ring.get(np.arange(512))["action"].numpy() % 512, np.arange(512))
