@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -39,6 +39,8 @@ from .gather import Batch, gather, resolve_keys
 from .store import PriorityConfig, Store, create_store, locked
 
 _REMEMBERED_BATCHES = 256
+_MAX_REREADS = 64
+Draw = tuple[np.ndarray, np.ndarray, "np.ndarray | None", np.ndarray]
 
 
 class Buffer(Store):
@@ -99,8 +101,12 @@ class Buffer(Store):
         ``(N P(i))^-beta`` normalized by their maximum over live rows.
         """
         names = resolve_keys(self, keys)
-        rows, weights, written = self.sample_indices(batch_size, generator, prioritized=prioritized, beta=beta)
-        return self._batch(rows, weights, None, names, written)
+
+        def draw(positions: np.ndarray) -> Draw:
+            rows, weights, written = self.sample_indices(len(positions), generator, prioritized=prioritized, beta=beta)
+            return rows, weights, None, written
+
+        return self.read_batch(draw, batch_size, names)
 
     @locked
     def sample_indices(
@@ -148,10 +154,13 @@ class Buffer(Store):
         among valid starts (invalid starts have probability exactly 0).
         """
         names = resolve_keys(self, keys)
-        rows, weights, mask, written = self.slice_indices(
-            num_slices, slice_len, strict, generator, prioritized=prioritized, beta=beta, weighting=weighting
-        )
-        return self._batch(rows, weights, mask, names, written)
+
+        def draw(positions: np.ndarray) -> Draw:
+            return self.slice_indices(
+                len(positions), slice_len, strict, generator, prioritized=prioritized, beta=beta, weighting=weighting
+            )
+
+        return self.read_batch(draw, num_slices, names)
 
     @locked
     def slice_indices(
@@ -232,10 +241,40 @@ class Buffer(Store):
             )
         return self._tree
 
-    def _batch(
-        self, rows: np.ndarray, weights: np.ndarray, mask: np.ndarray | None, names: list[str], written: np.ndarray
-    ) -> Batch:
+    @locked
+    def read_batch(self, draw: Callable[[np.ndarray], Draw], size: int, names: list[str]) -> Batch:
+        """Gather the rows that ``draw`` picks for batch positions ``arange(size)``.
+
+        ``draw(positions)`` returns ``(rows, weights, mask or None, lane cursors)``
+        for those positions, from the store's current ``view()`` (a sampler, or a
+        rank lookup). In a reader (``mode="r"``) a writer in another process may
+        overwrite rows while they are copied, so after the copy every item is
+        checked against the writer's reservation as it stands *then*
+        (:func:`overwritten`); the items that fail are drawn again from a fresh
+        view and copied again, until none fails. What a reader returns was
+        therefore never being rewritten while it was read. The writer needs no
+        check: its writes take the same lock.
+        """
+        rows, weights, mask, written = draw(np.arange(size))
         data = gather(self, rows, names)
+        if self.mode == "r":
+            cursors = written[rows.reshape(size, -1)[:, 0] // self.lane_size]
+            for _ in range(_MAX_REREADS):
+                bad = np.flatnonzero(overwritten(rows, cursors, self.reservation(), self.lane_size))
+                if bad.size == 0:
+                    break
+                r, w, m, wr = draw(bad)
+                fresh = gather(self, r, names)
+                rows[bad], weights[bad], cursors[bad] = r, w, wr[r.reshape(bad.size, -1)[:, 0] // self.lane_size]
+                if mask is not None and m is not None:
+                    mask[bad] = m
+                for name, value in data.items():
+                    value[torch.from_numpy(bad)] = fresh[name]
+            else:
+                raise errors.EmptyBufferError(
+                    f"sample: expected rows that stay put while they are read, got rows overwritten by the writer "
+                    f"in {_MAX_REREADS} draws in a row (the writer laps this lane faster than a batch is read)"
+                )
         mask_t = None
         if mask is not None:
             mask_t = torch.from_numpy(mask)
@@ -255,6 +294,27 @@ class Buffer(Store):
                 self._sampled.pop(next(iter(self._sampled)))
         assert written is not None
         self._sampled[id(indices)] = (weakref.ref(indices), written)
+
+
+def overwritten(rows: np.ndarray, cursors: np.ndarray, reserved: np.ndarray, lane_size: int) -> np.ndarray:
+    """Which items (first axis of ``rows``) the writer may have begun rewriting.
+
+    ``cursors[i]`` is the ``written`` counter of item ``i``'s lane in the view it
+    was drawn from, so its first row's absolute counter is the one in
+    ``[cursor - lane_size, cursor)`` at its ring position. Absolute row ``a`` is
+    rewritten when the writer writes ``a + lane_size``, and the writer raises
+    ``reserved`` past a row before it writes it: ``a >= reserved - lane_size``
+    holds exactly while ``a`` is intact. An item's later rows (the window, the
+    next row read for ``next_*``) are younger than its first.
+
+    >>> overwritten(np.array([[2, 3], [6, 7]]), np.array([8, 8]), np.array([11]), 8)
+    array([ True, False])
+    """
+    first = rows.reshape(len(cursors), -1)[:, 0]
+    pos = first % lane_size
+    absolute = cursors - 1 - (cursors - 1 - pos) % lane_size
+    bad: np.ndarray = absolute < reserved[first // lane_size] - lane_size
+    return bad
 
 
 def _beta(beta: object) -> float:

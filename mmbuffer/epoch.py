@@ -195,15 +195,19 @@ class EpochSampler:
             return self._batch_locked(ranks)
 
     def _batch_locked(self, ranks: np.ndarray) -> Batch:
-        view = self.buf.view()
-        ranks = np.minimum(ranks, self._items_now() - 1)  # a store that shrank keeps a valid rank
         weights = np.ones(len(ranks), dtype=np.float32)
-        if self.slice_len is None:
-            rows = sampling.rows_at(view, ranks)
-            return self.buf._batch(rows, weights, None, self.keys, view.written)
-        lane, start, avail = sampling.slice_starts(view, self._counts, ranks, None)
-        rows, mask = sampling.window(view, lane, start, avail, self.slice_len)
-        return self.buf._batch(rows, weights, mask, self.keys, view.written)
+
+        def draw(positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:
+            # ranks resolve against the view of now: a reader re-reads overwritten items this way
+            view = self.buf.view()
+            r = np.minimum(ranks[positions], self._items_now() - 1)  # a store that shrank keeps a valid rank
+            if self.slice_len is None:
+                return sampling.rows_at(view, r), weights[positions], None, view.written
+            lane, start, avail = sampling.slice_starts(view, self._counts, r, None)
+            rows, mask = sampling.window(view, lane, start, avail, self.slice_len)
+            return rows, weights[positions], mask, view.written
+
+        return self.buf.read_batch(draw, len(ranks), self.keys)
 
     def _save(self) -> None:
         self._file.parent.mkdir(exist_ok=True)

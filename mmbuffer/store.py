@@ -197,9 +197,12 @@ class Store:
         """Drop what an interrupted writer may have left past the last commit.
 
         Committed episodes whose rows the dead writer may have overwritten (below
-        ``reserved - lane_size``) are evicted and that state is committed at once;
-        then the reservation falls back to the cursor.
+        ``reserved - lane_size``) are evicted and that state is committed at once.
+        The reservation stays where the dead writer left it: a reader still holding
+        an older commit must keep away from the rows that writer may have rewritten,
+        and the reservation is the only record of how far that went.
         """
+        self._reserved_floor = np.array(self._reserved, dtype=np.int64)
         torn = False
         for lane in range(self.num_streams):
             st = self._lanes[lane]
@@ -213,17 +216,22 @@ class Store:
             self._tree_dirty = True
         if torn or self._tree_dirty:
             self.commit()
-        self._release_reservation()
 
     def _reserved_threshold(self, lane: int) -> int:
         """Rows below this may have been rewritten by a writer past its last commit."""
         return int(self._reserved[lane]) - self.lane_size
 
     def _release_reservation(self) -> None:
-        """No writer is ahead of the cursors any more: readers may use every committed row."""
+        """Lower the reservation to the committed cursors on a clean close, never below
+        what a writer that died before this one may have written (see ``_recover``)."""
         for lane, st in enumerate(self._committed):
-            self._reserved[lane] = st.written
+            self._reserved[lane] = max(st.written, int(self._reserved_floor[lane]))
         fmt.flush_rows(self._reserved, 0, len(self._reserved))
+
+    def reservation(self) -> np.ndarray:
+        """The writer's reservation per lane, read now from the shared map: rows of a
+        lane below ``reservation()[lane] - lane_size`` may be being rewritten."""
+        return np.array(self._reserved, dtype=np.int64)
 
     def _zero_invisible_priorities(self) -> None:
         """Give priority 0 to every row of a lane outside its live range."""
