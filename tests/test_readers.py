@@ -209,12 +209,12 @@ def _read_loop(path: str, seconds: float, seed: int, out: mp.Queue) -> None:
     reader = mb.open(path, mode="r")
     g = torch.Generator().manual_seed(seed)
     end = time.monotonic() + seconds
-    batches = bad = unverified = 0
+    counts = {"batches": 0, "bad_batches": 0, "bad_rows": 0, "verified": 0, "verify_failed": 0}
     kinds = ["uniform", "slices", "padded"] + (["prioritized"] if reader.priorities else [])
     while time.monotonic() < end:
         reader.refresh()
         committed = committed_written(reader)
-        kind = kinds[batches % len(kinds)]
+        kind = kinds[counts["batches"] % len(kinds)]
         try:
             if kind == "uniform":
                 b = reader.sample(128, generator=g)
@@ -226,14 +226,18 @@ def _read_loop(path: str, seconds: float, seed: int, out: mp.Queue) -> None:
                 b = reader.sample(128, prioritized=True, generator=g)
         except (mb.errors.EmptyBufferError, mb.errors.NoValidSliceError):
             continue
-        bad += violations(b, reader.lane_size, committed)
-        batches += 1
-        if batches % 50 == 0:  # verify judges what a reader may read, with the writer running
-            unverified += not verify(reader)["ok"]
-    out.put(("reader", batches, bad + unverified))
+        bad = violations(b, reader.lane_size, committed)
+        counts["batches"] += 1
+        counts["bad_batches"] += bad > 0
+        counts["bad_rows"] += bad
+        if counts["batches"] % 50 == 0:  # verify judges what a reader may read, with the writer running
+            counts["verified"] += 1
+            counts["verify_failed"] += not verify(reader)["ok"]
+    out.put(("reader", counts))
 
 
-def run_race(path, seconds: float, readers: int) -> tuple[int, int, int]:
+def run_race(path, seconds: float, readers: int) -> dict[str, int]:
+    """One writer and ``readers`` reader processes for ``seconds``; summed counts."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_write_loop, args=(str(path), seconds, 7, out))]
@@ -245,9 +249,11 @@ def run_race(path, seconds: float, readers: int) -> tuple[int, int, int]:
         p.join(timeout=30)
         assert p.exitcode == 0
     (_, rows, commits), = [r for r in results if r[0] == "writer"]
-    batches = sum(r[1] for r in results if r[0] == "reader")
-    bad = sum(r[2] for r in results if r[0] == "reader")
-    return rows, batches, bad
+    total = {"rows_written": rows, "commits": commits}
+    for _, counts in (r for r in results if r[0] == "reader"):
+        for k, v in counts.items():
+            total[k] = total.get(k, 0) + v
+    return total
 
 
 def seed_store(path, lane_size, priorities):
@@ -265,9 +271,10 @@ def seed_store(path, lane_size, priorities):
 def test_concurrent_readers_see_no_overwritten_rows(tmp_path, priorities):
     """A fast writer wrapping a small ring, 2 readers sampling every way, ~15 s."""
     seed_store(tmp_path / "s", 256, priorities)
-    rows, batches, bad = run_race(tmp_path / "s", 15.0, readers=2)
-    assert rows > 8 * 512 and batches > 100  # the ring wrapped many times while readers read
-    assert bad == 0
+    r = run_race(tmp_path / "s", 15.0, readers=2)
+    assert r["rows_written"] > 8 * 512 and r["batches"] > 100  # the ring wrapped many times while readers read
+    assert r["verified"] > 0
+    assert r["bad_rows"] == 0 and r["verify_failed"] == 0
     reader = mb.open(tmp_path / "s", mode="r")
     assert verify(reader)["ok"]
 
@@ -276,9 +283,9 @@ def test_concurrent_readers_see_no_overwritten_rows(tmp_path, priorities):
 def test_concurrent_readers_soak(tmp_path):
     """The longer soak: 4 readers, 60 s."""
     seed_store(tmp_path / "s", 512, True)
-    rows, batches, bad = run_race(tmp_path / "s", 60.0, readers=4)
-    assert rows > 20 * 1024 and batches > 500
-    assert bad == 0
+    r = run_race(tmp_path / "s", 60.0, readers=4)
+    assert r["rows_written"] > 20 * 1024 and r["batches"] > 500
+    assert r["bad_rows"] == 0 and r["verify_failed"] == 0
 
 
 def _write_forever(path: str, seed: int) -> None:
@@ -307,3 +314,46 @@ def test_verify_after_a_writer_is_killed(tmp_path):
         with mb.open(tmp_path / "s") as writer:  # a new writer starts new episodes
             Writer(writer, seed=trial).extend(0, 1, end=True)
             Writer(writer, seed=trial).extend(1, 1, end=True)
+
+
+def _extend_and_die(path: str, rows: int) -> None:
+    buf = mb.open(path)
+    Writer(buf, seed=3).extend(0, rows, p_end=0.0)
+    os._exit(0)
+
+
+@pytest.mark.parametrize("rows", [1, 20, 100])
+def test_recovery_gives_up_at_most_the_dead_writers_rows_and_the_reservation_window(tmp_path, rows):
+    """After a writer dies having written ``rows`` rows past its last commit, the next
+    writer keeps every committed episode that starts at or above ``reserved - lane_size``
+    with its data, and ``reserved`` is at most ``rows + lane_size * reserve_fraction``
+    past the commit: recovery gives up only episodes whose rows the dead writer may
+    have rewritten."""
+    from mmbuffer.config import config
+
+    lane_size = 128
+    buf = make_store(tmp_path / "s", lane_size=lane_size, streams=1, priorities=False)
+    writer = Writer(buf, seed=4)
+    for _ in range(10):  # wraps: the ring is full of committed episodes
+        writer.extend(0, 30)
+    writer.extend(0, 1, end=True)
+    buf.close()
+    before = mb.open(tmp_path / "s", mode="r")
+    committed = int(before.view().written[0])
+    starts, lengths = (t.numpy() for t in before.episodes())
+    data = before.get(starts)["obs"].numpy()
+    proc = mp.get_context("spawn").Process(target=_extend_and_die, args=(str(tmp_path / "s"), rows))
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == 0
+    reserved = int(before.reservation()[0])
+    ahead = max(1, int(lane_size * config.reserve_fraction))
+    assert committed + rows <= reserved <= committed + rows + ahead
+    after = mb.open(tmp_path / "s")
+    s2, n2 = (t.numpy() for t in after.episodes())
+    absolute = data[:, 3]  # each kept episode's first absolute row, from its encoding
+    keep = absolute >= reserved - lane_size
+    assert keep.any() and (rows < 100 or not keep.all())  # the 100-row death does cost episodes
+    assert np.array_equal(s2, starts[keep]) and np.array_equal(n2, lengths[keep])
+    assert np.array_equal(after.get(s2)["obs"].numpy(), data[keep])
+    after.close()
