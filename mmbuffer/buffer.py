@@ -33,14 +33,27 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import errors, sampling
+from . import errors, samplers
 from ._checks import check_int
 from .gather import Batch, gather, resolve_keys
+from .samplers import Draw, Sampler
 from .store import PriorityConfig, Store, create_store, locked
 
 _REMEMBERED_BATCHES = 256
 _MAX_REREADS = 64
-Draw = tuple[np.ndarray, np.ndarray, "np.ndarray | None", np.ndarray]
+
+
+def _spec(sampler: object, slice_len: int | None, *, prioritized: bool = False, beta: float = 0.4) -> Sampler:
+    """``sampler``, or the spec the flags stand for; both at once is refused."""
+    if sampler is None:
+        return samplers.from_flags(slice_len, prioritized=prioritized, beta=beta)
+    if not isinstance(sampler, Sampler):
+        raise errors.InvalidArgumentError(f"sampler: expected an mb.samplers spec (Uniform(), Slices(16), ...), got {sampler!r}")
+    if prioritized or beta != 0.4:
+        raise errors.InvalidArgumentError(
+            f"sampler: expected either sampler= or prioritized=/beta=, got both (sampler={sampler!r}, prioritized={prioritized})"
+        )
+    return sampler
 
 
 class Buffer(Store):
@@ -48,7 +61,7 @@ class Buffer(Store):
 
     def __init__(self, path: str | os.PathLike[str], mode: str = "a") -> None:
         super().__init__(path, mode)
-        self._counts: dict[tuple[int, bool, bool], sampling.SliceCounts] = {}
+        self._sampler_cache: dict[Any, Any] = {}  # samplers' derived state (slice counts)
         self._sampled: dict[int, tuple[weakref.ref[torch.Tensor], np.ndarray]] = {}
 
     def __repr__(self) -> str:
@@ -92,41 +105,20 @@ class Buffer(Store):
         prioritized: bool = False,
         beta: float = 0.4,
         keys: Iterable[str] | None = None,
+        sampler: Sampler | None = None,
     ) -> Batch:
-        """``batch_size`` transitions, uniform over live rows or by priority.
+        """``batch_size`` items drawn by ``sampler`` (default: uniform transitions).
 
-        Uniform: every sampleable row (complete episodes, and the open episodes
-        up to their last row with a known next observation) equally likely.
-        Prioritized: probability ``p_i / sum p`` with importance weights
-        ``(N P(i))^-beta`` normalized by their maximum over live rows.
+        ``sampler`` is any spec of :mod:`mmbuffer.samplers` (``Slices(16)`` gives
+        ``[B, 16]`` windows); ``prioritized=True, beta=...`` is the shorthand for
+        ``sampler=samplers.Prioritized(beta)``. Uniform: every sampleable row
+        (complete episodes, and the open episodes up to their last row with a
+        known next observation) equally likely. Prioritized: probability
+        ``p_i / sum p`` with importance weights ``(N P(i))^-beta`` normalized by
+        their maximum over live rows.
         """
-        names = resolve_keys(self, keys)
-
-        def draw(positions: np.ndarray) -> Draw:
-            rows, weights, written = self.sample_indices(len(positions), generator, prioritized=prioritized, beta=beta)
-            return rows, weights, None, written
-
-        return self.read_batch(draw, batch_size, names)
-
-    @locked
-    def sample_indices(
-        self,
-        batch_size: int,
-        generator: torch.Generator | None = None,
-        *,
-        prioritized: bool = False,
-        beta: float = 0.4,
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The index half of ``sample``: ``(rows [B], weights [B], lane cursors)`` as
-        numpy arrays, with no column read."""
-        batch_size = check_int("batch_size", batch_size, 1)
-        view = self.view()
-        if prioritized:
-            rows, weights = sampling.prioritized(view, self._require_tree(), batch_size, _beta(beta), generator)
-        else:
-            rows = sampling.uniform(view, batch_size, generator)
-            weights = np.ones(batch_size, dtype=np.float32)
-        return rows, weights, view.written
+        spec = _spec(sampler, None, prioritized=prioritized, beta=beta)
+        return self._draw(spec, check_int("batch_size", batch_size, 1), generator, keys)
 
     @locked
     def sample_slices(
@@ -141,7 +133,9 @@ class Buffer(Store):
         weighting: str = "windows",
         keys: Iterable[str] | None = None,
     ) -> Batch:
-        """``[num_slices, slice_len]`` windows of consecutive rows of one episode.
+        """``[num_slices, slice_len]`` windows of consecutive rows of one episode:
+        ``sample(num_slices, sampler=samplers.Slices(slice_len, strict, weighting))``,
+        or ``samplers.PrioritizedSlices(slice_len, beta, strict)`` when prioritized.
 
         ``strict=True``: every valid window (inside one live episode) is equally
         likely: an episode of ``n >= L`` rows offers ``n - L + 1`` starts, shorter
@@ -153,16 +147,30 @@ class Buffer(Store):
         window's probability is proportional to the priority of its start row
         among valid starts (invalid starts have probability exactly 0).
         """
-        names = resolve_keys(self, keys)
-
-        def draw(positions: np.ndarray) -> Draw:
-            return self.slice_indices(
-                len(positions), slice_len, strict, generator, prioritized=prioritized, beta=beta, weighting=weighting
-            )
-
-        return self.read_batch(draw, num_slices, names)
+        spec = samplers.from_flags(slice_len, prioritized=prioritized, beta=beta, strict=strict, weighting=weighting)
+        return self._draw(spec, check_int("num_slices", num_slices, 1), generator, keys)
 
     @locked
+    def indices(self, sampler: Sampler, n: int, generator: torch.Generator | None = None) -> samplers.Draw:
+        """The index half of sampling with any spec: ``(rows, weights, mask or None,
+        lane cursors)`` as numpy arrays, with no column read."""
+        n = check_int("n", n, 1)
+        _spec(sampler, None).check(self)
+        return sampler.indices(self.view(), n, generator, self._sampler_cache)
+
+    def sample_indices(
+        self,
+        batch_size: int,
+        generator: torch.Generator | None = None,
+        *,
+        prioritized: bool = False,
+        beta: float = 0.4,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The index half of ``sample``: ``(rows [B], weights [B], lane cursors)``."""
+        spec = samplers.from_flags(None, prioritized=prioritized, beta=beta)
+        rows, weights, _, written = self.indices(spec, check_int("batch_size", batch_size, 1), generator)
+        return rows, weights, written
+
     def slice_indices(
         self,
         num_slices: int,
@@ -175,25 +183,20 @@ class Buffer(Store):
         weighting: str = "windows",
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The index half of ``sample_slices``: ``(rows [B, L], weights [B], mask [B, L],
-        lane cursors)`` as numpy arrays, with no column read."""
-        num_slices = check_int("num_slices", num_slices, 1)
-        slice_len = check_int("slice_len", slice_len, 1)
-        if weighting not in ("windows", "episodes"):
-            raise errors.InvalidArgumentError(f"weighting: expected 'windows' or 'episodes', got {weighting!r}")
-        view = self.view()
-        if prioritized:
-            if weighting != "windows":
-                raise errors.InvalidArgumentError("weighting: prioritized slices weight windows by start priority; got 'episodes'")
-            starts, weights = sampling.prioritized(
-                view, self._require_tree(), num_slices, _beta(beta), generator, slice_len=slice_len, strict=strict
-            )
-            lane, absolute = sampling.absolute_rows(view, starts)
-            avail = sampling.rows_left(view, lane, absolute)
-            rows, mask = sampling.window(view, lane, absolute, avail, slice_len)
-        else:
-            rows, mask = sampling.slices(view, self._slice_counts(slice_len, strict, weighting), num_slices, generator)
-            weights = np.ones(num_slices, dtype=np.float32)
-        return rows, weights, mask, view.written
+        lane cursors)``."""
+        spec = samplers.from_flags(slice_len, prioritized=prioritized, beta=beta, strict=strict, weighting=weighting)
+        rows, weights, mask, written = self.indices(spec, check_int("num_slices", num_slices, 1), generator)
+        assert mask is not None  # slices always have a mask
+        return rows, weights, mask, written
+
+    def _draw(self, spec: Sampler, n: int, generator: torch.Generator | None, keys: Iterable[str] | None) -> Batch:
+        names = resolve_keys(self, keys)
+        spec.check(self)
+
+        def draw(positions: np.ndarray) -> Draw:
+            return spec.indices(self.view(), len(positions), generator, self._sampler_cache)
+
+        return self.read_batch(draw, n, names)
 
     @locked
     def update_priorities(self, indices: Any, priorities: Any) -> None:  # type: ignore[override]
@@ -226,21 +229,6 @@ class Buffer(Store):
         super().update_priorities(idx, pri, written_at)
 
     # -- helpers -----------------------------------------------------------------------
-    def _slice_counts(self, slice_len: int, strict: bool, weighting: str) -> sampling.SliceCounts:
-        key = (slice_len if strict else 1, bool(strict), weighting == "episodes")
-        if key not in self._counts:
-            self._counts[key] = sampling.SliceCounts(slice_len, bool(strict), key[2])
-        counts = self._counts[key]
-        counts.slice_len = slice_len
-        return counts
-
-    def _require_tree(self) -> Any:
-        if self._tree is None:
-            raise errors.InvalidArgumentError(
-                "prioritized: expected a store created with priorities=mb.PriorityConfig(...), got priorities=None"
-            )
-        return self._tree
-
     @locked
     def read_batch(self, draw: Callable[[np.ndarray], Draw], size: int, names: list[str]) -> Batch:
         """Gather the rows that ``draw`` picks for batch positions ``arange(size)``.
@@ -315,12 +303,6 @@ def overwritten(rows: np.ndarray, cursors: np.ndarray, reserved: np.ndarray, lan
     absolute = cursors - 1 - (cursors - 1 - pos) % lane_size
     bad: np.ndarray = absolute < reserved[first // lane_size] - lane_size
     return bad
-
-
-def _beta(beta: object) -> float:
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not np.isfinite(beta) or beta < 0:
-        raise errors.InvalidArgumentError(f"beta: expected a finite number >= 0, got {beta!r}")
-    return float(beta)
 
 
 def create(

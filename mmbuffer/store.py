@@ -117,13 +117,18 @@ class LaneView:
 
 @dataclass(frozen=True, slots=True)
 class View:
-    """A consistent snapshot of the index for samplers: cursors plus the ring."""
+    """A consistent snapshot of the index for samplers: cursors plus the ring, and
+    the priority tree (None without priorities). Samplers read nothing else."""
 
     lanes: tuple[LaneView, ...]
     ends: np.ndarray
     lane_size: int
     written: np.ndarray  # int64 [num_streams], rows ever written per lane
     generation: int
+    tree: tree.PriorityTree | None = None
+
+
+Snapshot = View  # DESIGN.md's name
 
 
 class Store:
@@ -263,7 +268,7 @@ class Store:
             open_start = st.open_start(self._ends, lane, self.lane_size)
             visible_end = st.written - (1 if self.next_keys and st.written > open_start else 0)
             lanes.append(LaneView(st.first_start, st.ep_head, st.ep_tail, open_start, visible_end))
-        return View(tuple(lanes), self._ends, self.lane_size, written, self.generation)
+        return View(tuple(lanes), self._ends, self.lane_size, written, self.generation, self._tree)
 
     def episode_bounds(self, view: View | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Global start row and length of every live complete episode (lane order)."""

@@ -110,7 +110,7 @@ def verify(store: Store, repair: bool = False) -> dict[str, Any]:
         if store._tree is not None:
             tree.rebuild(store._tree)
             store._mark_tree_dirty()
-        getattr(store, "_counts", {}).clear()  # cached slice counts came from the old index
+        getattr(store, "_sampler_cache", {}).clear()  # cached slice counts came from the old index
         store.commit()
         repaired = True
     return {"ok": not problems, "problems": problems, "notes": notes, "repaired": repaired, "tree_drift": drift}
