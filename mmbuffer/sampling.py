@@ -31,7 +31,7 @@ from . import errors, index, tree
 from .store import LaneView, View
 
 _REDRAW_ROUNDS = 8  # rejection rounds at most before the exact draw
-_MIN_ACCEPT = 0.25  # a round accepting fewer of its draws switches to the exact draw
+_MIN_ACCEPT = 0.25  # a lower share of sampleable draws so far switches to the exact draw
 _TORN_ROUNDS = 4  # exact draws of a zero leaf (only under a torn concurrent read)
 
 
@@ -385,7 +385,7 @@ def prioritized(
 
     Fast path: stratified draws over the whole tree (O(batch log N)); rows
     that are not sampleable are redrawn, in up to ``_REDRAW_ROUNDS`` rounds
-    while a round accepts at least ``_MIN_ACCEPT`` of its draws. The rows
+    while at least ``_MIN_ACCEPT`` of the draws so far were sampleable. The rows
     still pending then are drawn by ``exact``, which costs O(lanes log N)
     for transitions and non-strict windows and O(live episodes log N) for
     strict windows: paid only when the sampleable rows hold less than about a
@@ -410,15 +410,15 @@ def prioritized(
     # leaves as the descent read them (a second gather from the map costs a cache miss a row)
     values = probs * tree.total(ptree)
     ok = sampleable(view, rows, slice_len, strict)
-    accepted = ok.mean()
+    drawn, accepted = batch_size, int(ok.sum())
     for _ in range(_REDRAW_ROUNDS):
         bad = np.flatnonzero(~ok)
-        if bad.shape[0] == 0 or accepted < _MIN_ACCEPT:
+        if bad.shape[0] == 0 or accepted < _MIN_ACCEPT * drawn:
             break
         redraw, p = tree.sample(ptree, bad.shape[0], generator)
         rows[bad], values[bad] = redraw, p * tree.total(ptree)
-        fresh = sampleable(view, redraw, slice_len, strict)
-        ok[bad], accepted = fresh, fresh.mean()
+        ok[bad] = fresh = sampleable(view, redraw, slice_len, strict)
+        drawn, accepted = drawn + bad.shape[0], accepted + int(fresh.sum())
     bad = np.flatnonzero(~ok)
     if bad.shape[0]:
         rows[bad], values[bad] = exact(view, ptree, bad.shape[0], generator, slice_len, strict)
