@@ -970,8 +970,12 @@ def find_in_ranges(
     plo[whole], phi[whole] = 0, BLOCK
     leaves = _masked(_block_rows(tree, node).astype(np.float64), plo, phi)
     j, _ = _pick(leaves, t)
-    idx = np.minimum((node << _SHIFT) + j, tree.capacity - 1)
+    idx = (node << _SHIFT) + j
     value = leaves[rows, j].astype(np.float32)
+    stray = (idx < a) | (idx >= b)  # a range without a positive leaf (or a torn read)
+    if stray.any():
+        idx[stray] = a[stray]
+        value[stray] = tree._leaf.take(a[stray])
     return idx.reshape(shape), value.reshape(shape)
 
 
