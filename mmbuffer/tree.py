@@ -777,6 +777,22 @@ def _level_rows(tree: PriorityTree, d: int, rows: Int64Array) -> Float64Array:
     return tree._sum[o : o + r].take(rows, axis=0, mode="clip")
 
 
+def _run_sums(flat: npt.NDArray[Any], start: Int64Array, length: Int64Array) -> Float64Array:
+    """Float64 sums of ``flat[start : start + length]`` (``length >= 0``), added in order:
+    one gather of exactly the values needed and one ``reduceat``."""
+    out = np.zeros(start.shape[0], np.float64)
+    use = np.flatnonzero(length > 0)
+    if use.shape[0] == 0:
+        return out
+    n = length[use]
+    ends = np.cumsum(n)
+    begins = ends - n
+    idx = np.arange(int(ends[-1]), dtype=np.int64)
+    idx += np.repeat(start[use] - begins, n)
+    out[use] = np.add.reduceat(flat.take(idx), begins, dtype=np.float64)
+    return out
+
+
 def _pieces(tree: PriorityTree, a: Int64Array, b: Int64Array) -> _Pieces:
     """The pieces of the ranges ``[a, b)`` (``0 <= a < b <= capacity``), with their masses."""
     k, depth = a.shape[0], len(tree._levels)
@@ -790,28 +806,24 @@ def _pieces(tree: PriorityTree, a: Int64Array, b: Int64Array) -> _Pieces:
     node[:, 0], lo[:, 0] = first, a - (first << _SHIFT)
     hi[:, 0] = np.where(same, b - (first << _SHIFT), BLOCK)
     node[:, -1], hi[:, -1] = last, np.where(same, 0, b - (last << _SHIFT))
+    for col in (0, cols - 1):
+        mass[:, col] = _run_sums(tree._leaf, (node[:, col] << _SHIFT) + lo[:, col], hi[:, col] - lo[:, col])
     x, y = np.where(same, 0, first + 1), np.where(same, 0, last)  # whole blocks [x, y)
     for d in range(depth - 1, -1, -1):  # slots [x, y) of level d
         active = x < y
+        if not active.any():
+            break
         gx, gy = x >> _FSHIFT, (y - 1) >> _FSHIFT
         meet = gx == gy
+        more = active & ~meet
         left, right = depth - d, depth + 1 + d
         node[:, left], lo[:, left] = gx, np.where(active, x & (FANOUT - 1), 0)
         hi[:, left] = np.where(active, np.where(meet, ((y - 1) & (FANOUT - 1)) + 1, FANOUT), 0)
-        node[:, right] = gy
-        hi[:, right] = np.where(active & ~meet, ((y - 1) & (FANOUT - 1)) + 1, 0)
-        more = active & ~meet
-        x, y = np.where(more, gx + 1, 0), np.where(more, gy, 0)
+        node[:, right], hi[:, right] = gy, np.where(more, ((y - 1) & (FANOUT - 1)) + 1, 0)
+        flat = tree._slot[d][0]
         for col in (left, right):
-            use = np.flatnonzero(hi[:, col] > lo[:, col])
-            if use.shape[0]:
-                vals = _level_rows(tree, d, node[use, col])
-                mass[use, col] = _masked(vals, lo[use, col], hi[use, col]).sum(axis=1)
-    for col in (0, cols - 1):
-        use = np.flatnonzero(hi[:, col] > lo[:, col])
-        if use.shape[0]:
-            leaves = _block_rows(tree, node[use, col]).astype(np.float64)
-            mass[use, col] = _masked(leaves, lo[use, col], hi[use, col]).sum(axis=1)
+            mass[:, col] = _run_sums(flat, (node[:, col] << _FSHIFT) + lo[:, col], hi[:, col] - lo[:, col])
+        x, y = np.where(more, gx + 1, 0), np.where(more, gy, 0)
     return _Pieces(node, lo, hi, mass)
 
 
