@@ -13,8 +13,8 @@ the number of stored rows:
   valid window start, the open episode's last row, a row a reader must not see)
   have probability exactly 0. It first descends the persisted tree
   (``tree.py``) and redraws the rows that are not sampleable; when few are,
-  it draws the rest exactly from the ranges of sampleable rows (see
-  ``prioritized``).
+  it draws the rest from the ranges of sampleable rows, which costs
+  O(episodes * log(rows)) for strict windows (see ``prioritized``).
 
 Random numbers come from the caller's ``torch.Generator``: the same generator
 state and store give the same indices in any process.
@@ -314,12 +314,13 @@ def valid_ranges(view: View, slice_len: int | None, strict: bool) -> tuple[np.nd
     return np.concatenate(lo), np.concatenate(hi)
 
 
-def _none_valid(slice_len: int | None) -> errors.MMBufferError:
+def _none_valid(slice_len: int | None, ptree: tree.PriorityTree) -> errors.MMBufferError:
+    got = f"got none (priority on them 0, on all live rows {tree.total(ptree):g})"
     if slice_len is not None:
         return errors.NoValidSliceError(
-            f"slice_len: expected live episodes of at least {slice_len} rows with positive priority, got none"
+            f"slice_len: expected valid starts of windows of {slice_len} rows with positive priority, {got}"
         )
-    return errors.EmptyBufferError("sample: expected sampleable rows with positive priority, got none")
+    return errors.EmptyBufferError(f"sample: expected sampleable rows with positive priority, {got}")
 
 
 def exact(
@@ -346,7 +347,7 @@ def exact(
     cum = np.cumsum(mass)
     total = float(cum[-1]) if cum.shape[0] else 0.0
     if not total > 0:
-        raise _none_valid(slice_len)
+        raise _none_valid(slice_len, ptree)
     positive = np.flatnonzero(mass > 0)
     rows = np.empty(batch_size, np.int64)
     values = np.zeros(batch_size, np.float64)
@@ -363,7 +364,7 @@ def exact(
         todo = todo[leaf <= 0]  # a zero leaf: a torn read of a tree being written
         if todo.shape[0] == 0:
             return rows, values
-    raise _none_valid(slice_len)
+    raise _none_valid(slice_len, ptree)
 
 
 def prioritized(
@@ -389,11 +390,13 @@ def prioritized(
     still pending then are drawn by ``exact``, which costs O(lanes log N)
     for transitions and non-strict windows and O(live episodes log N) for
     strict windows: paid only when the sampleable rows hold less than about a
-    quarter of the mass (priority on short episodes and episode tails). Both
-    parts together give each row exactly ``p_i / sum(valid p)`` in expectation
-    per draw (a rejection round accepts ``i`` in proportion to ``p_i``; the
-    pending draws are a martingale under any stopping rule that looks only
-    at past rounds). A per-``slice_len`` tree over the valid starts' leaves
+    quarter of the mass (priority on short episodes and episode tails), or
+    when rejection leaves draws pending after its rounds. Together they draw
+    each row ``n p_i / sum(valid p)`` times in expectation in a batch of
+    ``n`` (a rejection round accepts ``i`` in proportion to ``p_i``, ``exact``
+    draws it with probability ``p_i / sum(valid p)``, and the expected
+    outcome of a pending draw is the same whichever way it is drawn, so the
+    switch, which looks only at past rounds, biases nothing). A per-``slice_len`` tree over the valid starts' leaves
     would make every draw O(batch log N), at 4.4 more bytes per row per
     slice length and a second tree write on each extend, eviction and
     priority update.

@@ -70,7 +70,11 @@ Cost and concurrency
 O(k log k + 64 k + 16 k D) in a fixed number of numpy calls per level: a
 descent searches the slots of the deepest level of at most 256 rows at once,
 then reads one 136-byte ``prefix`` row per level below it and one 256-byte
-block of leaves. :func:`rebuild` and :func:`check` stream the leaves in
+block of leaves. :func:`range_sums` of ``k`` ranges and :func:`find_in_ranges` cost
+O(k (64 + 32 D)) the same way, reading exactly the leaves and slots of the
+ranges' ends (never a difference of running sums, so a range keeps its
+mass to float64 precision however heavy the rows around it).
+:func:`rebuild` and :func:`check` stream the leaves in
 chunks (bounded RAM). A store's ``warm()`` reads all five arrays into memory at
 sequential disk speed (``_format.populate``; a cold tree is otherwise read a
 random 4 KiB page at a time). One writer; readers in other processes may map the files read-only
