@@ -302,17 +302,26 @@ def test_prioritized_slices_never_fail_when_mass_sits_on_invalid_starts(tmp_path
     layout = [episodes, episodes]
     rows = np.arange(buf.capacity)
     valid = naive_starts(buf, layout, L)
-    pri = np.full(buf.capacity, 1e6)
-    pri[valid] = 1e-3  # 1e-3 * 2 * (25 + 10) valid starts against ~1e6 * 6000 on the rest
-    buf.update_priorities(rows[pri > 0], pri)
+    pri = np.full(buf.capacity, 1e30)  # a difference of running sums (~1e34) would lose the valid mass
+    pri[valid] = 1e-3
+    at_25 = next(a for a, n, _ in episodes if n == 25)
+    in_25 = np.concatenate([s * buf.lane_size + at_25 + np.arange(10) for s in range(2)])  # the 25-row episodes
+    assert np.isin(in_25, valid).all() and len(valid) == 2 * (25 + 10)
+    pri[in_25] = 1e-2  # 0.2 of the valid mass against 0.05 on the 40-row episodes
+    buf.update_priorities(rows, pri)
     g = torch.Generator().manual_seed(0)
+    starts = []
     for _ in range(5):
         b = buf.sample_slices(512, L, prioritized=True, generator=g, keys=["terminated"])
-        assert np.isin(b.indices[:, 0].numpy(), valid).all()
+        starts.append(b.indices[:, 0].numpy())
         assert not b.data["terminated"][:, :-1].any() and b.mask.all()
-    # a transition draw whose mass sits on rows that are not live at all cannot fail either
+    starts = np.concatenate(starts)
+    assert np.isin(starts, valid).all()
+    assert abs(np.isin(starts, in_25).mean() - 0.8) < 0.04  # 5 standard deviations
+    # with no positive priority on a valid start the call fails, naming slice_len
     buf.set_leaf_priorities(valid, np.zeros(len(valid), np.float32))
-    with pytest.raises(mb.errors.NoValidSliceError, match=r"slice_len: expected valid starts of windows of 16 rows with positive priority, got none \(priority on them 0"):
+    with pytest.raises(mb.errors.NoValidSliceError,
+                       match=r"slice_len: expected valid starts of windows of 16 rows with positive priority, got none"):
         buf.sample_slices(8, L, prioritized=True, generator=g)
 
 
