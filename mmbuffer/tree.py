@@ -797,37 +797,42 @@ def _run_sums(flat: npt.NDArray[Any], start: Int64Array, length: Int64Array) -> 
     return out
 
 
-def _pieces(tree: PriorityTree, a: Int64Array, b: Int64Array) -> _Pieces:
-    """The pieces of the ranges ``[a, b)`` (``0 <= a < b <= capacity``), with their masses."""
-    k, depth = a.shape[0], len(tree._levels)
-    cols = 2 * depth + 2
-    node = np.zeros((k, cols), np.int64)
-    lo = np.zeros((k, cols), np.int64)
-    hi = np.zeros((k, cols), np.int64)
-    mass = np.zeros((k, cols), np.float64)
+Run = tuple[int, Int64Array, Int64Array, Int64Array, Any, int]
+
+
+def _runs(tree: PriorityTree, a: Int64Array, b: Int64Array) -> Iterator[Run]:
+    """The pieces of the ranges ``[a, b)`` (``0 <= a < b <= capacity``), a column at a time:
+    ``(column, node, lo, hi, flat values, log2 of their row length)``."""
+    depth = len(tree._levels)
     first, last = a >> _SHIFT, (b - 1) >> _SHIFT
     same = first == last
-    node[:, 0], lo[:, 0] = first, a - (first << _SHIFT)
-    hi[:, 0] = np.where(same, b - (first << _SHIFT), BLOCK)
-    node[:, -1], hi[:, -1] = last, np.where(same, 0, b - (last << _SHIFT))
-    for col in (0, cols - 1):
-        mass[:, col] = _run_sums(tree._leaf, (node[:, col] << _SHIFT) + lo[:, col], hi[:, col] - lo[:, col])
+    yield 0, first, a - (first << _SHIFT), np.where(same, b - (first << _SHIFT), BLOCK), tree._leaf, _SHIFT
+    zero = np.zeros_like(a)
+    yield 2 * depth + 1, last, zero, np.where(same, 0, b - (last << _SHIFT)), tree._leaf, _SHIFT
     x, y = np.where(same, 0, first + 1), np.where(same, 0, last)  # whole blocks [x, y)
     for d in range(depth - 1, -1, -1):  # slots [x, y) of level d
         active = x < y
         if not active.any():
-            break
+            return
         gx, gy = x >> _FSHIFT, (y - 1) >> _FSHIFT
         meet = gx == gy
         more = active & ~meet
-        left, right = depth - d, depth + 1 + d
-        node[:, left], lo[:, left] = gx, np.where(active, x & (FANOUT - 1), 0)
-        hi[:, left] = np.where(active, np.where(meet, ((y - 1) & (FANOUT - 1)) + 1, FANOUT), 0)
-        node[:, right], hi[:, right] = gy, np.where(more, ((y - 1) & (FANOUT - 1)) + 1, 0)
+        top = ((y - 1) & (FANOUT - 1)) + 1
         flat = tree._slot[d][0]
-        for col in (left, right):
-            mass[:, col] = _run_sums(flat, (node[:, col] << _FSHIFT) + lo[:, col], hi[:, col] - lo[:, col])
+        lo = np.where(active, x & (FANOUT - 1), 0)
+        yield depth - d, gx, lo, np.where(active, np.where(meet, top, FANOUT), 0), flat, _FSHIFT
+        yield depth + 1 + d, gy, zero, np.where(more, top, 0), flat, _FSHIFT
         x, y = np.where(more, gx + 1, 0), np.where(more, gy, 0)
+
+
+def _pieces(tree: PriorityTree, a: Int64Array, b: Int64Array) -> _Pieces:
+    """The pieces of the ranges ``[a, b)`` as [k, 2 D + 4] arrays, with their masses."""
+    shape = (a.shape[0], 2 * len(tree._levels) + 2)
+    node, lo, hi = (np.zeros(shape, np.int64) for _ in range(3))
+    mass = np.zeros(shape, np.float64)
+    for col, n, l, h, flat, shift in _runs(tree, a, b):
+        node[:, col], lo[:, col], hi[:, col] = n, l, h
+        mass[:, col] = _run_sums(flat, (n << shift) + l, h - l)
     return _Pieces(node, lo, hi, mass)
 
 
@@ -886,7 +891,7 @@ def range_sums(tree: PriorityTree, starts: npt.ArrayLike, stops: npt.ArrayLike) 
     out = np.zeros(a.shape[0], np.float64)
     use = np.flatnonzero(b > a)
     if use.shape[0]:
-        out[use] = _pieces(tree, a[use], b[use]).mass.sum(axis=1)
+        out[use] = sum(_run_sums(flat, (n << shift) + l, h - l) for _, n, l, h, flat, shift in _runs(tree, a[use], b[use]))
     return out.reshape(shape)
 
 
