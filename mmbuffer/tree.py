@@ -797,16 +797,17 @@ def _run_sums(flat: npt.NDArray[Any], start: Int64Array, length: Int64Array) -> 
     return out
 
 
-Run = tuple[int, Int64Array, Int64Array, Int64Array, Any, int]
+_Run = tuple[int, Int64Array, Int64Array, Int64Array, Any, int]
 
 
-def _runs(tree: PriorityTree, a: Int64Array, b: Int64Array) -> Iterator[Run]:
+def _runs(tree: PriorityTree, a: Int64Array, b: Int64Array) -> Iterator[_Run]:
     """The pieces of the ranges ``[a, b)`` (``0 <= a < b <= capacity``), a column at a time:
     ``(column, node, lo, hi, flat values, log2 of their row length)``."""
     depth = len(tree._levels)
     first, last = a >> _SHIFT, (b - 1) >> _SHIFT
     same = first == last
-    yield 0, first, a - (first << _SHIFT), np.where(same, b - (first << _SHIFT), BLOCK), tree._leaf, _SHIFT
+    head_hi = np.where(same, b - (first << _SHIFT), BLOCK)
+    yield 0, first, a - (first << _SHIFT), head_hi, tree._leaf, _SHIFT
     zero = np.zeros_like(a)
     yield 2 * depth + 1, last, zero, np.where(same, 0, b - (last << _SHIFT)), tree._leaf, _SHIFT
     x, y = np.where(same, 0, first + 1), np.where(same, 0, last)  # whole blocks [x, y)
@@ -830,13 +831,15 @@ def _pieces(tree: PriorityTree, a: Int64Array, b: Int64Array) -> _Pieces:
     shape = (a.shape[0], 2 * len(tree._levels) + 2)
     node, lo, hi = (np.zeros(shape, np.int64) for _ in range(3))
     mass = np.zeros(shape, np.float64)
-    for col, n, l, h, flat, shift in _runs(tree, a, b):
-        node[:, col], lo[:, col], hi[:, col] = n, l, h
-        mass[:, col] = _run_sums(flat, (n << shift) + l, h - l)
+    for col, at, first, stop, flat, shift in _runs(tree, a, b):
+        node[:, col], lo[:, col], hi[:, col] = at, first, stop
+        mass[:, col] = _run_sums(flat, (at << shift) + first, stop - first)
     return _Pieces(node, lo, hi, mass)
 
 
-def _check_ranges(tree: PriorityTree, starts: npt.ArrayLike, stops: npt.ArrayLike) -> tuple[Int64Array, Int64Array]:
+def _check_ranges(
+    tree: PriorityTree, starts: npt.ArrayLike, stops: npt.ArrayLike
+) -> tuple[Int64Array, Int64Array]:
     a = np.asarray(starts)
     b = np.asarray(stops)
     for name, arr in (("starts", a), ("stops", b)):
@@ -891,7 +894,8 @@ def range_sums(tree: PriorityTree, starts: npt.ArrayLike, stops: npt.ArrayLike) 
     out = np.zeros(a.shape[0], np.float64)
     use = np.flatnonzero(b > a)
     if use.shape[0]:
-        out[use] = sum(_run_sums(flat, (n << shift) + l, h - l) for _, n, l, h, flat, shift in _runs(tree, a[use], b[use]))
+        for _, node, lo, hi, flat, shift in _runs(tree, a[use], b[use]):
+            out[use] += _run_sums(flat, (node << shift) + lo, hi - lo)
     return out.reshape(shape)
 
 
@@ -962,10 +966,14 @@ def find_in_ranges(
     a, b = _check_ranges(tree, starts, stops)
     t = np.maximum(np.asarray(targets, dtype=np.float64).reshape(-1), 0.0)
     if t.shape != a.shape:
-        raise InvalidArgumentError(f"targets: expected the shape of starts {shape}, got {np.shape(targets)}")
+        raise InvalidArgumentError(
+            f"targets: expected the shape of starts {shape}, got {np.shape(targets)}"
+        )
     if (b <= a).any():
         i = int(np.argmax(b <= a))
-        raise InvalidArgumentError(f"starts, stops: expected start < stop, got start={int(a[i])}, stop={int(b[i])}")
+        raise InvalidArgumentError(
+            f"starts, stops: expected start < stop, got start={int(a[i])}, stop={int(b[i])}"
+        )
     k, depth = a.shape[0], len(tree._levels)
     if k == 0:
         return np.zeros(shape, np.int64), np.zeros(shape, np.float32)
