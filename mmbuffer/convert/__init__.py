@@ -17,7 +17,9 @@ source in order as chunks ``(steps, final_obs)`` and a :class:`Schema`, and
 * writes behind (``Buffer.drop_cache``): a dataset larger than memory does not
   push what other processes use out of the page cache,
 * refuses an existing ``DST`` (:class:`~mmbuffer.errors.StoreExistsError`)
-  unless ``overwrite=True``,
+  unless ``overwrite=True``, and even then replaces only an output mmbuffer
+  writes (a store; for exports a D4RL HDF5 file or a Minari dataset directory),
+  never a directory holding other files, another file or a symbolic link,
 * raises :class:`~mmbuffer.errors.ConversionError` naming the file and key for
   bad input (missing keys, mismatched lengths, not the declared format),
 * returns a summary dict (rows, episodes, open episode rows, NaN rewards,

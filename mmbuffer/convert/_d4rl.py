@@ -241,7 +241,7 @@ def convert_d4rl(
     >>> summary["rows"], summary["episodes"], summary["verified"]
     (20, 2, True)
     """
-    from ._common import check_destination
+    from ._dest import check_destination
 
     check_destination(dst, overwrite)
     reader = D4RLReader(src, keep_infos=keep_infos, keep_next_obs=keep_next_obs)

@@ -36,13 +36,10 @@ from ..errors import ConversionError
 from ._common import (
     _hex,
     as_bytes,
-    check_destination,
     jsonable,
-    partial_path,
     progress_bar,
-    remove_partial,
-    replace_destination,
 )
+from ._dest import check_destination, partial_path, remove_partial, replace_destination
 
 __all__ = ["export_d4rl", "export_minari"]
 
@@ -286,7 +283,7 @@ def export_d4rl(
     import h5py
 
     t0 = time.perf_counter()
-    out_path = check_destination(out, overwrite)
+    out_path = check_destination(out, overwrite, "d4rl")
     partial = partial_path(out_path)
     opened = _Opened(store)
     with opened as buf:
@@ -296,7 +293,7 @@ def export_d4rl(
                 f"{getattr(buf, 'path', store)}: expected columns obs, action and reward for a D4RL file "
                 f"(observations, actions, rewards), got {sorted(buf.columns)}; missing {missing}"
             )
-        remove_partial(partial)
+        remove_partial(partial, "d4rl")
         rows_per = _chunk_rows(buf, chunk_rows)
         plan, skipped = _plan(buf, "single-lane")
         n = plan.rows
@@ -336,7 +333,7 @@ def export_d4rl(
                     bar.update(m)
                 _write_d4rl_metadata(f, buf.attrs)
         except BaseException:
-            remove_partial(partial)
+            remove_partial(partial, "d4rl")
             raise
         summary: dict[str, Any] = {
             "format": "d4rl",
@@ -358,7 +355,7 @@ def export_d4rl(
         reader = D4RLReader(partial, keep_infos=True)
         _check_reader(reader, summary, crc, final_crc if derive_next else None, partial, warn_open=False)
         summary["verified"] = True
-    replace_destination(partial, out_path)
+    replace_destination(partial, out_path, "d4rl", overwrite=overwrite)
     summary["seconds"] = round(time.perf_counter() - t0, 3)
     return summary
 
@@ -519,9 +516,9 @@ def export_minari(
     import h5py
 
     t0 = time.perf_counter()
-    out_path = check_destination(out, overwrite)
+    out_path = check_destination(out, overwrite, "minari")
     partial = partial_path(out_path)
-    remove_partial(partial)
+    remove_partial(partial, "minari")
     opened = _Opened(store)
     with opened as buf:
         rows_per = _chunk_rows(buf, chunk_rows)
@@ -618,7 +615,7 @@ def export_minari(
             meta["dataset_size"] = round(sum(p.stat().st_size for p in data_dir.iterdir()) / 1e6, 1)
             (data_dir / "metadata.json").write_text(json.dumps(meta))
         except BaseException:
-            remove_partial(partial)
+            remove_partial(partial, "minari")
             raise
         summary: dict[str, Any] = {
             "format": "minari",
@@ -643,7 +640,7 @@ def export_minari(
         reader = MinariReader(partial, keep_infos=True)
         _check_reader(reader, summary, crc, final_crc, partial, warn_open=False)
         summary["verified"] = True
-    replace_destination(partial, out_path)
+    replace_destination(partial, out_path, "minari", overwrite=overwrite)
     summary["seconds"] = round(time.perf_counter() - t0, 3)
     return summary
 

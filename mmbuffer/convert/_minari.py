@@ -538,7 +538,7 @@ def convert_minari(
     ``convert_minari("~/.minari/datasets/D4RL/door/human-v2", "stores/door")``;
     ``tests/test_convert.py`` runs it on datasets written by ``minari.DataCollector``.
     """
-    from ._common import check_destination
+    from ._dest import check_destination
 
     check_destination(dst, overwrite)
     reader = MinariReader(Path(src).expanduser(), keep_infos=keep_infos)

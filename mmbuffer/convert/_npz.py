@@ -232,7 +232,7 @@ def convert_npz(
     StoreExistsError
         ``dst`` exists and ``overwrite`` is false.
     """
-    from ._common import check_destination
+    from ._dest import check_destination
 
     check_destination(dst, overwrite)
     reader = NpzReader(src, keep_infos=keep_infos, keep_next_obs=keep_next_obs)

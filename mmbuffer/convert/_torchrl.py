@@ -450,7 +450,7 @@ def convert_torchrl(
     StoreExistsError
         ``dst`` exists and ``overwrite`` is false.
     """
-    from ._common import check_destination
+    from ._dest import check_destination
 
     check_destination(dst, overwrite)
     reader = open_torchrl(src)

@@ -1,0 +1,205 @@
+"""Converters never change data silently, and ``overwrite`` never deletes what mmbuffer did not write.
+
+Issue 10, items 3.1 and 4. Every source is built here, in D4RL's own layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+import mmbuffer as mb
+from mmbuffer.cli import main
+from mmbuffer.convert import (
+    ConversionWarning,
+    convert_d4rl,
+    convert_npz,
+    convert_torchrl,
+    copy,
+    export_d4rl,
+    export_minari,
+)
+from mmbuffer.errors import ConversionError, StoreExistsError
+
+N = 1050
+
+
+def d4rl_arrays(n: int = N, *, seed: int = 0, open_tail: bool = True) -> dict[str, np.ndarray]:
+    """D4RL's keys: episodes end at rows n//10 (terminal), 3n//10 (timeout), n//2 (terminal),
+    3n//4 (timeout); the last episode has no end flag when ``open_tail``, as in real D4RL files."""
+    rng = np.random.default_rng(seed)
+    obs = rng.standard_normal((n + 1, 3)).astype(np.float32)
+    term = np.zeros(n, bool)
+    term[[n // 10, n // 2]] = True
+    tout = np.zeros(n, bool)
+    tout[[3 * n // 10, 3 * n // 4]] = True
+    if not open_tail:
+        tout[-1] = True
+    return {
+        "observations": obs[:-1],
+        "next_observations": obs[1:],
+        "actions": rng.standard_normal((n, 2)).astype(np.float32),
+        "rewards": rng.standard_normal(n).astype(np.float32),
+        "terminals": term,
+        "timeouts": tout,
+    }
+
+
+def write_h5(path: Path, arrays: dict[str, np.ndarray]) -> Path:
+    with h5py.File(path, "w") as f:
+        for k, v in arrays.items():
+            f[k] = v
+    return path
+
+
+def read_h5(path: Path) -> dict[str, np.ndarray]:
+    with h5py.File(path, "r") as f:
+        return {k: f[k][()] for k in f if isinstance(f[k], h5py.Dataset)}
+
+
+def quiet(fn, *args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConversionWarning)
+        return fn(*args, progress=False, **kwargs)
+
+
+@pytest.fixture()
+def store(tmp_path) -> Path:
+    src = write_h5(tmp_path / "src.hdf5", d4rl_arrays(200, open_tail=False))
+    quiet(convert_d4rl, src, tmp_path / "store")
+    return tmp_path / "store"
+
+
+# -- overwrite replaces only what mmbuffer wrote -----------------------------------------------
+def _foreign_dir(path: Path) -> Path:
+    path.mkdir()
+    (path / "results.csv").write_text("epoch,return\n1,200\n")
+    return path
+
+
+def _foreign_file(path: Path) -> Path:
+    path.write_text("my notes\n")
+    return path
+
+
+@pytest.mark.parametrize("make", [_foreign_dir, _foreign_file], ids=["dir-with-results.csv", "plain-file"])
+def test_convert_overwrite_refuses_what_mmbuffer_did_not_write(tmp_path, make):
+    src = write_h5(tmp_path / "src.hdf5", d4rl_arrays(200, open_tail=False))
+    dst = make(tmp_path / "dst")
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    with pytest.raises(StoreExistsError, match=r"dst.*overwrite refused.*got (a directory holding 'results.csv'|a text file)"):
+        convert_d4rl(src, dst, overwrite=True, progress=False)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+    assert main(["convert", "d4rl", str(src), str(dst), "--overwrite", "--no-progress"]) == 2
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
+def test_store_with_an_extra_file_is_not_ours(tmp_path, store):
+    (store / "results.csv").write_text("keep me")
+    src = write_h5(tmp_path / "src2.hdf5", d4rl_arrays(100, open_tail=False))
+    with pytest.raises(StoreExistsError, match="results.csv"):
+        convert_d4rl(src, store, overwrite=True, progress=False)
+    assert (store / "results.csv").read_text() == "keep me"
+    assert mb.open(str(store), mode="r").capacity == 200
+
+
+def test_copy_and_export_overwrite_refuse_foreign_outputs(tmp_path, store):
+    d = _foreign_dir(tmp_path / "d")
+    f = _foreign_file(tmp_path / "f.hdf5")
+    with pytest.raises(StoreExistsError, match="overwrite refused"):
+        copy(store, d, overwrite=True, progress=False)
+    with pytest.raises(StoreExistsError, match="overwrite refused.*text file"):
+        export_d4rl(store, f, overwrite=True, progress=False)
+    with pytest.raises(StoreExistsError, match="overwrite refused"):
+        export_minari(store, d, overwrite=True, progress=False)
+    # an mmbuffer store is not a D4RL file nor a Minari dataset
+    with pytest.raises(StoreExistsError, match="overwrite refused"):
+        export_minari(store, store, overwrite=True, progress=False)
+    # an HDF5 file that is not a D4RL dataset
+    with h5py.File(tmp_path / "model.h5", "w") as h:
+        h["weights"] = np.ones(3)
+    with pytest.raises(StoreExistsError, match="without D4RL"):
+        export_d4rl(store, tmp_path / "model.h5", overwrite=True, progress=False)
+    for argv in (["copy", str(store), str(d)], ["export", "d4rl", str(store), str(f)],
+                 ["export", "minari", str(store), str(d)]):
+        assert main([*argv, "--overwrite", "--no-progress"]) == 2
+    assert (d / "results.csv").exists() and f.read_text() == "my notes\n"
+    assert read_h5(tmp_path / "model.h5")["weights"].tolist() == [1, 1, 1]
+
+
+def test_symlink_at_destination_is_never_followed(tmp_path, store):
+    target = _foreign_dir(tmp_path / "precious")
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    src = write_h5(tmp_path / "src2.hdf5", d4rl_arrays(100, open_tail=False))
+    with pytest.raises(StoreExistsError, match="symbolic link"):
+        convert_d4rl(src, link, overwrite=True, progress=False)
+    # a link to a real store is refused too: the link is the user's, not ours
+    store_link = tmp_path / "store_link"
+    store_link.symlink_to(store)
+    with pytest.raises(StoreExistsError, match="symbolic link"):
+        copy(store, store_link, overwrite=True, progress=False)
+    assert link.is_symlink() and (target / "results.csv").exists()
+    assert store_link.is_symlink() and (store / "manifest.json").is_file()
+
+
+def test_stale_partial_that_is_not_ours_is_refused(tmp_path, store):
+    src = write_h5(tmp_path / "src2.hdf5", d4rl_arrays(100, open_tail=False))
+    _foreign_file(tmp_path / "new.partial")
+    with pytest.raises(StoreExistsError, match=r"new\.partial.*interrupted"):
+        convert_d4rl(src, tmp_path / "new", progress=False)
+    assert (tmp_path / "new.partial").read_text() == "my notes\n"
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "rename-aside"])
+def test_overwrite_replaces_our_own_outputs(tmp_path, store, monkeypatch, exchange):
+    from mmbuffer.convert import _dest
+
+    if not exchange:  # a filesystem or kernel without RENAME_EXCHANGE
+        monkeypatch.setattr(_dest, "_exchange", lambda a, b: False)
+    src = write_h5(tmp_path / "src2.hdf5", d4rl_arrays(100, seed=1, open_tail=False))
+    out = quiet(convert_d4rl, src, store, overwrite=True)
+    assert out["verified"] and mb.open(str(store), mode="r").capacity == 100
+    quiet(copy, store, tmp_path / "copy")
+    quiet(copy, store, tmp_path / "copy", compression="zstd", overwrite=True)
+    assert mb.open(str(tmp_path / "copy"), mode="r").compression == "zstd"
+    quiet(export_d4rl, store, tmp_path / "o.hdf5")
+    quiet(export_d4rl, store, tmp_path / "o.hdf5", overwrite=True)
+    quiet(export_minari, store, tmp_path / "m")
+    quiet(export_minari, store, tmp_path / "m", overwrite=True)
+    leftovers = [p.name for p in tmp_path.iterdir() if ".partial" in p.name or ".old" in p.name]
+    assert leftovers == []
+
+
+def test_store_with_a_live_writer_is_not_overwritten(tmp_path, store):
+    src = write_h5(tmp_path / "src2.hdf5", d4rl_arrays(100, open_tail=False))
+    with mb.open(str(store), mode="a"):
+        with pytest.raises(StoreExistsError, match="writer lock"):
+            convert_d4rl(src, store, overwrite=True, progress=False)
+    assert mb.open(str(store), mode="r").capacity == 200
+
+
+def test_swap_failure_leaves_the_old_output(tmp_path, store, monkeypatch):
+    """A crash while swapping leaves the old store or the new one at DST, never neither."""
+    from mmbuffer.convert import _dest
+
+    src = write_h5(tmp_path / "src2.hdf5", d4rl_arrays(100, open_tail=False))
+
+    def boom(a, b):
+        raise OSError("disk on fire")
+
+    monkeypatch.setattr(_dest, "_exchange", boom)
+    with pytest.raises(OSError, match="disk on fire"):
+        convert_d4rl(src, store, overwrite=True, progress=False)
+    assert mb.open(str(store), mode="r").capacity == 200  # the old one, intact
+    monkeypatch.undo()
+    quiet(convert_d4rl, src, store, overwrite=True)  # the stale partial is ours: replaced
+    assert mb.open(str(store), mode="r").capacity == 100
