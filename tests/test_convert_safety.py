@@ -203,3 +203,79 @@ def test_swap_failure_leaves_the_old_output(tmp_path, store, monkeypatch):
     monkeypatch.undo()
     quiet(convert_d4rl, src, store, overwrite=True)  # the stale partial is ours: replaced
     assert mb.open(str(store), mode="r").capacity == 100
+
+
+# -- a D4RL file that stops inside an episode: round trip exact --------------------------------
+def assert_same_file(got: Path, want: Path) -> None:
+    a, b = read_h5(want), read_h5(got)
+    assert sorted(b) == sorted(a)
+    for key in a:
+        assert b[key].dtype == a[key].dtype, key
+        np.testing.assert_array_equal(b[key], a[key], err_msg=key)
+
+
+def test_d4rl_unflagged_tail_keeps_every_row_and_exports_exactly(tmp_path):
+    src = write_h5(tmp_path / "src.hdf5", d4rl_arrays())
+    s = quiet(convert_d4rl, src, tmp_path / "s")
+    assert s["rows"] == N and s["episodes"] == 5 and s["open_episode_rows"] == 0
+    with mb.open(str(tmp_path / "s"), mode="r") as buf:
+        assert len(buf) == N  # every row is sampleable, the last one included
+        last = buf.get(torch.tensor([N - 1]), keys=["next_obs", "truncated"])
+        np.testing.assert_array_equal(last["next_obs"][0].numpy(), d4rl_arrays()["next_observations"][-1])
+        assert bool(last["truncated"][0])
+    out = quiet(export_d4rl, tmp_path / "s", tmp_path / "out.hdf5")
+    assert out["verified"] and out["rows"] == N and out["skipped_open_rows"] == 0
+    assert_same_file(tmp_path / "out.hdf5", src)  # next_observations[-1] is not observations[0]
+    again = quiet(convert_d4rl, tmp_path / "out.hdf5", tmp_path / "s2")
+    assert again["checksums"] == s["checksums"] and again["final_obs_checksums"] == s["final_obs_checksums"]
+
+
+def test_d4rl_without_next_observations_round_trip_is_exact(tmp_path):
+    arrays = d4rl_arrays()
+    del arrays["next_observations"]
+    src = write_h5(tmp_path / "src.hdf5", arrays)
+    s = quiet(convert_d4rl, src, tmp_path / "s")
+    assert s["rows"] == N and s["open_episode_rows"] == N - 1 - 3 * N // 4
+    assert any("has no next observation" in w for w in s["warnings"])
+    out = quiet(export_d4rl, tmp_path / "s", tmp_path / "out.hdf5")
+    # the zeros standing for unknown final observations are not written as data
+    assert out["verified"] and not out["next_observations"] and out["open_episode_rows"] > 0
+    assert_same_file(tmp_path / "out.hdf5", src)
+
+
+def test_export_never_wraps_an_open_episode_into_next_observations(tmp_path):
+    """An open episode's last row has no next observation: it is not made up from row 0."""
+    cap = 10
+    with mb.create(str(tmp_path / "s"), {"obs": ((2,), "float32"), "action": ((), "float32"),
+                                         "reward": ((), "float32")}, capacity=cap) as buf:
+        obs = np.arange(2 * cap, dtype=np.float32).reshape(cap, 2)
+        term = np.zeros(cap, bool)
+        term[3] = True
+        buf.extend({"obs": obs, "action": np.zeros(cap, np.float32), "reward": np.ones(cap, np.float32),
+                    "terminated": term}, final_obs={"obs": np.full((1, 2), -1, np.float32)})
+    with pytest.warns(ConversionWarning, match="6 rows of open .* no next observation"):
+        out = export_d4rl(tmp_path / "s", tmp_path / "o.hdf5", progress=False)
+    assert out["rows"] == 4 and out["skipped_open_rows"] == 6 and out["verified"]
+    got = read_h5(tmp_path / "o.hdf5")
+    np.testing.assert_array_equal(got["next_observations"], np.r_[obs[1:4], [[-1, -1]]])
+    # without next observations the open episode can be written whole, unflagged at the end
+    out = export_d4rl(tmp_path / "s", tmp_path / "o.hdf5", overwrite=True, next_observations=False,
+                      progress=False)
+    got = read_h5(tmp_path / "o.hdf5")
+    assert out["rows"] == cap and "next_observations" not in got
+    np.testing.assert_array_equal(got["observations"], obs)
+
+
+@pytest.mark.parametrize("cli", [False, True], ids=["python", "cli"])
+def test_keep_next_obs_store_exports_exactly(tmp_path, cli):
+    arrays = d4rl_arrays()
+    arrays["next_observations"][10] += 1  # a next observation that differs from the next row
+    src = write_h5(tmp_path / "src.hdf5", arrays)
+    if cli:
+        assert main(["convert", "d4rl", str(src), str(tmp_path / "s"), "--keep-next-obs", "--no-progress"]) == 0
+        assert main(["export", "d4rl", str(tmp_path / "s"), str(tmp_path / "o.hdf5"), "--no-progress"]) == 0
+    else:
+        quiet(convert_d4rl, src, tmp_path / "s", keep_next_obs=True)
+        assert quiet(export_d4rl, tmp_path / "s", tmp_path / "o.hdf5")["verified"]
+    assert_same_file(tmp_path / "o.hdf5", src)
+    assert not (tmp_path / "o.hdf5.partial").exists()
