@@ -228,7 +228,7 @@ def test_d4rl_mismatched_lengths_and_wrong_format(tmp_path, cartpole):
     with pytest.raises(ConversionError, match=r"\[actions\].*mismatched lengths"):
         convert_d4rl(src, tmp_path / "s", progress=False)
     (tmp_path / "text.hdf5").write_text("not hdf5")
-    with pytest.raises(ConversionError, match="not an HDF5 file"):
+    with pytest.raises(ConversionError, match="expected a D4RL HDF5 file, found a text file"):
         convert_d4rl(tmp_path / "text.hdf5", tmp_path / "s", progress=False)
     with pytest.raises(InvalidArgumentError, match="format"):
         convert("parquet-of-doom", src, tmp_path / "s")
@@ -380,7 +380,7 @@ def test_npz_refuses_pickles_and_non_archives(tmp_path, cartpole):
     with pytest.raises(ConversionError, match="pickle"):
         convert_npz(tmp_path / "evil.npz", tmp_path / "s", progress=False)
     (tmp_path / "x.npz").write_bytes(b"hello")
-    with pytest.raises(ConversionError, match="not an .npz"):
+    with pytest.raises(ConversionError, match="expected an .npz archive.*found a text file"):
         convert_npz(tmp_path / "x.npz", tmp_path / "s", progress=False)
     np.savez(tmp_path / "partial.npz", observations=np.zeros((3, 2)), actions=np.zeros((3, 1)))
     with pytest.raises(ConversionError, match="missing keys 'rewards', 'terminals', 'timeouts'"):

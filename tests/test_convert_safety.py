@@ -279,3 +279,74 @@ def test_keep_next_obs_store_exports_exactly(tmp_path, cli):
         assert quiet(export_d4rl, tmp_path / "s", tmp_path / "o.hdf5")["verified"]
     assert_same_file(tmp_path / "o.hdf5", src)
     assert not (tmp_path / "o.hdf5.partial").exists()
+
+
+# -- a required key that cannot be converted is an error ---------------------------------------
+@pytest.mark.parametrize("key", ["rewards", "terminals", "actions"])
+def test_npz_required_key_of_strings_is_an_error(tmp_path, key):
+    arrays = d4rl_arrays(20, open_tail=False)
+    arrays[key] = arrays[key].astype(str)
+    np.savez(tmp_path / "d.npz", **arrays)
+    with pytest.raises(ConversionError, match=rf"d\.npz \[{key}\]: expected a numeric array.*got dtype <U"):
+        convert_npz(tmp_path / "d.npz", tmp_path / "s", progress=False)
+    assert not (tmp_path / "s").exists() and not (tmp_path / "s.partial").exists()
+
+
+# -- wrong-format input: one typed line, what was expected and what was found ------------------
+def _sources(tmp_path: Path) -> dict[str, Path]:
+    (tmp_path / "notes.txt").write_text("some notes\nnot a dataset\n")
+    (tmp_path / "x.json").write_text(json.dumps({"observations": [1, 2]}))
+    (tmp_path / "x.csv").write_text("obs,action\n1,2\n")
+    np.savez(tmp_path / "x.npz", **d4rl_arrays(20, open_tail=False))
+    (tmp_path / "empty_dir").mkdir()
+    bad = tmp_path / "bad_dump" / "storage"
+    bad.mkdir(parents=True)
+    (bad / "storage_metadata.json").write_text("{not json")
+    return {
+        "txt": tmp_path / "notes.txt", "json": tmp_path / "x.json", "csv": tmp_path / "x.csv",
+        "hdf5": write_h5(tmp_path / "x.hdf5", d4rl_arrays(20, open_tail=False)),
+        "npz": tmp_path / "x.npz", "dir": tmp_path / "empty_dir", "bad_dump": tmp_path / "bad_dump",
+    }
+
+
+CASES = [
+    ("torchrl", "txt", "expected a TD-MPC2 .pt file .* found a text file"),
+    ("tdmpc2", "hdf5", "expected a TD-MPC2 .pt file .* found an HDF5 file"),
+    ("tdmpc2", "json", "expected a TD-MPC2 .pt file .* found a JSON file"),
+    ("tdmpc2", "csv", "expected a TD-MPC2 .pt file .* found a text file"),
+    ("tdmpc2", "npz", "found a zip archive that torch.save did not write"),
+    ("torchrl", "bad_dump", r"storage_metadata\.json\]: expected a JSON object, found unreadable JSON"),
+    ("d4rl", "dir", "expected a D4RL HDF5 file, found a directory"),
+    ("d4rl", "txt", "expected a D4RL HDF5 file, found a text file"),
+    ("d4rl", "npz", "expected a D4RL HDF5 file, found a zip archive"),
+    ("minari", "hdf5", "expected a Minari dataset directory .* found an HDF5 file"),
+    ("npz", "hdf5", "expected an .npz archive or a directory of .npy files, found an HDF5 file"),
+    ("npz", "json", "expected an .npz archive or a directory of .npy files, found a JSON file"),
+]
+
+
+@pytest.mark.parametrize("fmt, what, message", CASES, ids=[f"{f}-{w}" for f, w, _ in CASES])
+def test_wrong_format_input_is_one_typed_line(tmp_path, capsys, fmt, what, message):
+    from mmbuffer.convert import convert
+
+    src = _sources(tmp_path)[what]
+    with pytest.raises(ConversionError, match=message):
+        convert(fmt, src, tmp_path / "out", progress=False)
+    capsys.readouterr()
+    assert main(["convert", fmt, str(src), str(tmp_path / "out"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mmbuffer: error: ") and err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_sniff_names_what_a_file_holds(tmp_path):
+    from mmbuffer.convert._sniff import sniff
+
+    src = _sources(tmp_path)
+    torch.save({"obs": torch.zeros(2)}, tmp_path / "t.pt")
+    assert sniff(src["hdf5"]) == "an HDF5 file"
+    assert sniff(src["npz"]).startswith("a zip archive") and sniff(tmp_path / "t.pt").startswith("a zip archive")
+    assert sniff(src["json"]) == "a JSON file" and sniff(src["txt"]) == "a text file"
+    assert sniff(src["dir"]) == "a directory" and sniff(tmp_path / "nope").startswith("nothing")
+    (tmp_path / "e").write_bytes(b"")
+    assert sniff(tmp_path / "e") == "an empty file"

@@ -29,6 +29,7 @@ import numpy as np
 
 from ._common import Reader, jsonable, write_store
 from ._flat import ArrayLike, FlatReader
+from ._sniff import HDF5, expect
 
 __all__ = ["D4RLReader", "convert_d4rl", "D4RL_KEYS"]
 
@@ -36,6 +37,9 @@ __all__ = ["D4RLReader", "convert_d4rl", "D4RL_KEYS"]
 D4RL_KEYS = {"observations": "obs", "actions": "action", "rewards": "reward"}
 _FLAG_KEYS = {"terminals": "terminated", "timeouts": "truncated"}
 _OPTIONAL = ("next_observations", "infos", "metadata")
+#: Keys whose values must convert (``next_observations`` too when present: it holds
+#: the final observations); other non-numeric datasets are left out with a warning.
+_REQUIRED = frozenset({*D4RL_KEYS, *_FLAG_KEYS, "next_observations"})
 
 
 def _leaves(node: Any, prefix: str) -> dict[str, Any]:
@@ -88,9 +92,14 @@ def flat_columns(
                 raise reader._error("expected a dataset, got a group", key)
             flags[_FLAG_KEYS[top]] = arr
             keys[_FLAG_KEYS[top]] = key
-            continue
         if not _numeric(arr):
+            if top in _REQUIRED:  # never dropped: the store would silently lack it
+                raise reader._error(
+                    f"expected a numeric array (bool, int, uint or float), got dtype {np.dtype(arr.dtype)}", key
+                )
             dropped.append(key)
+            continue
+        if top in _FLAG_KEYS:
             continue
         if top in D4RL_KEYS:
             name = D4RL_KEYS[top] + (f"/{rest}" if rest else "")
@@ -151,8 +160,7 @@ class D4RLReader(FlatReader):
         from ..errors import ConversionError
 
         Reader.__init__(self, path)
-        if not self.path.is_file():
-            raise ConversionError(f"{self.path}: no such file (expected a D4RL HDF5 file)")
+        expect(self.path, (HDF5,), "a D4RL HDF5 file")
         try:
             self._file = h5py.File(self.path, "r")
         except OSError as exc:
