@@ -350,3 +350,13 @@ def test_sniff_names_what_a_file_holds(tmp_path):
     assert sniff(src["dir"]) == "a directory" and sniff(tmp_path / "nope").startswith("nothing")
     (tmp_path / "e").write_bytes(b"")
     assert sniff(tmp_path / "e") == "an empty file"
+
+
+@pytest.mark.parametrize("argv", [["export", "d4rl"], ["export", "minari"], ["copy"]], ids=" ".join)
+def test_export_and_copy_of_something_that_is_not_a_store(tmp_path, capsys, argv):
+    src = _sources(tmp_path)["hdf5"]
+    assert main([*argv, str(src), str(tmp_path / "out"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"mmbuffer: error: {src}: expected an mmbuffer store directory, found an HDF5 file\n"
+    with pytest.raises(mb.errors.StoreNotFoundError, match="found an HDF5 file"):
+        copy(src, tmp_path / "out", progress=False)

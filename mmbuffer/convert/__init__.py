@@ -7,7 +7,12 @@ source in order as chunks ``(steps, final_obs)`` and a :class:`Schema`, and
 * streams the source a chunk at a time (the process never holds the dataset:
   memory stays at a few chunks, ~32 MiB each by default, whatever the size),
 * shows a tqdm progress bar (``progress=False`` hides it),
-* keeps episode boundaries and the terminated/truncated distinction exactly,
+* keeps episode boundaries and the terminated/truncated distinction exactly
+  (a source that stops inside an episode, with next observations, gets
+  ``truncated`` on its last row, recorded in ``attrs["tail_truncated_row"]``),
+* refuses what it cannot convert (a required key that is not numeric, a file
+  of another format: "expected ..., found an HDF5 file") with
+  :class:`~mmbuffer.errors.ConversionError`, never drops it silently,
 * verifies: every chunk is read back from the store's files as it is written
   and compared byte for byte with the source chunk (final observations too), a
   CRC-32 per column of the source is recorded in ``attrs["convert"]``, and the

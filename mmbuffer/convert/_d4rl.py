@@ -15,8 +15,14 @@ Store columns: ``obs``, ``action``, ``reward`` (+ ``infos/*``, + any other
 top-level ``[N, ...]`` numeric dataset under its own name), and the flags.
 ``obs`` is next-derived; with ``next_observations`` each episode's final
 observation is ``next_observations[last row]``, without it zeros (D4RL's mujoco
-``-v2`` files have none; ``attrs["final_obs_source"]`` says which). A last
-episode with no flag stays open (warning).
+``-v2`` files have none; ``attrs["final_obs_source"]`` says which). A file
+that stops inside an episode (no flag on its last row, common in D4RL) keeps
+every row: with ``next_observations`` the episode is closed as truncated there
+(``attrs["tail_truncated_row"]``; :func:`~mmbuffer.convert.export_d4rl` writes
+the row back unflagged), without them it stays open (warning). A required key
+(``observations, actions, rewards, terminals, timeouts``, and
+``next_observations`` when present) that is not numeric is an error; other
+non-numeric datasets are left out with a warning.
 """
 
 from __future__ import annotations

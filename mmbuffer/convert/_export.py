@@ -4,14 +4,18 @@ Both walk the store the same way: lane by lane, each lane's live complete
 episodes oldest first, then (where kept) the lane's open episode, reading about
 ``chunk_rows`` rows at a time with one ``get`` per chunk, so memory stays flat.
 Each writes to ``OUT + ".partial"`` and renames at the end; an existing ``OUT``
-is refused unless ``overwrite=True``. Each ends with a verification pass that
+is refused unless ``overwrite=True`` and it is an output of the same kind
+(:mod:`._dest`). Each ends with a verification pass that
 reads the result back (with this package's own readers, or ``mb.open``) and
 compares row and episode counts and a CRC-32 per column with what was read from
 the store, and returns a summary dict.
 
-* :func:`export_d4rl` keeps the open episode of a one-lane store (rows with no
-  end flag at the end of the file, as D4RL does); ``next_observations`` holds
-  each row's ``next_obs``, so converting the file back gives the same store.
+* :func:`export_d4rl`: ``next_observations`` holds each row's ``next_obs``, so
+  converting the file back gives the same store (a converted file comes back
+  as it was, an unflagged last row included). An open episode has no next
+  observation for its last row: it is left out (warning) unless
+  ``next_observations=False``, never given a next observation from another
+  row.
 * :func:`export_minari` writes complete episodes only (a Minari episode needs its
   final observation); spaces come from ``attrs["minari"]`` when the store was
   converted from Minari, otherwise ``Box`` spaces are built from the columns.
@@ -220,6 +224,11 @@ class _Opened:
         if isinstance(store_path := self.store, (str, os.PathLike)):
             import mmbuffer as mb
 
+            if not os.path.isdir(store_path):
+                from ..errors import StoreNotFoundError
+                from ._sniff import sniff
+
+                raise StoreNotFoundError(f"{store_path}: expected an mmbuffer store directory, found {sniff(store_path)}")
             self.buf = mb.open(str(store_path), mode="r")
             return self.buf
         return self.store

@@ -18,7 +18,9 @@ is ``("next", key)`` at the episode's last row; other keys are kept as columns
 named by their path (``collector/traj_ids``, ``next/<key>`` for next-only keys);
 ``index`` is dropped. Trailing ``[.., 1]`` dims of reward and flags are squeezed.
 Where ``("collector", "traj_ids")`` changes with no flag set, the row before is
-marked truncated (counted as ``forced_truncations``).
+marked truncated (counted as ``forced_truncations``); a last episode with no
+flag is closed as truncated with ``("next", key)`` as final observation (see
+:mod:`._flat`).
 
 **TD-MPC2 files**: a TensorDict (or a dict of tensors) shaped ``[episodes, L]``
 with ``obs``, ``action``, ``reward`` and ``episode`` keys, where row 0 of each
