@@ -51,7 +51,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..errors import ConversionError
+from ..errors import ConversionError, StoreExistsError
 from ._dest import check_destination, partial_path, remove_partial, replace_destination
 
 __all__ = [
@@ -291,7 +291,10 @@ def abandon(store: Any, partial: Path, exc: BaseException) -> None:
         except Exception:
             pass  # exc is the error to report
     if not isinstance(exc, _Mismatch):
-        remove_partial(partial)
+        try:
+            remove_partial(partial)
+        except StoreExistsError:
+            pass  # not recognisably ours any more: left alone; exc is the error to report
 
 
 def progress_bar(total: int, desc: str, enabled: bool) -> Any:

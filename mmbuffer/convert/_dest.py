@@ -75,6 +75,9 @@ def check_destination(dst: str | os.PathLike[str], overwrite: bool, kind: str = 
         did not write (see the module docstring); nothing is changed.
     """
     path = Path(dst)
+    partial = partial_path(path)
+    if _lexists(partial):  # removed later; refused now, before any work, if it is not ours
+        _check_partial(partial, kind)
     if not _lexists(path):
         return path
     if not overwrite:
@@ -94,12 +97,7 @@ def remove_partial(partial: Path, kind: str = "store") -> None:
     """Delete a stale ``partial`` output of ``kind`` (refuse anything else)."""
     if not _lexists(partial):
         return
-    problem = _not_ours(partial, kind, partial=True)
-    if problem:
-        raise StoreExistsError(
-            f"{partial}: expected an unfinished {_WHAT[kind]} from an interrupted mmbuffer run, "
-            f"got {problem}; nothing was changed (remove or move it yourself)"
-        )
+    _check_partial(partial, kind)
     _delete(partial)
 
 
@@ -120,6 +118,15 @@ def replace_destination(partial: Path, dst: Path, kind: str = "store", *, overwr
             return
     os.replace(partial, dst)  # a file replaces a file in one step
     _fsync_dir(dst.parent)
+
+
+def _check_partial(partial: Path, kind: str) -> None:
+    problem = _not_ours(partial, kind, partial=True)
+    if problem:
+        raise StoreExistsError(
+            f"{partial}: expected an unfinished {_WHAT[kind]} from an interrupted mmbuffer run, "
+            f"got {problem}; nothing was changed (remove or move it yourself)"
+        )
 
 
 _WHAT = {"store": "an mmbuffer store", "d4rl": "a D4RL HDF5 file", "minari": "a Minari dataset directory"}
