@@ -691,11 +691,14 @@ def export_minari(
             "checksums": {k: _hex(v) for k, v in crc.items()},
             "final_obs_checksums": {k: _hex(v) for k, v in final_crc.items()},
             "verified": False,
+            "warnings": [],
         }
     if dropped:
-        _warn(f"{out_path}: columns with no place in a Minari dataset were left out: {dropped}")
+        summary["warnings"].append(f"{out_path}: columns with no place in a Minari dataset were left out: {dropped}")
     if skipped:
-        _warn(f"{out_path}: {skipped} rows of open (unfinished) episodes were left out")
+        summary["warnings"].append(f"{out_path}: {skipped} rows of open (unfinished) episodes were left out")
+    for note in summary["warnings"]:
+        _warn(note)
     if verify:
         from ._minari import MinariReader
 
