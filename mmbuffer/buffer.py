@@ -36,6 +36,7 @@ import torch
 from . import errors, samplers
 from ._checks import check_int
 from .gather import Batch, gather, resolve_keys
+from .layout import Layout
 from .samplers import Draw, Sampler
 from .store import PriorityConfig, Store, create_store, locked
 
@@ -246,14 +247,14 @@ class Buffer(Store):
         rows, weights, mask, written = draw(np.arange(size))
         data = gather(self, rows, names)
         if self.mode == "r":
-            cursors = written[rows.reshape(size, -1)[:, 0] // self.lane_size]
+            cursors = written[self.layout.lane(rows.reshape(size, -1)[:, 0])]
             for _ in range(_MAX_REREADS):
-                bad = np.flatnonzero(overwritten(rows, cursors, self.reservation(), self.lane_size))
+                bad = np.flatnonzero(overwritten(self.layout, rows, cursors, self.reservation()))
                 if bad.size == 0:
                     break
                 r, w, m, wr = draw(bad)
                 fresh = gather(self, r, names)
-                rows[bad], weights[bad], cursors[bad] = r, w, wr[r.reshape(bad.size, -1)[:, 0] // self.lane_size]
+                rows[bad], weights[bad], cursors[bad] = r, w, wr[self.layout.lane(r.reshape(bad.size, -1)[:, 0])]
                 if mask is not None and m is not None:
                     mask[bad] = m
                 for name, value in data.items():
@@ -284,24 +285,21 @@ class Buffer(Store):
         self._sampled[id(indices)] = (weakref.ref(indices), written)
 
 
-def overwritten(rows: np.ndarray, cursors: np.ndarray, reserved: np.ndarray, lane_size: int) -> np.ndarray:
+def overwritten(layout: Layout, rows: np.ndarray, cursors: np.ndarray, reserved: np.ndarray) -> np.ndarray:
     """Which items (first axis of ``rows``) the writer may have begun rewriting.
 
     ``cursors[i]`` is the ``written`` counter of item ``i``'s lane in the view it
-    was drawn from, so its first row's absolute counter is the one in
-    ``[cursor - lane_size, cursor)`` at its ring position. Absolute row ``a`` is
-    rewritten when the writer writes ``a + lane_size``, and the writer raises
-    ``reserved`` past a row before it writes it: ``a >= reserved - lane_size``
-    holds exactly while ``a`` is intact. An item's later rows (the window, the
-    next row read for ``next_*``) are younger than its first.
+    was drawn from, which fixes the absolute row its first row held. Absolute row
+    ``a`` is rewritten when the writer writes ``a + lane_size``, and the writer
+    raises ``reserved`` past a row before it writes it: ``a >= reserved -
+    lane_size`` holds exactly while ``a`` is intact. An item's later rows (the
+    window, the next row read for ``next_*``) are younger than its first.
 
-    >>> overwritten(np.array([[2, 3], [6, 7]]), np.array([8, 8]), np.array([11]), 8)
+    >>> overwritten(Layout(8), np.array([[2, 3], [6, 7]]), np.array([8, 8]), np.array([11]))
     array([ True, False])
     """
     first = rows.reshape(len(cursors), -1)[:, 0]
-    pos = first % lane_size
-    absolute = cursors - 1 - (cursors - 1 - pos) % lane_size
-    bad: np.ndarray = absolute < reserved[first // lane_size] - lane_size
+    bad: np.ndarray = layout.absolute_at(first, cursors) < reserved[layout.lane(first)] - layout.lane_size
     return bad
 
 

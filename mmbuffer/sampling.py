@@ -42,8 +42,7 @@ def _randint(high: int | np.ndarray, size: int, generator: torch.Generator | Non
 
 
 def _global(view: View, lane: np.ndarray, absolute: np.ndarray) -> np.ndarray:
-    rows: np.ndarray = lane * view.lane_size + absolute % view.lane_size
-    return rows
+    return view.layout.rows(lane, absolute)
 
 
 def _lane_of(counts: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -250,10 +249,7 @@ def window(
 # -- prioritized -------------------------------------------------------------------------
 def absolute_rows(view: View, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Lane and absolute row counter (as of ``view``) of global rows."""
-    lane = rows // view.lane_size
-    pos = rows % view.lane_size
-    w = view.written[lane]
-    return lane, w - 1 - (w - 1 - pos) % view.lane_size
+    return view.layout.lane(rows), view.layout.absolute(rows, view.written)
 
 
 def sampleable(view: View, rows: np.ndarray, slice_len: int | None, strict: bool) -> np.ndarray:

@@ -47,6 +47,7 @@ from . import errors, index, tree
 from ._checks import as_numpy, check_int, check_json, check_schema, check_stream
 from .config import config
 from .index import Lane
+from .layout import Layout
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -122,10 +123,14 @@ class View:
 
     lanes: tuple[LaneView, ...]
     ends: np.ndarray
-    lane_size: int
+    layout: Layout
     written: np.ndarray  # int64 [num_streams], rows ever written per lane
     generation: int
     tree: tree.PriorityTree | None = None
+
+    @property
+    def lane_size(self) -> int:
+        return self.layout.lane_size
 
 
 Snapshot = View  # DESIGN.md's name
@@ -255,6 +260,11 @@ class Store:
         """Live complete episodes over all lanes."""
         return int(sum(v.ep_tail - v.ep_head for v in self.view().lanes))
 
+    @functools.cached_property
+    def layout(self) -> Layout:
+        """Capacity and lanes: all ring arithmetic (``layout.py``)."""
+        return Layout(self.capacity, self.num_streams)
+
     @locked
     def view(self) -> View:
         """The index as samplers may use it now (see the module docstring)."""
@@ -268,7 +278,7 @@ class Store:
             open_start = st.open_start(self._ends, lane, self.lane_size)
             visible_end = st.written - (1 if self.next_keys and st.written > open_start else 0)
             lanes.append(LaneView(st.first_start, st.ep_head, st.ep_tail, open_start, visible_end))
-        return View(tuple(lanes), self._ends, self.lane_size, written, self.generation, self._tree)
+        return View(tuple(lanes), self._ends, self.layout, written, self.generation, self._tree)
 
     def episode_bounds(self, view: View | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Global start row and length of every live complete episode (lane order)."""

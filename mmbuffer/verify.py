@@ -27,7 +27,7 @@ import numpy as np
 from . import _format as fmt
 from . import index, tree
 from .index import Lane
-from .store import Store, _ring_segments
+from .store import Store
 
 _CHUNK_ROWS = 1 << 22
 REPAIR_HINT = "repair needs the writer: stop it, then run `mmbuffer verify PATH --repair` (or open the store with mode='a')"
@@ -35,7 +35,7 @@ REPAIR_HINT = "repair needs the writer: stop it, then run `mmbuffer verify PATH 
 
 def _live_done(store: Store, lane: int, st: Lane) -> np.ndarray:
     parts = []
-    for a, b in _ring_segments(lane, store.lane_size, st.first_start, st.written):
+    for a, b in store.layout.segments(lane, st.first_start, st.written):
         for lo in range(a, b, _CHUNK_ROWS):
             hi = min(b, lo + _CHUNK_ROWS)
             parts.append(store.read_range("terminated", lo, hi) | store.read_range("truncated", lo, hi))

@@ -75,7 +75,7 @@ def _open_episodes(buf: Any) -> list[tuple[int, int, int]]:
         written = int(view.written[lane])
         n = written - int(lv.open_start)
         if n > 0:
-            out.append((lane, lane * buf.lane_size + int(lv.open_start) % buf.lane_size, n))
+            out.append((lane, int(buf.layout.rows(lane, lv.open_start)), n))
     return out
 
 
