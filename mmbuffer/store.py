@@ -43,8 +43,9 @@ from typing import Any, Self, TypeVar
 import numpy as np
 
 from . import _format as fmt
-from . import errors, index, tree
-from ._checks import as_numpy, check_int, check_json, check_schema, check_stream
+from . import _counters, _safe_io, errors, index, tree
+from ._manifest import Manifest, load_manifest
+from ._checks import as_numpy, cast_to, check_int, check_json, check_schema, check_stream
 from .config import config
 from .index import Lane
 
@@ -142,8 +143,9 @@ class Store:
             raise errors.InvalidArgumentError(f"mode: expected 'r' or 'a', got {mode!r}")
         self.path = Path(path)
         self.mode = mode
-        manifest = fmt.read_manifest(self.path)
+        manifest = load_manifest(self.path)
         self._lock_fd: int | None = None
+        self._fds: dict[str, int] = {}
         if mode == "a":
             self._lock_fd = _acquire_lock(self.path)
         try:
@@ -153,45 +155,72 @@ class Store:
             raise
 
     # -- opening -----------------------------------------------------------------------
-    def _load(self, manifest: dict[str, Any]) -> None:
-        self.capacity = int(manifest["capacity"])
-        self.num_streams = int(manifest["num_streams"])
-        self.lane_size = int(manifest["lane_size"])
-        self.compression: str | None = manifest.get("compression")
-        self.columns = {
-            name: Column(tuple(spec["shape"]), spec["dtype"]) for name, spec in manifest["columns"].items()
-        }
-        self.next_keys: tuple[str, ...] = tuple(manifest["next_keys"])
-        pri = manifest.get("priorities")
-        self.priorities = PriorityConfig(**pri) if pri else None
-        self.attrs: dict[str, Any] = dict(manifest.get("attrs", {}))
-        self.generation = int(manifest["generation"])
+    def _load(self, manifest: Manifest) -> None:
+        """Open every file the checked manifest names (no links followed, each
+        ``zarr.json`` checked against the manifest), then check the counters
+        against the index: all before anything is written (``_recover``)."""
+        self.capacity = manifest.capacity
+        self.num_streams = manifest.num_streams
+        self.lane_size = manifest.lane_size
+        self.compression: str | None = manifest.compression
+        self.columns = {name: Column(shape, dt.name) for name, (shape, dt) in manifest.columns.items()}
+        self.next_keys: tuple[str, ...] = manifest.next_keys
+        self.priorities = PriorityConfig(**manifest.priorities) if manifest.priorities else None
+        self.attrs: dict[str, Any] = dict(manifest.attrs)
+        self.generation = manifest.generation
+        self._schema = manifest.schema()
         writable = self.mode == "a"
         root = self.path
+        cap = self.capacity
         self._data: dict[str, Any] = {}
-        self._fds: dict[str, int] = {}  # raw column files: pwrite (writer) and pread (scans)
-        for name in self.columns:
+        for name, (shape, dt) in manifest.columns.items():
+            expect = (cap, shape, dt)
             if name in fmt.RESERVED_NAMES or self.compression is None:
-                self._data[name] = fmt.open_raw(root, f"columns/{name}", writable=writable)
-                flags = os.O_RDWR if writable else os.O_RDONLY
-                self._fds[name] = os.open(fmt.raw_file(root, f"columns/{name}"), flags)
+                # the descriptor serves pwrite (writer) and pread (scans)
+                self._data[name], self._fds[name] = fmt.open_raw_fd(root, f"columns/{name}", writable=writable, expect=expect)
             else:
-                self._data[name] = fmt.CompressedArray(root, f"columns/{name}", writable=writable)
-        self._final = {k: fmt.open_raw(root, f"final/{k}", writable=writable) for k in self.next_keys}
-        self._ends = fmt.open_raw(root, "index/ends", writable=writable)
-        self._reserved = fmt.open_raw(root, "index/reserved", writable=writable)
+                self._data[name] = fmt.CompressedArray(root, f"columns/{name}", writable=writable, expect=expect)
+        self._final = {
+            k: fmt.open_raw(root, f"final/{k}", writable=writable, expect=(cap, *manifest.columns[k]))
+            for k in self.next_keys
+        }
+        i64 = np.dtype(np.int64)
+        self._ends = fmt.open_raw(root, "index/ends", writable=writable, expect=(2 * cap, (), i64))
+        self._reserved = fmt.open_raw(root, "index/reserved", writable=writable, expect=(self.num_streams, (), i64))
         self._tree: tree.PriorityTree | None = None
         if self.priorities is not None:
-            arrays = {k: fmt.open_raw(root, f"priority/{k}", writable=writable) for k in tree.layout(self.capacity)}
+            arrays = {
+                k: fmt.open_raw(root, f"priority/{k}", writable=writable, expect=(shape[0], tuple(shape[1:]), np.dtype(kind)))
+                for k, (shape, kind) in tree.layout(cap).items()
+            }
             self._tree = tree.PriorityTree(**arrays)
-        self._committed = [Lane.from_json(x) for x in manifest["lanes"]]
-        if len(self._committed) != self.num_streams:
-            raise errors.CorruptStoreError(
-                f"{self.path / fmt.MANIFEST}: expected {self.num_streams} lanes, got {len(self._committed)}"
-            )
+            _safe_io.lexists(root, "priority/DIRTY")  # a link there would be touched through
+        self._committed = list(manifest.lanes)
+        self._check_counters(self._committed, None)
         self._lanes = list(self._committed)
         if writable:
             self._recover()
+
+    def _check_counters(self, lanes: list[Lane], since: list[Lane] | None) -> None:
+        """Refuse counters that contradict the index or the reservation (``_counters``)."""
+        where = str(self.path / fmt.MANIFEST)
+        writer = self.mode == "a"
+        for lane, st in enumerate(lanes):
+            _counters.check_reserved(int(self._reserved[lane]), lane, self.lane_size, st, where, writer=writer)
+            start = None if since is None else since[lane].ep_tail
+            if writer:
+                _counters.check_lane(self._ends, lane, self.lane_size, st, where, start)
+                continue
+            # a reader checks what it may use; a live writer can be rewriting the rest
+            for attempt in range(3):
+                seen = int(self._reserved[lane])
+                live = index.drop_below(self._ends, lane, self.lane_size, st, seen - self.lane_size)
+                try:
+                    _counters.check_lane(self._ends, lane, self.lane_size, live, where, start)
+                    break
+                except errors.CorruptStoreError:
+                    if attempt == 2 or int(self._reserved[lane]) == seen:
+                        raise
 
     def _recover(self) -> None:
         """Drop what an interrupted writer may have left past the last commit.
@@ -337,9 +366,12 @@ class Store:
         index.check_fits(st, self._ends, lane, self.lane_size, done)
 
         new_written = st.written + rows
-        if new_written > int(self._reserved[lane]):
+        # past two lanes beyond the commit every committed row may be rewritten: the cap
+        # says as much and keeps the counter checkable at open (_counters.check_reserved)
+        limit = self._committed[lane].written + 2 * self.lane_size
+        if new_written > int(self._reserved[lane]) and int(self._reserved[lane]) < limit:
             ahead = max(1, int(self.lane_size * config.reserve_fraction))
-            self._reserved[lane] = new_written + ahead
+            self._reserved[lane] = min(new_written + ahead, limit)
             fmt.flush_rows(self._reserved, lane, lane + 1)  # on disk before any row it covers
 
         segments = _ring_segments(lane, self.lane_size, st.written, new_written)
@@ -398,14 +430,21 @@ class Store:
     @locked
     def refresh(self) -> bool:
         """Reload the last commit (readers); return whether it changed."""
-        manifest = fmt.read_manifest(self.path)
-        if int(manifest["generation"]) == self.generation:
+        manifest = load_manifest(self.path)
+        if manifest.generation == self.generation:
             return False
         if self.mode == "a":
             return False  # the writer is the source of commits
-        self.generation = int(manifest["generation"])
-        self.attrs = dict(manifest.get("attrs", {}))
-        self._committed = [Lane.from_json(x) for x in manifest["lanes"]]
+        if manifest.schema() != self._schema:
+            raise errors.CorruptStoreError(
+                f"{self.path / fmt.MANIFEST}: expected the schema the store was opened with "
+                f"(capacity, streams, columns, priorities), got {manifest.schema()} instead of {self._schema}"
+            )
+        lanes = list(manifest.lanes)
+        self._check_counters(lanes, self._committed)
+        self.generation = manifest.generation
+        self.attrs = dict(manifest.attrs)
+        self._committed = lanes
         self._lanes = list(self._committed)
         return True
 
@@ -463,7 +502,14 @@ class Store:
             raise errors.InvalidPriorityError(
                 f"{what}: expected a store created with priorities=mb.PriorityConfig(...), got priorities=None"
             )
-        idx = as_numpy(indices, "indices").astype(np.int64, copy=False).reshape(-1)
+        raw = as_numpy(indices, "indices")
+        if raw.dtype.kind not in "iu" and raw.size:  # a float id would be truncated to another row
+            raise errors.InvalidArgumentError(f"indices: expected integer row ids, got dtype {raw.dtype}")
+        if raw.dtype == np.uint64 and raw.size and int(raw.max()) >= self.capacity:
+            raise errors.InvalidArgumentError(
+                f"indices: expected row ids in [0, {self.capacity}), got {raw[raw >= self.capacity][:3].tolist()}"
+            )
+        idx = raw.astype(np.int64, copy=False).reshape(-1)
         pri = as_numpy(priorities, "priorities").astype(np.float64, copy=False)
         try:
             pri = np.broadcast_to(pri.reshape(-1) if pri.size == idx.size else pri, idx.shape)
@@ -626,9 +672,7 @@ class Store:
                     f"column {name!r}: expected rows of shape {col.shape} (array [T, {', '.join(map(str, col.shape))}]), "
                     f"got array of shape {tuple(arr.shape)}"
                 )
-            if arr.dtype != col.dtype and not np.can_cast(arr.dtype, col.dtype, "same_kind"):
-                raise errors.SchemaError(f"column {name!r}: expected dtype {col.dtype}, got {arr.dtype}")
-            arrays[name] = arr.astype(col.dtype, copy=False)
+            arrays[name] = cast_to(arr, np.dtype(col.dtype), f"column {name!r}")
         lengths = {name: arr.shape[0] for name, arr in arrays.items()}
         if len(set(lengths.values())) > 1:
             raise errors.SchemaError(f"steps: expected the same number of rows in every column, got {lengths}")
@@ -662,9 +706,7 @@ class Store:
                     f"final_obs[{name!r}]: expected shape {(n_done, *col.shape)} "
                     f"({n_done} episodes end in this block), got {tuple(arr.shape)}"
                 )
-            if not np.can_cast(arr.dtype, np.dtype(col.dtype), "same_kind"):
-                raise errors.SchemaError(f"final_obs[{name!r}]: expected dtype {col.dtype}, got {arr.dtype}")
-            out[name] = arr.astype(col.dtype, copy=False)
+            out[name] = cast_to(arr, np.dtype(col.dtype), f"final_obs[{name!r}]")
         return out
 
 
@@ -769,7 +811,7 @@ def _manifest(store: Store) -> dict[str, Any]:
 
 
 def _acquire_lock(path: Path) -> int:
-    fd = os.open(path / fmt.LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _safe_io.open_file(path, fmt.LOCK, os.O_RDWR | os.O_CREAT)  # never through a link
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -1,0 +1,74 @@
+"""Check a store's lane counters against its episode index and reservation.
+
+The manifest's own counters are checked by ``_manifest.parse``; here the ends
+of the live episodes are read from ``index/ends`` and must lie strictly
+increasing in ``(first_start, written]``, each episode (the open one too) at
+most a lane long, and ``index/reserved`` must be what a writer can leave. A
+store that fails is corrupt (``CorruptStoreError``): nothing is repaired away.
+
+Cost: O(1) per lane plus one vectorized pass over the live episodes' ends
+(8 bytes each, read in blocks), or over only the episodes added since ``since``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import errors, index
+from .index import Lane
+
+_BLOCK = 1 << 20
+
+
+def check_lane(
+    ends: np.ndarray, lane: int, lane_size: int, st: Lane, where: str, since: int | None = None
+) -> None:
+    """Refuse a lane whose live episode ends contradict its counters.
+
+    ``since``: a sequence number whose predecessors were checked before (a
+    reader's refresh); only the episodes from there on are read.
+    """
+    lo = st.ep_head if since is None else max(st.ep_head, min(since, st.ep_tail) - 1)
+    prev = st.first_start
+    if lo > st.ep_head:
+        prev = int(index.ends_at(ends, lane, lane_size, np.array([lo - 1]))[0])
+        if not st.first_start < prev <= st.written:
+            raise _bad(where, lane, lo - 1, prev, st)
+    for a in range(lo, st.ep_tail, _BLOCK):
+        b = min(st.ep_tail, a + _BLOCK)
+        e = index.episode_ends(ends, lane, lane_size, a, b)
+        steps = np.diff(e, prepend=np.int64(prev))
+        wrong = (steps < 1) | (steps > lane_size) | (e > st.written)
+        if wrong.any():
+            k = int(np.flatnonzero(wrong)[0])
+            raise _bad(where, lane, a + k, int(e[k]), st)
+        prev = int(e[-1])
+    if st.written - st.open_start(ends, lane, lane_size) > lane_size:
+        raise errors.CorruptStoreError(
+            f"{where}: stream {lane}: expected the open episode to start at most lane_size={lane_size} rows "
+            f"before written={st.written}, got it starting at {st.open_start(ends, lane, lane_size)}"
+        )
+
+
+def _bad(where: str, lane: int, seq: int, got: int, st: Lane) -> errors.CorruptStoreError:
+    return errors.CorruptStoreError(
+        f"{where}: stream {lane}: expected episode ends strictly increasing in (first_start, written] = "
+        f"({st.first_start}, {st.written}], each at most a lane long, got episode {seq} ending at {got}"
+    )
+
+
+def check_reserved(reserved: int, lane: int, lane_size: int, st: Lane, where: str, *, writer: bool) -> None:
+    """Refuse a reservation a writer cannot have left.
+
+    A writer reserves rows before it writes them, so ``reserved >= written`` of
+    any commit; it reserves at most a lane past its last commit (``extend`` caps
+    it there: more would mean the same, every committed row may be rewritten),
+    plus at most a lane of look-ahead. The upper bound holds only for the
+    writer's own commit, so only the writer (which holds the lock) checks it.
+    """
+    high = st.written + 2 * lane_size if writer else (1 << 62)
+    if not st.written <= reserved <= high:
+        raise errors.CorruptStoreError(
+            f"{where}: stream {lane}: expected a reservation in [written, written + 2 * lane_size] = "
+            f"[{st.written}, {st.written + 2 * lane_size}], got {reserved}"
+        )
