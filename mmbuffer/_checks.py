@@ -83,7 +83,8 @@ def cast_to(arr: np.ndarray, dtype: np.dtype, what: str) -> np.ndarray:
         return arr
     if not np.can_cast(arr.dtype, dtype, "same_kind"):
         raise errors.SchemaError(f"{what}: expected dtype {dtype}, got {arr.dtype}")
-    out = arr.astype(dtype)
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused below
+        out = arr.astype(dtype)
     if np.can_cast(arr.dtype, dtype, "safe") or arr.size == 0:
         return out
     if arr.dtype.kind in "iu" and dtype.kind in "iu":
@@ -97,6 +98,6 @@ def cast_to(arr: np.ndarray, dtype: np.dtype, what: str) -> np.ndarray:
         grew = np.isinf(out) & np.isfinite(arr)
         if grew.any():
             raise errors.SchemaError(
-                f"{what}: expected values that fit {dtype} (|x| <= {np.finfo(dtype).max}), got {arr[grew][:3].tolist()}"
+                f"{what}: expected values that fit {dtype} (|x| <= {np.finfo(dtype).max}), got {arr.dtype} values {arr[grew][:3].tolist()}"
             )
     return out
