@@ -25,7 +25,7 @@ CAP = 16
 def make_store(path: Path, *, priorities: bool = False, compression: str | None = None) -> Path:
     buf = mb.create(
         path,
-        {"x": ((3,), "float32"), "a": ((), "int32")},
+        {"x": ((3,), "float64"), "a": ((), "int64")},  # 8-byte items: "object" fits the files
         capacity=CAP,
         num_streams=2,
         next_keys=("x",),
@@ -116,7 +116,7 @@ def test_object_dtype_in_zarr_json_or_manifest_is_refused_not_a_segfault(tmp_pat
 @pytest.mark.parametrize(
     "array, change, field",
     [
-        ("columns/a", lambda m: m.update(data_type="float32"), "data_type"),  # same size, other dtype
+        ("columns/a", lambda m: m.update(data_type="float64"), "data_type"),  # same size, other dtype
         ("columns/a", lambda m: m.update(shape=[CAP * 1000], chunk_grid={**m["chunk_grid"]}), "shape"),
         ("columns/a", lambda m: m.update(shape=[CAP // 2]), "shape"),  # fewer rows than the capacity
         ("columns/x", lambda m: m.update(shape=[CAP, 6]), "shape"),
@@ -231,9 +231,10 @@ def test_linked_chunk_of_a_compressed_column_is_refused(tmp_path):
     assert "link" in refused(path)
 
 
-@pytest.mark.parametrize("name", ["../../x", "/etc/passwd", "a/../../x", "next_x"])
+@pytest.mark.parametrize("name", ["../../x", "../x", "next_x"])
 def test_column_name_leading_outside_is_refused(tmp_path, name):
     path = make_store(tmp_path / "s")
+    os.replace(path / "columns" / "a", os.path.normpath(path / "columns" / name))  # the files are there
     edit_json(path / "manifest.json", lambda m: m["columns"].update({name: m["columns"].pop("a")}))
     assert "columns" in refused(path, mode="a")
 
