@@ -34,15 +34,22 @@ def check_lane(
         prev = int(index.ends_at(ends, lane, lane_size, np.array([lo - 1]))[0])
         if not st.first_start < prev <= st.written:
             raise _bad(where, lane, lo - 1, prev, st)
-    for a in range(lo, st.ep_tail, _BLOCK):
-        b = min(st.ep_tail, a + _BLOCK)
-        e = index.episode_ends(ends, lane, lane_size, a, b)
-        steps = np.diff(e, prepend=np.int64(prev))
-        wrong = (steps < 1) | (steps > lane_size) | (e > st.written)
-        if wrong.any():
-            k = int(np.flatnonzero(wrong)[0])
+    base = lane * 2 * lane_size
+    a = lo
+    while a < st.ep_tail:  # contiguous views of the ring, a block at a time: no fancy-index copy
+        s = a % (2 * lane_size)
+        n = min(st.ep_tail - a, 2 * lane_size - s, _BLOCK)
+        e = ends[base + s : base + s + n]
+        first, last = int(e[0]), int(e[-1])
+        d = np.diff(e) if n > 1 else e[:0]
+        ok = prev < first <= prev + lane_size and last <= st.written and (n == 1 or (int(d.min()) >= 1 and int(d.max()) <= lane_size))
+        if not ok:
+            e = np.asarray(e)
+            steps = np.diff(e, prepend=np.int64(prev))
+            k = int(np.flatnonzero((steps < 1) | (steps > lane_size) | (e > st.written))[0])
             raise _bad(where, lane, a + k, int(e[k]), st)
-        prev = int(e[-1])
+        prev = last
+        a += n
     if st.written - st.open_start(ends, lane, lane_size) > lane_size:
         raise errors.CorruptStoreError(
             f"{where}: stream {lane}: expected the open episode to start at most lane_size={lane_size} rows "
