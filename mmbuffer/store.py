@@ -208,8 +208,9 @@ class Store:
         for lane, st in enumerate(lanes):
             _counters.check_reserved(int(self._reserved[lane]), lane, self.lane_size, st, where, writer=writer)
             start = None if since is None else since[lane].ep_tail
-            if writer:
-                _counters.check_lane(self._ends, lane, self.lane_size, st, where, start)
+            if writer:  # what recovery keeps: a crashed writer may have rewritten the rest
+                live = index.drop_below(self._ends, lane, self.lane_size, st, int(self._reserved[lane]) - self.lane_size)
+                _counters.check_lane(self._ends, lane, self.lane_size, live, where, start)
                 continue
             # a reader checks what it may use; a live writer can be rewriting the rest
             for attempt in range(3):

@@ -495,3 +495,32 @@ def test_fuzzed_metadata_gives_typed_errors_only(tmp_path):
     outcomes = json.loads(out.stdout.splitlines()[-1])
     print(outcomes)
     assert outcomes.get("CorruptStoreError", 0) > 60 and outcomes.get("ok", 0) > 0
+
+
+CRASHING_WRITER = textwrap.dedent(
+    """
+    import os, sys, numpy as np, mmbuffer as mb
+    buf = mb.open(sys.argv[1])
+    for _ in range(int(sys.argv[2])):  # many lanes' worth of rows, never committed
+        buf.extend({"x": np.zeros((4, 3)), "a": np.zeros(4, np.int64), "terminated": np.arange(4) == 3},
+                   stream=0, final_obs={"x": np.zeros((1, 3))})
+    os._exit(0)  # a crash: no commit, no close
+    """
+)
+
+
+@pytest.mark.parametrize("blocks, kept", [(1, 1), (5, 0), (40, 0)])
+def test_writer_crashed_far_past_its_commit_reopens(tmp_path, blocks, kept):
+    """The reservation a crashed writer leaves passes the open-time check however far
+    it wrote past its last commit; what it may have overwritten is dropped."""
+    path = make_store(tmp_path / "s")
+    before = mb.open(path, mode="r").episodes()[1].tolist()
+    subprocess.run([sys.executable, "-c", CRASHING_WRITER, str(path), str(blocks)], check=True, timeout=120)
+    lane_size = CAP // 2
+    with mb.open(path) as buf:  # the writer recovers
+        starts, lengths = buf.episodes()
+        # lane 0 held episodes [0, 3) and [3, 6); the crashed writer reserved up to row
+        # 6 + 4 * blocks + 1 (at most 6 + 2 lanes): what starts a lane below is dropped
+        assert (starts < lane_size).sum().item() == kept
+        assert lengths.tolist() == before[2 - kept :]  # lane 1 untouched
+    use(path)
