@@ -30,9 +30,11 @@ def check_lane(
     """
     lo = st.ep_head if since is None else max(st.ep_head, min(since, st.ep_tail) - 1)
     prev = st.first_start
-    if lo > st.ep_head:
-        prev = int(index.ends_at(ends, lane, lane_size, np.array([lo - 1]))[0])
-        if not st.first_start < prev <= st.written:
+    if lo > st.ep_head:  # the head and the last checked episode: O(1)
+        head, prev = (int(x) for x in index.ends_at(ends, lane, lane_size, np.array([st.ep_head, lo - 1])))
+        if not st.first_start < head <= min(prev, st.first_start + lane_size):
+            raise _bad(where, lane, st.ep_head, head, st)
+        if not prev <= st.written:
             raise _bad(where, lane, lo - 1, prev, st)
     base = lane * 2 * lane_size
     a = lo

@@ -524,3 +524,16 @@ def test_writer_crashed_far_past_its_commit_reopens(tmp_path, blocks, kept):
         assert (starts < lane_size).sum().item() == kept
         assert lengths.tolist() == before[2 - kept :]  # lane 1 untouched
     use(path)
+
+
+def test_refresh_refuses_corrupt_ends_of_new_episodes(tmp_path):
+    path = make_store(tmp_path / "s")
+    ro = mb.open(path, mode="r")
+    gen = ro.generation
+    with mb.open(path) as buf:
+        buf.extend({"x": np.zeros((2, 3)), "a": np.zeros(2, np.int64), "terminated": np.ones(2, bool)},
+                   final_obs={"x": np.zeros((2, 3))})
+    set_counter(path, "ends", 3, 2)  # lane 0's new episodes 2 and 3 end at 7 and 8: 8 -> 2
+    with pytest.raises(mb.errors.CorruptStoreError, match="episode 3 ending at 2"):
+        ro.refresh()
+    assert ro.generation == gen
