@@ -101,3 +101,14 @@ def cast_to(arr: np.ndarray, dtype: np.dtype, what: str) -> np.ndarray:
                 f"{what}: expected values that fit {dtype} (|x| <= {np.finfo(dtype).max}), got {arr.dtype} values {arr[grew][:3].tolist()}"
             )
     return out
+
+
+def row_ids(value: Any, capacity: int) -> np.ndarray:
+    """Integer row ids as a flat int64 array (range checked by the caller); a float
+    id would be truncated to another row, so any other dtype is refused."""
+    raw = as_numpy(value, "indices")
+    if raw.dtype.kind not in "iu" and raw.size:
+        raise errors.InvalidArgumentError(f"indices: expected integer row ids, got dtype {raw.dtype}")
+    if raw.dtype == np.uint64 and raw.size and int(raw.max()) >= capacity:  # would wrap to negative
+        raise errors.InvalidArgumentError(f"indices: expected row ids in [0, {capacity}), got {raw[raw >= capacity][:3].tolist()}")
+    return raw.astype(np.int64, copy=False).reshape(-1)

@@ -75,9 +75,35 @@ def check_reserved(reserved: int, lane: int, lane_size: int, st: Lane, where: st
     plus at most a lane of look-ahead. The upper bound holds only for the
     writer's own commit, so only the writer (which holds the lock) checks it.
     """
-    high = st.written + 2 * lane_size if writer else (1 << 62)
+    high = st.written + 2 * lane_size if writer else 1 << 62
     if not st.written <= reserved <= high:
+        bound = "written + 2 * lane_size" if writer else "2**62"
         raise errors.CorruptStoreError(
-            f"{where}: stream {lane}: expected a reservation in [written, written + 2 * lane_size] = "
-            f"[{st.written}, {st.written + 2 * lane_size}], got {reserved}"
+            f"{where}: index/reserved: stream {lane}: expected a reservation in [written, {bound}] = "
+            f"[{st.written}, {high}], got {reserved}"
         )
+
+
+def check_lanes(
+    ends: np.ndarray, reserved: np.ndarray, lanes: list[Lane], lane_size: int, where: str, *,
+    writer: bool, since: list[Lane] | None = None,
+) -> None:
+    """Check every lane's reservation, then the live episodes that survive it.
+
+    The episodes below ``reserved - lane_size`` are not checked: a writer (a live
+    one, for a reader; a crashed one, for the writer that recovers) may have
+    rewritten their slots, and neither reads them. A reader re-checks when the
+    reservation moved during its check (a live writer went on).
+    """
+    for lane, st in enumerate(lanes):
+        check_reserved(int(reserved[lane]), lane, lane_size, st, where, writer=writer)
+        start = None if since is None else since[lane].ep_tail
+        for attempt in range(1 if writer else 3):
+            seen = int(reserved[lane])
+            live = index.drop_below(ends, lane, lane_size, st, seen - lane_size)
+            try:
+                check_lane(ends, lane, lane_size, live, where, start)
+                break
+            except errors.CorruptStoreError:
+                if writer or attempt == 2 or int(reserved[lane]) == seen:
+                    raise

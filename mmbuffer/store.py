@@ -45,7 +45,7 @@ import numpy as np
 from . import _format as fmt
 from . import _counters, _safe_io, errors, index, tree
 from ._manifest import Manifest, load_manifest
-from ._checks import as_numpy, cast_to, check_int, check_json, check_schema, check_stream
+from ._checks import as_numpy, cast_to, check_int, check_json, check_schema, check_stream, row_ids
 from .config import config
 from .index import Lane
 
@@ -156,9 +156,7 @@ class Store:
 
     # -- opening -----------------------------------------------------------------------
     def _load(self, manifest: Manifest) -> None:
-        """Open every file the checked manifest names (no links followed, each
-        ``zarr.json`` checked against the manifest), then check the counters
-        against the index: all before anything is written (``_recover``)."""
+        """Open the files the checked manifest names, check the counters, then ``_recover``."""
         self.capacity = manifest.capacity
         self.num_streams = manifest.num_streams
         self.lane_size = manifest.lane_size
@@ -175,53 +173,24 @@ class Store:
         self._data: dict[str, Any] = {}
         for name, (shape, dt) in manifest.columns.items():
             expect = (cap, shape, dt)
-            if name in fmt.RESERVED_NAMES or self.compression is None:
-                # the descriptor serves pwrite (writer) and pread (scans)
+            if name in fmt.RESERVED_NAMES or self.compression is None:  # the fd: pwrite and pread
                 self._data[name], self._fds[name] = fmt.open_raw_fd(root, f"columns/{name}", writable=writable, expect=expect)
             else:
                 self._data[name] = fmt.CompressedArray(root, f"columns/{name}", writable=writable, expect=expect)
-        self._final = {
-            k: fmt.open_raw(root, f"final/{k}", writable=writable, expect=(cap, *manifest.columns[k]))
-            for k in self.next_keys
-        }
-        i64 = np.dtype(np.int64)
-        self._ends = fmt.open_raw(root, "index/ends", writable=writable, expect=(2 * cap, (), i64))
-        self._reserved = fmt.open_raw(root, "index/reserved", writable=writable, expect=(self.num_streams, (), i64))
+        final = {k: (cap, *manifest.columns[k]) for k in self.next_keys}
+        self._final = {k: fmt.open_raw(root, f"final/{k}", writable=writable, expect=e) for k, e in final.items()}
+        self._ends = fmt.open_raw(root, "index/ends", writable=writable, expect=(2 * cap, (), np.dtype(np.int64)))
+        self._reserved = fmt.open_raw(root, "index/reserved", writable=writable, expect=(self.num_streams, (), np.dtype(np.int64)))
         self._tree: tree.PriorityTree | None = None
         if self.priorities is not None:
-            arrays = {
-                k: fmt.open_raw(root, f"priority/{k}", writable=writable, expect=(shape[0], tuple(shape[1:]), np.dtype(kind)))
-                for k, (shape, kind) in tree.layout(cap).items()
-            }
-            self._tree = tree.PriorityTree(**arrays)
+            layout = {k: (s[0], tuple(s[1:]), np.dtype(t)) for k, (s, t) in tree.layout(cap).items()}
+            self._tree = tree.PriorityTree(**{k: fmt.open_raw(root, f"priority/{k}", writable=writable, expect=e) for k, e in layout.items()})
             _safe_io.lexists(root, "priority/DIRTY")  # a link there would be touched through
         self._committed = list(manifest.lanes)
-        self._check_counters(self._committed, None)
+        _counters.check_lanes(self._ends, self._reserved, self._committed, self.lane_size, str(self.path / fmt.MANIFEST), writer=writable)
         self._lanes = list(self._committed)
         if writable:
             self._recover()
-
-    def _check_counters(self, lanes: list[Lane], since: list[Lane] | None) -> None:
-        """Refuse counters that contradict the index or the reservation (``_counters``)."""
-        where = str(self.path / fmt.MANIFEST)
-        writer = self.mode == "a"
-        for lane, st in enumerate(lanes):
-            _counters.check_reserved(int(self._reserved[lane]), lane, self.lane_size, st, where, writer=writer)
-            start = None if since is None else since[lane].ep_tail
-            if writer:  # what recovery keeps: a crashed writer may have rewritten the rest
-                live = index.drop_below(self._ends, lane, self.lane_size, st, int(self._reserved[lane]) - self.lane_size)
-                _counters.check_lane(self._ends, lane, self.lane_size, live, where, start)
-                continue
-            # a reader checks what it may use; a live writer can be rewriting the rest
-            for attempt in range(3):
-                seen = int(self._reserved[lane])
-                live = index.drop_below(self._ends, lane, self.lane_size, st, seen - self.lane_size)
-                try:
-                    _counters.check_lane(self._ends, lane, self.lane_size, live, where, start)
-                    break
-                except errors.CorruptStoreError:
-                    if attempt == 2 or int(self._reserved[lane]) == seen:
-                        raise
 
     def _recover(self) -> None:
         """Drop what an interrupted writer may have left past the last commit.
@@ -367,8 +336,7 @@ class Store:
         index.check_fits(st, self._ends, lane, self.lane_size, done)
 
         new_written = st.written + rows
-        # past two lanes beyond the commit every committed row may be rewritten: the cap
-        # says as much and keeps the counter checkable at open (_counters.check_reserved)
+        # capped: past that every committed row may be rewritten (_counters.check_reserved)
         limit = self._committed[lane].written + 2 * self.lane_size
         if new_written > int(self._reserved[lane]) and int(self._reserved[lane]) < limit:
             ahead = max(1, int(self.lane_size * config.reserve_fraction))
@@ -436,13 +404,11 @@ class Store:
             return False
         if self.mode == "a":
             return False  # the writer is the source of commits
+        where = str(self.path / fmt.MANIFEST)
         if manifest.schema() != self._schema:
-            raise errors.CorruptStoreError(
-                f"{self.path / fmt.MANIFEST}: expected the schema the store was opened with "
-                f"(capacity, streams, columns, priorities), got {manifest.schema()} instead of {self._schema}"
-            )
+            raise errors.CorruptStoreError(f"{where}: expected the schema opened, {self._schema}, got {manifest.schema()}")
         lanes = list(manifest.lanes)
-        self._check_counters(lanes, self._committed)
+        _counters.check_lanes(self._ends, self._reserved, lanes, self.lane_size, where, writer=False, since=self._committed)
         self.generation = manifest.generation
         self.attrs = dict(manifest.attrs)
         self._committed = lanes
@@ -503,14 +469,7 @@ class Store:
             raise errors.InvalidPriorityError(
                 f"{what}: expected a store created with priorities=mb.PriorityConfig(...), got priorities=None"
             )
-        raw = as_numpy(indices, "indices")
-        if raw.dtype.kind not in "iu" and raw.size:  # a float id would be truncated to another row
-            raise errors.InvalidArgumentError(f"indices: expected integer row ids, got dtype {raw.dtype}")
-        if raw.dtype == np.uint64 and raw.size and int(raw.max()) >= self.capacity:
-            raise errors.InvalidArgumentError(
-                f"indices: expected row ids in [0, {self.capacity}), got {raw[raw >= self.capacity][:3].tolist()}"
-            )
-        idx = raw.astype(np.int64, copy=False).reshape(-1)
+        idx = row_ids(indices, self.capacity)
         pri = as_numpy(priorities, "priorities").astype(np.float64, copy=False)
         try:
             pri = np.broadcast_to(pri.reshape(-1) if pri.size == idx.size else pri, idx.shape)
