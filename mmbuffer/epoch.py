@@ -28,7 +28,7 @@ for stores that are not written during the epoch (offline training).
 
 from __future__ import annotations
 
-import json
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from . import _format as fmt
-from . import errors, sampling
+from . import _safe_io, errors, sampling
 from ._checks import check_int
 from .buffer import Buffer
 from .gather import Batch, resolve_keys
@@ -129,10 +129,8 @@ class EpochSampler:
         self._counts = sampling.SliceCounts(self.slice_len or 1, True, False)
         fresh = _State(int(seed), 0, 0, -1, self.slice_len, (index, count))
         self._state = fresh
-        if self._file.exists():
-            saved = json.loads(self._file.read_text())
-            saved["shard"] = tuple(saved["shard"])
-            old = _State(**saved)
+        old = _load_state(Path(buf.path), f"sampler/{name}.json")
+        if old is not None:
             for field in ("seed", "slice_len", "shard"):
                 if getattr(old, field) != getattr(fresh, field):
                     raise errors.InvalidArgumentError(
@@ -212,6 +210,47 @@ class EpochSampler:
     def _save(self) -> None:
         self._file.parent.mkdir(exist_ok=True)
         fmt.atomic_write_json(self._file, asdict(self._state), durable=False)
+
+
+def _load_state(root: Path, rel: str) -> _State | None:
+    """The saved state ``root/rel``, or None; a link on the way, or a file that is
+    not a state this class saves, is ``CorruptStoreError`` naming the file."""
+    parts = rel.split("/")
+    if not all(os.path.lexists(root.joinpath(*parts[:i])) for i in range(1, len(parts))):
+        return None  # no state saved yet
+    if not _safe_io.lexists(root, rel):  # refuses a link on the way (_save would write through it)
+        return None
+    obj = fmt.read_json_in(root, rel)
+    keys = {"seed", "epoch", "position", "num_items", "slice_len", "shard"}
+
+    def ok_int(x: object, low: int) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and low <= x < 1 << 63
+
+    if not isinstance(obj, dict) or set(obj) != keys:
+        raise errors.CorruptStoreError(f"{root / rel}: expected an object with {sorted(keys)}, got {obj!r:.200}")
+    shard, slice_len = obj["shard"], obj["slice_len"]
+    good = (
+        ok_int(obj["seed"], -(1 << 63))
+        and ok_int(obj["epoch"], 0)
+        and ok_int(obj["position"], 0)
+        and ok_int(obj["num_items"], -1)
+        and (slice_len is None or ok_int(slice_len, 1))
+        and isinstance(shard, list)
+        and len(shard) == 2
+        and ok_int(shard[1], 1)
+        and ok_int(shard[0], 0)
+        and shard[0] < shard[1]
+    )
+    if good and obj["num_items"] >= 0:
+        good = obj["position"] <= _shard_size(obj["num_items"], shard[0], shard[1])
+    elif good:
+        good = obj["position"] == 0
+    if not good:
+        raise errors.CorruptStoreError(
+            f"{root / rel}: expected seed, epoch >= 0, 0 <= position <= this shard's items, num_items >= -1, "
+            f"slice_len null or >= 1, shard [i, n] with 0 <= i < n; got {obj!r:.300}"
+        )
+    return _State(obj["seed"], obj["epoch"], obj["position"], obj["num_items"], slice_len, (shard[0], shard[1]))
 
 
 def _shard_size(n: int, index: int, count: int) -> int:

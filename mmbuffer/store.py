@@ -43,8 +43,9 @@ from typing import Any, Self, TypeVar
 import numpy as np
 
 from . import _format as fmt
-from . import errors, index, tree
-from ._checks import as_numpy, check_int, check_json, check_schema, check_stream
+from . import _counters, _safe_io, errors, index, tree
+from ._manifest import Manifest, load_manifest
+from ._checks import as_numpy, cast_to, check_int, check_json, check_schema, check_stream, row_ids
 from .config import config
 from .index import Lane
 from .layout import Layout
@@ -152,8 +153,9 @@ class Store:
             raise errors.InvalidArgumentError(f"mode: expected 'r' or 'a', got {mode!r}")
         self.path = Path(path)
         self.mode = mode
-        manifest = fmt.read_manifest(self.path)
+        manifest = load_manifest(self.path)
         self._lock_fd: int | None = None
+        self._fds: dict[str, int] = {}
         if mode == "a":
             self._lock_fd = _acquire_lock(self.path)
         try:
@@ -163,42 +165,39 @@ class Store:
             raise
 
     # -- opening -----------------------------------------------------------------------
-    def _load(self, manifest: dict[str, Any]) -> None:
-        self.capacity = int(manifest["capacity"])
-        self.num_streams = int(manifest["num_streams"])
-        self.lane_size = int(manifest["lane_size"])
-        self.compression: str | None = manifest.get("compression")
-        self.columns = {
-            name: Column(tuple(spec["shape"]), spec["dtype"]) for name, spec in manifest["columns"].items()
-        }
-        self.next_keys: tuple[str, ...] = tuple(manifest["next_keys"])
-        pri = manifest.get("priorities")
-        self.priorities = PriorityConfig(**pri) if pri else None
-        self.attrs: dict[str, Any] = dict(manifest.get("attrs", {}))
-        self.generation = int(manifest["generation"])
+    def _load(self, manifest: Manifest) -> None:
+        """Open the files the checked manifest names, check the counters, then ``_recover``."""
+        self.capacity = manifest.capacity
+        self.num_streams = manifest.num_streams
+        self.lane_size = manifest.lane_size
+        self.compression: str | None = manifest.compression
+        self.columns = {name: Column(shape, dt.name) for name, (shape, dt) in manifest.columns.items()}
+        self.next_keys: tuple[str, ...] = manifest.next_keys
+        self.priorities = PriorityConfig(**manifest.priorities) if manifest.priorities else None
+        self.attrs: dict[str, Any] = dict(manifest.attrs)
+        self.generation = manifest.generation
+        self._schema = manifest.schema()
         writable = self.mode == "a"
         root = self.path
+        cap = self.capacity
         self._data: dict[str, Any] = {}
-        self._fds: dict[str, int] = {}  # raw column files: pwrite (writer) and pread (scans)
-        for name in self.columns:
-            if name in fmt.RESERVED_NAMES or self.compression is None:
-                self._data[name] = fmt.open_raw(root, f"columns/{name}", writable=writable)
-                flags = os.O_RDWR if writable else os.O_RDONLY
-                self._fds[name] = os.open(fmt.raw_file(root, f"columns/{name}"), flags)
+        for name, (shape, dt) in manifest.columns.items():
+            expect = (cap, shape, dt)
+            if name in fmt.RESERVED_NAMES or self.compression is None:  # the fd: pwrite and pread
+                self._data[name], self._fds[name] = fmt.open_raw_fd(root, f"columns/{name}", writable=writable, expect=expect)
             else:
-                self._data[name] = fmt.CompressedArray(root, f"columns/{name}", writable=writable)
-        self._final = {k: fmt.open_raw(root, f"final/{k}", writable=writable) for k in self.next_keys}
-        self._ends = fmt.open_raw(root, "index/ends", writable=writable)
-        self._reserved = fmt.open_raw(root, "index/reserved", writable=writable)
+                self._data[name] = fmt.CompressedArray(root, f"columns/{name}", writable=writable, expect=expect)
+        final = {k: (cap, *manifest.columns[k]) for k in self.next_keys}
+        self._final = {k: fmt.open_raw(root, f"final/{k}", writable=writable, expect=e) for k, e in final.items()}
+        self._ends = fmt.open_raw(root, "index/ends", writable=writable, expect=(2 * cap, (), np.dtype(np.int64)))
+        self._reserved = fmt.open_raw(root, "index/reserved", writable=writable, expect=(self.num_streams, (), np.dtype(np.int64)))
         self._tree: tree.PriorityTree | None = None
         if self.priorities is not None:
-            arrays = {k: fmt.open_raw(root, f"priority/{k}", writable=writable) for k in tree.layout(self.capacity)}
-            self._tree = tree.PriorityTree(**arrays)
-        self._committed = [Lane.from_json(x) for x in manifest["lanes"]]
-        if len(self._committed) != self.num_streams:
-            raise errors.CorruptStoreError(
-                f"{self.path / fmt.MANIFEST}: expected {self.num_streams} lanes, got {len(self._committed)}"
-            )
+            layout = {k: (s[0], tuple(s[1:]), np.dtype(t)) for k, (s, t) in tree.layout(cap).items()}
+            self._tree = tree.PriorityTree(**{k: fmt.open_raw(root, f"priority/{k}", writable=writable, expect=e) for k, e in layout.items()})
+            _safe_io.lexists(root, "priority/DIRTY")  # a link there would be touched through
+        self._committed = list(manifest.lanes)
+        _counters.check_lanes(self._ends, self._reserved, self._committed, self.lane_size, str(self.path / fmt.MANIFEST), writer=writable)
         self._lanes = list(self._committed)
         if writable:
             self._recover()
@@ -360,9 +359,11 @@ class Store:
         index.check_fits(st, self._ends, lane, self.lane_size, done)
 
         new_written = st.written + rows
-        if new_written > int(self._reserved[lane]):
+        # capped: past that every committed row may be rewritten (_counters.check_reserved)
+        limit = self._committed[lane].written + 2 * self.lane_size
+        if new_written > int(self._reserved[lane]) and int(self._reserved[lane]) < limit:
             ahead = max(1, int(self.lane_size * config.reserve_fraction))
-            self._reserved[lane] = new_written + ahead
+            self._reserved[lane] = min(new_written + ahead, limit)
             fmt.flush_rows(self._reserved, lane, lane + 1)  # on disk before any row it covers
 
         segments = _ring_segments(lane, self.lane_size, st.written, new_written)
@@ -421,14 +422,19 @@ class Store:
     @locked
     def refresh(self) -> bool:
         """Reload the last commit (readers); return whether it changed."""
-        manifest = fmt.read_manifest(self.path)
-        if int(manifest["generation"]) == self.generation:
+        manifest = load_manifest(self.path)
+        if manifest.generation == self.generation:
             return False
         if self.mode == "a":
             return False  # the writer is the source of commits
-        self.generation = int(manifest["generation"])
-        self.attrs = dict(manifest.get("attrs", {}))
-        self._committed = [Lane.from_json(x) for x in manifest["lanes"]]
+        where = str(self.path / fmt.MANIFEST)
+        if manifest.schema() != self._schema:
+            raise errors.CorruptStoreError(f"{where}: expected the schema opened, {self._schema}, got {manifest.schema()}")
+        lanes = list(manifest.lanes)
+        _counters.check_lanes(self._ends, self._reserved, lanes, self.lane_size, where, writer=False, since=self._committed)
+        self.generation = manifest.generation
+        self.attrs = dict(manifest.attrs)
+        self._committed = lanes
         self._lanes = list(self._committed)
         return True
 
@@ -486,7 +492,7 @@ class Store:
             raise errors.InvalidPriorityError(
                 f"{what}: expected a store created with priorities=mb.PriorityConfig(...), got priorities=None"
             )
-        idx = as_numpy(indices, "indices").astype(np.int64, copy=False).reshape(-1)
+        idx = row_ids(indices, self.capacity)
         pri = as_numpy(priorities, "priorities").astype(np.float64, copy=False)
         try:
             pri = np.broadcast_to(pri.reshape(-1) if pri.size == idx.size else pri, idx.shape)
@@ -649,9 +655,7 @@ class Store:
                     f"column {name!r}: expected rows of shape {col.shape} (array [T, {', '.join(map(str, col.shape))}]), "
                     f"got array of shape {tuple(arr.shape)}"
                 )
-            if arr.dtype != col.dtype and not np.can_cast(arr.dtype, col.dtype, "same_kind"):
-                raise errors.SchemaError(f"column {name!r}: expected dtype {col.dtype}, got {arr.dtype}")
-            arrays[name] = arr.astype(col.dtype, copy=False)
+            arrays[name] = cast_to(arr, np.dtype(col.dtype), f"column {name!r}")
         lengths = {name: arr.shape[0] for name, arr in arrays.items()}
         if len(set(lengths.values())) > 1:
             raise errors.SchemaError(f"steps: expected the same number of rows in every column, got {lengths}")
@@ -685,9 +689,7 @@ class Store:
                     f"final_obs[{name!r}]: expected shape {(n_done, *col.shape)} "
                     f"({n_done} episodes end in this block), got {tuple(arr.shape)}"
                 )
-            if not np.can_cast(arr.dtype, np.dtype(col.dtype), "same_kind"):
-                raise errors.SchemaError(f"final_obs[{name!r}]: expected dtype {col.dtype}, got {arr.dtype}")
-            out[name] = arr.astype(col.dtype, copy=False)
+            out[name] = cast_to(arr, np.dtype(col.dtype), f"final_obs[{name!r}]")
         return out
 
 
@@ -792,7 +794,7 @@ def _manifest(store: Store) -> dict[str, Any]:
 
 
 def _acquire_lock(path: Path) -> int:
-    fd = os.open(path / fmt.LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _safe_io.open_file(path, fmt.LOCK, os.O_RDWR | os.O_CREAT)  # never through a link
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
