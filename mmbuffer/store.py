@@ -411,6 +411,14 @@ class Store:
             for a, b in _ring_segments(lane, slots, self._committed[lane].ep_tail, self._lanes[lane].ep_tail):
                 fmt.flush_rows(self._ends, a, b)
         self._flush_tree()
+        # a writer that ran more than the capped reservation past its last commit
+        # left the reservation below its cursor: raise it before the manifest says
+        # so (readers require reserved >= written)
+        behind = [l for l, st in enumerate(self._lanes) if int(self._reserved[l]) < st.written]
+        for lane in behind:
+            self._reserved[lane] = self._lanes[lane].written
+        if behind:
+            fmt.flush_rows(self._reserved, 0, len(self._reserved))
         self.generation += 1
         self._write_manifest()
         self._committed = list(self._lanes)
