@@ -19,6 +19,15 @@ capacities up to ``--torchrl-max``.
 
     python benchmarks/bench_priority.py                  # 1e6, 1e8, 6e8 (needs ~5 GB free per 1e9 rows)
     python benchmarks/bench_priority.py --capacities 1e6  # quick
+
+``--slices`` times prioritized slices instead (``slice_indices(256, 64,
+prioritized=True)``, warm, in-process) on stores of episodes of 100 or 1000
+rows with a given share of the priority mass on valid window starts: 0.9 is
+served by rejection alone, 0.3 by rejection rounds and then the exact draw,
+0.01 by the exact draw at once (O(live episodes * log N), see
+``sampling.prioritized``); plain prioritized transitions for comparison.
+
+    python benchmarks/bench_priority.py --slices --capacities 1e6,1e7
 """
 
 from __future__ import annotations
@@ -123,15 +132,59 @@ print(json.dumps({"open": t_open, "cold_index": med(t_cold), "warm": t_warm, "st
 IMPORT_RSS = "import torch, mmbuffer\nprint([int(l.split()[1]) / 1024 for l in open('/proc/self/status') if l.startswith('RssAnon:')][0])"
 
 
+def slices(root: Path, capacities: list[int], reps: int) -> None:
+    """Prioritized slices when the priority mass sits on rows that cannot start a window."""
+    import torch
+
+    L, rows = 64, []
+    for cap in capacities:
+        for ep_len in (1000, 100):
+            path = root / f"pslices_{cap}_{ep_len}"
+            shutil.rmtree(path, ignore_errors=True)
+            with mb.create(path, {"x": ((), "uint8")}, capacity=cap, next_keys=(),
+                           priorities=mb.PriorityConfig(alpha=1.0, eps=0.0)) as buf:
+                for lo in range(0, cap, BLOCK):
+                    ids = np.arange(lo, min(lo + BLOCK, cap))
+                    buf.extend({"x": np.zeros(len(ids), np.uint8), "truncated": ids % ep_len == ep_len - 1})
+                ids = np.arange(cap)
+                tail = ids % ep_len > ep_len - L  # no window of L rows starts there
+                for share in (0.9, 0.3, 0.01):
+                    p = np.where(tail, 1.0, share / (1 - share) * tail.sum() / (~tail).sum())
+                    buf.set_leaf_priorities(ids, p.astype(np.float32))
+                    g = torch.Generator().manual_seed(0)
+                    t_s, t_t = [], []
+                    for i in range(reps + 5):
+                        t0 = time.perf_counter()
+                        buf.slice_indices(256, L, True, g, prioritized=True)
+                        t1 = time.perf_counter()
+                        buf.sample_indices(256, g, prioritized=True)
+                        if i >= 5:
+                            t_s.append(t1 - t0)
+                            t_t.append(time.perf_counter() - t1)
+                    row = {"capacity": cap, "episodes": cap // ep_len, "valid mass share": share,
+                           "slices idx ms": float(np.median(t_s)) * 1e3,
+                           "p90 slices ms": float(np.percentile(t_s, 90)) * 1e3,
+                           "transitions idx ms": float(np.median(t_t)) * 1e3}
+                    rows.append(row)
+                    print(json.dumps(row))
+            shutil.rmtree(path, ignore_errors=True)
+    print()
+    table(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--capacities", default="1e6,1e8,6e8")
     parser.add_argument("--reps", type=int, default=500)
     parser.add_argument("--seconds", type=float, default=45.0, help="steady-state sample+update loop per capacity")
     parser.add_argument("--torchrl-max", type=float, default=1e8)
+    parser.add_argument("--slices", action="store_true", help="prioritized slices under low acceptance instead")
     args = parser.parse_args()
     root = scratch()
     header("bench_priority")
+    if args.slices:
+        slices(root, [int(float(c)) for c in args.capacities.split(",")], min(args.reps, 50))
+        return
     base_rss = float(run_python(IMPORT_RSS))
     print(f"anonymous RSS of a process that only imported torch and mmbuffer: {base_rss:.0f} MiB\n")
     rows = []

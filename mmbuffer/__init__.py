@@ -16,6 +16,7 @@ from . import (
     data,  # noqa: E402 - needs the names above
     errors,
     losses,
+    samplers,
 )
 from .buffer import Buffer, create, open
 from .epoch import EpochSampler
@@ -32,6 +33,7 @@ __all__ = [
     "convert",
     "EpochSampler",
     "PriorityConfig",
+    "samplers",
     "create",
     "data",
     "errors",

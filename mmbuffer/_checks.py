@@ -74,3 +74,41 @@ def as_numpy(value: Any, name: str) -> np.ndarray:
         return np.asarray(value)
     except (TypeError, ValueError) as exc:
         raise errors.SchemaError(f"{name}: expected an array, got {type(value).__name__} ({exc})") from None
+
+
+def cast_to(arr: np.ndarray, dtype: np.dtype, what: str) -> np.ndarray:
+    """``arr`` as ``dtype``: a ``same_kind`` cast whose values all fit (an integer in
+    the column's range, a finite float still finite), else ``SchemaError``."""
+    if arr.dtype == dtype:
+        return arr
+    if not np.can_cast(arr.dtype, dtype, "same_kind"):
+        raise errors.SchemaError(f"{what}: expected dtype {dtype}, got {arr.dtype}")
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused below
+        out = arr.astype(dtype)
+    if np.can_cast(arr.dtype, dtype, "safe") or arr.size == 0:
+        return out
+    if arr.dtype.kind in "iu" and dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < info.min or hi > info.max:
+            raise errors.SchemaError(
+                f"{what}: expected values of {dtype} in [{info.min}, {info.max}], got {arr.dtype} values in [{lo}, {hi}]"
+            )
+    elif arr.dtype.kind == "f" and dtype.kind == "f":
+        grew = np.isinf(out) & np.isfinite(arr)
+        if grew.any():
+            raise errors.SchemaError(
+                f"{what}: expected values that fit {dtype} (|x| <= {np.finfo(dtype).max}), got {arr.dtype} values {arr[grew][:3].tolist()}"
+            )
+    return out
+
+
+def row_ids(value: Any, capacity: int) -> np.ndarray:
+    """Integer row ids as a flat int64 array (range checked by the caller); a float
+    id would be truncated to another row, so any other dtype is refused."""
+    raw = as_numpy(value, "indices")
+    if raw.dtype.kind not in "iu" and raw.size:
+        raise errors.InvalidArgumentError(f"indices: expected integer row ids, got dtype {raw.dtype}")
+    if raw.dtype == np.uint64 and raw.size and int(raw.max()) >= capacity:  # would wrap to negative
+        raise errors.InvalidArgumentError(f"indices: expected row ids in [0, {capacity}), got {raw[raw >= capacity][:3].tolist()}")
+    return raw.astype(np.int64, copy=False).reshape(-1)

@@ -59,7 +59,7 @@ import numpy as np
 import zarr
 from zarr.codecs import BloscCodec, ZstdCodec
 
-from . import errors
+from . import _safe_io, errors
 from .config import config
 
 FORMAT_NAME: Final = "mmbuffer"
@@ -166,35 +166,190 @@ def create_raw(
             reserve_rows(f.fileno(), row_bytes, 0, shard_rows)
 
 
-def open_raw(root: Path, name: str, *, writable: bool) -> np.ndarray:
-    """Memory-map the raw array ``root/name`` as ``[rows, *row_shape]``."""
-    meta = read_json(root / name / "zarr.json")
-    shape = tuple(meta["shape"])
-    dtype = np.dtype(meta["data_type"]).newbyteorder("<")
-    codecs = meta.get("codecs", [])
-    if len(codecs) != 1 or codecs[0].get("name") != "sharding_indexed":
-        raise errors.CorruptStoreError(
-            f"{root / name}: expected a raw single-shard array, got codecs {codecs}"
+_BYTES_LE: Final = {"name": "bytes", "configuration": {"endian": "little"}}
+_ARRAY_KEYS: Final = frozenset({
+    "shape", "data_type", "chunk_grid", "chunk_key_encoding", "fill_value", "codecs",
+    "attributes", "zarr_format", "node_type", "storage_transformers", "dimension_names",
+})
+_BLOSC_CNAMES: Final = ("lz4", "lz4hc", "blosclz", "zstd", "zlib")
+_BLOSC_SHUFFLES: Final = ("noshuffle", "shuffle", "bitshuffle")
+MAX_ROWS: Final = 1 << 48  # any larger shape or counter in a store is corruption
+Expect = tuple[int, tuple[int, ...], np.dtype]
+
+
+def _is_int(x: object, low: int = 0, high: int = MAX_ROWS) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and low <= x <= high
+
+
+def _bytes_codec_ok(codec: object, dtype: np.dtype) -> bool:
+    if codec == _BYTES_LE:
+        return True
+    # zarr omits the endianness of one-byte types
+    return dtype.itemsize == 1 and codec in ({"name": "bytes"}, {"name": "bytes", "configuration": {}})
+
+
+def _compressor_ok(codec: object) -> bool:
+    if not isinstance(codec, dict) or set(codec) - {"name", "configuration"}:
+        return False
+    conf = codec.get("configuration", {})
+    if not isinstance(conf, dict):
+        return False
+    if codec.get("name") == "zstd":
+        return set(conf) <= {"level", "checksum"} and _is_int(conf.get("level", 0), -131072, 22) and isinstance(
+            conf.get("checksum", False), bool
         )
-    shard_rows = meta["chunk_grid"]["configuration"]["chunk_shape"][0]
-    path = _shard_file(root / name, len(shape))
-    need = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize * shard_rows
-    size = path.stat().st_size if path.exists() else -1
-    if size < need:
-        raise errors.CorruptStoreError(
-            f"{path}: file seems not fully written: expected at least {need} bytes, got {max(size, 0)}"
+    if codec.get("name") == "blosc":
+        return (
+            set(conf) <= {"typesize", "cname", "clevel", "shuffle", "blocksize"}
+            and conf.get("cname", "lz4") in _BLOSC_CNAMES
+            and _is_int(conf.get("clevel", 5), 0, 9)
+            and conf.get("shuffle", "shuffle") in _BLOSC_SHUFFLES
+            and _is_int(conf.get("typesize", 1), 1, 1 << 16)
+            and _is_int(conf.get("blocksize", 0), 0, 1 << 31)
         )
-    mm = np.memmap(path, dtype=dtype, mode="r+" if writable else "r", shape=shape)
+    return False
+
+
+def check_array_meta(where: Path, meta: object, expect: Expect | None, *, raw: bool) -> tuple[tuple[int, ...], np.dtype, int]:
+    """Check an array's ``zarr.json`` against what mmbuffer writes; return its shape,
+    dtype and rows per shard (raw) or per chunk (compressed).
+
+    ``expect``: ``(rows, row_shape, dtype)`` from the manifest, when known. A raw
+    array must be one shard of whole-row inner chunks with the ``bytes`` codec
+    (little-endian) and the index at the end, so that its file starts with the
+    C-order array; a compressed one ``bytes`` then at most one of ``zstd``/``blosc``.
+    Anything else raises ``CorruptStoreError`` naming the field, expected and got.
+    """
+
+    def bad(field: str, want: object, got: object) -> errors.CorruptStoreError:
+        return errors.CorruptStoreError(f"{where}: {field}: expected {want}, got {got!r}")
+
+    if not isinstance(meta, dict):
+        raise bad("metadata", "a JSON object", type(meta).__name__)
+    unknown = set(meta) - _ARRAY_KEYS
+    if unknown:
+        raise bad("keys", f"only {sorted(_ARRAY_KEYS)}", sorted(unknown))
+    if meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
+        raise bad("zarr_format/node_type", "3/'array'", (meta.get("zarr_format"), meta.get("node_type")))
+    if meta.get("storage_transformers", []) != []:
+        raise bad("storage_transformers", "[]", meta.get("storage_transformers"))
+    shape = meta.get("shape")
+    if not isinstance(shape, list) or not shape or not all(_is_int(s, 1) for s in shape):
+        raise bad("shape", f"a non-empty list of integers in [1, {MAX_ROWS}]", shape)
+    name = meta.get("data_type")
+    try:
+        if not isinstance(name, str) or np.dtype(name).name != name:
+            raise TypeError(name)
+        dtype = check_dtype(str(where), name)
+    except (TypeError, errors.SchemaError):
+        raise bad("data_type", "one of bool, int8-64, uint8-64, float16-64", name) from None
+    if expect is not None:
+        rows, row_shape, want_dtype = expect
+        if tuple(shape) != (rows, *row_shape):
+            raise bad("shape", [rows, *row_shape], shape)
+        if dtype != np.dtype(want_dtype):
+            raise bad("data_type", f"{np.dtype(want_dtype).name} (as the manifest says)", name)
+    if meta.get("chunk_key_encoding") != {"name": "default", "configuration": {"separator": "/"}}:
+        raise bad("chunk_key_encoding", "default with separator '/'", meta.get("chunk_key_encoding"))
+    grid = meta.get("chunk_grid")
+    chunk = grid.get("configuration", {}).get("chunk_shape") if isinstance(grid, dict) and isinstance(grid.get("configuration"), dict) else None
+    if (
+        not isinstance(grid, dict)
+        or grid.get("name") != "regular"
+        or not isinstance(chunk, list)
+        or len(chunk) != len(shape)
+        or not _is_int(chunk[0], 1)
+        or chunk[1:] != shape[1:]
+    ):
+        raise bad("chunk_grid", f"regular, chunk_shape [rows, {', '.join(map(str, shape[1:]))}]", grid)
+    fill = meta.get("fill_value")
+    if not isinstance(fill, (bool, int, float)) and fill not in ("NaN", "Infinity", "-Infinity"):
+        raise bad("fill_value", "a number", fill)
+    codecs = meta.get("codecs")
+    if not raw:
+        ok = (
+            isinstance(codecs, list)
+            and 1 <= len(codecs) <= 2
+            and _bytes_codec_ok(codecs[0], dtype)
+            and all(_compressor_ok(c) for c in codecs[1:])
+        )
+        if not ok:
+            raise bad("codecs", "bytes, then at most one of zstd, blosc", codecs)
+        return tuple(shape), dtype, int(chunk[0])
+    shard_rows = int(chunk[0])
+    conf = codecs[0].get("configuration") if isinstance(codecs, list) and len(codecs) == 1 and isinstance(codecs[0], dict) else None
+    inner = conf.get("chunk_shape") if isinstance(conf, dict) else None
+    ok = (
+        isinstance(conf, dict)
+        and isinstance(codecs, list)
+        and codecs[0] == {"name": "sharding_indexed", "configuration": conf}
+        and set(conf) == {"chunk_shape", "codecs", "index_codecs", "index_location"}
+        and isinstance(inner, list)
+        and len(inner) == len(shape)
+        and _is_int(inner[0], 1)
+        and inner[1:] == shape[1:]
+        and shard_rows % inner[0] == 0
+        and shape[0] <= shard_rows < shape[0] + inner[0]
+        and isinstance(conf["codecs"], list)
+        and len(conf["codecs"]) == 1
+        and _bytes_codec_ok(conf["codecs"][0], dtype)
+        and conf["index_codecs"] == [_BYTES_LE, {"name": "crc32c"}]
+        and conf["index_location"] == "end"
+    )
+    if not ok:
+        raise bad(
+            "codecs",
+            "one shard of whole-row chunks (sharding_indexed, bytes little-endian, index crc32c at the end)",
+            codecs,
+        )
+    return tuple(shape), dtype, shard_rows
+
+
+def open_raw_fd(root: Path, name: str, *, writable: bool, expect: Expect | None = None) -> tuple[np.ndarray, int]:
+    """Memory-map the raw array ``root/name`` as ``[rows, *row_shape]``; also return
+    the descriptor of its shard file (the caller closes it).
+
+    ``zarr.json`` is checked against ``expect`` (:func:`check_array_meta`); every
+    file is opened without following links and the map is made from that
+    descriptor, never by path again.
+    """
+    meta = read_json_in(root, f"{name}/zarr.json")
+    shape, dtype, shard_rows = check_array_meta(root / name / "zarr.json", meta, expect, raw=True)
+    dtype = dtype.newbyteorder("<")
+    rel = "/".join([name, "c", *(["0"] * len(shape))])
+    fd = _safe_io.open_file(root, rel, os.O_RDWR if writable else os.O_RDONLY)
+    try:
+        need = shard_rows * dtype.itemsize
+        for s in shape[1:]:
+            need *= s
+        size = os.fstat(fd).st_size
+        if size < need:
+            raise errors.CorruptStoreError(
+                f"{root / rel}: file seems not fully written: expected at least {need} bytes, got {size}"
+            )
+        with open(fd, "r+b" if writable else "rb", closefd=False) as f:
+            mm = np.memmap(f, dtype=dtype, mode="r+" if writable else "r", shape=shape)
+    except BaseException:
+        os.close(fd)
+        raise
     if config.madvise_random and hasattr(mm, "_mmap") and hasattr(mmap, "MADV_RANDOM"):
         mm._mmap.madvise(mmap.MADV_RANDOM)  # read-ahead wrecks cold random gathers
     # a plain ndarray view: np.memmap's subclass hooks cost microseconds per access
-    return mm.view(np.ndarray)
+    return mm.view(np.ndarray), fd
+
+
+def open_raw(root: Path, name: str, *, writable: bool, expect: Expect | None = None) -> np.ndarray:
+    """Memory-map the raw array ``root/name`` as ``[rows, *row_shape]`` (see :func:`open_raw_fd`)."""
+    arr, fd = open_raw_fd(root, name, writable=writable, expect=expect)
+    os.close(fd)
+    return arr
 
 
 def raw_file(root: Path, name: str) -> Path:
     """The shard file holding raw array ``root/name``'s rows from byte 0."""
-    meta = read_json(root / name / "zarr.json")
-    return _shard_file(root / name, len(meta["shape"]))
+    meta = read_json_in(root, f"{name}/zarr.json")
+    shape, _, _ = check_array_meta(root / name / "zarr.json", meta, None, raw=True)
+    return _shard_file(root / name, len(shape))
 
 
 def write_rows(fd: int, mm: np.ndarray, start: int, rows: np.ndarray) -> None:
@@ -323,8 +478,15 @@ def create_compressed(
 class CompressedArray:
     """A compressed column read and written through zarr (slow random gathers)."""
 
-    def __init__(self, root: Path, name: str, *, writable: bool) -> None:
-        self._array = zarr.open_array(str(root / name), mode="r+" if writable else "r")
+    def __init__(self, root: Path, name: str, *, writable: bool, expect: Expect | None = None) -> None:
+        where = root / name / "zarr.json"
+        check_array_meta(where, read_json_in(root, f"{name}/zarr.json"), expect, raw=False)
+        _safe_io.check_tree(root, name)  # zarr opens files by path and follows links
+        try:
+            self._array = zarr.open_array(str(root / name), mode="r+" if writable else "r")
+        except Exception as exc:  # noqa: BLE001 - zarr's errors are untyped for us
+            raise errors.CorruptStoreError(f"{where}: zarr cannot open the array ({type(exc).__name__}: {exc})") from None
+        self._where = root / name
         self.shape: tuple[int, ...] = tuple(self._array.shape)
         self.dtype = np.dtype(self._array.dtype)
         self.ndim = len(self.shape)
@@ -333,12 +495,17 @@ class CompressedArray:
         return self.shape[0]
 
     def __getitem__(self, idx: Any) -> np.ndarray:
-        if isinstance(idx, slice):
-            return np.asarray(self._array[idx])
-        idx = np.asarray(idx, dtype=np.int64)
-        flat = idx.reshape(-1)
-        uniq, inverse = np.unique(flat, return_inverse=True)
-        rows = np.asarray(self._array.oindex[uniq])
+        try:
+            if isinstance(idx, slice):
+                return np.asarray(self._array[idx])
+            idx = np.asarray(idx, dtype=np.int64)
+            flat = idx.reshape(-1)
+            uniq, inverse = np.unique(flat, return_inverse=True)
+            rows = np.asarray(self._array.oindex[uniq])
+        except (IndexError, errors.MMBufferError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - a chunk that does not decode
+            raise errors.CorruptStoreError(f"{self._where}: a chunk cannot be read ({type(exc).__name__}: {exc})") from None
         return rows[inverse].reshape(idx.shape + self.shape[1:])
 
     def __setitem__(self, idx: Any, value: np.ndarray) -> None:
@@ -353,29 +520,59 @@ class CompressedArray:
 
 
 # -- metadata ------------------------------------------------------------------------
-def read_json(path: Path) -> dict[str, Any]:
+def read_json_in(root: Path, rel: str) -> Any:
+    """Parse JSON file ``root/rel`` of a store, opened without following links."""
+    where = root / rel
+    data = _safe_io.read_bytes(root, rel)
     try:
-        text = path.read_text()
-    except FileNotFoundError as exc:
-        raise errors.CorruptStoreError(f"{path}: missing file") from exc
-    try:
-        return json.loads(text)  # type: ignore[no-any-return]
-    except json.JSONDecodeError as exc:
-        raise errors.CorruptStoreError(f"{path}: not valid JSON ({exc})") from exc
+        return json.loads(data)
+    except (ValueError, RecursionError) as exc:  # bad JSON, bad UTF-8, absurd nesting
+        raise errors.CorruptStoreError(f"{where}: not valid JSON ({exc})") from None
+
+
+def read_json(path: Path) -> Any:
+    """Parse JSON file ``path`` (its last component must not be a link)."""
+    return read_json_in(path.parent, path.name)
 
 
 def atomic_write_json(path: Path, obj: Any, *, durable: bool = True) -> None:
-    """Write JSON to ``path.partial``, fsync, rename over ``path``, fsync the directory."""
-    tmp = path.with_name(path.name + ".partial")
+    """Write JSON to ``path.partial``, fsync, rename over ``path``, fsync the directory.
+
+    The ``.partial`` file is created afresh (``O_EXCL | O_NOFOLLOW``, after
+    unlinking whatever was there), so a link planted under that name is replaced,
+    never written through; it is removed again if the write fails (disk full).
+    """
     data = json.dumps(obj, indent=1, sort_keys=True).encode()
-    with open(tmp, "wb") as f:
-        f.write(data)
+    tmp = path.name + ".partial"
+    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        try:
+            os.unlink(tmp, dir_fd=dfd)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise errors.CorruptStoreError(f"{path.parent / tmp}: expected a file or nothing, cannot remove it ({exc.strerror})") from None
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd)
+        try:
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                if durable:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:
+            try:
+                os.unlink(tmp, dir_fd=dfd)
+            except OSError:
+                pass
+            raise
         if durable:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-    if durable:
-        fsync_dir(path.parent)
+            os.fsync(dfd)
+    finally:
+        os.close(dfd)
 
 
 def fsync_dir(path: Path) -> None:
@@ -387,18 +584,22 @@ def fsync_dir(path: Path) -> None:
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of store ``path`` as a JSON object, format and version checked
+    (the rest: ``_manifest.parse``)."""
     file = path / MANIFEST
     if not path.is_dir():
         raise errors.StoreNotFoundError(f"{path}: no such store directory")
-    if not file.exists():
+    if not os.path.lexists(file):
         raise errors.StoreNotFoundError(f"{path}: not an mmbuffer store (no {MANIFEST})")
-    manifest = read_json(file)
+    manifest = read_json_in(path, MANIFEST)
+    if not isinstance(manifest, dict):
+        raise errors.CorruptStoreError(f"{file}: expected a JSON object, got {type(manifest).__name__}")
     if manifest.get("format") != FORMAT_NAME:
         raise errors.CorruptStoreError(
             f"{file}: expected format {FORMAT_NAME!r}, got {manifest.get('format')!r}"
         )
     version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
+    if version != FORMAT_VERSION or isinstance(version, bool):
         raise errors.FormatVersionError(
             f"{file}: expected format_version {FORMAT_VERSION}, got {version!r}; "
             "this mmbuffer cannot read it"
@@ -439,14 +640,15 @@ def reserve_rows(fd: int, row_bytes: int, start: int, stop: int) -> None:
 
 def reserve_raw(root: Path, name: str, start: int, stop: int) -> None:
     """:func:`reserve_rows` for rows ``[start, stop)`` of the raw array ``root/name``."""
-    meta = read_json(root / name / "zarr.json")
-    row_bytes = int(np.prod(meta["shape"][1:], dtype=np.int64)) * np.dtype(meta["data_type"]).itemsize
-    path = _shard_file(root / name, len(meta["shape"]))
-    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    meta = read_json_in(root, f"{name}/zarr.json")
+    shape, dtype, _ = check_array_meta(root / name / "zarr.json", meta, None, raw=True)
+    row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+    rel = "/".join([name, "c", *(["0"] * len(shape))])
+    fd = _safe_io.open_file(root, rel, os.O_RDWR)
     try:
         reserve_rows(fd, row_bytes, start, stop)
     except OSError as exc:  # name the file: posix_fallocate's error does not
-        raise OSError(exc.errno, exc.strerror, str(path)) from None
+        raise OSError(exc.errno, exc.strerror, str(root / rel)) from None
     finally:
         os.close(fd)
 

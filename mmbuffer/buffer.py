@@ -27,18 +27,34 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
-from . import errors, sampling
+from . import errors, samplers
 from ._checks import check_int
 from .gather import Batch, gather, resolve_keys
+from .layout import Layout
+from .samplers import Draw, Sampler
 from .store import PriorityConfig, Store, create_store, locked
 
 _REMEMBERED_BATCHES = 256
+_MAX_REREADS = 64
+
+
+def _spec(sampler: object, slice_len: int | None, *, prioritized: bool = False, beta: float = 0.4) -> Sampler:
+    """``sampler``, or the spec the flags stand for; both at once is refused."""
+    if sampler is None:
+        return samplers.from_flags(slice_len, prioritized=prioritized, beta=beta)
+    if not isinstance(sampler, Sampler):
+        raise errors.InvalidArgumentError(f"sampler: expected an mb.samplers spec (Uniform(), Slices(16), ...), got {sampler!r}")
+    if prioritized or beta != 0.4:
+        raise errors.InvalidArgumentError(
+            f"sampler: expected either sampler= or prioritized=/beta=, got both (sampler={sampler!r}, prioritized={prioritized})"
+        )
+    return sampler
 
 
 class Buffer(Store):
@@ -46,7 +62,7 @@ class Buffer(Store):
 
     def __init__(self, path: str | os.PathLike[str], mode: str = "a") -> None:
         super().__init__(path, mode)
-        self._counts: dict[tuple[int, bool, bool], sampling.SliceCounts] = {}
+        self._sampler_cache: dict[Any, Any] = {}  # samplers' derived state (slice counts)
         self._sampled: dict[int, tuple[weakref.ref[torch.Tensor], np.ndarray]] = {}
 
     def __repr__(self) -> str:
@@ -90,37 +106,20 @@ class Buffer(Store):
         prioritized: bool = False,
         beta: float = 0.4,
         keys: Iterable[str] | None = None,
+        sampler: Sampler | None = None,
     ) -> Batch:
-        """``batch_size`` transitions, uniform over live rows or by priority.
+        """``batch_size`` items drawn by ``sampler`` (default: uniform transitions).
 
-        Uniform: every sampleable row (complete episodes, and the open episodes
-        up to their last row with a known next observation) equally likely.
-        Prioritized: probability ``p_i / sum p`` with importance weights
-        ``(N P(i))^-beta`` normalized by their maximum over live rows.
+        ``sampler`` is any spec of :mod:`mmbuffer.samplers` (``Slices(16)`` gives
+        ``[B, 16]`` windows); ``prioritized=True, beta=...`` is the shorthand for
+        ``sampler=samplers.Prioritized(beta)``. Uniform: every sampleable row
+        (complete episodes, and the open episodes up to their last row with a
+        known next observation) equally likely. Prioritized: probability
+        ``p_i / sum p`` with importance weights ``(N P(i))^-beta`` normalized by
+        their maximum over live rows.
         """
-        names = resolve_keys(self, keys)
-        rows, weights, written = self.sample_indices(batch_size, generator, prioritized=prioritized, beta=beta)
-        return self._batch(rows, weights, None, names, written)
-
-    @locked
-    def sample_indices(
-        self,
-        batch_size: int,
-        generator: torch.Generator | None = None,
-        *,
-        prioritized: bool = False,
-        beta: float = 0.4,
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The index half of ``sample``: ``(rows [B], weights [B], lane cursors)`` as
-        numpy arrays, with no column read."""
-        batch_size = check_int("batch_size", batch_size, 1)
-        view = self.view()
-        if prioritized:
-            rows, weights = sampling.prioritized(view, self._require_tree(), batch_size, _beta(beta), generator)
-        else:
-            rows = sampling.uniform(view, batch_size, generator)
-            weights = np.ones(batch_size, dtype=np.float32)
-        return rows, weights, view.written
+        spec = _spec(sampler, None, prioritized=prioritized, beta=beta)
+        return self._draw(spec, check_int("batch_size", batch_size, 1), generator, keys)
 
     @locked
     def sample_slices(
@@ -135,7 +134,9 @@ class Buffer(Store):
         weighting: str = "windows",
         keys: Iterable[str] | None = None,
     ) -> Batch:
-        """``[num_slices, slice_len]`` windows of consecutive rows of one episode.
+        """``[num_slices, slice_len]`` windows of consecutive rows of one episode:
+        ``sample(num_slices, sampler=samplers.Slices(slice_len, strict, weighting))``,
+        or ``samplers.PrioritizedSlices(slice_len, beta, strict)`` when prioritized.
 
         ``strict=True``: every valid window (inside one live episode) is equally
         likely: an episode of ``n >= L`` rows offers ``n - L + 1`` starts, shorter
@@ -147,13 +148,30 @@ class Buffer(Store):
         window's probability is proportional to the priority of its start row
         among valid starts (invalid starts have probability exactly 0).
         """
-        names = resolve_keys(self, keys)
-        rows, weights, mask, written = self.slice_indices(
-            num_slices, slice_len, strict, generator, prioritized=prioritized, beta=beta, weighting=weighting
-        )
-        return self._batch(rows, weights, mask, names, written)
+        spec = samplers.from_flags(slice_len, prioritized=prioritized, beta=beta, strict=strict, weighting=weighting)
+        return self._draw(spec, check_int("num_slices", num_slices, 1), generator, keys)
 
     @locked
+    def indices(self, sampler: Sampler, n: int, generator: torch.Generator | None = None) -> samplers.Draw:
+        """The index half of sampling with any spec: ``(rows, weights, mask or None,
+        lane cursors)`` as numpy arrays, with no column read."""
+        n = check_int("n", n, 1)
+        _spec(sampler, None).check(self)
+        return sampler.indices(self.view(), n, generator, self._sampler_cache)
+
+    def sample_indices(
+        self,
+        batch_size: int,
+        generator: torch.Generator | None = None,
+        *,
+        prioritized: bool = False,
+        beta: float = 0.4,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The index half of ``sample``: ``(rows [B], weights [B], lane cursors)``."""
+        spec = samplers.from_flags(None, prioritized=prioritized, beta=beta)
+        rows, weights, _, written = self.indices(spec, check_int("batch_size", batch_size, 1), generator)
+        return rows, weights, written
+
     def slice_indices(
         self,
         num_slices: int,
@@ -166,25 +184,20 @@ class Buffer(Store):
         weighting: str = "windows",
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The index half of ``sample_slices``: ``(rows [B, L], weights [B], mask [B, L],
-        lane cursors)`` as numpy arrays, with no column read."""
-        num_slices = check_int("num_slices", num_slices, 1)
-        slice_len = check_int("slice_len", slice_len, 1)
-        if weighting not in ("windows", "episodes"):
-            raise errors.InvalidArgumentError(f"weighting: expected 'windows' or 'episodes', got {weighting!r}")
-        view = self.view()
-        if prioritized:
-            if weighting != "windows":
-                raise errors.InvalidArgumentError("weighting: prioritized slices weight windows by start priority; got 'episodes'")
-            starts, weights = sampling.prioritized(
-                view, self._require_tree(), num_slices, _beta(beta), generator, slice_len=slice_len, strict=strict
-            )
-            lane, absolute = sampling.absolute_rows(view, starts)
-            avail = sampling.rows_left(view, lane, absolute)
-            rows, mask = sampling.window(view, lane, absolute, avail, slice_len)
-        else:
-            rows, mask = sampling.slices(view, self._slice_counts(slice_len, strict, weighting), num_slices, generator)
-            weights = np.ones(num_slices, dtype=np.float32)
-        return rows, weights, mask, view.written
+        lane cursors)``."""
+        spec = samplers.from_flags(slice_len, prioritized=prioritized, beta=beta, strict=strict, weighting=weighting)
+        rows, weights, mask, written = self.indices(spec, check_int("num_slices", num_slices, 1), generator)
+        assert mask is not None  # slices always have a mask
+        return rows, weights, mask, written
+
+    def _draw(self, spec: Sampler, n: int, generator: torch.Generator | None, keys: Iterable[str] | None) -> Batch:
+        names = resolve_keys(self, keys)
+        spec.check(self)
+
+        def draw(positions: np.ndarray) -> Draw:
+            return spec.indices(self.view(), len(positions), generator, self._sampler_cache)
+
+        return self.read_batch(draw, n, names)
 
     @locked
     def update_priorities(self, indices: Any, priorities: Any) -> None:  # type: ignore[override]
@@ -217,25 +230,40 @@ class Buffer(Store):
         super().update_priorities(idx, pri, written_at)
 
     # -- helpers -----------------------------------------------------------------------
-    def _slice_counts(self, slice_len: int, strict: bool, weighting: str) -> sampling.SliceCounts:
-        key = (slice_len if strict else 1, bool(strict), weighting == "episodes")
-        if key not in self._counts:
-            self._counts[key] = sampling.SliceCounts(slice_len, bool(strict), key[2])
-        counts = self._counts[key]
-        counts.slice_len = slice_len
-        return counts
+    @locked
+    def read_batch(self, draw: Callable[[np.ndarray], Draw], size: int, names: list[str]) -> Batch:
+        """Gather the rows that ``draw`` picks for batch positions ``arange(size)``.
 
-    def _require_tree(self) -> Any:
-        if self._tree is None:
-            raise errors.InvalidArgumentError(
-                "prioritized: expected a store created with priorities=mb.PriorityConfig(...), got priorities=None"
-            )
-        return self._tree
-
-    def _batch(
-        self, rows: np.ndarray, weights: np.ndarray, mask: np.ndarray | None, names: list[str], written: np.ndarray
-    ) -> Batch:
+        ``draw(positions)`` returns ``(rows, weights, mask or None, lane cursors)``
+        for those positions, from the store's current ``view()`` (a sampler, or a
+        rank lookup). In a reader (``mode="r"``) a writer in another process may
+        overwrite rows while they are copied, so after the copy every item is
+        checked against the writer's reservation as it stands *then*
+        (:func:`overwritten`); the items that fail are drawn again from a fresh
+        view and copied again, until none fails. What a reader returns was
+        therefore never being rewritten while it was read. The writer needs no
+        check: its writes take the same lock.
+        """
+        rows, weights, mask, written = draw(np.arange(size))
         data = gather(self, rows, names)
+        if self.mode == "r":
+            cursors = written[self.layout.lane(rows.reshape(size, -1)[:, 0])]
+            for _ in range(_MAX_REREADS):
+                bad = np.flatnonzero(overwritten(self.layout, rows, cursors, self.reservation()))
+                if bad.size == 0:
+                    break
+                r, w, m, wr = draw(bad)
+                fresh = gather(self, r, names)
+                rows[bad], weights[bad], cursors[bad] = r, w, wr[self.layout.lane(r.reshape(bad.size, -1)[:, 0])]
+                if mask is not None and m is not None:
+                    mask[bad] = m
+                for name, value in data.items():
+                    value[torch.from_numpy(bad)] = fresh[name]
+            else:
+                raise errors.EmptyBufferError(
+                    f"sample: expected rows that stay put while they are read, got rows overwritten by the writer "
+                    f"in {_MAX_REREADS} draws in a row (the writer laps this lane faster than a batch is read)"
+                )
         mask_t = None
         if mask is not None:
             mask_t = torch.from_numpy(mask)
@@ -257,10 +285,22 @@ class Buffer(Store):
         self._sampled[id(indices)] = (weakref.ref(indices), written)
 
 
-def _beta(beta: object) -> float:
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not np.isfinite(beta) or beta < 0:
-        raise errors.InvalidArgumentError(f"beta: expected a finite number >= 0, got {beta!r}")
-    return float(beta)
+def overwritten(layout: Layout, rows: np.ndarray, cursors: np.ndarray, reserved: np.ndarray) -> np.ndarray:
+    """Which items (first axis of ``rows``) the writer may have begun rewriting.
+
+    ``cursors[i]`` is the ``written`` counter of item ``i``'s lane in the view it
+    was drawn from, which fixes the absolute row its first row held. Absolute row
+    ``a`` is rewritten when the writer writes ``a + lane_size``, and the writer
+    raises ``reserved`` past a row before it writes it: ``a >= reserved -
+    lane_size`` holds exactly while ``a`` is intact. An item's later rows (the
+    window, the next row read for ``next_*``) are younger than its first.
+
+    >>> overwritten(Layout(8), np.array([[2, 3], [6, 7]]), np.array([8, 8]), np.array([11]))
+    array([ True, False])
+    """
+    first = rows.reshape(len(cursors), -1)[:, 0]
+    bad: np.ndarray = layout.absolute_at(first, cursors) < reserved[layout.lane(first)] - layout.lane_size
+    return bad
 
 
 def create(

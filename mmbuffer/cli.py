@@ -102,6 +102,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         buf.close()
     for line in report["problems"]:
         print("problem:", line)
+    for line in report["notes"]:
+        print("note:", line)
     if report["repaired"]:
         print("repaired: index and tree rewritten from the data and committed")
     print("ok" if report["ok"] else ("repaired" if report["repaired"] else "FAILED"))

@@ -56,12 +56,13 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from . import errors
+from . import errors, samplers
 from ._checks import check_int
 from .buffer import Buffer
 from .buffer import open as open_store
 from .epoch import EpochSampler
 from .gather import Batch
+from .samplers import Sampler
 
 __all__ = ["BufferDataset"]
 
@@ -96,6 +97,9 @@ class BufferDataset(IterableDataset[Batch]):
     prioritized, beta, strict:
         As in ``sample`` / ``sample_slices`` (random mode). Priorities are read
         as last committed by the writer; readers cannot update them.
+    sampler:
+        A spec of :mod:`mmbuffer.samplers` instead of ``slice_len`` and the flags
+        above (picklable: it travels to the workers).
     name:
         Epoch mode: prefix of the state files ``sampler/<name>-<i>of<n>.json``.
     rank, world_size:
@@ -127,6 +131,7 @@ class BufferDataset(IterableDataset[Batch]):
         name: str = "dataloader",
         rank: int | None = None,
         world_size: int | None = None,
+        sampler: Sampler | None = None,
     ) -> None:
         super().__init__()
         self.path = Path(path)
@@ -137,13 +142,23 @@ class BufferDataset(IterableDataset[Batch]):
         self.seed = check_int("seed", seed, 0)
         self.num_batches = None if num_batches is None else check_int("num_batches", num_batches, 0)
         self.refresh_every = check_int("refresh_every", refresh_every, 0)
-        self.prioritized = bool(prioritized)
-        self.beta = beta
-        self.strict = bool(strict)
-        if self.epoch and (self.prioritized or not self.strict):
+        if sampler is None:
+            sampler = samplers.from_flags(self.slice_len, prioritized=bool(prioritized), beta=beta, strict=bool(strict))
+        elif not isinstance(sampler, Sampler) or (slice_len, prioritized, beta, strict) != (None, False, 0.4, True):
             raise errors.InvalidArgumentError(
-                "epoch: expected prioritized=False and strict=True (an epoch visits every strict window once), "
-                f"got prioritized={self.prioritized}, strict={self.strict}"
+                f"sampler: expected an mb.samplers spec and no slice_len/prioritized/beta/strict flags, "
+                f"got sampler={sampler!r}, slice_len={slice_len!r}, prioritized={prioritized!r}"
+            )
+        elif isinstance(sampler, samplers.Slices):
+            self.slice_len = sampler.slice_len
+        self.sampler = sampler
+        if self.epoch and not (
+            isinstance(sampler, samplers.Uniform)
+            or (isinstance(sampler, samplers.Slices) and sampler.strict and sampler.weighting == "windows")
+        ):
+            raise errors.InvalidArgumentError(
+                "epoch: expected a uniform sampler of transitions or strict windows (an epoch visits every "
+                f"strict window once), got {sampler!r}"
             )
         self.name = str(name)
         if (rank is None) != (world_size is None):
@@ -203,13 +218,7 @@ class BufferDataset(IterableDataset[Batch]):
         while budget is None or n < budget:
             if self.refresh_every and n and n % self.refresh_every == 0:
                 buf.refresh()
-            if self.slice_len is None:
-                yield buf.sample(self.batch_size, generator, prioritized=self.prioritized, beta=self.beta, keys=self.keys)
-            else:
-                yield buf.sample_slices(
-                    self.batch_size, self.slice_len, self.strict, generator,
-                    prioritized=self.prioritized, beta=self.beta, keys=self.keys,
-                )
+            yield buf.sample(self.batch_size, generator, keys=self.keys, sampler=self.sampler)
             n += 1
 
     def _epoch(self, buf: Buffer, index: int, count: int, budget: int | None) -> Iterator[Batch]:

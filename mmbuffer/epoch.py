@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from . import _format as fmt
-from . import errors, sampling
+from . import _safe_io, errors, sampling
 from ._checks import check_int
 from .buffer import Buffer
 from .gather import Batch, resolve_keys
@@ -131,10 +131,8 @@ class EpochSampler:
         self._counts = sampling.SliceCounts(self.slice_len or 1, True, False)
         fresh = _State(int(seed), 0, 0, -1, self.slice_len, (index, count))
         self._state = fresh
-        if self._file.exists():
-            saved = json.loads(self._file.read_text())
-            saved["shard"] = tuple(saved["shard"])
-            old = _State(**saved)
+        old = _load_state(Path(buf.path), f"sampler/{name}.json")
+        if old is not None:
             for field in ("seed", "slice_len", "shard"):
                 if getattr(old, field) != getattr(fresh, field):
                     raise errors.InvalidArgumentError(
@@ -198,15 +196,19 @@ class EpochSampler:
             return self._batch_locked(ranks)
 
     def _batch_locked(self, ranks: np.ndarray) -> Batch:
-        view = self.buf.view()
-        ranks = np.minimum(ranks, self._items_now() - 1)  # a store that shrank keeps a valid rank
         weights = np.ones(len(ranks), dtype=np.float32)
-        if self.slice_len is None:
-            rows = sampling.rows_at(view, ranks)
-            return self.buf._batch(rows, weights, None, self.keys, view.written)
-        lane, start, avail = sampling.slice_starts(view, self._counts, ranks, None)
-        rows, mask = sampling.window(view, lane, start, avail, self.slice_len)
-        return self.buf._batch(rows, weights, mask, self.keys, view.written)
+
+        def draw(positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:
+            # ranks resolve against the view of now: a reader re-reads overwritten items this way
+            view = self.buf.view()
+            r = np.minimum(ranks[positions], self._items_now() - 1)  # a store that shrank keeps a valid rank
+            if self.slice_len is None:
+                return sampling.rows_at(view, r), weights[positions], None, view.written
+            lane, start, avail = sampling.slice_starts(view, self._counts, r, None)
+            rows, mask = sampling.window(view, lane, start, avail, self.slice_len)
+            return rows, weights[positions], mask, view.written
+
+        return self.buf.read_batch(draw, len(ranks), self.keys)
 
     def _save(self) -> None:
         """Write the state; if it cannot be written, go back to the last state saved
@@ -219,10 +221,14 @@ class EpochSampler:
                 setattr(self._state, f.name, getattr(self._saved, f.name))
             with contextlib.suppress(OSError):
                 self._file.with_name(self._file.name + ".partial").unlink(missing_ok=True)
-            where = f"{exc.strerror} ({exc.filename})"
-            if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            where = f"{exc.strerror} ({exc.filename})" if exc.filename else str(exc.strerror or exc)
+            try:  # a read-only mount may reach us as another error (a refused unlink)
+                read_only = bool(os.statvfs(self._file.parent.parent).f_flag & os.ST_RDONLY)
+            except OSError:
+                read_only = False
+            if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM) or read_only:
                 raise errors.ReadOnlyError(
-                    exc.errno,
+                    exc.errno or errno.EROFS,
                     f"EpochSampler: expected to save its state to {self._file}, got {where}: the store "
                     f"{self.buf.path} is read-only here, so a sampler's state cannot be saved in it",
                 ) from exc
@@ -232,6 +238,47 @@ class EpochSampler:
                 ) from exc
             raise
         self._saved = replace(self._state)
+
+
+def _load_state(root: Path, rel: str) -> _State | None:
+    """The saved state ``root/rel``, or None; a link on the way, or a file that is
+    not a state this class saves, is ``CorruptStoreError`` naming the file."""
+    parts = rel.split("/")
+    if not all(os.path.lexists(root.joinpath(*parts[:i])) for i in range(1, len(parts))):
+        return None  # no state saved yet
+    if not _safe_io.lexists(root, rel):  # refuses a link on the way (_save would write through it)
+        return None
+    obj = fmt.read_json_in(root, rel)
+    keys = {"seed", "epoch", "position", "num_items", "slice_len", "shard"}
+
+    def ok_int(x: object, low: int) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and low <= x < 1 << 63
+
+    if not isinstance(obj, dict) or set(obj) != keys:
+        raise errors.CorruptStoreError(f"{root / rel}: expected an object with {sorted(keys)}, got {obj!r:.200}")
+    shard, slice_len = obj["shard"], obj["slice_len"]
+    good = (
+        ok_int(obj["seed"], -(1 << 63))
+        and ok_int(obj["epoch"], 0)
+        and ok_int(obj["position"], 0)
+        and ok_int(obj["num_items"], -1)
+        and (slice_len is None or ok_int(slice_len, 1))
+        and isinstance(shard, list)
+        and len(shard) == 2
+        and ok_int(shard[1], 1)
+        and ok_int(shard[0], 0)
+        and shard[0] < shard[1]
+    )
+    if good and obj["num_items"] >= 0:
+        good = obj["position"] <= _shard_size(obj["num_items"], shard[0], shard[1])
+    elif good:
+        good = obj["position"] == 0
+    if not good:
+        raise errors.CorruptStoreError(
+            f"{root / rel}: expected seed, epoch >= 0, 0 <= position <= this shard's items, num_items >= -1, "
+            f"slice_len null or >= 1, shard [i, n] with 0 <= i < n; got {obj!r:.300}"
+        )
+    return _State(obj["seed"], obj["epoch"], obj["position"], obj["num_items"], slice_len, (shard[0], shard[1]))
 
 
 def _shard_size(n: int, index: int, count: int) -> int:

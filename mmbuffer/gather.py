@@ -116,9 +116,7 @@ def gather(
     for name in names:
         if name.startswith("next_"):
             base = name[5:]
-            lane_size = store.lane_size
-            following = sorted_rows // lane_size * lane_size + (sorted_rows % lane_size + 1) % lane_size
-            values = store.read(base, following)
+            values = store.read(base, store.layout.following(sorted_rows))
             last = read("terminated") | read("truncated")
             if last.any():
                 values[last] = store.read(f"final/{base}", sorted_rows[last])

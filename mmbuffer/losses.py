@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from .errors import InvalidArgumentError
+from .layout import Layout
 
 __all__ = ["minibatched", "gae", "gae_from_buffer", "sac_targets", "per_weighted_loss"]
 
@@ -396,14 +397,14 @@ def gae(rewards: Any, values: Any, next_values: Any, terminated: Any, truncated:
 
 
 def _episode_rows(starts: torch.Tensor, lengths: torch.Tensor,
-                  lane_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+                  layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
     """Global row ids of episodes, wrapping in their lanes; and last-row flags."""
     total = int(lengths.sum())
     ep = torch.repeat_interleave(torch.arange(len(starts)), lengths)
     first = torch.cumsum(lengths, 0) - lengths
     offset = torch.arange(total, dtype=torch.int64) - first[ep]
-    lane_base = (starts // lane_size) * lane_size
-    rows = lane_base[ep] + (starts[ep] - lane_base[ep] + offset) % lane_size
+    s = starts[ep].numpy()
+    rows = torch.from_numpy(layout.rows(layout.lane(s), s + offset.numpy()))
     is_last = offset == (lengths[ep] - 1)
     return rows, is_last
 
@@ -479,14 +480,11 @@ def gae_from_buffer(buf: Any, values_fn: Callable[[torch.Tensor], torch.Tensor],
     lm = _check_unit(lam, "lam")
     mb = _check_size(minibatch, "minibatch")
     next_key = "next_" + obs_key
-    lane_size = int(buf.capacity) // int(buf.num_streams)
-    if lane_size < 1:
-        raise InvalidArgumentError(f"buf: expected capacity // num_streams >= 1; got "
-                                   f"{buf.capacity} // {buf.num_streams}")
+    layout = Layout(int(buf.capacity), int(buf.num_streams))
     starts, lengths = buf.episodes()
     starts = _as_tensor(starts, "buf.episodes() starts").to(torch.int64).reshape(-1)
     lengths = _as_tensor(lengths, "buf.episodes() lengths").to(torch.int64).reshape(-1)
-    rows, is_last = _episode_rows(starts, lengths, lane_size)
+    rows, is_last = _episode_rows(starts, lengths, layout)
     n = int(rows.shape[0])
     if n == 0:
         empty = torch.zeros(0, dtype=torch.get_default_dtype())

@@ -8,10 +8,13 @@ the number of stored rows:
   over its live episodes (``SliceCounts``), extended only by the episodes added
   since the last call and trimmed from the front as episodes are evicted, then
   ``searchsorted`` for the episode and an offset inside it;
-* prioritized sampling descends the persisted tree (``tree.py``); a sampled row
-  that is not sampleable in the caller's view (not a valid window start, the open
-  episode's last row, a row a reader must not see) is rejected and redrawn, so its
-  probability is exactly 0 and every other row keeps ``p_i / sum(valid p)``.
+* prioritized sampling draws a row ``i`` with probability ``p_i / sum(p over the
+  sampleable rows)``: rows that are not sampleable in the caller's view (not a
+  valid window start, the open episode's last row, a row a reader must not see)
+  have probability exactly 0. It first descends the persisted tree
+  (``tree.py``) and redraws the rows that are not sampleable; when few are,
+  it draws the rest from the ranges of sampleable rows, which costs
+  O(episodes * log(rows)) for strict windows (see ``prioritized``).
 
 Random numbers come from the caller's ``torch.Generator``: the same generator
 state and store give the same indices in any process.
@@ -27,7 +30,9 @@ import torch
 from . import errors, index, tree
 from .store import LaneView, View
 
-_MAX_REDRAWS = 1000
+_REDRAW_ROUNDS = 8  # rejection rounds at most before the exact draw
+_MIN_ACCEPT = 0.25  # a lower share of sampleable draws so far switches to the exact draw
+_TORN_ROUNDS = 4  # exact draws of a zero leaf (only under a torn concurrent read)
 
 
 def _randint(high: int | np.ndarray, size: int, generator: torch.Generator | None) -> np.ndarray:
@@ -37,8 +42,7 @@ def _randint(high: int | np.ndarray, size: int, generator: torch.Generator | Non
 
 
 def _global(view: View, lane: np.ndarray, absolute: np.ndarray) -> np.ndarray:
-    rows: np.ndarray = lane * view.lane_size + absolute % view.lane_size
-    return rows
+    return view.layout.rows(lane, absolute)
 
 
 def _lane_of(counts: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -245,10 +249,7 @@ def window(
 # -- prioritized -------------------------------------------------------------------------
 def absolute_rows(view: View, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Lane and absolute row counter (as of ``view``) of global rows."""
-    lane = rows // view.lane_size
-    pos = rows % view.lane_size
-    w = view.written[lane]
-    return lane, w - 1 - (w - 1 - pos) % view.lane_size
+    return view.layout.lane(rows), view.layout.absolute(rows, view.written)
 
 
 def sampleable(view: View, rows: np.ndarray, slice_len: int | None, strict: bool) -> np.ndarray:
@@ -273,6 +274,95 @@ def rows_left(view: View, lane: np.ndarray, absolute: np.ndarray) -> np.ndarray:
     return out
 
 
+def valid_ranges(view: View, slice_len: int | None, strict: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Global row ranges ``[lo, hi)`` holding exactly the rows ``sampleable`` accepts.
+
+    Per lane: ``[first_start, visible_end)`` for transitions and non-strict
+    windows; for strict windows of ``L > 1`` rows, ``[s, e - L + 1)`` of each
+    live complete episode ``[s, e)`` and ``[open_start, visible_end - L + 1)``
+    of the open one. A range that wraps the lane's ring is cut in two. O(lanes)
+    without a strict ``slice_len``, else O(live episodes).
+    """
+    lo: list[np.ndarray] = []
+    hi: list[np.ndarray] = []
+    size = view.lane_size
+    for lane, lv in enumerate(view.lanes):
+        if view.written[lane] <= 0:
+            continue
+        if slice_len is None or not strict or slice_len == 1:
+            s = np.array([lv.first_start], np.int64)
+            e = np.array([lv.visible_end], np.int64)
+        else:
+            st = index.Lane(int(view.written[lane]), lv.ep_head, lv.ep_tail, lv.first_start)
+            starts, lengths = index.starts_lengths(view.ends, lane, size, st)
+            s = np.append(starts, lv.open_start).astype(np.int64)
+            e = np.append(starts + lengths, lv.visible_end).astype(np.int64) - (slice_len - 1)
+        keep = e > s
+        s, e = s[keep], e[keep]
+        pos = s % size
+        end = pos + (e - s)  # <= 2 * size: live rows span at most one lap
+        wraps = end > size
+        base = lane * size
+        lo += [base + pos, np.full(int(wraps.sum()), base, np.int64)]
+        hi += [base + np.minimum(end, size), base + end[wraps] - size]
+    if not lo:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(lo), np.concatenate(hi)
+
+
+def _none_valid(slice_len: int | None, ptree: tree.PriorityTree) -> errors.MMBufferError:
+    got = f"got none (priority on them 0, on all live rows {tree.total(ptree):g})"
+    if slice_len is not None:
+        return errors.NoValidSliceError(
+            f"slice_len: expected valid starts of windows of {slice_len} rows with positive priority, {got}"
+        )
+    return errors.EmptyBufferError(f"sample: expected sampleable rows with positive priority, {got}")
+
+
+def exact(
+    view: View,
+    ptree: tree.PriorityTree,
+    batch_size: int,
+    generator: torch.Generator | None = None,
+    slice_len: int | None = None,
+    strict: bool = True,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Rows drawn with probability exactly ``p_i / sum(p over sampleable rows)``,
+    and their leaves (float64), with no rejection.
+
+    The sampleable rows are the ranges of ``valid_ranges``; their masses come
+    from ``tree.range_sums`` (sums of non-negative nodes, never differences of
+    running sums, so a range of tiny priority keeps its share), a stratified
+    target over their total picks a range by ``searchsorted`` and
+    ``tree.find_in_ranges`` the row inside it. Cost O(ranges * 32 log16 N):
+    O(lanes log N) for transitions and non-strict windows, O(live episodes
+    log N) for strict windows.
+    """
+    lo, hi = valid_ranges(view, slice_len, strict)
+    mass = tree.range_sums(ptree, lo, hi)
+    cum = np.cumsum(mass)
+    total = float(cum[-1]) if cum.shape[0] else 0.0
+    if not total > 0:
+        raise _none_valid(slice_len, ptree)
+    positive = np.flatnonzero(mass > 0)
+    rows = np.empty(batch_size, np.int64)
+    values = np.zeros(batch_size, np.float64)
+    todo = np.arange(batch_size)
+    for _ in range(_TORN_ROUNDS):
+        k = todo.shape[0]
+        u = torch.rand(k, generator=generator, dtype=torch.float64).numpy()
+        target = (u + np.arange(k, dtype=np.float64)) * (total / k)
+        r = np.searchsorted(cum, target, side="right")  # cum[r - 1] <= target < cum[r]: mass[r] > 0
+        r = np.where(r < cum.shape[0], r, positive[-1])  # rounding past the total: the last range
+        before = cum[r] - mass[r]
+        rows[todo], leaf = tree.find_in_ranges(ptree, lo[r], hi[r], target - before)
+        values[todo] = leaf
+        todo = todo[leaf <= 0]  # a zero leaf: a torn read of a tree being written
+        if todo.shape[0] == 0:
+            return rows, values
+    raise _none_valid(slice_len, ptree)
+
+
 def prioritized(
     view: View,
     ptree: tree.PriorityTree,
@@ -284,29 +374,52 @@ def prioritized(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Rows drawn with probability ``p_i / sum(p over sampleable rows)``, and weights.
 
-    Stratified over ``batch_size`` equal segments of the tree's mass; rows that
-    are not sampleable (see the module docstring) are redrawn. Weights are
-    ``(N P(i))^-beta / max_j (N P(j))^-beta = (p_i / p_min)^-beta``, with ``p_min``
-    the smallest live priority (the tree's min).
+    Rows that are not sampleable (see ``sampleable``: not a valid start of a
+    window of ``slice_len`` rows, the open episode's last row, a row a reader
+    must not see) have probability exactly 0; the call fails only when no
+    sampleable row has a positive priority (``NoValidSliceError`` with a
+    ``slice_len``, else ``EmptyBufferError``).
+
+    Fast path: stratified draws over the whole tree (O(batch log N)); rows
+    that are not sampleable are redrawn, in up to ``_REDRAW_ROUNDS`` rounds
+    while at least ``_MIN_ACCEPT`` of the draws so far were sampleable. The rows
+    still pending then are drawn by ``exact``, which costs O(lanes log N)
+    for transitions and non-strict windows and O(live episodes log N) for
+    strict windows: paid only when the sampleable rows hold less than about a
+    quarter of the mass (priority on short episodes and episode tails), or
+    when rejection leaves draws pending after its rounds. Together they draw
+    each row ``n p_i / sum(valid p)`` times in expectation in a batch of
+    ``n`` (a rejection round accepts ``i`` in proportion to ``p_i``, ``exact``
+    draws it with probability ``p_i / sum(valid p)``, and the expected
+    outcome of a pending draw is the same whichever way it is drawn, so the
+    switch, which looks only at past rounds, biases nothing). A per-``slice_len`` tree over the valid starts' leaves
+    would make every draw O(batch log N), at 4.4 more bytes per row per
+    slice length and a second tree write on each extend, eviction and
+    priority update.
+
+    Weights are ``(N P(i))^-beta / max_j (N P(j))^-beta`` with the max over
+    the live rows ``j``: with ``P(i) = p_i / sum(valid p)`` the count ``N``
+    and the normalizer cancel, leaving ``(p_i / p_min)^-beta`` with ``p_min``
+    the smallest live priority (the tree's min, O(1)), so weights are in
+    ``(0, 1]`` and do not depend on ``slice_len``.
     """
     if tree.total(ptree) <= 0:
         raise errors.EmptyBufferError("sample: expected a store with positive priorities, got none")
     rows, probs = tree.sample(ptree, batch_size, generator)
+    # leaves as the descent read them (a second gather from the map costs a cache miss a row)
+    values = probs * tree.total(ptree)
     ok = sampleable(view, rows, slice_len, strict)
-    for _ in range(_MAX_REDRAWS):
-        if ok.all():
-            break
+    drawn, accepted = batch_size, int(ok.sum())
+    for _ in range(_REDRAW_ROUNDS):
         bad = np.flatnonzero(~ok)
-        redraw, probs[bad] = tree.sample(ptree, len(bad), generator)
-        rows[bad] = redraw
-        ok[bad] = sampleable(view, redraw, slice_len, strict)
-    else:
-        if slice_len is not None:
-            raise errors.NoValidSliceError(
-                f"slice_len: expected live episodes of at least {slice_len} rows with positive priority, "
-                f"got none in {_MAX_REDRAWS} draws"
-            )
-        raise errors.EmptyBufferError("sample: expected sampleable rows with positive priority, got none")
-    # p_i / p_min from the leaves the descent read (a second gather from the map costs a cache miss a row)
-    weights = (probs * (tree.total(ptree) / tree.min_live(ptree))) ** (-beta)
+        if bad.shape[0] == 0 or accepted < _MIN_ACCEPT * drawn:
+            break
+        redraw, p = tree.sample(ptree, bad.shape[0], generator)
+        rows[bad], values[bad] = redraw, p * tree.total(ptree)
+        ok[bad] = fresh = sampleable(view, redraw, slice_len, strict)
+        drawn, accepted = drawn + bad.shape[0], accepted + int(fresh.sum())
+    bad = np.flatnonzero(~ok)
+    if bad.shape[0]:
+        rows[bad], values[bad] = exact(view, ptree, bad.shape[0], generator, slice_len, strict)
+    weights = (values / tree.min_live(ptree)) ** (-beta)
     return rows, weights.astype(np.float32)

@@ -46,10 +46,12 @@ from typing import Any, Self, TypeVar
 import numpy as np
 
 from . import _format as fmt
-from . import errors, index, tree
-from ._checks import as_numpy, check_int, check_json, check_schema, check_stream
+from . import _counters, _safe_io, errors, index, tree
+from ._manifest import Manifest, load_manifest
+from ._checks import as_numpy, cast_to, check_int, check_json, check_schema, check_stream, row_ids
 from .config import config
 from .index import Lane
+from .layout import Layout
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -139,13 +141,22 @@ class LaneView:
 
 @dataclass(frozen=True, slots=True)
 class View:
-    """A consistent snapshot of the index for samplers: cursors plus the ring."""
+    """A consistent snapshot of the index for samplers: cursors plus the ring, and
+    the priority tree (None without priorities). Samplers read nothing else."""
 
     lanes: tuple[LaneView, ...]
     ends: np.ndarray
-    lane_size: int
+    layout: Layout
     written: np.ndarray  # int64 [num_streams], rows ever written per lane
     generation: int
+    tree: tree.PriorityTree | None = None
+
+    @property
+    def lane_size(self) -> int:
+        return self.layout.lane_size
+
+
+Snapshot = View  # DESIGN.md's name
 
 
 class Store:
@@ -164,8 +175,9 @@ class Store:
             raise errors.InvalidArgumentError(f"mode: expected 'r' or 'a', got {mode!r}")
         self.path = Path(path)
         self.mode = mode
-        manifest = fmt.read_manifest(self.path)
+        manifest = load_manifest(self.path)
         self._lock_fd: int | None = None
+        self._fds: dict[str, int] = {}
         if mode == "a":
             try:
                 self._lock_fd = _acquire_lock(self.path)
@@ -179,42 +191,39 @@ class Store:
             raise
 
     # -- opening -----------------------------------------------------------------------
-    def _load(self, manifest: dict[str, Any]) -> None:
-        self.capacity = int(manifest["capacity"])
-        self.num_streams = int(manifest["num_streams"])
-        self.lane_size = int(manifest["lane_size"])
-        self.compression: str | None = manifest.get("compression")
-        self.columns = {
-            name: Column(tuple(spec["shape"]), spec["dtype"]) for name, spec in manifest["columns"].items()
-        }
-        self.next_keys: tuple[str, ...] = tuple(manifest["next_keys"])
-        pri = manifest.get("priorities")
-        self.priorities = PriorityConfig(**pri) if pri else None
-        self.attrs: dict[str, Any] = dict(manifest.get("attrs", {}))
-        self.generation = int(manifest["generation"])
+    def _load(self, manifest: Manifest) -> None:
+        """Open the files the checked manifest names, check the counters, then ``_recover``."""
+        self.capacity = manifest.capacity
+        self.num_streams = manifest.num_streams
+        self.lane_size = manifest.lane_size
+        self.compression: str | None = manifest.compression
+        self.columns = {name: Column(shape, dt.name) for name, (shape, dt) in manifest.columns.items()}
+        self.next_keys: tuple[str, ...] = manifest.next_keys
+        self.priorities = PriorityConfig(**manifest.priorities) if manifest.priorities else None
+        self.attrs: dict[str, Any] = dict(manifest.attrs)
+        self.generation = manifest.generation
+        self._schema = manifest.schema()
         writable = self.mode == "a"
         root = self.path
+        cap = self.capacity
         self._data: dict[str, Any] = {}
-        self._fds: dict[str, int] = {}  # raw column files: pwrite (writer) and pread (scans)
-        for name in self.columns:
-            if name in fmt.RESERVED_NAMES or self.compression is None:
-                self._data[name] = fmt.open_raw(root, f"columns/{name}", writable=writable)
-                flags = os.O_RDWR if writable else os.O_RDONLY
-                self._fds[name] = os.open(fmt.raw_file(root, f"columns/{name}"), flags)
+        for name, (shape, dt) in manifest.columns.items():
+            expect = (cap, shape, dt)
+            if name in fmt.RESERVED_NAMES or self.compression is None:  # the fd: pwrite and pread
+                self._data[name], self._fds[name] = fmt.open_raw_fd(root, f"columns/{name}", writable=writable, expect=expect)
             else:
-                self._data[name] = fmt.CompressedArray(root, f"columns/{name}", writable=writable)
-        self._final = {k: fmt.open_raw(root, f"final/{k}", writable=writable) for k in self.next_keys}
-        self._ends = fmt.open_raw(root, "index/ends", writable=writable)
-        self._reserved = fmt.open_raw(root, "index/reserved", writable=writable)
+                self._data[name] = fmt.CompressedArray(root, f"columns/{name}", writable=writable, expect=expect)
+        final = {k: (cap, *manifest.columns[k]) for k in self.next_keys}
+        self._final = {k: fmt.open_raw(root, f"final/{k}", writable=writable, expect=e) for k, e in final.items()}
+        self._ends = fmt.open_raw(root, "index/ends", writable=writable, expect=(2 * cap, (), np.dtype(np.int64)))
+        self._reserved = fmt.open_raw(root, "index/reserved", writable=writable, expect=(self.num_streams, (), np.dtype(np.int64)))
         self._tree: tree.PriorityTree | None = None
         if self.priorities is not None:
-            arrays = {k: fmt.open_raw(root, f"priority/{k}", writable=writable) for k in tree.layout(self.capacity)}
-            self._tree = tree.PriorityTree(**arrays)
-        self._committed = [Lane.from_json(x) for x in manifest["lanes"]]
-        if len(self._committed) != self.num_streams:
-            raise errors.CorruptStoreError(
-                f"{self.path / fmt.MANIFEST}: expected {self.num_streams} lanes, got {len(self._committed)}"
-            )
+            layout = {k: (s[0], tuple(s[1:]), np.dtype(t)) for k, (s, t) in tree.layout(cap).items()}
+            self._tree = tree.PriorityTree(**{k: fmt.open_raw(root, f"priority/{k}", writable=writable, expect=e) for k, e in layout.items()})
+            _safe_io.lexists(root, "priority/DIRTY")  # a link there would be touched through
+        self._committed = list(manifest.lanes)
+        _counters.check_lanes(self._ends, self._reserved, self._committed, self.lane_size, str(self.path / fmt.MANIFEST), writer=writable)
         self._lanes = list(self._committed)
         if writable:
             self._recover()
@@ -223,9 +232,12 @@ class Store:
         """Drop what an interrupted writer may have left past the last commit.
 
         Committed episodes whose rows the dead writer may have overwritten (below
-        ``reserved - lane_size``) are evicted and that state is committed at once;
-        then the reservation falls back to the cursor.
+        ``reserved - lane_size``) are evicted and that state is committed at once.
+        The reservation stays where the dead writer left it: a reader still holding
+        an older commit must keep away from the rows that writer may have rewritten,
+        and the reservation is the only record of how far that went.
         """
+        self._reserved_floor = np.array(self._reserved, dtype=np.int64)
         torn = False
         for lane in range(self.num_streams):
             st = self._lanes[lane]
@@ -239,17 +251,22 @@ class Store:
             self._tree_dirty = True
         if torn or self._tree_dirty:
             self.commit()
-        self._release_reservation()
 
     def _reserved_threshold(self, lane: int) -> int:
         """Rows below this may have been rewritten by a writer past its last commit."""
         return int(self._reserved[lane]) - self.lane_size
 
     def _release_reservation(self) -> None:
-        """No writer is ahead of the cursors any more: readers may use every committed row."""
+        """Lower the reservation to the committed cursors on a clean close, never below
+        what a writer that died before this one may have written (see ``_recover``)."""
         for lane, st in enumerate(self._committed):
-            self._reserved[lane] = st.written
+            self._reserved[lane] = max(st.written, int(self._reserved_floor[lane]))
         fmt.flush_rows(self._reserved, 0, len(self._reserved))
+
+    def reservation(self) -> np.ndarray:
+        """The writer's reservation per lane, read now from the shared map: rows of a
+        lane below ``reservation()[lane] - lane_size`` may be being rewritten."""
+        return np.array(self._reserved, dtype=np.int64)
 
     def _zero_invisible_priorities(self) -> None:
         """Give priority 0 to every row of a lane outside its live range."""
@@ -268,6 +285,11 @@ class Store:
         """Live complete episodes over all lanes."""
         return int(sum(v.ep_tail - v.ep_head for v in self.view().lanes))
 
+    @functools.cached_property
+    def layout(self) -> Layout:
+        """Capacity and lanes: all ring arithmetic (``layout.py``)."""
+        return Layout(self.capacity, self.num_streams)
+
     @locked
     def view(self) -> View:
         """The index as samplers may use it now (see the module docstring)."""
@@ -281,7 +303,7 @@ class Store:
             open_start = st.open_start(self._ends, lane, self.lane_size)
             visible_end = st.written - (1 if self.next_keys and st.written > open_start else 0)
             lanes.append(LaneView(st.first_start, st.ep_head, st.ep_tail, open_start, visible_end))
-        return View(tuple(lanes), self._ends, self.lane_size, written, self.generation)
+        return View(tuple(lanes), self._ends, self.layout, written, self.generation, self._tree)
 
     def episode_bounds(self, view: View | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Global start row and length of every live complete episode (lane order)."""
@@ -366,11 +388,14 @@ class Store:
         index.check_fits(st, self._ends, lane, self.lane_size, done)
 
         new_written = st.written + rows
+        # capped: past that every committed row may be rewritten (_counters.check_reserved)
+        limit = self._committed[lane].written + 2 * self.lane_size
         if new_written > int(self._reserved[lane]):
             reserved = new_written + self._room_rows()
             self._reserve_space(lane, st, reserved)  # a full disk refuses here, before any change
-            self._reserved[lane] = reserved
-            fmt.flush_rows(self._reserved, lane, lane + 1)  # on disk before any row it covers
+            if int(self._reserved[lane]) < limit:
+                self._reserved[lane] = min(reserved, limit)
+                fmt.flush_rows(self._reserved, lane, lane + 1)  # on disk before any row it covers
         if self._tree is not None:
             self._mark_tree_dirty()  # before anything it marks is written
 
@@ -426,6 +451,14 @@ class Store:
             for a, b in _ring_segments(lane, slots, self._committed[lane].ep_tail, self._lanes[lane].ep_tail):
                 fmt.flush_rows(self._ends, a, b)
         self._flush_tree()
+        # a writer that ran more than the capped reservation past its last commit
+        # left the reservation below its cursor: raise it before the manifest says
+        # so (readers require reserved >= written)
+        behind = [l for l, st in enumerate(self._lanes) if int(self._reserved[l]) < st.written]
+        for lane in behind:
+            self._reserved[lane] = self._lanes[lane].written
+        if behind:
+            fmt.flush_rows(self._reserved, 0, len(self._reserved))
         self._write_manifest(self.generation + 1)  # the generation advances once it is written
         self.generation += 1
         self._committed = list(self._lanes)
@@ -437,14 +470,19 @@ class Store:
     @locked
     def refresh(self) -> bool:
         """Reload the last commit (readers); return whether it changed."""
-        manifest = fmt.read_manifest(self.path)
-        if int(manifest["generation"]) == self.generation:
+        manifest = load_manifest(self.path)
+        if manifest.generation == self.generation:
             return False
         if self.mode == "a":
             return False  # the writer is the source of commits
-        self.generation = int(manifest["generation"])
-        self.attrs = dict(manifest.get("attrs", {}))
-        self._committed = [Lane.from_json(x) for x in manifest["lanes"]]
+        where = str(self.path / fmt.MANIFEST)
+        if manifest.schema() != self._schema:
+            raise errors.CorruptStoreError(f"{where}: expected the schema opened, {self._schema}, got {manifest.schema()}")
+        lanes = list(manifest.lanes)
+        _counters.check_lanes(self._ends, self._reserved, lanes, self.lane_size, where, writer=False, since=self._committed)
+        self.generation = manifest.generation
+        self.attrs = dict(manifest.attrs)
+        self._committed = lanes
         self._lanes = list(self._committed)
         return True
 
@@ -502,7 +540,7 @@ class Store:
             raise errors.InvalidPriorityError(
                 f"{what}: expected a store created with priorities=mb.PriorityConfig(...), got priorities=None"
             )
-        idx = as_numpy(indices, "indices").astype(np.int64, copy=False).reshape(-1)
+        idx = row_ids(indices, self.capacity)
         pri = as_numpy(priorities, "priorities").astype(np.float64, copy=False)
         try:
             pri = np.broadcast_to(pri.reshape(-1) if pri.size == idx.size else pri, idx.shape)
@@ -685,9 +723,7 @@ class Store:
                     f"column {name!r}: expected rows of shape {col.shape} (array [T, {', '.join(map(str, col.shape))}]), "
                     f"got array of shape {tuple(arr.shape)}"
                 )
-            if arr.dtype != col.dtype and not np.can_cast(arr.dtype, col.dtype, "same_kind"):
-                raise errors.SchemaError(f"column {name!r}: expected dtype {col.dtype}, got {arr.dtype}")
-            arrays[name] = arr.astype(col.dtype, copy=False)
+            arrays[name] = cast_to(arr, np.dtype(col.dtype), f"column {name!r}")
         lengths = {name: arr.shape[0] for name, arr in arrays.items()}
         if len(set(lengths.values())) > 1:
             raise errors.SchemaError(f"steps: expected the same number of rows in every column, got {lengths}")
@@ -721,9 +757,7 @@ class Store:
                     f"final_obs[{name!r}]: expected shape {(n_done, *col.shape)} "
                     f"({n_done} episodes end in this block), got {tuple(arr.shape)}"
                 )
-            if not np.can_cast(arr.dtype, np.dtype(col.dtype), "same_kind"):
-                raise errors.SchemaError(f"final_obs[{name!r}]: expected dtype {col.dtype}, got {arr.dtype}")
-            out[name] = arr.astype(col.dtype, copy=False)
+            out[name] = cast_to(arr, np.dtype(col.dtype), f"final_obs[{name!r}]")
         return out
 
     def _reserve_space(self, lane: int, st: Lane, stop: int) -> None:
@@ -880,7 +914,7 @@ def _manifest(store: Store) -> dict[str, Any]:
 
 
 def _acquire_lock(path: Path) -> int:
-    fd = os.open(path / fmt.LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _safe_io.open_file(path, fmt.LOCK, os.O_RDWR | os.O_CREAT)  # never through a link
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -919,21 +953,33 @@ _READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
 def _raise_typed(exc: OSError, what: str, path: Path) -> None:
     """Raise ``exc`` as a ``DiskFullError`` or ``ReadOnlyError`` when it is one; else return
     (the caller re-raises it as it is)."""
-    if isinstance(exc, errors.MMBufferError):
+    # a read-only mount can also reach us as another error (_safe_io's refusals name no errno)
+    read_only = exc.errno in _READ_ONLY or (exc.errno is None and _on_read_only_fs(path))
+    if isinstance(exc, errors.MMBufferError) and not read_only:
         return
-    where = f"{exc.strerror} ({exc.filename})" if exc.filename else str(exc.strerror)
+    where = f"{exc.strerror} ({exc.filename})" if exc.filename else str(exc.strerror or exc)
     if exc.errno in _NO_SPACE:
         raise errors.DiskFullError(
             exc.errno,
             f"{what}: store {path}: expected free disk space, got {where}; the store keeps its last "
             "state: free space and call it again",
         ) from exc
-    if exc.errno in _READ_ONLY:
+    if read_only:
         raise errors.ReadOnlyError(
-            exc.errno,
+            exc.errno or errno.EROFS,
             f"{what}: store {path}: expected a writable filesystem, got {where}; "
             "a store there can only be read: open it with mode='r'",
         ) from exc
+
+
+def _on_read_only_fs(path: Path) -> bool:
+    """Whether ``path`` (or its nearest existing parent) is on a read-only mount."""
+    for p in (path, *path.parents):
+        try:
+            return bool(os.statvfs(p).f_flag & os.ST_RDONLY)
+        except OSError:
+            continue
+    return False
 
 
 def _creation_dir(path: Path) -> Path:

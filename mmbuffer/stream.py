@@ -80,9 +80,10 @@ from typing import Any, Self
 
 import torch
 
-from . import errors
+from . import errors, samplers
 from ._checks import check_int
 from .gather import Batch, resolve_keys
+from .samplers import Sampler
 
 __all__ = ["Stream", "buffer_lock", "stream"]
 
@@ -237,6 +238,7 @@ def stream(
     strict: bool = True,
     keys: Iterable[str] | None = None,
     *,
+    sampler: Sampler | None = None,
     switch_interval: float | None = 5e-4,
 ) -> Stream:
     """Sample and gather batches on a background thread, ``prefetch`` ahead.
@@ -269,6 +271,10 @@ def stream(
         A ``torch.Generator`` used only by the worker.
     strict, keys:
         As in ``sample_slices`` / ``sample``.
+    sampler:
+        A spec of :mod:`mmbuffer.samplers` (then leave ``slice_len``,
+        ``prioritized``, ``beta`` and ``strict`` at their defaults); the flags
+        above are shorthands for one.
     switch_interval:
         Seconds; the interpreter's thread switch interval while the stream runs
         (lowered only, restored on close; see the module docstring), or None.
@@ -300,17 +306,19 @@ def stream(
     5
     """
     batch_size = check_int("batch_size", batch_size, 1)
-    if slice_len is not None:
-        slice_len = check_int("slice_len", slice_len, 1)
+    if sampler is None:
+        sampler = samplers.from_flags(slice_len, prioritized=prioritized, beta=beta, strict=strict)
+    elif not isinstance(sampler, samplers.Sampler) or (slice_len, prioritized, beta, strict) != (None, False, 0.4, True):
+        raise errors.InvalidArgumentError(
+            f"sampler: expected an mb.samplers spec and no slice_len/prioritized/beta/strict flags, got sampler={sampler!r}, "
+            f"slice_len={slice_len!r}, prioritized={prioritized!r}, beta={beta!r}, strict={strict!r}"
+        )
     prefetch = check_int("prefetch", prefetch, 1)
     if num_batches is not None:
         num_batches = check_int("num_batches", num_batches, 0)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise errors.InvalidArgumentError(f"generator: expected a torch.Generator or None, got {type(generator).__name__}")
-    if prioritized and getattr(buf, "priorities", None) is None:
-        raise errors.InvalidArgumentError(
-            "prioritized: expected a store created with priorities=mb.PriorityConfig(...), got priorities=None"
-        )
+    sampler.check(buf)
     if switch_interval is not None and not (isinstance(switch_interval, (int, float)) and 0 < switch_interval):
         raise errors.InvalidArgumentError(f"switch_interval: expected seconds > 0 or None, got {switch_interval!r}")
     names = resolve_keys(buf, keys)
@@ -328,16 +336,8 @@ def stream(
         )
         pin_memory = False
     lock = buffer_lock(buf)
-    cls = type(buf)  # unbound methods: the worker's closure holds the buffer, not its wrappers
-    if slice_len is None:
-        draw = functools.partial(
-            cls.sample, buf, batch_size, generator, prioritized=prioritized, beta=beta, keys=names
-        )
-    else:
-        draw = functools.partial(
-            cls.sample_slices, buf, batch_size, slice_len, strict, generator,
-            prioritized=prioritized, beta=beta, keys=names,
-        )
+    # the unbound method: the worker's closure holds the buffer, not its wrappers
+    draw = functools.partial(type(buf).sample, buf, batch_size, generator, keys=names, sampler=sampler)
     return Stream(
         draw, lock, prefetch=prefetch, num_batches=num_batches, pin_memory=pin_memory, device=dev,
         switch_interval=switch_interval,

@@ -161,17 +161,38 @@ def test_d4rl_keep_infos_and_no_next_observations(tmp_path, cartpole):
         assert last["infos/step"].tolist() == [len(e["reward"]) - 1 for e in cartpole]
 
 
-def test_d4rl_open_final_episode_is_kept_with_a_warning(tmp_path, cartpole):
+def test_d4rl_unflagged_final_episode_is_kept_as_truncated(tmp_path, cartpole):
+    """A file that stops inside an episode (no flag on its last row, as in real D4RL files)
+    keeps every row: the episode is closed as truncated, its final observation is the
+    last next_observations row."""
     src = tmp_path / "c.hdf5"
     write_d4rl(src, cartpole, open_tail=True)
-    with pytest.warns(ConversionWarning, match="open episode"):
+    n = sum(len(e["reward"]) for e in cartpole)
+    with pytest.warns(ConversionWarning, match="kept as a truncated episode"):
         s = convert_d4rl(src, tmp_path / "s", progress=False)
-    assert s["episodes"] == len(cartpole) - 1
-    assert s["open_episode_rows"] == len(cartpole[-1]["reward"])
+    assert s["episodes"] == len(cartpole) and s["open_episode_rows"] == 0 and s["tail_truncated_row"] == n - 1
     with mb.open(str(tmp_path / "s"), mode="r") as buf:
-        assert buf.num_episodes == len(cartpole) - 1
-        rows = read_all(tmp_path / "s")
-        np.testing.assert_array_equal(rows["obs"][-len(cartpole[-1]["reward"]):], cartpole[-1]["obs"][:-1])
+        assert buf.num_episodes == len(cartpole) and len(buf) == n
+        assert buf.attrs["tail_truncated_row"] == n - 1
+    rows = read_all(tmp_path / "s")
+    assert rows["truncated"][-1] and not rows["terminated"][-1]
+    np.testing.assert_array_equal(rows["next_obs"][-1], cartpole[-1]["obs"][-1])
+    np.testing.assert_array_equal(rows["obs"][-len(cartpole[-1]["reward"]):], cartpole[-1]["obs"][:-1])
+
+
+def test_d4rl_unflagged_final_episode_without_next_observations_stays_open(tmp_path, cartpole):
+    src = tmp_path / "c.hdf5"
+    write_d4rl(src, cartpole, open_tail=True, next_obs=False)
+    n = sum(len(e["reward"]) for e in cartpole)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        s = convert_d4rl(src, tmp_path / "s", progress=False)
+    assert any("no next observation, so it is stored but not sampled" in str(w.message) for w in caught)
+    assert s["episodes"] == len(cartpole) - 1 and s["open_episode_rows"] == len(cartpole[-1]["reward"])
+    with mb.open(str(tmp_path / "s"), mode="r") as buf:
+        assert "tail_truncated_row" not in buf.attrs and len(buf) == n - 1
+    rows = read_all(tmp_path / "s")
+    assert not rows["truncated"][-1] and not rows["terminated"][-1]
 
 
 def test_d4rl_nan_rewards_are_kept_and_counted(tmp_path, cartpole):
@@ -207,7 +228,7 @@ def test_d4rl_mismatched_lengths_and_wrong_format(tmp_path, cartpole):
     with pytest.raises(ConversionError, match=r"\[actions\].*mismatched lengths"):
         convert_d4rl(src, tmp_path / "s", progress=False)
     (tmp_path / "text.hdf5").write_text("not hdf5")
-    with pytest.raises(ConversionError, match="not an HDF5 file"):
+    with pytest.raises(ConversionError, match="expected a D4RL HDF5 file, found a text file"):
         convert_d4rl(tmp_path / "text.hdf5", tmp_path / "s", progress=False)
     with pytest.raises(InvalidArgumentError, match="format"):
         convert("parquet-of-doom", src, tmp_path / "s")
@@ -359,7 +380,7 @@ def test_npz_refuses_pickles_and_non_archives(tmp_path, cartpole):
     with pytest.raises(ConversionError, match="pickle"):
         convert_npz(tmp_path / "evil.npz", tmp_path / "s", progress=False)
     (tmp_path / "x.npz").write_bytes(b"hello")
-    with pytest.raises(ConversionError, match="not an .npz"):
+    with pytest.raises(ConversionError, match="expected an .npz archive.*found a text file"):
         convert_npz(tmp_path / "x.npz", tmp_path / "s", progress=False)
     np.savez(tmp_path / "partial.npz", observations=np.zeros((3, 2)), actions=np.zeros((3, 1)))
     with pytest.raises(ConversionError, match="missing keys 'rewards', 'terminals', 'timeouts'"):
@@ -392,16 +413,18 @@ def test_store_export_d4rl_convert_gives_identical_data(tmp_path, cartpole):
     with pytest.warns(ConversionWarning):
         first = convert_d4rl(src, tmp_path / "a", keep_infos=True, progress=False)
     out = export_d4rl(tmp_path / "a", tmp_path / "back.hdf5", progress=False)
-    assert out["verified"] and out["rows"] == first["rows"] and out["open_episode_rows"] > 0
-    with pytest.warns(ConversionWarning, match="open episode"):
+    assert out["verified"] and out["rows"] == first["rows"] and out["tail_unflagged_row"] == first["rows"] - 1
+    with h5py.File(src) as f, h5py.File(tmp_path / "back.hdf5") as g:  # the file as it was
+        for key in ("observations", "next_observations", "actions", "rewards", "terminals", "timeouts",
+                    "infos/step"):
+            np.testing.assert_array_equal(g[key][()], f[key][()], err_msg=key)
+    with pytest.warns(ConversionWarning, match="kept as a truncated episode"):
         second = convert_d4rl(tmp_path / "back.hdf5", tmp_path / "b", keep_infos=True, progress=False)
     assert second["checksums"] == first["checksums"]
     assert second["final_obs_checksums"] == first["final_obs_checksums"]
     a, b = read_all(tmp_path / "a"), read_all(tmp_path / "b")
     assert a.keys() == b.keys()
     for k in a:
-        if k == "next_obs":  # the open episode's last row has no next observation
-            a[k], b[k] = a[k][:-1], b[k][:-1]
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
     with h5py.File(tmp_path / "back.hdf5") as f:
         assert json.loads(f["metadata/mmbuffer_attrs"][()])["source_format"] == "d4rl"
@@ -641,7 +664,9 @@ def test_torchrl_layout_read_without_torchrl_including_a_wrapped_ring(tmp_path):
     np.testing.assert_array_equal(rows["terminated"], term[order, 0])
     ends = np.flatnonzero((term | trunc)[order, 0])
     np.testing.assert_array_equal(rows["next_obs"][ends], nxt[order][ends])
-    assert s["episodes"] == 3 and s["open_episode_rows"] == 12 - 1 - ends[-1]
+    # the ring stops inside an episode: closed as truncated, final observation next/observation
+    assert s["episodes"] == 4 and s["open_episode_rows"] == 0 and rows["truncated"][-1]
+    np.testing.assert_array_equal(rows["next_obs"][-1], nxt[order][-1])
 
 
 def test_torchrl_dumps_written_by_torchrl(tmp_path):

@@ -253,20 +253,118 @@ def test_cached_counts_survive_growth_and_trimming(tmp_path, rng):
     """Thousands of short episodes: the per-lane count buffers grow and drop their
     evicted front, and their totals always equal a recount from episodes()."""
     from mmbuffer import sampling
+    from mmbuffer.samplers.slices import slice_counts
 
     buf = mb.create(tmp_path / "s", {"obs": ((), "float32")}, capacity=2 * 600, num_streams=2, next_keys=())
     L = 2
     g = torch.Generator().manual_seed(0)
+    spec, cache = mb.samplers.Slices(L), {}
     for step in range(3000):
         n = int(rng.integers(1, 4))
         buf.extend({"obs": np.zeros(n, np.float32), "terminated": np.arange(n) == n - 1}, stream=step % 2)
         if step % 3:
             continue
-        buf.sample_slices(8, L, generator=g)
-        counts = buf._slice_counts(L, True, "windows")
+        spec.indices(buf.view(), 8, g, cache)
+        counts = slice_counts(cache, L, True, "windows")
         closed, opened = counts.totals(buf.view())
         _, lengths = buf.episodes()
         assert int(closed.sum()) == int(np.maximum(lengths.numpy() - L + 1, 0).sum())
         assert int(opened.sum()) == 0
     assert max(lc.base for lc in counts.lanes.values()) > 1024  # the front was trimmed
     assert isinstance(counts, sampling.SliceCounts)
+
+
+# -- samplers as objects ----------------------------------------------------------------
+def _episodes_store(tmp_path, priorities=False):
+    buf = mb.create(tmp_path / "s", {"x": ((), "int64")}, capacity=200, num_streams=2, next_keys=(),
+                    priorities=mb.PriorityConfig() if priorities else None)
+    for lane in range(2):
+        n = 60
+        buf.extend({"x": lane * 1000 + np.arange(n), "truncated": np.arange(n) % 7 == 6}, stream=lane)
+    return buf
+
+
+@pytest.mark.parametrize(
+    "flags, spec",
+    [
+        (dict(), mb.samplers.Uniform()),
+        (dict(slice_len=4), mb.samplers.Slices(4)),
+        (dict(slice_len=4, strict=False, weighting="episodes"), mb.samplers.Slices(4, strict=False, weighting="episodes")),
+        (dict(prioritized=True, beta=0.7), mb.samplers.Prioritized(0.7)),
+        (dict(slice_len=3, prioritized=True, beta=0.5), mb.samplers.PrioritizedSlices(3, beta=0.5)),
+    ],
+)
+def test_flags_are_shorthands_for_the_same_spec(tmp_path, flags, spec):
+    """The same generator state gives the same batch through the flags and the spec."""
+    buf = _episodes_store(tmp_path, priorities=True)
+    assert mb.samplers.from_flags(flags.pop("slice_len", None), **flags) == spec
+    slice_len = getattr(spec, "slice_len", None)
+    kw = {k: v for k, v in dict(prioritized=isinstance(spec, (mb.samplers.Prioritized, mb.samplers.PrioritizedSlices)),
+                                beta=getattr(spec, "beta", 0.4)).items()}
+    if slice_len is None:
+        a = buf.sample(16, torch.Generator().manual_seed(5), **kw)
+    else:
+        kw.update(strict=spec.strict)
+        if isinstance(spec, mb.samplers.Slices):
+            kw["weighting"] = spec.weighting
+        a = buf.sample_slices(16, slice_len, generator=torch.Generator().manual_seed(5), **kw)
+    b = buf.sample(16, torch.Generator().manual_seed(5), sampler=spec)
+    assert torch.equal(a.indices, b.indices) and torch.equal(a.weights, b.weights)
+    assert torch.equal(a.data["x"], b.data["x"])
+
+
+def test_sampler_specs_refuse_bad_settings_and_mixed_flags(tmp_path):
+    buf = _episodes_store(tmp_path)
+    with pytest.raises(mb.errors.InvalidArgumentError, match="slice_len"):
+        mb.samplers.Slices(0)
+    with pytest.raises(mb.errors.InvalidArgumentError, match="weighting"):
+        mb.samplers.Slices(4, weighting="rows")
+    with pytest.raises(mb.errors.InvalidArgumentError, match="beta"):
+        mb.samplers.Prioritized(beta=-1)
+    with pytest.raises(mb.errors.InvalidArgumentError, match="priorities"):
+        buf.sample(4, sampler=mb.samplers.Prioritized())  # the store has no priorities
+    with pytest.raises(mb.errors.InvalidArgumentError, match="both"):
+        buf.sample(4, sampler=mb.samplers.Uniform(), prioritized=True)
+    with pytest.raises(mb.errors.InvalidArgumentError, match="sampler"):
+        buf.sample(4, sampler="uniform")
+    with pytest.raises(mb.errors.InvalidArgumentError, match="sampler"):
+        mb.stream(buf, 4, slice_len=3, sampler=mb.samplers.Slices(3))
+    with pytest.raises(mb.errors.InvalidArgumentError, match="epoch"):
+        mb.data.BufferDataset(tmp_path / "s", 4, sampler=mb.samplers.Slices(3, strict=False), epoch=True)
+
+
+def test_stream_and_dataset_take_a_spec(tmp_path):
+    buf = _episodes_store(tmp_path)
+    buf.commit()
+    spec = mb.samplers.Slices(5)
+    with mb.stream(buf, 8, sampler=spec, num_batches=3, generator=torch.Generator().manual_seed(1)) as s:
+        streamed = [b.indices for b in s]
+    g = torch.Generator().manual_seed(1)
+    direct = [buf.sample(8, g, sampler=spec).indices for _ in range(3)]
+    assert all(torch.equal(a, b) for a, b in zip(streamed, direct))
+    ds = mb.data.BufferDataset(tmp_path / "s", 8, sampler=spec, num_batches=2)
+    batches = list(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2))
+    assert len(batches) == 2 and all(b.indices.shape == (8, 5) for b in batches)
+    assert all(bool((b.data["x"].diff(dim=1) == 1).all()) for b in batches)
+
+
+def test_recent_draws_only_from_the_newest_episodes(tmp_path):
+    """Recent(episodes=N) over Uniform and Slices: every item inside one of each lane's
+    N newest complete episodes or its open one, and every such row reachable."""
+    buf = _episodes_store(tmp_path)
+    starts, lengths = (t.numpy() for t in buf.episodes())
+    lanes = starts // buf.lane_size
+    allowed = set()
+    for lane in range(2):
+        s, n = starts[lanes == lane], lengths[lanes == lane]
+        for a, k in zip(s[-2:], n[-2:]):
+            allowed.update(range(a, a + k))
+        open_start = s[-1] + n[-1]
+        allowed.update(range(open_start, lane * buf.lane_size + 60))  # the open episode (no next keys)
+    g = torch.Generator().manual_seed(0)
+    got = buf.sample(4000, g, sampler=mb.samplers.Recent(episodes=2)).indices.numpy()
+    assert set(got.tolist()) == allowed
+    windows = buf.sample(500, g, sampler=mb.samplers.Recent(2, mb.samplers.Slices(3))).indices.numpy()
+    assert set(windows.reshape(-1).tolist()) <= allowed and (np.diff(windows, axis=1) == 1).all()
+    with pytest.raises(mb.errors.InvalidArgumentError, match="uniform"):
+        mb.samplers.Recent(2, mb.samplers.Prioritized())

@@ -186,6 +186,10 @@ def test_counters_are_int64_past_2_31(tmp_path):
     w = 2**31 - 5
     manifest["lanes"][0] = {"written": w, "ep_head": 7, "ep_tail": 7, "first_start": w}
     (path / "manifest.json").write_text(json.dumps(manifest))
+    reserved = np.memmap(path / "index" / "reserved" / "c" / "0", dtype="<i8", mode="r+", shape=(1,))
+    reserved[0] = w  # what a writer leaves: never below the committed cursor
+    reserved.flush()
+    del reserved
     buf = mb.open(path)
     buf.extend({"x": np.arange(10, dtype=np.uint8), "terminated": np.arange(10) == 7})
     buf.commit()

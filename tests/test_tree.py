@@ -562,6 +562,109 @@ def test_warm_maps_every_page(tmp_path: object, monkeypatch: pytest.MonkeyPatch,
     assert T.check(ro) == 0.0
 
 
+# -- range queries -------------------------------------------------------------
+
+
+def random_ranges(rng: np.random.Generator, cap: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    a, b = rng.integers(0, cap + 1, k), rng.integers(0, cap + 1, k)
+    short = rng.random(k) < 0.3  # many ranges inside one block or a few blocks
+    b[short] = np.minimum(a[short] + rng.integers(0, 130, int(short.sum())), cap)
+    return np.minimum(a, b), np.maximum(a, b)
+
+
+@pytest.mark.parametrize("cap", CAPACITIES + [70_000])
+def test_range_sums_match_reference(cap: int) -> None:
+    rng = np.random.default_rng(cap)
+    leaves = random_leaves(rng, cap) * (10.0 ** rng.uniform(-6, 6, cap)).astype(np.float32)
+    tr = T.init(cap)
+    T.update(tr, np.arange(cap), leaves)
+    a, b = random_ranges(rng, cap, 1000)
+    a[:3], b[:3] = [0, 0, cap], [cap, 0, cap]  # everything, and empty ranges
+    want = np.array([math.fsum(leaves[x:y].astype(np.float64)) for x, y in zip(a, b)])
+    np.testing.assert_allclose(T.range_sums(tr, a, b), want, rtol=1e-13, atol=0)
+    got2d = T.range_sums(tr, a[:6].reshape(2, 3), b[:6].reshape(2, 3))
+    assert got2d.shape == (2, 3)
+
+
+def test_range_sums_keep_tiny_mass_next_to_huge() -> None:
+    # a difference of running sums would give 0 (or noise) for the tiny ranges
+    cap = 5000
+    leaves = np.full(cap, 1e30, np.float32)
+    tiny = np.array([7, 63, 64, 1000, 1023, 4999])
+    leaves[tiny] = np.float32(1e-30)
+    tr = T.init(cap)
+    T.update(tr, np.arange(cap), leaves)
+    got = T.range_sums(tr, tiny, tiny + 1)
+    np.testing.assert_allclose(got, np.float32(1e-30), rtol=1e-12)
+    idx, val = T.find_in_ranges(tr, tiny, tiny + 1, np.zeros(len(tiny)))
+    np.testing.assert_array_equal(idx, tiny)
+
+
+@pytest.mark.parametrize("cap", CAPACITIES + [70_000])
+def test_find_in_ranges_matches_reference(cap: int) -> None:
+    rng = np.random.default_rng(cap + 1)
+    leaves = random_leaves(rng, cap, zero_frac=0.5) * (10.0 ** rng.uniform(-6, 6, cap)).astype(np.float32)
+    leaves[0] = 1.0
+    tr = T.init(cap)
+    T.update(tr, np.arange(cap), leaves)
+    a, b = random_ranges(rng, cap, 3000)
+    mass = T.range_sums(tr, a, b)
+    keep = mass > 0
+    a, b, mass = a[keep], b[keep], mass[keep]
+    u = rng.random(len(a))
+    u[:5] = [0.0, 1.0, 2.0, -1.0, np.nextafter(1.0, 0.0)]  # edges, past the end, negative
+    idx, val = T.find_in_ranges(tr, a, b, u * mass)
+    assert ((idx >= a) & (idx < b)).all() and (val > 0).all()
+    np.testing.assert_array_equal(val, leaves[idx])
+    for x, y, t, i in zip(a, b, u * mass, idx):
+        seg = leaves[x:y].astype(np.float64)
+        nz = np.flatnonzero(seg > 0)
+        if t >= seg.sum():
+            assert i == x + nz[-1]
+        elif t <= 0:
+            assert i == x + nz[0]
+        else:
+            cum = np.cumsum(seg)
+            j = int(np.searchsorted(cum, t, side="right"))
+            # a target within rounding of a boundary may go either way, never to a zero leaf
+            assert i == x + j or abs(t - cum[min(j, len(cum) - 1)]) <= 1e-12 * seg.sum() or abs(t - cum[j - 1]) <= 1e-12 * seg.sum()
+
+
+def test_find_in_ranges_frequencies_chi_square() -> None:
+    rng = np.random.default_rng(3)
+    cap = 4097
+    leaves = random_leaves(rng, cap)
+    tr = T.init(cap)
+    T.update(tr, np.arange(cap), leaves)
+    a, b = 100, 3000  # spans several blocks and rows of slots
+    n = 200_000
+    idx, _ = T.find_in_ranges(tr, np.full(n, a), np.full(n, b), rng.random(n) * T.range_sums(tr, [a], [b])[0])
+    counts = np.bincount(idx - a, minlength=b - a)
+    p = leaves[a:b].astype(np.float64) / leaves[a:b].astype(np.float64).sum()
+    keep = p > 0
+    assert counts[~keep].sum() == 0
+    stat = float(((counts[keep] - n * p[keep]) ** 2 / (n * p[keep])).sum())
+    assert stat < chi2_upper_quantile(int(keep.sum()) - 1)
+
+
+def test_range_queries_refuse_bad_arguments() -> None:
+    tr = T.init(100)
+    T.update(tr, [5], [1.0])
+    for a, b in (([-1], [3]), ([5], [4]), ([0], [101])):
+        with pytest.raises(errors.InvalidArgumentError, match="expected 0 <= start <= stop <= 100"):
+            T.range_sums(tr, a, b)
+    with pytest.raises(errors.InvalidArgumentError, match="starts: expected integers"):
+        T.range_sums(tr, [0.5], [3])
+    with pytest.raises(errors.InvalidArgumentError, match="stops: expected the shape"):
+        T.range_sums(tr, [0, 1], [3])
+    with pytest.raises(errors.InvalidArgumentError, match="expected start < stop"):
+        T.find_in_ranges(tr, [3], [3], [0.0])
+    with pytest.raises(errors.InvalidArgumentError, match="targets: expected the shape"):
+        T.find_in_ranges(tr, [0], [10], [0.0, 1.0])
+    idx, val = T.find_in_ranges(tr, [6, 70], [100, 100], [0.0, 1.0])  # no positive leaf: value 0, still in range
+    assert idx.tolist() == [6, 70] and val.tolist() == [0.0, 0.0]
+
+
 def test_doctests() -> None:
     result = doctest.testmod(T, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 20

@@ -7,7 +7,12 @@ source in order as chunks ``(steps, final_obs)`` and a :class:`Schema`, and
 * streams the source a chunk at a time (the process never holds the dataset:
   memory stays at a few chunks, ~32 MiB each by default, whatever the size),
 * shows a tqdm progress bar (``progress=False`` hides it),
-* keeps episode boundaries and the terminated/truncated distinction exactly,
+* keeps episode boundaries and the terminated/truncated distinction exactly
+  (a source that stops inside an episode, with next observations, gets
+  ``truncated`` on its last row, recorded in ``attrs["tail_truncated_row"]``),
+* refuses what it cannot convert (a required key that is not numeric, a file
+  of another format: "expected ..., found an HDF5 file") with
+  :class:`~mmbuffer.errors.ConversionError`, never drops it silently,
 * verifies: every chunk is read back from the store's files as it is written
   and compared byte for byte with the source chunk (final observations too), a
   CRC-32 per column of the source is recorded in ``attrs["convert"]``, and the
@@ -17,7 +22,9 @@ source in order as chunks ``(steps, final_obs)`` and a :class:`Schema`, and
 * writes behind (``Buffer.drop_cache``): a dataset larger than memory does not
   push what other processes use out of the page cache,
 * refuses an existing ``DST`` (:class:`~mmbuffer.errors.StoreExistsError`)
-  unless ``overwrite=True``,
+  unless ``overwrite=True``, and even then replaces only an output mmbuffer
+  writes (a store; for exports a D4RL HDF5 file or a Minari dataset directory),
+  never a directory holding other files, another file or a symbolic link,
 * raises :class:`~mmbuffer.errors.ConversionError` naming the file and key for
   bad input (missing keys, mismatched lengths, not the declared format),
 * returns a summary dict (rows, episodes, open episode rows, NaN rewards,

@@ -15,7 +15,9 @@ Crash safety: the store is built at ``DST + ".partial"`` and renamed to ``DST``
 only after the final commit and a successful verification pass, so an interrupted
 conversion never leaves a half store under the name asked for. An existing
 ``DST`` is refused (:class:`~mmbuffer.errors.StoreExistsError`) unless
-``overwrite=True``; a stale ``DST.partial`` from an interrupted run is replaced.
+``overwrite=True`` and it is an mmbuffer store (never a directory holding anything
+else, a plain file or a symbolic link); a stale ``DST.partial`` from an
+interrupted run is replaced. The rules and the swap are in :mod:`._dest`.
 
 Verification: a CRC-32 of every column (native byte order, row order), of the
 final observations and of the episode lengths is accumulated from the chunks the
@@ -37,7 +39,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import time
 import warnings
 import zlib
@@ -51,6 +52,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..errors import ConversionError, StoreExistsError
+from ._dest import check_destination, partial_path, remove_partial, replace_destination
 
 __all__ = [
     "Chunk",
@@ -280,56 +282,6 @@ def _hex(v: int) -> str:
 
 
 # -- writing ----------------------------------------------------------------------------------
-def partial_path(dst: Path) -> Path:
-    """Where the output ``dst`` is built before it is renamed into place."""
-    return dst.with_name(dst.name + ".partial")
-
-
-def check_destination(dst: str | os.PathLike[str], overwrite: bool) -> Path:
-    """Refuse an existing ``dst`` unless ``overwrite`` (before any work is done)."""
-    path = Path(dst)
-    if (path.exists() or path.is_symlink()) and not overwrite:
-        raise StoreExistsError(
-            f"{path}: output already exists (pass overwrite=True / --overwrite to replace it)"
-        )
-    return path
-
-
-def replace_destination(partial: Path, dst: Path) -> None:
-    """Move a finished ``partial`` to ``dst``, replacing an older ``dst`` last."""
-    old = None
-    if dst.exists() or dst.is_symlink():
-        old = dst.with_name(f"{dst.name}.old-{os.getpid()}")
-        os.replace(dst, old)
-    os.replace(partial, dst)
-    _fsync_dir(dst.parent)
-    if old is not None:
-        if old.is_dir() and not old.is_symlink():
-            shutil.rmtree(old)
-        else:
-            old.unlink()
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def remove_partial(partial: Path) -> None:
-    if partial.is_dir() and not partial.is_symlink():
-        shutil.rmtree(partial, ignore_errors=True)
-    elif partial.exists() or partial.is_symlink():
-        partial.unlink()
-
-
 def abandon(store: Any, partial: Path, exc: BaseException) -> None:
     """After ``exc``: close ``store`` (if open) and delete the partial output, unless
     the verification found a mismatch (the partial output is left for inspection)."""
@@ -339,7 +291,10 @@ def abandon(store: Any, partial: Path, exc: BaseException) -> None:
         except Exception:
             pass  # exc is the error to report
     if not isinstance(exc, _Mismatch):
-        remove_partial(partial)
+        try:
+            remove_partial(partial)
+        except StoreExistsError:
+            pass  # not recognisably ours any more: left alone; exc is the error to report
 
 
 def progress_bar(total: int, desc: str, enabled: bool) -> Any:
@@ -521,7 +476,7 @@ def write_store(
     if verify:
         verify_store(partial, tally, schema)
         summary["verified"] = True
-    replace_destination(partial, dst_path)
+    replace_destination(partial, dst_path, overwrite=overwrite)
     seconds = time.perf_counter() - t0
     nbytes = schema.row_bytes() * tally.rows
     summary.update(

@@ -25,14 +25,11 @@ from ._common import (
     _mismatch,
     _ReadBack,
     abandon,
-    check_destination,
     jsonable,
-    partial_path,
     progress_bar,
-    remove_partial,
-    replace_destination,
     same_bytes,
 )
+from ._dest import check_destination, partial_path, remove_partial, replace_destination
 from ._export import (
     _FLAGS,
     _chunk_rows,
@@ -169,7 +166,7 @@ def copy(
     if verify:
         _verify_episodes(partial, plan)
         summary["verified"] = True
-    replace_destination(partial, dst_path)
+    replace_destination(partial, dst_path, overwrite=overwrite)
     seconds = time.perf_counter() - t0
     summary.update(
         seconds=round(seconds, 3),

@@ -15,8 +15,14 @@ Store columns: ``obs``, ``action``, ``reward`` (+ ``infos/*``, + any other
 top-level ``[N, ...]`` numeric dataset under its own name), and the flags.
 ``obs`` is next-derived; with ``next_observations`` each episode's final
 observation is ``next_observations[last row]``, without it zeros (D4RL's mujoco
-``-v2`` files have none; ``attrs["final_obs_source"]`` says which). A last
-episode with no flag stays open (warning).
+``-v2`` files have none; ``attrs["final_obs_source"]`` says which). A file
+that stops inside an episode (no flag on its last row, common in D4RL) keeps
+every row: with ``next_observations`` the episode is closed as truncated there
+(``attrs["tail_truncated_row"]``; :func:`~mmbuffer.convert.export_d4rl` writes
+the row back unflagged), without them it stays open (warning). A required key
+(``observations, actions, rewards, terminals, timeouts``, and
+``next_observations`` when present) that is not numeric is an error; other
+non-numeric datasets are left out with a warning.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import numpy as np
 
 from ._common import Reader, jsonable, write_store
 from ._flat import ArrayLike, FlatReader
+from ._sniff import HDF5, expect
 
 __all__ = ["D4RLReader", "convert_d4rl", "D4RL_KEYS"]
 
@@ -36,6 +43,9 @@ __all__ = ["D4RLReader", "convert_d4rl", "D4RL_KEYS"]
 D4RL_KEYS = {"observations": "obs", "actions": "action", "rewards": "reward"}
 _FLAG_KEYS = {"terminals": "terminated", "timeouts": "truncated"}
 _OPTIONAL = ("next_observations", "infos", "metadata")
+#: Keys whose values must convert (``next_observations`` too when present: it holds
+#: the final observations); other non-numeric datasets are left out with a warning.
+_REQUIRED = frozenset({*D4RL_KEYS, *_FLAG_KEYS, "next_observations"})
 
 
 def _leaves(node: Any, prefix: str) -> dict[str, Any]:
@@ -88,9 +98,14 @@ def flat_columns(
                 raise reader._error("expected a dataset, got a group", key)
             flags[_FLAG_KEYS[top]] = arr
             keys[_FLAG_KEYS[top]] = key
-            continue
         if not _numeric(arr):
+            if top in _REQUIRED:  # never dropped: the store would silently lack it
+                raise reader._error(
+                    f"expected a numeric array (bool, int, uint or float), got dtype {np.dtype(arr.dtype)}", key
+                )
             dropped.append(key)
+            continue
+        if top in _FLAG_KEYS:
             continue
         if top in D4RL_KEYS:
             name = D4RL_KEYS[top] + (f"/{rest}" if rest else "")
@@ -151,8 +166,7 @@ class D4RLReader(FlatReader):
         from ..errors import ConversionError
 
         Reader.__init__(self, path)
-        if not self.path.is_file():
-            raise ConversionError(f"{self.path}: no such file (expected a D4RL HDF5 file)")
+        expect(self.path, (HDF5,), "a D4RL HDF5 file")
         try:
             self._file = h5py.File(self.path, "r")
         except OSError as exc:
@@ -241,7 +255,7 @@ def convert_d4rl(
     >>> summary["rows"], summary["episodes"], summary["verified"]
     (20, 2, True)
     """
-    from ._common import check_destination
+    from ._dest import check_destination
 
     check_destination(dst, overwrite)
     reader = D4RLReader(src, keep_infos=keep_infos, keep_next_obs=keep_next_obs)

@@ -4,14 +4,18 @@ Both walk the store the same way: lane by lane, each lane's live complete
 episodes oldest first, then (where kept) the lane's open episode, reading about
 ``chunk_rows`` rows at a time with one ``get`` per chunk, so memory stays flat.
 Each writes to ``OUT + ".partial"`` and renames at the end; an existing ``OUT``
-is refused unless ``overwrite=True``. Each ends with a verification pass that
+is refused unless ``overwrite=True`` and it is an output of the same kind
+(:mod:`._dest`). Each ends with a verification pass that
 reads the result back (with this package's own readers, or ``mb.open``) and
 compares row and episode counts and a CRC-32 per column with what was read from
 the store, and returns a summary dict.
 
-* :func:`export_d4rl` keeps the open episode of a one-lane store (rows with no
-  end flag at the end of the file, as D4RL does); ``next_observations`` holds
-  each row's ``next_obs``, so converting the file back gives the same store.
+* :func:`export_d4rl`: ``next_observations`` holds each row's ``next_obs``, so
+  converting the file back gives the same store (a converted file comes back
+  as it was, an unflagged last row included). An open episode has no next
+  observation for its last row: it is left out (warning) unless
+  ``next_observations=False``, never given a next observation from another
+  row.
 * :func:`export_minari` writes complete episodes only (a Minari episode needs its
   final observation); spaces come from ``attrs["minari"]`` when the store was
   converted from Minari, otherwise ``Box`` spaces are built from the columns.
@@ -36,13 +40,10 @@ from ..errors import ConversionError
 from ._common import (
     _hex,
     as_bytes,
-    check_destination,
     jsonable,
-    partial_path,
     progress_bar,
-    remove_partial,
-    replace_destination,
 )
+from ._dest import check_destination, partial_path, remove_partial, replace_destination
 
 __all__ = ["export_d4rl", "export_minari"]
 
@@ -74,7 +75,7 @@ def _open_episodes(buf: Any) -> list[tuple[int, int, int]]:
         written = int(view.written[lane])
         n = written - int(lv.open_start)
         if n > 0:
-            out.append((lane, lane * buf.lane_size + int(lv.open_start) % buf.lane_size, n))
+            out.append((lane, int(buf.layout.rows(lane, lv.open_start)), n))
     return out
 
 
@@ -223,6 +224,11 @@ class _Opened:
         if isinstance(store_path := self.store, (str, os.PathLike)):
             import mmbuffer as mb
 
+            if not os.path.isdir(store_path):
+                from ..errors import StoreNotFoundError
+                from ._sniff import sniff
+
+                raise StoreNotFoundError(f"{store_path}: expected an mmbuffer store directory, found {sniff(store_path)}")
             self.buf = mb.open(str(store_path), mode="r")
             return self.buf
         return self.store
@@ -255,7 +261,7 @@ def export_d4rl(
     out: str | os.PathLike[str],
     *,
     overwrite: bool = False,
-    next_observations: bool = True,
+    next_observations: bool | None = None,
     chunk_rows: int | None = None,
     progress: bool = True,
     verify: bool = True,
@@ -264,45 +270,77 @@ def export_d4rl(
 
     ``obs -> observations``, ``action -> actions``, ``reward -> rewards``,
     ``terminated -> terminals``, ``truncated -> timeouts``, ``next_obs ->
-    next_observations`` (when ``next_observations``), other columns under their
-    own path (``infos/qpos``); ``attrs`` as JSON in ``metadata/mmbuffer_attrs``
-    plus ``attrs["source_metadata"]`` entries as ``metadata/<key>``.
+    next_observations`` (see ``next_observations``), other columns under their
+    own path (``infos/qpos``, ``next/obs -> next_observations`` for a store
+    converted with ``keep_next_obs``); ``attrs`` as JSON in
+    ``metadata/mmbuffer_attrs`` plus ``attrs["source_metadata"]`` entries as
+    ``metadata/<key>``.
+
+    Converting the file back gives the same rows, flags and final observations.
+    What D4RL cannot hold is left out with a warning, never made up: the last
+    row of an open (unfinished) episode has no next observation, so open
+    episodes are written only when no ``next_observations`` are derived (and
+    only for a one-lane store: a D4RL file has one unflagged episode, at its
+    end). A store converted from a file that stopped inside an episode
+    (``attrs["tail_truncated_row"]``, see :mod:`._flat`) gets that row's
+    ``timeouts`` flag back unset, as in the source.
 
     Parameters
     ----------
     store
         A store path or an open ``mb.Buffer``.
     out
-        The ``.hdf5`` file to write (refused if it exists, unless ``overwrite``).
+        The ``.hdf5`` file to write (refused if it exists, unless ``overwrite``
+        and it is a D4RL HDF5 file).
     next_observations
-        Also write ``next_observations`` (needed to carry final observations).
+        Write ``next_observations`` derived from the store (carrying each
+        episode's final observation). ``None`` (default): unless the store's
+        final observations are zeros standing for unknown ones
+        (``attrs["final_obs_source"] == "zeros"``, a source without next
+        observations), which would come back as real data.
 
     Returns
     -------
     dict
         Summary: ``rows``, ``episodes``, ``open_episode_rows``,
-        ``skipped_open_rows``, ``checksums``, ``verified``, ``seconds``.
+        ``skipped_open_rows``, ``checksums``, ``verified``, ``seconds``,
+        ``warnings``.
     """
     import h5py
 
     t0 = time.perf_counter()
-    out_path = check_destination(out, overwrite)
+    out_path = check_destination(out, overwrite, "d4rl")
     partial = partial_path(out_path)
     opened = _Opened(store)
+    notes: list[str] = []
     with opened as buf:
+        where = getattr(buf, "path", store)
         missing = [k for k in ("obs", "action", "reward") if k not in buf.columns]
         if missing:
             raise ConversionError(
-                f"{getattr(buf, 'path', store)}: expected columns obs, action and reward for a D4RL file "
+                f"{where}: expected columns obs, action and reward for a D4RL file "
                 f"(observations, actions, rewards), got {sorted(buf.columns)}; missing {missing}"
             )
-        remove_partial(partial)
+        remove_partial(partial, "d4rl")
         rows_per = _chunk_rows(buf, chunk_rows)
-        plan, skipped = _plan(buf, "single-lane")
-        n = plan.rows
         cols = _data_columns(buf)
         keys = [*cols, *_FLAGS]
-        derive_next = next_observations and bool(buf.next_keys)
+        explicit_next = [c for c in cols if _d4rl_key(c).startswith("next_observations")]
+        zeros = buf.attrs.get("final_obs_source") == "zeros"
+        if next_observations is None:
+            next_observations = not zeros
+        derive_next = next_observations and bool(buf.next_keys) and not explicit_next
+        if derive_next and zeros:
+            notes.append(f"{out_path}: the store's final observations are zeros standing for unknown ones "
+                         "(its source had no next observations); they are written as next_observations")
+        plan, skipped = _plan(buf, "none" if derive_next else "single-lane")
+        if skipped:
+            why = ("the last row of an open episode has no next observation (pass next_observations=False "
+                   "to keep them without next_observations)" if derive_next else
+                   "a D4RL file holds one unflagged episode, at its end")
+            notes.append(f"{out_path}: {skipped} rows of open (unfinished) episodes were left out: {why}")
+        n = plan.rows
+        tail = _tail_row(buf, plan) if derive_next else None
         crc: dict[str, int] = {}
         final_crc: dict[str, int] = {}
         try:
@@ -327,40 +365,61 @@ def export_d4rl(
                     m = len(piece.rows)
                     for name in keys:
                         dsets[name][at : at + m] = piece.data[name]
-                        _crc_update(crc, name, piece.data[name])
+                        _crc_update(crc, name, piece.data[name])  # the store's rows: what reconverting gives
                     for k in nxt:
                         nxt[k][at : at + m] = piece.data[f"next_{k}"]
                     for k, v in piece.final.items():
                         _crc_update(final_crc, k, v)
                     at += m
                     bar.update(m)
+                if tail is not None:
+                    dsets["truncated"][tail] = False  # as the source had it
                 _write_d4rl_metadata(f, buf.attrs)
         except BaseException:
-            remove_partial(partial)
+            remove_partial(partial, "d4rl")
             raise
         summary: dict[str, Any] = {
             "format": "d4rl",
-            "store": str(getattr(buf, "path", store)),
+            "store": str(where),
             "out": str(out_path),
             "rows": n,
             "episodes": int(plan.complete.sum()),
             "open_episode_rows": int(plan.lengths[~plan.complete].sum()),
             "skipped_open_rows": skipped,
+            "next_observations": bool(derive_next or explicit_next),
+            "tail_unflagged_row": tail,
             "checksums": {k: _hex(v) for k, v in crc.items()},
             "final_obs_checksums": {k: _hex(v) for k, v in final_crc.items()},
             "verified": False,
+            "warnings": notes,
         }
-    if skipped:
-        _warn(f"{out_path}: {skipped} rows of open episodes in lanes of a multi-lane store were left out")
+    for note in notes:
+        _warn(note)
     if verify:
         from ._d4rl import D4RLReader
 
-        reader = D4RLReader(partial, keep_infos=True)
+        reader = D4RLReader(partial, keep_infos=True, keep_next_obs=bool(explicit_next))
         _check_reader(reader, summary, crc, final_crc if derive_next else None, partial, warn_open=False)
         summary["verified"] = True
-    replace_destination(partial, out_path)
+    replace_destination(partial, out_path, "d4rl", overwrite=overwrite)
     summary["seconds"] = round(time.perf_counter() - t0, 3)
     return summary
+
+
+def _tail_row(buf: Any, plan: _Plan) -> int | None:
+    """The file row whose ``timeouts`` the converter set (``attrs["tail_truncated_row"]``), if
+    the store still holds that dataset as converted; ``None`` otherwise."""
+    from ._flat import TAIL_ATTR
+
+    row = buf.attrs.get(TAIL_ATTR)
+    if not isinstance(row, int) or isinstance(row, bool) or buf.num_streams != 1 or not len(plan.lengths):
+        return None
+    written = int(buf.view().written[0])
+    last = int(plan.starts[-1] + plan.lengths[-1] - 1)
+    if written != row + 1 or last != row or plan.rows != written or not plan.complete[-1]:
+        return None  # rows were added since the conversion: the flag is the store's own now
+    flags = buf.read_range("truncated", row, row + 1)
+    return row if bool(flags[0]) and not bool(buf.read_range("terminated", row, row + 1)[0]) else None
 
 
 def _write_d4rl_metadata(f: Any, attrs: dict[str, Any]) -> None:
@@ -519,9 +578,9 @@ def export_minari(
     import h5py
 
     t0 = time.perf_counter()
-    out_path = check_destination(out, overwrite)
+    out_path = check_destination(out, overwrite, "minari")
     partial = partial_path(out_path)
-    remove_partial(partial)
+    remove_partial(partial, "minari")
     opened = _Opened(store)
     with opened as buf:
         rows_per = _chunk_rows(buf, chunk_rows)
@@ -618,7 +677,7 @@ def export_minari(
             meta["dataset_size"] = round(sum(p.stat().st_size for p in data_dir.iterdir()) / 1e6, 1)
             (data_dir / "metadata.json").write_text(json.dumps(meta))
         except BaseException:
-            remove_partial(partial)
+            remove_partial(partial, "minari")
             raise
         summary: dict[str, Any] = {
             "format": "minari",
@@ -632,18 +691,21 @@ def export_minari(
             "checksums": {k: _hex(v) for k, v in crc.items()},
             "final_obs_checksums": {k: _hex(v) for k, v in final_crc.items()},
             "verified": False,
+            "warnings": [],
         }
     if dropped:
-        _warn(f"{out_path}: columns with no place in a Minari dataset were left out: {dropped}")
+        summary["warnings"].append(f"{out_path}: columns with no place in a Minari dataset were left out: {dropped}")
     if skipped:
-        _warn(f"{out_path}: {skipped} rows of open (unfinished) episodes were left out")
+        summary["warnings"].append(f"{out_path}: {skipped} rows of open (unfinished) episodes were left out")
+    for note in summary["warnings"]:
+        _warn(note)
     if verify:
         from ._minari import MinariReader
 
         reader = MinariReader(partial, keep_infos=True)
         _check_reader(reader, summary, crc, final_crc, partial, warn_open=False)
         summary["verified"] = True
-    replace_destination(partial, out_path)
+    replace_destination(partial, out_path, "minari", overwrite=overwrite)
     summary["seconds"] = round(time.perf_counter() - t0, 3)
     return summary
 

@@ -5,6 +5,15 @@ arrays; episodes end at rows where either flag is set. ``next_arrays`` (when the
 source has them, e.g. D4RL ``next_observations`` or TorchRL ``("next", ...)``)
 give each episode's final observation; without them the final observation is
 unknown and is filled with zeros (``attrs["final_obs_source"] == "zeros"``).
+
+A source that stops inside an episode (its last row has no flag, as in most
+D4RL files) keeps every row. With next observations the last row is a whole
+transition: the episode is closed as truncated there (D4RL's ``timeouts``: the
+data stops), its final observation is the last row's next observation, and
+``attrs["tail_truncated_row"]`` records the row, so
+:func:`~mmbuffer.convert.export_d4rl` writes the flag back as it was. Without
+next observations the episode stays open: its last row has no next observation
+and is not sampled (warning).
 Arrays are read in row slices only, so any object with ``shape``, ``dtype`` and
 ``__getitem__(slice)`` works (``h5py.Dataset``, :class:`FileArray`, numpy arrays).
 """
@@ -20,7 +29,11 @@ import numpy as np
 
 from ._common import Chunk, Reader, Schema, as_flag
 
-__all__ = ["ArrayLike", "FileArray", "RolledArray", "FlatReader"]
+__all__ = ["ArrayLike", "FileArray", "RolledArray", "FlatReader", "TAIL_ATTR"]
+
+#: Store attribute: the row where a converter set ``truncated`` because the source
+#: stopped inside an episode (its last row had no end flag).
+TAIL_ATTR = "tail_truncated_row"
 
 
 class ArrayLike(Protocol):
@@ -206,6 +219,13 @@ class FlatReader(Reader):
         missing = [k for k in self._next_keys if k not in self._next]
         if self._next_keys:
             self._attrs["final_obs_source"] = "zeros" if missing else "next"
+        n = self._n
+        self._open_tail = bool(n) and not bool(as_flag(terminated[n - 1 : n])[0] or as_flag(truncated[n - 1 : n])[0])
+        # the dataset stops inside an episode: with next observations its last row is
+        # a whole transition, so the episode is closed as truncated (D4RL's timeouts)
+        self._close_tail = self._open_tail and bool(self._next_keys) and not missing
+        if self._close_tail:
+            self._attrs[TAIL_ATTR] = n - 1
         self._schema = Schema(cols, self._next_keys, self._n, self._attrs)
 
     def _key(self, name: str) -> str:
@@ -236,6 +256,9 @@ class FlatReader(Reader):
                 steps[name] = rows
             term = as_flag(self._term[a:b])
             trunc = as_flag(self._trunc[a:b])
+            if b == n and self._close_tail:
+                trunc = trunc.copy()
+                trunc[-1] = True
             steps["terminated"] = term
             steps["truncated"] = trunc
             done = term | trunc
@@ -267,12 +290,21 @@ class FlatReader(Reader):
                     "row's observation inside an episode; the store derives next_obs from the "
                     "following row (keep_next_obs=True stores them as an explicit column)"
                 )
-        if n:
-            last_done = bool(as_flag(self._term[n - 1 : n])[0] or as_flag(self._trunc[n - 1 : n])[0])
-            if not last_done:
-                self._warn(
-                    "the last episode has no terminated/truncated flag: kept as an open episode"
-                )
+        if self._close_tail:
+            self.stats["tail_truncated_row"] = n - 1
+            self._warn(
+                "the last episode has no terminated/truncated flag (the dataset stops there): kept as "
+                f"a truncated episode (truncated set at row {n - 1}, attrs[{TAIL_ATTR!r}]), whose final "
+                "observation is the last row's next observation; export_d4rl writes it back unflagged"
+            )
+        elif self._open_tail and self._next_keys:
+            self._warn(
+                "the last episode has no terminated/truncated flag and the source has no next "
+                f"observations: kept as an open episode; its last row (row {n - 1}) has no next "
+                "observation, so it is stored but not sampled"
+            )
+        elif self._open_tail:
+            self._warn("the last episode has no terminated/truncated flag: kept as an open episode")
 
 
 def _rows_differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:

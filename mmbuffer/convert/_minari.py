@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from ._common import Chunk, ChunkAssembler, Reader, Schema, jsonable, write_store
+from ._sniff import expect
 
 __all__ = ["MinariReader", "convert_minari"]
 
@@ -111,6 +112,7 @@ class MinariReader(Reader):
     def __init__(self, path: str | os.PathLike[str], *, keep_infos: bool = False) -> None:
         super().__init__(path)
         p = self.path
+        expect(p, ("directory",), "a Minari dataset directory (holding data/metadata.json)")
         data = p / "data" if (p / "data" / "metadata.json").is_file() else p
         meta_path = data / "metadata.json"
         if not meta_path.is_file():
@@ -538,7 +540,7 @@ def convert_minari(
     ``convert_minari("~/.minari/datasets/D4RL/door/human-v2", "stores/door")``;
     ``tests/test_convert.py`` runs it on datasets written by ``minari.DataCollector``.
     """
-    from ._common import check_destination
+    from ._dest import check_destination
 
     check_destination(dst, overwrite)
     reader = MinariReader(Path(src).expanduser(), keep_infos=keep_infos)

@@ -24,6 +24,7 @@ import numpy as np
 from ._common import Reader, jsonable, write_store
 from ._d4rl import flat_columns
 from ._flat import FileArray, FlatReader
+from ._sniff import ZIP, expect
 
 __all__ = ["NpzReader", "convert_npz"]
 
@@ -179,12 +180,10 @@ class NpzReader(FlatReader):
 
         Reader.__init__(self, path)
         p = self.path
-        if p.is_dir():
+        if expect(p, (ZIP, "directory"), "an .npz archive or a directory of .npy files") == "directory":
             arrays = _open_npy_dir(p)
-        elif p.is_file():
-            arrays = _open_npz(p, self)
         else:
-            raise ConversionError(f"{p}: no such file or directory (expected .npz or a directory of .npy)")
+            arrays = _open_npz(p, self)
         self._arrays = arrays
         meta = {}
         for key, arr in arrays.items():
@@ -232,7 +231,7 @@ def convert_npz(
     StoreExistsError
         ``dst`` exists and ``overwrite`` is false.
     """
-    from ._common import check_destination
+    from ._dest import check_destination
 
     check_destination(dst, overwrite)
     reader = NpzReader(src, keep_infos=keep_infos, keep_next_obs=keep_next_obs)

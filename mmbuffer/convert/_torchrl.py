@@ -18,7 +18,9 @@ is ``("next", key)`` at the episode's last row; other keys are kept as columns
 named by their path (``collector/traj_ids``, ``next/<key>`` for next-only keys);
 ``index`` is dropped. Trailing ``[.., 1]`` dims of reward and flags are squeezed.
 Where ``("collector", "traj_ids")`` changes with no flag set, the row before is
-marked truncated (counted as ``forced_truncations``).
+marked truncated (counted as ``forced_truncations``); a last episode with no
+flag is closed as truncated with ``("next", key)`` as final observation (see
+:mod:`._flat`).
 
 **TD-MPC2 files**: a TensorDict (or a dict of tensors) shaped ``[episodes, L]``
 with ``obs``, ``action``, ``reward`` and ``episode`` keys, where row 0 of each
@@ -42,8 +44,10 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import MMBufferError
 from ._common import Chunk, Reader, Schema, as_flag, write_store
 from ._flat import FileArray, FlatReader, RolledArray
+from ._sniff import PICKLE, ZIP, expect
 
 __all__ = ["TorchRLReader", "TDMPC2Reader", "convert_torchrl", "open_torchrl"]
 
@@ -55,6 +59,16 @@ _TORCH_DTYPES = {
     "torch.bool": "|b1",
 }
 _FLAG_NAMES = ("terminated", "truncated", "done")
+
+
+def _read_json(reader: Reader, path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise reader._error(f"expected a JSON object, found unreadable JSON ({exc})", path.name) from None
+    if not isinstance(value, dict):
+        raise reader._error(f"expected a JSON object, got {type(value).__name__}", path.name)
+    return value
 
 
 def _np_dtype(reader: Reader, s: str, key: str) -> np.dtype:
@@ -69,17 +83,26 @@ class TorchRLReader(FlatReader):
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         Reader.__init__(self, path)
+        try:
+            self._open()
+        except MMBufferError:
+            raise
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+            self.close()
+            raise self._error(f"malformed TorchRL dump metadata ({type(exc).__name__}: {exc})") from None
+
+    def _open(self) -> None:
         root = self.path
         storage = root / "storage" if (root / "storage" / "storage_metadata.json").is_file() else root
         smeta_path = storage / "storage_metadata.json"
         if not smeta_path.is_file():
             raise self._error("not a TorchRL dump: no storage/storage_metadata.json")
-        smeta = json.loads(smeta_path.read_text())
+        smeta = _read_json(self, smeta_path)
         length = int(smeta.get("len", 0))
         writer_meta = {}
         for wpath in (root / "writer" / "metadata.json",):
             if wpath.is_file():
-                writer_meta = json.loads(wpath.read_text())
+                writer_meta = _read_json(self, wpath)
         leaves: dict[tuple[str, ...], tuple[Path, tuple[int, ...], np.dtype]] = {}
         self._pending: list[str] = []
         if smeta.get("is_pytree"):
@@ -117,7 +140,7 @@ class TorchRLReader(FlatReader):
         }
         notes = self.notes
         traj = args.pop("traj_ids", None)
-        super().__init__(path, fmt="torchrl", attrs=attrs, squeeze=("reward",), **args)
+        super().__init__(self.path, fmt="torchrl", attrs=attrs, squeeze=("reward",), **args)
         self.notes = notes + self.notes
         self._traj = traj
         for msg in self._pending:
@@ -127,7 +150,7 @@ class TorchRLReader(FlatReader):
         meta_path = d / "meta.json"
         if not meta_path.is_file():
             raise self._error("missing meta.json (not a tensordict memmap directory)", str(d))
-        meta = json.loads(meta_path.read_text())
+        meta = _read_json(self, meta_path)
         batch = meta.get("shape", meta.get("batch_size"))
         if isinstance(batch, list) and len(batch) > 1:
             raise self._error(
@@ -303,8 +326,20 @@ def _safe_load(path: Path) -> Any:
             f"{path}: refused: the file needs more than tensors and tensordict containers "
             f"unpickled ({needs or 'weights_only load failed'}); untrusted pickles are never loaded"
         ) from None
-    except (RuntimeError, EOFError, OSError) as exc:
-        raise ConversionError(f"{path}: not a torch.save file ({exc})") from exc
+    except (RuntimeError, EOFError, OSError, KeyError, IndexError, ValueError, TypeError) as exc:
+        raise ConversionError(f"{path}: expected a torch.save file, found one torch cannot read "
+                              f"({type(exc).__name__}: {exc})") from None
+
+
+def _is_torch_zip(path: Path) -> bool:
+    """Whether a zip archive has torch.save's layout (``<name>/data.pkl``)."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as zf:
+            return any(n.count("/") == 1 and n.endswith("/data.pkl") for n in zf.namelist())
+    except (zipfile.BadZipFile, OSError):
+        return False
 
 
 def _td_leaves(td: Any, prefix: str, out: dict[str, Any]) -> None:
@@ -329,8 +364,10 @@ class TDMPC2Reader(Reader):
         import torch
 
         super().__init__(path)
-        if not self.path.is_file():
-            raise self._error("no such file (expected a TD-MPC2 .pt file)")
+        expected = "a TD-MPC2 .pt file (torch.save) or a TorchRL dumps() directory"
+        if expect(self.path, (ZIP, PICKLE), expected) == ZIP and not _is_torch_zip(self.path):
+            raise self._error(f"expected {expected}, found a zip archive that torch.save did not write "
+                              "(no <name>/data.pkl member; an .npz? use the npz format)")
         td = _safe_load(self.path)
         if not hasattr(td, "keys"):
             raise self._error(f"not a TD-MPC2 dataset: expected a TensorDict or dict, got {type(td).__name__}")
@@ -450,7 +487,7 @@ def convert_torchrl(
     StoreExistsError
         ``dst`` exists and ``overwrite`` is false.
     """
-    from ._common import check_destination
+    from ._dest import check_destination
 
     check_destination(dst, overwrite)
     reader = open_torchrl(src)

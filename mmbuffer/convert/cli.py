@@ -29,7 +29,8 @@ def _compression(value: str) -> str | None:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output (after verification)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output that mmbuffer wrote (a store, D4RL file or "
+                   "Minari dataset; never other files), after verification")
     p.add_argument("--chunk-rows", type=int, default=None, help="rows read and written at a time")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
     p.add_argument("--no-verify", dest="verify", action="store_false", help="skip the verification pass")

@@ -1,0 +1,45 @@
+"""Samplers as objects: frozen specs that map a snapshot of the store to indices.
+
+``buf.sample(n, sampler=...)``, ``mb.stream(buf, n, sampler=...)`` and
+``mb.data.BufferDataset(path, n, sampler=...)`` take them; the flags of
+``sample``/``sample_slices`` (``prioritized=``, ``strict=``, ``weighting=``) build
+the same specs. One file per sampler (``base.py`` holds the contract).
+
+>>> import mmbuffer as mb
+>>> mb.samplers.PrioritizedSlices(slice_len=16, beta=0.4)
+PrioritizedSlices(slice_len=16, beta=0.4, strict=True)
+"""
+
+from .base import Draw, Sampler
+from .prioritized import Prioritized, PrioritizedSlices
+from .recent import Recent
+from .slices import Slices
+from .uniform import Uniform
+
+__all__ = ["Draw", "Prioritized", "PrioritizedSlices", "Recent", "Sampler", "Slices", "Uniform", "from_flags"]
+
+
+def from_flags(
+    slice_len: int | None = None,
+    *,
+    prioritized: bool = False,
+    beta: float = 0.4,
+    strict: bool = True,
+    weighting: str = "windows",
+) -> Sampler:
+    """The spec that the ``sample``/``sample_slices`` flags stand for.
+
+    >>> from_flags(16, prioritized=True)
+    PrioritizedSlices(slice_len=16, beta=0.4, strict=True)
+    """
+    from .. import errors
+
+    if slice_len is None:
+        return Prioritized(beta) if prioritized else Uniform()
+    if prioritized:
+        if weighting != "windows":
+            raise errors.InvalidArgumentError(
+                "weighting: prioritized slices weight windows by start priority; got 'episodes'"
+            )
+        return PrioritizedSlices(slice_len, beta, strict)
+    return Slices(slice_len, strict, weighting)

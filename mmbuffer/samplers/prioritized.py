@@ -1,0 +1,72 @@
+"""Prioritized replay (Schaul et al. 2016): transitions, or windows by their start.
+
+Probabilities come from the store's persisted priority tree; importance weights
+are ``(N P(i))^-beta`` normalized by their maximum over live rows.
+
+>>> import tempfile, numpy as np, torch, mmbuffer as mb
+>>> buf = mb.create(tempfile.mkdtemp() + "/p", {"x": ((), "int64")}, capacity=64, next_keys=(),
+...                 priorities=mb.PriorityConfig())
+>>> buf.extend({"x": np.arange(30), "truncated": np.arange(30) % 10 == 9})
+>>> b = buf.sample(8, sampler=mb.samplers.PrioritizedSlices(4), generator=torch.Generator().manual_seed(0))
+>>> tuple(b.indices.shape), b.weights.dtype
+((8, 4), torch.float32)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import sampling
+from .._checks import check_int
+from ..store import View
+from .base import Draw, Sampler, check_beta, require_priorities, tree_of
+
+
+@dataclass(frozen=True, slots=True)
+class Prioritized(Sampler):
+    """Transitions with probability ``p_i / sum p`` over sampleable rows."""
+
+    beta: float = 0.4
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "beta", check_beta(self.beta))
+
+    def check(self, store: Any) -> None:
+        require_priorities(store)
+
+    def indices(self, snapshot: View, n: int, generator: torch.Generator | None, cache: dict[Any, Any]) -> Draw:
+        rows, weights = sampling.prioritized(snapshot, tree_of(snapshot), n, self.beta, generator)
+        return rows, weights, None, snapshot.written
+
+
+@dataclass(frozen=True, slots=True)
+class PrioritizedSlices(Sampler):
+    """Windows of ``slice_len`` rows; a window's probability is its start row's
+    priority over the priorities of all valid starts (invalid starts: exactly 0).
+    ``strict=False`` lets every row start a window, cut and padded at its
+    episode's end."""
+
+    slice_len: int
+    beta: float = 0.4
+    strict: bool = True
+    slices = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "slice_len", check_int("slice_len", self.slice_len, 1))
+        object.__setattr__(self, "beta", check_beta(self.beta))
+        object.__setattr__(self, "strict", bool(self.strict))
+
+    def check(self, store: Any) -> None:
+        require_priorities(store)
+
+    def indices(self, snapshot: View, n: int, generator: torch.Generator | None, cache: dict[Any, Any]) -> Draw:
+        starts, weights = sampling.prioritized(
+            snapshot, tree_of(snapshot), n, self.beta, generator, slice_len=self.slice_len, strict=self.strict
+        )
+        lane, absolute = sampling.absolute_rows(snapshot, starts)
+        avail = sampling.rows_left(snapshot, lane, absolute)
+        rows, mask = sampling.window(snapshot, lane, absolute, avail, self.slice_len)
+        return rows, weights, mask, snapshot.written

@@ -1,0 +1,28 @@
+"""Uniform transitions: every sampleable row equally likely.
+
+>>> import tempfile, numpy as np, torch, mmbuffer as mb
+>>> buf = mb.create(tempfile.mkdtemp() + "/u", {"x": ((), "int64")}, capacity=16, next_keys=())
+>>> buf.extend({"x": np.arange(10)})
+>>> buf.sample(4, sampler=mb.samplers.Uniform(), generator=torch.Generator().manual_seed(0)).data["x"].shape
+torch.Size([4])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import sampling
+from ..store import View
+from .base import Draw, Sampler, ones
+
+
+@dataclass(frozen=True, slots=True)
+class Uniform(Sampler):
+    """Transitions drawn uniformly over the sampleable rows of every lane (complete
+    episodes, and open episodes up to their last row with a known next value)."""
+
+    def indices(self, snapshot: View, n: int, generator: torch.Generator | None, cache: dict[Any, Any]) -> Draw:
+        return sampling.uniform(snapshot, n, generator), ones(n), None, snapshot.written
