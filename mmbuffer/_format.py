@@ -53,8 +53,7 @@ Version history
 ---------------
 1 (2026-11-22, first session)
     Priority tree: float32 leaves in blocks of 64 under a binary heap of float64
-    block sums and float32 min/max. Refused with ``FormatVersionError``
-    (``mmbuffer copy`` from a version-1 mmbuffer is the way across).
+    block sums and float32 min/max. Refused with ``FormatVersionError``.
 2 (2026-11-22, second session)
     Priority tree of float32 leaves in blocks of 64 under a 16-ary tree of float64
     sums and running sums and float32 min/max (``tree.py``): 4.41 bytes per row,
