@@ -1,4 +1,4 @@
-"""The on-disk format of an mmbuffer store (format version 1).
+"""The on-disk format of an mmbuffer store, format version 2 (``FORMAT_VERSION``).
 
 A store is one directory that is also a valid **Zarr v3 group**, so zarr-python,
 tensorstore or xarray read it without mmbuffer. Nothing in it is a pickle::
@@ -37,7 +37,32 @@ read and written through zarr-python; they are for archives (see ``mmbuffer copy
 ``priorities`` (null or {alpha, eps, max_priority}), ``lanes`` (per lane:
 ``written``, ``ep_head``, ``ep_tail``, ``first_start``; all int64 counters that
 never wrap) and ``attrs`` (user metadata). Readers ignore every row past a lane's
-committed ``written``.
+committed ``written``; unknown top-level manifest fields are ignored (room for
+additions that old readers may skip), everything named is checked (``_manifest.py``).
+
+What a store may contain, and how it is opened: everything inside the directory
+is opened without following symbolic links and must be a regular file or a
+directory (``_safe_io.py``); every ``zarr.json`` must describe exactly the array
+the manifest implies: an allowed dtype (bool, signed and unsigned integers,
+floats), the shape, one shard of whole-row chunks with the index at the end for
+raw arrays, and only ``bytes`` plus at most one ``zstd``/``blosc`` codec for
+compressed ones. Counters are checked against each other and the index at open
+(``_counters.py``). Anything else is ``CorruptStoreError``, never a repair.
+
+Version history
+---------------
+1 (2026-11-22, first session)
+    Priority tree: float32 leaves in blocks of 64 under a binary heap of float64
+    block sums and float32 min/max. Refused with ``FormatVersionError``.
+2 (2026-11-22, second session)
+    Priority tree of float32 leaves in blocks of 64 under a 16-ary tree of float64
+    sums and running sums and float32 min/max (``tree.py``): 4.41 bytes per row,
+    one gathered row per level per draw. No other change.
+    Since then, without a version change (a store of either time reads the same):
+    ``index/reserved`` is kept at a dead writer's value by recovery (readers of an
+    older commit must keep away from the rows it may have rewritten) and capped at
+    ``written + 2 * lane_size`` of the last commit; ``zarr.json`` files are checked
+    as above on open.
 """
 
 from __future__ import annotations

@@ -1,0 +1,71 @@
+"""The column backend contract: one array of rows of a store, behind a protocol.
+
+A store keeps every column, the final observations, the episode index and the
+priority tree as arrays of rows ``[rows, *row_shape]``. :class:`ColumnArray` is
+what the store asks of each, whatever holds the bytes: read rows at given ids into
+a new array (a gather), read or write a contiguous range, write at given ids,
+make a range durable, and drop this process's pages. ``RawArray`` (``raw.py``)
+memory-maps a file and writes large blocks with ``pwrite``; ``ZarrArray``
+(``compressed.py``) reads and writes compressed chunks through zarr-python; a
+later backend (object storage, a chunk pool) is one more file that passes the same
+conformance suite (``tests/test_columns.py``, zarr's ``StoreTests`` is the model).
+
+The index and the tree are updated in place by pure functions over numpy arrays:
+a backend whose bytes are mapped into the process exposes them with
+:meth:`ColumnArray.mapped`; others return None, and the store keeps such arrays
+where it can map them.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import numpy as np
+
+
+class ColumnArray(abc.ABC):
+    """Rows ``[rows, *row_shape]`` of one dtype. Row ids are global (0 .. rows - 1)."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        return self.shape[1:]
+
+    @abc.abstractmethod
+    def read(self, rows: np.ndarray) -> np.ndarray:
+        """A new array ``rows.shape + row_shape`` of the rows at ids ``rows``."""
+
+    @abc.abstractmethod
+    def read_range(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows ``[start, stop)``, into ``out`` (C-contiguous) when given."""
+
+    @abc.abstractmethod
+    def write_range(self, start: int, values: np.ndarray) -> None:
+        """Write ``values`` (``[n, *row_shape]``) at rows ``[start, start + n)``."""
+
+    @abc.abstractmethod
+    def write_at(self, rows: np.ndarray, values: np.ndarray) -> None:
+        """Write ``values[i]`` at row ``rows[i]`` (ids distinct)."""
+
+    @abc.abstractmethod
+    def flush(self, start: int, stop: int) -> None:
+        """Make rows ``[start, stop)`` durable (returns after they reached the disk)."""
+
+    def release(self) -> None:
+        """Drop this process's mapped pages (the data stays); no-op when nothing is mapped."""
+
+    def drop_cache(self, start: int, stop: int) -> None:
+        """Write rows ``[start, stop)`` behind and drop them from the page cache, when
+        the backend has one; nothing is lost either way."""
+
+    def mapped(self) -> np.ndarray | None:
+        """The rows as a numpy array over the backend's bytes (changed in place), if any."""
+        return None
+
+    def close(self) -> None:
+        """Release file handles; the object is unusable afterwards."""

@@ -1,0 +1,126 @@
+"""One conformance suite for every column backend (zarr's ``StoreTests`` is the model).
+
+``ColumnTests`` holds the behaviour every :class:`mmbuffer.columns.ColumnArray`
+must have; each backend subclasses it once, saying how to create and open its
+arrays. A new backend (object storage, say) adds one subclass here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mmbuffer import _format as fmt
+from mmbuffer.columns import ColumnArray, RawArray, ZarrArray, open_array
+
+ROWS = 1000  # not a power of two: partial last chunk
+
+
+class ColumnTests:
+    compressed: bool
+
+    def create(self, root: Path, name: str, row_shape: tuple[int, ...], dtype: str) -> None:
+        raise NotImplementedError
+
+    @pytest.fixture(params=[((), "int64"), ((3,), "float32"), ((2, 5), "uint8"), ((), "bool")])
+    def spec(self, request):
+        return request.param
+
+    @pytest.fixture
+    def col(self, tmp_path, spec):
+        row_shape, dtype = spec
+        self.create(tmp_path, "c", row_shape, dtype)
+        return open_array(tmp_path, "c", compressed=self.compressed, writable=True,
+                          expect=(ROWS, row_shape, np.dtype(dtype)))
+
+    @staticmethod
+    def values(col: ColumnArray, n: int, seed: int = 0) -> np.ndarray:
+        rng = np.random.default_rng(seed)
+        return (rng.integers(0, 200, size=(n, *col.row_shape)) % (2 if col.dtype == bool else 200)).astype(col.dtype)
+
+    def test_shape_and_dtype(self, col, spec):
+        assert col.shape == (ROWS, *spec[0]) and col.dtype == np.dtype(spec[1]) and len(col) == ROWS
+
+    def test_unwritten_rows_read_as_zero(self, col):
+        assert not col.read(np.array([0, 500, ROWS - 1])).any()
+
+    def test_write_range_then_read_and_read_range(self, col):
+        v = self.values(col, 300)
+        col.write_range(650, v)
+        np.testing.assert_array_equal(col.read_range(650, 950), v)
+        rows = np.array([[700, 651], [949, 650]])
+        got = col.read(rows)
+        assert got.shape == rows.shape + col.row_shape
+        np.testing.assert_array_equal(got, v[rows - 650])
+        out = np.empty((100, *col.row_shape), col.dtype)
+        assert col.read_range(700, 800, out=out) is out
+        np.testing.assert_array_equal(out, v[50:150])
+        assert not col.read_range(950, ROWS).any()  # past the write: untouched
+
+    def test_write_at_scattered_rows(self, col):
+        rows = np.array([999, 3, 512, 64])
+        v = self.values(col, 4, seed=1)
+        col.write_at(rows, v)
+        np.testing.assert_array_equal(col.read(rows), v)
+        assert not col.read(np.array([0, 2, 4, 998])).any()
+
+    def test_flushed_rows_survive_reopen(self, tmp_path, col, spec):
+        v = self.values(col, 77, seed=2)
+        col.write_range(ROWS - 77, v)
+        col.flush(ROWS - 77, ROWS)
+        col.release()
+        col.close()
+        again = open_array(tmp_path, "c", compressed=self.compressed, writable=False,
+                           expect=(ROWS, spec[0], np.dtype(spec[1])))
+        np.testing.assert_array_equal(again.read_range(ROWS - 77, ROWS), v)
+        np.testing.assert_array_equal(again.read(np.arange(ROWS - 77, ROWS)), v)
+
+    def test_release_and_drop_cache_lose_nothing(self, col):
+        v = self.values(col, 10, seed=3)
+        col.write_range(0, v)
+        col.drop_cache(0, 10)
+        col.release()
+        np.testing.assert_array_equal(col.read_range(0, 10), v)
+
+    def test_mapped_view_is_the_data(self, col):
+        view = col.mapped()
+        if view is None:  # a backend without a mapping: the store keeps index and tree elsewhere
+            assert self.compressed
+            return
+        v = self.values(col, 5, seed=4)
+        view[10:15] = v
+        np.testing.assert_array_equal(col.read_range(10, 15), v)
+
+    def test_metadata_mismatch_is_refused(self, tmp_path, col, spec):
+        from mmbuffer import errors
+
+        with pytest.raises(errors.CorruptStoreError):
+            open_array(tmp_path, "c", compressed=self.compressed, writable=False,
+                       expect=(ROWS + 1, spec[0], np.dtype(spec[1])))
+
+
+class TestRawArray(ColumnTests):
+    compressed = False
+
+    def create(self, root, name, row_shape, dtype):
+        fmt.create_raw(root, name, ROWS, row_shape, np.dtype(dtype))
+
+    def test_is_raw(self, col):
+        assert isinstance(col, RawArray) and col.mapped() is not None
+
+
+class TestZarrArrayZstd(ColumnTests):
+    compressed = True
+
+    def create(self, root, name, row_shape, dtype):
+        fmt.create_compressed(root, name, ROWS, row_shape, np.dtype(dtype), "zstd")
+
+    def test_is_compressed(self, col):
+        assert isinstance(col, ZarrArray) and col.mapped() is None
+
+
+class TestZarrArrayLz4(TestZarrArrayZstd):
+    def create(self, root, name, row_shape, dtype):
+        fmt.create_compressed(root, name, ROWS, row_shape, np.dtype(dtype), "lz4")
