@@ -49,16 +49,17 @@ def info(path: str) -> dict[str, Any]:
         "disk_apparent": apparent,
         "priorities": None,
     }
-    if buf._tree is not None and buf.priorities is not None:
+    ptree = buf.view().tree
+    if ptree is not None and buf.priorities is not None:
         from . import tree
 
         out["priorities"] = {
             "alpha": buf.priorities.alpha,
             "eps": buf.priorities.eps,
             "max_priority": buf.priorities.max_priority,
-            "total": tree.total(buf._tree),
-            "min": tree.min_live(buf._tree),
-            "max": tree.max_live(buf._tree),
+            "total": tree.total(ptree),
+            "min": tree.min_live(ptree),
+            "max": tree.max_live(ptree),
         }
     return out
 

@@ -192,7 +192,7 @@ class EpochSampler:
         return int((closed + opened).sum())
 
     def _batch(self, ranks: np.ndarray) -> Batch:
-        with self.buf._lock:
+        with self.buf.lock:
             return self._batch_locked(ranks)
 
     def _batch_locked(self, ranks: np.ndarray) -> Batch:

@@ -263,6 +263,12 @@ class Store:
             self._reserved[lane] = max(st.written, int(self._reserved_floor[lane]))
         fmt.flush_rows(self._reserved, 0, len(self._reserved))
 
+    @property
+    def lock(self) -> threading.RLock:
+        """The re-entrant lock every method that reads or changes cursors, index, tree
+        or rows holds: hold it to make several calls one step (a prefetch thread)."""
+        return self._lock
+
     def reservation(self) -> np.ndarray:
         """The writer's reservation per lane, read now from the shared map: rows of a
         lane below ``reservation()[lane] - lane_size`` may be being rewritten."""

@@ -111,10 +111,10 @@ def buffer_lock(buf: Any) -> threading.RLock:
     >>> len(buf)
     2
     """
-    lock = getattr(buf, "_lock", None)
-    if lock is None:
+    lock = getattr(buf, "lock", None)
+    if not isinstance(lock, type(threading.RLock())):
         raise errors.InvalidArgumentError(f"buf: expected an mmbuffer Buffer, got {type(buf).__name__}")
-    return lock  # type: ignore[no-any-return]
+    return lock
 
 
 class Stream:
