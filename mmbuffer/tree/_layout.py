@@ -198,6 +198,6 @@ def reset(tree: PriorityTree) -> None:
     Call it on freshly allocated (zero-filled) arrays: the neutral min is
     ``+inf``, not 0. Example: :class:`PriorityTree`.
     """
-    for arr, neutral in ((tree.views.leaf, 0), (tree.views.sum, 0), (tree.views.pre, 0), (tree.views.min, np.inf),
-                         (tree.views.max, 0)):
+    v = tree.views
+    for arr, neutral in ((v.leaf, 0), (v.sum, 0), (v.pre, 0), (v.min, np.inf), (v.max, 0)):
         arr.fill(neutral)

@@ -99,7 +99,7 @@ def upward(tree: PriorityTree, lo: int, hi: int) -> Iterator[tuple[int, int, int
             yield d, c, min(c + CHUNK_ROWS, hi)
 
 
-def row_values(tree: PriorityTree, d: int, c: int, e: int) -> tuple[Float64Array, Float32Array, Float32Array]:
+def row_values(tree: PriorityTree, d: int, c: int, e: int) -> Stats:
     """Running sums [e - c, 17], mins and maxs of the local rows ``[c, e)`` of level ``d``."""
     o = tree.views.levels[d][0]
     pre = running(tree.views.sum[o + c : o + e])

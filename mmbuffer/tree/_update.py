@@ -31,7 +31,8 @@ def _propagate(tree: PriorityTree, kids: Int64Array, low: Int64Array, high: Int6
     level where none changed (no ancestor's can). Levels of at most
     ``FLAT_ROWS`` rows are recomputed whole.
     """
-    levels, top = tree.views.levels, tree.views.top
+    v = tree.views
+    levels, top = v.levels, v.top
     dedupe = kids.shape[0] * len(levels) > LEVELS_AT_ONCE  # else duplicates write equal values
     for d in range(len(levels) - 1, -1, -1):
         o, r = levels[d]
@@ -44,16 +45,16 @@ def _propagate(tree: PriorityTree, kids: Int64Array, low: Int64Array, high: Int6
                 kids = kids[_run_ends(kids, last=False)]
             low, high = low >> FSHIFT, high >> FSHIFT
         rows = kids + o
-        cum = torch.cumsum(torch.from_numpy(tree.views.sum.take(rows, axis=0)), 1).numpy()
-        tree.views.pre[rows, 1:] = cum  # column 0 is always 0
+        cum = torch.cumsum(torch.from_numpy(v.sum.take(rows, axis=0)), 1).numpy()
+        v.pre[rows, 1:] = cum  # column 0 is always 0
         if d == 0:
             return
-        s, mn, mx = tree.views.slot[d - 1]
+        s, mn, mx = v.slot[d - 1]
         s[kids] = cum[:, FANOUT - 1]
         if low.shape[0]:
-            low = _changed(mn, low, reduce_rows(np.minimum, tree.views.min.take(low + o, axis=0)))
+            low = _changed(mn, low, reduce_rows(np.minimum, v.min.take(low + o, axis=0)))
         if high.shape[0]:
-            high = _changed(mx, high, reduce_rows(np.maximum, tree.views.max.take(high + o, axis=0)))
+            high = _changed(mx, high, reduce_rows(np.maximum, v.max.take(high + o, axis=0)))
 
 
 def _changed(slots: Float32Array, ids: Int64Array, new: Float32Array) -> Int64Array:
@@ -201,7 +202,8 @@ def rebuild(tree: PriorityTree) -> None:
     (300.0, 0.0)
     """
     for lo, hi in padding(tree):
-        for arr, neutral in ((tree.views.sum, 0.0), (tree.views.min, np.inf), (tree.views.max, 0.0)):
+        for arr, neutral in ((tree.views.sum, 0.0), (tree.views.min, np.inf),
+                             (tree.views.max, 0.0)):
             arr.reshape(-1)[lo:hi] = neutral
     blocks_span(tree, 0, tree.views.nblocks)
     levels_span(tree, 0, tree.views.nblocks)
