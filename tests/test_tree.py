@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import doctest
+import importlib
 import math
+import pkgutil
 import sys
 
 import numpy as np
@@ -18,6 +20,7 @@ import torch
 
 from mmbuffer import _format, errors
 from mmbuffer import tree as T
+from mmbuffer.tree import _nodes, _update
 
 CAPACITIES = [1, 7, 50, 63, 64, 65, 1000, 4097]
 
@@ -172,7 +175,7 @@ def test_batched_update_matches_sequential(cap: int) -> None:
 
 
 def test_big_batches_dedupe_level_by_level(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(T, "_LEVELS_AT_ONCE", 0)  # force the big-batch path
+    monkeypatch.setattr(_update, "LEVELS_AT_ONCE", 0)  # force the big-batch path
     rng = np.random.default_rng(5)
     for cap in (65, 4097):
         tr = T.init(cap)
@@ -298,8 +301,8 @@ def test_rebuild_and_check_chunk_independent(cap: int, monkeypatch: pytest.Monke
     tr = T.init(cap)
     T.update(tr, np.arange(cap), random_leaves(rng, cap))
     expected = [a.copy() for a in (tr.sums, tr.prefix, tr.mins, tr.maxs)]
-    monkeypatch.setattr(T, "_CHUNK_BLOCKS", 3)
-    monkeypatch.setattr(T, "_CHUNK_ROWS", 2)
+    monkeypatch.setattr(_nodes, "CHUNK_BLOCKS", 3)
+    monkeypatch.setattr(_nodes, "CHUNK_ROWS", 2)
     tr.sums[:] = -1.0  # garbage everywhere, padding included
     tr.prefix[:] = 5.0
     tr.mins[:] = 0.0
@@ -666,6 +669,7 @@ def test_range_queries_refuse_bad_arguments() -> None:
 
 
 def test_doctests() -> None:
-    result = doctest.testmod(T, optionflags=doctest.NORMALIZE_WHITESPACE)
-    assert result.attempted > 20
-    assert result.failed == 0
+    modules = [T, *(importlib.import_module(f"{T.__name__}.{m.name}") for m in pkgutil.iter_modules(T.__path__))]
+    results = [doctest.testmod(m, optionflags=doctest.NORMALIZE_WHITESPACE) for m in modules]
+    assert sum(r.attempted for r in results) > 20
+    assert sum(r.failed for r in results) == 0
