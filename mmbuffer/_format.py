@@ -13,7 +13,7 @@ tensorstore or xarray read it without mmbuffer. Nothing in it is a pickle::
                            episode ends (absolute, exclusive row counters)
       index/reserved/      int64 [num_streams]: rows the writer may have overwritten
                            past its last commit (see ``store.py``)
-      priority/<level>/    priority tree arrays (``tree.py``), when enabled
+      priority/<level>/    priority tree arrays (``mmbuffer.tree``), when enabled
       sampler/<name>.json  persisted sampler state (``sampling.EpochSampler``)
       LOCK                 advisory lock file of the single writer (pid, host)
 
@@ -56,7 +56,7 @@ Version history
     block sums and float32 min/max. Refused with ``FormatVersionError``.
 2 (2026-11-22, second session)
     Priority tree of float32 leaves in blocks of 64 under a 16-ary tree of float64
-    sums and running sums and float32 min/max (``tree.py``): 4.41 bytes per row,
+    sums and running sums and float32 min/max (``mmbuffer.tree``): 4.41 bytes per row,
     one gathered row per level per draw. No other change.
     Since then, without a version change (a store of either time reads the same):
     ``index/reserved`` is kept at a dead writer's value by recovery (readers of an

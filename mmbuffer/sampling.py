@@ -12,7 +12,7 @@ the number of stored rows:
   sampleable rows)``: rows that are not sampleable in the caller's view (not a
   valid window start, the open episode's last row, a row a reader must not see)
   have probability exactly 0. It first descends the persisted tree
-  (``tree.py``) and redraws the rows that are not sampleable; when few are,
+  (``mmbuffer.tree``) and redraws the rows that are not sampleable; when few are,
   it draws the rest from the ranges of sampleable rows, which costs
   O(episodes * log(rows)) for strict windows (see ``prioritized``).
 
