@@ -31,102 +31,31 @@ then the index and the tree, then ``manifest.json`` is replaced atomically.
 
 from __future__ import annotations
 
-import errno
+import dataclasses
 import fcntl
 import functools
 import os
-import secrets
-import shutil
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Self, TypeVar
+from typing import Any, Self
 
 import numpy as np
 
-from . import _format as fmt
 from . import _counters, _safe_io, errors, index, tree
+from . import _format as fmt
+from ._checks import as_numpy, cast_to, check_stream, row_ids
+from ._guards import acquire_lock, locked, locked_write, raise_typed
 from ._manifest import Manifest, load_manifest
-from ._checks import as_numpy, cast_to, check_int, check_json, check_schema, check_stream, row_ids
 from .config import config
+from .create import create_store
 from .index import Lane
 from .layout import Layout
+from .schema import Column, PriorityConfig
 
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def locked(method: _F) -> _F:
-    """Run a method under the object's re-entrant lock (samplers in a prefetch
-    thread and writes in the training thread must not interleave)."""
-
-    @functools.wraps(method)
-    def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with self._lock:
-            return method(self, *args, **kwargs)
-
-    return guarded  # type: ignore[return-value]
-
-
-def locked_write(what: str) -> Callable[[_F], _F]:
-    """``locked``, and the ``OSError`` of a full or read-only filesystem raised as
-    ``DiskFullError`` / ``ReadOnlyError`` naming the store (``_raise_typed``)."""
-
-    def wrap(method: _F) -> _F:
-        @functools.wraps(method)
-        def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
-            with self._lock:
-                try:
-                    return method(self, *args, **kwargs)
-                except OSError as exc:
-                    _raise_typed(exc, what, self.path)
-                    raise
-
-        return guarded  # type: ignore[return-value]
-
-    return wrap
-
-
-@dataclass(frozen=True, slots=True)
-class Column:
-    """Schema of one column: the shape of a row and its dtype.
-
-    >>> Column((17,), "float32")
-    Column(shape=(17,), dtype='float32')
-    """
-
-    shape: tuple[int, ...]
-    dtype: str
-
-
-@dataclass(frozen=True, slots=True)
-class PriorityConfig:
-    """Prioritized replay settings (Schaul et al. 2016).
-
-    A row's stored priority is ``(p + eps) ** alpha``. A new row gets the largest
-    priority live in the buffer, capped at ``max_priority ** alpha``, and exactly
-    that cap when the buffer holds no positive priority.
-
-    >>> PriorityConfig(alpha=0.6).max_priority
-    1.0
-    """
-
-    alpha: float = 0.6
-    eps: float = 1e-6
-    max_priority: float = 1.0
-
-    def __post_init__(self) -> None:
-        for name in ("alpha", "eps", "max_priority"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not np.isfinite(value) or value < 0:
-                raise errors.InvalidArgumentError(
-                    f"PriorityConfig.{name}: expected a finite number >= 0, got {value!r}"
-                )
-        if self.max_priority <= 0:
-            raise errors.InvalidArgumentError(
-                f"PriorityConfig.max_priority: expected > 0, got {self.max_priority!r}"
-            )
-
+__all__ = ["Column", "LaneView", "PriorityConfig", "Snapshot", "Store", "View", "create_store", "locked"]
+_ROOM_BYTES = 1 << 24  # disk allocated ahead of a lane's cursor, at most (see Store._room_rows)
 
 @dataclass(frozen=True, slots=True)
 class LaneView:
@@ -180,9 +109,9 @@ class Store:
         self._fds: dict[str, int] = {}
         if mode == "a":
             try:
-                self._lock_fd = _acquire_lock(self.path)
+                self._lock_fd = acquire_lock(self.path)
             except OSError as exc:  # a read-only filesystem, no space for the LOCK file
-                _raise_typed(exc, "open(mode='a')", self.path)
+                raise_typed(exc, "open(mode='a')", self.path)
                 raise
         try:
             self._load(manifest)
@@ -203,6 +132,7 @@ class Store:
         self.attrs: dict[str, Any] = dict(manifest.attrs)
         self.generation = manifest.generation
         self._schema = manifest.schema()
+        self._manifest = manifest  # what the next commit rewrites (fields that never change)
         writable = self.mode == "a"
         root = self.path
         cap = self.capacity
@@ -278,7 +208,7 @@ class Store:
         """Give priority 0 to every row of a lane outside its live range."""
         assert self._tree is not None
         for lane, st in enumerate(self._lanes):
-            for a, b in _ring_segments(lane, self.lane_size, st.written, st.first_start + self.lane_size):
+            for a, b in self.layout.segments(lane, st.written, st.first_start + self.lane_size):
                 tree.set_range(self._tree, a, b, 0.0)
 
     # -- inspection --------------------------------------------------------------------
@@ -405,7 +335,7 @@ class Store:
         if self._tree is not None:
             self._mark_tree_dirty()  # before anything it marks is written
 
-        segments = _ring_segments(lane, self.lane_size, st.written, new_written)
+        segments = self.layout.segments(lane, st.written, new_written)
         for name, arr in arrays.items():
             col = self._data[name]
             fd = self._fds.get(name)
@@ -417,7 +347,7 @@ class Store:
                     fmt.write_rows(fd, col, a, arr[off : off + b - a])
                 off += b - a
         if finals:
-            last_rows = _global_rows(lane, self.lane_size, st.written + np.flatnonzero(done))
+            last_rows = self.layout.rows(lane, st.written + np.flatnonzero(done))
             for name, arr in finals.items():
                 self._final[name][last_rows] = arr
 
@@ -428,7 +358,7 @@ class Store:
         if self._tree is not None:
             # overwritten and evicted rows leave the tree before the default is
             # taken, so a new row gets the max of what stays live
-            for a, b in _ring_segments(lane, self.lane_size, max(0, new_written - rows - self.lane_size), dropped_end):
+            for a, b in self.layout.segments(lane, max(0, new_written - rows - self.lane_size), dropped_end):
                 tree.set_range(self._tree, a, b, 0.0)
             default = self._default_priority()
             for a, b in segments:
@@ -447,14 +377,14 @@ class Store:
         """
         self._check_writable("commit")
         for lane in range(self.num_streams):
-            segs = _ring_segments(lane, self.lane_size, self._committed[lane].written, self._lanes[lane].written)
+            segs = self.layout.segments(lane, self._committed[lane].written, self._lanes[lane].written)
             for a, b in segs:
                 for col in (*self._data.values(), *self._final.values()):
                     if fmt.is_mapped(col):
                         fmt.flush_rows(col, a, b)
             # the ring slots of the episodes added since the last commit
             slots = 2 * self.lane_size
-            for a, b in _ring_segments(lane, slots, self._committed[lane].ep_tail, self._lanes[lane].ep_tail):
+            for a, b in Layout(slots * self.num_streams, self.num_streams).segments(lane, self._committed[lane].ep_tail, self._lanes[lane].ep_tail):
                 fmt.flush_rows(self._ends, a, b)
         self._flush_tree()
         # a writer that ran more than the capped reservation past its last commit
@@ -683,8 +613,8 @@ class Store:
     def _write_manifest(self, generation: int) -> None:
         """Replace ``manifest.json`` by this state as commit ``generation``; a failed
         attempt leaves no ``.partial`` behind."""
-        manifest = _manifest(self)
-        manifest["generation"] = generation
+        state = dataclasses.replace(self._manifest, generation=generation, lanes=tuple(self._lanes), attrs=self.attrs)
+        manifest = state.to_json()
         target = self.path / fmt.MANIFEST
         try:
             fmt.atomic_write_json(target, manifest)
@@ -807,198 +737,3 @@ class Store:
         ahead = max(1, int(self.lane_size * config.reserve_fraction))
         return max(1, min(ahead, _ROOM_BYTES // row_bytes))
 
-# -- creation ----------------------------------------------------------------------------
-def create_store(
-    path: str | os.PathLike[str],
-    columns: Mapping[str, tuple[Any, Any]],
-    capacity: int,
-    *,
-    num_streams: int = 1,
-    compression: str | None = None,
-    priorities: PriorityConfig | None = None,
-    next_keys: Iterable[str] = ("obs",),
-    attrs: Mapping[str, Any] | None = None,
-) -> None:
-    """Validate a schema and lay out an empty store at ``path`` (see ``mb.create``)."""
-    path = Path(path)
-    if path.exists():
-        raise errors.StoreExistsError(f"{path}: expected a path that does not exist, got an existing {'directory' if path.is_dir() else 'file'}")
-    schema = check_schema(columns, next_keys)
-    next_keys = tuple(next_keys)
-    capacity = check_int("capacity", capacity, 1)
-    num_streams = check_int("num_streams", num_streams, 1)
-    if capacity % num_streams:
-        raise errors.InvalidArgumentError(
-            f"capacity: expected a multiple of num_streams={num_streams}, got {capacity}"
-        )
-    if compression not in fmt.COMPRESSIONS:
-        raise errors.InvalidArgumentError(f"compression: expected one of {fmt.COMPRESSIONS}, got {compression!r}")
-    if priorities is not None and not isinstance(priorities, PriorityConfig):
-        raise errors.InvalidArgumentError(f"priorities: expected mb.PriorityConfig or None, got {priorities!r}")
-    lane_size = capacity // num_streams
-    manifest = {
-        "format": fmt.FORMAT_NAME,
-        "format_version": fmt.FORMAT_VERSION,
-        "generation": 0,
-        "capacity": capacity,
-        "num_streams": num_streams,
-        "lane_size": lane_size,
-        "compression": compression,
-        "columns": {n: {"shape": list(s), "dtype": str(d)} for n, (s, d) in schema.items()},
-        "next_keys": list(next_keys),
-        "priorities": None if priorities is None else {
-            "alpha": priorities.alpha, "eps": priorities.eps, "max_priority": priorities.max_priority
-        },
-        "lanes": [Lane().to_json() for _ in range(num_streams)],
-        "attrs": dict(attrs or {}),
-    }
-    check_json(manifest["attrs"])
-    try:
-        tmp = _creation_dir(path)
-    except OSError as exc:
-        _raise_typed(exc, "create", path)
-        raise
-    try:
-        import zarr
-
-        zarr.open_group(str(tmp), mode="w", zarr_format=3, attributes={"mmbuffer": {"format_version": fmt.FORMAT_VERSION}})
-        for name, (shape, dtype) in schema.items():
-            if compression is None or name in fmt.RESERVED_NAMES:
-                fmt.create_raw(tmp, f"columns/{name}", capacity, shape, dtype)
-            else:
-                fmt.create_compressed(tmp, f"columns/{name}", capacity, shape, dtype, compression)
-        for name in next_keys:
-            shape, dtype = schema[name]
-            fmt.create_raw(tmp, f"final/{name}", capacity, shape, dtype)
-        fmt.create_raw(tmp, "index/ends", num_streams * 2 * lane_size, (), np.dtype(np.int64))
-        fmt.create_raw(tmp, "index/reserved", num_streams, (), np.dtype(np.int64), allocate=True)
-        if priorities is not None:
-            for name, (shape, kind) in tree.layout(capacity).items():
-                # written whole by reset (and the inner arrays by any write): allocated now
-                fmt.create_raw(tmp, f"priority/{name}", shape[0], tuple(shape[1:]), np.dtype(kind), allocate=True)
-            leaves = {k: fmt.open_raw(tmp, f"priority/{k}", writable=True) for k in tree.layout(capacity)}
-            tree.reset(tree.PriorityTree(**leaves))
-            for arr in leaves.values():
-                fmt.flush_rows(arr, 0, len(arr))
-            del leaves
-        (tmp / "sampler").mkdir()
-        fmt.atomic_write_json(tmp / fmt.MANIFEST, manifest)
-        try:
-            fmt.rename_noreplace(tmp, path)  # the store appears whole or not at all
-        except FileExistsError:
-            raise errors.StoreExistsError(
-                f"{path}: expected a path that does not exist, got one created meanwhile (by another process?)"
-            ) from None
-        fmt.fsync_dir(path.parent.resolve())
-    except BaseException as exc:
-        if tmp.exists():  # only this call's own directory, never another's
-            shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(exc, OSError):
-            _raise_typed(exc, "create", path)
-        raise
-
-
-def _manifest(store: Store) -> dict[str, Any]:
-    return {
-        "format": fmt.FORMAT_NAME,
-        "format_version": fmt.FORMAT_VERSION,
-        "generation": store.generation,
-        "capacity": store.capacity,
-        "num_streams": store.num_streams,
-        "lane_size": store.lane_size,
-        "compression": store.compression,
-        "columns": {n: {"shape": list(c.shape), "dtype": c.dtype} for n, c in store.columns.items()},
-        "next_keys": list(store.next_keys),
-        "priorities": None if store.priorities is None else {
-            "alpha": store.priorities.alpha,
-            "eps": store.priorities.eps,
-            "max_priority": store.priorities.max_priority,
-        },
-        "lanes": [st.to_json() for st in store._lanes],
-        "attrs": store.attrs,
-    }
-
-
-def _acquire_lock(path: Path) -> int:
-    fd = _safe_io.open_file(path, fmt.LOCK, os.O_RDWR | os.O_CREAT)  # never through a link
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
-        os.close(fd)
-        raise errors.LockedError(
-            f"{path}: expected no other writer, got the lock held by {holder}; open with mode='r' to read"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, fmt.lock_owner().encode(), 0)
-    return fd
-
-
-def _ring_segments(lane: int, lane_size: int, lo: int, hi: int) -> list[tuple[int, int]]:
-    """Global row ranges holding absolute rows ``[lo, hi)`` of a lane (at most two)."""
-    lo = max(lo, hi - lane_size)
-    out = []
-    while lo < hi:
-        p = lo % lane_size
-        n = min(hi - lo, lane_size - p)
-        out.append((lane * lane_size + p, lane * lane_size + p + n))
-        lo += n
-    return out
-
-
-def _global_rows(lane: int, lane_size: int, absolute: np.ndarray) -> np.ndarray:
-    return lane * lane_size + np.asarray(absolute, dtype=np.int64) % lane_size
-
-
-# -- refusals from the filesystem -------------------------------------------------------------
-_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
-_ROOM_BYTES = 1 << 24  # disk allocated ahead of a lane's cursor, at most (see Store._room_rows)
-_READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
-
-
-def _raise_typed(exc: OSError, what: str, path: Path) -> None:
-    """Raise ``exc`` as a ``DiskFullError`` or ``ReadOnlyError`` when it is one; else return
-    (the caller re-raises it as it is)."""
-    # a read-only mount can also reach us as another error (_safe_io's refusals name no errno)
-    read_only = exc.errno in _READ_ONLY or (exc.errno is None and _on_read_only_fs(path))
-    if isinstance(exc, errors.MMBufferError) and not read_only:
-        return
-    where = f"{exc.strerror} ({exc.filename})" if exc.filename else str(exc.strerror or exc)
-    if exc.errno in _NO_SPACE:
-        raise errors.DiskFullError(
-            exc.errno,
-            f"{what}: store {path}: expected free disk space, got {where}; the store keeps its last "
-            "state: free space and call it again",
-        ) from exc
-    if read_only:
-        raise errors.ReadOnlyError(
-            exc.errno or errno.EROFS,
-            f"{what}: store {path}: expected a writable filesystem, got {where}; "
-            "a store there can only be read: open it with mode='r'",
-        ) from exc
-
-
-def _on_read_only_fs(path: Path) -> bool:
-    """Whether ``path`` (or its nearest existing parent) is on a read-only mount."""
-    for p in (path, *path.parents):
-        try:
-            return bool(os.statvfs(p).f_flag & os.ST_RDONLY)
-        except OSError:
-            continue
-    return False
-
-
-def _creation_dir(path: Path) -> Path:
-    """A new, empty directory beside ``path``, unique to this call, to build a store in.
-
-    Made with ``mkdir`` (the umask applies, unlike ``tempfile.mkdtemp``'s 0700), so
-    the finished store has the permissions of any directory its owner creates.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    while True:
-        tmp = path.with_name(f".{path.name}.creating-{secrets.token_hex(6)}")
-        try:
-            tmp.mkdir()
-            return tmp
-        except FileExistsError:
-            continue

@@ -13,7 +13,15 @@ from typing import Final
 import numpy as np
 import torch
 
-from ._layout import BLOCK, FANOUT, FSHIFT, Float32Array, Float64Array, Int64Array, PriorityTree
+from ._layout import (
+    BLOCK,
+    FANOUT,
+    FSHIFT,
+    Float32Array,
+    Float64Array,
+    Int64Array,
+    PriorityTree,
+)
 
 CHUNK_BLOCKS: Final = 1 << 16  # blocks per chunk in rebuild/check/set_range: 4M leaves
 CHUNK_ROWS: Final = 1 << 16  # tree rows per chunk when sweeping a level

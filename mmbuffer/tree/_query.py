@@ -8,7 +8,15 @@ import numpy.typing as npt
 import torch
 
 from ..errors import EmptyBufferError, InvalidArgumentError
-from ._layout import BLOCK, FANOUT, FSHIFT, Float32Array, Float64Array, Int64Array, PriorityTree
+from ._layout import (
+    BLOCK,
+    FANOUT,
+    FSHIFT,
+    Float32Array,
+    Float64Array,
+    Int64Array,
+    PriorityTree,
+)
 from ._nodes import block_rows
 
 

@@ -11,7 +11,14 @@ import torch
 
 from ..errors import InvalidArgumentError
 from ._layout import FANOUT, FSHIFT, SHIFT, Float32Array, Int64Array, PriorityTree
-from ._nodes import block_rows, block_stats, blocks_span, levels_span, padding, reduce_rows
+from ._nodes import (
+    block_rows,
+    block_stats,
+    blocks_span,
+    levels_span,
+    padding,
+    reduce_rows,
+)
 
 LEVELS_AT_ONCE: Final = 1 << 14  # update: row ids of all levels at once up to this many
 

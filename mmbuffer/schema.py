@@ -1,0 +1,53 @@
+"""Value objects of a store's schema: a column's row shape and dtype, prioritized replay settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import errors
+
+
+@dataclass(frozen=True, slots=True)
+class Column:
+    """Schema of one column: the shape of a row and its dtype.
+
+    >>> Column((17,), "float32")
+    Column(shape=(17,), dtype='float32')
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True, slots=True)
+class PriorityConfig:
+    """Prioritized replay settings (Schaul et al. 2016).
+
+    A row's stored priority is ``(p + eps) ** alpha``. A new row gets the largest
+    priority live in the buffer, capped at ``max_priority ** alpha``, and exactly
+    that cap when the buffer holds no positive priority.
+
+    >>> PriorityConfig(alpha=0.6).max_priority
+    1.0
+    """
+
+    alpha: float = 0.6
+    eps: float = 1e-6
+    max_priority: float = 1.0
+
+    def to_json(self) -> dict[str, float]:
+        return {"alpha": self.alpha, "eps": self.eps, "max_priority": self.max_priority}
+
+    def __post_init__(self) -> None:
+        for name in ("alpha", "eps", "max_priority"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not np.isfinite(value) or value < 0:
+                raise errors.InvalidArgumentError(
+                    f"PriorityConfig.{name}: expected a finite number >= 0, got {value!r}"
+                )
+        if self.max_priority <= 0:
+            raise errors.InvalidArgumentError(
+                f"PriorityConfig.max_priority: expected > 0, got {self.max_priority!r}"
+            )
