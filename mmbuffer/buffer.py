@@ -62,7 +62,6 @@ class Buffer(Store):
 
     def __init__(self, path: str | os.PathLike[str], mode: str = "a") -> None:
         super().__init__(path, mode)
-        self._sampler_cache: dict[Any, Any] = {}  # samplers' derived state (slice counts)
         self._sampled: dict[int, tuple[weakref.ref[torch.Tensor], np.ndarray]] = {}
 
     def __repr__(self) -> str:

@@ -77,6 +77,11 @@ def _slot(lane: int, lane_size: int, seq: int | np.ndarray) -> int | np.ndarray:
     return lane * 2 * lane_size + seq % (2 * lane_size)
 
 
+def slots(lane: int, lane_size: int, seqs: np.ndarray) -> np.ndarray:
+    """Positions in ``ends`` of the episodes with sequence numbers ``seqs`` of a lane."""
+    return np.asarray(_slot(lane, lane_size, np.asarray(seqs, dtype=np.int64)))
+
+
 def episode_ends(ends: np.ndarray, lane: int, lane_size: int, lo: int, hi: int) -> np.ndarray:
     """Absolute ends of episodes ``lo <= seq < hi`` of a lane (a copy)."""
     return np.asarray(ends[_slot(lane, lane_size, np.arange(lo, hi, dtype=np.int64))])

@@ -100,6 +100,7 @@ class Store:
 
     def __init__(self, path: str | os.PathLike[str], mode: str = "a") -> None:
         self._lock = threading.RLock()
+        self._sampler_cache: dict[Any, Any] = {}  # samplers' state derived from the index (slice counts)
         if mode not in ("r", "a"):
             raise errors.InvalidArgumentError(f"mode: expected 'r' or 'a', got {mode!r}")
         self.path = Path(path)
@@ -594,6 +595,23 @@ class Store:
         self._release_lock()
 
     # -- helpers -----------------------------------------------------------------------
+    @locked_write("verify --repair")
+    def rewrite_derived(self, ends: np.ndarray, lanes: list[Lane]) -> int:
+        """Replace the live episodes' index by ``ends``/``lanes`` recomputed from the
+        data (``index.rebuild``), rebuild the priority tree from its leaves, and
+        commit; return the generation (``verify --repair``)."""
+        self._check_writable("verify --repair")
+        for lane, new in enumerate(lanes):
+            at = index.slots(lane, self.lane_size, np.arange(new.ep_head, new.ep_tail, dtype=np.int64))
+            self._ends[at] = ends[at]
+            self._lanes[lane] = new
+        fmt.flush_rows(self._ends, 0, len(self._ends))  # commit flushes only new slots
+        if self._tree is not None:
+            self._mark_tree_dirty()
+            tree.rebuild(self._tree)
+        self._sampler_cache.clear()  # slice counts came from the old index
+        return self.commit()
+
     def _check_writable(self, what: str) -> None:
         if self.mode != "a":
             raise errors.ReadOnlyError(f"{what}: store {self.path} is opened with mode='r'; open it with mode='a' to write")

@@ -70,6 +70,7 @@ def verify(store: Store, repair: bool = False) -> dict[str, Any]:
     notes: list[str] = []
     lanes, done = _readable_lanes(store)
     ends, fresh = index.rebuild(done, lanes, store.lane_size)
+    snapshot = store.view()
     for lane, (old, new) in enumerate(zip(lanes, fresh)):
         if (old.ep_tail, old.written) != (new.ep_tail, new.written):
             problems.append(
@@ -78,15 +79,15 @@ def verify(store: Store, repair: bool = False) -> dict[str, Any]:
             )
             continue
         seqs = np.arange(old.ep_head, old.ep_tail, dtype=np.int64)
-        have = index.ends_at(store._ends, lane, store.lane_size, seqs)
+        have = index.ends_at(snapshot.ends, lane, store.lane_size, seqs)
         want = index.ends_at(ends, lane, store.lane_size, seqs)
         if not np.array_equal(have, want):
             bad = int(np.flatnonzero(have != want)[0])
             problems.append(f"stream {lane}: episode {seqs[bad]} ends at {have[bad]} in the index, {want[bad]} in the data")
     drift = 0.0
-    if store._tree is not None:
+    if snapshot.tree is not None:
         settled, generation = _tree_settled(store) if store.mode == "r" else (True, 0)
-        drift = float(tree.check(store._tree))
+        drift = float(tree.check(snapshot.tree))
         if store.mode == "r" and settled:
             settled = _tree_settled(store) == (True, generation)
         if drift > 1e-9 and settled:
@@ -98,19 +99,7 @@ def verify(store: Store, repair: bool = False) -> dict[str, Any]:
             )
     if problems and not repair:
         notes.append(REPAIR_HINT)
-    repaired = False
-    if repair and problems:
-        store._check_writable("verify --repair")
-        for lane, new in enumerate(fresh):
-            seqs = np.arange(new.ep_head, new.ep_tail, dtype=np.int64)
-            slots = lane * 2 * store.lane_size + seqs % (2 * store.lane_size)
-            store._ends[slots] = ends[slots]
-            store._lanes[lane] = new
-        fmt.flush_rows(store._ends, 0, len(store._ends))  # commit flushes only new slots
-        if store._tree is not None:
-            tree.rebuild(store._tree)
-            store._mark_tree_dirty()
-        getattr(store, "_sampler_cache", {}).clear()  # cached slice counts came from the old index
-        store.commit()
-        repaired = True
+    repaired = bool(repair and problems)
+    if repaired:
+        store.rewrite_derived(ends, fresh)
     return {"ok": not problems, "problems": problems, "notes": notes, "repaired": repaired, "tree_drift": drift}
