@@ -11,8 +11,9 @@ and ``losses`` are public too.
 torch.Size([4, 2])
 """
 
+from typing import TYPE_CHECKING, Any
+
 from . import (
-    convert,
     data,  # noqa: E402 - needs the names above
     errors,
     losses,
@@ -23,6 +24,9 @@ from .epoch import EpochSampler
 from .gather import Batch
 from .store import Column, PriorityConfig
 from .stream import Stream, stream
+
+if TYPE_CHECKING:
+    from . import convert
 
 __version__ = "0.1.0"
 
@@ -43,3 +47,12 @@ __all__ = [
     "Stream",
     "__version__",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``mb.convert`` is imported on first use: it depends on the core, never the reverse."""
+    if name == "convert":
+        import importlib
+
+        return importlib.import_module(f"{__name__}.convert")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -70,7 +70,6 @@ from __future__ import annotations
 
 import atexit
 import functools
-import queue
 import sys
 import threading
 import warnings
@@ -82,15 +81,14 @@ import torch
 
 from . import errors, samplers
 from ._checks import check_int
+from ._producer import Producer
 from .gather import Batch, resolve_keys
 from .samplers import Sampler
 
 __all__ = ["Stream", "buffer_lock", "stream"]
 
-_POLL_S = 0.05  # how often a blocked worker or consumer looks at the stop event
 _JOIN_S = 30.0  # the longest close() waits for a worker in the middle of a sample
 _LIVE: weakref.WeakSet[Stream] = weakref.WeakSet()
-_END = object()
 
 
 def buffer_lock(buf: Any) -> threading.RLock:
@@ -137,8 +135,6 @@ class Stream:
     ) -> None:
         self.delivered = 0
         self._switch = False
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=prefetch)
-        self._stop = threading.Event()
         self._closed = False
         self._done = False
         self._device = device
@@ -147,16 +143,15 @@ class Stream:
         side = torch.cuda.Stream(device) if cuda else None  # type: ignore[no-untyped-call]
         move = device if cuda else None
         # the worker gets everything it needs but never ``self``
-        self._thread = threading.Thread(
-            target=_produce,
-            args=(draw, lock, self._queue, self._stop, num_batches, pin_memory or cuda, move, side),
+        self._producer: Producer[tuple[Batch, Any]] = Producer(
+            _batches(draw, lock, num_batches, pin_memory or cuda, move, side),
+            depth=prefetch,
             name="mmbuffer-stream",
-            daemon=True,
         )
         if switch_interval is not None:
             _SWITCH.acquire(switch_interval)
             self._switch = True
-        self._thread.start()
+        self._producer.start()
         _LIVE.add(self)
 
     # -- iteration ---------------------------------------------------------------------
@@ -166,23 +161,16 @@ class Stream:
     def __next__(self) -> Batch:
         if self._closed or self._done:
             raise StopIteration
-        while True:
-            try:
-                item = self._queue.get(timeout=_POLL_S)
-                break
-            except queue.Empty:
-                if not self._thread.is_alive() and self._queue.empty():
-                    self.close()
-                    raise StopIteration from None
-        if item is _END:
+        try:
+            batch, event = self._producer.get()
+        except StopIteration:
             self._done = True
             self.close()
-            raise StopIteration
-        kind, payload, event = item
-        if kind == "error":
-            self.close()
-            raise payload
-        batch: Batch = payload
+            raise
+        except BaseException:
+            if self._producer.failed:  # the worker's error (not, say, a KeyboardInterrupt here)
+                self.close()
+            raise
         if self._cuda:
             current = torch.cuda.current_stream(self._device)
             current.wait_event(event)
@@ -199,12 +187,7 @@ class Stream:
         if self._closed:
             return
         self._closed = True
-        self._stop.set()
-        _drain(self._queue)
-        thread = self._thread
-        if thread.ident is not None and thread is not threading.current_thread() and not sys.is_finalizing():
-            thread.join(_JOIN_S)
-        _drain(self._queue)
+        self._producer.close(_JOIN_S)
         if self._switch:
             self._switch = False
             _SWITCH.release()
@@ -216,12 +199,12 @@ class Stream:
         self.close()
 
     def __del__(self) -> None:
-        if getattr(self, "_thread", None) is not None:
+        if getattr(self, "_producer", None) is not None:
             self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "running"
-        return f"<mmbuffer.Stream {state}, delivered={self.delivered}, queued={self._queue.qsize()}>"
+        return f"<mmbuffer.Stream {state}, delivered={self.delivered}, queued={self._producer.qsize()}>"
 
 
 def stream(
@@ -345,57 +328,30 @@ def stream(
 
 
 # -- the worker ----------------------------------------------------------------------------
-def _produce(
+def _batches(
     draw: Callable[[], Batch],
     lock: threading.RLock,
-    q: queue.Queue[Any],
-    stop: threading.Event,
     num_batches: int | None,
     pin: bool,
     device: torch.device | None,
     side: Any,
-) -> None:
-    """Fill ``q`` with ``("batch", Batch, event)``, then ``_END`` or ``("error", exc, None)``."""
-    try:
-        n = 0
-        while num_batches is None or n < num_batches:
-            if stop.is_set():
-                return
-            with lock:
-                batch = draw()
-            event = None
-            if pin:
-                batch = batch.pin_memory()
-            if device is not None:  # CUDA: copy on the side stream, hand over an event
-                with torch.cuda.device(device), torch.cuda.stream(side):
-                    batch = batch.to(device, non_blocking=True)
-                    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                    event.record(side)
-            if not _put(q, ("batch", batch, event), stop):
-                return
-            del batch
-            n += 1
-        _put(q, _END, stop)
-    except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
-        _put(q, ("error", exc, None), stop)
-
-
-def _put(q: queue.Queue[Any], item: Any, stop: threading.Event) -> bool:
-    while not stop.is_set():
-        try:
-            q.put(item, timeout=_POLL_S)
-            return True
-        except queue.Full:
-            continue
-    return False
-
-
-def _drain(q: queue.Queue[Any]) -> None:
-    while True:
-        try:
-            q.get_nowait()
-        except queue.Empty:
-            return
+) -> Iterator[tuple[Batch, Any]]:
+    """Yield ``(Batch, event)`` (``event``: the CUDA copy's, else ``None``); run by the producer thread."""
+    n = 0
+    while num_batches is None or n < num_batches:
+        with lock:
+            batch = draw()
+        event = None
+        if pin:
+            batch = batch.pin_memory()
+        if device is not None:  # CUDA: copy on the side stream, hand over an event
+            with torch.cuda.device(device), torch.cuda.stream(side):
+                batch = batch.to(device, non_blocking=True)
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(side)
+        yield batch, event
+        del batch
+        n += 1
 
 
 class _SwitchInterval:

@@ -335,17 +335,17 @@ def test_copy_verification_catches_a_bad_write(tmp_path, monkeypatch):
 
 
 def test_verification_compares_episodes_after_reopening(tmp_path, cartpole, monkeypatch):
-    from mmbuffer.convert import _common
+    from mmbuffer.convert import _write
 
     src = tmp_path / "c.hdf5"
     write_d4rl(src, cartpole)
-    real = _common.verify_store
+    real = _write.verify_store
 
     def one_more_episode(path, tally, schema):
         tally.episodes += 1
         return real(path, tally, schema)
 
-    monkeypatch.setattr(_common, "verify_store", one_more_episode)
+    monkeypatch.setattr(_write, "verify_store", one_more_episode)
     with pytest.raises(ConversionError, match="episodes: expected"):
         convert_d4rl(src, tmp_path / "s", progress=False)
     assert not (tmp_path / "s").exists()

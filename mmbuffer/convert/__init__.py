@@ -33,7 +33,17 @@ source in order as chunks ``(steps, final_obs)`` and a :class:`Schema`, and
 Formats: ``d4rl`` (:func:`convert_d4rl`), ``minari`` (:func:`convert_minari`),
 ``npz`` (:func:`convert_npz`), ``torchrl`` (:func:`convert_torchrl`: a
 ``dumps()`` directory or a TD-MPC2 ``.pt`` file). Export: :func:`export_d4rl`,
-:func:`export_minari`; re-encode a store: :func:`copy`.
+:func:`export_minari`; re-encode a store: :func:`copy`. Every format is listed
+once, in the registry :mod:`._formats` that :func:`convert`, :func:`export` and
+the command line read.
+
+Layout: the reader contract is :mod:`._reader` (one reader per format:
+``_d4rl``, ``_minari``, ``_npz``, ``_torchrl``); every output (a converted or
+copied store, an export) is a writer of :mod:`._frame` (write streamed, verify
+by read-back, rename into place): :mod:`._write`, :mod:`._copy`,
+:mod:`._export_d4rl`, :mod:`._export_minari`. This package depends on the core
+modules of :mod:`mmbuffer`, never the reverse (``mmbuffer.convert`` is imported
+on first use).
 
 Examples
 --------
@@ -58,13 +68,17 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ._common import Chunk, ConversionWarning, Reader, Schema, write_store
+from ..errors import InvalidArgumentError
 from ._copy import copy, copy_store
 from ._d4rl import D4RLReader, convert_d4rl
-from ._export import export_d4rl, export_minari
+from ._export_d4rl import export_d4rl
+from ._export_minari import export_minari
+from ._formats import READERS, WRITERS
 from ._minari import MinariReader, convert_minari
 from ._npz import NpzReader, convert_npz
+from ._reader import Chunk, ConversionWarning, Reader, Schema
 from ._torchrl import TDMPC2Reader, TorchRLReader, convert_torchrl
+from ._write import write_store
 
 __all__ = [
     "FORMATS",
@@ -90,16 +104,8 @@ __all__ = [
     "write_store",
 ]
 
-#: ``convert`` format name -> converter.
-FORMATS = {
-    "d4rl": convert_d4rl,
-    "minari": convert_minari,
-    "npz": convert_npz,
-    "torchrl": convert_torchrl,
-    "tdmpc2": convert_torchrl,
-}
-
-_EXPORTS: dict[str, Callable[..., dict[str, Any]]] = {"d4rl": export_d4rl, "minari": export_minari}
+#: ``convert`` format name -> converter (from the registry, :mod:`._formats`).
+FORMATS: dict[str, Callable[..., dict[str, Any]]] = {name: f.run for name, f in READERS.items()}
 
 
 def convert(
@@ -110,7 +116,7 @@ def convert(
 ) -> dict[str, Any]:
     """Convert ``src`` of the given ``format`` into a new store at ``dst``.
 
-    ``format`` is one of :data:`FORMATS` (``d4rl``, ``minari``, ``npz``,
+    ``format`` is one of the registry's readers (``d4rl``, ``minari``, ``npz``,
     ``torchrl``/``tdmpc2``); ``options`` are those of the format's converter
     (``overwrite``, ``compression``, ``chunk_rows``, ``progress``, ``verify``,
     ``keep_infos``...). Returns the summary dict.
@@ -120,13 +126,11 @@ def convert(
     InvalidArgumentError
         Unknown format, or an option the format does not take.
     """
-    from ..errors import InvalidArgumentError
-
-    fn = FORMATS.get(str(format).lower())
-    if fn is None:
-        raise InvalidArgumentError(f"format: expected one of {sorted(FORMATS)}, got {format!r}")
+    entry = READERS.get(str(format).lower())
+    if entry is None:
+        raise InvalidArgumentError(f"format: expected one of {sorted(READERS)}, got {format!r}")
     try:
-        return fn(src, dst, **options)
+        return entry.run(src, dst, **options)
     except TypeError as exc:
         if "unexpected keyword" in str(exc):
             raise InvalidArgumentError(f"convert {format}: {exc}") from None
@@ -139,10 +143,17 @@ def export(
     out: str | os.PathLike[str],
     **options: Any,
 ) -> dict[str, Any]:
-    """Export a store (path or open buffer) as ``d4rl`` HDF5 or a ``minari`` dataset."""
-    from ..errors import InvalidArgumentError
+    """Export a store (path or open buffer) as ``d4rl`` HDF5 or a ``minari`` dataset.
 
-    fn = _EXPORTS.get(str(format).lower())
-    if fn is None:
-        raise InvalidArgumentError(f"format: expected one of {sorted(_EXPORTS)}, got {format!r}")
-    return fn(store, out, **options)
+    ``format`` is one of the registry's writers; ``options`` are those of the
+    format's exporter. Returns the summary dict.
+
+    Raises
+    ------
+    InvalidArgumentError
+        Unknown format.
+    """
+    entry = WRITERS.get(str(format).lower())
+    if entry is None:
+        raise InvalidArgumentError(f"format: expected one of {sorted(WRITERS)}, got {format!r}")
+    return entry.run(store, out, **options)

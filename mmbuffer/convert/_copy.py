@@ -2,9 +2,10 @@
 
 :func:`copy` keeps the geometry (capacity, streams, priority settings), the
 ``attrs`` and every lane's open episode, and changes the encoding
-(``compression``). It walks the source like the exporters (:mod:`._export`:
+(``compression``). It walks the source like the exporters (:mod:`._walk`:
 lane by lane, live complete episodes oldest first, then the open episode) and
-verifies like the converters (:mod:`._common`): every written piece is read back
+is written by a :class:`CopyWriter` in the frame of :mod:`._frame`, and
+verifies like the converters (:mod:`._readback`): every written piece is read back
 from the new store's files and compared byte for byte, and the reopened copy
 must hold the same episodes. The stored priorities of a prioritized store are
 copied exactly (:meth:`~mmbuffer.Buffer.set_leaf_priorities`).
@@ -19,27 +20,21 @@ from typing import Any
 
 import numpy as np
 
-from ._common import (
+from ..buffer import Buffer, create
+from ..buffer import open as open_buffer
+from ._frame import (
     SEGMENT_BYTES,
-    _hex,
-    _mismatch,
-    _ReadBack,
-    abandon,
-    jsonable,
+    Writer,
+    crc_hex,
+    crc_update,
+    mismatch,
     progress_bar,
     same_bytes,
+    write_and_verify,
 )
-from ._dest import check_destination, partial_path, remove_partial, replace_destination
-from ._export import (
-    _FLAGS,
-    _chunk_rows,
-    _crc_update,
-    _data_columns,
-    _Opened,
-    _plan,
-    _row_bytes,
-    _walk,
-)
+from ._readback import ReadBack
+from ._reader import FLAGS, jsonable
+from ._walk import OpenedStore, Plan, chunk_rows_for, data_columns, plan_episodes, row_bytes, walk
 
 __all__ = ["copy", "copy_store"]
 
@@ -96,98 +91,118 @@ def copy(
     >>> mb.open(d + "/zst", mode="r").get(np.arange(5))["x"].tolist()
     [0.0, 1.0, 2.0, 3.0, 4.0]
     """
-    import mmbuffer as mb
-
     t0 = time.perf_counter()
-    dst_path = check_destination(dst, overwrite)
-    partial = partial_path(dst_path)
-    remove_partial(partial)
-    opened = _Opened(src)
-    with opened as buf:
-        rows_per = min(_chunk_rows(buf, chunk_rows), int(buf.lane_size))
-        plan, _ = _plan(buf, "all")
-        cols = _data_columns(buf)
-        keys = [*cols, *_FLAGS]
-        crc: dict[str, int] = {}
-        out = None
-        try:
-            out = mb.create(
-                str(partial),
-                columns={k: (tuple(buf.columns[k].shape), buf.columns[k].dtype) for k in cols},
-                capacity=int(buf.capacity),
-                num_streams=int(buf.num_streams),
-                compression=compression,
-                priorities=getattr(buf, "priorities", None),
-                next_keys=tuple(buf.next_keys),
-                attrs=jsonable(dict(buf.attrs)),
-            )
-            readback = _ReadBack(partial) if verify else None
-            written = np.zeros(int(buf.num_streams), np.int64)  # rows per lane of the copy
-            segment = max(rows_per, SEGMENT_BYTES // max(1, _row_bytes(buf)))
-            since = 0
-            with progress_bar(plan.rows, "copy", progress) as bar:
-                for piece in _walk(buf, plan, keys, rows_per, release=opened.owned):
-                    for name in keys:
-                        _crc_update(crc, f"{piece.lane}:{name}", piece.data[name])
-                    out.extend(piece.data, stream=piece.lane, final_obs=piece.final or None)
-                    n = len(piece.rows)
-                    row = piece.lane * int(buf.lane_size) + int(written[piece.lane])
-                    if out.priorities is not None:  # the stored priorities, exactly
-                        leaves, rows = buf.leaf_priorities(piece.rows), np.arange(row, row + n)
-                        out.set_leaf_priorities(rows, leaves)
-                        if readback is not None and not same_bytes(out.leaf_priorities(rows), leaves):
-                            raise _mismatch(partial, f"priorities of rows [{row}, {row + n})", "the source's", "others")
-                    if readback is not None:
-                        readback.check(out, row, piece.data, piece.final)
-                    written[piece.lane] += n
-                    bar.update(n)
-                    since += n
-                    if since >= segment:  # unmap what was written through the maps (flat memory)
-                        out.release_memory()
-                        since = 0
-            out.commit()
-            out.close()
-            out = None
-        except BaseException as exc:
-            abandon(out, partial, exc)
-            raise
-        summary: dict[str, Any] = {
-            "format": "copy",
-            "store": str(getattr(buf, "path", src)),
-            "out": str(dst_path),
-            "compression": compression,
-            "rows": plan.rows,
-            "episodes": int(plan.complete.sum()),
-            "open_episode_rows": int(plan.lengths[~plan.complete].sum()),
-            "checksums": {k: _hex(v) for k, v in crc.items()},
-            "verified": False,
-        }
-        nbytes = _row_bytes(buf) * plan.rows
-    if verify:
-        _verify_episodes(partial, plan)
-        summary["verified"] = True
-    replace_destination(partial, dst_path, overwrite=overwrite)
+    writer = CopyWriter(src, compression=compression, chunk_rows=chunk_rows, progress=progress, verify=verify)
+    dst_path = write_and_verify(writer, dst, overwrite=overwrite, verify=verify)
+    summary = writer.summary
+    summary["out"] = str(dst_path)
+    summary["verified"] = verify
+    plan = writer.plan
     seconds = time.perf_counter() - t0
     summary.update(
         seconds=round(seconds, 3),
         rows_per_s=round(plan.rows / seconds, 1) if seconds else None,
-        mb_per_s=round(nbytes / seconds / 1e6, 1) if seconds else None,
+        mb_per_s=round(writer.nbytes / seconds / 1e6, 1) if seconds else None,
     )
     return summary
 
 
-def _verify_episodes(path: Path, plan: Any) -> None:
-    """The reopened copy holds the plan's episodes, lane by lane, in order."""
-    import mmbuffer as mb
+class CopyWriter(Writer):
+    """Writes a store's episodes into a new store (the :func:`copy` steps)."""
 
-    with mb.open(str(path), mode="r") as new:
-        got, _ = _plan(new, "all")
+    def __init__(self, src: Any, *, compression: str | None, chunk_rows: int | None, progress: bool,
+                 verify: bool) -> None:
+        super().__init__()
+        self.src = src
+        self.opened = OpenedStore(src)
+        self.compression = compression
+        self.chunk_rows = chunk_rows
+        self.progress = progress
+        self.readback = verify
+        self.out: Buffer | None = None
+        self.summary: dict[str, Any] = {}
+
+    def open(self) -> None:
+        buf = self.buf = self.opened.open()
+        self.rows_per = min(chunk_rows_for(buf, self.chunk_rows), int(buf.lane_size))
+        self.plan, _ = plan_episodes(buf, "all")
+
+    def write(self, partial: Path) -> None:
+        buf, plan, rows_per = self.buf, self.plan, self.rows_per
+        cols = data_columns(buf)
+        keys = [*cols, *FLAGS]
+        crc: dict[str, int] = {}
+        out = self.out = create(
+            str(partial),
+            columns={k: (tuple(buf.columns[k].shape), buf.columns[k].dtype) for k in cols},
+            capacity=int(buf.capacity),
+            num_streams=int(buf.num_streams),
+            compression=self.compression,
+            priorities=getattr(buf, "priorities", None),
+            next_keys=tuple(buf.next_keys),
+            attrs=jsonable(dict(buf.attrs)),
+        )
+        readback = ReadBack(partial) if self.readback else None
+        written = np.zeros(int(buf.num_streams), np.int64)  # rows per lane of the copy
+        segment = max(rows_per, SEGMENT_BYTES // max(1, row_bytes(buf)))
+        since = 0
+        with progress_bar(plan.rows, "copy", self.progress) as bar:
+            for piece in walk(buf, plan, keys, rows_per, release=self.opened.owned):
+                for name in keys:
+                    crc_update(crc, f"{piece.lane}:{name}", piece.data[name])
+                out.extend(piece.data, stream=piece.lane, final_obs=piece.final or None)
+                n = len(piece.rows)
+                row = piece.lane * int(buf.lane_size) + int(written[piece.lane])
+                if out.priorities is not None:  # the stored priorities, exactly
+                    leaves, rows = buf.leaf_priorities(piece.rows), np.arange(row, row + n)
+                    out.set_leaf_priorities(rows, leaves)
+                    if readback is not None and not same_bytes(out.leaf_priorities(rows), leaves):
+                        raise mismatch(partial, f"priorities of rows [{row}, {row + n})", "the source's", "others")
+                if readback is not None:
+                    readback.check(out, row, piece.data, piece.final)
+                written[piece.lane] += n
+                bar.update(n)
+                since += n
+                if since >= segment:  # unmap what was written through the maps (flat memory)
+                    out.release_memory()
+                    since = 0
+        out.commit()
+        out.close()
+        self.out = None
+        self.summary = {
+            "format": "copy",
+            "store": str(getattr(buf, "path", self.src)),
+            "out": "",
+            "compression": self.compression,
+            "rows": plan.rows,
+            "episodes": int(plan.complete.sum()),
+            "open_episode_rows": int(plan.lengths[~plan.complete].sum()),
+            "checksums": {k: crc_hex(v) for k, v in crc.items()},
+            "verified": False,
+        }
+        self.nbytes = row_bytes(buf) * plan.rows
+
+    def abort(self) -> None:
+        if self.out is not None:
+            self.out.close()
+
+    def close(self) -> None:
+        self.opened.close()
+
+    def verify(self, partial: Path) -> None:
+        _verify_episodes(partial, self.plan)
+
+
+def _verify_episodes(path: Path, plan: Plan) -> None:
+    """The reopened copy holds the plan's episodes, lane by lane, in order."""
+    with open_buffer(str(path), mode="r") as new:
+        got, _ = plan_episodes(new, "all")
     if got.rows != plan.rows:
-        raise _mismatch(path, "rows", plan.rows, got.rows)
+        raise mismatch(path, "rows", plan.rows, got.rows)
     if int(got.complete.sum()) != int(plan.complete.sum()):
-        raise _mismatch(path, "episodes", int(plan.complete.sum()), int(got.complete.sum()))
+        raise mismatch(path, "episodes", int(plan.complete.sum()), int(got.complete.sum()))
     if not (np.array_equal(got.lengths, plan.lengths) and np.array_equal(got.lanes, plan.lanes)):
-        raise _mismatch(path, "episode lengths by lane", plan.lengths[:8].tolist(), got.lengths[:8].tolist())
+        raise mismatch(path, "episode lengths by lane", plan.lengths[:8].tolist(), got.lengths[:8].tolist())
 
 
 #: Alias that does not shadow the standard library's ``copy`` in ``from ... import *``.

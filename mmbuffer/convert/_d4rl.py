@@ -33,7 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from ._common import Reader, jsonable, write_store
+from ._reader import Reader, jsonable, reader_error, reader_warn
+from ._write import write_store
 from ._flat import ArrayLike, FlatReader
 from ._sniff import HDF5, expect
 
@@ -95,12 +96,13 @@ def flat_columns(
             continue
         if top in _FLAG_KEYS:
             if rest:
-                raise reader._error("expected a dataset, got a group", key)
+                raise reader_error(reader, "expected a dataset, got a group", key)
             flags[_FLAG_KEYS[top]] = arr
             keys[_FLAG_KEYS[top]] = key
         if not _numeric(arr):
             if top in _REQUIRED:  # never dropped: the store would silently lack it
-                raise reader._error(
+                raise reader_error(
+                    reader,
                     f"expected a numeric array (bool, int, uint or float), got dtype {np.dtype(arr.dtype)}", key
                 )
             dropped.append(key)
@@ -129,7 +131,7 @@ def flat_columns(
         columns[name] = arr
         keys[name] = key
     if dropped:
-        reader._warn(f"skipped non-numeric datasets {dropped}")
+        reader_warn(reader, f"skipped non-numeric datasets {dropped}")
     next_keys: tuple[str, ...] = ()
     if not keep_next_obs:
         next_keys = tuple(obs_cols)

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ._common import Chunk, Reader, Schema, as_flag
+from ._reader import Chunk, Reader, Schema, as_flag
 
 __all__ = ["ArrayLike", "FileArray", "RolledArray", "FlatReader", "TAIL_ATTR"]
 

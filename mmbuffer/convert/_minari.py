@@ -26,7 +26,6 @@ an HDF5 episode in row slices), so memory stays at about one chunk.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import re
@@ -36,63 +35,16 @@ from typing import Any
 
 import numpy as np
 
-from ._common import Chunk, ChunkAssembler, Reader, Schema, jsonable, write_store
+from ._minari_arrow import arrow_info_leaves, arrow_leaves, null_fill
+from ._minari_spaces import decode_jpeg, is_image, parse_space, space_leaves
+from ._reader import Chunk, ChunkAssembler, Reader, Schema, jsonable
 from ._sniff import expect
+from ._write import write_store
 
 __all__ = ["MinariReader", "convert_minari"]
 
 _EPISODE = re.compile(r"^episode_(\d+)$")
 _TOP = {"observations": "obs", "actions": "action"}
-
-
-def _space_leaves(space: dict[str, Any] | None, prefix: str) -> dict[str, dict[str, Any]]:
-    """Leaf path -> serialized leaf space (Minari's JSON space format)."""
-    if space is None:
-        return {}
-    kind = space.get("type")
-    if kind == "Dict":
-        out: dict[str, dict[str, Any]] = {}
-        for k, sub in space.get("subspaces", {}).items():
-            out.update(_space_leaves(sub, f"{prefix}/{k}"))
-        return out
-    if kind == "Tuple":
-        out = {}
-        for i, sub in enumerate(space.get("subspaces", [])):
-            out.update(_space_leaves(sub, f"{prefix}/_index_{i}"))
-        return out
-    return {prefix: space}
-
-
-def _parse_space(meta: dict[str, Any], key: str) -> dict[str, Any] | None:
-    value = meta.get(key)
-    if isinstance(value, str):
-        try:
-            parsed: dict[str, Any] | None = json.loads(value)
-            return parsed
-        except json.JSONDecodeError:
-            return None
-    return value if isinstance(value, dict) else None
-
-
-def _is_image(space: dict[str, Any]) -> bool:
-    if space.get("type") != "Box" or space.get("dtype") != "uint8":
-        return False
-    shape = space.get("shape", [])
-    if len(shape) not in (2, 3) or shape[0] < 32 or shape[1] < 32:
-        return False
-    low, high = np.asarray(space.get("low")), np.asarray(space.get("high"))
-    return bool(np.all(low == 0) and np.all(high == 255))
-
-
-def _decode_jpeg(frames: Any, where: str) -> np.ndarray:
-    from ..errors import ConversionError
-
-    try:
-        from PIL import Image
-    except ImportError as exc:
-        raise ConversionError(f"{where}: JPEG-encoded images need Pillow (pip install pillow)") from exc
-    images = [np.array(Image.open(io.BytesIO(bytes(np.asarray(f, dtype=np.uint8)))), dtype=np.uint8) for f in frames]
-    return np.stack(images) if images else np.zeros((0,), np.uint8)
 
 
 class MinariReader(Reader):
@@ -126,10 +78,10 @@ class MinariReader(Reader):
         self._data = data
         self._keep_infos = keep_infos
         self.data_format = self.metadata.get("data_format", "hdf5")
-        self._obs_space = _parse_space(self.metadata, "observation_space")
-        self._act_space = _parse_space(self.metadata, "action_space")
+        self._obs_space = parse_space(self.metadata, "observation_space")
+        self._act_space = parse_space(self.metadata, "action_space")
         self._jpeg = bool(self.metadata.get("jpeg_encoding", True))
-        self._leaf_space = {**_space_leaves(self._obs_space, "obs"), **_space_leaves(self._act_space, "action")}
+        self._leaf_space = {**space_leaves(self._obs_space, "obs"), **space_leaves(self._act_space, "action")}
         self._h5: Any = None
         if self.data_format == "hdf5":
             self._schema = self._scan_hdf5()
@@ -268,7 +220,7 @@ class MinariReader(Reader):
     def _leaf_schema(self, col: str, ds: Any) -> tuple[tuple[int, ...], str]:
         space = self._leaf_space.get(col)
         if ds.dtype.kind in "OV" or h5py_vlen(ds):
-            if space is not None and self._jpeg and _is_image(space):
+            if space is not None and self._jpeg and is_image(space):
                 return tuple(space["shape"]), "|u1"
             raise self._error(f"unsupported non-numeric data (dtype {ds.dtype})", col)
         if ds.dtype.kind not in "biuf":
@@ -284,7 +236,7 @@ class MinariReader(Reader):
     def _read_leaf(self, col: str, ds: Any, a: int, b: int) -> np.ndarray:
         space = self._leaf_space.get(col)
         if ds.dtype.kind in "OV" or h5py_vlen(ds):
-            return _decode_jpeg(ds[a:b], f"{self._data}/main_data.hdf5:{ds.name}")
+            return decode_jpeg(ds[a:b], f"{self._data}/main_data.hdf5:{ds.name}")
         rows = np.asarray(ds[a:b])
         if col == "reward":
             rows = rows.reshape(b - a)
@@ -356,14 +308,14 @@ class MinariReader(Reader):
             if key not in table.column_names:
                 raise self._error(f"missing key {key!r}", f"{d.name}/{key}")
             space = self._obs_space if key == "observations" else self._act_space
-            _arrow_leaves(table.column(key).combine_chunks(), space, col, out, self, jpeg=self._jpeg)
+            arrow_leaves(table.column(key).combine_chunks(), space, col, out, self, jpeg=self._jpeg)
         for key, col in (("rewards", "reward"), ("terminations", "terminated"), ("truncations", "truncated")):
             if key not in table.column_names:
                 raise self._error(f"missing key {key!r}", f"{d.name}/{key}")
             arr = table.column(key).combine_chunks()
-            out[col] = arr.fill_null(_zero(arr)).to_numpy(zero_copy_only=False)
+            out[col] = arr.fill_null(null_fill(arr)).to_numpy(zero_copy_only=False)
         if self._keep_infos and "infos" in table.column_names:
-            _arrow_info_leaves(table.column("infos").combine_chunks(), "infos", out, n)
+            arrow_info_leaves(table.column("infos").combine_chunks(), "infos", out, n)
         return out
 
     def _scan_arrow(self) -> Schema:
@@ -436,78 +388,6 @@ def h5py_vlen(ds: Any) -> bool:
     import h5py
 
     return h5py.check_vlen_dtype(ds.dtype) is not None
-
-
-def _arrow_leaves(arr: Any, space: dict[str, Any] | None, col: str, out: dict[str, np.ndarray],
-                  reader: Reader, *, jpeg: bool) -> None:
-    import pyarrow as pa
-
-    kind = (space or {}).get("type")
-    if pa.types.is_struct(arr.type):
-        for i, field in enumerate(arr.type):
-            sub = None
-            if kind == "Dict":
-                sub = space["subspaces"].get(field.name)  # type: ignore[index]
-                name = field.name
-            elif kind == "Tuple":
-                sub = space["subspaces"][int(field.name)]  # type: ignore[index]
-                name = f"_index_{field.name}"
-            else:
-                name = field.name
-            _arrow_leaves(arr.field(i), sub, f"{col}/{name}", out, reader, jpeg=jpeg)
-        return
-    if space is not None and jpeg and _is_image(space) and pa.types.is_binary(arr.type):
-        frames = [np.frombuffer(x.as_py() or b"", np.uint8) for x in arr]
-        # the action column of an Arrow episode is padded with one null row
-        valid = [f for f in frames if len(f)]
-        img = _decode_jpeg(valid, f"{reader.path}:{col}")
-        if len(valid) < len(frames):
-            img = np.concatenate([img, np.zeros((len(frames) - len(valid), *img.shape[1:]), np.uint8)])
-        out[col] = img
-        return
-    if pa.types.is_fixed_size_list(arr.type):
-        width = arr.type.list_size
-        flat = arr.flatten().fill_null(_zero(arr)).to_numpy(zero_copy_only=False)
-        n = len(arr)
-        shape = tuple(space["shape"]) if space and "shape" in space else (width,)
-        if kind == "MultiBinary" and space is not None:
-            nsp = space.get("n")
-            shape = tuple(nsp) if isinstance(nsp, list) else (int(str(nsp)),)
-        if kind == "MultiDiscrete" and space is not None:
-            shape = tuple(np.asarray(space["nvec"]).shape)
-        if int(np.prod(shape)) != width:
-            shape = (width,)
-        out[col] = flat.reshape(n, *shape)
-        return
-    if pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type) or pa.types.is_boolean(arr.type):
-        out[col] = arr.fill_null(_zero(arr)).to_numpy(zero_copy_only=False)
-        return
-    raise reader._error(f"unsupported Arrow type {arr.type}", col)
-
-
-def _zero(arr: Any) -> Any:
-    """A fill value for the nulls Minari pads Arrow episodes with (False for bool)."""
-    import pyarrow as pa
-
-    typ = arr.type.value_type if pa.types.is_fixed_size_list(arr.type) else arr.type
-    return pa.scalar(False if pa.types.is_boolean(typ) else 0, type=typ)
-
-
-def _arrow_info_leaves(arr: Any, col: str, out: dict[str, np.ndarray], n: int) -> None:
-    import pyarrow as pa
-
-    if pa.types.is_struct(arr.type):
-        for i, field in enumerate(arr.type):
-            _arrow_info_leaves(arr.field(i), f"{col}/{field.name}", out, n)
-            if f"{col}/{field.name}" in out and field.metadata and b"shape" in field.metadata:
-                shape = tuple(int(s) for s in field.metadata[b"shape"].split(b",") if s)
-                out[f"{col}/{field.name}"] = out[f"{col}/{field.name}"].reshape(-1, *shape)
-        return
-    if pa.types.is_fixed_size_list(arr.type):
-        flat = arr.flatten().fill_null(_zero(arr)).to_numpy(zero_copy_only=False)
-        out[col] = flat.reshape(len(arr), arr.type.list_size)
-    elif pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type) or pa.types.is_boolean(arr.type):
-        out[col] = arr.fill_null(_zero(arr)).to_numpy(zero_copy_only=False)
 
 
 def convert_minari(

@@ -21,7 +21,8 @@ from typing import IO, Any
 
 import numpy as np
 
-from ._common import Reader, jsonable, write_store
+from ._reader import Reader, jsonable
+from ._write import write_store
 from ._d4rl import flat_columns
 from ._flat import FileArray, FlatReader
 from ._sniff import ZIP, expect

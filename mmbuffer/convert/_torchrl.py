@@ -45,7 +45,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import MMBufferError
-from ._common import Chunk, Reader, Schema, as_flag, write_store
+from ._reader import Chunk, Reader, Schema, as_flag, reader_error
+from ._write import write_store
 from ._flat import FileArray, FlatReader, RolledArray
 from ._sniff import PICKLE, ZIP, expect
 
@@ -65,16 +66,16 @@ def _read_json(reader: Reader, path: Path) -> dict[str, Any]:
     try:
         value = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise reader._error(f"expected a JSON object, found unreadable JSON ({exc})", path.name) from None
+        raise reader_error(reader, f"expected a JSON object, found unreadable JSON ({exc})", path.name) from None
     if not isinstance(value, dict):
-        raise reader._error(f"expected a JSON object, got {type(value).__name__}", path.name)
+        raise reader_error(reader, f"expected a JSON object, got {type(value).__name__}", path.name)
     return value
 
 
 def _np_dtype(reader: Reader, s: str, key: str) -> np.dtype:
     dt = _TORCH_DTYPES.get(s)
     if dt is None:
-        raise reader._error(f"unsupported dtype {s}", key)
+        raise reader_error(reader, f"unsupported dtype {s}", key)
     return np.dtype(dt)
 
 

@@ -11,13 +11,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from typing import Any
+
+from ..errors import InvalidArgumentError, MMBufferError
+from ._formats import READERS, WRITERS, Format, takes
+from ._reader import ConversionWarning
 
 __all__ = ["add_subcommands", "tool_main"]
 
-_FORMATS = ("d4rl", "minari", "npz", "torchrl", "tdmpc2")
-_WITH_INFOS = ("d4rl", "minari", "npz")
-_WITH_NEXT = ("d4rl", "npz")
 
 
 def _compression(value: str) -> str | None:
@@ -40,11 +42,18 @@ def _common(p: argparse.ArgumentParser) -> None:
 def _add_convert_options(p: argparse.ArgumentParser, fmt: str | None) -> None:
     _common(p)
     p.add_argument("--compression", type=_compression, default=None, help="zstd | lz4 | none (default)")
-    if fmt is None or fmt in _WITH_INFOS:
-        p.add_argument("--keep-infos", action="store_true", help="keep infos/* as columns (d4rl, minari, npz)")
-    if fmt is None or fmt in _WITH_NEXT:
+    with_infos, with_next = takes("keep_infos", READERS), takes("keep_next_obs", READERS)
+    if fmt is None or fmt in with_infos:
+        p.add_argument("--keep-infos", action="store_true",
+                       help=f"keep infos/* as columns ({', '.join(with_infos)})")
+    if fmt is None or fmt in with_next:
         p.add_argument("--keep-next-obs", action="store_true",
-                       help="store next_observations as an explicit next/obs column (d4rl, npz)")
+                       help=f"store next_observations as an explicit next/obs column ({', '.join(with_next)})")
+
+
+def _format_help(table: dict[str, Format]) -> str:
+    """``name: help`` of every format in ``table``, for the FORMAT argument."""
+    return "; ".join(f"{name}: {f.help}" for name, f in table.items())
 
 
 def _print(summary: dict[str, Any], as_json: bool) -> None:
@@ -73,17 +82,13 @@ def _run_convert(args: argparse.Namespace) -> int:
         progress=args.progress, verify=args.verify,
     )
     if getattr(args, "keep_infos", False):
-        if fmt not in _WITH_INFOS:
-            raise _invalid(f"--keep-infos: not an option of format {fmt!r} (only {', '.join(_WITH_INFOS)})")
+        if fmt not in (with_infos := takes("keep_infos", READERS)):
+            raise _invalid(f"--keep-infos: not an option of format {fmt!r} (only {', '.join(with_infos)})")
         options["keep_infos"] = True
     if getattr(args, "keep_next_obs", False):
-        if fmt not in _WITH_NEXT:
-            raise _invalid(f"--keep-next-obs: not an option of format {fmt!r} (only {', '.join(_WITH_NEXT)})")
+        if fmt not in (with_next := takes("keep_next_obs", READERS)):
+            raise _invalid(f"--keep-next-obs: not an option of format {fmt!r} (only {', '.join(with_next)})")
         options["keep_next_obs"] = True
-    import warnings
-
-    from ._common import ConversionWarning
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConversionWarning)  # the summary lists them
         summary = convert(fmt, args.src, args.dst, **options)
@@ -97,13 +102,9 @@ def _run_export(args: argparse.Namespace) -> int:
     options: dict[str, Any] = dict(overwrite=args.overwrite, chunk_rows=args.chunk_rows,
                                    progress=args.progress, verify=args.verify)
     if args.dataset_id is not None:
-        if args.format != "minari":
-            raise _invalid("--dataset-id: only for minari exports")
+        if args.format not in (with_id := takes("dataset_id", WRITERS)):
+            raise _invalid(f"--dataset-id: only for {', '.join(with_id)} exports")
         options["dataset_id"] = args.dataset_id
-    import warnings
-
-    from ._common import ConversionWarning
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConversionWarning)
         summary = export(args.format, args.store, args.out, **options)
@@ -120,25 +121,23 @@ def _run_copy(args: argparse.Namespace) -> int:
 
 
 def _invalid(message: str) -> Exception:
-    from ..errors import InvalidArgumentError
-
     return InvalidArgumentError(message)
 
 
 def add_subcommands(sub: Any) -> None:
     """Register ``convert``, ``export`` and ``copy`` on an ``add_subparsers()`` object."""
-    p = sub.add_parser("convert", help="convert a dataset (d4rl, minari, npz, torchrl, tdmpc2) into a store")
-    p.add_argument("format", choices=_FORMATS)
+    p = sub.add_parser("convert", help=f"convert a dataset ({', '.join(READERS)}) into a store")
+    p.add_argument("format", choices=tuple(READERS), help=_format_help(READERS))
     p.add_argument("src", help="source file or directory")
     p.add_argument("dst", help="store to create")
     _add_convert_options(p, None)
     p.set_defaults(func=_run_convert)
 
     p = sub.add_parser("export", help="write a store as a D4RL HDF5 file or a Minari dataset")
-    p.add_argument("format", choices=("d4rl", "minari"))
+    p.add_argument("format", choices=tuple(WRITERS), help=_format_help(WRITERS))
     p.add_argument("store")
-    p.add_argument("out", help="the .hdf5 file (d4rl) or the dataset directory (minari)")
-    p.add_argument("--dataset-id", default=None, help="minari: namespace/name-vN")
+    p.add_argument("out", help=f"the output: {_format_help(WRITERS)}")
+    p.add_argument("--dataset-id", default=None, help=f"{', '.join(takes('dataset_id', WRITERS))}: namespace/name-vN")
     _common(p)
     p.set_defaults(func=_run_export)
 
@@ -152,8 +151,6 @@ def add_subcommands(sub: Any) -> None:
 
 def tool_main(fmt: str, argv: list[str] | None = None) -> int:
     """``tools/convert_<fmt>.py SRC DST [options]``: the same code as ``mmbuffer convert``."""
-    from ..errors import MMBufferError
-
     p = argparse.ArgumentParser(prog=f"convert_{fmt}.py", description=f"Convert a {fmt} dataset into an mmbuffer store.")
     p.add_argument("src", help="source file or directory")
     p.add_argument("dst", help="store to create")

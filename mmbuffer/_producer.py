@@ -1,0 +1,171 @@
+"""One background producer thread: run an iterator a bounded number of items ahead.
+
+Both :mod:`mmbuffer.stream` (sample and gather batches while the caller trains)
+and the converters (read and checksum the source while the store is written)
+overlap a producer with a consumer the same way; this module is that one way.
+
+* The thread pulls items from ``source`` and puts them on a queue of ``depth``
+  items, so the producer runs at most ``depth + 1`` items ahead.
+* Before each item it looks at the stop event; a put blocked on a full queue
+  looks at it every ``POLL_S`` seconds.
+* An exception raised by the source is handed to the consumer and re-raised by
+  :meth:`Producer.get`; the end of the source makes ``get`` raise
+  :class:`StopIteration`.
+* :meth:`Producer.close` sets the stop event, drops what is queued, joins the
+  thread (unless called from it, or while the interpreter shuts down) and then
+  closes the source (``source.close()``, a generator's ``GeneratorExit``) once
+  the thread has left it.
+* The thread holds references to the producer's queue, stop event and source
+  only, never to the object that owns the :class:`Producer`, so that owner can
+  be garbage collected (and close the producer) while the thread runs.
+
+>>> p = Producer(iter(range(3)), depth=2, name="example")
+>>> p.start()
+>>> [p.get() for _ in range(3)]
+[0, 1, 2]
+>>> p.get()
+Traceback (most recent call last):
+    ...
+StopIteration
+>>> p.close()
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any, Generic, TypeVar
+
+__all__ = ["POLL_S", "Producer"]
+
+T = TypeVar("T")
+
+#: How often a blocked producer or consumer looks at the stop event (seconds).
+POLL_S = 0.05
+_END = object()
+
+
+class Producer(Generic[T]):
+    """A daemon thread that runs ``source`` up to ``depth`` items ahead of :meth:`get`.
+
+    Parameters
+    ----------
+    source
+        The iterator to run in the thread (its ``close``, if any, is called by
+        :meth:`close` once the thread has stopped).
+    depth
+        Items queued at most (``>= 1``).
+    name
+        The thread's name.
+    """
+
+    def __init__(self, source: Iterator[T], *, depth: int, name: str) -> None:
+        self._source = source
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._closed = False
+        #: Whether :meth:`get` has re-raised an exception of the source.
+        self.failed = False
+        self._thread = threading.Thread(
+            target=_run, args=(source, self._queue, self._stop), name=name, daemon=True
+        )
+
+    def start(self) -> None:
+        """Start the thread."""
+        self._thread.start()
+
+    def get(self) -> T:
+        """The next item; re-raises the source's exception; ``StopIteration`` at its end.
+
+        Also ``StopIteration`` when the thread is gone with nothing queued (it
+        was stopped).
+        """
+        while True:
+            try:
+                item = self._queue.get(timeout=POLL_S)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    raise StopIteration from None
+        if item is _END:
+            raise StopIteration
+        exc, value = item
+        if exc is not None:
+            self.failed = True
+            raise exc
+        return value  # type: ignore[no-any-return]
+
+    def __iter__(self) -> Iterator[T]:
+        while True:
+            try:
+                item = self.get()
+            except StopIteration:
+                return
+            yield item
+
+    def qsize(self) -> int:
+        """Items queued now."""
+        return self._queue.qsize()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the thread and wait for it (at most ``timeout`` seconds); idempotent.
+
+        Items not yet taken are dropped. The source is closed only if the
+        thread has left it (it is never closed while another thread runs it).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        _drain(self._queue)
+        thread = self._thread
+        if thread.ident is not None and thread is not threading.current_thread() and not sys.is_finalizing():
+            thread.join(timeout)
+        _drain(self._queue)
+        if not thread.is_alive():
+            close = getattr(self._source, "close", None)
+            if close is not None:
+                close()
+
+    def __enter__(self) -> Producer[T]:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _run(source: Iterator[Any], q: queue.Queue[Any], stop: threading.Event) -> None:
+    """The thread: fill ``q`` with ``(None, item)``, then ``_END`` or ``(exc, None)``."""
+    try:
+        while not stop.is_set():
+            try:
+                item = next(source)
+            except StopIteration:
+                _put(q, _END, stop)
+                return
+            if not _put(q, (None, item), stop):
+                return
+            del item  # hold no reference while the next one is made
+    except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
+        _put(q, (exc, None), stop)
+
+
+def _put(q: queue.Queue[Any], item: Any, stop: threading.Event) -> bool:
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=POLL_S)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def _drain(q: queue.Queue[Any]) -> None:
+    while True:
+        try:
+            q.get_nowait()
+        except queue.Empty:
+            return
