@@ -352,15 +352,15 @@ def open_raw_fd(root: Path, name: str, *, writable: bool, expect: Expect | None 
             raise errors.CorruptStoreError(
                 f"{root / rel}: file seems not fully written: expected at least {need} bytes, got {size}"
             )
-        with open(fd, "r+b" if writable else "rb", closefd=False) as f:
-            mm = np.memmap(f, dtype=dtype, mode="r+" if writable else "r", shape=shape)
+        nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        handle = mmap.mmap(fd, nbytes, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
     except BaseException:
         os.close(fd)
         raise
-    if config.madvise_random and hasattr(mm, "_mmap") and hasattr(mmap, "MADV_RANDOM"):
-        mm._mmap.madvise(mmap.MADV_RANDOM)  # read-ahead wrecks cold random gathers
-    # a plain ndarray view: np.memmap's subclass hooks cost microseconds per access
-    return mm.view(np.ndarray), fd
+    if config.madvise_random and hasattr(mmap, "MADV_RANDOM"):
+        handle.madvise(mmap.MADV_RANDOM)  # read-ahead wrecks cold random gathers
+    # a plain ndarray over our own map (np.memmap's subclass hooks cost microseconds per access)
+    return np.ndarray(shape, dtype=dtype, buffer=handle), fd
 
 
 def open_raw(root: Path, name: str, *, writable: bool, expect: Expect | None = None) -> np.ndarray:
@@ -431,9 +431,8 @@ def flush_rows(mm: np.ndarray, start: int, stop: int) -> None:
 def _mmap_of(arr: np.ndarray) -> mmap.mmap | None:
     base: object = arr
     while base is not None:
-        handle = getattr(base, "_mmap", None)
-        if handle is not None:
-            return handle  # type: ignore[no-any-return]
+        if isinstance(base, mmap.mmap):
+            return base
         base = getattr(base, "base", None)
     return None
 
