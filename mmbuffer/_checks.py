@@ -19,6 +19,7 @@ import numpy as np
 
 from . import _format as fmt
 from . import errors
+from .schema import Column
 
 
 def check_schema(columns: Mapping[str, tuple[Any, Any]], next_keys: Iterable[str]) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
@@ -112,3 +113,64 @@ def row_ids(value: Any, capacity: int) -> np.ndarray:
     if raw.dtype == np.uint64 and raw.size and int(raw.max()) >= capacity:  # would wrap to negative
         raise errors.InvalidArgumentError(f"indices: expected row ids in [0, {capacity}), got {raw[raw >= capacity][:3].tolist()}")
     return raw.astype(np.int64, copy=False).reshape(-1)
+
+
+def validate_steps(columns: Mapping[str, Column], steps: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """The block as arrays of the columns' dtypes (flags filled in) and its end flags."""
+    if not isinstance(steps, Mapping):
+        raise errors.SchemaError(f"steps: expected a mapping column -> array, got {type(steps).__name__}")
+    given = set(steps)
+    required = set(columns) - fmt.RESERVED_NAMES
+    if not required <= given or not given <= set(columns):
+        raise errors.SchemaError(
+            f"steps: expected columns {sorted(required)} (+ optional terminated, truncated), "
+            f"got {sorted(given)}; missing {sorted(required - given)}, unknown {sorted(given - set(columns))}"
+        )
+    arrays = {}
+    for name in steps:
+        arr = as_numpy(steps[name], name)
+        col = columns[name]
+        if arr.shape[1:] != col.shape or arr.ndim != 1 + len(col.shape):
+            raise errors.SchemaError(
+                f"column {name!r}: expected rows of shape {col.shape} (array [T, {', '.join(map(str, col.shape))}]), "
+                f"got array of shape {tuple(arr.shape)}"
+            )
+        arrays[name] = cast_to(arr, np.dtype(col.dtype), f"column {name!r}")
+    lengths = {name: arr.shape[0] for name, arr in arrays.items()}
+    if len(set(lengths.values())) > 1:
+        raise errors.SchemaError(f"steps: expected the same number of rows in every column, got {lengths}")
+    rows = next(iter(lengths.values()))
+    for flag in fmt.RESERVED_NAMES - given:
+        arrays[flag] = np.zeros(rows, dtype=bool)
+    return arrays, arrays["terminated"] | arrays["truncated"]
+
+def validate_final(
+    columns: Mapping[str, Column], next_keys: tuple[str, ...], final_obs: Mapping[str, Any] | None, n_done: int
+) -> dict[str, np.ndarray]:
+    """The final observations of the ``n_done`` episodes that end in a block, as arrays."""
+    if not next_keys:
+        if final_obs:
+            raise errors.SchemaError(
+                f"final_obs: this store derives no next columns (next_keys=()), got keys {sorted(final_obs)}"
+            )
+        return {}
+    if final_obs is None:
+        if n_done == 0:
+            return {}
+        raise errors.SchemaError(
+            f"final_obs: expected {n_done} final observations for {list(next_keys)} "
+            f"(episodes ending in this block), got None"
+        )
+    if set(final_obs) != set(next_keys):
+        raise errors.SchemaError(f"final_obs: expected keys {sorted(next_keys)}, got {sorted(final_obs)}")
+    out = {}
+    for name in next_keys:
+        arr = as_numpy(final_obs[name], f"final_obs[{name!r}]")
+        col = columns[name]
+        if arr.shape != (n_done, *col.shape):
+            raise errors.SchemaError(
+                f"final_obs[{name!r}]: expected shape {(n_done, *col.shape)} "
+                f"({n_done} episodes end in this block), got {tuple(arr.shape)}"
+            )
+        out[name] = cast_to(arr, np.dtype(col.dtype), f"final_obs[{name!r}]")
+    return out

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
-import functools
 import os
 import threading
 from collections.abc import Mapping
@@ -45,7 +44,7 @@ import numpy as np
 
 from . import _counters, _safe_io, errors, index, tree
 from . import _format as fmt
-from ._checks import as_numpy, cast_to, check_stream, row_ids
+from ._checks import as_numpy, check_stream, row_ids, validate_final, validate_steps
 from ._guards import acquire_lock, locked, locked_write, raise_typed
 from ._manifest import Manifest, load_manifest
 from .config import config
@@ -134,6 +133,7 @@ class Store:
         self.generation = manifest.generation
         self._schema = manifest.schema()
         self._manifest = manifest  # what the next commit rewrites (fields that never change)
+        self.layout = Layout(self.capacity, self.num_streams)  # all ring arithmetic (layout.py)
         writable = self.mode == "a"
         root = self.path
         cap = self.capacity
@@ -221,11 +221,6 @@ class Store:
     def num_episodes(self) -> int:
         """Live complete episodes over all lanes."""
         return int(sum(v.ep_tail - v.ep_head for v in self.view().lanes))
-
-    @functools.cached_property
-    def layout(self) -> Layout:
-        """Capacity and lanes: all ring arithmetic (``layout.py``)."""
-        return Layout(self.capacity, self.num_streams)
 
     @locked
     def view(self) -> View:
@@ -316,11 +311,11 @@ class Store:
         """
         self._check_writable("extend")
         lane = check_stream(stream, self.num_streams)
-        arrays, done = self._validate_steps(steps)
+        arrays, done = validate_steps(self.columns, steps)
         rows = len(done)
         if rows == 0:
             return
-        finals = self._validate_final(final_obs, int(done.sum()))
+        finals = validate_final(self.columns, self.next_keys, final_obs, int(done.sum()))
         st = self._lanes[lane]
         index.check_fits(st, self._ends, lane, self.lane_size, done)
 
@@ -656,63 +651,6 @@ class Store:
                 fcntl.flock(fd, fcntl.LOCK_UN)
             finally:
                 os.close(fd)
-
-    def _validate_steps(self, steps: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], np.ndarray]:
-        """The block as arrays of the columns' dtypes (flags filled in) and its end flags."""
-        if not isinstance(steps, Mapping):
-            raise errors.SchemaError(f"steps: expected a mapping column -> array, got {type(steps).__name__}")
-        given = set(steps)
-        required = set(self.columns) - fmt.RESERVED_NAMES
-        if not required <= given or not given <= set(self.columns):
-            raise errors.SchemaError(
-                f"steps: expected columns {sorted(required)} (+ optional terminated, truncated), "
-                f"got {sorted(given)}; missing {sorted(required - given)}, unknown {sorted(given - set(self.columns))}"
-            )
-        arrays = {}
-        for name in steps:
-            arr = as_numpy(steps[name], name)
-            col = self.columns[name]
-            if arr.shape[1:] != col.shape or arr.ndim != 1 + len(col.shape):
-                raise errors.SchemaError(
-                    f"column {name!r}: expected rows of shape {col.shape} (array [T, {', '.join(map(str, col.shape))}]), "
-                    f"got array of shape {tuple(arr.shape)}"
-                )
-            arrays[name] = cast_to(arr, np.dtype(col.dtype), f"column {name!r}")
-        lengths = {name: arr.shape[0] for name, arr in arrays.items()}
-        if len(set(lengths.values())) > 1:
-            raise errors.SchemaError(f"steps: expected the same number of rows in every column, got {lengths}")
-        rows = next(iter(lengths.values()))
-        for flag in fmt.RESERVED_NAMES - given:
-            arrays[flag] = np.zeros(rows, dtype=bool)
-        return arrays, arrays["terminated"] | arrays["truncated"]
-
-    def _validate_final(self, final_obs: Mapping[str, Any] | None, n_done: int) -> dict[str, np.ndarray]:
-        if not self.next_keys:
-            if final_obs:
-                raise errors.SchemaError(
-                    f"final_obs: this store derives no next columns (next_keys=()), got keys {sorted(final_obs)}"
-                )
-            return {}
-        if final_obs is None:
-            if n_done == 0:
-                return {}
-            raise errors.SchemaError(
-                f"final_obs: expected {n_done} final observations for {list(self.next_keys)} "
-                f"(episodes ending in this block), got None"
-            )
-        if set(final_obs) != set(self.next_keys):
-            raise errors.SchemaError(f"final_obs: expected keys {sorted(self.next_keys)}, got {sorted(final_obs)}")
-        out = {}
-        for name in self.next_keys:
-            arr = as_numpy(final_obs[name], f"final_obs[{name!r}]")
-            col = self.columns[name]
-            if arr.shape != (n_done, *col.shape):
-                raise errors.SchemaError(
-                    f"final_obs[{name!r}]: expected shape {(n_done, *col.shape)} "
-                    f"({n_done} episodes end in this block), got {tuple(arr.shape)}"
-                )
-            out[name] = cast_to(arr, np.dtype(col.dtype), f"final_obs[{name!r}]")
-        return out
 
     def _reserve_space(self, lane: int, st: Lane, stop: int) -> None:
         """Allocate the disk blocks the writes up to a lane's absolute row ``stop`` need.

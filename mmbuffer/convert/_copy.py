@@ -34,7 +34,15 @@ from ._frame import (
 )
 from ._readback import ReadBack
 from ._reader import FLAGS, jsonable
-from ._walk import OpenedStore, Plan, chunk_rows_for, data_columns, plan_episodes, row_bytes, walk
+from ._walk import (
+    OpenedStore,
+    Plan,
+    chunk_rows_for,
+    data_columns,
+    plan_episodes,
+    row_bytes,
+    walk,
+)
 
 __all__ = ["copy", "copy_store"]
 

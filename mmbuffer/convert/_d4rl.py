@@ -33,10 +33,10 @@ from typing import Any
 
 import numpy as np
 
-from ._reader import Reader, jsonable, reader_error, reader_warn
-from ._write import write_store
 from ._flat import ArrayLike, FlatReader
+from ._reader import Reader, jsonable, reader_error, reader_warn
 from ._sniff import HDF5, expect
+from ._write import write_store
 
 __all__ = ["D4RLReader", "convert_d4rl", "D4RL_KEYS"]
 

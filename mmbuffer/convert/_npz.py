@@ -21,11 +21,11 @@ from typing import IO, Any
 
 import numpy as np
 
-from ._reader import Reader, jsonable
-from ._write import write_store
 from ._d4rl import flat_columns
 from ._flat import FileArray, FlatReader
+from ._reader import Reader, jsonable
 from ._sniff import ZIP, expect
+from ._write import write_store
 
 __all__ = ["NpzReader", "convert_npz"]
 

@@ -45,10 +45,10 @@ from typing import Any
 import numpy as np
 
 from ..errors import MMBufferError
-from ._reader import Chunk, Reader, Schema, as_flag, reader_error
-from ._write import write_store
 from ._flat import FileArray, FlatReader, RolledArray
+from ._reader import Chunk, Reader, Schema, as_flag, reader_error
 from ._sniff import PICKLE, ZIP, expect
+from ._write import write_store
 
 __all__ = ["TorchRLReader", "TDMPC2Reader", "convert_torchrl", "open_torchrl"]
 

@@ -46,9 +46,25 @@ import numpy as np
 
 from .._producer import Producer
 from ..buffer import Buffer, create
-from ._frame import SEGMENT_BYTES, Writer, as_bytes, crc_hex, mismatch, progress_bar, write_and_verify
+from ._frame import (
+    SEGMENT_BYTES,
+    Writer,
+    as_bytes,
+    crc_hex,
+    mismatch,
+    progress_bar,
+    write_and_verify,
+)
 from ._readback import ReadBack
-from ._reader import FLAGS, Chunk, Reader, Schema, default_chunk_rows, jsonable, reader_error
+from ._reader import (
+    FLAGS,
+    Chunk,
+    Reader,
+    Schema,
+    default_chunk_rows,
+    jsonable,
+    reader_error,
+)
 
 __all__ = ["DROP_BEHIND_CHUNKS", "write_store"]
 
