@@ -78,6 +78,17 @@ def violations(batch: mb.Batch, lane_size: int, committed: np.ndarray) -> int:
     return int((bad & mask).sum())
 
 
+def draw(reader: mb.Buffer, kind: str, n: int, g: torch.Generator) -> mb.Batch:
+    """A batch of ``n`` transitions, or ``n // 4`` windows, drawn the way ``kind`` names."""
+    if kind == "uniform":
+        return reader.sample(n, generator=g)
+    if kind == "slices":
+        return reader.sample_slices(n // 4, 4, generator=g)
+    if kind == "padded":
+        return reader.sample_slices(n // 4, 8, strict=False, generator=g)
+    return reader.sample(n, prioritized=True, generator=g)
+
+
 def committed_written(reader: mb.Buffer) -> np.ndarray:
     return np.array(reader.view().written)
 
@@ -118,15 +129,7 @@ def test_writer_lapping_between_index_and_gather_is_never_returned(tmp_path, kin
         reader.refresh()
         committed = committed_written(reader)
         calls["n"] = 0
-        if kind == "uniform":
-            b = reader.sample(256, generator=g)
-        elif kind == "slices":
-            b = reader.sample_slices(64, 4, generator=g)
-        elif kind == "padded":
-            b = reader.sample_slices(64, 6, strict=False, generator=g)
-        else:
-            b = reader.sample(256, prioritized=True, generator=g)
-        total += violations(b, reader.lane_size, committed)
+        total += violations(draw(reader, kind, 256, g), reader.lane_size, committed)
     assert calls["n"] > 0
     assert total == 0
 
@@ -217,14 +220,7 @@ def _read_loop(path: str, seconds: float, seed: int, out: mp.Queue) -> None:
         committed = committed_written(reader)
         kind = kinds[counts["batches"] % len(kinds)]
         try:
-            if kind == "uniform":
-                b = reader.sample(128, generator=g)
-            elif kind == "slices":
-                b = reader.sample_slices(32, 4, generator=g)
-            elif kind == "padded":
-                b = reader.sample_slices(32, 8, strict=False, generator=g)
-            else:
-                b = reader.sample(128, prioritized=True, generator=g)
+            b = draw(reader, kind, 128, g)
         except (mb.errors.EmptyBufferError, mb.errors.NoValidSliceError):
             continue
         bad = violations(b, reader.lane_size, committed)
