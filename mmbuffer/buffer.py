@@ -1,7 +1,8 @@
 """``Buffer``: the user-facing store (API.md): write, inspect, sample, reprioritize.
 
 ``Buffer`` is a ``Store`` (files, cursors, commit protocol) plus the read side:
-it asks a sampler (``sampling.py``) for indices and gathers them (``gather.py``).
+it asks a sampler spec (``mmbuffer.samplers``) for indices, gathers them
+(``gather.py``) and, in a reader, re-checks them against the writer (``read_batch``).
 
 >>> import tempfile, numpy as np, mmbuffer as mb
 >>> path = tempfile.mkdtemp() + "/replay"
