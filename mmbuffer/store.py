@@ -47,6 +47,7 @@ from . import _format as fmt
 from ._checks import as_numpy, check_stream, row_ids, validate_final, validate_steps
 from ._guards import acquire_lock, locked, locked_write, raise_typed
 from ._manifest import Manifest, load_manifest
+from .columns import ColumnArray, RawArray, ZarrArray
 from .config import config
 from .create import create_store
 from .index import Lane
@@ -106,7 +107,8 @@ class Store:
         self.mode = mode
         manifest = load_manifest(self.path)
         self._lock_fd: int | None = None
-        self._fds: dict[str, int] = {}
+        self._data: dict[str, ColumnArray] = {}  # every column, behind its backend (mmbuffer.columns)
+        self._final: dict[str, ColumnArray] = {}
         if mode == "a":
             try:
                 self._lock_fd = acquire_lock(self.path)
@@ -137,15 +139,14 @@ class Store:
         writable = self.mode == "a"
         root = self.path
         cap = self.capacity
-        self._data: dict[str, Any] = {}
         for name, (shape, dt) in manifest.columns.items():
             expect = (cap, shape, dt)
             if name in fmt.RESERVED_NAMES or self.compression is None:  # the fd: pwrite and pread
-                self._data[name], self._fds[name] = fmt.open_raw_fd(root, f"columns/{name}", writable=writable, expect=expect)
+                self._data[name] = RawArray.open(root, f"columns/{name}", writable=writable, expect=expect)
             else:
-                self._data[name] = fmt.CompressedArray(root, f"columns/{name}", writable=writable, expect=expect)
+                self._data[name] = ZarrArray.open(root, f"columns/{name}", writable=writable, expect=expect)
         final = {k: (cap, *manifest.columns[k]) for k in self.next_keys}
-        self._final = {k: fmt.open_raw(root, f"final/{k}", writable=writable, expect=e) for k, e in final.items()}
+        self._final = {k: RawArray.open(root, f"final/{k}", writable=writable, expect=e) for k, e in final.items()}
         self._ends = fmt.open_raw(root, "index/ends", writable=writable, expect=(2 * cap, (), np.dtype(np.int64)))
         self._reserved = fmt.open_raw(root, "index/reserved", writable=writable, expect=(self.num_streams, (), np.dtype(np.int64)))
         self._tree: tree.PriorityTree | None = None
@@ -251,8 +252,8 @@ class Store:
     def read(self, name: str, rows: np.ndarray) -> np.ndarray:
         """Rows of a stored column or of ``final/<name>`` (``name = "final/obs"``)."""
         if name.startswith("final/"):
-            return np.asarray(self._final[name[6:]][rows])
-        return np.asarray(self._data[name][rows])
+            return self._final[name[6:]].read(rows)
+        return self._data[name].read(rows)
 
     def read_range(self, name: str, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
         """Rows ``[start, stop)`` of a stored column (global row numbers, one lane's ring
@@ -270,15 +271,7 @@ class Store:
         >>> buf.read_range("x", 1, 4).tolist()
         [1, 2, 3]
         """
-        col = self._data[name]
-        if out is None:
-            out = np.empty((stop - start, *col.shape[1:]), dtype=col.dtype)
-        fd = self._fds.get(name)
-        if fd is None:  # a compressed column: zarr decodes the chunks
-            out[...] = col[start:stop]
-        else:
-            fmt.read_rows(fd, col, start, out)
-        return out
+        return self._data[name].read_range(start, stop, out)
 
     # -- writing -----------------------------------------------------------------------
     @locked_write("extend")
@@ -334,18 +327,14 @@ class Store:
         segments = self.layout.segments(lane, st.written, new_written)
         for name, arr in arrays.items():
             col = self._data[name]
-            fd = self._fds.get(name)
             off = 0
             for a, b in segments:
-                if fd is None:
-                    col[a:b] = arr[off : off + b - a]  # a compressed column, through zarr
-                else:
-                    fmt.write_rows(fd, col, a, arr[off : off + b - a])
+                col.write_range(a, arr[off : off + b - a])
                 off += b - a
         if finals:
             last_rows = self.layout.rows(lane, st.written + np.flatnonzero(done))
             for name, arr in finals.items():
-                self._final[name][last_rows] = arr
+                self._final[name].write_at(last_rows, arr)
 
         st = index.append(self._ends, lane, self.lane_size, st, rows=rows, done=done)
         threshold = new_written - self.lane_size
@@ -376,8 +365,7 @@ class Store:
             segs = self.layout.segments(lane, self._committed[lane].written, self._lanes[lane].written)
             for a, b in segs:
                 for col in (*self._data.values(), *self._final.values()):
-                    if fmt.is_mapped(col):
-                        fmt.flush_rows(col, a, b)
+                    col.flush(a, b)
             # the ring slots of the episodes added since the last commit
             slots = 2 * self.lane_size
             for a, b in Layout(slots * self.num_streams, self.num_streams).segments(lane, self._committed[lane].ep_tail, self._lanes[lane].ep_tail):
@@ -537,12 +525,10 @@ class Store:
         pass) otherwise keeps every page it touched counted in its RSS. Nothing is
         lost: the pages stay in the page cache and the next access maps them again.
         """
-        arrays = [*self._data.values(), *self._final.values(), self._ends]
-        if self._tree is not None:
-            arrays += list(self._tree.arrays)
-        for arr in arrays:
-            if fmt.is_mapped(arr):
-                fmt.release(arr)
+        for col in (*self._data.values(), *self._final.values()):
+            col.release()
+        for arr in (self._ends, *(self._tree.arrays if self._tree is not None else ())):
+            fmt.release(arr)
 
     def drop_cache(self, start: int, stop: int) -> None:
         """Write rows ``[start, stop)`` of the raw columns behind: start writing them to
@@ -554,8 +540,8 @@ class Store:
         pages that were still being written. Nothing is lost and nothing is
         committed; later reads come from disk. No lock: it changes no data.
         """
-        for name, fd in self._fds.items():
-            fmt.drop_cache(fd, self._data[name], start, stop)
+        for col in self._data.values():
+            col.drop_cache(start, stop)
 
     # -- closing -----------------------------------------------------------------------
     @locked
@@ -641,9 +627,8 @@ class Store:
             raise
 
     def _release_lock(self) -> None:
-        for fd in getattr(self, "_fds", {}).values():
-            os.close(fd)
-        self._fds = {}
+        for col in (*getattr(self, "_data", {}).values(), *getattr(self, "_final", {}).values()):
+            col.close()
         fd = getattr(self, "_lock_fd", None)
         if fd is not None:
             self._lock_fd = None
