@@ -346,6 +346,10 @@ def test_read_only_filesystem_refuses_a_writer_with_a_typed_error(small_fs):
         mb.create(small_fs / "t", COLUMNS, capacity=64)
     ro = mb.open(path, mode="r")  # reading works
     assert ro.num_episodes == 2 and ro.get([7])["action"].tolist() == [7]
+    from mmbuffer.cli import main
+
+    assert main(["verify", str(path)]) == 0  # a reader's verify needs no write
+    assert main(["verify", str(path), "--repair"]) == 2  # one typed line, no traceback
     assert tree_hash(path) == before
 
 
