@@ -60,8 +60,13 @@ def acquire_lock(path: Path) -> int:
         raise errors.LockedError(
             f"{path}: expected no other writer, got the lock held by {holder}; open with mode='r' to read"
         ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, fmt.lock_owner().encode(), 0)
+    try:  # the owner's name is informative only, but a failure must not keep the lock
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, fmt.lock_owner().encode(), 0)
+    except BaseException:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+        raise
     return fd
 
 

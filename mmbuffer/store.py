@@ -437,7 +437,7 @@ class Store:
             raise errors.InvalidPriorityError(
                 "leaf_priorities: expected a store created with priorities=mb.PriorityConfig(...), got priorities=None"
             )
-        idx = self._checked_rows(as_numpy(rows, "rows").astype(np.int64, copy=False).reshape(-1))
+        idx = self._checked_rows(row_ids(rows, self.capacity))
         return np.asarray(self._tree.leaves[idx])
 
     @locked

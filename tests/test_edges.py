@@ -363,3 +363,21 @@ def test_epoch_sampler_on_a_read_only_filesystem_says_its_state_cannot_be_saved(
         next(iter(sampler))
     assert str(path) in str(info.value) and "default.json" in str(info.value)
     assert sampler.position == 0 and sampler.epoch == 0  # no batch was taken
+
+
+def test_a_failed_lock_owner_write_releases_the_lock(tmp_path, monkeypatch):
+    """If writing the owner's name into LOCK fails (a full disk), the open is refused
+    and the lock is not kept: the next writer gets it."""
+    _small_store(tmp_path / "s")
+    import mmbuffer._guards as guards
+
+    real = os.pwrite
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(guards.os, "pwrite", full)
+    with pytest.raises(mb.errors.DiskFullError):
+        mb.open(tmp_path / "s")
+    monkeypatch.setattr(guards.os, "pwrite", real)
+    mb.open(tmp_path / "s").close()

@@ -537,3 +537,14 @@ def test_refresh_refuses_corrupt_ends_of_new_episodes(tmp_path):
     with pytest.raises(mb.errors.CorruptStoreError, match="episode 3 ending at 2"):
         ro.refresh()
     assert ro.generation == gen
+
+
+def test_leaf_priorities_refuses_float_ids(tmp_path):
+    """A float id would be truncated to another row: refused like update_priorities."""
+    buf = mb.create(tmp_path / "p", {"x": ((), "int32")}, capacity=8, next_keys=(),
+                    priorities=mb.PriorityConfig(alpha=1.0, eps=0.0))
+    buf.extend({"x": np.arange(3)})
+    buf.update_priorities([0, 1, 2], [1.0, 2.0, 3.0])
+    with pytest.raises(mb.errors.InvalidArgumentError, match="integer row ids"):
+        buf.leaf_priorities([0.5, 1.7])
+    assert buf.leaf_priorities(np.array([1, 2], np.uint8)).tolist() == [2.0, 3.0]
