@@ -564,7 +564,8 @@ def atomic_write_json(path: Path, obj: Any, *, durable: bool = True) -> None:
 
     The ``.partial`` file is created afresh (``O_EXCL | O_NOFOLLOW``, after
     unlinking whatever was there), so a link planted under that name is replaced,
-    never written through; it is removed again if the write fails (disk full).
+    never written through; it is removed again if the write fails (disk full),
+    and an ``OSError`` that names no file is raised again naming ``path``.
     """
     data = json.dumps(obj, indent=1, sort_keys=True).encode()
     tmp = path.name + ".partial"
@@ -587,11 +588,13 @@ def atomic_write_json(path: Path, obj: Any, *, durable: bool = True) -> None:
             finally:
                 os.close(fd)
             os.rename(tmp, path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
-        except BaseException:
+        except BaseException as exc:
             try:
                 os.unlink(tmp, dir_fd=dfd)
             except OSError:
                 pass
+            if type(exc) is OSError and exc.filename is None:  # os.write names no file
+                raise OSError(exc.errno, exc.strerror, str(path)) from exc
             raise
         if durable:
             os.fsync(dfd)

@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from . import errors
+from .layout import Layout
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +81,13 @@ def _slot(lane: int, lane_size: int, seq: int | np.ndarray) -> int | np.ndarray:
 def slots(lane: int, lane_size: int, seqs: np.ndarray) -> np.ndarray:
     """Positions in ``ends`` of the episodes with sequence numbers ``seqs`` of a lane."""
     return np.asarray(_slot(lane, lane_size, np.asarray(seqs, dtype=np.int64)))
+
+
+def slot_ranges(lane: int, lane_size: int, lo: int, hi: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` ranges of ``ends`` holding the episodes ``lo <= seq < hi`` of
+    a lane (at most two: its slots are a ring of ``2 * lane_size``)."""
+    base = lane * 2 * lane_size
+    return [(base + a, base + b) for a, b in Layout(2 * lane_size).segments(0, lo, hi)]
 
 
 def episode_ends(ends: np.ndarray, lane: int, lane_size: int, lo: int, hi: int) -> np.ndarray:

@@ -367,8 +367,7 @@ class Store:
                 for col in (*self._data.values(), *self._final.values()):
                     col.flush(a, b)
             # the ring slots of the episodes added since the last commit
-            slots = 2 * self.lane_size
-            for a, b in Layout(slots * self.num_streams, self.num_streams).segments(lane, self._committed[lane].ep_tail, self._lanes[lane].ep_tail):
+            for a, b in index.slot_ranges(lane, self.lane_size, self._committed[lane].ep_tail, self._lanes[lane].ep_tail):
                 fmt.flush_rows(self._ends, a, b)
         self._flush_tree()
         # a writer that ran more than the capped reservation past its last commit
@@ -610,21 +609,10 @@ class Store:
                 fmt.flush_rows(arr, 0, len(arr))
 
     def _write_manifest(self, generation: int) -> None:
-        """Replace ``manifest.json`` by this state as commit ``generation``; a failed
-        attempt leaves no ``.partial`` behind."""
+        """Replace ``manifest.json`` by this state as commit ``generation`` (a failed
+        attempt leaves no ``.partial`` behind: ``atomic_write_json``)."""
         state = dataclasses.replace(self._manifest, generation=generation, lanes=tuple(self._lanes), attrs=self.attrs)
-        manifest = state.to_json()
-        target = self.path / fmt.MANIFEST
-        try:
-            fmt.atomic_write_json(target, manifest)
-        except BaseException as exc:
-            try:
-                target.with_name(target.name + ".partial").unlink(missing_ok=True)
-            except OSError:
-                pass  # a read-only filesystem wrote none
-            if isinstance(exc, OSError) and exc.filename is None:  # a failed write names no file
-                raise OSError(exc.errno, exc.strerror, str(target)) from exc
-            raise
+        fmt.atomic_write_json(self.path / fmt.MANIFEST, state.to_json())
 
     def _release_lock(self) -> None:
         for col in (*getattr(self, "_data", {}).values(), *getattr(self, "_final", {}).values()):
