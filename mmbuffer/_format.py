@@ -499,50 +499,6 @@ def create_compressed(
     )
 
 
-class CompressedArray:
-    """A compressed column read and written through zarr (slow random gathers)."""
-
-    def __init__(self, root: Path, name: str, *, writable: bool, expect: Expect | None = None) -> None:
-        where = root / name / "zarr.json"
-        check_array_meta(where, read_json_in(root, f"{name}/zarr.json"), expect, raw=False)
-        _safe_io.check_tree(root, name)  # zarr opens files by path and follows links
-        try:
-            self._array = zarr.open_array(str(root / name), mode="r+" if writable else "r")
-        except Exception as exc:  # noqa: BLE001 - zarr's errors are untyped for us
-            raise errors.CorruptStoreError(f"{where}: zarr cannot open the array ({type(exc).__name__}: {exc})") from None
-        self._where = root / name
-        self.shape: tuple[int, ...] = tuple(self._array.shape)
-        self.dtype = np.dtype(self._array.dtype)
-        self.ndim = len(self.shape)
-
-    def __len__(self) -> int:
-        return self.shape[0]
-
-    def __getitem__(self, idx: Any) -> np.ndarray:
-        try:
-            if isinstance(idx, slice):
-                return np.asarray(self._array[idx])
-            idx = np.asarray(idx, dtype=np.int64)
-            flat = idx.reshape(-1)
-            uniq, inverse = np.unique(flat, return_inverse=True)
-            rows = np.asarray(self._array.oindex[uniq])
-        except (IndexError, errors.MMBufferError):
-            raise
-        except Exception as exc:  # noqa: BLE001 - a chunk that does not decode
-            raise errors.CorruptStoreError(f"{self._where}: a chunk cannot be read ({type(exc).__name__}: {exc})") from None
-        return rows[inverse].reshape(idx.shape + self.shape[1:])
-
-    def __setitem__(self, idx: Any, value: np.ndarray) -> None:
-        if isinstance(idx, slice):
-            self._array[idx] = value
-        else:
-            idx = np.asarray(idx, dtype=np.int64)
-            self._array.oindex[idx] = value
-
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        return np.asarray(self._array[...], dtype=dtype)
-
-
 # -- metadata ------------------------------------------------------------------------
 def read_json_in(root: Path, rel: str) -> Any:
     """Parse JSON file ``root/rel`` of a store, opened without following links."""

@@ -247,14 +247,14 @@ class Buffer(Store):
         rows, weights, mask, written = draw(np.arange(size))
         data = gather(self, rows, names)
         if self.mode == "r":
-            cursors = written[self.layout.lane(rows.reshape(size, -1)[:, 0])]
+            cursors = written[self.layout.lane(_first_rows(rows, size))]
             for _ in range(_MAX_REREADS):
                 bad = np.flatnonzero(overwritten(self.layout, rows, cursors, self.reservation()))
                 if bad.size == 0:
                     break
                 r, w, m, wr = draw(bad)
                 fresh = gather(self, r, names)
-                rows[bad], weights[bad], cursors[bad] = r, w, wr[self.layout.lane(r.reshape(bad.size, -1)[:, 0])]
+                rows[bad], weights[bad], cursors[bad] = r, w, wr[self.layout.lane(_first_rows(r, bad.size))]
                 if mask is not None and m is not None:
                     mask[bad] = m
                 for name, value in data.items():
@@ -285,6 +285,12 @@ class Buffer(Store):
         self._sampled[id(indices)] = (weakref.ref(indices), written)
 
 
+def _first_rows(rows: np.ndarray, items: int) -> np.ndarray:
+    """The first row of each of ``items`` items (``rows`` is ``[B]`` or ``[B, L]``)."""
+    first: np.ndarray = rows.reshape(items, -1)[:, 0]
+    return first
+
+
 def overwritten(layout: Layout, rows: np.ndarray, cursors: np.ndarray, reserved: np.ndarray) -> np.ndarray:
     """Which items (first axis of ``rows``) the writer may have begun rewriting.
 
@@ -298,7 +304,7 @@ def overwritten(layout: Layout, rows: np.ndarray, cursors: np.ndarray, reserved:
     >>> overwritten(Layout(8), np.array([[2, 3], [6, 7]]), np.array([8, 8]), np.array([11]))
     array([ True, False])
     """
-    first = rows.reshape(len(cursors), -1)[:, 0]
+    first = _first_rows(rows, len(cursors))
     bad: np.ndarray = layout.absolute_at(first, cursors) < reserved[layout.lane(first)] - layout.lane_size
     return bad
 

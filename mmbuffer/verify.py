@@ -27,7 +27,7 @@ import numpy as np
 from . import _format as fmt
 from . import index, tree
 from .index import Lane
-from .store import Store
+from .store import Store, View
 
 _CHUNK_ROWS = 1 << 22
 REPAIR_HINT = "repair needs the writer: stop it, then run `mmbuffer verify PATH --repair` (or open the store with mode='a')"
@@ -42,11 +42,10 @@ def _live_done(store: Store, lane: int, st: Lane) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, dtype=bool)
 
 
-def _readable_lanes(store: Store) -> tuple[list[Lane], list[np.ndarray]]:
-    """The lanes of the store's view and their end flags. In a reader, the episodes
+def _readable_lanes(store: Store, view: View) -> tuple[list[Lane], list[np.ndarray]]:
+    """The lanes of the store's ``view`` and their end flags. In a reader, the episodes
     that the writer's reservation reached while the flags were read are left out:
     what is compared was intact for the whole read."""
-    view = store.view()
     lanes = [Lane(int(view.written[l]), lv.ep_head, lv.ep_tail, lv.first_start) for l, lv in enumerate(view.lanes)]
     done = [_live_done(store, lane, st) for lane, st in enumerate(lanes)]
     if store.mode == "r":
@@ -68,9 +67,9 @@ def verify(store: Store, repair: bool = False) -> dict[str, Any]:
     """Recompute derived state; return ``{"ok", "problems", "notes", "repaired", "tree_drift"}``."""
     problems: list[str] = []
     notes: list[str] = []
-    lanes, done = _readable_lanes(store)
-    ends, fresh = index.rebuild(done, lanes, store.lane_size)
     snapshot = store.view()
+    lanes, done = _readable_lanes(store, snapshot)
+    ends, fresh = index.rebuild(done, lanes, store.lane_size)
     for lane, (old, new) in enumerate(zip(lanes, fresh)):
         if (old.ep_tail, old.written) != (new.ep_tail, new.written):
             problems.append(
