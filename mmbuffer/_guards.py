@@ -72,7 +72,9 @@ def acquire_lock(path: Path) -> int:
 
 
 
-def raise_typed(exc: OSError, what: str, path: Path) -> None:
+def raise_typed(
+    exc: OSError, what: str, path: Path, *, read_only_hint: str = "a store there can only be read: open it with mode='r'"
+) -> None:
     """Raise ``exc`` as a ``DiskFullError`` or ``ReadOnlyError`` when it is one; else return
     (the caller re-raises it as it is)."""
     # a read-only mount can also reach us as another error (_safe_io's refusals name no errno)
@@ -89,8 +91,7 @@ def raise_typed(exc: OSError, what: str, path: Path) -> None:
     if read_only:
         raise errors.ReadOnlyError(
             exc.errno or errno.EROFS,
-            f"{what}: store {path}: expected a writable filesystem, got {where}; "
-            "a store there can only be read: open it with mode='r'",
+            f"{what}: store {path}: expected a writable filesystem, got {where}; {read_only_hint}",
         ) from exc
 
 

@@ -28,8 +28,6 @@ for stores that are not written during the epoch (offline training).
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, fields, replace
@@ -40,6 +38,7 @@ import numpy as np
 from . import _format as fmt
 from . import _safe_io, errors, sampling
 from ._checks import check_int
+from ._guards import raise_typed
 from .buffer import Buffer
 from .gather import Batch, resolve_keys
 
@@ -219,23 +218,8 @@ class EpochSampler:
         except OSError as exc:
             for f in fields(_State):
                 setattr(self._state, f.name, getattr(self._saved, f.name))
-            with contextlib.suppress(OSError):
-                self._file.with_name(self._file.name + ".partial").unlink(missing_ok=True)
-            where = f"{exc.strerror} ({exc.filename})" if exc.filename else str(exc.strerror or exc)
-            try:  # a read-only mount may reach us as another error (a refused unlink)
-                read_only = bool(os.statvfs(self._file.parent.parent).f_flag & os.ST_RDONLY)
-            except OSError:
-                read_only = False
-            if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM) or read_only:
-                raise errors.ReadOnlyError(
-                    exc.errno or errno.EROFS,
-                    f"EpochSampler: expected to save its state to {self._file}, got {where}: the store "
-                    f"{self.buf.path} is read-only here, so a sampler's state cannot be saved in it",
-                ) from exc
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise errors.DiskFullError(
-                    exc.errno, f"EpochSampler: expected free space to save its state to {self._file}, got {where}"
-                ) from exc
+            raise_typed(exc, f"EpochSampler: saving its state to {self._file}", Path(self.buf.path),
+                        read_only_hint="a sampler's state cannot be saved in a store there")
             raise
         self._saved = replace(self._state)
 
