@@ -381,3 +381,19 @@ def test_a_failed_lock_owner_write_releases_the_lock(tmp_path, monkeypatch):
         mb.open(tmp_path / "s")
     monkeypatch.setattr(guards.os, "pwrite", real)
     mb.open(tmp_path / "s").close()
+
+
+def test_the_reservation_runs_at_most_16_mib_of_rows_ahead(tmp_path):
+    """README: a lane/16 ahead of the cursor, but no more than 16 MiB of rows, so a big
+    sparse store does not become dense at its first extend."""
+    capacity = 1 << 26  # a lane/16 would be 4M rows, 56 MiB at 14 bytes a row
+    buf = mb.create(tmp_path / "s", {"x": ((), "float32")}, capacity=capacity, next_keys=())
+    buf.extend({"x": np.zeros(1, np.float32)})
+    ahead = int(buf.reservation()[0]) - 1
+    row_bytes = 4 + 1 + 1 + 8  # x, the two flags, an episode-end slot
+    assert 0 < ahead <= (1 << 24) // row_bytes < capacity // 16
+    used = os.stat(tmp_path / "s" / "columns" / "x" / "c" / "0").st_blocks * 512
+    assert used <= 2 * ahead * 4 + (1 << 20)  # allocated for the window, not for the lane/16
+    small = mb.create(tmp_path / "t", {"x": ((), "float32")}, capacity=1 << 12, next_keys=())
+    small.extend({"x": np.zeros(1, np.float32)})
+    assert int(small.reservation()[0]) - 1 == (1 << 12) // 16  # a small lane: the lane/16 rule
