@@ -301,6 +301,9 @@ class Store:
         DiskFullError
             No disk space for the rows (see ``_reserve_space``); the store is as
             before the call, and the call may be repeated once space is freed.
+
+        A block that would leave more than a lane of a stream's rows uncommitted
+        commits the rows extended before it first.
         """
         self._check_writable("extend")
         lane = check_stream(stream, self.num_streams)
@@ -313,14 +316,17 @@ class Store:
         index.check_fits(st, self._ends, lane, self.lane_size, done)
 
         new_written = st.written + rows
-        # capped: past that every committed row may be rewritten (_counters.check_reserved)
-        limit = self._committed[lane].written + 2 * self.lane_size
-        if new_written > int(self._reserved[lane]):
-            reserved = new_written + self._room_rows()
+        reserved = new_written + self._room_rows() if new_written > int(self._reserved[lane]) else None
+        if reserved is not None:
             self._reserve_space(lane, st, reserved)  # a full disk refuses here, before any change
-            if int(self._reserved[lane]) < limit:
-                self._reserved[lane] = min(reserved, limit)
-                fmt.flush_rows(self._reserved, lane, lane + 1)  # on disk before any row it covers
+        if new_written > self._committed[lane].written + self.lane_size:
+            # a lane's uncommitted rows never exceed a lane, so the reservation stays
+            # within written + 2 * lane_size of the last commit, the bound an open
+            # checks (_counters.check_reserved), whenever the writer dies
+            self.commit()
+        if reserved is not None:
+            self._reserved[lane] = reserved
+            fmt.flush_rows(self._reserved, lane, lane + 1)  # on disk before any row it covers
         if self._tree is not None:
             self._mark_tree_dirty()  # before anything it marks is written
 
@@ -370,14 +376,6 @@ class Store:
             for a, b in index.slot_ranges(lane, self.lane_size, self._committed[lane].ep_tail, self._lanes[lane].ep_tail):
                 fmt.flush_rows(self._ends, a, b)
         self._flush_tree()
-        # a writer that ran more than the capped reservation past its last commit
-        # left the reservation below its cursor: raise it before the manifest says
-        # so (readers require reserved >= written)
-        behind = [l for l, st in enumerate(self._lanes) if int(self._reserved[l]) < st.written]
-        for lane in behind:
-            self._reserved[lane] = self._lanes[lane].written
-        if behind:
-            fmt.flush_rows(self._reserved, 0, len(self._reserved))
         self._write_manifest(self.generation + 1)  # the generation advances once it is written
         self.generation += 1
         self._committed = list(self._lanes)

@@ -219,7 +219,8 @@ _extend(buf, 500, 2, 1)                                 # lane 0 at row 502: its
 ring = mb.open(fs / "ring")                             # a lane that has wrapped ...
 _extend(ring, 600, 1, 7)
 filler = _fill(fs)
-attempt("wrapped", lambda: [_extend(ring, s, 10, 7) for s in range(601, 2601, 10)])  # ... needs no new space
+attempt("wrapped", lambda: [_extend(ring, s, 10, 7) for s in range(601, 1111, 10)])  # ... needs no new space
+attempt("wrapped_past_a_lane", lambda: _extend(ring, 1111, 10, 7))  # a lane uncommitted: extend commits first
 for start in range(502, 700, 9):                        # inside the window: rows through the maps, one
     _extend(buf, start, 9, 1)                           # episode each (index slots past the first page),
 before = digest()                                       # final observations, priorities
@@ -235,6 +236,7 @@ attempt("small_again", lambda: _extend(buf, 700, 300, 7))
 attempt("large_again", lambda: _extend(buf, 1000, 1100, 7))
 attempt("other_lane_again", lambda: _extend(buf, 0, 1, 7, stream=1))
 attempt("commit_again", buf.commit)
+attempt("wrapped_again", lambda: [_extend(ring, s, 10, 7) for s in range(1111, 2601, 10)])
 out["generation"] = buf.generation - g0
 buf.close()
 ring.close()
@@ -253,7 +255,10 @@ def test_full_disk_extends_are_typed_errors_never_sigbus(small_fs):
         _extend(ring, 0, 300, 7)
         _extend(ring, 300, 300, 7)
     out = _result(_run(FULL_DISK_WRITER, small_fs, path, Path(__file__).parent))
-    assert out["wrapped"] == "ok", out["wrapped"]
+    assert out["wrapped"] == "ok", out["wrapped"]  # a lane of rows into the allocated ring
+    kind, message = out["wrapped_past_a_lane"]  # then extend commits first, and the manifest needs room
+    assert kind == "DiskFullError" and "commit" in message and str(small_fs / "ring") in message
+    assert out["wrapped_again"] == "ok", out["wrapped_again"]
     for name in ("small_past_window", "large", "other_lane", "commit"):
         kind, message = out[name]
         assert kind == "DiskFullError", out[name]
@@ -276,7 +281,7 @@ def test_full_disk_extends_are_typed_errors_never_sigbus(small_fs):
     assert lengths.tolist() == [1] * 700 + [7] * 200
     assert (ro.get(rows[:700], keys=["next_obs"])["next_obs"].numpy() == -1).all()  # the final observations
     assert (ro.leaf_priorities(rows) > 0).all() and ro.get([4096])["action"].tolist() == [0]
-    ring = mb.open(small_fs / "ring", mode="r")  # went round the ring four more times on a full disk
+    ring = mb.open(small_fs / "ring", mode="r")  # round the ring four more times, then space again
     np.testing.assert_array_equal(ring.get(np.arange(512))["action"].numpy() % 512, np.arange(512))
     assert ring.get([0])["action"].tolist() == [2560]
 

@@ -356,3 +356,33 @@ def test_recovery_gives_up_at_most_the_dead_writers_rows_and_the_reservation_win
     assert np.array_equal(s2, starts[keep]) and np.array_equal(n2, lengths[keep])
     assert np.array_equal(after.get(s2)["obs"].numpy(), data[keep])
     after.close()
+
+
+def _write_laps_and_die(path: str) -> None:
+    buf = mb.open(path)
+    writer = Writer(buf, seed=6)
+    for _ in range(40):  # five laps of a 128-row lane, never a commit of its own
+        writer.extend(0, 16)
+    os._exit(0)
+
+
+def test_a_writer_never_leaves_more_than_a_lane_uncommitted(tmp_path):
+    """extend commits before a lane's uncommitted rows exceed a lane, so a writer killed
+    at any instant leaves a reservation within written + 2 * lane_size of the last
+    commit (the bound an open checks), and the next writer opens the store."""
+    buf = make_store(tmp_path / "s", lane_size=128, streams=1, priorities=False)
+    writer = Writer(buf, seed=7)
+    generation = buf.generation
+    for _ in range(40):
+        writer.extend(0, 16)
+        committed = int(mb.open(tmp_path / "s", mode="r").view().written[0])
+        assert writer.written[0] - committed <= 128
+        assert committed <= int(buf.reservation()[0]) <= committed + 2 * 128
+    assert buf.generation > generation
+    buf.close()
+    proc = mp.get_context("spawn").Process(target=_write_laps_and_die, args=(str(tmp_path / "s"),))
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == 0
+    with mb.open(tmp_path / "s") as again:  # the open's bound holds after the kill
+        assert verify(again)["ok"]
