@@ -70,9 +70,9 @@ def check_reserved(reserved: int, lane: int, lane_size: int, st: Lane, where: st
     """Refuse a reservation a writer cannot have left.
 
     A writer reserves rows before it writes them, so ``reserved >= written`` of
-    any commit; it reserves at most a lane past its last commit (``extend`` caps
-    it there: more would mean the same, every committed row may be rewritten),
-    plus at most a lane of look-ahead. The upper bound holds only for the
+    any commit; its cursor is at most a lane past its last commit (``extend``
+    commits before a lane's uncommitted rows exceed a lane), plus at most a lane
+    of look-ahead. The upper bound holds only for the
     writer's own commit, so only the writer (which holds the lock) checks it.
     """
     high = st.written + 2 * lane_size if writer else 1 << 62

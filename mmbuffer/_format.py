@@ -60,9 +60,10 @@ Version history
     one gathered row per level per draw. No other change.
     Since then, without a version change (a store of either time reads the same):
     ``index/reserved`` is kept at a dead writer's value by recovery (readers of an
-    older commit must keep away from the rows it may have rewritten) and capped at
-    ``written + 2 * lane_size`` of the last commit; ``zarr.json`` files are checked
-    as above on open.
+    older commit must keep away from the rows it may have rewritten) and stays
+    within ``written + 2 * lane_size`` of the last commit (``extend`` commits before
+    a lane's uncommitted rows exceed a lane); ``zarr.json`` files are checked as
+    above on open.
 """
 
 from __future__ import annotations
