@@ -249,11 +249,16 @@ class Store:
             lengths.append(n)
         return np.concatenate(starts), np.concatenate(lengths)
 
+    def column(self, name: str) -> ColumnArray:
+        """The backend array of a stored column or of ``final/<name>`` (``"final/obs"``):
+        what gather kernels read (``column(name).mapped()`` when the bytes are mapped)."""
+        if name.startswith("final/"):
+            return self._final[name[6:]]
+        return self._data[name]
+
     def read(self, name: str, rows: np.ndarray) -> np.ndarray:
         """Rows of a stored column or of ``final/<name>`` (``name = "final/obs"``)."""
-        if name.startswith("final/"):
-            return self._final[name[6:]].read(rows)
-        return self._data[name].read(rows)
+        return self.column(name).read(rows)
 
     def read_range(self, name: str, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
         """Rows ``[start, stop)`` of a stored column (global row numbers, one lane's ring
