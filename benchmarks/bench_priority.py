@@ -115,11 +115,11 @@ for _ in range(reps):
 # lower the row holding the max: the next default must follow the new live max
 t_max = []
 for _ in range(20):
-    top = int(tree.find_prefix(buf._tree, np.array([0.0]))[0])  # any live row
+    top = int(tree.find_prefix(buf.view().tree, np.array([0.0]))[0])  # any live row
     buf.update_priorities(torch.tensor([top]), torch.tensor([1e6]))
     t0 = time.perf_counter()
     buf.update_priorities(torch.tensor([top]), torch.tensor([0.5]))
-    default = buf._default_priority()
+    default = min(tree.max_live(buf.view().tree), buf.priorities.max_priority ** buf.priorities.alpha)  # a new row's
     t_max.append(time.perf_counter() - t0)
 buf.close()
 with open("/proc/self/status") as f:

@@ -68,15 +68,8 @@ Version history
 
 from __future__ import annotations
 
-import ctypes
-import errno
-import functools
-import json
-import mmap
 import os
 import re
-import socket
-import sys
 from pathlib import Path
 from typing import Any, Final
 
@@ -85,17 +78,15 @@ import numpy as np
 import zarr
 from zarr.codecs import BloscCodec, ZstdCodec
 
-from . import _safe_io, errors
+from . import _files, errors
 from .config import config
 
 FORMAT_NAME: Final = "mmbuffer"
 FORMAT_VERSION: Final = 2
-_MADV_POPULATE_READ: Final = 22  # Linux >= 5.14; Python 3.11's mmap module lacks it
 MANIFEST: Final = "manifest.json"
 LOCK: Final = "LOCK"
 RESERVED_NAMES: Final = frozenset({"terminated", "truncated"})
 COMPRESSIONS: Final = (None, "zstd", "lz4")
-PWRITE_MIN_BYTES: Final = 1 << 16
 
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*(/[A-Za-z0-9_][A-Za-z0-9_.\-]*)*$")
 
@@ -189,7 +180,7 @@ def create_raw(
         f.write(blob)
         f.flush()
         if allocate:
-            reserve_rows(f.fileno(), row_bytes, 0, shard_rows)
+            _files.reserve_rows(f.fileno(), row_bytes, 0, shard_rows)
 
 
 _BYTES_LE: Final = {"name": "bytes", "configuration": {"endian": "little"}}
@@ -331,156 +322,6 @@ def check_array_meta(where: Path, meta: object, expect: Expect | None, *, raw: b
     return tuple(shape), dtype, shard_rows
 
 
-def open_raw_fd(root: Path, name: str, *, writable: bool, expect: Expect | None = None) -> tuple[np.ndarray, int]:
-    """Memory-map the raw array ``root/name`` as ``[rows, *row_shape]``; also return
-    the descriptor of its shard file (the caller closes it).
-
-    ``zarr.json`` is checked against ``expect`` (:func:`check_array_meta`); every
-    file is opened without following links and the map is made from that
-    descriptor, never by path again.
-    """
-    meta = read_json_in(root, f"{name}/zarr.json")
-    shape, dtype, shard_rows = check_array_meta(root / name / "zarr.json", meta, expect, raw=True)
-    dtype = dtype.newbyteorder("<")
-    rel = "/".join([name, "c", *(["0"] * len(shape))])
-    fd = _safe_io.open_file(root, rel, os.O_RDWR if writable else os.O_RDONLY)
-    try:
-        need = shard_rows * dtype.itemsize
-        for s in shape[1:]:
-            need *= s
-        size = os.fstat(fd).st_size
-        if size < need:
-            raise errors.CorruptStoreError(
-                f"{root / rel}: file seems not fully written: expected at least {need} bytes, got {size}"
-            )
-        nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
-        handle = mmap.mmap(fd, nbytes, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
-    except BaseException:
-        os.close(fd)
-        raise
-    if config.madvise_random and hasattr(mmap, "MADV_RANDOM"):
-        handle.madvise(mmap.MADV_RANDOM)  # read-ahead wrecks cold random gathers
-    # a plain ndarray over our own map (np.memmap's subclass hooks cost microseconds per access)
-    return np.ndarray(shape, dtype=dtype, buffer=handle), fd
-
-
-def open_raw(root: Path, name: str, *, writable: bool, expect: Expect | None = None) -> np.ndarray:
-    """Memory-map the raw array ``root/name`` as ``[rows, *row_shape]`` (see :func:`open_raw_fd`)."""
-    arr, fd = open_raw_fd(root, name, writable=writable, expect=expect)
-    os.close(fd)
-    return arr
-
-
-def raw_file(root: Path, name: str) -> Path:
-    """The shard file holding raw array ``root/name``'s rows from byte 0."""
-    meta = read_json_in(root, f"{name}/zarr.json")
-    shape, _, _ = check_array_meta(root / name / "zarr.json", meta, None, raw=True)
-    return _shard_file(root / name, len(shape))
-
-
-def write_rows(fd: int, mm: np.ndarray, start: int, rows: np.ndarray) -> None:
-    """Write ``rows`` at row ``start`` of the raw array mapped as ``mm``, with pwrite.
-
-    The page cache is shared with every memory map of the file, so readers see the
-    rows at once; a write() fills fresh pages 2-4x faster than stores through a
-    map advised MADV_RANDOM (measured on this project's dev machine). Blocks under
-    ``PWRITE_MIN_BYTES`` go through the map: there the syscall costs more.
-    """
-    if rows.nbytes < PWRITE_MIN_BYTES:  # a few rows: a store through the map is cheaper
-        mm[start : start + len(rows)] = rows
-        return
-    data = np.ascontiguousarray(rows, dtype=mm.dtype).data.cast("B")
-    offset = start * mm.strides[0]
-    while len(data):
-        done = os.pwrite(fd, data, offset)
-        data, offset = data[done:], offset + done
-
-
-def read_rows(fd: int, mm: np.ndarray, start: int, out: np.ndarray) -> None:
-    """Fill ``out`` (C-contiguous) with the rows from row ``start`` of the raw array
-    mapped as ``mm``, with pread: the mirror of :func:`write_rows`."""
-    if out.dtype != mm.dtype or out.shape[1:] != mm.shape[1:] or not out.flags.c_contiguous:
-        raise ValueError(f"read_rows: out must be C-contiguous {mm.dtype} rows of shape {mm.shape[1:]}")
-    data = out.reshape(-1).view(np.uint8).data
-    offset = start * mm.strides[0]
-    while len(data):
-        done = os.preadv(fd, [data], offset)
-        if done == 0:
-            raise errors.CorruptStoreError(f"read_rows: file ends before byte {offset}")
-        data, offset = data[done:], offset + done
-
-
-def drop_cache(fd: int, mm: np.ndarray, start: int, stop: int) -> None:
-    """Start writing rows ``[start, stop)`` back and drop their clean pages from the
-    page cache (``posix_fadvise(DONTNEED)``): dirty pages are written, never lost."""
-    if stop > start and hasattr(os, "posix_fadvise"):
-        row_bytes = mm.strides[0]
-        os.posix_fadvise(fd, start * row_bytes, (stop - start) * row_bytes, os.POSIX_FADV_DONTNEED)
-
-
-def flush_rows(mm: np.ndarray, start: int, stop: int) -> None:
-    """msync the rows ``[start, stop)`` of a memory-mapped array (no-op otherwise)."""
-    handle = _mmap_of(mm)
-    if handle is None or stop <= start:
-        return
-    row_bytes = mm.strides[0] if mm.ndim else mm.itemsize
-    lo = (start * row_bytes) // mmap.PAGESIZE * mmap.PAGESIZE
-    hi = min(stop * row_bytes, len(handle))
-    handle.flush(lo, hi - lo)
-
-
-def _mmap_of(arr: np.ndarray) -> mmap.mmap | None:
-    base: object = arr
-    while base is not None:
-        if isinstance(base, mmap.mmap):
-            return base
-        base = getattr(base, "base", None)
-    return None
-
-
-def release(arr: np.ndarray) -> None:
-    """Unmap this process's pages of a memory-mapped array (MADV_DONTNEED).
-
-    The data stays in the page cache and in the file (a shared mapping's dirty
-    pages stay dirty); the next access maps the page again.
-    """
-    handle = _mmap_of(arr)
-    if handle is not None and hasattr(mmap, "MADV_DONTNEED"):
-        handle.madvise(mmap.MADV_DONTNEED)
-
-
-def populate(arr: np.ndarray, *, random: bool = True) -> None:
-    """Read a memory-mapped array's pages in at sequential disk speed and map them.
-
-    ``madvise(MADV_SEQUENTIAL)``, then ``MADV_POPULATE_READ`` (Linux 5.14+;
-    elsewhere, or if refused, one byte per page is read in order) maps every
-    page into this process, so later random reads take no page fault and the
-    kernel sees the pages in use; then back to ``MADV_RANDOM`` (``random=True``,
-    as :func:`open_raw` advises) or ``MADV_NORMAL``. Under ``MADV_RANDOM`` the
-    same populate reads a 4 KiB page per disk read: 42 s instead of 1.2-2.3 s
-    for a 2.5 GB priority tree (RESULTS.md). Calls ``madvise`` through ctypes,
-    which releases the GIL: it can run in a background thread. An array in RAM
-    is left as it is.
-    """
-    if arr.nbytes == 0 or not is_mapped(arr):
-        return
-    page = mmap.PAGESIZE
-    start = arr.ctypes.data // page * page
-    addr = ctypes.c_void_p(start)
-    size = ctypes.c_size_t(arr.ctypes.data + arr.nbytes - start)
-    madvise = ctypes.CDLL(None, use_errno=True).madvise if hasattr(mmap, "MADV_SEQUENTIAL") else None
-    if madvise is not None:
-        madvise(addr, size, mmap.MADV_SEQUENTIAL)
-    if madvise is None or not sys.platform.startswith("linux") or madvise(addr, size, _MADV_POPULATE_READ):
-        int(arr.reshape(-1).view(np.uint8)[::page].max())  # one read per page, in order
-    if madvise is not None:
-        madvise(addr, size, mmap.MADV_RANDOM if random else mmap.MADV_NORMAL)
-
-
-def is_mapped(arr: object) -> bool:
-    return isinstance(arr, np.ndarray) and _mmap_of(arr) is not None
-
-
 # -- compressed arrays -----------------------------------------------------------------
 def create_compressed(
     root: Path, name: str, rows: int, row_shape: tuple[int, ...], dtype: np.dtype, compression: str
@@ -500,73 +341,7 @@ def create_compressed(
     )
 
 
-# -- metadata ------------------------------------------------------------------------
-def read_json_in(root: Path, rel: str) -> Any:
-    """Parse JSON file ``root/rel`` of a store, opened without following links."""
-    where = root / rel
-    data = _safe_io.read_bytes(root, rel)
-    try:
-        return json.loads(data)
-    except (ValueError, RecursionError) as exc:  # bad JSON, bad UTF-8, absurd nesting
-        raise errors.CorruptStoreError(f"{where}: not valid JSON ({exc})") from None
-
-
-def read_json(path: Path) -> Any:
-    """Parse JSON file ``path`` (its last component must not be a link)."""
-    return read_json_in(path.parent, path.name)
-
-
-def atomic_write_json(path: Path, obj: Any, *, durable: bool = True) -> None:
-    """Write JSON to ``path.partial``, fsync, rename over ``path``, fsync the directory.
-
-    The ``.partial`` file is created afresh (``O_EXCL | O_NOFOLLOW``, after
-    unlinking whatever was there), so a link planted under that name is replaced,
-    never written through; it is removed again if the write fails (disk full),
-    and an ``OSError`` that names no file is raised again naming ``path``.
-    """
-    data = json.dumps(obj, indent=1, sort_keys=True).encode()
-    tmp = path.name + ".partial"
-    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        try:
-            os.unlink(tmp, dir_fd=dfd)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            raise errors.CorruptStoreError(f"{path.parent / tmp}: expected a file or nothing, cannot remove it ({exc.strerror})") from None
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd)
-        try:
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-                if durable:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.rename(tmp, path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
-        except BaseException as exc:
-            try:
-                os.unlink(tmp, dir_fd=dfd)
-            except OSError:
-                pass
-            if type(exc) is OSError and exc.filename is None:  # os.write names no file
-                raise OSError(exc.errno, exc.strerror, str(path)) from exc
-            raise
-        if durable:
-            os.fsync(dfd)
-    finally:
-        os.close(dfd)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
+# -- the manifest ----------------------------------------------------------------------
 def read_manifest(path: Path) -> dict[str, Any]:
     """The manifest of store ``path`` as a JSON object, format and version checked
     (the rest: ``_manifest.parse``)."""
@@ -575,7 +350,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
         raise errors.StoreNotFoundError(f"{path}: no such store directory")
     if not os.path.lexists(file):
         raise errors.StoreNotFoundError(f"{path}: not an mmbuffer store (no {MANIFEST})")
-    manifest = read_json_in(path, MANIFEST)
+    manifest = _files.read_json_in(path, MANIFEST)
     if not isinstance(manifest, dict):
         raise errors.CorruptStoreError(f"{file}: expected a JSON object, got {type(manifest).__name__}")
     if manifest.get("format") != FORMAT_NAME:
@@ -590,83 +365,3 @@ def read_manifest(path: Path) -> dict[str, Any]:
         )
     return manifest
 
-
-def lock_owner() -> str:
-    return f"pid {os.getpid()} on {socket.gethostname()}"
-
-
-# -- disk space and atomic placement ---------------------------------------------------
-_AT_FDCWD: Final = -100
-_RENAME_NOREPLACE: Final = 1
-
-
-def reserve_rows(fd: int, row_bytes: int, start: int, stop: int) -> None:
-    """Allocate the disk blocks under rows ``[start, stop)`` of the raw array file ``fd``.
-
-    A store through a memory map into a hole of a sparse file needs a block at
-    page-fault time; on a full disk the kernel can only answer with SIGBUS.
-    ``posix_fallocate`` reserves the blocks first, and a full disk is then an
-    ``OSError(ENOSPC)`` here. Whole pages are reserved (a store dirties its whole
-    page), never past the end of the file (the shard index lies there). Data is
-    unchanged. Filesystems without fallocate support are left to allocate on write.
-    """
-    page = mmap.PAGESIZE
-    lo = start * row_bytes // page * page
-    hi = min(-(-stop * row_bytes // page) * page, os.fstat(fd).st_size)
-    if hi <= lo or not hasattr(os, "posix_fallocate"):
-        return
-    try:
-        os.posix_fallocate(fd, lo, hi - lo)
-    except OSError as exc:
-        if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-            raise
-
-
-def reserve_raw(root: Path, name: str, start: int, stop: int) -> None:
-    """:func:`reserve_rows` for rows ``[start, stop)`` of the raw array ``root/name``."""
-    meta = read_json_in(root, f"{name}/zarr.json")
-    shape, dtype, _ = check_array_meta(root / name / "zarr.json", meta, None, raw=True)
-    row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
-    rel = "/".join([name, "c", *(["0"] * len(shape))])
-    fd = _safe_io.open_file(root, rel, os.O_RDWR)
-    try:
-        reserve_rows(fd, row_bytes, start, stop)
-    except OSError as exc:  # name the file: posix_fallocate's error does not
-        raise OSError(exc.errno, exc.strerror, str(root / rel)) from None
-    finally:
-        os.close(fd)
-
-
-@functools.cache
-def _renameat2() -> Any:
-    try:
-        return ctypes.CDLL(None, use_errno=True).renameat2
-    except AttributeError:  # libc without renameat2 (glibc < 2.28, not Linux)
-        return None
-
-
-def rename_noreplace(src: Path, dst: Path) -> None:
-    """Rename ``src`` to ``dst``, or raise ``FileExistsError`` if ``dst`` exists.
-
-    ``os.rename`` of a directory onto an existing *empty* directory succeeds on
-    Linux, so two processes renaming into one path would both "win". Linux's
-    ``renameat2(RENAME_NOREPLACE)`` refuses any existing ``dst`` atomically.
-    Where it is missing (or the filesystem refuses the flag) ``dst`` is checked
-    first, which leaves a window only against a directory that is empty: a
-    rename onto a non-empty one fails by itself.
-    """
-    func = _renameat2()
-    if func is not None:
-        if func(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
-            return
-        err = ctypes.get_errno()
-        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-            raise OSError(err, os.strerror(err), str(src), None, str(dst))
-    if os.path.lexists(dst):
-        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(src), None, str(dst))
-    try:
-        os.rename(src, dst)
-    except OSError as exc:
-        if exc.errno == errno.ENOTEMPTY:  # a non-empty directory appeared at dst meanwhile
-            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(src), None, str(dst)) from None
-        raise

@@ -11,8 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from . import _files, _safe_io, errors
 from . import _format as fmt
-from . import _safe_io, errors
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
@@ -62,7 +62,7 @@ def acquire_lock(path: Path) -> int:
         ) from None
     try:  # the owner's name is informative only, but a failure must not keep the lock
         os.ftruncate(fd, 0)
-        os.pwrite(fd, fmt.lock_owner().encode(), 0)
+        os.pwrite(fd, _files.lock_owner().encode(), 0)
     except BaseException:
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)

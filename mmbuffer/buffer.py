@@ -1,8 +1,10 @@
 """``Buffer``: the user-facing store (API.md): write, inspect, sample, reprioritize.
 
-``Buffer`` is a ``Store`` (files, cursors, commit protocol) plus the read side:
-it asks a sampler spec (``mmbuffer.samplers``) for indices, gathers them
-(``gather.py``) and, in a reader, re-checks them against the writer (``read_batch``).
+``Buffer`` composes a ``Store`` (columns, manifest, index, tree: ``store.py``), the
+single writer's ``Writer`` (cursors, reservation, commits: ``writer.py``) and the
+read side: it asks a sampler spec (``mmbuffer.samplers``) for indices, gathers
+them (``gather.py``) and, in a reader, re-checks them against the writer
+(``recheck.py``).
 
 >>> import tempfile, numpy as np, mmbuffer as mb
 >>> path = tempfile.mkdtemp() + "/replay"
@@ -27,42 +29,69 @@ it asks a sampler spec (``mmbuffer.samplers``) for indices, gathers them
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from pathlib import Path
+from typing import Any, Self
 
 import numpy as np
 import torch
 
 from . import errors, samplers
 from ._checks import check_int
+from ._manifest import load_manifest
+from .columns import ColumnArray
+from .create import create_store
 from .gather import Batch, gather, resolve_keys
+from .index import Lane
 from .layout import Layout
+from .recheck import read_checked
 from .samplers import Draw, Sampler
-from .store import PriorityConfig, Store, create_store, locked
+from .store import Column, PriorityConfig, Store, View, locked
+from .writer import Writer, priority_shape, release_lock, take_lock
 
 _REMEMBERED_BATCHES = 256
-_MAX_REREADS = 64
 
 
-def _spec(sampler: object, slice_len: int | None, *, prioritized: bool = False, beta: float = 0.4) -> Sampler:
-    """``sampler``, or the spec the flags stand for; both at once is refused."""
-    if sampler is None:
-        return samplers.from_flags(slice_len, prioritized=prioritized, beta=beta)
-    if not isinstance(sampler, Sampler):
-        raise errors.InvalidArgumentError(f"sampler: expected an mb.samplers spec (Uniform(), Slices(16), ...), got {sampler!r}")
-    if prioritized or beta != 0.4:
-        raise errors.InvalidArgumentError(
-            f"sampler: expected either sampler= or prioritized=/beta=, got both (sampler={sampler!r}, prioritized={prioritized})"
-        )
-    return sampler
+class Buffer:
+    """An on-disk, memory-mapped trajectory store (use ``mb.create`` / ``mb.open``).
 
-
-class Buffer(Store):
-    """An on-disk, memory-mapped trajectory store (use ``mb.create`` / ``mb.open``)."""
+    A facade: the columns and the ledger are a :class:`~mmbuffer.store.Store`
+    (:attr:`store`), the single writer's cursors, reservation and commits a
+    :class:`~mmbuffer.writer.Writer` (``mode="a"`` only), the draws a sampler spec
+    (:mod:`mmbuffer.samplers`), the reads ``gather``. Every method that reads or
+    changes cursors, index, tree or rows holds :attr:`lock` (re-entrant), so a
+    prefetching thread may sample while the training thread extends, commits and
+    updates priorities.
+    """
 
     def __init__(self, path: str | os.PathLike[str], mode: str = "a") -> None:
-        super().__init__(path, mode)
+        if mode not in ("r", "a"):
+            raise errors.InvalidArgumentError(f"mode: expected 'r' or 'a', got {mode!r}")
+        manifest = load_manifest(Path(path))  # before the LOCK file: a missing store creates nothing
+        lock_fd = take_lock(Path(path)) if mode == "a" else None
+        self._writer: Writer | None = None
+        try:
+            self._store = Store(path, mode, manifest)
+            if lock_fd is not None:
+                self._writer, lock_fd = Writer(self._store, lock_fd), None  # it recovers the store
+        except BaseException:
+            if lock_fd is not None:
+                release_lock(lock_fd)
+            elif self._writer is None and hasattr(self, "_store"):
+                self._store.close()
+            raise
+        store = self._store
+        self.path, self.mode, self.layout = store.path, store.mode, store.layout
+        self.capacity, self.num_streams, self.lane_size = store.capacity, store.num_streams, store.lane_size
+        self.compression, self.priorities = store.compression, store.priorities
+        self.columns: dict[str, Column] = store.columns  # name -> mb.Column(shape, dtype)
+        self.next_keys = store.next_keys
+        #: the re-entrant lock every method that reads or changes cursors, index, tree or
+        #: rows holds: hold it to make several calls one step (a prefetch thread)
+        self.lock = self._lock = store.lock
+        self._sampler_cache: dict[Any, Any] = {}  # samplers' state derived from the index (slice counts)
         self._sampled: dict[int, tuple[weakref.ref[torch.Tensor], np.ndarray]] = {}
 
     def __repr__(self) -> str:
@@ -71,7 +100,89 @@ class Buffer(Store):
             f"episodes={self.num_episodes}, capacity={self.capacity}, streams={self.num_streams})"
         )
 
+    # -- the parts -------------------------------------------------------------------------
+    @property
+    def store(self) -> Store:
+        """The columns and the ledger (manifest, index, tree) this buffer reads."""
+        return self._store
+
+    def _writing(self, what: str) -> Writer:
+        if self._writer is None:
+            raise errors.ReadOnlyError(f"{what}: store {self.path} is opened with mode='r'; open it with mode='a' to write")
+        return self._writer
+
+    # -- what the store is (what changes is read from the store each time) ---------------
+    @property
+    def attrs(self) -> dict[str, Any]:
+        """JSON-able user metadata, saved at commit (a reader sees the last commit's)."""
+        return self._store.attrs
+
+    @attrs.setter
+    def attrs(self, value: dict[str, Any]) -> None:
+        self._store.attrs = value
+
+    @property
+    def generation(self) -> int:
+        """The last commit's counter."""
+        return self._store.generation
+
     # -- reading -----------------------------------------------------------------------
+    def __len__(self) -> int:
+        """Live rows: rows of live complete episodes plus the open episodes' rows."""
+        return len(self._store)
+
+    @property
+    def num_episodes(self) -> int:
+        """Live complete episodes over all lanes."""
+        return self._store.num_episodes
+
+    def view(self) -> View:
+        """The snapshot samplers draw from now (``mmbuffer.store.View``)."""
+        return self._store.view()
+
+    def episode_bounds(self, view: View | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Global start row and length of every live complete episode (lane order), numpy."""
+        return self._store.episode_bounds(view)
+
+    def reservation(self) -> np.ndarray:
+        """The writer's reservation per lane, read now from the shared map: rows of a
+        lane below ``reservation()[lane] - lane_size`` may be being rewritten."""
+        return self._store.reservation()
+
+    def column(self, name: str) -> ColumnArray:
+        """The backend array of a stored column or of ``final/<name>`` (``"final/obs"``):
+        what gather kernels read (``column(name).mapped()`` when the bytes are mapped)."""
+        return self._store.column(name)
+
+    def read(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """Rows of a stored column or of ``final/<name>`` (``name = "final/obs"``), numpy."""
+        return self._store.column(name).read(rows)
+
+    def read_range(self, name: str, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows ``[start, stop)`` of a stored column (see ``Store.read_range``)."""
+        return self._store.read_range(name, start, stop, out)
+
+    def leaf_priorities(self, rows: Any) -> np.ndarray:
+        """The stored priorities ``(p + eps) ** alpha`` of ``rows`` (see ``Store.leaf_priorities``)."""
+        return self._store.leaf_priorities(rows)
+
+    def refresh(self) -> bool:
+        """Reload the last commit (readers); return whether it changed."""
+        return self._store.refresh()
+
+    def warm(self) -> None:
+        """Read the priority tree into memory and map it (see ``Store.warm``)."""
+        self._store.warm()
+
+    def release_memory(self) -> None:
+        """Drop this process's mappings of the store's pages (see ``Store.release_memory``)."""
+        self._store.release_memory()
+
+    def drop_cache(self, start: int, stop: int) -> None:
+        """Write rows ``[start, stop)`` behind and drop them from the page cache (see
+        ``Store.drop_cache``)."""
+        self._store.drop_cache(start, stop)
+
     @locked
     def episodes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(starts, lengths)`` of live complete episodes as int64 tensors.
@@ -79,7 +190,7 @@ class Buffer(Store):
         An episode's rows are ``start + arange(length)``, wrapping inside its lane
         (``lane_size = capacity // num_streams``) when the ring wraps.
         """
-        starts, lengths = self.episode_bounds()
+        starts, lengths = self._store.episode_bounds()
         return torch.from_numpy(starts), torch.from_numpy(lengths)
 
     @locked
@@ -94,7 +205,108 @@ class Buffer(Store):
         idx = torch.as_tensor(index).numpy() if isinstance(index, torch.Tensor) else np.asarray(index)
         if idx.dtype.kind not in "iu":
             raise errors.InvalidArgumentError(f"index: expected integer row ids, got dtype {idx.dtype}")
-        return gather(self, idx, keys)
+        return gather(self._store, idx, keys)
+
+    # -- writing -----------------------------------------------------------------------
+    def extend(self, steps: Mapping[str, Any], stream: int = 0, final_obs: Mapping[str, Any] | None = None) -> None:
+        """Append ``T`` consecutive rows of one lane.
+
+        Parameters
+        ----------
+        steps:
+            Column name -> array ``[T, *shape]`` (numpy, torch or nested lists).
+            ``terminated`` / ``truncated`` may be omitted (then False).
+        stream:
+            The lane, ``0 <= stream < num_streams``.
+        final_obs:
+            Next-derived column -> ``[E, *shape]``: the observation after the last
+            step of each of the ``E`` episodes that end inside ``steps``, in order.
+
+        Raises
+        ------
+        ReadOnlyError, SchemaError, InvalidArgumentError, CapacityError
+            Before anything is written.
+        DiskFullError
+            No disk space for the rows (``Writer._reserve_space``); the store is as
+            before the call, and the call may be repeated once space is freed.
+
+        A block that would leave more than a lane of a stream's rows uncommitted
+        commits the rows extended before it first.
+        """
+        self._writing("extend").extend(steps, stream, final_obs)
+
+    def commit(self) -> int:
+        """Make every extended row durable and visible to readers; return the generation.
+
+        Raises
+        ------
+        DiskFullError
+            No space for the new manifest: the last commit stays in place, the
+            generation is unchanged, the extended rows stay extended, and
+            ``commit`` may be called again once space is freed.
+        """
+        return self._writing("commit").commit()
+
+    @locked
+    def update_priorities(self, indices: Any, priorities: Any) -> None:
+        """Set the priorities of sampled rows (before ``eps`` and ``alpha``).
+
+        ``indices`` is a batch's ``indices`` (or the ``Batch``); ``priorities``
+        has its shape, a leading part of it (one value per slice, say), or its
+        shape plus trailing dimensions of size 1 (``[B, 1]`` from a TD-error head
+        for ``[B]`` indices). Rows overwritten or evicted since the batch was
+        sampled are ignored; duplicates resolve to the last value. NaN, inf or
+        negative values raise ``InvalidPriorityError`` and change nothing.
+        """
+        written_at = None
+        if isinstance(indices, Batch):
+            written_at, indices = indices.written_at, indices.indices
+        elif isinstance(indices, torch.Tensor):
+            entry = self._sampled.get(id(indices))
+            if entry is not None and entry[0]() is indices:
+                written_at = entry[1]
+        idx = torch.as_tensor(indices).cpu().numpy()
+        pri = np.asarray(priorities if isinstance(priorities, np.ndarray) else torch.as_tensor(priorities).detach().cpu().numpy())
+        self._writing("update_priorities").update_priorities(idx, priority_shape(pri, idx.shape), written_at)
+
+    def set_leaf_priorities(self, rows: Any, values: Any) -> None:
+        """Set stored priorities directly, already ``(p + eps) ** alpha``: for instance
+        values read with :meth:`leaf_priorities` from a store with the same
+        ``PriorityConfig`` (``mmbuffer copy`` does this). Rows not live are
+        ignored; checks and errors as :meth:`update_priorities`.
+        """
+        self._writing("set_leaf_priorities").set_leaf_priorities(rows, values)
+
+    @locked
+    def rewrite_derived(self, ends: np.ndarray, lanes: list[Lane]) -> int:
+        """Replace the live episodes' index by ``ends``/``lanes`` recomputed from the
+        data, rebuild the priority tree from its leaves, and commit; return the
+        generation (``verify --repair``)."""
+        generation = self._writing("verify --repair").rewrite_derived(ends, lanes)
+        self._sampler_cache.clear()  # slice counts came from the old index
+        return generation
+
+    # -- closing -----------------------------------------------------------------------
+    @locked
+    def close(self) -> None:
+        """Commit (writer) and release the lock; the object is unusable afterwards.
+
+        If that commit fails (``DiskFullError``), the lock is released all the
+        same: the rows extended since the last commit are lost, and the next
+        writer recovers the store as after a crash. To keep them, free space and
+        call ``commit`` before ``close``.
+        """
+        try:
+            if self._writer is not None:
+                self._writer.close()
+        finally:
+            self._store.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- sampling ----------------------------------------------------------------------
     @locked
@@ -118,7 +330,7 @@ class Buffer(Store):
         ``p_i / sum p`` with importance weights ``(N P(i))^-beta`` normalized by
         their maximum over live rows.
         """
-        spec = _spec(sampler, None, prioritized=prioritized, beta=beta)
+        spec = samplers.resolve(sampler, prioritized=prioritized, beta=beta)
         return self._draw(spec, check_int("batch_size", batch_size, 1), generator, keys)
 
     @locked
@@ -156,8 +368,9 @@ class Buffer(Store):
         """The index half of sampling with any spec: ``(rows, weights, mask or None,
         lane cursors)`` as numpy arrays, with no column read."""
         n = check_int("n", n, 1)
-        _spec(sampler, None).check(self)
-        return sampler.indices(self.view(), n, generator, self._sampler_cache)
+        spec = samplers.resolve(sampler)
+        spec.check(self)
+        return spec.plan(self, n, generator, self._sampler_cache)(np.arange(n))
 
     def sample_indices(
         self,
@@ -191,43 +404,9 @@ class Buffer(Store):
         return rows, weights, mask, written
 
     def _draw(self, spec: Sampler, n: int, generator: torch.Generator | None, keys: Iterable[str] | None) -> Batch:
-        names = resolve_keys(self, keys)
+        names = resolve_keys(self._store, keys)
         spec.check(self)
-
-        def draw(positions: np.ndarray) -> Draw:
-            return spec.indices(self.view(), len(positions), generator, self._sampler_cache)
-
-        return self.read_batch(draw, n, names)
-
-    @locked
-    def update_priorities(self, indices: Any, priorities: Any) -> None:  # type: ignore[override]
-        """Set the priorities of sampled rows (before ``eps`` and ``alpha``).
-
-        ``indices`` is a batch's ``indices`` (or the ``Batch``); ``priorities``
-        has its shape or a leading part of it (one value per slice, say). Rows
-        overwritten or evicted since the batch was sampled are ignored;
-        duplicates resolve to the last value. NaN, inf or negative values raise
-        ``InvalidPriorityError`` and change nothing.
-        """
-        written_at = None
-        if isinstance(indices, Batch):
-            written_at, indices = indices.written_at, indices.indices
-        elif isinstance(indices, torch.Tensor):
-            entry = self._sampled.get(id(indices))
-            if entry is not None and entry[0]() is indices:
-                written_at = entry[1]
-        idx = torch.as_tensor(indices).cpu().numpy()
-        pri = torch.as_tensor(priorities).detach().cpu().numpy() if not isinstance(priorities, np.ndarray) else priorities
-        pri = np.asarray(pri)
-        if pri.ndim < idx.ndim and idx.shape[: pri.ndim] == pri.shape:
-            pri = pri.reshape(pri.shape + (1,) * (idx.ndim - pri.ndim))
-        try:
-            pri = np.broadcast_to(pri, idx.shape)
-        except ValueError:
-            raise errors.InvalidPriorityError(
-                f"priorities: expected shape {tuple(idx.shape)} (or a leading part of it), got {tuple(pri.shape)}"
-            ) from None
-        super().update_priorities(idx, pri, written_at)
+        return self.read_batch(spec.plan(self, n, generator, self._sampler_cache), n, names)
 
     # -- helpers -----------------------------------------------------------------------
     @locked
@@ -236,34 +415,11 @@ class Buffer(Store):
 
         ``draw(positions)`` returns ``(rows, weights, mask or None, lane cursors)``
         for those positions, from the store's current ``view()`` (a sampler, or a
-        rank lookup). In a reader (``mode="r"``) a writer in another process may
-        overwrite rows while they are copied, so after the copy every item is
-        checked against the writer's reservation as it stands *then*
-        (:func:`overwritten`); the items that fail are drawn again from a fresh
-        view and copied again, until none fails. What a reader returns was
-        therefore never being rewritten while it was read. The writer needs no
-        check: its writes take the same lock.
+        rank lookup). In a reader the copy is re-checked against the writer and
+        what it may have rewritten meanwhile is drawn and read again
+        (``mmbuffer.recheck``). Padded window positions read as zeros.
         """
-        rows, weights, mask, written = draw(np.arange(size))
-        data = gather(self, rows, names)
-        if self.mode == "r":
-            cursors = written[self.layout.lane(_first_rows(rows, size))]
-            for _ in range(_MAX_REREADS):
-                bad = np.flatnonzero(overwritten(self.layout, rows, cursors, self.reservation()))
-                if bad.size == 0:
-                    break
-                r, w, m, wr = draw(bad)
-                fresh = gather(self, r, names)
-                rows[bad], weights[bad], cursors[bad] = r, w, wr[self.layout.lane(_first_rows(r, bad.size))]
-                if mask is not None and m is not None:
-                    mask[bad] = m
-                for name, value in data.items():
-                    value[torch.from_numpy(bad)] = fresh[name]
-            else:
-                raise errors.EmptyBufferError(
-                    f"sample: expected rows that stay put while they are read, got rows overwritten by the writer "
-                    f"in {_MAX_REREADS} draws in a row (the writer laps this lane faster than a batch is read)"
-                )
+        data, (rows, weights, mask, written) = read_checked(self._store, draw, size, names)
         mask_t = None
         if mask is not None:
             mask_t = torch.from_numpy(mask)
@@ -272,41 +428,17 @@ class Buffer(Store):
                     value[~mask_t] = 0
         indices = torch.from_numpy(rows)
         batch = Batch(data, indices, torch.from_numpy(weights), mask_t, written.copy())
-        if self._tree is not None:
-            self._remember(indices, batch.written_at)
+        if self.priorities is not None:
+            self._remember(indices, written)
         return batch
 
-    def _remember(self, indices: torch.Tensor, written: np.ndarray | None) -> None:
+    def _remember(self, indices: torch.Tensor, written: np.ndarray) -> None:
+        """Keep a batch's lane cursors by its ``indices`` tensor, for ``update_priorities``."""
         if len(self._sampled) >= _REMEMBERED_BATCHES:
             self._sampled = {k: v for k, v in self._sampled.items() if v[0]() is not None}
             while len(self._sampled) >= _REMEMBERED_BATCHES:
                 self._sampled.pop(next(iter(self._sampled)))
-        assert written is not None
         self._sampled[id(indices)] = (weakref.ref(indices), written)
-
-
-def _first_rows(rows: np.ndarray, items: int) -> np.ndarray:
-    """The first row of each of ``items`` items (``rows`` is ``[B]`` or ``[B, L]``)."""
-    first: np.ndarray = rows.reshape(items, -1)[:, 0]
-    return first
-
-
-def overwritten(layout: Layout, rows: np.ndarray, cursors: np.ndarray, reserved: np.ndarray) -> np.ndarray:
-    """Which items (first axis of ``rows``) the writer may have begun rewriting.
-
-    ``cursors[i]`` is the ``written`` counter of item ``i``'s lane in the view it
-    was drawn from, which fixes the absolute row its first row held. Absolute row
-    ``a`` is rewritten when the writer writes ``a + lane_size``, and the writer
-    raises ``reserved`` past a row before it writes it: ``a >= reserved -
-    lane_size`` holds exactly while ``a`` is intact. An item's later rows (the
-    window, the next row read for ``next_*``) are younger than its first.
-
-    >>> overwritten(Layout(8), np.array([[2, 3], [6, 7]]), np.array([8, 8]), np.array([11]))
-    array([ True, False])
-    """
-    first = _first_rows(rows, len(cursors))
-    bad: np.ndarray = layout.absolute_at(first, cursors) < reserved[layout.lane(first)] - layout.lane_size
-    return bad
 
 
 def create(

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from . import _files, _rawio, errors, tree
 from . import _format as fmt
-from . import errors, tree
 from ._checks import check_int, check_json, check_schema
 from ._guards import raise_typed
 from ._manifest import Manifest
@@ -85,20 +85,20 @@ def create_store(
             for name, (shape, kind) in tree.layout(capacity).items():
                 # written whole by reset (and the inner arrays by any write): allocated now
                 fmt.create_raw(tmp, f"priority/{name}", shape[0], tuple(shape[1:]), np.dtype(kind), allocate=True)
-            leaves = {k: fmt.open_raw(tmp, f"priority/{k}", writable=True) for k in tree.layout(capacity)}
+            leaves = {k: _rawio.open_raw(tmp, f"priority/{k}", writable=True) for k in tree.layout(capacity)}
             tree.reset(tree.PriorityTree(**leaves))
             for arr in leaves.values():
-                fmt.flush_rows(arr, 0, len(arr))
+                _rawio.flush_rows(arr, 0, len(arr))
             del leaves
         (tmp / "sampler").mkdir()
-        fmt.atomic_write_json(tmp / fmt.MANIFEST, manifest.to_json())
+        _files.atomic_write_json(tmp / fmt.MANIFEST, manifest.to_json())
         try:
-            fmt.rename_noreplace(tmp, path)  # the store appears whole or not at all
+            _files.rename_noreplace(tmp, path)  # the store appears whole or not at all
         except FileExistsError:
             raise errors.StoreExistsError(
                 f"{path}: expected a path that does not exist, got one created meanwhile (by another process?)"
             ) from None
-        fmt.fsync_dir(path.parent.resolve())
+        _files.fsync_dir(path.parent.resolve())
     except BaseException as exc:
         if tmp.exists():  # only this call's own directory, never another's
             shutil.rmtree(tmp, ignore_errors=True)

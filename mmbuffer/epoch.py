@@ -35,8 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
+from . import _files, _safe_io, errors, sampling
 from . import _format as fmt
-from . import _safe_io, errors, sampling
 from ._checks import check_int
 from ._guards import raise_typed
 from .buffer import Buffer
@@ -125,7 +125,7 @@ class EpochSampler:
         if count < 1 or not 0 <= index < count:
             raise errors.InvalidArgumentError(f"shard: expected (index, count) with 0 <= index < count, got {shard!r}")
         fmt.check_column_name(name)
-        self.keys = resolve_keys(buf, keys)
+        self.keys = resolve_keys(buf.store, keys)
         self._file = Path(buf.path) / "sampler" / f"{name}.json"
         self._counts = sampling.SliceCounts(self.slice_len or 1, True, False)
         fresh = _State(int(seed), 0, 0, -1, self.slice_len, (index, count))
@@ -214,7 +214,7 @@ class EpochSampler:
         (no batch is delivered or skipped) and raise a typed error."""
         try:
             self._file.parent.mkdir(exist_ok=True)
-            fmt.atomic_write_json(self._file, asdict(self._state), durable=False)
+            _files.atomic_write_json(self._file, asdict(self._state), durable=False)
         except OSError as exc:
             for f in fields(_State):
                 setattr(self._state, f.name, getattr(self._saved, f.name))
@@ -232,7 +232,7 @@ def _load_state(root: Path, rel: str) -> _State | None:
         return None  # no state saved yet
     if not _safe_io.lexists(root, rel):  # refuses a link on the way (_save would write through it)
         return None
-    obj = fmt.read_json_in(root, rel)
+    obj = _files.read_json_in(root, rel)
     keys = {"seed", "epoch", "position", "num_items", "slice_len", "shard"}
 
     def ok_int(x: object, low: int) -> bool:

@@ -26,14 +26,15 @@ import numpy as np
 
 from . import _format as fmt
 from . import index, tree
+from .buffer import Buffer
 from .index import Lane
-from .store import Store, View
+from .store import View
 
 _CHUNK_ROWS = 1 << 22
 REPAIR_HINT = "repair needs the writer: stop it, then run `mmbuffer verify PATH --repair` (or open the store with mode='a')"
 
 
-def _live_done(store: Store, lane: int, st: Lane) -> np.ndarray:
+def _live_done(store: Buffer, lane: int, st: Lane) -> np.ndarray:
     parts = []
     for a, b in store.layout.segments(lane, st.first_start, st.written):
         for lo in range(a, b, _CHUNK_ROWS):
@@ -42,7 +43,7 @@ def _live_done(store: Store, lane: int, st: Lane) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, dtype=bool)
 
 
-def _readable_lanes(store: Store, view: View) -> tuple[list[Lane], list[np.ndarray]]:
+def _readable_lanes(store: Buffer, view: View) -> tuple[list[Lane], list[np.ndarray]]:
     """The lanes of the store's ``view`` and their end flags. In a reader, the episodes
     that the writer's reservation reached while the flags were read are left out:
     what is compared was intact for the whole read."""
@@ -57,13 +58,13 @@ def _readable_lanes(store: Store, view: View) -> tuple[list[Lane], list[np.ndarr
     return lanes, done
 
 
-def _tree_settled(store: Store) -> tuple[bool, int]:
+def _tree_settled(store: Buffer) -> tuple[bool, int]:
     """Whether no writer change is pending on the tree, and the committed generation."""
     generation = int(fmt.read_manifest(store.path)["generation"])
     return not (store.path / "priority" / "DIRTY").exists(), generation
 
 
-def verify(store: Store, repair: bool = False) -> dict[str, Any]:
+def verify(store: Buffer, repair: bool = False) -> dict[str, Any]:
     """Recompute derived state; return ``{"ok", "problems", "notes", "repaired", "tree_drift"}``."""
     problems: list[str] = []
     notes: list[str] = []

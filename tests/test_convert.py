@@ -265,7 +265,7 @@ def test_interrupted_conversion_leaves_nothing_that_looks_complete(tmp_path, car
 
 
 def test_verification_catches_a_bad_write(tmp_path, cartpole, monkeypatch):
-    from mmbuffer import _format
+    from mmbuffer import _rawio as _format  # the raw-array I/O moved out of _format
 
     src = tmp_path / "c.hdf5"
     write_d4rl(src, cartpole)
@@ -316,7 +316,7 @@ def test_copy_keeps_stored_priorities(tmp_path, compression):
 
 
 def test_copy_verification_catches_a_bad_write(tmp_path, monkeypatch):
-    from mmbuffer import _format
+    from mmbuffer import _rawio as _format  # the raw-array I/O moved out of _format
 
     with mb.create(str(tmp_path / "src"), {"obs": ((4,), "float32")}, capacity=20_000, next_keys=()) as buf:
         buf.extend({"obs": np.ones((20_000, 4), np.float32), "truncated": np.arange(20_000) % 1000 == 999})

@@ -109,9 +109,9 @@ def test_create_refuses_an_empty_directory_made_meanwhile(tmp_path, monkeypatch,
     take that directory over when it appears while the store is being built (also
     where ``renameat2`` is missing: then the directory is checked just before)."""
     if not renameat2:
-        from mmbuffer import _format
+        from mmbuffer import _files
 
-        monkeypatch.setattr(_format, "_renameat2", lambda: None)
+        monkeypatch.setattr(_files, "_renameat2", lambda: None)
     target = tmp_path / "s"
     real = zarr.open_group
 

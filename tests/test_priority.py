@@ -91,7 +91,7 @@ def test_prioritized_slices_start_only_at_valid_starts(tmp_path, rng):
 def test_default_priority_follows_the_live_max(tmp_path):
     alpha = 0.5
     buf = make(tmp_path, capacity=10, alpha=alpha, eps=0.0, max_priority=100.0)
-    leaves = lambda: buf._tree.leaves[:10].astype(float)  # noqa: E731
+    leaves = lambda: buf.view().tree.leaves[:10].astype(float)  # noqa: E731
     buf.extend({"x": np.arange(2)})
     np.testing.assert_allclose(leaves()[:2], 100.0**alpha)  # empty buffer: max_priority ** alpha
     buf.update_priorities(torch.tensor([0, 1]), torch.tensor([4.0, 9.0]))
@@ -120,9 +120,9 @@ def test_stale_updates_are_ignored(tmp_path):
     fill(buf, 20)
     b = buf.sample(8, prioritized=True, generator=torch.Generator().manual_seed(0))
     fill(buf, 10)  # overwrites rows 0..9 (and evicts their episodes)
-    before = buf._tree.leaves[:20].copy()
+    before = buf.view().tree.leaves[:20].copy()
     buf.update_priorities(b.indices, torch.full((8,), 50.0))
-    after = buf._tree.leaves[:20]
+    after = buf.view().tree.leaves[:20]
     stale = b.indices.numpy() < 10
     for r in b.indices[~torch.from_numpy(stale)].tolist():
         assert after[r] == pytest.approx((50.0 + 1e-6) ** 0.6, rel=1e-6)
@@ -136,7 +136,7 @@ def test_slice_priorities_broadcast_and_duplicates_last_write_wins(tmp_path):
     fill(buf, 100, ep_len=20)
     b = buf.sample_slices(4, 5, generator=torch.Generator().manual_seed(0))
     buf.update_priorities(b.indices, torch.tensor([1.0, 2.0, 3.0, 4.0]))  # one per slice
-    leaves = buf._tree.leaves
+    leaves = buf.view().tree.leaves
     want = {}
     for j in range(4):  # overlapping windows: the later slice's value wins
         for r in b.indices[j].tolist():
@@ -177,11 +177,11 @@ def test_tree_survives_many_updates_and_reopen(tmp_path, rng):
     for _ in range(200):
         idx = rng.integers(0, 5000, 5000)
         buf.update_priorities(torch.from_numpy(idx), torch.from_numpy(rng.exponential(size=5000)))
-    total = T.total(buf._tree)
+    total = T.total(buf.view().tree)
     buf.close()
     ro = mb.open(tmp_path / "p", mode="r")
-    ref = np.sum(ro._tree.leaves[:5000].astype(np.float64))
-    assert T.total(ro._tree) == total
+    ref = np.sum(ro.view().tree.leaves[:5000].astype(np.float64))
+    assert T.total(ro.view().tree) == total
     assert abs(total - ref) <= 1e-9 * ref
     from mmbuffer.verify import verify
 

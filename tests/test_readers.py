@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import mmbuffer as mb
-import mmbuffer.buffer as buffer_module
+import mmbuffer.recheck as recheck_module
 from mmbuffer.verify import verify
 
 WIDE = 64
@@ -111,17 +111,17 @@ def test_writer_lapping_between_index_and_gather_is_never_returned(tmp_path, kin
             writer.extend(s, 40)
     writer_buf.commit()
     reader = mb.open(tmp_path / "s", mode="r")
-    real_gather = buffer_module.gather
+    real_gather = recheck_module.gather
     calls = {"n": 0}
 
     def racing_gather(store, rows, keys=None, out=None):
-        if store is reader and calls["n"] == 0:
+        if store is reader.store and calls["n"] == 0:
             for s in range(2):  # the writer rewrites the oldest rows of the reader's commit
                 writer.extend(s, 40)
         calls["n"] += 1
         return real_gather(store, rows, keys, out)
 
-    monkeypatch.setattr(buffer_module, "gather", racing_gather)
+    monkeypatch.setattr(recheck_module, "gather", racing_gather)
     g = torch.Generator().manual_seed(3)
     total = 0
     for _ in range(20):

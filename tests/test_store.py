@@ -402,7 +402,7 @@ WRITER = textwrap.dedent(
     gen = buf.generation
     while True:
         for s in range(streams):
-            w = buf._lanes[s].written
+            w = int(buf.view().written[s])
             n = 37
             rows = w + np.arange(n)
             buf.extend({"x": (rows * 10 + s).astype(np.int64), "terminated": rows % 11 == 10},
@@ -480,7 +480,7 @@ def test_reader_never_sees_rows_the_writer_is_rewriting(tmp_path):
     writer = mb.create(path, {"x": ((), "int64")}, capacity=400, num_streams=2, next_keys=("x",))
 
     def write(n, lane=1):
-        w = writer._lanes[lane].written
+        w = int(writer.view().written[lane])
         rows = w + np.arange(n)
         ends = rows % 9 == 8
         writer.extend({"x": rows * 10 + lane, "terminated": ends}, stream=lane,

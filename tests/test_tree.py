@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from mmbuffer import _format, errors
+from mmbuffer import _rawio as _format  # populate moved out of _format
+from mmbuffer import errors
 from mmbuffer import tree as T
 from mmbuffer.tree import _nodes, _update
 

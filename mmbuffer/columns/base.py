@@ -59,6 +59,11 @@ class ColumnArray(abc.ABC):
     def release(self) -> None:
         """Drop this process's mapped pages (the data stays); no-op when nothing is mapped."""
 
+    def allocate(self, start: int, stop: int) -> None:
+        """Reserve the storage under rows ``[start, stop)`` before they are written
+        (``OSError(ENOSPC)`` when there is none), where writing into a hole could
+        fail later without an error to raise (a store through a map); else no-op."""
+
     def drop_cache(self, start: int, stop: int) -> None:
         """Write rows ``[start, stop)`` behind and drop them from the page cache, when
         the backend has one; nothing is lost either way."""

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import zarr
 
+from .. import _files, _safe_io, errors
 from .. import _format as fmt
-from .. import _safe_io, errors
 from .base import ColumnArray
 
 
@@ -33,7 +33,7 @@ class ZarrArray(ColumnArray):
     @classmethod
     def open(cls, root: Path, name: str, *, writable: bool, expect: fmt.Expect | None = None) -> ZarrArray:
         meta = root / name / "zarr.json"
-        fmt.check_array_meta(meta, fmt.read_json_in(root, f"{name}/zarr.json"), expect, raw=False)
+        fmt.check_array_meta(meta, _files.read_json_in(root, f"{name}/zarr.json"), expect, raw=False)
         _safe_io.check_tree(root, name)
         try:
             array = zarr.open_array(str(root / name), mode="r+" if writable else "r")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import _files, _rawio
 from .. import _format as fmt
 from .base import ColumnArray
 
@@ -24,16 +25,17 @@ from .base import ColumnArray
 class RawArray(ColumnArray):
     """A mapped array and the descriptor it was mapped from (pwrite, pread, fadvise)."""
 
-    def __init__(self, mm: np.ndarray, fd: int | None) -> None:
+    def __init__(self, mm: np.ndarray, fd: int | None, where: Path | None = None) -> None:
         self._mm = mm
         self._fd = fd
+        self._where = where  # the shard file, named in errors
         self.shape = tuple(mm.shape)
         self.dtype = mm.dtype
 
     @classmethod
     def open(cls, root: Path, name: str, *, writable: bool, expect: fmt.Expect | None = None) -> RawArray:
-        mm, fd = fmt.open_raw_fd(root, name, writable=writable, expect=expect)
-        return cls(mm, fd)
+        mm, fd = _rawio.open_raw_fd(root, name, writable=writable, expect=expect)
+        return cls(mm, fd, root.joinpath(name, "c", *(["0"] * mm.ndim)))
 
     def read(self, rows: np.ndarray) -> np.ndarray:
         return np.asarray(self._mm[rows])
@@ -44,27 +46,36 @@ class RawArray(ColumnArray):
         if self._fd is None:
             out[...] = self._mm[start:stop]
         else:
-            fmt.read_rows(self._fd, self._mm, start, out)
+            _rawio.read_rows(self._fd, self._mm, start, out)
         return out
 
     def write_range(self, start: int, values: np.ndarray) -> None:
         if self._fd is None:
             self._mm[start : start + len(values)] = values
         else:
-            fmt.write_rows(self._fd, self._mm, start, values)
+            _rawio.write_rows(self._fd, self._mm, start, values)
 
     def write_at(self, rows: np.ndarray, values: np.ndarray) -> None:
         self._mm[rows] = values
 
     def flush(self, start: int, stop: int) -> None:
-        fmt.flush_rows(self._mm, start, stop)
+        _rawio.flush_rows(self._mm, start, stop)
+
+    def allocate(self, start: int, stop: int) -> None:
+        """``posix_fallocate`` the blocks under the rows (``_files.reserve_rows``)."""
+        if self._fd is None:
+            return
+        try:
+            _files.reserve_rows(self._fd, self._mm.strides[0], start, stop)
+        except OSError as exc:  # name the file: posix_fallocate's error does not
+            raise OSError(exc.errno, exc.strerror, str(self._where)) from None
 
     def release(self) -> None:
-        fmt.release(self._mm)
+        _rawio.release(self._mm)
 
     def drop_cache(self, start: int, stop: int) -> None:
         if self._fd is not None:
-            fmt.drop_cache(self._fd, self._mm, start, stop)
+            _rawio.drop_cache(self._fd, self._mm, start, stop)
 
     def mapped(self) -> np.ndarray:
         return self._mm

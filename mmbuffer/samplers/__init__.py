@@ -16,7 +16,7 @@ from .recent import Recent
 from .slices import Slices
 from .uniform import Uniform
 
-__all__ = ["Draw", "Prioritized", "PrioritizedSlices", "Recent", "Sampler", "Slices", "Uniform", "from_flags"]
+__all__ = ["Draw", "Prioritized", "PrioritizedSlices", "Recent", "Sampler", "Slices", "Uniform", "from_flags", "resolve"]
 
 
 def from_flags(
@@ -43,3 +43,23 @@ def from_flags(
             )
         return PrioritizedSlices(slice_len, beta, strict)
     return Slices(slice_len, strict, weighting)
+
+
+def resolve(sampler: object, *, prioritized: bool = False, beta: float = 0.4) -> Sampler:
+    """``sampler``, or the spec the ``prioritized``/``beta`` flags stand for; a value
+    that is not a spec, or a spec and flags at once, is refused.
+
+    >>> resolve(None, prioritized=True)
+    Prioritized(beta=0.4)
+    """
+    from .. import errors
+
+    if sampler is None:
+        return from_flags(None, prioritized=prioritized, beta=beta)
+    if not isinstance(sampler, Sampler):
+        raise errors.InvalidArgumentError(f"sampler: expected an mb.samplers spec (Uniform(), Slices(16), ...), got {sampler!r}")
+    if prioritized or beta != 0.4:
+        raise errors.InvalidArgumentError(
+            f"sampler: expected either sampler= or prioritized=/beta=, got both (sampler={sampler!r}, prioritized={prioritized})"
+        )
+    return sampler

@@ -19,6 +19,7 @@ True
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -46,6 +47,21 @@ class Sampler(abc.ABC):
     def check(self, store: Any) -> None:
         """Refuse, with a typed error, a store this sampler cannot draw from
         (called before drawing; the default accepts every store)."""
+
+    def plan(
+        self, buf: Any, n: int, generator: torch.Generator | None, cache: dict[Any, Any]
+    ) -> Callable[[np.ndarray], Draw]:
+        """The draws of one batch of ``n`` items from ``buf`` (a ``Buffer``):
+        ``draw(positions)`` gives the items at those batch positions, drawn against
+        ``buf.view()`` as it is when called (a reader calls it again for the items
+        the writer rewrote while they were read). The default draws
+        ``len(positions)`` fresh items with :meth:`indices`; a sampler with state
+        (``Epoch``) advances it here, once per batch."""
+
+        def draw(positions: np.ndarray) -> Draw:
+            return self.indices(buf.view(), len(positions), generator, cache)
+
+        return draw
 
 
 def tree_of(snapshot: View) -> Any:
