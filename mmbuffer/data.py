@@ -99,7 +99,8 @@ class BufferDataset(IterableDataset[Batch]):
         as last committed by the writer; readers cannot update them.
     sampler:
         A spec of :mod:`mmbuffer.samplers` instead of ``slice_len`` and the flags
-        above (picklable: it travels to the workers).
+        above (picklable: it travels to the workers). ``samplers.Epoch(...)`` is
+        epoch mode with its ``slice_len``, ``seed`` and ``name``.
     name:
         Epoch mode: prefix of the state files ``sampler/<name>-<i>of<n>.json``.
     rank, world_size:
@@ -151,6 +152,11 @@ class BufferDataset(IterableDataset[Batch]):
             )
         elif isinstance(sampler, samplers.Slices):
             self.slice_len = sampler.slice_len
+        elif isinstance(sampler, samplers.Epoch):  # epoch mode, sharded over workers and ranks here
+            if (seed, name, sampler.shard) != (0, "dataloader", (0, 1)):
+                raise errors.InvalidArgumentError(f"sampler: expected seed, name and no shard in the Epoch spec only, got {sampler!r}")
+            self.epoch, self.slice_len, self.seed, name = True, sampler.slice_len, sampler.seed, sampler.name
+            sampler = samplers.from_flags(self.slice_len)
         self.sampler = sampler
         if self.epoch and not (
             isinstance(sampler, samplers.Uniform)

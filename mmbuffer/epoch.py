@@ -41,6 +41,8 @@ from ._checks import check_int
 from ._guards import raise_typed
 from .buffer import Buffer
 from .gather import Batch, resolve_keys
+from .samplers import Draw
+from .store import View
 
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
@@ -78,13 +80,131 @@ def permute(positions: np.ndarray, n: int, key: int, rounds: int = 4) -> np.ndar
 
 
 @dataclass(slots=True)
-class _State:
+class EpochState:
+    """Where an epoch iteration stands (``num_items`` is -1 before the epoch's start)."""
+
     seed: int
     epoch: int
     position: int
     num_items: int
     slice_len: int | None
     shard: tuple[int, int]
+
+
+class EpochCursor:
+    """The saved position of one epoch iteration: resumed from, checked against and
+    saved to ``sampler/<name>.json`` of the store at ``root`` (None: a cursor that
+    neither loads nor saves); the ranks it hands out
+    resolve to rows in any view (:meth:`resolve`). ``EpochSampler`` and the
+    ``samplers.Epoch`` spec both walk an epoch with one.
+
+    >>> import tempfile, numpy as np, mmbuffer as mb
+    >>> buf = mb.create(tempfile.mkdtemp() + "/c", {"x": ((), "int64")}, capacity=16, next_keys=())
+    >>> buf.extend({"x": np.arange(5)})
+    >>> cur = EpochCursor(buf.path, "c", seed=0, slice_len=None, shard=(0, 1))
+    >>> sorted(cur.take(5, buf.view()).tolist()), cur.state.epoch
+    ([0, 1, 2, 3, 4], 1)
+    """
+
+    def __init__(self, root: Path | None, name: str, *, seed: int, slice_len: int | None, shard: tuple[int, int]) -> None:
+        index, count = (int(shard[0]), int(shard[1]))
+        if count < 1 or not 0 <= index < count:
+            raise errors.InvalidArgumentError(f"shard: expected (index, count) with 0 <= index < count, got {shard!r}")
+        fmt.check_column_name(name)
+        self.root = root
+        self.file = None if root is None else root / "sampler" / f"{name}.json"
+        self.counts = sampling.SliceCounts(slice_len or 1, True, False)
+        fresh = EpochState(int(seed), 0, 0, -1, slice_len, (index, count))
+        self.state = fresh
+        old = None if root is None else _load_state(root, f"sampler/{name}.json")
+        if old is not None:
+            for field in ("seed", "slice_len", "shard"):
+                if getattr(old, field) != getattr(fresh, field):
+                    raise errors.InvalidArgumentError(
+                        f"{field}: expected {getattr(old, field)!r} as saved in {self.file}, got "
+                        f"{getattr(fresh, field)!r}; call reset() or use another name"
+                    )
+            self.state = old
+        self.saved = replace(self.state)  # what the file holds (or a fresh state)
+
+    def items(self, view: View) -> int:
+        """Items of ``view``: sampleable transitions, or valid strict windows."""
+        if self.state.slice_len is None:
+            return int(sampling.transition_counts(view).sum())
+        closed, opened = self.counts.totals(view)
+        return int((closed + opened).sum())
+
+    def begin(self, view: View) -> int:
+        """Fix the epoch's item count if it has not started; return this shard's items."""
+        st = self.state
+        if st.num_items < 0:
+            st.num_items = self.items(view)
+        if st.num_items == 0:
+            raise errors.EmptyBufferError(f"EpochSampler: expected items to iterate, got none (slice_len={st.slice_len})")
+        return shard_size(st.num_items, *st.shard)
+
+    def next_ranks(self, take: int) -> np.ndarray:
+        """The next ``take`` ranks of this shard's part of the epoch (the position
+        stays: the caller advances it once the items are delivered)."""
+        st = self.state
+        key = int(_mix(np.array([st.seed * 1_000_003 + st.epoch], dtype=np.uint64))[0])
+        positions = st.shard[0] + st.shard[1] * np.arange(st.position, st.position + take, dtype=np.int64)
+        return permute(positions, st.num_items, key)
+
+    def end_epoch(self) -> None:
+        st = self.state
+        st.epoch, st.position, st.num_items = st.epoch + 1, 0, -1
+
+    def take(self, n: int, view: View) -> np.ndarray:
+        """The next ``n`` ranks, going on into the next epoch when this one runs out
+        (whose item count is fixed from ``view`` then). Nothing is saved."""
+        parts = []
+        while n > 0:
+            mine = self.begin(view)
+            if mine == 0:
+                raise errors.EmptyBufferError(
+                    f"Epoch: expected items for shard {self.state.shard}, got none of {self.state.num_items}"
+                )
+            k = min(n, mine - self.state.position)
+            parts.append(self.next_ranks(k))
+            self.state.position += k
+            n -= k
+            if self.state.position == mine:
+                self.end_epoch()
+        return np.concatenate(parts)
+
+    def resolve(self, view: View, ranks: np.ndarray) -> Draw:
+        """The rows of items ``ranks`` in ``view`` (unit weights; a mask for windows).
+        A rank past the items of ``view`` (a store that shrank) is clamped to the last."""
+        weights = np.ones(len(ranks), dtype=np.float32)
+        r = np.minimum(ranks, self.items(view) - 1)
+        slice_len = self.state.slice_len
+        if slice_len is None:
+            return sampling.rows_at(view, r), weights, None, view.written
+        lane, start, avail = sampling.slice_starts(view, self.counts, r, None)
+        rows, mask = sampling.window(view, lane, start, avail, slice_len)
+        return rows, weights, mask, view.written
+
+    def reset(self) -> None:
+        """Forget the position: the next item is the first of epoch 0."""
+        st = self.state
+        self.state = EpochState(st.seed, 0, 0, -1, st.slice_len, st.shard)
+
+    def save(self) -> None:
+        """Write the state; if it cannot be written, go back to the last state saved
+        (no batch is delivered or skipped) and raise a typed error."""
+        if self.root is None or self.file is None:
+            return
+        try:
+            self.file.parent.mkdir(exist_ok=True)
+            _files.atomic_write_json(self.file, asdict(self.state), durable=False)
+        except OSError as exc:
+            for f in fields(EpochState):
+                setattr(self.state, f.name, getattr(self.saved, f.name))
+            raise_typed(exc, f"EpochSampler: saving its state to {self.file}", self.root,
+                        read_only_hint="a sampler's state cannot be saved in a store there")
+            raise
+        self.saved = replace(self.state)
 
 
 class EpochSampler:
@@ -105,6 +225,9 @@ class EpochSampler:
         ``slice_len`` or ``shard`` raises ``InvalidArgumentError`` (call ``reset``).
     shard:
         ``(index, count)``: this process's part of every epoch.
+
+    ``buf.sample(n, sampler=mb.samplers.Epoch(...))`` draws the same items batch
+    by batch (and runs on into the next epoch instead of a short last batch).
     """
 
     def __init__(
@@ -121,110 +244,50 @@ class EpochSampler:
         self.buf = buf
         self.batch_size = check_int("batch_size", batch_size, 1)
         self.slice_len = None if slice_len is None else check_int("slice_len", slice_len, 1)
-        index, count = (int(shard[0]), int(shard[1]))
-        if count < 1 or not 0 <= index < count:
-            raise errors.InvalidArgumentError(f"shard: expected (index, count) with 0 <= index < count, got {shard!r}")
-        fmt.check_column_name(name)
+        self._cursor = EpochCursor(Path(buf.path), name, seed=seed, slice_len=self.slice_len, shard=shard)
         self.keys = resolve_keys(buf.store, keys)
-        self._file = Path(buf.path) / "sampler" / f"{name}.json"
-        self._counts = sampling.SliceCounts(self.slice_len or 1, True, False)
-        fresh = _State(int(seed), 0, 0, -1, self.slice_len, (index, count))
-        self._state = fresh
-        old = _load_state(Path(buf.path), f"sampler/{name}.json")
-        if old is not None:
-            for field in ("seed", "slice_len", "shard"):
-                if getattr(old, field) != getattr(fresh, field):
-                    raise errors.InvalidArgumentError(
-                        f"{field}: expected {getattr(old, field)!r} as saved in {self._file}, got "
-                        f"{getattr(fresh, field)!r}; call reset() or use another name"
-                    )
-            self._state = old
-        self._saved = replace(self._state)  # what the file holds (or a fresh state)
 
     @property
     def epoch(self) -> int:
         """Completed epochs."""
-        return self._state.epoch
+        return self._cursor.state.epoch
 
     @property
     def position(self) -> int:
         """Items of the current epoch already delivered to this shard."""
-        return self._state.position
+        return self._cursor.state.position
 
     def reset(self) -> None:
         """Forget the saved state: the next iteration starts epoch 0."""
-        self._state = _State(self._state.seed, 0, 0, -1, self.slice_len, self._state.shard)
-        self._save()
+        self._cursor.reset()
+        self._cursor.save()
 
     def __len__(self) -> int:
         """Batches left in the current epoch for this shard."""
-        n = self._items_now() if self._state.num_items < 0 else self._state.num_items
-        mine = _shard_size(n, *self._state.shard)
-        return -(-(mine - self._state.position) // self.batch_size)
+        st = self._cursor.state
+        n = self._cursor.items(self.buf.view()) if st.num_items < 0 else st.num_items
+        mine = shard_size(n, *st.shard)
+        return -(-(mine - st.position) // self.batch_size)
 
     def __iter__(self) -> Iterator[Batch]:
-        st = self._state
-        if st.num_items < 0:
-            st.num_items = self._items_now()
-        if st.num_items == 0:
-            raise errors.EmptyBufferError(f"EpochSampler: expected items to iterate, got none (slice_len={self.slice_len})")
-        mine = _shard_size(st.num_items, *st.shard)
-        key = int(_mix(np.array([st.seed * 1_000_003 + st.epoch], dtype=np.uint64))[0])
-        while st.position < mine:
-            take = min(self.batch_size, mine - st.position)
-            positions = st.shard[0] + st.shard[1] * np.arange(st.position, st.position + take, dtype=np.int64)
-            ranks = permute(positions, st.num_items, key)
+        cur = self._cursor
+        mine = cur.begin(self.buf.view())
+        while cur.state.position < mine:
+            ranks = cur.next_ranks(min(self.batch_size, mine - cur.state.position))
             batch = self._batch(ranks)
-            st.position += take
-            self._save()
+            cur.state.position += len(ranks)
+            cur.save()
             yield batch
-        st.epoch += 1
-        st.position = 0
-        st.num_items = -1
-        self._save()
-
-    def _items_now(self) -> int:
-        view = self.buf.view()
-        if self.slice_len is None:
-            return int(sampling.transition_counts(view).sum())
-        closed, opened = self._counts.totals(view)
-        return int((closed + opened).sum())
+        cur.end_epoch()
+        cur.save()
 
     def _batch(self, ranks: np.ndarray) -> Batch:
         with self.buf.lock:
-            return self._batch_locked(ranks)
-
-    def _batch_locked(self, ranks: np.ndarray) -> Batch:
-        weights = np.ones(len(ranks), dtype=np.float32)
-
-        def draw(positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:
             # ranks resolve against the view of now: a reader re-reads overwritten items this way
-            view = self.buf.view()
-            r = np.minimum(ranks[positions], self._items_now() - 1)  # a store that shrank keeps a valid rank
-            if self.slice_len is None:
-                return sampling.rows_at(view, r), weights[positions], None, view.written
-            lane, start, avail = sampling.slice_starts(view, self._counts, r, None)
-            rows, mask = sampling.window(view, lane, start, avail, self.slice_len)
-            return rows, weights[positions], mask, view.written
-
-        return self.buf.read_batch(draw, len(ranks), self.keys)
-
-    def _save(self) -> None:
-        """Write the state; if it cannot be written, go back to the last state saved
-        (no batch is delivered or skipped) and raise a typed error."""
-        try:
-            self._file.parent.mkdir(exist_ok=True)
-            _files.atomic_write_json(self._file, asdict(self._state), durable=False)
-        except OSError as exc:
-            for f in fields(_State):
-                setattr(self._state, f.name, getattr(self._saved, f.name))
-            raise_typed(exc, f"EpochSampler: saving its state to {self._file}", Path(self.buf.path),
-                        read_only_hint="a sampler's state cannot be saved in a store there")
-            raise
-        self._saved = replace(self._state)
+            return self.buf.read_batch(lambda p: self._cursor.resolve(self.buf.view(), ranks[p]), len(ranks), self.keys)
 
 
-def _load_state(root: Path, rel: str) -> _State | None:
+def _load_state(root: Path, rel: str) -> EpochState | None:
     """The saved state ``root/rel``, or None; a link on the way, or a file that is
     not a state this class saves, is ``CorruptStoreError`` naming the file."""
     parts = rel.split("/")
@@ -254,7 +317,7 @@ def _load_state(root: Path, rel: str) -> _State | None:
         and shard[0] < shard[1]
     )
     if good and obj["num_items"] >= 0:
-        good = obj["position"] <= _shard_size(obj["num_items"], shard[0], shard[1])
+        good = obj["position"] <= shard_size(obj["num_items"], shard[0], shard[1])
     elif good:
         good = obj["position"] == 0
     if not good:
@@ -262,8 +325,9 @@ def _load_state(root: Path, rel: str) -> _State | None:
             f"{root / rel}: expected seed, epoch >= 0, 0 <= position <= this shard's items, num_items >= -1, "
             f"slice_len null or >= 1, shard [i, n] with 0 <= i < n; got {obj!r:.300}"
         )
-    return _State(obj["seed"], obj["epoch"], obj["position"], obj["num_items"], slice_len, (shard[0], shard[1]))
+    return EpochState(obj["seed"], obj["epoch"], obj["position"], obj["num_items"], slice_len, (shard[0], shard[1]))
 
 
-def _shard_size(n: int, index: int, count: int) -> int:
+def shard_size(n: int, index: int, count: int) -> int:
+    """Items of part ``index`` of ``count`` of ``n`` items (every ``count``-th from ``index``)."""
     return max(0, -(-(n - index) // count))

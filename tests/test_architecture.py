@@ -12,6 +12,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import mmbuffer as mb
 
 ROOT = Path(mb.__file__).parent
@@ -79,3 +81,28 @@ def test_the_check_finds_an_offence(tmp_path):
         assert len(offences(tmp_path / "b.py")) == 2
     finally:
         ROOT = saved
+
+
+MAX_LINES = 520  # "no module over ~500 lines" (issue 11), with a little room
+
+
+def test_no_module_is_over_about_500_lines():
+    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in ROOT.rglob("*.py")}
+    assert {p: n for p, n in sizes.items() if n > MAX_LINES} == {}
+
+
+def test_buffer_composes_a_store_and_a_writer(tmp_path):
+    """``Buffer`` is a facade: it is not a ``Store``; a writable buffer has a ``Writer``
+    over the same store, a reader none (and writes are refused before any check)."""
+    from mmbuffer.store import Store
+    from mmbuffer.writer import Writer
+
+    assert not issubclass(mb.Buffer, Store) and not issubclass(mb.Buffer, Writer)
+    buf = mb.create(tmp_path / "s", {"x": ((), "int64")}, capacity=8, next_keys=())
+    assert isinstance(buf.store, Store) and buf.store.lock is buf.lock
+    buf.extend({"x": [1, 2, 3]})
+    assert len(buf.store) == 3  # the writer advanced the store's cursors: one ledger
+    buf.close()
+    ro = mb.open(tmp_path / "s", mode="r")
+    with pytest.raises(mb.errors.ReadOnlyError, match="mode='r'"):
+        ro.extend({"x": "not even checked"})

@@ -170,6 +170,26 @@ def test_bad_priorities_change_nothing(tmp_path):
         mb.PriorityConfig(alpha=-0.1)
 
 
+
+def test_priorities_with_trailing_singleton_dims(tmp_path):
+    """A TD-error head's ``[B, 1]`` for ``[B]`` indices (and ``[B, L, 1]`` for windows)
+    sets the same leaves as ``[B]``; any other extra dimension is refused naming both shapes."""
+    buf = make(tmp_path, capacity=50)
+    fill(buf, 50)
+    leaves = buf.view().tree.leaves
+    idx = torch.tensor([3, 9, 4])
+    buf.update_priorities(idx, torch.tensor([[1.0], [2.0], [3.0]]))
+    np.testing.assert_allclose(leaves[[3, 9, 4]], (np.array([1.0, 2.0, 3.0]) + 1e-6) ** 0.6, rtol=1e-6)
+    win = torch.tensor([[10, 11], [20, 21]])
+    buf.update_priorities(win, np.full((2, 2, 1, 1), 5.0))
+    np.testing.assert_allclose(leaves[[10, 11, 20, 21]], (5.0 + 1e-6) ** 0.6, rtol=1e-6)
+    before = tree_hash(tmp_path / "p")
+    for bad in (torch.ones(3, 2), torch.ones(1, 3), torch.ones(3, 1, 2)):
+        with pytest.raises(mb.errors.InvalidPriorityError) as info:
+            buf.update_priorities(idx, bad)
+        assert "(3,)" in str(info.value) and str(tuple(bad.shape)) in str(info.value)
+    assert tree_hash(tmp_path / "p") == before
+
 def test_tree_survives_many_updates_and_reopen(tmp_path, rng):
     buf = make(tmp_path, capacity=5000, streams=5)
     for s in range(5):

@@ -368,3 +368,64 @@ def test_recent_draws_only_from_the_newest_episodes(tmp_path):
     assert set(windows.reshape(-1).tolist()) <= allowed and (np.diff(windows, axis=1) == 1).all()
     with pytest.raises(mb.errors.InvalidArgumentError, match="uniform"):
         mb.samplers.Recent(2, mb.samplers.Prioritized())
+
+
+# -- the Epoch spec -------------------------------------------------------------------------
+def test_epoch_spec_gives_every_item_once_per_epoch_across_batches_and_reopens(tmp_path, rng):
+    """``buf.sample(n, sampler=Epoch(...))``: batches of exactly n run on from one epoch
+    into the next, each epoch holds every item once, and the position survives a reopen
+    (also for ``mb.EpochSampler`` under the same name)."""
+    buf, layout = write_layout(tmp_path / "s", rng, streams=3, lane=3000)
+    rows = np.sort(valid_starts(buf, layout, 1))
+    n_items, B = len(rows), 1000
+    spec = mb.samplers.Epoch(seed=5, name="spec")
+    first = [buf.sample(B, sampler=spec).indices.numpy() for _ in range(3)]
+    buf.close()
+    ro = mb.open(tmp_path / "s", mode="r")
+    assert mb.EpochSampler(ro, B, seed=5, name="spec").position == 3 * B  # the saved state, shared
+    batches = first + [ro.sample(B, sampler=spec).indices.numpy() for _ in range(-(-2 * n_items // B) - 3)]
+    assert all(len(b) == B for b in batches)
+    flat = np.concatenate(batches)
+    np.testing.assert_array_equal(np.sort(flat[:n_items]), rows)  # epoch 0: each item once
+    np.testing.assert_array_equal(np.sort(flat[n_items : 2 * n_items]), rows)  # epoch 1 too
+    assert not np.array_equal(flat[:n_items], flat[n_items : 2 * n_items])  # in a new order
+    assert mb.EpochSampler(ro, B, seed=5, name="spec").epoch == 2
+    with pytest.raises(mb.errors.InvalidArgumentError, match="seed"):
+        ro.sample(4, sampler=mb.samplers.Epoch(seed=6, name="spec"))  # saved with seed 5
+
+
+def test_epoch_spec_windows_match_the_epoch_sampler(tmp_path, rng):
+    """The spec draws the same windows in the same order as ``mb.EpochSampler``."""
+    buf, layout = write_layout(tmp_path / "s", rng, streams=2, lane=3000)
+    L = 10
+    starts = np.sort(valid_starts(buf, layout, L))
+    by_class = np.concatenate([b.indices.numpy() for b in mb.EpochSampler(buf, 400, slice_len=L, seed=3, name="a")])
+    spec = mb.samplers.Epoch(slice_len=L, seed=3, name="b")
+    by_spec = np.concatenate([buf.sample(400, sampler=spec).indices.numpy() for _ in range(-(-len(starts) // 400))])
+    np.testing.assert_array_equal(by_spec[: len(starts)], by_class)
+    np.testing.assert_array_equal(np.sort(by_class[:, 0]), starts)
+    rows, weights, mask, _ = buf.indices(mb.samplers.Epoch(slice_len=L, seed=3, name="c"), 7)
+    assert rows.shape == (7, L) and mask.all() and (weights == 1).all()
+
+
+def test_epoch_spec_in_stream_and_dataset(tmp_path):
+    buf = _episodes_store(tmp_path)
+    buf.commit()
+    live = len(buf)
+    with mb.stream(buf, 10, sampler=mb.samplers.Epoch(seed=2, name="st"), num_batches=live // 10) as s:
+        got = np.concatenate([b.indices.numpy() for b in s])
+    assert len(got) == live and len(set(got.tolist())) == live  # one epoch: every row once
+    ds = mb.data.BufferDataset(tmp_path / "s", 7, sampler=mb.samplers.Epoch(seed=2, name="ds"))
+    assert ds.epoch and ds.seed == 2 and ds.name == "ds"
+    seen = np.concatenate([b.indices.numpy() for b in ds])
+    np.testing.assert_array_equal(np.sort(seen), np.sort(got))
+    with pytest.raises(mb.errors.InvalidArgumentError, match="sampler"):
+        mb.data.BufferDataset(tmp_path / "s", 7, sampler=mb.samplers.Epoch(shard=(0, 2)))
+    with pytest.raises(mb.errors.InvalidArgumentError, match="shard"):
+        mb.samplers.Epoch(shard=(2, 2))
+    with pytest.raises(mb.errors.InvalidArgumentError, match="seed"):
+        mb.samplers.Epoch(seed=-1)
+    with pytest.raises(mb.errors.InvalidArgumentError, match="sampler"):
+        mb.samplers.Recent(2, sampler=mb.samplers.Epoch())
+    with pytest.raises(mb.errors.SchemaError):
+        mb.samplers.Epoch(name="../x")  # the state file stays inside the store

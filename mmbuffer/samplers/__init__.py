@@ -11,12 +11,13 @@ PrioritizedSlices(slice_len=16, beta=0.4, strict=True)
 """
 
 from .base import Draw, Sampler
+from .epoch import Epoch
 from .prioritized import Prioritized, PrioritizedSlices
 from .recent import Recent
 from .slices import Slices
 from .uniform import Uniform
 
-__all__ = ["Draw", "Prioritized", "PrioritizedSlices", "Recent", "Sampler", "Slices", "Uniform", "from_flags", "resolve"]
+__all__ = ["Draw", "Epoch", "Prioritized", "PrioritizedSlices", "Recent", "Sampler", "Slices", "Uniform", "from_flags", "resolve"]
 
 
 def from_flags(

@@ -26,6 +26,7 @@ from .. import errors, index
 from .._checks import check_int
 from ..store import View
 from .base import Draw, Sampler
+from .epoch import Epoch
 from .prioritized import Prioritized, PrioritizedSlices
 from .uniform import Uniform
 
@@ -40,7 +41,7 @@ class Recent(Sampler):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "episodes", check_int("episodes", self.episodes, 1))
-        if not isinstance(self.sampler, Sampler) or isinstance(self.sampler, (Recent, Prioritized, PrioritizedSlices)):
+        if not isinstance(self.sampler, Sampler) or isinstance(self.sampler, (Recent, Prioritized, PrioritizedSlices, Epoch)):
             raise errors.InvalidArgumentError(
                 f"sampler: expected a uniform sampler (mb.samplers.Uniform() or Slices(...)), got {self.sampler!r}"
             )
