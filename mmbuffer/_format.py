@@ -12,9 +12,9 @@ tensorstore or xarray read it without mmbuffer. Nothing in it is a pickle::
       index/ends/          int64 [num_streams * 2 * lane_size]: per lane, a ring of
                            episode ends (absolute, exclusive row counters)
       index/reserved/      int64 [num_streams]: rows the writer may have overwritten
-                           past its last commit (see ``store.py``)
+                           past its last commit (see ``writer.py``)
       priority/<level>/    priority tree arrays (``mmbuffer.tree``), when enabled
-      sampler/<name>.json  persisted sampler state (``sampling.EpochSampler``)
+      sampler/<name>.json  persisted sampler state (``epoch.py``)
       LOCK                 advisory lock file of the single writer (pid, host)
 
 Raw arrays (the default, and always the index and the tree) hold a single shard
@@ -48,6 +48,12 @@ floats), the shape, one shard of whole-row chunks with the index at the end for
 raw arrays, and only ``bytes`` plus at most one ``zstd``/``blosc`` codec for
 compressed ones. Counters are checked against each other and the index at open
 (``_counters.py``). Anything else is ``CorruptStoreError``, never a repair.
+
+This module is the spec and its checks (names, dtypes, shapes, ``zarr.json``,
+the manifest's format and version) and creates arrays (``create_raw``,
+``create_compressed``). The bytes are read and written elsewhere: raw arrays by
+``_rawio.py`` (maps, ``pwrite``/``pread``, page cache) behind ``columns/``, JSON
+files, atomic placement and disk room by ``_files.py``.
 
 Version history
 ---------------

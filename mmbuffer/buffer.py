@@ -74,14 +74,16 @@ class Buffer:
         self._writer: Writer | None = None
         try:
             self._store = Store(path, mode, manifest)
-            if lock_fd is not None:
-                self._writer, lock_fd = Writer(self._store, lock_fd), None  # it recovers the store
         except BaseException:
             if lock_fd is not None:
                 release_lock(lock_fd)
-            elif self._writer is None and hasattr(self, "_store"):
-                self._store.close()
             raise
+        if lock_fd is not None:
+            try:
+                self._writer = Writer(self._store, lock_fd)  # owns the lock from here; recovers the store
+            except BaseException:
+                self._store.close()
+                raise
         store = self._store
         self.path, self.mode, self.layout = store.path, store.mode, store.layout
         self.capacity, self.num_streams, self.lane_size = store.capacity, store.num_streams, store.lane_size

@@ -101,7 +101,11 @@ class Writer:
         self.layout = store.layout
         self.lane_size = store.lane_size
         self._tree_dirty = False
-        self._recover()
+        try:
+            self._recover()
+        except BaseException:  # the caller gets no writer: nothing else would release the lock
+            self.release()
+            raise
 
     # -- recovery ------------------------------------------------------------------------
     def _recover(self) -> None:
@@ -339,7 +343,7 @@ class Writer:
 
     def release(self) -> None:
         """Release the lock without committing (the store recovers as after a crash)."""
-        fd, self._lock_fd = self._lock_fd, None
+        fd, self._lock_fd = getattr(self, "_lock_fd", None), None
         if fd is not None:
             release_lock(fd)
 

@@ -84,6 +84,13 @@ class ColumnTests:
         col.release()
         np.testing.assert_array_equal(col.read_range(0, 10), v)
 
+    def test_allocate_keeps_the_data(self, col):
+        v = self.values(col, 20, seed=5)
+        col.write_range(100, v)
+        col.allocate(0, ROWS)
+        np.testing.assert_array_equal(col.read_range(100, 120), v)
+        assert not col.read_range(0, 100).any()
+
     def test_mapped_view_is_the_data(self, col):
         view = col.mapped()
         if view is None:  # a backend without a mapping: the store keeps index and tree elsewhere
@@ -109,6 +116,15 @@ class TestRawArray(ColumnTests):
 
     def test_is_raw(self, col):
         assert isinstance(col, RawArray) and col.mapped() is not None
+
+    def test_allocate_reserves_the_blocks(self, tmp_path, col):
+        """A sparse shard file gets its blocks before a store through the map needs them."""
+        import os
+
+        shard = tmp_path.joinpath("c", "c", *(["0"] * len(col.shape)))
+        before = os.stat(shard).st_blocks
+        col.allocate(0, ROWS)
+        assert os.stat(shard).st_blocks * 512 >= before * 512 + col.mapped().nbytes - 8192
 
 
 class TestZarrArrayZstd(ColumnTests):
