@@ -12,11 +12,12 @@ from typing import Any
 
 import numpy as np
 
-from . import _files, _rawio, errors, tree
+from . import _files, errors, tree
 from . import _format as fmt
 from ._checks import check_int, check_json, check_schema
 from ._guards import raise_typed
 from ._manifest import Manifest
+from .columns import RawArray
 from .index import Lane
 from .schema import PriorityConfig
 
@@ -85,11 +86,12 @@ def create_store(
             for name, (shape, kind) in tree.layout(capacity).items():
                 # written whole by reset (and the inner arrays by any write): allocated now
                 fmt.create_raw(tmp, f"priority/{name}", shape[0], tuple(shape[1:]), np.dtype(kind), allocate=True)
-            leaves = {k: _rawio.open_raw(tmp, f"priority/{k}", writable=True) for k in tree.layout(capacity)}
-            tree.reset(tree.PriorityTree(**leaves))
-            for arr in leaves.values():
-                _rawio.flush_rows(arr, 0, len(arr))
-            del leaves
+            levels = {k: RawArray.open(tmp, f"priority/{k}", writable=True) for k in tree.layout(capacity)}
+            tree.reset(tree.PriorityTree(**{k: a.mapped() for k, a in levels.items()}))
+            for arr in levels.values():
+                arr.flush(0, len(arr))
+                arr.close()
+            del levels
         (tmp / "sampler").mkdir()
         _files.atomic_write_json(tmp / fmt.MANIFEST, manifest.to_json())
         try:
