@@ -431,15 +431,16 @@ class Buffer:
         indices = torch.from_numpy(rows)
         batch = Batch(data, indices, torch.from_numpy(weights), mask_t, written.copy())
         if self.priorities is not None:
-            self._remember(indices, written)
+            self._remember(indices, batch.written_at)
         return batch
 
-    def _remember(self, indices: torch.Tensor, written: np.ndarray) -> None:
+    def _remember(self, indices: torch.Tensor, written: np.ndarray | None) -> None:
         """Keep a batch's lane cursors by its ``indices`` tensor, for ``update_priorities``."""
         if len(self._sampled) >= _REMEMBERED_BATCHES:
             self._sampled = {k: v for k, v in self._sampled.items() if v[0]() is not None}
             while len(self._sampled) >= _REMEMBERED_BATCHES:
                 self._sampled.pop(next(iter(self._sampled)))
+        assert written is not None  # a sampled batch's cursors
         self._sampled[id(indices)] = (weakref.ref(indices), written)
 
 
