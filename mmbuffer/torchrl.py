@@ -109,6 +109,7 @@ class _Layout:
     next_flags: tuple[str, ...] = ("done", "terminated", "truncated")
     root_flags: tuple[str, ...] = ("done", "terminated", "truncated")
     flag_shape: tuple[int, ...] = (1,)
+    squeezed: tuple[str, ...] = ()  # columns stored without TorchRL's trailing [..., 1]
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -117,6 +118,7 @@ class _Layout:
             "next_flags": list(self.next_flags),
             "root_flags": list(self.root_flags),
             "flag_shape": list(self.flag_shape),
+            "squeezed": list(self.squeezed),
         }
 
     @classmethod
@@ -132,6 +134,7 @@ class _Layout:
                     tuple(saved["next_flags"]),
                     tuple(saved["root_flags"]),
                     tuple(int(x) for x in saved["flag_shape"]),
+                    tuple(saved.get("squeezed", ())),
                 )
             except (KeyError, TypeError, ValueError) as exc:
                 raise errors.CorruptStoreError(
@@ -149,7 +152,9 @@ class _Layout:
                 columns[name] = ("next", "reward")
             else:
                 columns[name] = tuple(name.split("/"))
-        return cls(columns, tuple(buf.next_keys))
+        # the converter stores reward as a scalar; TorchRL's layout has [..., 1]
+        squeezed = ("reward",) if "reward" in buf.columns and buf.columns["reward"].shape == () else ()
+        return cls(columns, tuple(buf.next_keys), squeezed=squeezed)
 
 
 @dataclass(slots=True)
@@ -384,6 +389,9 @@ class ReplayBuffer:
             return out
 
         values = {name: get(key) for name, key in layout.columns.items()}
+        for name in layout.squeezed:
+            if values[name].shape[2:] == (1,):
+                values[name] = values[name][..., 0]
         for name in layout.derived:
             values[f"next_{name}"] = get(("next", *layout.columns[name]))
         for name, value in values.items():
@@ -571,7 +579,7 @@ class ReplayBuffer:
         shape = tuple(b.indices.shape)
         out = tensordict.TensorDict({}, batch_size=shape)
         for name, key in layout.columns.items():
-            out.set(key, b.data[name])
+            out.set(key, b.data[name][..., None] if name in layout.squeezed else b.data[name])
         for name in layout.derived:
             out.set(("next", *layout.columns[name]), b.data[f"next_{name}"])
         term, trunc = b.data["terminated"], b.data["truncated"]

@@ -307,8 +307,13 @@ def test_checkpoint_and_reopen_give_the_same_rows(tmp_path, cartpole):
     assert len(again) == n and again.batch_size == 16
     got = again.sample()  # the generator state came back with the state dict
     assert (got == expected).all()
-    again.extend(batches[2])  # and the streams go on
+    buf = again.buffer
+    live = np.concatenate([buf.layout.rows(e, np.arange(int(w))) for e, w in enumerate(buf.view().written)])
+    old = buf.get(live)
+    again.extend(batches[2])  # and the streams go on, in new episodes: nothing is glued on
     assert len(again) == sum(td.numel() for td in batches)
+    for k, v in buf.get(live).items():
+        assert torch.equal(v, old[k]), k
 
     other = ReplayBuffer(tmp_path / "other", sampler=mb.samplers.Prioritized(beta=0.4), batch_size=16)
     other.loads(tmp_path / "copy")
@@ -352,3 +357,129 @@ def test_refusals_change_nothing(tmp_path, cartpole):
         ReplayBuffer(tmp_path / "rb", capacity=10)
     with pytest.raises(mb.errors.InvalidArgumentError, match="priorities"):
         ReplayBuffer(tmp_path / "rb", sampler=mb.samplers.Prioritized())
+
+
+def _episode_td(T, ends, flags=("done", "terminated", "truncated"), lead=(), traj=None):
+    """A synthetic [*lead, T] batch: observation t, next observation t + 1; ``ends``
+    marks ``("next", f)`` for the flags named."""
+    shape = (*lead, T)
+    obs = torch.arange(T + 1, dtype=torch.float32).expand(*lead, T + 1)[..., None].expand(*lead, T + 1, 3).contiguous()
+    end = torch.zeros(shape, dtype=torch.bool)
+    end[..., ends] = True
+    nxt = {"observation": obs[..., 1:, :], "reward": torch.ones(*shape, 1)}
+    for f in flags:
+        nxt[f] = end[..., None].clone() if f != "truncated" else torch.zeros(*shape, 1, dtype=torch.bool)
+    data = {"observation": obs[..., :-1, :], "action": torch.zeros(*shape, 1), "next": nxt}
+    if traj is not None:
+        data["collector"] = {"traj_ids": traj}
+    return tensordict.TensorDict(data, list(shape))
+
+
+def test_flag_rules_and_leading_dims(tmp_path):
+    # done alone counts as terminated
+    rb = ReplayBuffer(tmp_path / "a", capacity=100)
+    rb.extend(_episode_td(10, [4, 9], flags=("done",)))
+    got = rb.buffer.get(np.arange(10))
+    assert got["terminated"].nonzero().flatten().tolist() == [4, 9] and not got["truncated"].any()
+    assert rb.sample(4)["next", "done"].shape == (4, 1)
+    # done with terminated False (and no truncated key) is a truncation
+    td = _episode_td(10, [4, 9], flags=("done", "terminated"))
+    td["next", "terminated"][9] = False
+    rb = ReplayBuffer(tmp_path / "b", capacity=100)
+    rb.extend(td)
+    got = rb.buffer.get(np.arange(10))
+    assert got["terminated"].nonzero().flatten().tolist() == [4] and got["truncated"].nonzero().flatten().tolist() == [9]
+    # [2, 3, T]: six environments, six streams
+    rb = ReplayBuffer(tmp_path / "c", capacity=600)
+    index = rb.extend(_episode_td(10, [9], lead=(2, 3)))
+    assert rb.buffer.num_streams == 6 and index.shape == (2, 3, 10) and len(rb) == 60
+    assert rb.buffer.layout.lane(index.flatten().numpy()).tolist() == np.repeat(np.arange(6), 10).tolist()
+
+
+def test_add_one_step(tmp_path):
+    rb = ReplayBuffer(tmp_path / "rb", capacity=100, batch_size=2)
+    steps = _episode_td(3, [2])
+    assert rb.add(steps[0]) == -1  # held until the next step
+    assert rb.add(steps[1]) == -1 and rb.add(steps[2]) == 2  # the episode ends: nothing held
+    assert len(rb) == 3 and rb.buffer.num_episodes == 1
+
+
+def test_priority_key_in_extended_data_sets_priorities(tmp_path):
+    rb = ReplayBuffer(tmp_path / "rb", capacity=100, sampler=mb.samplers.Prioritized(),
+                      priorities=mb.PriorityConfig(alpha=1.0, eps=0.0))
+    td = _episode_td(10, [9])
+    td["td_error"] = torch.arange(10, dtype=torch.float32)[:, None]
+    index = rb.extend(td)
+    np.testing.assert_allclose(rb.buffer.leaf_priorities(index), np.arange(10))
+    assert "td_error" not in rb.buffer.columns
+
+
+def test_commits_leave_no_open_episode_and_the_ring_wraps(tmp_path, cartpole):
+    batches, _ = cartpole
+    rb = ReplayBuffer(tmp_path / "rb", capacity=2 * 60, batch_size=64, generator=torch.Generator().manual_seed(0))
+    whole = torch.cat(list(batches), dim=1)
+    for i, td in enumerate(batches):
+        rb.extend(td)
+        if i == 1:  # 47 + 48 uncommitted rows would pass a lane of 60: committed first
+            assert rb.buffer.generation >= 1
+            with mb.open(tmp_path / "rb", mode="r") as ro:  # what a crash would leave
+                view = ro.view()
+                assert all(lv.open_start == int(view.written[s]) for s, lv in enumerate(view.lanes))
+    # 144 rows per env through a lane of 60: the sampled rows are still the collector's
+    s = rb.sample()
+    buf = rb.buffer
+    rows = s["index"].numpy()
+    env, pos = buf.layout.lane(rows), buf.layout.absolute(rows, buf.view().written)
+    want = whole[torch.from_numpy(env), torch.from_numpy(pos)]
+    torch.testing.assert_close(s["observation"], want["observation"])
+    torch.testing.assert_close(s["next", "observation"], want["next", "observation"])
+    assert pos.min() >= 144 - 60
+
+
+def test_more_than_a_lane_per_extend_and_dangling_streams_are_refused(tmp_path):
+    rb = ReplayBuffer(tmp_path / "rb", capacity=20)
+    with pytest.raises(mb.errors.CapacityError, match="at most a lane of 20 rows"):
+        rb.extend(_episode_td(30, [29]))
+    rb.extend(_episode_td(10, [9]))
+    rb.close()
+    buf = mb.open(tmp_path / "rb")  # other code leaves an episode open
+    buf.extend({"obs": np.zeros((3, 3)), "action": np.zeros((3, 1)), "reward": np.zeros((3, 1))})
+    buf.close()
+    rb = ReplayBuffer(tmp_path / "rb")
+    n = len(rb)
+    with pytest.raises(mb.errors.SchemaError, match="stream 0 .* ends in an open episode"):
+        rb.extend(_episode_td(5, [4]))
+    assert len(rb) == n
+
+
+def test_load_state_dict_refuses_an_older_store(tmp_path):
+    rb = ReplayBuffer(tmp_path / "rb", capacity=100, batch_size=4)
+    rb.extend(_episode_td(10, [9]))
+    state = rb.state_dict()
+    state["generation"] += 5
+    with pytest.raises(mb.errors.CorruptStoreError, match="commit"):
+        rb.load_state_dict(state)
+    with pytest.raises(mb.errors.InvalidArgumentError, match="state_dict"):
+        rb.load_state_dict({})
+
+
+def test_a_converted_torchrl_dump_opens_in_torchrl_layout(tmp_path, cartpole):
+    batches, _ = cartpole
+    from torchrl.data import LazyMemmapStorage, TensorDictReplayBuffer
+
+    ref = TensorDictReplayBuffer(storage=LazyMemmapStorage(1000), batch_size=32)
+    flat = torch.cat([td.reshape(-1) for td in batches])
+    ref.extend(flat)
+    ref.dumps(tmp_path / "dump")
+    with warnings.catch_warnings():  # the converter notes the env boundaries of the flattening
+        warnings.simplefilter("ignore", mb.convert.ConversionWarning)
+        summary = mb.convert.convert("torchrl", tmp_path / "dump", tmp_path / "store", progress=False)
+    assert summary["forced_truncations"] > 0
+    rb = ReplayBuffer(tmp_path / "store", batch_size=32)
+    s, r = rb.sample(), ref.sample()
+    keys = lambda t: {k: (v.shape, v.dtype) for k, v in t.items(include_nested=True, leaves_only=True)}  # noqa: E731
+    assert keys(s) == keys(r)
+    want = flat[s["index"]]  # one stream, rows in the dump's order
+    for key in ["observation", ("next", "observation"), "action", ("next", "reward"), ("next", "terminated")]:
+        torch.testing.assert_close(s[key], want[key])
+    rb.extend(batches[0])  # and collector batches go on into it
