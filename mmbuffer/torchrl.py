@@ -422,19 +422,19 @@ class ReplayBuffer:
         assert self._buf is not None
         n_env, t = ends.shape
         streams = self._buf.num_streams
-        if n_env == streams and (n_env > 1 or traj is None):
-            return [_Piece(e, 0, t, e) for e in range(n_env)]
         if traj is None:
-            if n_env > 1:
+            if n_env not in (1, streams):
                 raise errors.SchemaError(
                     f"data: expected [{streams}, T] batches (the store's streams) or ('collector', 'traj_ids'), got [{n_env}, {t}]"
                 )
-            return [_Piece(0, 0, t, 0)]
+            return [_Piece(e, 0, t, e) for e in range(n_env)]
         pieces: list[_Piece] = []
         for e in range(n_env):
             cuts = np.flatnonzero((traj[e, 1:] != traj[e, :-1]) & ~ends[e, :-1]) + 1
             bounds = [0, *cuts.tolist(), t]
-            pieces += [_Piece(e, a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+            pieces += [_Piece(e, a, b, e if n_env == streams > 1 else -1) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        if n_env == streams > 1:  # environment e is stream e; a cut ends an episode as truncated
+            return pieces
         # a piece continues the stream whose held row has its first trajectory id, else
         # takes a stream with nothing held, else the one whose held row waited longest
         order = {s: i for i, s in enumerate(self._held)}

@@ -394,6 +394,14 @@ def test_flag_rules_and_leading_dims(tmp_path):
     index = rb.extend(_episode_td(10, [9], lead=(2, 3)))
     assert rb.buffer.num_streams == 6 and index.shape == (2, 3, 10) and len(rb) == 60
     assert rb.buffer.layout.lane(index.flatten().numpy()).tolist() == np.repeat(np.arange(6), 10).tolist()
+    # a trajectory id that changes with no episode end (a collector reset) ends the episode as truncated
+    traj = torch.tensor([[0] * 5 + [2] * 5, [1] * 10])
+    rb = ReplayBuffer(tmp_path / "d", capacity=100)
+    rb.extend(_episode_td(10, [], lead=(2,), traj=traj))
+    rb.commit()
+    got = rb.buffer.get(rb.buffer.layout.rows(0, np.arange(10)))
+    assert got["truncated"].nonzero().flatten().tolist() == [4, 9]
+    assert got["next_obs"][4].tolist() == [5.0] * 3  # its own next observation, kept as the final one
 
 
 def test_add_one_step(tmp_path):
