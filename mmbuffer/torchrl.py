@@ -279,6 +279,15 @@ class ReplayBuffer:
     def sampler(self) -> samplers.Sampler:
         return self._sampler
 
+    def set_sampler(self, sampler: samplers.Sampler) -> None:
+        """Sample with ``sampler`` from now on (TorchRL's name for it)."""
+        if not isinstance(sampler, samplers.Sampler):
+            raise errors.InvalidArgumentError(f"sampler: expected an mb.samplers spec, got {sampler!r}")
+        prioritized = isinstance(sampler, (samplers.Prioritized, samplers.PrioritizedSlices))
+        if prioritized and self._buf is not None and self._buf.priorities is None:
+            raise errors.InvalidArgumentError(f"sampler: {sampler!r} needs priorities; the store at {self.path} has none")
+        self._sampler = sampler
+
     def __len__(self) -> int:
         """Rows extended that the store still holds (live episodes, open ones whole)
         plus the rows held back (one per stream at most)."""
@@ -506,10 +515,12 @@ class ReplayBuffer:
         assert self._buf is not None and self._layout is not None
         buf, layout = self._buf, self._layout
         index = np.full(shape, -1, dtype=np.int64)
+        cursor = buf.view().written.copy()  # rows written per stream, advanced here
         for seg in segments:
             p, stream, n = seg.piece, seg.piece.stream, len(seg.end)
             if n:
-                start = int(buf.view().written[stream])
+                start = int(cursor[stream])
+                cursor[stream] += n
                 steps = {c: seg.rows[c] for c in layout.columns}
                 steps["terminated"], steps["truncated"] = seg.end & ~seg.trunc, seg.trunc
                 final = {c: seg.rows[f"next_{c}"][seg.end] for c in layout.derived} if layout.derived else None
