@@ -16,7 +16,7 @@ import mmbuffer as mb
 pytest.importorskip("torchrl")
 pytest.importorskip("gymnasium")
 tensordict = pytest.importorskip("tensordict")
-from mmbuffer.torchrl import ReplayBuffer  # noqa: E402
+from mmbuffer.torchrl import ReplayBuffer
 
 # torchrl 0.14 warns about its own deprecated internals on import and on use
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")
@@ -44,6 +44,11 @@ def cartpole():
     """3 batches of [2 envs, 48 steps] from CartPole (episodes of ~10-50 steps)."""
     batches, env = _collect("CartPole-v1", 2, 96, 3)
     return batches, env
+
+
+def _leaves(td):
+    """Every leaf key of a TensorDict with its shape and dtype."""
+    return {k: (v.shape, v.dtype) for k, v in td.items(include_nested=True, leaves_only=True)}
 
 
 def _stream_rows(buf, stream):
@@ -91,8 +96,7 @@ def test_sampled_rows_are_the_collectors_rows_in_torchrl_layout(tmp_path, cartpo
         rb.extend(td)
         ref.extend(td.reshape(-1))
     s, r = rb.sample(), ref.sample()
-    keys = lambda t: {k: (v.shape, v.dtype) for k, v in t.items(include_nested=True, leaves_only=True)}  # noqa: E731
-    assert keys(s) == keys(r)
+    assert _leaves(s) == _leaves(r)
     # every sampled row is the collector's row at its stream and position
     whole = torch.cat(list(batches), dim=1)
     lane = rb.buffer.capacity // 2
@@ -171,11 +175,11 @@ def test_dqn_loss_with_prioritized_sampling_and_td_error_priorities(tmp_path, ca
 
 def test_sac_loss_trains_on_sampled_batches(tmp_path):
     batches, env = _collect("Pendulum-v1", 2, 64, 2, seed=1)
+    from tensordict.nn import TensorDictModule
     from torch import nn
     from torchrl.modules import MLP, ProbabilisticActor, TanhNormal, ValueOperator
     from torchrl.modules.distributions import NormalParamExtractor
     from torchrl.objectives import SACLoss, SoftUpdate
-    from tensordict.nn import TensorDictModule
 
     rb = ReplayBuffer(tmp_path / "rb", capacity=500, batch_size=32, generator=torch.Generator().manual_seed(0))
     for td in batches:
@@ -224,8 +228,7 @@ def test_slices_flat_like_slicesampler_and_batched(tmp_path, cartpole):
         flat.extend(td)
         ref.extend(td.reshape(-1))
     s, r = flat.sample(), ref.sample()
-    keys = lambda t: {k: (v.shape, v.dtype) for k, v in t.items(include_nested=True, leaves_only=True)}  # noqa: E731
-    assert keys(s) == keys(r)
+    assert _leaves(s) == _leaves(r)
     w = s.reshape(8, 4)
     # consecutive steps of one episode; the window's last step is marked truncated and done
     torch.testing.assert_close(w["next", "observation"][:, :-1], w["observation"][:, 1:])
@@ -485,8 +488,7 @@ def test_a_converted_torchrl_dump_opens_in_torchrl_layout(tmp_path, cartpole):
     assert summary["forced_truncations"] > 0
     rb = ReplayBuffer(tmp_path / "store", batch_size=32)
     s, r = rb.sample(), ref.sample()
-    keys = lambda t: {k: (v.shape, v.dtype) for k, v in t.items(include_nested=True, leaves_only=True)}  # noqa: E731
-    assert keys(s) == keys(r)
+    assert _leaves(s) == _leaves(r)
     want = flat[s["index"]]  # one stream, rows in the dump's order
     for key in ["observation", ("next", "observation"), "action", ("next", "reward"), ("next", "terminated")]:
         torch.testing.assert_close(s[key], want[key])
