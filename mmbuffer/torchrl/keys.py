@@ -97,7 +97,15 @@ class KeyMap:
 
 
 def infer(td: Any, priority_key: Key) -> tuple[KeyMap, Columns]:
-    """The key map and the store columns of a first batch."""
+    """The key map and the store columns of a first batch.
+
+    >>> import pytest; td = pytest.importorskip("tensordict")
+    >>> batch = td.TensorDict({"observation": torch.zeros(5, 3), "next": {"observation": torch.zeros(5, 3),
+    ...     "reward": torch.zeros(5, 1), "done": torch.zeros(5, 1, dtype=torch.bool)}}, [5])
+    >>> keymap, columns = infer(batch, ("td_error",))
+    >>> columns, keymap.derived
+    ({'obs': ((3,), 'float32'), 'reward': ((1,), 'float32')}, ('obs',))
+    """
     lead = td.batch_dims
     leaves = {as_key(k): v for k, v in td.items(include_nested=True, leaves_only=True)}
     for key, value in leaves.items():

@@ -46,7 +46,12 @@ class Segment:
 
 
 def plan(ends: np.ndarray, traj: np.ndarray | None, num_streams: int, held: dict[int, Held]) -> list[Piece]:
-    """Cut a batch (``ends``/``traj``: ``[E, T]``) into pieces, one stream each."""
+    """Cut a batch (``ends``/``traj``: ``[E, T]``) into pieces, one stream each.
+
+    >>> ends = np.array([[False, True, False, False]])
+    >>> [(p.start, p.stop, p.stream) for p in plan(ends, np.array([[0, 0, 1, 2]]), 2, {})]
+    [(0, 3, 0), (3, 4, 1)]
+    """
     n_env, t = ends.shape
     if traj is None:
         if n_env not in (1, num_streams):
