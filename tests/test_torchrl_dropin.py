@@ -270,6 +270,13 @@ def test_update_priority_accepts_a_trailing_singleton_dim(tmp_path, cartpole):
     with pytest.raises(mb.errors.InvalidPriorityError):
         rb.update_priority(s["index"], torch.full((8, 1), -1.0))
     np.testing.assert_allclose(rb.buffer.leaf_priorities(s["index"]), 5.0)
+    td, info = rb.sample(return_info=True)  # TorchRL's (data, info) form
+    assert info["index"] is td["index"] and torch.equal(info["priority_weight"], td["priority_weight"])
+    rb.set_sampler(mb.samplers.PrioritizedSlices(4))  # windows, flat, priorities per row
+    w = rb.sample(8)
+    assert w["index"].shape == (8, 1) and w["priority_weight"].shape == (8,)
+    rb.update_priority(w["index"], torch.full((8, 1), 7.0))
+    np.testing.assert_allclose(rb.buffer.leaf_priorities(w["index"][:, 0]), 7.0)
 
 
 def test_uniform_buffer_ignores_priority_updates_like_torchrl(tmp_path, cartpole):
@@ -280,6 +287,9 @@ def test_uniform_buffer_ignores_priority_updates_like_torchrl(tmp_path, cartpole
     s["td_error"] = torch.rand(8, 1)
     rb.update_tensordict_priority(s)  # a no-op, as with TorchRL's RandomSampler
     assert "priority_weight" not in s.keys()
+    with pytest.raises(mb.errors.InvalidArgumentError, match="needs priorities"):
+        rb.set_sampler(mb.samplers.Prioritized())
+    assert rb.sampler == mb.samplers.Uniform()
 
 
 def test_checkpoint_and_reopen_give_the_same_rows(tmp_path, cartpole):
