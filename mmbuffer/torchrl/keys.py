@@ -1,0 +1,225 @@
+"""TensorDict keys <-> store columns for :mod:`mmbuffer.torchrl` (rules in its docstring).
+
+``KeyMap`` is the mapping a store keeps in ``attrs["torchrl_layout"]``; ``infer``
+builds it from a first batch, ``read_batch`` turns a batch into column arrays and
+``to_tensordict`` turns a sampled ``mb.Batch`` back into TorchRL's layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import errors, samplers
+from ..buffer import Buffer
+from ..gather import Batch
+
+WEIGHT_KEY = "priority_weight"  # TorchRL's PrioritizedSampler info key, read by its losses
+FLAGS = ("done", "terminated", "truncated")
+ATTR = "torchrl_layout"
+PRIORITY = "__priority__"  # the priority values carried with a batch's rows (never a column)
+
+Key = tuple[str, ...]
+Columns = dict[str, tuple[tuple[int, ...], str]]
+
+
+def as_key(key: str | Iterable[str]) -> Key:
+    return (key,) if isinstance(key, str) else tuple(key)
+
+
+@dataclass(slots=True)
+class KeyMap:
+    """Which TensorDict key each column holds (``derived``: next-derived columns,
+    whose ``("next", *key)`` is rebuilt), and the flags to give back."""
+
+    columns: dict[str, Key]
+    derived: tuple[str, ...]
+    next_flags: tuple[str, ...] = FLAGS
+    root_flags: tuple[str, ...] = FLAGS
+    flag_shape: tuple[int, ...] = (1,)
+    squeezed: tuple[str, ...] = ()  # columns stored without TorchRL's trailing [..., 1]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "columns": {k: list(v) for k, v in self.columns.items()},
+            "derived": list(self.derived),
+            "next_flags": list(self.next_flags),
+            "root_flags": list(self.root_flags),
+            "flag_shape": list(self.flag_shape),
+            "squeezed": list(self.squeezed),
+        }
+
+    def name_of(self, key: Key) -> str | None:
+        """The column holding ``key``, if any."""
+        for name, k in self.columns.items():
+            if k == key:
+                return name
+        return None
+
+    @classmethod
+    def from_store(cls, buf: Buffer) -> KeyMap:
+        """The map saved by :mod:`mmbuffer.torchrl`, or the converter's naming rules
+        for a store converted from a TorchRL dump (or any store: columns by path)."""
+        saved = buf.attrs.get(ATTR)
+        if isinstance(saved, dict):
+            try:
+                return cls(
+                    {str(k): tuple(map(str, v)) for k, v in saved["columns"].items()},
+                    tuple(saved["derived"]),
+                    tuple(saved["next_flags"]),
+                    tuple(saved["root_flags"]),
+                    tuple(int(x) for x in saved["flag_shape"]),
+                    tuple(saved.get("squeezed", ())),
+                )
+            except (KeyError, TypeError, ValueError) as exc:
+                raise errors.CorruptStoreError(
+                    f"{buf.path}: attrs[{ATTR!r}]: expected the layout mmbuffer.torchrl writes, got {saved!r} ({exc})"
+                ) from None
+        source = buf.attrs.get("torchrl", {})
+        paths = set(source.get("keys", [])) if isinstance(source, dict) else set()
+        columns: dict[str, Key] = {}
+        for name in buf.columns:
+            if name in ("terminated", "truncated"):
+                continue
+            if name == "obs" and ("observation" in paths or "obs" not in paths):
+                columns[name] = ("observation",)
+            elif name == "reward":
+                columns[name] = ("next", "reward")
+            else:
+                columns[name] = tuple(name.split("/"))
+        # the converter stores reward as a scalar; TorchRL's layout has [..., 1]
+        squeezed = ("reward",) if "reward" in buf.columns and buf.columns["reward"].shape == () else ()
+        return cls(columns, tuple(buf.next_keys), squeezed=squeezed)
+
+
+def infer(td: Any, priority_key: Key) -> tuple[KeyMap, Columns]:
+    """The key map and the store columns of a first batch.
+
+    >>> import pytest; td = pytest.importorskip("tensordict")
+    >>> batch = td.TensorDict({"observation": torch.zeros(5, 3), "next": {"observation": torch.zeros(5, 3),
+    ...     "reward": torch.zeros(5, 1), "done": torch.zeros(5, 1, dtype=torch.bool)}}, [5])
+    >>> keymap, columns = infer(batch, ("td_error",))
+    >>> columns, keymap.derived
+    ({'obs': ((3,), 'float32'), 'reward': ((1,), 'float32')}, ('obs',))
+    """
+    lead = td.batch_dims
+    leaves = {as_key(k): v for k, v in td.items(include_nested=True, leaves_only=True)}
+    for key, value in leaves.items():
+        if not isinstance(value, torch.Tensor):
+            raise errors.SchemaError(f"data[{key}]: expected a tensor, got {type(value).__name__}")
+    root = {k: v for k, v in leaves.items() if k[0] != "next"}
+    nxt = {k[1:]: v for k, v in leaves.items() if k[0] == "next" and len(k) > 1}
+    skip = {("index",), (WEIGHT_KEY,), priority_key}
+    columns: dict[str, Key] = {}
+    derived: list[str] = []
+    for key in root:
+        if key in skip or (len(key) == 1 and key[0] in FLAGS):
+            continue
+        name = "obs" if key == ("observation",) and ("obs",) not in root else "/".join(key)
+        columns[name] = key
+        if key in nxt:
+            derived.append(name)
+    for key in nxt:
+        if key in root or (len(key) == 1 and key[0] in FLAGS) or ("next", *key) in skip:
+            continue
+        name = "reward" if key == ("reward",) and "reward" not in columns else "next/" + "/".join(key)
+        columns[name] = ("next", *key)
+    next_flags = tuple(f for f in FLAGS if (f,) in nxt)
+    if not {"done", "terminated"} & set(next_flags):
+        raise errors.SchemaError(
+            f"data: expected ('next', 'terminated') or ('next', 'done') (episode ends), got keys {sorted(leaves)}"
+        )
+    flag = nxt[("terminated",) if "terminated" in next_flags else ("done",)]
+    keymap = KeyMap(columns, tuple(derived), next_flags, tuple(f for f in FLAGS if (f,) in root), tuple(flag.shape[lead:]))
+    spec = {name: (tuple(leaves[k].shape[lead:]), str(leaves[k].dtype).removeprefix("torch.")) for name, k in columns.items()}
+    return keymap, spec
+
+
+def read_batch(
+    td: Any, keymap: KeyMap, buf: Buffer, priority_key: Key
+) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray | None]:
+    """Columns (and ``next_<col>``, priorities) of a ``[*E, T]`` batch as ``[E, T, ...]``
+    arrays (views where the tensors allow), episode ends and truncations ``[E, T]``,
+    trajectory ids ``[E, T]`` or None. Every key, shape and dtype is checked here."""
+    lead = tuple(td.batch_size)
+    shape = (int(np.prod(lead[:-1])), lead[-1])
+    found = {as_key(k) for k in td.keys(include_nested=True, leaves_only=True)}
+    wanted = {*keymap.columns.values(), *(("next", *keymap.columns[c]) for c in keymap.derived)}
+    wanted |= {("next", f) for f in keymap.next_flags} | {(f,) for f in keymap.root_flags}
+    given = found - {("index",), (WEIGHT_KEY,), priority_key}
+    if given != wanted:
+        raise errors.SchemaError(
+            f"data: expected the keys of the store at {buf.path}, {sorted(wanted)}, got {sorted(given)} "
+            f"(missing {sorted(wanted - given)}, unknown {sorted(given - wanted)})"
+        )
+
+    def get(key: Key) -> np.ndarray:
+        value = td.get(key)
+        if not isinstance(value, torch.Tensor):
+            raise errors.SchemaError(f"data[{key}]: expected a tensor, got {type(value).__name__}")
+        out: np.ndarray = value.detach().cpu().reshape(shape + tuple(value.shape[len(lead) :])).numpy()
+        return out
+
+    values = {name: get(key) for name, key in keymap.columns.items()}
+    for name in keymap.squeezed:
+        if values[name].shape[2:] == (1,):
+            values[name] = values[name][..., 0]
+    for name in keymap.derived:
+        values[f"next_{name}"] = get(("next", *keymap.columns[name]))
+    for name, value in values.items():
+        base = name if name in keymap.columns else name[5:]
+        col = buf.columns[base]
+        if value.shape[2:] != col.shape or value.dtype != np.dtype(col.dtype):
+            key = keymap.columns[base] if name == base else ("next", *keymap.columns[base])
+            raise errors.SchemaError(
+                f"data[{key}] (column {name!r}): expected rows of shape {col.shape} and dtype {col.dtype}, "
+                f"got shape {value.shape[2:]} and dtype {value.dtype}"
+            )
+    for f in keymap.root_flags:
+        if get((f,)).any():
+            raise errors.InvalidArgumentError(f"data[{f!r}]: expected False (a step never starts from an ended state), got True")
+    flag = {f: get(("next", f)).reshape(shape).astype(bool) for f in keymap.next_flags}
+    term = flag.get("terminated", flag.get("done", np.zeros(shape, bool)))
+    trunc = flag.get("truncated", np.zeros(shape, bool))
+    if "done" in flag:
+        trunc = trunc | (flag["done"] & ~term)
+    if priority_key in found and buf.priorities is not None:
+        values[PRIORITY] = get(priority_key).reshape(shape + (-1,)).max(-1)
+    traj = values.get(keymap.name_of(("collector", "traj_ids")) or "")
+    return values, term | trunc, trunc, None if traj is None else traj.reshape(shape)
+
+
+def to_tensordict(b: Batch, keymap: KeyMap, spec: samplers.Sampler, *, flatten: bool) -> Any:
+    """A sampled batch in TorchRL's layout (see :mod:`mmbuffer.torchrl`)."""
+    from tensordict import TensorDict
+
+    shape = tuple(b.indices.shape)
+    out = TensorDict({}, batch_size=shape)
+    for name, key in keymap.columns.items():
+        out.set(key, b.data[name][..., None] if name in keymap.squeezed else b.data[name])
+    for name in keymap.derived:
+        out.set(("next", *keymap.columns[name]), b.data[f"next_{name}"])
+    term, trunc = b.data["terminated"], b.data["truncated"]
+    if spec.slices:  # as SliceSampler marks them: each window ends truncated
+        trunc = trunc.clone()
+        last = (b.mask.sum(1) - 1) if b.mask is not None else torch.full((shape[0],), shape[1] - 1)
+        trunc[torch.arange(shape[0]), last] = True
+        if b.mask is not None and not getattr(spec, "strict", True):
+            out.set(("collector", "mask"), b.mask)
+    flags = {"terminated": term, "truncated": trunc, "done": term | trunc}
+    fshape = shape + keymap.flag_shape
+    for f in keymap.next_flags:
+        out.set(("next", f), flags[f].reshape(fshape))
+    for f in keymap.root_flags:
+        out.set((f,), torch.zeros(fshape, dtype=torch.bool))
+    out.set("index", b.indices)
+    if isinstance(spec, (samplers.Prioritized, samplers.PrioritizedSlices)):
+        out.set(WEIGHT_KEY, b.weights[:, None].expand(shape).contiguous() if spec.slices else b.weights)
+    if spec.slices and flatten:
+        out = out.reshape(-1)
+        out.set("index", out.get("index")[:, None])  # [B * L, 1], as SliceSampler returns it
+    return out

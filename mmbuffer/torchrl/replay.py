@@ -1,0 +1,415 @@
+"""``ReplayBuffer``: TorchRL's replay-buffer interface over an mmbuffer store (see
+:mod:`mmbuffer.torchrl` for the rules); key mapping in ``keys.py``, stream
+planning in ``streams.py``, the writes and reads here."""
+
+from __future__ import annotations
+
+import os
+import weakref
+from pathlib import Path
+from typing import Any, Self
+
+import numpy as np
+import torch
+
+from .. import errors, samplers
+from ..buffer import Buffer
+from ..buffer import create as create_buffer
+from ..buffer import open as open_buffer
+from ..gather import Batch
+from ..schema import PriorityConfig
+from . import keys, streams
+from .keys import ATTR, PRIORITY, WEIGHT_KEY, Columns, Key, KeyMap
+
+__all__ = ["ReplayBuffer"]
+
+_REMEMBERED = 256
+
+
+class ReplayBuffer:
+    """A replay buffer with TorchRL's interface over an on-disk mmbuffer store.
+
+    Parameters
+    ----------
+    path
+        The store directory: reopened when it exists, else created at the first ``extend``.
+    capacity
+        Rows over all streams (rounded down to a multiple of the stream count);
+        needed to create the store.
+    batch_size
+        The default of ``sample`` (rows, for slice samplers).
+    sampler
+        An ``mb.samplers`` spec: ``Uniform()`` (default), ``Prioritized(beta)``,
+        ``Slices(L)``, ``PrioritizedSlices(L, beta)``.
+    num_streams
+        Streams of a store created from ``[T]`` batches (default 1; ``[E, T]`` batches give ``E``).
+    priorities
+        ``mb.PriorityConfig`` of a created store (default ``PriorityConfig()`` with a
+        prioritized sampler, none otherwise).
+    priority_key
+        The key ``update_tensordict_priority`` reads (TorchRL's ``"td_error"``).
+    flatten_slices
+        Return slices flat ``[B * L]`` like TorchRL (True) or as ``[B, L]``.
+    generator
+        A ``torch.Generator`` for sampling (the same state gives the same batch).
+    compression
+        ``None`` (raw, memory-mapped) or ``"zstd"`` / ``"lz4"`` for a created store.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        capacity: int | None = None,
+        batch_size: int | None = None,
+        sampler: samplers.Sampler | None = None,
+        num_streams: int | None = None,
+        priorities: PriorityConfig | None = None,
+        priority_key: str | Key = "td_error",
+        flatten_slices: bool = True,
+        generator: torch.Generator | None = None,
+        compression: str | None = None,
+    ) -> None:
+        _tensordict()  # the extra must be installed
+        self.path = Path(path)
+        self._sampler = sampler if sampler is not None else samplers.Uniform()
+        if not isinstance(self._sampler, samplers.Sampler):
+            raise errors.InvalidArgumentError(f"sampler: expected an mb.samplers spec, got {sampler!r}")
+        self._batch_size = _positive("batch_size", batch_size)
+        self._capacity = _positive("capacity", capacity)
+        self._num_streams = _positive("num_streams", num_streams)
+        prioritized = isinstance(self._sampler, (samplers.Prioritized, samplers.PrioritizedSlices))
+        self._priorities = priorities if priorities is not None else (PriorityConfig() if prioritized else None)
+        self.priority_key: Key = (priority_key,) if isinstance(priority_key, str) else tuple(priority_key)
+        self.flatten_slices = bool(flatten_slices)
+        self.generator = generator
+        self._compression = compression
+        self._buf: Buffer | None = None
+        self._layout: KeyMap | None = None
+        self._held: dict[int, streams.Held] = {}
+        self._uncommitted: np.ndarray = np.zeros(0, dtype=np.int64)
+        self._dangling: set[int] = set()
+        self._sampled: dict[int, tuple[weakref.ref[torch.Tensor], np.ndarray | None]] = {}
+        if self.path.exists():
+            self._attach(open_buffer(self.path))
+
+    def __repr__(self) -> str:
+        return (
+            f"ReplayBuffer({str(self.path)!r}, rows={len(self)}, batch_size={self._batch_size}, "
+            f"sampler={self._sampler!r})"
+        )
+
+    # -- the store -----------------------------------------------------------------------
+    @property
+    def buffer(self) -> Buffer:
+        """The underlying ``mb.Buffer`` (it exists from the first ``extend``, or at once
+        for a store that existed)."""
+        if self._buf is None:
+            raise errors.EmptyBufferError(f"buffer: expected a store at {self.path}, got none yet (it is created by the first extend)")
+        return self._buf
+
+    @property
+    def batch_size(self) -> int | None:
+        return self._batch_size
+
+    @property
+    def sampler(self) -> samplers.Sampler:
+        return self._sampler
+
+    def set_sampler(self, sampler: samplers.Sampler) -> None:
+        """Sample with ``sampler`` from now on (TorchRL's name for it)."""
+        if not isinstance(sampler, samplers.Sampler):
+            raise errors.InvalidArgumentError(f"sampler: expected an mb.samplers spec, got {sampler!r}")
+        prioritized = isinstance(sampler, (samplers.Prioritized, samplers.PrioritizedSlices))
+        if prioritized and self._buf is not None and self._buf.priorities is None:
+            raise errors.InvalidArgumentError(f"sampler: {sampler!r} needs priorities; the store at {self.path} has none")
+        self._sampler = sampler
+
+    def __len__(self) -> int:
+        """Rows extended that the store still holds (live episodes, open ones whole)
+        plus the rows held back (one per stream at most)."""
+        if self._buf is None:
+            return 0
+        view = self._buf.view()
+        return int(sum(int(view.written[s]) - lv.first_start for s, lv in enumerate(view.lanes))) + len(self._held)
+
+    def _attach(self, buf: Buffer) -> None:
+        try:
+            if self._capacity is not None and buf.capacity != self._capacity // buf.num_streams * buf.num_streams:
+                raise errors.SchemaError(
+                    f"capacity: expected the store's {buf.capacity} at {buf.path}, got {self._capacity}"
+                )
+            if isinstance(self._sampler, (samplers.Prioritized, samplers.PrioritizedSlices)) and buf.priorities is None:
+                raise errors.InvalidArgumentError(
+                    f"sampler: {self._sampler!r} needs priorities; the store at {buf.path} has none"
+                )
+            layout = KeyMap.from_store(buf)
+        except BaseException:
+            buf.close()
+            raise
+        self._buf, self._layout = buf, layout
+        self._uncommitted = np.zeros(buf.num_streams, dtype=np.int64)
+        view = buf.view()
+        # streams whose last episode is open (written by other code): nothing can close it
+        self._dangling = {s for s, lv in enumerate(view.lanes) if int(view.written[s]) > lv.open_start}
+
+    # -- writing -------------------------------------------------------------------------
+    def add(self, data: Any) -> int:
+        """One step (a TensorDict with no batch dims): ``extend(data.unsqueeze(0))``."""
+        return int(self.extend(data.unsqueeze(0))[0])
+
+    def extend(self, data: Any) -> torch.Tensor:
+        """Append a collector's TensorDict (``[T]`` or ``[E, T]``) and return the global
+        row of each of its rows (shape ``data.batch_size``; -1 for rows held back).
+
+        Raises ``SchemaError`` (keys, shapes, dtypes differ from the store's),
+        ``InvalidArgumentError`` or ``CapacityError`` (a stream given more rows than
+        its lane holds) before anything is written.
+        """
+        td = _as_tensordict(data)
+        if td.batch_dims == 0:
+            raise errors.InvalidArgumentError("data: expected a TensorDict with batch dims [T] or [E, T], got [] (use add)")
+        if td.numel() == 0:
+            return torch.full(tuple(td.batch_size), -1, dtype=torch.int64)
+        if ("collector", "mask") in td.keys(include_nested=True):
+            raise errors.InvalidArgumentError(
+                "data: expected a collector batch with split_trajs=False, got padded trajectories (('collector', 'mask'))"
+            )
+        if self._buf is None:
+            layout, columns = keys.infer(td, self.priority_key)
+            rows_per_env = td.batch_size[-1] if td.batch_dims > 1 else 0
+            n_streams = self._num_streams or (int(np.prod(td.batch_size[:-1])) if rows_per_env else 1)
+            self._create(layout, columns, n_streams)
+        assert self._buf is not None and self._layout is not None
+        buf = self._buf
+        values, ends, truncated, traj = keys.read_batch(td, self._layout, buf, self.priority_key)
+        lane = buf.capacity // buf.num_streams
+
+        def planned() -> list[streams.Segment]:
+            pieces = streams.plan(ends, traj, buf.num_streams, self._held)
+            return streams.segments(
+                pieces, values, ends, truncated, traj, self._held, lane_size=lane, dangling=self._dangling, where=self.path
+            )
+
+        segments = planned()
+        added = np.zeros_like(self._uncommitted)
+        np.add.at(added, [seg.piece.stream for seg in segments], [len(seg.end) for seg in segments])
+        if (self._uncommitted + added > lane).any():
+            # commit first (held rows end as truncated), before the store would commit on
+            # its own with an episode open; then plan again without held rows
+            self.commit()
+            segments = planned()
+        return self._write(segments, tuple(td.batch_size), ends.shape)
+
+    def _create(self, layout: KeyMap, columns: Columns, num_streams: int) -> None:
+        if self._capacity is None:
+            raise errors.InvalidArgumentError(f"capacity: expected the row capacity of the new store at {self.path}, got None")
+        capacity = self._capacity // num_streams * num_streams
+        if capacity == 0:
+            raise errors.InvalidArgumentError(f"capacity: expected at least num_streams={num_streams} rows, got {self._capacity}")
+        buf = create_buffer(
+            self.path,
+            columns,
+            capacity,
+            num_streams=num_streams,
+            compression=self._compression,
+            priorities=self._priorities,
+            next_keys=layout.derived,
+            attrs={ATTR: layout.to_json()},
+        )
+        self._attach(buf)
+
+    def _write(self, segments: list[streams.Segment], lead: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        """Write planned segments; return the global row of each batch row (-1: held)."""
+        assert self._buf is not None and self._layout is not None
+        buf, layout = self._buf, self._layout
+        index = np.full(shape, -1, dtype=np.int64)
+        cursor = buf.view().written.copy()  # rows written per stream, advanced here
+        for seg in segments:
+            p, stream, n = seg.piece, seg.piece.stream, len(seg.end)
+            if n:
+                start = int(cursor[stream])
+                cursor[stream] += n
+                steps = {c: seg.rows[c] for c in layout.columns}
+                steps["terminated"], steps["truncated"] = seg.end & ~seg.trunc, seg.trunc
+                final = {c: seg.rows[f"next_{c}"][seg.end] for c in layout.derived} if layout.derived else None
+                buf.extend(steps, stream=stream, final_obs=final)
+                self._uncommitted[stream] += n
+                written = buf.layout.rows(stream, start + np.arange(n))
+                if PRIORITY in seg.rows:
+                    buf.update_priorities(written, seg.rows[PRIORITY])
+                mine = written[seg.lead_in :]
+                index[p.env, p.start : p.start + len(mine)] = mine
+            self._held.pop(stream, None)
+            if seg.after is not None:
+                self._held[stream] = seg.after
+        return torch.from_numpy(index.reshape(lead))
+
+    def commit(self) -> int:
+        """Write the held rows as truncated episode ends, then ``buffer.commit()``."""
+        buf = self.buffer
+        layout = self._layout
+        assert layout is not None
+        for stream, h in sorted(self._held.items()):
+            steps = {c: h.values[c] for c in layout.columns}
+            steps["terminated"], steps["truncated"] = np.zeros(1, bool), np.ones(1, bool)
+            final = {c: h.values[f"next_{c}"] for c in layout.derived} if layout.derived else None
+            start = int(buf.view().written[stream])
+            buf.extend(steps, stream=stream, final_obs=final)
+            if PRIORITY in h.values:
+                buf.update_priorities(buf.layout.rows(stream, np.array([start])), h.values[PRIORITY])
+        self._held.clear()
+        self._uncommitted[:] = 0
+        return buf.commit()
+
+    def close(self) -> None:
+        """``commit`` and release the store (the object is unusable afterwards)."""
+        if self._buf is not None:
+            if self._buf.mode == "a":
+                self.commit()
+            self._buf.close()
+            self._buf = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- sampling ------------------------------------------------------------------------
+    def sample(self, batch_size: int | None = None, return_info: bool = False) -> Any:
+        """A TensorDict of ``batch_size`` rows (default: the preset ``batch_size``) in
+        TorchRL's layout; ``(td, info)`` with ``return_info=True`` (info: ``index``,
+        and ``priority_weight`` when prioritized)."""
+        size = _positive("batch_size", batch_size) or self._batch_size
+        if size is None:
+            raise errors.InvalidArgumentError("batch_size: expected a number here or at construction, got None for both")
+        buf, layout, spec = self.buffer, self._layout, self._sampler
+        assert layout is not None
+        items = size
+        if isinstance(spec, (samplers.Slices, samplers.PrioritizedSlices)):
+            length = spec.slice_len
+            if size % length:
+                raise errors.InvalidArgumentError(
+                    f"batch_size: expected a multiple of slice_len={length} (rows, as TorchRL's SliceSampler counts), got {size}"
+                )
+            items = size // length
+        b = buf.sample(items, self.generator, sampler=spec)
+        out = keys.to_tensordict(b, layout, spec, flatten=self.flatten_slices)
+        index = out.get("index")
+        self._remember(index, b.written_at)
+        if return_info:
+            info = {"index": index}
+            if WEIGHT_KEY in out.keys():
+                info[WEIGHT_KEY] = out.get(WEIGHT_KEY)
+            return out, info
+        return out
+
+    # -- priorities ----------------------------------------------------------------------
+    def update_priority(self, index: Any, priority: Any) -> None:
+        """Set the priorities of sampled rows: ``index`` as ``sample`` returned it,
+        ``priority`` of its shape (trailing singleton dims, ``[B, 1]``, are accepted).
+        Nothing happens when the store has no priorities (as TorchRL does without a
+        prioritized sampler)."""
+        buf = self.buffer
+        if buf.priorities is None:
+            return
+        idx = torch.as_tensor(index)
+        pri = torch.as_tensor(priority).detach()
+        while pri.ndim > idx.ndim and pri.shape[-1] == 1:
+            pri = pri.squeeze(-1)
+        entry = self._sampled.get(id(index))
+        written = entry[1] if entry is not None and entry[0]() is index else None
+        target: Any = Batch({}, idx, torch.ones(0), None, written) if written is not None else idx
+        buf.update_priorities(target, pri.to(torch.float64).cpu())
+
+    def update_tensordict_priority(self, data: Any) -> None:
+        """``update_priority(data["index"], data[priority_key])`` (a loss, say
+        ``DQNLoss``, writes ``td_error`` into the sampled TensorDict)."""
+        td = _as_tensordict(data)
+        if self.buffer.priorities is None:
+            return
+        self.update_priority(td.get("index"), td.get(self.priority_key))
+
+    def _remember(self, index: torch.Tensor, written: np.ndarray | None) -> None:
+        if len(self._sampled) >= _REMEMBERED:
+            self._sampled = {k: v for k, v in self._sampled.items() if v[0]() is not None}
+            while len(self._sampled) >= _REMEMBERED:
+                self._sampled.pop(next(iter(self._sampled)))
+        self._sampled[id(index)] = (weakref.ref(index), written)
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Commit, then the state that reopens this buffer: store path and generation,
+        batch size, generator state (no data: the store holds it)."""
+        generation = self.commit()
+        return {
+            "path": str(self.path),
+            "generation": generation,
+            "batch_size": self._batch_size,
+            "generator": None if self.generator is None else self.generator.get_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Reopen the store ``state`` names (refused if older than ``state``'s commit)."""
+        try:
+            path, generation = Path(state["path"]), int(state["generation"])
+        except (KeyError, TypeError, ValueError):
+            raise errors.InvalidArgumentError(f"state: expected a dict from state_dict(), got {state!r}") from None
+        self._reopen(path)
+        assert self._buf is not None
+        if self._buf.generation < generation:
+            raise errors.CorruptStoreError(
+                f"{path}: expected a store at commit {generation} or later (the state's), got commit {self._buf.generation}"
+            )
+        self._batch_size = state.get("batch_size", self._batch_size)
+        if state.get("generator") is not None:
+            self.generator = self.generator or torch.Generator()
+            self.generator.set_state(state["generator"])
+
+    def dumps(self, path: str | os.PathLike[str]) -> None:
+        """Commit; copy the store to ``path`` unless ``path`` is the store itself."""
+        self.commit()
+        if Path(path).resolve() != self.path.resolve():
+            from ..convert import copy
+
+            copy(self.buffer, path, progress=False)
+
+    def loads(self, path: str | os.PathLike[str]) -> None:
+        """Make the store at ``path`` (from ``dumps``) this buffer's store."""
+        self._reopen(Path(path))
+
+    save = dump = dumps
+    load = loads
+
+    def _reopen(self, path: Path) -> None:
+        if not path.exists():
+            raise errors.StoreNotFoundError(f"path: expected a store at {path}, found nothing")
+        self.close()
+        self.path = path
+        self._held.clear()
+        self._attach(open_buffer(path))
+
+
+def _tensordict() -> Any:
+    try:
+        import tensordict
+    except ImportError:  # pragma: no cover - the extra is installed where tests run
+        raise errors.InvalidArgumentError(
+            "mmbuffer.torchrl: expected tensordict installed (pip install 'mmbuffer[torchrl]'), got an ImportError"
+        ) from None
+    return tensordict
+
+
+def _as_tensordict(data: Any) -> Any:
+    if not isinstance(data, _tensordict().TensorDictBase):
+        raise errors.InvalidArgumentError(f"data: expected a TensorDict, got {type(data).__name__}")
+    return data
+
+
+def _positive(what: str, value: int | None) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise errors.InvalidArgumentError(f"{what}: expected a positive integer, got {value!r}")
+    return int(value)

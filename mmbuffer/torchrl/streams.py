@@ -1,0 +1,138 @@
+"""Which stream each part of a batch goes to, and the rows held back between batches
+(rules in :mod:`mmbuffer.torchrl`'s docstring). Pure functions over the held rows:
+nothing here writes."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .. import errors
+
+
+@dataclass(slots=True)
+class Held:
+    """A stream's last row, held until the next batch says whether its episode goes on."""
+
+    values: dict[str, np.ndarray]  # column, "next_<col>" (and priority) -> [1, ...]
+    traj: int | None
+
+
+@dataclass(slots=True)
+class Piece:
+    """Rows ``[start, stop)`` of environment row ``env`` of a batch, for one stream."""
+
+    env: int
+    start: int
+    stop: int
+    stream: int = -1
+    continues: bool = False
+
+
+@dataclass(slots=True)
+class Segment:
+    """What one piece writes: ``rows`` (the stream's held row first when ``lead_in``
+    is 1) with their episode ends, and the row held back after them."""
+
+    piece: Piece
+    rows: dict[str, np.ndarray]
+    end: np.ndarray
+    trunc: np.ndarray
+    after: Held | None
+    lead_in: int
+
+
+def plan(ends: np.ndarray, traj: np.ndarray | None, num_streams: int, held: dict[int, Held]) -> list[Piece]:
+    """Cut a batch (``ends``/``traj``: ``[E, T]``) into pieces, one stream each.
+
+    >>> ends = np.array([[False, True, False, False]])
+    >>> [(p.start, p.stop, p.stream) for p in plan(ends, np.array([[0, 0, 1, 2]]), 2, {})]
+    [(0, 3, 0), (3, 4, 1)]
+    """
+    n_env, t = ends.shape
+    if traj is None:
+        if n_env not in (1, num_streams):
+            raise errors.SchemaError(
+                f"data: expected [{num_streams}, T] batches (the store's streams) or ('collector', 'traj_ids'), got [{n_env}, {t}]"
+            )
+        return [Piece(e, 0, t, e) for e in range(n_env)]
+    direct = n_env == num_streams > 1  # environment e is stream e
+    pieces: list[Piece] = []
+    for e in range(n_env):
+        # a trajectory id that changes with no episode end: the piece before ends truncated
+        cuts = np.flatnonzero((traj[e, 1:] != traj[e, :-1]) & ~ends[e, :-1]) + 1
+        bounds = [0, *cuts.tolist(), t]
+        pieces += [Piece(e, a, b, e if direct else -1) for a, b in itertools.pairwise(bounds)]
+    if direct:
+        return pieces
+    # a piece continues the stream whose held row has its first trajectory id, else
+    # takes a stream with nothing held, else the one whose held row waited longest
+    order = {s: i for i, s in enumerate(held)}
+    free = [s for s in range(num_streams) if s not in held]
+    owner = {h.traj: s for s, h in held.items() if h.traj is not None}
+    taken: set[int] = set()
+    for p in pieces:
+        s = owner.get(int(traj[p.env, p.start]))
+        if s is not None and s not in taken:
+            p.stream, p.continues = s, True
+        elif free:
+            p.stream = free.pop(0)
+        else:
+            p.stream = min(range(num_streams), key=lambda s: (s in taken, order.get(s, -1)))
+        taken.add(p.stream)
+        owner = {k: v for k, v in owner.items() if v != p.stream}
+        if p.stop == t and not ends[p.env, t - 1]:
+            owner[int(traj[p.env, t - 1])] = p.stream
+    return pieces
+
+
+def segments(
+    pieces: list[Piece],
+    values: dict[str, np.ndarray],
+    ends: np.ndarray,
+    truncated: np.ndarray,
+    traj: np.ndarray | None,
+    held: dict[int, Held],
+    *,
+    lane_size: int,
+    dangling: set[int],
+    where: Path,
+) -> list[Segment]:
+    """Per piece, in order: the rows to write to its stream (its held row first),
+    their flags, and the row to hold back after; every refusal is raised here,
+    before anything is written."""
+    out = []
+    held = dict(held)
+    totals: dict[int, int] = {}
+    for p in pieces:
+        rows = {k: v[p.env, p.start : p.stop] for k, v in values.items()}
+        end = ends[p.env, p.start : p.stop]
+        trunc = truncated[p.env, p.start : p.stop]
+        before = held.pop(p.stream, None)
+        if before is not None:
+            goes_on = p.continues or traj is None or before.traj == int(traj[p.env, p.start])
+            rows = {k: np.concatenate([before.values[k], v]) for k, v in rows.items()}
+            end = np.concatenate([[not goes_on], end])
+            trunc = np.concatenate([[not goes_on], trunc])
+        after = None
+        if not end[-1]:
+            after = Held({k: v[-1:].copy() for k, v in rows.items()}, None if traj is None else int(traj[p.env, p.stop - 1]))
+            rows = {k: v[:-1] for k, v in rows.items()}
+            end, trunc = end[:-1], trunc[:-1]
+            held[p.stream] = after
+        totals[p.stream] = totals.get(p.stream, 0) + len(end)
+        if totals[p.stream] > lane_size:
+            raise errors.CapacityError(
+                f"data: expected at most a lane of {lane_size} rows per stream per extend, got {totals[p.stream]} "
+                f"for stream {p.stream} of the store at {where}"
+            )
+        if len(end) and p.stream in dangling:
+            raise errors.SchemaError(
+                f"data: stream {p.stream} of the store at {where} ends in an open episode written by other code; "
+                "expected none (its next observation is unknown, so no new episode can follow it)"
+            )
+        out.append(Segment(p, rows, end, trunc, after, 0 if before is None else 1))
+    return out
