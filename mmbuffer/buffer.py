@@ -231,7 +231,15 @@ class Buffer(Store):
 
     # -- helpers -----------------------------------------------------------------------
     @locked
-    def read_batch(self, draw: Callable[[np.ndarray], Draw], size: int, names: list[str]) -> Batch:
+    def read_batch(
+        self,
+        draw: Callable[[np.ndarray], Draw],
+        size: int,
+        names: list[str],
+        *,
+        out: Mapping[str, torch.Tensor] | None = None,
+        recheck: bool | None = None,
+    ) -> Batch:
         """Gather the rows that ``draw`` picks for batch positions ``arange(size)``.
 
         ``draw(positions)`` returns ``(rows, weights, mask or None, lane cursors)``
@@ -242,11 +250,13 @@ class Buffer(Store):
         (:func:`overwritten`); the items that fail are drawn again from a fresh
         view and copied again, until none fails. What a reader returns was
         therefore never being rewritten while it was read. The writer needs no
-        check: its writes take the same lock.
+        check while the caller holds the lock (its writes take the same lock); a
+        caller that gathers without it (``mb.stream``'s parallel workers) passes
+        ``recheck=True``. ``out``: caller tensors the columns are gathered into.
         """
         rows, weights, mask, written = draw(np.arange(size))
-        data = gather(self, rows, names)
-        if self.mode == "r":
+        data = gather(self, rows, names, out)
+        if self.mode == "r" if recheck is None else recheck:
             cursors = written[self.layout.lane(_first_rows(rows, size))]
             for _ in range(_MAX_REREADS):
                 bad = np.flatnonzero(overwritten(self.layout, rows, cursors, self.reservation()))
@@ -273,7 +283,8 @@ class Buffer(Store):
         indices = torch.from_numpy(rows)
         batch = Batch(data, indices, torch.from_numpy(weights), mask_t, written.copy())
         if self._tree is not None:
-            self._remember(indices, batch.written_at)
+            with self.lock:  # stream workers may read batches concurrently
+                self._remember(indices, batch.written_at)
         return batch
 
     def _remember(self, indices: torch.Tensor, written: np.ndarray | None) -> None:
