@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mmbuffer as mb  # noqa: E402
 from mmbuffer.data import BufferDataset  # noqa: E402
 
-DEFAULT_MODES = "compute,sync,stream1,stream2,stream4,loader2,loader8,alone_stream1,alone_stream2,alone_stream4,alone_loader2,alone_loader8,wide_compute,wide_sync,wide_stream2"
+DEFAULT_MODES = "compute,sync,stream1,stream2,stream4,loader2,loader8,loaderfs8,alone_stream1,alone_stream2,alone_stream4,alone_loader2,alone_loader8,alone_loaderfs8,wide_compute,wide_sync,wide_stream2"
 
 
 def build(path: Path, rows: int, episode: int) -> None:
@@ -227,7 +227,13 @@ def main() -> int:
                 rate = timed(iter(s), step, args.warmup, args.steps)
             report(f"{tag}mb.stream(device=cuda, workers={workers or 'default'})", rate, None if alone else hidden)
         elif kind.startswith("loader"):
-            nw = int(kind[6:])
+            # loaderfs: torch's "file_system" sharing strategy (no file descriptor
+            # passed per shared tensor; the default is "file_descriptor")
+            fs = kind.startswith("loaderfs")
+            nw = int(kind[8:] if fs else kind[6:])
+            strategy = torch.multiprocessing.get_sharing_strategy()
+            if fs:
+                torch.multiprocessing.set_sharing_strategy("file_system")
             ds = BufferDataset(path, B, L)
             loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=nw, pin_memory=dev.type == "cuda", prefetch_factor=4)
 
@@ -238,7 +244,10 @@ def main() -> int:
             it = moved()
             rate = timed(it, step, args.warmup, args.steps)
             it.close()
-            report(f"{tag}DataLoader(BufferDataset, {nw} workers, pin_memory)", rate, None if alone else hidden)
+            del loader
+            torch.multiprocessing.set_sharing_strategy(strategy)
+            fsname = ", file_system sharing" if fs else ""
+            report(f"{tag}DataLoader(BufferDataset, {nw} workers, pin_memory{fsname})", rate, None if alone else hidden)
         else:
             print(f"| unknown mode {mode!r} | | | |")
     buf.close()

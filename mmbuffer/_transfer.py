@@ -111,17 +111,21 @@ class BlockLayout:
         """A new block (page-locked with ``pin``)."""
         return torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=pin)
 
-    def pack(self, batch: Batch, block: torch.Tensor | None = None) -> PackedBatch:
-        """``batch`` copied into ``block`` (default: a new one) as a :class:`PackedBatch`."""
+    def pack(self, batch: Batch, block: torch.Tensor | None = None, views: dict[str, Any] | None = None) -> PackedBatch:
+        """``batch`` copied into ``block`` (default: a new one) as a :class:`PackedBatch`
+        (``views``: ``self.views(block)``, when the caller has them already)."""
         block = self.empty() if block is None else block
-        packed = PackedBatch(block, self, batch.written_at)
-        for name, value in batch.data.items():
-            if value.data_ptr() != packed.data[name].data_ptr():  # gathered in place already
-                packed.data[name].copy_(value)
-        packed.indices.copy_(batch.indices)
-        packed.weights.copy_(batch.weights)
+        packed = PackedBatch(block, self, batch.written_at, views=views)
+        pairs = [(packed.data[k], v) for k, v in batch.data.items()]
+        pairs += [(packed.indices, batch.indices), (packed.weights, batch.weights)]
         if packed.mask is not None and batch.mask is not None:
-            packed.mask.copy_(batch.mask)
+            pairs.append((packed.mask, batch.mask))
+        for dst, src in pairs:
+            if dst.data_ptr() != src.data_ptr():  # else gathered in place already
+                # numpy: one plain copy without the GIL; torch's copy_ of a large CPU
+                # tensor fans out to its intra-op threads, which a loaded host (or a
+                # training step using them) makes slow
+                np.copyto(dst.numpy(), src.numpy())
         return packed
 
 
@@ -135,8 +139,10 @@ class PackedBatch(Batch):
 
     __slots__ = ("block", "layout")
 
-    def __init__(self, block: torch.Tensor, layout: BlockLayout, written_at: np.ndarray | None = None) -> None:
-        views = layout.views(block)
+    def __init__(
+        self, block: torch.Tensor, layout: BlockLayout, written_at: np.ndarray | None = None, *, views: dict[str, Any] | None = None
+    ) -> None:
+        views = layout.views(block) if views is None else views
         super().__init__(views["data"], views["indices"], views["weights"], views["mask"], written_at)
         self.block = block
         self.layout = layout
@@ -260,7 +266,7 @@ def read_into(
     if out is None:
         return batch
     assert layout is not None and block is not None
-    return layout.pack(batch, block)
+    return layout.pack(batch, block, out)
 
 
 def _read(buf: Any, draw: Callable[[np.ndarray], Draw], size: int, names: list[str], out: dict[str, Any] | None, hold_lock: bool) -> Batch:
