@@ -229,8 +229,9 @@ class BufferDataset(IterableDataset[Batch]):
             block = None if layout is None else layout.empty()
             batch = read_into(buf, self.sampler, self.batch_size, names, generator, block=block, layout=layout)
             if not isinstance(batch, PackedBatch):  # the first batch fixes the layout
-                layout = layout or BlockLayout.of(batch)
-                batch = BlockLayout.of(batch).pack(batch)
+                own = BlockLayout.of(batch)
+                layout = layout or own
+                batch = own.pack(batch)
             yield batch
             n += 1
 

@@ -522,3 +522,37 @@ def test_cuda_pin_memory_without_device_gives_pinned_blocks(tmp_path):
         assert b.block.is_pinned() and b["obs"].is_pinned()
         _same(b, buf.sample_slices(8, 4, generator=g2))
         _same(b.to("cuda", non_blocking=True).to("cpu"), b)
+
+
+def test_pool_orders_items_by_ticket_and_reraises_in_place():
+    """Items come out in ticket order although later tickets finish first; an error
+    raised after a ticket surfaces at that ticket's place, one raised before any
+    ticket at the next get."""
+    from mmbuffer._producer import Pool
+
+    order = threading.Lock()
+
+    def make(ticket, stop):
+        with order:
+            n = ticket()
+        time.sleep(0.02 if n % 3 == 0 else 0)  # ticket 0, 3, ... finish last
+        if n == 7:
+            raise KeyError(n)
+        return n
+
+    p = Pool(make, workers=3, depth=6, limit=None, name="mmbuffer-stream")
+    p.start()
+    assert [p.get() for _ in range(7)] == list(range(7))
+    with pytest.raises(KeyError):
+        p.get()
+    assert p.failed
+    p.close()
+
+    def broken(ticket, stop):
+        raise ValueError("before the ticket")
+
+    q = Pool(broken, workers=2, depth=2, limit=None, name="mmbuffer-stream")
+    q.start()
+    with pytest.raises(ValueError, match="before the ticket"):
+        q.get()
+    q.close()
