@@ -19,6 +19,12 @@ On a machine where other processes take the second core the step itself slows
 down (the worker's 2-3 ms per batch must run somewhere): the wait column tells
 that apart from waiting on data.
 
+``--step launch`` stands in for a launch-bound GPU step (small layers): a
+calibrated number of tiny in-place torch ops, so the training thread spends the
+step in Python and torch's dispatcher, holding the GIL between ops; whatever GIL
+time the stream's workers take comes straight off its rate. It is the CPU-side
+proxy of ``bench_gpu.py``'s TD-MPC2 loop.
+
 The step. ``--step busy`` (default) multiplies matrices with torch on one
 intra-op thread, calibrated to the step time: like a real forward/backward it
 occupies a core and releases the GIL inside its kernels, so the prefetch thread
@@ -85,11 +91,15 @@ def make_step(kind: str, ms: float):
         return lambda: time.sleep(ms / 1e3)
     a = torch.randn(128, 128)
     b = torch.randn(128, 128)
+    x = torch.zeros(16)
     reps = 1
 
     def step() -> None:
         for _ in range(reps):
-            torch.mm(a, b)
+            if kind == "launch":
+                x.add_(1.0)  # tiny: the thread spends its time in Python and torch's dispatch
+            else:
+                torch.mm(a, b)
 
     for _ in range(8):  # calibrate: scale the repetitions until 40 steps take 40 * ms
         t = time.perf_counter()
@@ -103,6 +113,7 @@ def make_step(kind: str, ms: float):
 SLOW = "stream, switch interval 5 ms (CPython default)"
 FAST = "stream (switch interval 0.5 ms, the default)"
 PER = "stream, prioritized, + update_priorities"
+TWO = "stream, 2 workers (gathers outside the buffer lock)"
 
 
 def measure(buf, step, B: int, L: int, n: int, prefetch: int, repeats: int, g: torch.Generator) -> list:
@@ -118,9 +129,9 @@ def measure(buf, step, B: int, L: int, n: int, prefetch: int, repeats: int, g: t
 
     waits: dict[str, float] = {}
 
-    def streamed(k: int, interval: float | None = 5e-4, name: str = "") -> None:
+    def streamed(k: int, interval: float | None = 5e-4, name: str = "", workers: int = 1) -> None:
         with mb_stream(buf, B, slice_len=L, prefetch=prefetch, num_batches=k, generator=g,
-                       switch_interval=interval) as s:
+                       switch_interval=interval, workers=workers) as s:
             waited = 0.0
             for _ in range(k):
                 t = time.perf_counter()
@@ -153,6 +164,7 @@ def measure(buf, step, B: int, L: int, n: int, prefetch: int, repeats: int, g: t
         ("sync: sample_slices + step", sync, "compute only"),
         (SLOW, lambda k: streamed(k, None, SLOW), "compute only"),
         (FAST, lambda k: streamed(k, 5e-4, FAST), "compute only"),
+        (TWO, lambda k: streamed(k, 5e-4, TWO, workers=2), "compute only"),
         ("compute + update_priorities", compute_per, "compute + update_priorities"),
         (PER, streamed_per, "compute + update_priorities"),
     ]
@@ -178,7 +190,7 @@ def main() -> None:
     p.add_argument("--slices", type=int, default=256)
     p.add_argument("--slice-len", type=int, default=64)
     p.add_argument("--step-ms", type=float, default=5.0)
-    p.add_argument("--step", choices=("busy", "sleep", "both"), default="both")
+    p.add_argument("--step", choices=("busy", "sleep", "launch", "both"), default="both")
     p.add_argument("--batches", type=int, default=400)
     p.add_argument("--prefetch", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3, help="best of")

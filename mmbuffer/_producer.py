@@ -1,8 +1,10 @@
-"""One background producer thread: run an iterator a bounded number of items ahead.
+"""Background producer threads: run an iterator (or N workers) a bounded number of items ahead.
 
 Both :mod:`mmbuffer.stream` (sample and gather batches while the caller trains)
 and the converters (read and checksum the source while the store is written)
 overlap a producer with a consumer the same way; this module is that one way.
+:class:`Pool` is the same with several threads whose items are numbered and
+delivered in number order (the stream's parallel workers).
 
 * The thread pulls items from ``source`` and puts them on a queue of ``depth``
   items, so the producer runs at most ``depth + 1`` items ahead.
@@ -35,10 +37,10 @@ from __future__ import annotations
 import queue
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
-__all__ = ["POLL_S", "Producer"]
+__all__ = ["POLL_S", "Exhausted", "Pool", "Producer"]
 
 T = TypeVar("T")
 
@@ -169,3 +171,171 @@ def _drain(q: queue.Queue[Any]) -> None:
             q.get_nowait()
         except queue.Empty:
             return
+
+
+class Exhausted(Exception):
+    """Raised by a :class:`Pool`'s ``ticket()`` once ``limit`` numbers were handed out."""
+
+
+class Pool(Generic[T]):
+    """``workers`` daemon threads making numbered items; :meth:`get` returns them in number order.
+
+    Each thread loops: wait until fewer than ``depth`` items are made or being
+    made ahead of :meth:`get`, then call ``make(ticket, stop)``. ``make`` calls
+    ``ticket()`` once, at the moment that fixes the item's place in the sequence
+    (inside whatever lock orders its random draws), and returns the item; the
+    item then gets that number. Items come out of :meth:`get` in number order,
+    so several threads give the sequence one thread would.
+
+    * ``ticket()`` raises :class:`Exhausted` once ``limit`` numbers were handed
+      out; the thread then ends. :meth:`get` raises ``StopIteration`` after item
+      ``limit - 1`` (or, with no limit, when every thread has ended).
+    * An exception raised by ``make`` after its ticket is re-raised by the
+      :meth:`get` that would have returned that item; one raised before (no
+      number) by the next :meth:`get`. The thread that raised ends.
+    * ``stop`` is set by :meth:`close`; ``make`` should look at it while it waits
+      on anything but the lock its draws take. Exceptions raised once it is set
+      are dropped.
+    * Threads hold references to the shared state and to ``make`` only, never to
+      the object that owns the :class:`Pool`.
+
+    >>> import threading
+    >>> order = threading.Lock()
+    >>> def make(ticket, stop):
+    ...     with order:
+    ...         n = ticket()
+    ...     return n * n
+    >>> p = Pool(make, workers=3, depth=4, limit=5, name="example")
+    >>> p.start()
+    >>> [p.get() for _ in range(5)]
+    [0, 1, 4, 9, 16]
+    >>> p.get()
+    Traceback (most recent call last):
+        ...
+    StopIteration
+    >>> p.close()
+    """
+
+    def __init__(
+        self,
+        make: Callable[[Callable[[], int], threading.Event], T],
+        *,
+        workers: int,
+        depth: int,
+        limit: int | None,
+        name: str,
+    ) -> None:
+        self._state = _PoolState(workers, depth, limit)
+        self._closed = False
+        #: Whether :meth:`get` has re-raised an exception of ``make``.
+        self.failed = False
+        self._threads = [
+            threading.Thread(target=_work, args=(make, self._state), name=name, daemon=True) for _ in range(workers)
+        ]
+
+    def start(self) -> None:
+        """Start the threads."""
+        for t in self._threads:
+            t.start()
+
+    def get(self) -> T:
+        """The next item in number order (blocks); see the class docstring for errors."""
+        s = self._state
+        with s.cond:
+            while True:
+                if s.limit is not None and s.delivered >= s.limit:
+                    raise StopIteration
+                if s.delivered in s.results:
+                    exc, value = s.results.pop(s.delivered)
+                    s.delivered += 1
+                    s.credits.release()
+                    if exc is not None:
+                        self.failed = True
+                        raise exc
+                    return value  # type: ignore[no-any-return]
+                if s.fatal is not None:
+                    self.failed = True
+                    raise s.fatal
+                if s.running == 0:
+                    raise StopIteration
+                s.cond.wait(POLL_S)
+
+    def qsize(self) -> int:
+        """Items made and not yet taken."""
+        with self._state.cond:
+            return len(self._state.results)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the threads and wait for each (at most ``timeout`` seconds); idempotent.
+
+        Items not yet taken are dropped."""
+        if self._closed:
+            return
+        self._closed = True
+        s = self._state
+        s.stop.set()
+        for t in self._threads:
+            if t.ident is not None and t is not threading.current_thread() and not sys.is_finalizing():
+                t.join(timeout)
+        with s.cond:
+            s.results.clear()
+
+
+class _PoolState:
+    def __init__(self, workers: int, depth: int, limit: int | None) -> None:
+        self.cond = threading.Condition()
+        self.stop = threading.Event()
+        self.credits = threading.Semaphore(depth)
+        self.limit = limit
+        self.results: dict[int, tuple[BaseException | None, Any]] = {}
+        self.issued = 0
+        self.delivered = 0
+        self.running = workers
+        self.fatal: BaseException | None = None
+
+    def ticket(self) -> int:
+        with self.cond:
+            if self.limit is not None and self.issued >= self.limit:
+                raise Exhausted
+            self.issued += 1
+            return self.issued - 1
+
+
+def _work(make: Callable[[Callable[[], int], threading.Event], Any], s: _PoolState) -> None:
+    """A pool thread: make items until stopped, exhausted or failed."""
+    try:
+        while not s.stop.is_set():
+            if not s.credits.acquire(timeout=POLL_S):
+                continue
+            number: list[int] = []
+
+            def ticket() -> int:
+                number.append(s.ticket())
+                return number[0]
+
+            try:
+                item = make(ticket, s.stop)
+            except Exhausted:
+                return
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
+                if not s.stop.is_set():
+                    with s.cond:
+                        if number:
+                            s.results[number[0]] = (exc, None)
+                        elif s.fatal is None:
+                            s.fatal = exc
+                        s.cond.notify_all()
+                return
+            if not number:
+                with s.cond:
+                    s.fatal = s.fatal or RuntimeError("Pool: make() returned without taking a ticket")
+                return
+            with s.cond:
+                if not s.stop.is_set():
+                    s.results[number[0]] = (None, item)
+                    s.cond.notify_all()
+            del item  # hold no reference while the next one is made
+    finally:
+        with s.cond:
+            s.running -= 1
+            s.cond.notify_all()

@@ -411,8 +411,15 @@ class Buffer:
         return self.read_batch(spec.plan(self, n, generator, self._sampler_cache), n, names)
 
     # -- helpers -----------------------------------------------------------------------
-    @locked
-    def read_batch(self, draw: Callable[[np.ndarray], Draw], size: int, names: list[str]) -> Batch:
+    def read_batch(
+        self,
+        draw: Callable[[np.ndarray], Draw],
+        size: int,
+        names: list[str],
+        *,
+        out: Mapping[str, torch.Tensor] | None = None,
+        recheck: bool | None = None,
+    ) -> Batch:
         """Gather the rows that ``draw`` picks for batch positions ``arange(size)``.
 
         ``draw(positions)`` returns ``(rows, weights, mask or None, lane cursors)``
@@ -420,8 +427,16 @@ class Buffer:
         rank lookup). In a reader the copy is re-checked against the writer and
         what it may have rewritten meanwhile is drawn and read again
         (``mmbuffer.recheck``). Padded window positions read as zeros.
+        ``out``: caller tensors the columns are gathered into. ``recheck=True``
+        gathers without holding the store's lock and re-checks the items as a
+        reader does, also in the writer's process (``mb.stream``'s parallel
+        workers: their gathers run beside each other and beside ``extend``).
         """
-        data, (rows, weights, mask, written) = read_checked(self._store, draw, size, names)
+        if recheck:
+            data, (rows, weights, mask, written) = read_checked(self._store, draw, size, names, out=out, recheck=True)
+        else:
+            with self.lock:
+                data, (rows, weights, mask, written) = read_checked(self._store, draw, size, names, out=out)
         mask_t = None
         if mask is not None:
             mask_t = torch.from_numpy(mask)
@@ -431,7 +446,8 @@ class Buffer:
         indices = torch.from_numpy(rows)
         batch = Batch(data, indices, torch.from_numpy(weights), mask_t, written.copy())
         if self.priorities is not None:
-            self._remember(indices, batch.written_at)
+            with self.lock:  # stream workers read batches concurrently
+                self._remember(indices, batch.written_at)
         return batch
 
     def _remember(self, indices: torch.Tensor, written: np.ndarray | None) -> None:

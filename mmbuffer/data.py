@@ -5,9 +5,13 @@ yields whole :class:`~mmbuffer.Batch` objects (``batch_size=None`` turns off the
 loader's own batching). Each worker process opens the store read-only itself
 (``mb.open(path, "r")``); the columns are memory-mapped, so all workers and ranks
 on a machine share one copy in the page cache and each process's memory stays
-flat. ``DataLoader``'s default conversion passes a ``Batch`` through unchanged and
-its ``pin_memory=True`` calls ``Batch.pin_memory()``; a batch crossing from a
-worker travels as shared-memory tensors.
+flat. Each batch is gathered straight into one flat block (a
+:class:`~mmbuffer._transfer.PackedBatch`, a ``Batch`` whose tensors are views into
+it), so a batch crosses from a worker as one shared-memory segment (one file
+descriptor, one map in the main process, whatever the number of columns),
+``DataLoader``'s ``pin_memory=True`` pins one tensor (it calls
+``Batch.pin_memory()``), and ``b.to("cuda", non_blocking=True)`` is one copy.
+``DataLoader``'s default conversion passes a ``Batch`` through unchanged.
 
 Random mode (``epoch=False``, the default): every worker draws i.i.d. batches
 (``sample`` / ``sample_slices``) from its own ``torch.Generator``, seeded from
@@ -61,7 +65,8 @@ from ._checks import check_int
 from .buffer import Buffer
 from .buffer import open as open_store
 from .epoch import EpochSampler
-from .gather import Batch
+from ._transfer import BlockLayout, PackedBatch, read_into
+from .gather import Batch, resolve_keys
 from .samplers import Sampler
 
 __all__ = ["BufferDataset"]
@@ -220,11 +225,20 @@ class BufferDataset(IterableDataset[Batch]):
         return self._random(buf, generator, budget)
 
     def _random(self, buf: Buffer, generator: torch.Generator, budget: int | None) -> Iterator[Batch]:
+        names = resolve_keys(buf, self.keys)
+        self.sampler.check(buf)
+        layout: BlockLayout | None = None
         n = 0
         while budget is None or n < budget:
             if self.refresh_every and n and n % self.refresh_every == 0:
                 buf.refresh()
-            yield buf.sample(self.batch_size, generator, keys=self.keys, sampler=self.sampler)
+            block = None if layout is None else layout.empty()
+            batch = read_into(buf, self.sampler, self.batch_size, names, generator, block=block, layout=layout)
+            if not isinstance(batch, PackedBatch):  # the first batch fixes the layout
+                own = BlockLayout.of(batch)
+                layout = layout or own
+                batch = own.pack(batch)
+            yield batch
             n += 1
 
     def _epoch(self, buf: Buffer, index: int, count: int, budget: int | None) -> Iterator[Batch]:
@@ -235,7 +249,7 @@ class BufferDataset(IterableDataset[Batch]):
         for n, batch in enumerate(sampler):
             if budget is not None and n >= budget:
                 return
-            yield batch
+            yield BlockLayout.of(batch).pack(batch)
 
     # -- helpers -------------------------------------------------------------------------
     def _open(self) -> Buffer:

@@ -14,7 +14,7 @@ array([ True, False])
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
@@ -29,19 +29,27 @@ MAX_REREADS = 64
 
 
 def read_checked(
-    store: Store, draw: Callable[[np.ndarray], Draw], size: int, names: list[str]
+    store: Store,
+    draw: Callable[[np.ndarray], Draw],
+    size: int,
+    names: list[str],
+    *,
+    out: Mapping[str, torch.Tensor] | None = None,
+    recheck: bool | None = None,
 ) -> tuple[dict[str, torch.Tensor], Draw]:
     """Gather the rows that ``draw`` picks for batch positions ``arange(size)``; return
     the data and the draw (with the redrawn items in place).
 
     ``draw(positions)`` returns ``(rows, weights, mask or None, lane cursors)`` for
     those positions, from the store's current ``view()``. A reader's items are
-    re-checked as the module docstring says; ``EmptyBufferError`` when the writer
+    re-checked as the module docstring says (``recheck=True``: a writer's too, for
+    callers that gather without the store's lock); ``out``: caller tensors the
+    columns are gathered into; ``EmptyBufferError`` when the writer
     laps a lane faster than ``MAX_REREADS`` draws in a row can be read.
     """
     rows, weights, mask, written = draw(np.arange(size))
-    data = gather(store, rows, names)
-    if store.mode == "r":
+    data = gather(store, rows, names, out)
+    if store.mode == "r" if recheck is None else recheck:
         layout = store.layout
         cursors = written[layout.lane(first_rows(rows, size))]
         for _ in range(MAX_REREADS):

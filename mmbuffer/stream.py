@@ -1,24 +1,33 @@
-"""Stream sampled batches into training: sample and gather on a background thread.
+"""Stream sampled batches into training: sample and gather on background threads.
 
 ``stream(buf, ...)`` returns a :class:`Stream`, an iterator of :class:`~mmbuffer.Batch`
-whose next ``prefetch`` batches are sampled and gathered by one background thread
-while the caller trains, so the gather (page faults, fancy indexing, the
+whose next ``prefetch`` batches are sampled and gathered by ``workers`` background
+threads while the caller trains, so the gather (page faults, copies, the
 ``next_obs`` lookup) hides behind the training step. torch's kernels release the
-GIL, so on two cores the two threads really run side by side.
+GIL, so on two cores the threads really run side by side.
 
 Threading facts
 ---------------
-* **One worker thread** per stream. It is the only user of ``generator``: the
-  batches come out in the order ``buf.sample``/``buf.sample_slices`` would give
-  them in a plain loop with the same generator state. Do not draw from that
-  generator elsewhere while the stream runs; after the stream stops, the generator
-  has advanced past up to ``prefetch + 1`` batches that were never delivered.
-* **The buffer lock.** The worker samples under the buffer's re-entrant lock
+* **Workers and order.** ``workers`` threads (default 1; 2 with ``device="cuda"``)
+  make batches; each draws its batch's indices from ``generator`` under the
+  buffer lock and numbers the batch at that moment, and batches are delivered in
+  that order. So the batches come out in the order ``buf.sample`` /
+  ``buf.sample_slices`` would give them in a plain loop with the same generator
+  state, whatever the number of workers. Do not draw from that generator
+  elsewhere while the stream runs; after the stream stops, the generator has
+  advanced past up to ``prefetch + 1`` batches that were never delivered.
+* **The buffer lock.** Indices are drawn under the buffer's re-entrant lock
   (:func:`buffer_lock`), which every ``Buffer`` method that reads or changes
   rows, index or tree also takes, so the training thread may keep writing
   (``extend``/``commit``) and reprioritizing (``update_priorities``) while the
-  worker samples; each such call waits for at most one sample + gather (a few
-  ms). Without the lock, an ``extend`` that wraps the ring tears slices being
+  workers sample. One worker also gathers under the lock (each such call waits
+  for at most one sample + gather, a few ms). Several workers gather without it,
+  side by side, and the buffer then re-checks every item against the writer's
+  reservation after the copy (``Buffer.read_batch(recheck=True)``, the check a
+  reader in another process always makes) and redraws the few a concurrent
+  ``extend`` may have overwritten; such redraws come from ``generator`` too, so
+  with writes racing the stream the sequence is no longer the plain loop's.
+  Without the lock, an ``extend`` that wraps the ring tears slices being
   gathered and an ``update_priorities`` racing the tree descent draws
   zero-priority rows.
 * **Priorities.** Batches already prefetched when ``update_priorities`` runs were
@@ -27,22 +36,26 @@ Threading facts
   still applies to their rows (it ignores rows overwritten since the sample).
 * **Shutdown.** ``close()`` (also ``with``-exit, ``break`` followed by the
   iterator's release, garbage collection, an exception in the loop once the
-  stream is released, and interpreter exit) sets a stop event, drains the queue
-  and joins the thread. The worker holds no reference to the :class:`Stream`, so
+  stream is released, and interpreter exit) sets a stop event, drops what is
+  ready and joins the threads. The workers hold no reference to the :class:`Stream`, so
   dropping the last reference closes it. ``with mb.stream(...) as s:`` is the
   deterministic form.
 * **Errors** raised in the worker (an empty store, a bad ``slice_len``) are
   re-raised by the ``next()`` that would have returned the failed batch.
-* **Devices.** ``pin_memory=True`` pins each batch in the worker (page-locked
-  memory needs an accelerator; without one it warns once and does not pin, as
-  ``DataLoader`` does). ``device="cuda"`` pins as well (a ``non_blocking`` copy from
-  pageable memory is synchronous) and issues the copy in the worker on a
-  dedicated CUDA side stream, recording an event; the consumer makes its current
-  stream wait on that event and marks the tensors as used on it
-  (``record_stream``), so the copy overlaps the previous step's kernels and the
-  caching allocator never reuses their memory early. Other devices are moved in
-  the consumer thread with ``non_blocking=True``.
-* **The GIL.** The worker's sampling is partly Python and partly numpy calls
+* **Devices.** ``pin_memory=True`` gathers each batch straight into one fresh
+  page-locked block (torch's caching host allocator recycles them): the batch is
+  a ``PackedBatch`` whose tensors are views into that block, so a later
+  ``b.to("cuda", non_blocking=True)`` is one copy (page-locked memory needs an
+  accelerator; without one it warns once and does not pin, as ``DataLoader``
+  does). ``device="cuda"`` gathers into a ring of ``workers + 1`` reusable pinned
+  blocks (no allocation, no page-locking per batch) and copies each block to the
+  device in one piece on the worker's CUDA side stream, recording an event; the
+  slot goes back to the ring with that event and is refilled only once the copy
+  has finished. The consumer makes its current stream wait on the event and marks
+  the device block as used on it (``record_stream``), so the copy overlaps the
+  previous step's kernels and the caching allocator never reuses that memory
+  early. Other devices are moved in the consumer thread with ``non_blocking=True``.
+* **The GIL.** The workers' sampling is partly Python and partly numpy calls
   that hold the GIL; with CPython's default 5 ms switch interval a training
   thread that wants the GIL back (between two torch kernels) can wait up to 5 ms
   behind it, which on two cores cost ~35% of a 5 ms step. While a stream runs,
@@ -69,7 +82,6 @@ Threading facts
 from __future__ import annotations
 
 import atexit
-import functools
 import sys
 import threading
 import warnings
@@ -81,7 +93,8 @@ import torch
 
 from . import errors, samplers
 from ._checks import check_int
-from ._producer import Producer
+from ._producer import Pool
+from ._transfer import BlockLayout, PackedBatch, Ring, read_into
 from .gather import Batch, resolve_keys
 from .samplers import Sampler
 
@@ -118,40 +131,34 @@ def buffer_lock(buf: Any) -> threading.RLock:
 class Stream:
     """Iterator of prefetched batches; create it with :func:`stream`.
 
-    Iterate it once (``for b in s``); ``close()`` stops the worker (idempotent).
+    Iterate it once (``for b in s``); ``close()`` stops the workers (idempotent).
     ``delivered`` counts the batches returned so far.
     """
 
     def __init__(
         self,
-        draw: Callable[[], Batch],
-        lock: threading.RLock,
+        maker: _Maker,
         *,
+        workers: int,
         prefetch: int,
         num_batches: int | None,
-        pin_memory: bool,
-        device: torch.device | None,
         switch_interval: float | None = None,
     ) -> None:
         self.delivered = 0
         self._switch = False
         self._closed = False
         self._done = False
-        self._device = device
-        cuda = device is not None and device.type == "cuda"
-        self._cuda = cuda
-        side = torch.cuda.Stream(device) if cuda else None  # type: ignore[no-untyped-call]
-        move = device if cuda else None
-        # the worker gets everything it needs but never ``self``
-        self._producer: Producer[tuple[Batch, Any]] = Producer(
-            _batches(draw, lock, num_batches, pin_memory or cuda, move, side),
-            depth=prefetch,
-            name="mmbuffer-stream",
+        self._device = maker.device
+        self._cuda = maker.cuda
+        self._move = maker.device is not None and not maker.cuda
+        # the workers get the maker (buffer, sampler, ring) but never ``self``
+        self._pool: Pool[tuple[Batch, Any]] = Pool(
+            maker, workers=workers, depth=prefetch + 1, limit=num_batches, name="mmbuffer-stream"
         )
         if switch_interval is not None:
             _SWITCH.acquire(switch_interval)
             self._switch = True
-        self._producer.start()
+        self._pool.start()
         _LIVE.add(self)
 
     # -- iteration ---------------------------------------------------------------------
@@ -162,32 +169,32 @@ class Stream:
         if self._closed or self._done:
             raise StopIteration
         try:
-            batch, event = self._producer.get()
+            batch, event = self._pool.get()
         except StopIteration:
             self._done = True
             self.close()
             raise
         except BaseException:
-            if self._producer.failed:  # the worker's error (not, say, a KeyboardInterrupt here)
+            if self._pool.failed:  # a worker's error (not, say, a KeyboardInterrupt here)
                 self.close()
             raise
-        if self._cuda:
+        if event is not None:  # CUDA: wait for the copy; keep its memory until used here
             current = torch.cuda.current_stream(self._device)
             current.wait_event(event)
-            for t in _tensors(batch):
+            for t in _storages(batch):
                 t.record_stream(current)
-        elif self._device is not None:
+        elif self._move:
             batch = batch.to(self._device, non_blocking=True)
         self.delivered += 1
         return batch
 
     # -- shutdown ----------------------------------------------------------------------
     def close(self) -> None:
-        """Stop the worker and wait for it; batches not yet delivered are dropped."""
+        """Stop the workers and wait for them; batches not yet delivered are dropped."""
         if self._closed:
             return
         self._closed = True
-        self._producer.close(_JOIN_S)
+        self._pool.close(_JOIN_S)
         if self._switch:
             self._switch = False
             _SWITCH.release()
@@ -199,12 +206,12 @@ class Stream:
         self.close()
 
     def __del__(self) -> None:
-        if getattr(self, "_producer", None) is not None:
+        if getattr(self, "_pool", None) is not None:
             self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "running"
-        return f"<mmbuffer.Stream {state}, delivered={self.delivered}, queued={self._producer.qsize()}>"
+        return f"<mmbuffer.Stream {state}, delivered={self.delivered}, queued={self._pool.qsize()}>"
 
 
 def stream(
@@ -223,6 +230,7 @@ def stream(
     *,
     sampler: Sampler | None = None,
     switch_interval: float | None = 5e-4,
+    workers: int | None = None,
 ) -> Stream:
     """Sample and gather batches on a background thread, ``prefetch`` ahead.
 
@@ -245,9 +253,11 @@ def stream(
     prefetch:
         Batches kept ready (the queue's bound), ``>= 1``.
     pin_memory:
-        Pin each batch in the worker (for asynchronous copies to an accelerator).
+        Gather each batch into one page-locked block (for asynchronous copies to
+        an accelerator).
     device:
-        Move each batch there with ``non_blocking=True``.
+        Move each batch there: CUDA through a ring of pinned blocks and one copy
+        per batch on a side stream, others with ``non_blocking=True``.
     num_batches:
         Stop after that many batches; None streams until ``close()``.
     generator:
@@ -261,6 +271,9 @@ def stream(
     switch_interval:
         Seconds; the interpreter's thread switch interval while the stream runs
         (lowered only, restored on close; see the module docstring), or None.
+    workers:
+        Threads making batches (default 1; 2 with ``device="cuda"``); more than
+        one gather side by side, outside the buffer lock (see the module docstring).
 
     Returns
     -------
@@ -318,40 +331,91 @@ def stream(
             stacklevel=2,
         )
         pin_memory = False
-    lock = buffer_lock(buf)
-    # the unbound method: the worker's closure holds the buffer, not its wrappers
-    draw = functools.partial(type(buf).sample, buf, batch_size, generator, keys=names, sampler=sampler)
-    return Stream(
-        draw, lock, prefetch=prefetch, num_batches=num_batches, pin_memory=pin_memory, device=dev,
-        switch_interval=switch_interval,
-    )
+    buffer_lock(buf)
+    if workers is None:
+        workers = 2 if dev is not None and dev.type == "cuda" else 1
+    workers = check_int("workers", workers, 1)
+    maker = _Maker(buf, sampler, batch_size, names, generator, workers=workers, pin=pin_memory, device=dev)
+    return Stream(maker, workers=workers, prefetch=prefetch, num_batches=num_batches, switch_interval=switch_interval)
 
 
-# -- the worker ----------------------------------------------------------------------------
-def _batches(
-    draw: Callable[[], Batch],
-    lock: threading.RLock,
-    num_batches: int | None,
-    pin: bool,
-    device: torch.device | None,
-    side: Any,
-) -> Iterator[tuple[Batch, Any]]:
-    """Yield ``(Batch, event)`` (``event``: the CUDA copy's, else ``None``); run by the producer thread."""
-    n = 0
-    while num_batches is None or n < num_batches:
-        with lock:
-            batch = draw()
+# -- the workers ---------------------------------------------------------------------------
+class _Maker:
+    """Makes one batch per call, in a pool thread: draw, gather, and for CUDA copy.
+
+    Plain (no pinning, no CUDA): a :class:`~mmbuffer.Batch` as ``buf.sample``
+    returns it. Pinned: a :class:`~mmbuffer._transfer.PackedBatch` gathered into a
+    fresh page-locked block. CUDA: gathered into a slot of a :class:`Ring` of
+    pinned blocks (``workers + 1``), copied in one piece on the thread's side
+    stream; the slot goes back to the ring with the copy's event, so it is refilled
+    only once the copy has finished. The first batch fixes the block layout (until
+    then batches are packed after the gather).
+    """
+
+    def __init__(
+        self, buf: Any, sampler: Sampler, size: int, names: list[str], generator: torch.Generator | None,
+        *, workers: int, pin: bool, device: torch.device | None,
+    ) -> None:
+        self.buf = buf
+        self.sampler = sampler
+        self.size = size
+        self.names = names
+        self.generator = generator
+        self.hold_lock = workers == 1  # one worker gathers under the lock, as buf.sample does
+        self.device = device
+        self.cuda = device is not None and device.type == "cuda"
+        self.pin = pin or self.cuda
+        self.slots = workers + 1
+        self.layout: BlockLayout | None = None
+        self.ring: Ring | None = None
+        self._setup = threading.Lock()
+        self._local = threading.local()
+
+    def __call__(self, ticket: Callable[[], int], stop: threading.Event) -> tuple[Batch, Any]:
+        if not self.pin:
+            return self._read(ticket, None), None
+        ring = self.ring
+        if ring is None:
+            block = None if self.layout is None else self.layout.empty(pin=True)
+            batch = self._packed(self._read(ticket, block))
+            return self._copy(batch) if self.cuda else (batch, None)
+        slot = ring.acquire(stop)
         event = None
-        if pin:
-            batch = batch.pin_memory()
-        if device is not None:  # CUDA: copy on the side stream, hand over an event
-            with torch.cuda.device(device), torch.cuda.stream(side):
-                batch = batch.to(device, non_blocking=True)
-                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                event.record(side)
-        yield batch, event
-        del batch
-        n += 1
+        try:
+            batch = self._packed(self._read(ticket, ring.blocks[slot]))
+            moved, event = self._copy(batch)
+            return moved, event
+        finally:
+            ring.release(slot, event)
+
+    def _read(self, ticket: Callable[[], int], block: torch.Tensor | None) -> Batch:
+        return read_into(
+            self.buf, self.sampler, self.size, self.names, self.generator,
+            block=block, layout=self.layout, hold_lock=self.hold_lock, first_draw=ticket,
+        )
+
+    def _packed(self, batch: Batch) -> PackedBatch:
+        """``batch`` itself if gathered into a block, else packed into a new pinned one."""
+        if isinstance(batch, PackedBatch):
+            return batch
+        layout = BlockLayout.of(batch)
+        with self._setup:
+            if self.layout is None:
+                self.layout = layout
+                if self.cuda:
+                    self.ring = Ring(layout.nbytes, self.slots, pin=True)
+        return layout.pack(batch, layout.empty(pin=True))
+
+    def _copy(self, batch: PackedBatch) -> tuple[PackedBatch, Any]:
+        """One host-to-device copy on this thread's side stream, and its event."""
+        side = getattr(self._local, "side", None)
+        if side is None:
+            side = self._local.side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        with torch.cuda.device(self.device), torch.cuda.stream(side):
+            moved = batch.to(self.device, non_blocking=True)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(side)
+        return moved, event
 
 
 class _SwitchInterval:
@@ -385,7 +449,10 @@ class _SwitchInterval:
 _SWITCH = _SwitchInterval()
 
 
-def _tensors(batch: Batch) -> list[torch.Tensor]:
+def _storages(batch: Batch) -> list[torch.Tensor]:
+    """One tensor per memory block of ``batch`` (a packed batch has one)."""
+    if isinstance(batch, PackedBatch):
+        return [batch.block]
     out = [*batch.data.values(), batch.indices, batch.weights]
     if batch.mask is not None:
         out.append(batch.mask)

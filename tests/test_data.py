@@ -184,7 +184,8 @@ def test_loader_pin_memory_uses_batch_pin(tmp_path, monkeypatch):
 
     path = _store(tmp_path / "s", 100)
     batch = next(iter(BufferDataset(path, 4)))
-    monkeypatch.setattr(mb.Batch, "pin_memory", lambda self: ("pinned", self))
+    assert isinstance(batch, mb.Batch)
+    monkeypatch.setattr(type(batch), "pin_memory", lambda self: ("pinned", self))
     assert pin_memory(batch) == ("pinned", batch)
 
 
@@ -209,3 +210,24 @@ def test_bad_arguments(tmp_path, kwargs):
     with pytest.raises(mb.errors.InvalidArgumentError):
         BufferDataset(tmp_path, **kwargs)
 
+
+
+@pytest.mark.parametrize("kwargs", [{"slice_len": 6, "strict": False}, {}])
+def test_worker_batches_cross_as_one_block(tmp_path, kwargs):
+    """A worker's batch arrives as one shared-memory block whose views are the
+    columns, indices, weights and mask, with the same contents per-column
+    sampling gives (x is the row id, obs is [x, -x], next_obs the next row's)."""
+    path = _store(tmp_path / "s", 400, episode=20)
+    out = list(_loader(BufferDataset(path, 16, num_batches=6, **kwargs)))
+    assert len(out) == 6
+    for b in out:
+        assert type(b).__name__ == "PackedBatch" and b.block.is_shared()
+        tensors = [*b.data.values(), b.indices, b.weights] + ([] if b.mask is None else [b.mask])
+        assert {t.untyped_storage().data_ptr() for t in tensors} == {b.block.data_ptr()}
+        live = torch.ones_like(b.indices, dtype=torch.bool) if b.mask is None else b.mask
+        x = b["x"]
+        assert torch.equal(x[live], b.indices[live]) and (x[~live] == 0).all()
+        assert torch.equal(b["obs"][live], torch.stack([x, -x], -1).float()[live])
+        last = (x % 20) == 19
+        nxt = b["next_obs"][..., 0]
+        assert torch.equal(nxt[live & ~last], (x + 1).float()[live & ~last]) and (nxt[live & last] == 0).all()

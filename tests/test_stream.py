@@ -1,6 +1,7 @@
 """mb.stream: same batches as direct sampling, clean shutdown, thread safety."""
 
 import gc
+import time
 import threading
 import weakref
 
@@ -288,3 +289,270 @@ def test_switch_interval_lowered_while_running_then_restored(tmp_path):
         assert sys.getswitchinterval() == before
     with pytest.raises(mb.errors.InvalidArgumentError):
         mb.stream(buf, 4, switch_interval=0)
+
+
+# -- several workers, one block per batch, the ring of host blocks -------------------------
+@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.parametrize(
+    "kwargs", [{"slice_len": 8}, {"slice_len": 60, "strict": False}, {"prioritized": True}]
+)
+def test_workers_deliver_the_plain_loops_batches_in_order(tmp_path, workers, kwargs):
+    buf = _store(tmp_path / "s", priorities=mb.PriorityConfig())
+    buf.update_priorities(np.arange(600), np.linspace(0.1, 5, 600))
+    g1, g2 = torch.Generator().manual_seed(11), torch.Generator().manual_seed(11)
+    before = _threads()
+    with mb.stream(buf, 16, num_batches=25, generator=g1, prefetch=2, workers=workers, **kwargs) as s:
+        assert len(_threads() - before) == workers
+        streamed = list(s)
+    assert len(streamed) == 25
+    slice_len, strict = kwargs.pop("slice_len", None), kwargs.pop("strict", True)
+    for b in streamed:
+        direct = buf.sample(16, g2, **kwargs) if slice_len is None else buf.sample_slices(16, slice_len, strict, g2)
+        _same(b, direct)
+    # the generator advanced past exactly the delivered batches (num_batches bounds the draws)
+    assert torch.equal(g1.get_state(), g2.get_state())
+
+
+def test_workers_gather_outside_the_lock_yet_never_tear_slices(tmp_path):
+    """As test_writes_while_streaming_never_tear_slices, with three workers gathering
+    outside the buffer lock: the buffer re-checks each item against the writer's
+    reservation after the copy and redraws what an extend may have overwritten."""
+    import sys
+
+    buf = _store(tmp_path / "s", rows=300, episode=30, capacity=600)
+    written = 300
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        with mb.stream(buf, 64, slice_len=10, prefetch=2, num_batches=200, workers=3) as s:
+            for b in s:
+                x = b["x"]
+                assert torch.equal(x[:, 1:] - x[:, :-1], torch.ones_like(x[:, 1:]))
+                assert torch.equal(b["obs"][..., 0].long(), x)
+                nxt = b["next_obs"][..., 0].long()
+                last = (x % 30) == 29
+                assert torch.equal(nxt[~last], x[~last] + 1) and (nxt[last] == -1).all()
+                for _ in range(3):
+                    _append(buf, written, 10, 30)
+                    written += 10
+    finally:
+        sys.setswitchinterval(interval)
+    assert written > 3 * 600
+
+
+def test_workers_reraise_errors_in_order(tmp_path):
+    empty = _store(tmp_path / "e", rows=0)
+    s = mb.stream(empty, 4, workers=3)
+    with pytest.raises(mb.errors.EmptyBufferError):
+        next(s)
+    assert list(s) == []
+    with pytest.raises(mb.errors.InvalidArgumentError):
+        mb.stream(empty, 4, workers=0)
+
+
+def _batch(tmp_path, **kwargs):
+    buf = _store(tmp_path / "b")
+    return buf, buf.sample_slices(16, 60, False, torch.Generator().manual_seed(2), **kwargs)
+
+
+def test_block_layout_views_are_the_batch(tmp_path):
+    from mmbuffer._transfer import ALIGN, BlockLayout, PackedBatch
+
+    _, batch = _batch(tmp_path)
+    assert not batch.mask.all()  # padded windows: every field is in play
+    layout = BlockLayout.of(batch)
+    packed = layout.pack(batch)
+    assert isinstance(packed, PackedBatch) and isinstance(packed, mb.Batch)
+    _same(packed, batch)
+    base = packed.block.data_ptr()
+    spans = []
+    for t in [*packed.data.values(), packed.indices, packed.weights, packed.mask]:
+        assert t.untyped_storage().data_ptr() == base  # every tensor is a view into the block
+        start = t.data_ptr() - base
+        assert start % ALIGN == 0 and t.is_contiguous()
+        spans.append((start, start + t.numel() * t.element_size()))
+    spans.sort()
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # no two overlap
+    assert spans[-1][1] <= layout.nbytes == packed.block.numel()
+    # to() moves the block once; the copy is a packed batch equal to the original
+    moved = packed.to("cpu", non_blocking=False)
+    _same(moved, batch)
+    assert layout.matches(batch) and not layout.matches(_batch_of(batch, 8))
+
+
+def _batch_of(batch, n):
+    return mb.Batch({k: v[:n] for k, v in batch.data.items()}, batch.indices[:n], batch.weights[:n], batch.mask[:n])
+
+
+def test_packed_batch_crosses_processes_as_one_block(tmp_path):
+    import pickle
+
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401 - registers torch's shared-memory reductions (as DataLoader does)
+
+    from mmbuffer._transfer import BlockLayout
+
+    _, batch = _batch(tmp_path)
+    packed = BlockLayout.of(batch).pack(batch)
+    wire = ForkingPickler.dumps(packed)
+    assert packed.block.is_shared()  # the block itself went to shared memory: one segment
+    assert ForkingPickler.loads(wire).block.is_shared()
+    for clone in (pickle.loads(pickle.dumps(packed)), ForkingPickler.loads(ForkingPickler.dumps(packed))):
+        _same(clone, batch)
+        assert type(clone) is type(packed) and np.array_equal(clone.written_at, batch.written_at)
+        assert {t.untyped_storage().data_ptr() for t in clone.data.values()} == {clone.block.data_ptr()}
+
+
+@pytest.mark.parametrize("kwargs", [{"slice_len": 8}, {"slice_len": 60, "strict": False}, {}])
+def test_read_into_a_block_equals_sampling(tmp_path, kwargs):
+    from mmbuffer._transfer import BlockLayout, PackedBatch, read_into
+    from mmbuffer.gather import resolve_keys
+
+    buf = _store(tmp_path / "s")
+    spec = mb.samplers.from_flags(kwargs.get("slice_len"), strict=kwargs.get("strict", True))
+    names = resolve_keys(buf, None)
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    layout = BlockLayout.of(buf.sample(16, g1, sampler=spec))
+    buf.sample(16, g2, sampler=spec)
+    for hold_lock in (True, False):
+        block = layout.empty()
+        block.fill_(0xAB)  # stale bytes from an earlier batch must not survive
+        got = read_into(buf, spec, 16, names, g1, block=block, layout=layout, hold_lock=hold_lock)
+        assert isinstance(got, PackedBatch) and got.block is block
+        _same(got, buf.sample(16, g2, sampler=spec))
+    # a draw of another shape (here: another size) comes back as a plain batch of its own
+    got = read_into(buf, spec, 5, names, g1, block=layout.empty(), layout=layout)
+    assert not isinstance(got, PackedBatch)
+    _same(got, buf.sample(5, g2, sampler=spec))
+
+
+class _Fence:
+    """A fence that passes when the test says so (a CUDA event's role)."""
+
+    def __init__(self):
+        self.passed = threading.Event()
+
+    def synchronize(self):
+        self.passed.wait()
+
+
+def test_ring_waits_for_the_fence_before_handing_a_slot_out_again():
+    from mmbuffer._transfer import Ring, Stopped
+
+    ring = Ring(128, 2, pin=False)
+    a, b = ring.acquire(), ring.acquire()
+    assert a != b and ring.free() == 0
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(Stopped):
+        ring.acquire(stop)  # none free: gives up once stopped
+    fence = _Fence()
+    ring.release(a, fence)
+    got = []
+    t = threading.Thread(target=lambda: got.append(ring.acquire()))
+    t.start()
+    t.join(0.3)
+    assert t.is_alive() and got == []  # slot a is free but its copy has not finished
+    fence.passed.set()
+    t.join(5)
+    assert got == [a]
+
+
+def test_ring_never_refills_a_slot_its_copy_still_reads():
+    """Four threads fill slots of a three-slot ring and hand each to a "copy" that
+    checks the slot's bytes later, on another thread; the slot's fence passes only
+    after that check. A ring that handed a slot out before its fence passed would
+    let a filler overwrite bytes a copy had yet to read."""
+    import random
+
+    from mmbuffer._transfer import Ring
+
+    ring = Ring(4096, 3, pin=False)
+    errors, done = [], []
+
+    class CopyFence(_Fence):
+        def __init__(self, block, token):
+            super().__init__()
+            threading.Thread(target=self.copy, args=(block, token)).start()
+
+        def copy(self, block, token):
+            time.sleep(random.random() * 2e-3)
+            if not bool((block == token).all()):
+                errors.append(token)
+            done.append(token)
+            self.passed.set()
+
+    def fill(seed):
+        for i in range(40):
+            slot = ring.acquire()
+            token = (seed * 40 + i) % 251
+            ring.blocks[slot].fill_(token)
+            ring.release(slot, CopyFence(ring.blocks[slot], token))
+
+    threads = [threading.Thread(target=fill, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for _ in range(3):
+        ring.acquire()  # every fence has passed once all three slots are back
+    assert len(done) == 160 and errors == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("workers", [1, 3])
+def test_cuda_ring_one_block_per_batch(tmp_path, workers):
+    buf = _store(tmp_path / "s", priorities=mb.PriorityConfig())
+    g1, g2 = torch.Generator().manual_seed(4), torch.Generator().manual_seed(4)
+    batches = []
+    with mb.stream(buf, 32, slice_len=60, strict=False, device="cuda", workers=workers, num_batches=60, generator=g1) as s:
+        for b in s:
+            assert b.block.is_cuda and all(t.untyped_storage().data_ptr() == b.block.data_ptr() for t in b.data.values())
+            batches.append(b)  # held: the device blocks are the batch's own, the host slots are reused
+    for b in batches:
+        _same(b.to("cpu"), buf.sample_slices(32, 60, False, g2))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_pin_memory_without_device_gives_pinned_blocks(tmp_path):
+    buf = _store(tmp_path / "s")
+    g1, g2 = torch.Generator().manual_seed(4), torch.Generator().manual_seed(4)
+    for b in mb.stream(buf, 8, slice_len=4, pin_memory=True, num_batches=5, generator=g1, workers=2):
+        assert b.block.is_pinned() and b["obs"].is_pinned()
+        _same(b, buf.sample_slices(8, 4, generator=g2))
+        _same(b.to("cuda", non_blocking=True).to("cpu"), b)
+
+
+def test_pool_orders_items_by_ticket_and_reraises_in_place():
+    """Items come out in ticket order although later tickets finish first; an error
+    raised after a ticket surfaces at that ticket's place, one raised before any
+    ticket at the next get."""
+    from mmbuffer._producer import Pool
+
+    order = threading.Lock()
+
+    def make(ticket, stop):
+        with order:
+            n = ticket()
+        time.sleep(0.02 if n % 3 == 0 else 0)  # ticket 0, 3, ... finish last
+        if n == 7:
+            raise KeyError(n)
+        return n
+
+    p = Pool(make, workers=3, depth=6, limit=None, name="mmbuffer-stream")
+    p.start()
+    assert [p.get() for _ in range(7)] == list(range(7))
+    with pytest.raises(KeyError):
+        p.get()
+    assert p.failed
+    p.close()
+
+    def broken(ticket, stop):
+        raise ValueError("before the ticket")
+
+    q = Pool(broken, workers=2, depth=2, limit=None, name="mmbuffer-stream")
+    q.start()
+    with pytest.raises(ValueError, match="before the ticket"):
+        q.get()
+    q.close()
