@@ -225,7 +225,7 @@ class BufferDataset(IterableDataset[Batch]):
         return self._random(buf, generator, budget)
 
     def _random(self, buf: Buffer, generator: torch.Generator, budget: int | None) -> Iterator[Batch]:
-        names = resolve_keys(buf, self.keys)
+        names = resolve_keys(buf.store, self.keys)
         self.sampler.check(buf)
         layout: BlockLayout | None = None
         n = 0
