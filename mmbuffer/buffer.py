@@ -39,7 +39,8 @@ from ._checks import check_int
 from .gather import Batch, gather, resolve_keys
 from .layout import Layout
 from .samplers import Draw, Sampler
-from .store import PriorityConfig, Store, create_store, locked
+from .store import ColumnOpener, PriorityConfig, Store, create_store, locked
+from .urls import is_url, local_path
 
 _REMEMBERED_BATCHES = 256
 _MAX_REREADS = 64
@@ -61,8 +62,8 @@ def _spec(sampler: object, slice_len: int | None, *, prioritized: bool = False, 
 class Buffer(Store):
     """An on-disk, memory-mapped trajectory store (use ``mb.create`` / ``mb.open``)."""
 
-    def __init__(self, path: str | os.PathLike[str], mode: str = "a") -> None:
-        super().__init__(path, mode)
+    def __init__(self, path: str | os.PathLike[str], mode: str = "a", *, columns: ColumnOpener | None = None) -> None:
+        super().__init__(path, mode, columns=columns)
         self._sampled: dict[int, tuple[weakref.ref[torch.Tensor], np.ndarray]] = {}
 
     def __repr__(self) -> str:
@@ -339,6 +340,7 @@ def create(
     attrs:
         JSON-serializable metadata kept in the manifest (``buf.attrs``).
     """
+    path = local_path(path, "path", hint="mb.create makes a local store; publish it with mb.convert.copy(path, url)")
     if tuple(next_keys) == ("obs",) and isinstance(columns, Mapping) and "obs" not in columns:
         next_keys = ()
     create_store(
@@ -354,6 +356,22 @@ def create(
     return Buffer(path, "a")
 
 
-def open(path: str | os.PathLike[str], mode: str = "a") -> Buffer:  # noqa: A001 - API name
-    """Open an existing store: ``mode="a"`` the single writer, ``mode="r"`` a reader."""
+def open(  # noqa: A001 - API name
+    path: str | os.PathLike[str], mode: str = "a", *, cache_dir: str | os.PathLike[str] | None = None,
+    storage_options: Mapping[str, Any] | None = None, pool: Any = "default",
+) -> Buffer:
+    """Open an existing store: ``mode="a"`` the single writer, ``mode="r"`` a reader.
+
+    A URL (``s3://bucket/prefix/store``, ``gs://``, ``file://``, any fsspec URL) opens a
+    published store read-only through :func:`mmbuffer.remote.open_remote`; ``cache_dir``,
+    ``storage_options`` and ``pool`` are its options (a local path takes none of them).
+    """
+    if is_url(path):
+        from .remote import open_remote
+
+        return open_remote(str(path), mode=mode, cache_dir=cache_dir, storage_options=storage_options, pool=pool)
+    if cache_dir is not None or storage_options is not None or pool != "default":
+        raise errors.InvalidArgumentError(
+            f"cache_dir, storage_options, pool: expected none of them for the local path {str(path)!r} (they are for URLs)"
+        )
     return Buffer(path, mode)

@@ -35,7 +35,7 @@ import dataclasses
 import fcntl
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
@@ -55,6 +55,7 @@ from .layout import Layout
 from .schema import Column, PriorityConfig
 
 __all__ = ["Column", "LaneView", "PriorityConfig", "Snapshot", "Store", "View", "create_store", "locked"]
+ColumnOpener = Callable[[str, "fmt.Expect"], ColumnArray]
 _ROOM_BYTES = 1 << 24  # disk allocated ahead of a lane's cursor, at most (see Store._room_rows)
 
 @dataclass(frozen=True, slots=True)
@@ -98,8 +99,9 @@ class Store:
 
     _thread_safe = True
 
-    def __init__(self, path: str | os.PathLike[str], mode: str = "a") -> None:
+    def __init__(self, path: str | os.PathLike[str], mode: str = "a", *, columns: ColumnOpener | None = None) -> None:
         self._lock = threading.RLock()
+        self._open_column = columns  # data columns held elsewhere (mmbuffer.remote): name, expect -> array
         self._sampler_cache: dict[Any, Any] = {}  # samplers' state derived from the index (slice counts)
         if mode not in ("r", "a"):
             raise errors.InvalidArgumentError(f"mode: expected 'r' or 'a', got {mode!r}")
@@ -141,7 +143,9 @@ class Store:
         cap = self.capacity
         for name, (shape, dt) in manifest.columns.items():
             expect = (cap, shape, dt)
-            if name in fmt.RESERVED_NAMES or self.compression is None:  # the fd: pwrite and pread
+            if self._open_column is not None and name not in fmt.RESERVED_NAMES:
+                self._data[name] = self._open_column(f"columns/{name}", expect)
+            elif name in fmt.RESERVED_NAMES or self.compression is None:  # the fd: pwrite and pread
                 self._data[name] = RawArray.open(root, f"columns/{name}", writable=writable, expect=expect)
             else:
                 self._data[name] = ZarrArray.open(root, f"columns/{name}", writable=writable, expect=expect)
