@@ -41,6 +41,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import torch
 
 from . import errors
 from .buffer import Buffer, create
@@ -101,7 +102,8 @@ class StoreWriter:
         overwritten since that batch was sampled are ignored."""
         target: Any = indices
         if written_at is not None:
-            target = Batch({}, indices, np.ones(0), None, np.asarray(written_at, dtype=np.int64))
+            idx = torch.as_tensor(indices)
+            target = Batch({}, idx, torch.ones(0), None, np.asarray(written_at, dtype=np.int64))
         self.buf.update_priorities(target, priorities)
 
     def info(self) -> dict[str, Any]:
@@ -143,8 +145,8 @@ def serve(path: str | os.PathLike[str], columns: Mapping[str, Any] | None = None
     opts.update(actor_options or {})
     if priorities is not None:
         create_options["priorities"] = priorities
-    actor = ray.remote(StoreWriter).options(**opts).remote(where, columns, capacity, num_streams, create_options,
-                                                          commit_interval)
+    actor: Any = ray.remote(StoreWriter).options(**opts).remote(
+        where, columns, capacity, num_streams, create_options, commit_interval)
     ray.get(actor.info.remote())  # raise the store's own error here, not at the first extend
     return actor
 
