@@ -273,3 +273,16 @@ class TestRemoteArray(ColumnTests):
 
     def test_is_remote(self, col):
         assert isinstance(col, RemoteArray) and col.mapped() is None
+
+
+def test_fewer_blocks_than_shards_share_blocks(tmp_path, bucket):
+    url = f"s3://{bucket}/store"
+    publish(tmp_path, url, episodes=2, length=20).close()  # 40 rows: one live block per lane
+    with mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=SMALL) as buf:
+        n = len(buf.pool.live)
+        assert n == 2
+        for i in range(5):
+            buf.set_shard(i, 5)
+            assert buf.pool.order(0).tolist() == [buf.pool.order(0).tolist()[0]]  # one block each
+            b = buf.sample(4)
+            assert set((b.indices // buf.pool.block_rows).tolist()) <= set(buf.pool.live.tolist())

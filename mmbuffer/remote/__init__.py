@@ -26,6 +26,15 @@ Sampling reads from a :class:`PoolConfig` pool of whole blocks (``_pool.py`` say
 how that changes the distribution); ``pool=None`` reads exactly, on demand.
 Publishing (:func:`publish`, ``mb.convert.copy(src, url)``) and snapshots:
 ``_snapshot.py``.
+
+What a real multi-node deployment still needs (not built here): publishing is a
+full copy per snapshot (an incremental publish of the chunks written since the last
+one would make frequent publishing cheap); the raw arrays of a snapshot (final
+observations, flags, index, tree) are uploaded and fetched whole and dense, which
+costs about 16 bytes per row of capacity plus the final observations; a reader
+pinned to a snapshot that ``keep`` has pruned fails (typed) and must ``refresh()``;
+the mirror directories under ``cache_dir`` are never deleted by mmbuffer; and the
+pool rotates blocks by draw count, with no adaptive prefetch depth for slow links.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ data columns, so a refill is a few large reads). The live blocks of the snapshot
 put in a random order keyed by ``(seed, epoch)``, the same on every process; the
 process that is shard ``index`` of ``count`` ((rank, DataLoader worker) pairs) takes
 every ``count``-th block from position ``index``: shards read disjoint blocks, and
-together they visit every live block once per epoch. A shard holds ``blocks`` of its
+together they visit every live block once per epoch (a store of fewer live blocks
+than shards cannot be split: shard ``index`` then reads block ``index mod n``). A shard holds ``blocks`` of its
 blocks (decoded, in a file under the cache directory, read like a memory map) and
 fetches the next ``prefetch`` in a background thread. Every ``rotate_every`` draws
 the oldest block leaves and the next one in the order enters; the draw waits for it
@@ -106,6 +107,8 @@ class ChunkPool:
         """This shard's blocks of ``epoch``, in the order they enter the pool."""
         index, count = self.shard
         perm = np.random.default_rng([self.config.seed, epoch]).permutation(self.live)
+        if 0 < len(perm) < count:  # fewer blocks than shards: they cannot be disjoint
+            return perm[[index % len(perm)]]
         return perm[index::count]
 
     def set_shard(self, index: int, count: int, *, epoch: int = 0) -> None:
@@ -121,8 +124,7 @@ class ChunkPool:
         self._seq = self.order(self.epoch)
         if len(self._seq) == 0:
             raise errors.EmptyBufferError(
-                f"pool: expected at least one block for shard {self.shard[0]} of {self.shard[1]}, got none "
-                f"({len(self.live)} live blocks of {self.block_rows} rows; lower PoolConfig.block_bytes)"
+                f"pool: expected at least one live block, got none (an empty snapshot: {len(self.live)} live blocks)"
             )
         self._pos = 0
         held = min(self.config.blocks, len(self._seq))
