@@ -66,7 +66,7 @@ class PoolConfig:
 
     blocks: int = 8
     block_bytes: int = 16 << 20
-    rotate_every: int = 8
+    rotate_every: int = 32
     prefetch: int = 2
     seed: int = 0
 
