@@ -286,3 +286,42 @@ def test_fewer_blocks_than_shards_share_blocks(tmp_path, bucket):
             assert buf.pool.order(0).tolist() == [buf.pool.order(0).tolist()[0]]  # one block each
             b = buf.sample(4)
             assert set((b.indices // buf.pool.block_rows).tolist()) <= set(buf.pool.live.tolist())
+
+
+def test_publish_keeps_three_snapshots_and_a_failed_publish_stays_invisible(tmp_path, bucket, s3, monkeypatch):
+    import fsspec
+
+    from mmbuffer.remote import publish as publish_to
+
+    url = f"s3://{bucket}/store"
+    make_store(tmp_path / "local", episodes=3).close()
+    for _ in range(4):
+        publish_to(tmp_path / "local", url, progress=False)
+    fs = fsspec.filesystem("s3", endpoint_url=s3)
+    fs.invalidate_cache()
+    snaps = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/store/snapshots") if not p.endswith("zarr.json"))
+    assert [s[:10] for s in snaps] == ["0000000002", "0000000003", "0000000004"]
+    ro = mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None)
+    assert ro.snapshot == snaps[-1]
+    mirrors = sorted(p.name for p in ro.cache.iterdir())
+    with mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None) as again:  # the mirror is reused
+        assert again.path == ro.path and sorted(p.name for p in ro.cache.iterdir()) == mirrors
+
+    def fail(*args, **kwargs):
+        raise OSError("the network went away")
+
+    from mmbuffer.remote import _snapshot
+
+    monkeypatch.setattr(_snapshot, "write_pointer", fail)  # the upload succeeds, the pointer write fails
+    with pytest.raises(OSError):
+        publish_to(tmp_path / "local", url, progress=False)
+    monkeypatch.undo()
+    fs.invalidate_cache()
+    assert len(fs.ls(f"{bucket}/store/snapshots")) == 5  # uploaded: a fourth snapshot besides zarr.json
+    assert ro.refresh() is False and ro.snapshot == snaps[-1]  # the half-published snapshot is invisible
+    assert ro.get(np.arange(3))["x"].tolist() == [0, 1, 2]
+    done = publish_to(tmp_path / "local", url, progress=False)  # the orphan goes, the pointed-to one stays
+    fs.invalidate_cache()
+    now = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/store/snapshots") if not p.endswith("zarr.json"))
+    assert now == sorted([snaps[1], snaps[2], done["snapshot"]]) and done["sequence"] == 5
+    ro.close()

@@ -9,7 +9,7 @@ itself a Zarr group that zarr-python, xarray or tensorstore read directly)::
 
 Publishing uploads a new snapshot completely, then replaces ``current.json`` with one
 PUT (atomic on S3, GCS, Azure): a reader sees the old snapshot or the new one, never
-a half-written store. A reader pins the snapshot it opened; ``refresh()`` moves to
+a half-written store. One publisher per URL at a time (nothing arbitrates two). A reader pins the snapshot it opened; ``refresh()`` moves to
 the newest. Publishing keeps the ``keep`` newest snapshots and deletes older ones it
 wrote (their ``manifest.json`` first: a reader that finds it gone after a read knows
 its data may be missing and raises instead of returning zeros, see ``check_alive``).
@@ -163,18 +163,30 @@ def publish_dir(fs: Any, root: str, url: str, store: Path, *, keep: int, generat
     if previous is None:
         fs.pipe({join(root, "zarr.json"): group, join(root, SNAPSHOTS, "zarr.json"): group})
     pointer = {"format": _FORMAT, "version": 1, "snapshot": snapshot, "sequence": seq, "generation": generation}
-    fs.pipe_file(join(root, POINTER), json.dumps(pointer).encode())
-    pruned = _prune(fs, root, keep)
+    write_pointer(fs, root, pointer)
+    pruned = _prune(fs, root, keep, snapshot)
     return {"url": url, "snapshot": snapshot, "sequence": seq, "pruned": pruned}
 
 
-def _prune(fs: Any, root: str, keep: int) -> list[str]:
-    """Delete all but the ``keep`` newest snapshots (ids mmbuffer wrote), manifests first."""
+def write_pointer(fs: Any, root: str, pointer: dict[str, Any]) -> None:
+    """Replace ``current.json``: one PUT, the instant a publish becomes visible."""
+    fs.pipe_file(join(root, POINTER), json.dumps(pointer).encode())
+
+
+def _prune(fs: Any, root: str, keep: int, current: str) -> list[str]:
+    """Delete all but ``current`` and the ``keep - 1`` snapshots published before it,
+    and any snapshot never pointed to (a publish that failed before its pointer);
+    only ids mmbuffer writes, each ``manifest.json`` first."""
     base = join(root, SNAPSHOTS)
     ids = sorted(name for name in (str(p).rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(base, detail=False)) if _ID.match(name))
-    old = ids[:-keep] if keep > 0 else []
+    older = [i for i in ids if int(i[:10]) < int(current[:10])]
+    kept = set(older[len(older) - (keep - 1):] if keep > 1 else []) | {current}
+    old = [i for i in ids if i not in kept]
     for snap in old:
-        fs.rm_file(join(base, snap, fmt.MANIFEST)) if fs.exists(join(base, snap, fmt.MANIFEST)) else None
+        try:
+            fs.rm_file(join(base, snap, fmt.MANIFEST))
+        except FileNotFoundError:
+            pass
     for snap in old:
         fs.rm(join(base, snap), recursive=True)
     fs.invalidate_cache()
