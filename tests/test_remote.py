@@ -325,3 +325,20 @@ def test_publish_keeps_three_snapshots_and_a_failed_publish_stays_invisible(tmp_
     now = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/store/snapshots") if not p.endswith("zarr.json"))
     assert now == sorted([snaps[1], snaps[2], done["snapshot"]]) and done["sequence"] == 5
     ro.close()
+
+
+def test_a_remote_column_whose_metadata_disagrees_is_refused(tmp_path, bucket, s3):
+    import json
+
+    import fsspec
+
+    url = f"s3://{bucket}/store"
+    publish(tmp_path, url, episodes=2).close()
+    fs = fsspec.filesystem("s3", endpoint_url=s3)
+    snap = json.loads(fs.cat_file(f"{bucket}/store/current.json"))["snapshot"]
+    key = f"{bucket}/store/snapshots/{snap}/columns/obs/zarr.json"
+    meta = json.loads(fs.cat_file(key))
+    meta["shape"] = [meta["shape"][0], 4]  # the manifest says (3,)
+    fs.pipe_file(key, json.dumps(meta).encode())
+    with pytest.raises(errors.CorruptStoreError, match=r"columns/obs.*shape: expected \[4096, 3\]"):
+        mb.open(url, mode="r", cache_dir=tmp_path / "c")
