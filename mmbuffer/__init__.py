@@ -19,9 +19,10 @@ from . import (
     losses,
     samplers,
 )
-from .buffer import Buffer, create, open
+from .buffer import Buffer
 from .epoch import EpochSampler
 from .gather import Batch
+from .opening import create, open
 from .store import Column, PriorityConfig
 from .stream import Stream, stream
 

@@ -29,7 +29,6 @@ them (``gather.py``) and, in a reader, re-checks them against the writer
 from __future__ import annotations
 
 import os
-import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -42,13 +41,11 @@ from . import errors, samplers
 from ._checks import check_int
 from ._manifest import load_manifest
 from .columns import ColumnArray
-from .create import create_store
 from .gather import Batch, gather, resolve_keys
 from .index import Lane
-from .layout import Layout
 from .recheck import read_checked
 from .samplers import Draw, Sampler
-from .store import Column, PriorityConfig, Store, View, locked
+from .store import Column, ColumnOpener, Store, View, locked
 from .writer import Writer, priority_shape, release_lock, take_lock
 
 _REMEMBERED_BATCHES = 256
@@ -66,14 +63,14 @@ class Buffer:
     updates priorities.
     """
 
-    def __init__(self, path: str | os.PathLike[str], mode: str = "a") -> None:
+    def __init__(self, path: str | os.PathLike[str], mode: str = "a", *, columns: ColumnOpener | None = None) -> None:
         if mode not in ("r", "a"):
             raise errors.InvalidArgumentError(f"mode: expected 'r' or 'a', got {mode!r}")
         manifest = load_manifest(Path(path))  # before the LOCK file: a missing store creates nothing
         lock_fd = take_lock(Path(path)) if mode == "a" else None
         self._writer: Writer | None = None
         try:
-            self._store = Store(path, mode, manifest)
+            self._store = Store(path, mode, manifest, columns=columns)
         except BaseException:
             if lock_fd is not None:
                 release_lock(lock_fd)
@@ -459,52 +456,3 @@ class Buffer:
         assert written is not None  # a sampled batch's cursors
         self._sampled[id(indices)] = (weakref.ref(indices), written)
 
-
-def create(
-    path: str | os.PathLike[str],
-    columns: Mapping[str, tuple[Any, Any]],
-    capacity: int,
-    num_streams: int = 1,
-    compression: str | None = None,
-    priorities: PriorityConfig | None = None,
-    next_keys: Iterable[str] = ("obs",),
-    attrs: Mapping[str, Any] | None = None,
-) -> Buffer:
-    """Create an empty store at ``path`` (which must not exist) and open it for writing.
-
-    Parameters
-    ----------
-    columns:
-        name -> ``(shape, dtype)``; ``()`` for scalars. ``terminated`` and
-        ``truncated`` (bool) always exist and must not be listed.
-    capacity:
-        Rows over all streams; each of the ``num_streams`` lanes is a ring of
-        ``capacity // num_streams`` rows.
-    compression:
-        None (raw, memory-mapped: for training) or ``"zstd"`` / ``"lz4"`` (archives).
-    priorities:
-        ``mb.PriorityConfig(...)`` to keep a persisted priority tree.
-    next_keys:
-        Columns whose next value is derived (``next_obs``), never stored twice.
-        Missing names are ignored only when ``next_keys`` is left at its default.
-    attrs:
-        JSON-serializable metadata kept in the manifest (``buf.attrs``).
-    """
-    if tuple(next_keys) == ("obs",) and isinstance(columns, Mapping) and "obs" not in columns:
-        next_keys = ()
-    create_store(
-        path,
-        columns,
-        capacity,
-        num_streams=num_streams,
-        compression=compression,
-        priorities=priorities,
-        next_keys=next_keys,
-        attrs=attrs,
-    )
-    return Buffer(path, "a")
-
-
-def open(path: str | os.PathLike[str], mode: str = "a") -> Buffer:  # noqa: A001 - API name
-    """Open an existing store: ``mode="a"`` the single writer, ``mode="r"`` a reader."""
-    return Buffer(path, mode)

@@ -62,12 +62,13 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from . import errors, samplers
 from ._checks import check_int
-from .buffer import Buffer
-from .buffer import open as open_store
-from .epoch import EpochSampler
 from ._transfer import BlockLayout, PackedBatch, read_into
+from .buffer import Buffer
+from .epoch import EpochSampler
 from .gather import Batch, resolve_keys
+from .opening import open as open_store
 from .samplers import Sampler
+from .urls import is_url, location
 
 __all__ = ["BufferDataset"]
 
@@ -108,6 +109,10 @@ class BufferDataset(IterableDataset[Batch]):
         epoch mode with its ``slice_len``, ``seed`` and ``name``.
     name:
         Epoch mode: prefix of the state files ``sampler/<name>-<i>of<n>.json``.
+    cache_dir, storage_options, pool:
+        For a URL (``s3://...``): as ``mb.open(url, "r", ...)``. In random mode each
+        (rank, worker) pair samples its own disjoint blocks of the chunk pool
+        (``mmbuffer.remote``); epoch mode reads exactly, chunk by chunk.
     rank, world_size:
         Override the ``torch.distributed`` rank and world size (default: from
         the initialized process group, else ``0`` and ``1``).
@@ -138,9 +143,13 @@ class BufferDataset(IterableDataset[Batch]):
         rank: int | None = None,
         world_size: int | None = None,
         sampler: Sampler | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        storage_options: dict[str, Any] | None = None,
+        pool: Any = "default",
     ) -> None:
         super().__init__()
-        self.path = Path(path)
+        self.path = location(path)
+        self.remote = {"cache_dir": cache_dir, "storage_options": storage_options, "pool": pool} if is_url(path) else {}
         self.batch_size = check_int("batch_size", batch_size, 1)
         self.slice_len = None if slice_len is None else check_int("slice_len", slice_len, 1)
         self.keys = None if keys is None else ([keys] if isinstance(keys, str) else list(keys))
@@ -194,7 +203,7 @@ class BufferDataset(IterableDataset[Batch]):
 
     def reset(self) -> None:
         """Epoch mode: forget the saved epoch positions; the next pass starts epoch 0."""
-        for f in (self.path / "sampler").glob(f"{self.name}-*of*.json"):
+        for f in (Path(self._open().path) / "sampler").glob(f"{self.name}-*of*.json"):
             f.unlink(missing_ok=True)
 
     def shard(self) -> tuple[int, int]:
@@ -214,6 +223,8 @@ class BufferDataset(IterableDataset[Batch]):
         passes = self._passes
         self._passes += 1
         budget = None if self.num_batches is None else _split(self.num_batches, wid, nw)
+        if self.remote:  # a remote store's chunk pool: each (rank, worker) reads its own blocks
+            buf.set_shard(rank * nw + wid, world * nw, epoch=self._set_epoch)  # type: ignore[attr-defined]
         if self.epoch:
             return self._epoch(buf, rank * nw + wid, world * nw, budget)
         # DataLoader draws a fresh base seed per pass from torch's global RNG (so
@@ -255,7 +266,7 @@ class BufferDataset(IterableDataset[Batch]):
     def _open(self) -> Buffer:
         """This process's read-only handle (reopened after a fork or unpickling)."""
         if self._buf is None or self._pid != os.getpid():
-            self._buf = open_store(self.path, mode="r")
+            self._buf = open_store(self.path, mode="r", **self.remote)
             self._pid = os.getpid()
         return self._buf
 

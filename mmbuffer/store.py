@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,8 +50,10 @@ from .layout import Layout
 from .schema import Column, PriorityConfig
 
 __all__ = [
-    "Column", "LaneView", "PriorityConfig", "Snapshot", "Store", "View", "check_rows", "locked",
+    "Column", "ColumnOpener", "LaneView", "PriorityConfig", "Snapshot", "Store", "View", "check_rows", "locked",
 ]
+#: opens a data column held elsewhere (``mmbuffer.remote``): (its path in the store, expect) -> array
+ColumnOpener = Callable[[str, "fmt.Expect"], ColumnArray]
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,8 +108,11 @@ class Store:
     (the last commit's), ``generation`` and ``attrs``.
     """
 
-    def __init__(self, path: str | os.PathLike[str], mode: str = "a", manifest: Manifest | None = None) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], mode: str = "a", manifest: Manifest | None = None, *, columns: ColumnOpener | None = None
+    ) -> None:
         self._lock = threading.RLock()
+        self._open_column = columns  # data columns held elsewhere (mmbuffer.remote)
         if mode not in ("r", "a"):
             raise errors.InvalidArgumentError(f"mode: expected 'r' or 'a', got {mode!r}")
         self.path = Path(path)
@@ -139,9 +145,13 @@ class Store:
         """Open the arrays the checked manifest names, each against what it implies."""
         root, cap, writable = self.path, self.capacity, self.mode == "a"
         for name, (shape, dt) in manifest.columns.items():
+            expect = (cap, shape, dt)
+            if self._open_column is not None and name not in fmt.RESERVED_NAMES:  # the flags stay local and raw
+                self._arrays[f"columns/{name}"] = self._open_column(f"columns/{name}", expect)
+                continue
             raw = name in fmt.RESERVED_NAMES or self.compression is None  # the flags are always raw
             kind = RawArray if raw else ZarrArray
-            self._arrays[f"columns/{name}"] = kind.open(root, f"columns/{name}", writable=writable, expect=(cap, shape, dt))
+            self._arrays[f"columns/{name}"] = kind.open(root, f"columns/{name}", writable=writable, expect=expect)
         for k in self.next_keys:
             shape, dt = manifest.columns[k]
             self._arrays[f"final/{k}"] = RawArray.open(root, f"final/{k}", writable=writable, expect=(cap, shape, dt))

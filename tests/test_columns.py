@@ -2,7 +2,8 @@
 
 ``ColumnTests`` holds the behaviour every :class:`mmbuffer.columns.ColumnArray`
 must have; each backend subclasses it once, saying how to create and open its
-arrays. A new backend (object storage, say) adds one subclass here.
+arrays. A new backend adds one subclass (the remote one: ``TestRemoteArray`` in test_remote.py,
+beside the S3 server it needs).
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ class ColumnTests:
     def create(self, root: Path, name: str, row_shape: tuple[int, ...], dtype: str) -> None:
         raise NotImplementedError
 
+    def open(self, root: Path, name: str, *, writable: bool, expect) -> ColumnArray:
+        return open_array(root, name, compressed=self.compressed, writable=writable, expect=expect)
+
     @pytest.fixture(params=[((), "int64"), ((3,), "float32"), ((2, 5), "uint8"), ((), "bool")])
     def spec(self, request):
         return request.param
@@ -32,8 +36,7 @@ class ColumnTests:
     def col(self, tmp_path, spec):
         row_shape, dtype = spec
         self.create(tmp_path, "c", row_shape, dtype)
-        return open_array(tmp_path, "c", compressed=self.compressed, writable=True,
-                          expect=(ROWS, row_shape, np.dtype(dtype)))
+        return self.open(tmp_path, "c", writable=True, expect=(ROWS, row_shape, np.dtype(dtype)))
 
     @staticmethod
     def values(col: ColumnArray, n: int, seed: int = 0) -> np.ndarray:
@@ -72,8 +75,7 @@ class ColumnTests:
         col.flush(ROWS - 77, ROWS)
         col.release()
         col.close()
-        again = open_array(tmp_path, "c", compressed=self.compressed, writable=False,
-                           expect=(ROWS, spec[0], np.dtype(spec[1])))
+        again = self.open(tmp_path, "c", writable=False, expect=(ROWS, spec[0], np.dtype(spec[1])))
         np.testing.assert_array_equal(again.read_range(ROWS - 77, ROWS), v)
         np.testing.assert_array_equal(again.read(np.arange(ROWS - 77, ROWS)), v)
 
@@ -104,8 +106,7 @@ class ColumnTests:
         from mmbuffer import errors
 
         with pytest.raises(errors.CorruptStoreError):
-            open_array(tmp_path, "c", compressed=self.compressed, writable=False,
-                       expect=(ROWS + 1, spec[0], np.dtype(spec[1])))
+            self.open(tmp_path, "c", writable=False, expect=(ROWS + 1, spec[0], np.dtype(spec[1])))
 
 
 class TestRawArray(ColumnTests):

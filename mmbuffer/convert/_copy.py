@@ -20,8 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from ..buffer import Buffer, create
-from ..buffer import open as open_buffer
+from ..buffer import Buffer
+from ..opening import create
+from ..opening import open as open_buffer
+from ..urls import is_url
 from ._frame import (
     SEGMENT_BYTES,
     Writer,
@@ -72,7 +74,9 @@ def copy(
     src
         A store path or an open ``mb.Buffer``.
     dst
-        The new store's path.
+        The new store's path, or a URL (``s3://bucket/prefix/store``, any fsspec URL):
+        the copy is published there as a new snapshot (``mmbuffer.remote.publish``;
+        ``compression=None`` means ``"zstd"`` there). ``src`` may be such a URL too.
     compression
         ``None``, ``"zstd"`` or ``"lz4"``.
     chunk_rows
@@ -99,6 +103,11 @@ def copy(
     >>> mb.open(d + "/zst", mode="r").get(np.arange(5))["x"].tolist()
     [0.0, 1.0, 2.0, 3.0, 4.0]
     """
+    if is_url(src) or is_url(dst):  # object storage: mmbuffer.remote publishes / fetches
+        from ..remote import copy_url
+
+        return copy_url(src, dst, compression=compression, chunk_rows=chunk_rows, overwrite=overwrite,
+                        progress=progress, verify=verify)
     t0 = time.perf_counter()
     writer = CopyWriter(src, compression=compression, chunk_rows=chunk_rows, progress=progress, verify=verify)
     dst_path = write_and_verify(writer, dst, overwrite=overwrite, verify=verify)

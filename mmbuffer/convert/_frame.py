@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConversionError, StoreExistsError
+from ..urls import local_path
 from ._dest import check_destination, partial_path, remove_partial, replace_destination
 from ._reader import ConversionWarning
 
@@ -112,7 +113,7 @@ def write_and_verify(
         From the writer: bad input, or a verification :class:`Mismatch`.
     """
     try:
-        dst_path = check_destination(dst, overwrite, writer.kind)
+        dst_path = check_destination(local_path(dst, "dst", hint="publish stores to URLs with mb.convert.copy"), overwrite, writer.kind)
         partial = partial_path(dst_path)
         writer.open()
         remove_partial(partial, writer.kind)

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from ..buffer import open as open_buffer
 from ..errors import InvalidArgumentError, StoreNotFoundError
+from ..opening import open as open_buffer
 from ._frame import SEGMENT_BYTES
 from ._reader import DEFAULT_CHUNK_BYTES, FLAGS
 from ._sniff import sniff

@@ -45,7 +45,8 @@ from typing import Any
 import numpy as np
 
 from .._producer import Producer
-from ..buffer import Buffer, create
+from ..buffer import Buffer
+from ..opening import create
 from ._frame import (
     SEGMENT_BYTES,
     Writer,

@@ -14,9 +14,9 @@ import torch
 
 from .. import errors, samplers
 from ..buffer import Buffer
-from ..buffer import create as create_buffer
-from ..buffer import open as open_buffer
 from ..gather import Batch
+from ..opening import create as create_buffer
+from ..opening import open as open_buffer
 from ..schema import PriorityConfig
 from . import keys, streams
 from .keys import ATTR, PRIORITY, WEIGHT_KEY, Columns, Key, KeyMap

@@ -1,0 +1,122 @@
+"""A store on object storage: chunk-pool refill throughput and samples/s, against local disk.
+
+Builds a store of ``--rows`` rows (obs 17 float32, action 6 float32, reward; episodes
+of ``--episode`` rows), publishes it zstd-compressed to an S3-compatible server on
+loopback (moto's server mode, started here), and measures, in the same run:
+
+* ``local raw``: ``sample_slices(B, L)`` from the local raw store (page cache warm),
+  the baseline of the ratios;
+* ``remote pool``: the same draws from ``mb.open(url, "r")`` with
+  ``PoolConfig(blocks=--pool-blocks, rotate_every=...)`` (blocks of about 16 MB, one
+  replaced every ``--rotate-every`` draws: 8, 32, 128; refills in the background),
+  steady state including the waits for blocks;
+* ``remote exact``: ``pool=None`` (chunks fetched on demand into a 64 MiB LRU);
+* pool refill throughput: decoded MB per second of a block fetch (zstd chunks through
+  zarr + s3fs), measured on the first fill of the pool.
+
+moto is a Python server: its throughput, not S3's, bounds the remote figures here.
+Run: ``python benchmarks/bench_remote.py [--rows 1000000]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import mmbuffer as mb
+from mmbuffer.remote import PoolConfig
+
+
+def build(path: Path, rows: int, episode: int) -> None:
+    rng = np.random.default_rng(0)
+    cols = {"obs": ((17,), "float32"), "action": ((6,), "float32"), "reward": ((), "float32")}
+    with mb.create(path, cols, capacity=rows) as buf:
+        for start in range(0, rows, 250_000):
+            n = min(250_000, rows - start)
+            done = (np.arange(start, start + n) % episode) == episode - 1
+            buf.extend({"obs": rng.standard_normal((n, 17), dtype=np.float32),
+                        "action": rng.standard_normal((n, 6), dtype=np.float32),
+                        "reward": rng.standard_normal(n, dtype=np.float32), "terminated": done},
+                       final_obs={"obs": np.zeros((int(done.sum()), 17), np.float32)})
+
+
+def rate(buf: mb.Buffer, batches: int, b: int, length: int, seed: int = 0) -> float:
+    """Slices per second over ``batches`` draws of ``b`` x ``length``."""
+    g = torch.Generator().manual_seed(seed)
+    buf.sample_slices(b, length, generator=g)  # warm-up (starts a pool)
+    t0 = time.perf_counter()
+    for _ in range(batches):
+        buf.sample_slices(b, length, generator=g)
+    return batches * b / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=1_000_000)
+    ap.add_argument("--episode", type=int, default=1000)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--slice-len", type=int, default=16)
+    ap.add_argument("--batches", type=int, default=200)
+    ap.add_argument("--pool-blocks", type=int, default=2, help="PoolConfig.blocks (default 2: the pool rotates)")
+    ap.add_argument("--rotate-every", type=int, nargs="+", default=[8, 32, 128], help="PoolConfig.rotate_every values")
+    args = ap.parse_args()
+    from s3server import moto_s3, new_bucket
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    with tempfile.TemporaryDirectory() as tmp, moto_s3() as endpoint:
+        local = Path(tmp) / "local"
+        build(local, args.rows, args.episode)
+        url = f"s3://{new_bucket(endpoint)}/bench/store"
+        t0 = time.perf_counter()
+        summary = mb.convert.copy(local, url, compression="zstd", progress=False)
+        publish_s = time.perf_counter() - t0
+        row_bytes = (17 + 6 + 1) * 4
+        print(f"rows={args.rows} ({args.rows * row_bytes / 1e6:.0f} MB of data columns); publish "
+              f"{publish_s:.1f} s ({args.rows * row_bytes / 1e6 / publish_s:.1f} MB/s incl. the zstd copy)"
+              f", snapshot {summary['snapshot']}")
+        with mb.open(local, mode="r") as lo:
+            lo.get(np.arange(0, args.rows, 997))  # touch
+            base = rate(lo, args.batches, args.batch, args.slice_len)
+        pooled = {}
+        for every in args.rotate_every:
+            t0 = time.perf_counter()
+            ro = mb.open(url, mode="r", cache_dir=Path(tmp) / "cache",
+                         pool=PoolConfig(blocks=args.pool_blocks, rotate_every=every))
+            open_s = time.perf_counter() - t0
+            pool = ro.pool
+            assert pool is not None
+            t0 = time.perf_counter()
+            pool.advance()  # the first fill: blocks + prefetch, fetched in order
+            fill_s = time.perf_counter() - t0
+            fill_mb = pool.fetched_bytes / 1e6
+            pooled[every] = rate(ro, args.batches, args.batch, args.slice_len)
+            refill_mb = pool.fetched_bytes / 1e6 - fill_mb
+            held = min(pool.config.blocks, len(pool.live)) * pool.block_rows
+            ro.close()
+            print(f"rotate_every={every}: open {open_s:.2f} s; first fill {fill_mb:.1f} MB decoded in {fill_s:.2f} s "
+                  f"= {fill_mb / fill_s:.1f} MB/s; {refill_mb:.1f} MB refilled while sampling")
+        ex = mb.open(url, mode="r", cache_dir=Path(tmp) / "cache", pool=None)
+        exact = rate(ex, max(3, args.batches // 40), args.batch, args.slice_len)
+        ex.close()
+        print(f"block = {pool.block_rows} rows ({pool.block_rows * row_bytes / 1e6:.1f} MB decoded), "
+              f"{len(pool.live)} live blocks, the pool holds {held} rows")
+        print(f"| mode | slices/s ({args.batch} x {args.slice_len}) | vs local raw |")
+        print("|---|---:|---:|")
+        rows_ = [("local raw (baseline)", base), *((f"remote pool, rotate_every={k}", v) for k, v in pooled.items()),
+                 ("remote exact (pool=None)", exact)]
+        for name, v in rows_:
+            print(f"| {name} | {v:,.0f} | {v / base:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

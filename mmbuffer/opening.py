@@ -1,0 +1,93 @@
+"""``mb.create`` and ``mb.open``: where a path (local, or a URL) becomes a ``Buffer``.
+
+A URL (``s3://...``, any fsspec URL) is never taken for a local path: ``create``
+refuses one, ``open`` hands it to :mod:`mmbuffer.remote` (``urls.py`` says what a
+URL is).
+
+>>> import tempfile, mmbuffer as mb
+>>> path = tempfile.mkdtemp() + "/replay"
+>>> mb.create(path, {"obs": ((3,), "float32")}, capacity=100).close()
+>>> mb.open(path, mode="r").capacity
+100
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from . import errors
+from .buffer import Buffer
+from .create import create_store
+from .schema import PriorityConfig
+from .urls import is_url, local_path
+
+__all__ = ["create", "open"]
+
+
+def create(
+    path: str | os.PathLike[str],
+    columns: Mapping[str, tuple[Any, Any]],
+    capacity: int,
+    num_streams: int = 1,
+    compression: str | None = None,
+    priorities: PriorityConfig | None = None,
+    next_keys: Iterable[str] = ("obs",),
+    attrs: Mapping[str, Any] | None = None,
+) -> Buffer:
+    """Create an empty store at ``path`` (which must not exist) and open it for writing.
+
+    Parameters
+    ----------
+    columns:
+        name -> ``(shape, dtype)``; ``()`` for scalars. ``terminated`` and
+        ``truncated`` (bool) always exist and must not be listed.
+    capacity:
+        Rows over all streams; each of the ``num_streams`` lanes is a ring of
+        ``capacity // num_streams`` rows.
+    compression:
+        None (raw, memory-mapped: for training) or ``"zstd"`` / ``"lz4"`` (archives).
+    priorities:
+        ``mb.PriorityConfig(...)`` to keep a persisted priority tree.
+    next_keys:
+        Columns whose next value is derived (``next_obs``), never stored twice.
+        Missing names are ignored only when ``next_keys`` is left at its default.
+    attrs:
+        JSON-serializable metadata kept in the manifest (``buf.attrs``).
+    """
+    path = local_path(path, "path", hint="mb.create makes a local store; publish it with mb.convert.copy(path, url)")
+    if tuple(next_keys) == ("obs",) and isinstance(columns, Mapping) and "obs" not in columns:
+        next_keys = ()
+    create_store(
+        path,
+        columns,
+        capacity,
+        num_streams=num_streams,
+        compression=compression,
+        priorities=priorities,
+        next_keys=next_keys,
+        attrs=attrs,
+    )
+    return Buffer(path, "a")
+
+
+def open(  # noqa: A001 - API name
+    path: str | os.PathLike[str], mode: str = "a", *, cache_dir: str | os.PathLike[str] | None = None,
+    storage_options: Mapping[str, Any] | None = None, pool: Any = "default",
+) -> Buffer:
+    """Open an existing store: ``mode="a"`` the single writer, ``mode="r"`` a reader.
+
+    A URL (``s3://bucket/prefix/store``, ``gs://``, ``file://``, any fsspec URL) opens a
+    published store read-only through :func:`mmbuffer.remote.open_remote`; ``cache_dir``,
+    ``storage_options`` and ``pool`` are its options (a local path takes none of them).
+    """
+    if is_url(path):
+        from .remote import open_remote
+
+        return open_remote(str(path), mode=mode, cache_dir=cache_dir, storage_options=storage_options, pool=pool)
+    if cache_dir is not None or storage_options is not None or pool != "default":
+        raise errors.InvalidArgumentError(
+            f"cache_dir, storage_options, pool: expected none of them for the local path {str(path)!r} (they are for URLs)"
+        )
+    return Buffer(path, mode)

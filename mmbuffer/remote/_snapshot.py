@@ -1,0 +1,193 @@
+"""Published stores on object storage: immutable snapshots behind one pointer object.
+
+Layout under the URL (a Zarr v3 group; each snapshot is a complete mmbuffer store,
+itself a Zarr group that zarr-python, xarray or tensorstore read directly)::
+
+    URL/zarr.json                 group metadata
+    URL/current.json              {"format": "mmbuffer-remote", "snapshot": ID, ...}
+    URL/snapshots/ID/...          one published store, never modified once written
+
+Publishing uploads a new snapshot completely, then replaces ``current.json`` with one
+PUT (atomic on S3, GCS, Azure): a reader sees the old snapshot or the new one, never
+a half-written store. One publisher per URL at a time (nothing arbitrates two). A reader pins the snapshot it opened; ``refresh()`` moves to
+the newest. Publishing keeps the ``keep`` newest snapshots and deletes older ones it
+wrote (their ``manifest.json`` first: a reader that finds it gone after a read knows
+its data may be missing and raises instead of returning zeros, see ``check_alive``).
+
+The small parts of a snapshot (manifest, episode index, priority tree, final
+observations, ``terminated``/``truncated``; everything but the data columns' chunks)
+are fetched whole into a local *mirror* directory under ``cache_dir`` and opened by
+the ordinary store code, with all its checks. Snapshots are immutable, so a mirror
+is reused by every process on the machine (DataLoader workers, ranks).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+from .. import _format as fmt
+from .. import errors
+from ..urls import join
+
+__all__ = ["POINTER", "cache_root", "check_alive", "mirror", "publish_dir", "read_pointer"]
+
+POINTER = "current.json"
+SNAPSHOTS = "snapshots"
+_FORMAT = "mmbuffer-remote"
+_ID = re.compile(r"^[0-9]{10}-[0-9a-f]{12}$")
+_REL = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*(/[A-Za-z0-9_][A-Za-z0-9_.\-]*)*$")
+_DATA_CHUNKS = re.compile(r"^columns/([^/]+)/c(/|$)")
+_POINTER_LIMIT = 1 << 16
+_GROUP = {"zarr_format": 3, "node_type": "group", "attributes": {}}
+
+
+def read_pointer(fs: Any, root: str, url: str) -> dict[str, Any]:
+    """The checked pointer object of the store at ``url``."""
+    where = f"{url}/{POINTER}"
+    try:
+        raw = fs.cat_file(join(root, POINTER), start=0, end=_POINTER_LIMIT + 1)
+    except FileNotFoundError:
+        raise errors.StoreNotFoundError(f"{where}: expected a store published by mmbuffer (mb.convert.copy(src, url)), found no pointer") from None
+    if len(raw) > _POINTER_LIMIT:
+        raise errors.CorruptStoreError(f"{where}: expected at most {_POINTER_LIMIT} bytes, got more")
+    try:
+        obj = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise errors.CorruptStoreError(f"{where}: not valid JSON ({exc})") from None
+    if not isinstance(obj, dict) or obj.get("format") != _FORMAT:
+        raise errors.CorruptStoreError(f"{where}: format: expected {_FORMAT!r}, got {obj.get('format') if isinstance(obj, dict) else obj!r}")
+    snap, seq = obj.get("snapshot"), obj.get("sequence")
+    if not isinstance(snap, str) or not _ID.match(snap):
+        raise errors.CorruptStoreError(f"{where}: snapshot: expected an id like 0000000001-0123456789ab, got {snap!r}")
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq != int(snap[:10]):
+        raise errors.CorruptStoreError(f"{where}: sequence: expected {int(snap[:10])} (the snapshot's), got {seq!r}")
+    return obj
+
+
+def check_alive(fs: Any, root: str, snapshot: str, url: str) -> None:
+    """Raise ``StoreNotFoundError`` if ``snapshot`` was deleted by a newer publish.
+
+    Called after reading chunks: deletion removes ``manifest.json`` first, so if it
+    is still there, every chunk read before was intact (zarr reads a missing chunk
+    as zeros, which must never reach a sample).
+    """
+    try:  # a ranged GET, never a cached listing
+        fs.cat_file(join(root, SNAPSHOTS, snapshot, fmt.MANIFEST), start=0, end=1)
+    except FileNotFoundError:
+        raise errors.StoreNotFoundError(
+            f"{url}: snapshot {snapshot} was removed by a newer publish while it was read; "
+            "call refresh() (or publish with a larger keep=)"
+        ) from None
+
+
+def cache_root(cache_dir: str | os.PathLike[str] | None, url: str) -> Path:
+    """``cache_dir/<hash of url>`` (default ``$MMBUFFER_CACHE_DIR`` or ``~/.cache/mmbuffer``)."""
+    base = Path(cache_dir if cache_dir is not None else os.environ.get("MMBUFFER_CACHE_DIR") or Path.home() / ".cache" / "mmbuffer")
+    return base / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:20]
+
+
+def mirror(fs: Any, root: str, snapshot: str, url: str, cache: Path) -> Path:
+    """The local mirror of ``snapshot``'s small parts (fetched once, then reused)."""
+    final = cache / snapshot
+    if (final / fmt.MANIFEST).is_file() and not final.is_symlink():
+        return final
+    cache.mkdir(parents=True, exist_ok=True)
+    snap_root = join(root, SNAPSHOTS, snapshot)
+    listing = fs.find(snap_root, detail=True)
+    if not listing:
+        raise errors.StoreNotFoundError(f"{url}: snapshot {snapshot} (named by {POINTER}) is not there")
+    prefix = snap_root.rstrip("/") + "/"
+    rpaths, rels = [], []
+    for path, info in sorted(listing.items()):
+        if info.get("type") == "directory":
+            continue
+        rel = str(path)[len(prefix):] if str(path).startswith(prefix) else ""
+        if not _REL.match(rel) or any(p in (".", "..") for p in rel.split("/")):
+            raise errors.CorruptStoreError(f"{url}: object {path!r}: expected a name inside the snapshot, got {rel!r}")
+        m = _DATA_CHUNKS.match(rel)
+        if rel == fmt.LOCK or (m and m.group(1) not in fmt.RESERVED_NAMES):
+            continue  # data chunks are read remotely, a stale LOCK means nothing here
+        rpaths.append(path)
+        rels.append(rel)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{snapshot}.partial-", dir=cache))
+    try:
+        lpaths = [str(tmp / rel) for rel in rels]
+        for lp in lpaths:
+            Path(lp).parent.mkdir(parents=True, exist_ok=True)
+        fs.get(rpaths, lpaths)
+        check_alive(fs, root, snapshot, url)
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another process published the same mirror first: use it
+            if not (final / fmt.MANIFEST).is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return final
+
+
+def publish_dir(fs: Any, root: str, url: str, store: Path, *, keep: int, generation: int) -> dict[str, Any]:
+    """Upload the local store ``store`` as the next snapshot of ``url``; point to it; prune.
+
+    Refuses (``StoreExistsError``, nothing changed) a URL that holds objects but no
+    mmbuffer pointer.
+    """
+    fs.invalidate_cache()
+    try:
+        previous: dict[str, Any] | None = read_pointer(fs, root, url)
+    except errors.StoreNotFoundError:
+        previous = None
+        if fs.exists(root) and fs.find(root, maxdepth=None):
+            raise errors.StoreExistsError(
+                f"{url}: expected an empty prefix or a store mmbuffer published, got other objects; nothing was changed"
+            ) from None
+    seq = 1 if previous is None else int(previous["sequence"]) + 1
+    snapshot = f"{seq:010d}-{uuid.uuid4().hex[:12]}"
+    snap_root = join(root, SNAPSHOTS, snapshot)
+    files = sorted(p for p in store.rglob("*") if p.is_file() and not p.is_symlink() and p.name != fmt.LOCK)
+    rels = [p.relative_to(store).as_posix() for p in files]
+    # the manifest last, so a snapshot without it is never taken for a whole one
+    order = sorted(range(len(rels)), key=lambda i: rels[i] == fmt.MANIFEST)
+    fs.put([str(files[i]) for i in order[:-1]], [join(snap_root, rels[i]) for i in order[:-1]])
+    fs.put(str(files[order[-1]]), join(snap_root, rels[order[-1]]))
+    group = json.dumps(_GROUP).encode()
+    if previous is None:
+        fs.pipe({join(root, "zarr.json"): group, join(root, SNAPSHOTS, "zarr.json"): group})
+    pointer = {"format": _FORMAT, "version": 1, "snapshot": snapshot, "sequence": seq, "generation": generation}
+    write_pointer(fs, root, pointer)
+    pruned = _prune(fs, root, keep, snapshot)
+    return {"url": url, "snapshot": snapshot, "sequence": seq, "pruned": pruned}
+
+
+def write_pointer(fs: Any, root: str, pointer: dict[str, Any]) -> None:
+    """Replace ``current.json``: one PUT, the instant a publish becomes visible."""
+    fs.pipe_file(join(root, POINTER), json.dumps(pointer).encode())
+
+
+def _prune(fs: Any, root: str, keep: int, current: str) -> list[str]:
+    """Delete all but ``current`` and the ``keep - 1`` snapshots published before it,
+    and any snapshot never pointed to (a publish that failed before its pointer);
+    only ids mmbuffer writes, each ``manifest.json`` first."""
+    base = join(root, SNAPSHOTS)
+    ids = sorted(name for name in (str(p).rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(base, detail=False)) if _ID.match(name))
+    older = [i for i in ids if int(i[:10]) < int(current[:10])]
+    kept = set(older[len(older) - (keep - 1):] if keep > 1 else []) | {current}
+    old = [i for i in ids if i not in kept]
+    for snap in old:
+        try:
+            fs.rm_file(join(base, snap, fmt.MANIFEST))
+        except FileNotFoundError:
+            pass
+    for snap in old:
+        fs.rm(join(base, snap), recursive=True)
+    fs.invalidate_cache()
+    return old
