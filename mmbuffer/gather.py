@@ -14,6 +14,7 @@ an episode's last row, where it is the stored final observation (``final/<col>``
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 from . import errors
-from .store import Store
+from .store import Column, Store
 
 
 @dataclass(slots=True)
@@ -92,45 +93,116 @@ def gather(
     """Rows of ``store`` at global ids ``rows`` (any shape) as a dict of tensors.
 
     ``out`` may hold caller-owned CPU tensors (pinned, say) of the result shapes;
-    they are filled in place and returned.
+    they are filled in place and returned. One that is contiguous and of the
+    column's dtype is written directly; any other is filled by ``copy_``.
+
+    Raw columns are copied from their mapped bytes by the compiled kernels of
+    ``mmbuffer.kernels.gather``, in the order given and without the GIL: a run of
+    consecutive rows (a slice) as one ``memcpy``, ``next_<col>`` in the same pass
+    as ``<col>``. Compressed columns are read through their backend.
     """
+    from .kernels import gather as kernels
+
     names = resolve_keys(store, keys)
     rows = np.asarray(rows, dtype=np.int64)
-    if rows.size and (rows.min() < 0 or rows.max() >= store.capacity):
+    flat = np.ascontiguousarray(rows).reshape(-1)
+    bad = kernels.first_out_of_range(flat, store.capacity)
+    if bad >= 0:
         raise errors.InvalidArgumentError(
-            f"index: expected row ids in [0, {store.capacity}), got values from {rows.min()} to {rows.max()}"
+            f"index: expected row ids in [0, {store.capacity}), got {int(flat[bad])} "
+            f"(values from {flat.min()} to {flat.max()})"
         )
-    # reading a memory map in row order turns random page faults into near-sequential
-    # ones; slices are sorted within, so ordering by their first row is enough
-    lead = rows.reshape(rows.shape[0], -1)[:, 0] if rows.ndim > 1 else rows.reshape(-1)
-    order = np.argsort(lead)
-    sorted_rows = (rows[order] if rows.ndim else rows).reshape(-1)
+    wanted = set(names)
     result: dict[str, torch.Tensor] = {}
-    cache: dict[str, np.ndarray] = {}
-
-    def read(name: str) -> np.ndarray:
-        if name not in cache:
-            cache[name] = store.read(name, sorted_rows)
-        return cache[name]
-
     for name in names:
-        if name.startswith("next_"):
-            base = name[5:]
-            values = store.read(base, store.layout.following(sorted_rows))
-            last = read("terminated") | read("truncated")
-            if last.any():
-                values[last] = store.read(f"final/{base}", sorted_rows[last])
+        if name in result:
+            continue
+        base = name[5:] if name.startswith("next_") else name
+        col = store.columns[base]
+        shape = (*rows.shape, *col.shape)
+        nxt = f"next_{base}"
+        if nxt in wanted:  # the column and its next values in one pass
+            own = _Target(shape, col, out, base) if base in wanted else None
+            after = _Target(shape, col, out, nxt)
+            _next_into(kernels, store, flat, base, after, own)
+            result[nxt] = after.finish()
+            if own is not None:
+                result[base] = own.finish()
+            continue
+        target = _Target(shape, col, out, base)
+        mapped = store.column(base).mapped()
+        if mapped is None:
+            target.array[...] = store.read(base, flat).reshape(shape)
+        elif target.row_bytes:
+            kernels.copy_rows(kernels.bytes_of(mapped), flat, target.row_bytes, target.bytes(kernels))
+        result[base] = target.finish()
+    return {name: result[name] for name in names}
+
+
+class _Target:
+    """Where one key's rows go: the caller's tensor itself when it fits (CPU,
+    contiguous, that shape and dtype), else a new array that ``finish`` copies
+    into the caller's tensor or returns."""
+
+    __slots__ = ("array", "caller", "row_bytes", "tensor")
+
+    def __init__(self, shape: tuple[int, ...], col: Column, out: Mapping[str, torch.Tensor] | None, key: str) -> None:
+        dtype = np.dtype(col.dtype)
+        self.row_bytes = math.prod(col.shape) * dtype.itemsize
+        caller = None if out is None else out.get(key)
+        self.caller = caller
+        if (
+            caller is not None
+            and caller.device.type == "cpu"
+            and tuple(caller.shape) == shape
+            and caller.dtype == _torch_dtype(dtype)
+            and caller.is_contiguous()
+            and not caller.requires_grad
+        ):
+            self.tensor, self.caller = caller, None
         else:
-            values = read(name)
-        shaped = values.reshape(rows.shape + values.shape[1:])
-        if rows.ndim:
-            unsorted = np.empty_like(shaped)
-            unsorted[order] = shaped
-            shaped = unsorted
-        if out is not None and name in out:
-            target = out[name]
-            target.copy_(torch.from_numpy(shaped))
-            result[name] = target
-        else:
-            result[name] = torch.from_numpy(np.ascontiguousarray(shaped))
-    return result
+            self.tensor = torch.from_numpy(np.empty(shape, dtype))
+        self.array: np.ndarray = self.tensor.numpy()
+
+    def bytes(self, kernels: Any) -> np.ndarray:
+        out: np.ndarray = kernels.bytes_of(self.array)
+        return out
+
+    def finish(self) -> torch.Tensor:
+        if self.caller is None:
+            return self.tensor
+        self.caller.copy_(self.tensor)
+        return self.caller
+
+
+_TORCH_DTYPES: dict[np.dtype, torch.dtype] = {}
+
+
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    found = _TORCH_DTYPES.get(dtype)
+    if found is None:
+        found = _TORCH_DTYPES[dtype] = torch.from_numpy(np.empty(0, dtype)).dtype
+    return found
+
+
+def _next_into(kernels: Any, store: Store, flat: np.ndarray, base: str, after: _Target, own: _Target | None) -> None:
+    """``next_<base>`` into ``after`` and, when ``own`` is given, ``base`` into it."""
+    column = store.column(base).mapped()
+    parts = [store.column(n).mapped() for n in (f"final/{base}", "terminated", "truncated")]
+    if column is not None and all(p is not None for p in parts):
+        if after.row_bytes:
+            b = [kernels.bytes_of(a) for a in (column, *parts) if a is not None]
+            kernels.copy_rows_next(
+                *b, flat, store.layout.lane_size, after.row_bytes, after.bytes(kernels),
+                None if own is None else own.bytes(kernels),
+            )
+        return
+    # a compressed column: read through its backend
+    values = store.read(base, flat)
+    if own is not None:
+        own.array[...] = values.reshape(own.array.shape)
+    following = store.read(base, store.layout.following(flat))
+    last = store.read("terminated", flat) | store.read("truncated", flat)
+    if last.any():
+        following[last] = store.read(f"final/{base}", flat[last])
+    after.array[...] = following.reshape(after.array.shape)
