@@ -205,3 +205,66 @@ def test_kernels_release_the_gil():
     for kernel in (kernels._copy_rows, kernels._copy_rows_next, kernels._first_out_of_range):
         assert kernel.targetoptions["nogil"]
         assert type(kernel._cache).__name__ == "FunctionCache"  # cache=True (NullCache otherwise)
+
+
+# -- the index sampling kernels (mmbuffer.kernels.sampling) ---------------------------------
+def reference_slices(layout, lane_size, n, L, strict, per_episode, seed):
+    """Every eligible item listed one by one, in lane order, then the same random bits
+    as the sampler draws (ranks, then offsets inside the drawn episodes)."""
+    items = []  # (lane, episode start, episode rows, index of the item inside the episode)
+    for lane, episodes in enumerate(layout):
+        for st, rows, _ in episodes:
+            if per_episode:
+                count = int(rows >= (L if strict else 1))
+            else:
+                count = max(rows - L + 1, 0) if strict else rows
+            items += [(lane, st, rows, k) for k in range(count)]
+    g = torch.Generator().manual_seed(seed)
+    ranks = torch.randint(0, 2**62, (n,), generator=g).numpy() % len(items)
+    bits = torch.randint(0, 2**62, (n,), generator=g).numpy() if per_episode else None
+    out, mask = np.empty((n, L), np.int64), np.empty((n, L), bool)
+    for i, r in enumerate(ranks.tolist()):
+        lane, st, rows, k = items[r]
+        if per_episode:
+            room = max(rows - L + 1, 1) if strict else rows
+            k = int(bits[i]) % room
+        avail = rows - k
+        for j in range(L):
+            out[i, j] = lane * lane_size + (st + k + min(j, avail - 1)) % lane_size
+            mask[i, j] = j < avail
+    return out, mask
+
+
+def reference_uniform(layout, lane_size, n, seed):
+    rows = []
+    for lane, episodes in enumerate(layout):
+        lo = episodes[0][0]
+        hi = episodes[-1][0] + episodes[-1][1]  # the open episode's visible end
+        rows += [lane * lane_size + a % lane_size for a in range(lo, hi)]
+    g = torch.Generator().manual_seed(seed)
+    return np.array(rows)[torch.randint(0, 2**62, (n,), generator=g).numpy() % len(rows)]
+
+
+@pytest.mark.parametrize("streams", [1, 5])
+def test_index_kernels_match_an_item_by_item_reference(tmp_path, rng, streams):
+    """Same generator state, same batch as the listing of every eligible item: slices
+    (strict or not, weighted by window or by episode) and uniform transitions, over
+    lanes whose rings wrapped, episodes of 1 to ~2500 rows, open episodes."""
+    from test_sampling import write_layout
+
+    buf, layout = write_layout(tmp_path / "s", rng, streams=streams, lane=3000, steps=30)
+    lane_size = buf.capacity // buf.num_streams
+    for L in (1, 4, 300):
+        for strict in (True, False):
+            for weighting in ("windows", "episodes"):
+                for seed in range(3):
+                    try:
+                        got = buf.slice_indices(64, L, strict, torch.Generator().manual_seed(seed), weighting=weighting)
+                    except mb.errors.NoValidSliceError:
+                        continue
+                    rows, mask = reference_slices(layout, lane_size, 64, L, strict, weighting == "episodes", seed)
+                    np.testing.assert_array_equal(got[2], mask)
+                    np.testing.assert_array_equal(got[0], rows)
+    for seed in range(3):
+        got = buf.sample_indices(200, torch.Generator().manual_seed(seed))[0]
+        np.testing.assert_array_equal(got, reference_uniform(layout, lane_size, 200, seed))
