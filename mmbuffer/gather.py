@@ -106,7 +106,7 @@ def gather(
     names = resolve_keys(store, keys)
     rows = np.asarray(rows, dtype=np.int64)
     flat = np.ascontiguousarray(rows).reshape(-1)
-    bad = kernels.first_out_of_range(flat, store.capacity)
+    starts, bad = kernels.runs(flat, store.capacity)
     if bad >= 0:
         raise errors.InvalidArgumentError(
             f"index: expected row ids in [0, {store.capacity}), got {int(flat[bad])} "
@@ -124,7 +124,7 @@ def gather(
         if nxt in wanted:  # the column and its next values in one pass
             own = _Target(shape, col, out, base) if base in wanted else None
             after = _Target(shape, col, out, nxt)
-            _next_into(kernels, store, flat, base, after, own)
+            _next_into(kernels, store, flat, starts, base, after, own)
             result[nxt] = after.finish()
             if own is not None:
                 result[base] = own.finish()
@@ -134,7 +134,7 @@ def gather(
         if mapped is None:
             target.array[...] = store.read(base, flat).reshape(shape)
         elif target.row_bytes:
-            kernels.copy_rows(kernels.bytes_of(mapped), flat, target.row_bytes, target.bytes(kernels))
+            kernels.copy_rows(kernels.bytes_of(mapped), flat, starts, target.row_bytes, target.bytes(kernels))
         result[base] = target.finish()
     return {name: result[name] for name in names}
 
@@ -185,7 +185,9 @@ def _torch_dtype(dtype: np.dtype) -> torch.dtype:
     return found
 
 
-def _next_into(kernels: Any, store: Store, flat: np.ndarray, base: str, after: _Target, own: _Target | None) -> None:
+def _next_into(
+    kernels: Any, store: Store, flat: np.ndarray, starts: np.ndarray, base: str, after: _Target, own: _Target | None
+) -> None:
     """``next_<base>`` into ``after`` and, when ``own`` is given, ``base`` into it."""
     column = store.column(base).mapped()
     parts = [store.column(n).mapped() for n in (f"final/{base}", "terminated", "truncated")]
@@ -193,7 +195,7 @@ def _next_into(kernels: Any, store: Store, flat: np.ndarray, base: str, after: _
         if after.row_bytes:
             b = [kernels.bytes_of(a) for a in (column, *parts) if a is not None]
             kernels.copy_rows_next(
-                *b, flat, store.layout.lane_size, after.row_bytes, after.bytes(kernels),
+                *b, flat, starts, store.layout.lane_size, after.row_bytes, after.bytes(kernels),
                 None if own is None else own.bytes(kernels),
             )
         return

@@ -163,46 +163,60 @@ def test_kernels_match_the_naive_copy(rng, row_shape, dtype):
     final = rng.integers(100, 200, (n, *row_shape)).astype(dtype)
     term, trunc = rng.random(n) < 0.2, rng.random(n) < 0.1
     row_bytes = src[0].nbytes
-    for _ in range(20):
+    b = kernels.bytes_of
+    for size in (1, 6, 60):  # a few runs (prefetched from the start) to many
         # runs of consecutive rows from random starts, some crossing lane ends
-        starts = rng.integers(0, n, 6)
+        starts = rng.integers(0, n, size)
         rows = np.concatenate([np.arange(s, min(n, s + int(rng.integers(1, 20)))) for s in starts]).astype(np.int64)
+        runs, bad = kernels.runs(rows, n)
+        assert bad == -1 and runs[0] == 0 and runs[-1] == len(rows)
+        assert all((np.diff(rows[a:z]) == 1).all() and (a == 0 or rows[a] != rows[a - 1] + 1)
+                   for a, z in zip(runs[:-1], runs[1:]))
         out = np.zeros((len(rows), *row_shape), dtype)
         nxt = np.zeros_like(out)
-        assert kernels.copy_rows(kernels.bytes_of(src), rows, row_bytes, kernels.bytes_of(out)) == -1
+        kernels.copy_rows(b(src), rows, runs, row_bytes, b(out))
         np.testing.assert_array_equal(out, naive_rows(src, rows))
         out[...] = 0
-        b = kernels.bytes_of
-        assert kernels.copy_rows_next(b(src), b(final), b(term), b(trunc), rows, lane, row_bytes, b(nxt), b(out)) == -1
+        kernels.copy_rows_next(b(src), b(final), b(term), b(trunc), rows, runs, lane, row_bytes, b(nxt), b(out))
         np.testing.assert_array_equal(out, naive_rows(src, rows))
         np.testing.assert_array_equal(nxt, naive_next(src, final, term | trunc, rows, lane))
         nxt[...] = 0
-        assert kernels.copy_rows_next(b(src), b(final), b(term), b(trunc), rows, lane, row_bytes, b(nxt)) == -1
+        kernels.copy_rows_next(b(src), b(final), b(term), b(trunc), rows, runs, lane, row_bytes, b(nxt))
         np.testing.assert_array_equal(nxt, naive_next(src, final, term | trunc, rows, lane))
 
 
-def test_kernels_refuse_bad_rows_and_wrong_sizes(rng):
+def test_kernels_refuse_bad_rows_wrong_sizes_and_bad_runs(rng):
     src = np.arange(40, dtype=np.int32).reshape(10, 4)
     out = np.zeros((3, 4), np.int32)
     b = kernels.bytes_of
-    assert kernels.copy_rows(b(src), np.array([1, 2, 10]), 16, b(out)) == 2
-    assert kernels.copy_rows(b(src), np.array([1, -1, 3]), 16, b(out)) == 1
-    assert kernels.first_out_of_range(np.array([0, 9, 10, -3]), 10) == 2
-    assert kernels.first_out_of_range(np.array([0, 9]), 10) == -1
+    assert kernels.runs(np.array([1, 2, 10]), 10)[1] == 2
+    assert kernels.runs(np.array([1, -1, 3]), 10)[1] == 1
+    assert kernels.runs(np.array([7, 8, 9]), 10)[0].tolist() == [0, 3]
     with pytest.raises(ValueError, match="wrong size"):
-        kernels.copy_rows(b(src), np.array([1, 2]), 16, b(out))
+        kernels.copy_rows(b(src), np.array([1, 2]), np.array([0, 2]), 16, b(out))
+    # runs that do not describe the rows never make a copy leave the source
+    with pytest.raises(ValueError, match="outside the source"):
+        kernels.copy_rows(b(src), np.array([8, 9, 10]), np.array([0, 3]), 16, b(out))
+    with pytest.raises(ValueError, match="outside the source"):
+        kernels.copy_rows(b(src), np.array([8, 2, 3]), np.array([0, 3]), 16, b(out))
+    with pytest.raises(ValueError, match="out of order"):
+        kernels.copy_rows(b(src), np.array([1, 2, 3]), np.array([0, 5]), 16, b(out))
     flags = np.zeros(10, bool)
+    rows = np.array([1, 2, 3])
+    runs = kernels.runs(rows, 10)[0]
     with pytest.raises(ValueError, match="inconsistent sizes"):  # a lane size that does not divide the rows
-        kernels.copy_rows_next(b(src), b(src), b(flags), b(flags), np.array([1, 2, 3]), 3, 16, b(out))
+        kernels.copy_rows_next(b(src), b(src), b(flags), b(flags), rows, runs, 3, 16, b(out))
     with pytest.raises(ValueError, match="inconsistent sizes"):  # flags of another length
-        kernels.copy_rows_next(b(src), b(src), b(flags[:9]), b(flags), np.array([1, 2, 3]), 5, 16, b(out))
+        kernels.copy_rows_next(b(src), b(src), b(flags[:9]), b(flags), rows, runs, 5, 16, b(out))
+    with pytest.raises(ValueError, match="outside the source"):
+        kernels.copy_rows_next(b(src), b(src), b(flags), b(flags), np.array([8, 9, 10]), runs, 5, 16, b(out))
     with pytest.raises(ValueError, match="C-contiguous"):
         kernels.bytes_of(src[:, ::2])
 
 
 def test_kernels_release_the_gil():
     """Compiled with nogil (and cached), so a gather runs beside the training step."""
-    for kernel in (kernels._copy_rows, kernels._copy_rows_next, kernels._first_out_of_range):
+    for kernel in (kernels._runs, kernels._copy_rows, kernels._copy_rows_next):
         assert kernel.targetoptions["nogil"]
         assert type(kernel._cache).__name__ == "FunctionCache"  # cache=True (NullCache otherwise)
 
