@@ -34,12 +34,12 @@ from typing import Any
 
 import numba
 import numpy as np
-from llvmlite import ir
 from numba import types
 from numba.core import cgutils as _cgutils
 from numba.extending import intrinsic
 
 cgutils: Any = _cgutils  # numba's code generation helpers are untyped
+ir: Any = cgutils.ir  # llvmlite's IR builder, as numba imports it
 
 __all__ = ["bytes_of", "copy_rows", "copy_rows_next", "runs"]
 
@@ -108,7 +108,8 @@ def _ahead(starts: Any, rows: Any, row_bytes: int) -> int:
     if count <= 0:
         return 1
     lines = max((rows.shape[0] * row_bytes) // (count * _LINE), 1)
-    return min(max(_AHEAD_LINES // lines, 2), 64)
+    ahead: int = min(max(_AHEAD_LINES // lines, 2), 64)
+    return ahead
 
 
 @numba.njit(nogil=True, cache=True)
