@@ -282,3 +282,26 @@ def test_index_kernels_match_an_item_by_item_reference(tmp_path, rng, streams):
     for seed in range(3):
         got = buf.sample_indices(200, torch.Generator().manual_seed(seed))[0]
         np.testing.assert_array_equal(got, reference_uniform(layout, lane_size, 200, seed))
+
+
+def test_a_kept_batch_is_never_overwritten_and_a_dropped_one_is_recycled(tmp_path, rng):
+    """New batches take the memory of batches whose every tensor is gone (no page
+    faults on fresh memory), never of one still referenced, even through a view."""
+    import gc
+
+    buf = fill(tmp_path / "s", rng)
+    rows = rng.integers(0, buf.capacity, (6, 5))
+    kept = gather(buf, rows, KEYS)
+    view = gather(buf, rows, KEYS)["next_img"][2:4]  # only a view of one key survives
+    want = reference(buf, rows, KEYS)
+    for _ in range(20):
+        gather(buf, rng.integers(0, buf.capacity, (6, 5)), KEYS)
+    gc.collect()
+    assert_same(kept, want)
+    np.testing.assert_array_equal(view.numpy(), want["next_img"][2:4])
+    address = kept["obs"].data_ptr()
+    del kept
+    gc.collect()
+    again = gather(buf, rows, KEYS)
+    assert again["obs"].data_ptr() == address
+    assert_same(again, want)
