@@ -14,7 +14,10 @@ process). Two workloads, each against a baseline timed in the same run:
   arrays of every column, ``next_obs`` included (what an in-RAM buffer that
   stores ``next_obs`` pays for its gather alone).
 
-Ratios are baseline time / mmbuffer time (``>= 1``: mmbuffer is as fast).
+Every call reads rows (or bytes) that the calls just before it did not: a row set
+reused call after call sits in the CPU caches and flatters either side. Timed in
+interleaved rounds (``interleaved``). Ratios are baseline time / mmbuffer time
+(``>= 1``: mmbuffer is as fast).
 Then the first-call compile time of the kernels in a fresh process, with an
 empty numba cache (``NUMBA_CACHE_DIR`` pointed at a new directory), and loaded
 from that cache in a second fresh process.
@@ -27,9 +30,12 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import header, median_time, scratch, table  # noqa: E402
+from _common import header, scratch, table  # noqa: E402
 
 import mmbuffer as mb  # noqa: E402
 from mmbuffer.gather import gather  # noqa: E402
@@ -80,6 +86,24 @@ def in_ram(buf: mb.Buffer) -> dict[str, np.ndarray]:
     return arrays
 
 
+def interleaved(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
+    """Median seconds of each function, timed in rounds that call every one once in
+    a random order: load from other processes on a shared machine then slows all
+    of them alike, and the ratios hold where the absolute figures drift."""
+    order = np.random.default_rng(0)
+    names = list(fns)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    for _ in range(2):
+        for f in fns.values():
+            f()
+    for _ in range(reps):
+        for i in order.permutation(len(names)):
+            t0 = time.perf_counter()
+            fns[names[i]]()
+            times[names[i]].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 class Cycle:
     """Call ``fn`` on the next of ``items`` each time: every timed call reads rows
     (or bytes) the previous calls did not, as a training loop does."""
@@ -102,12 +126,15 @@ def slices(buf: mb.Buffer, reps: int) -> list[dict[str, object]]:
     chunks = Cycle([big[i * nbytes : (i + 1) * nbytes] for i in range(128)])
     rows = Cycle([buf.slice_indices(256, 64, generator=g)[0] for _ in range(64)])
     out = {k: torch.empty_like(v) for k, v in b.data.items()}
-    t_hot = median_time(lambda: np.copyto(dst, src), reps)
-    t_ram = median_time(lambda: np.copyto(dst, chunks.next()), reps)
-    t_index = median_time(lambda: buf.slice_indices(256, 64, generator=g), reps)
-    t_gather = median_time(lambda: gather(buf, rows.next()), reps)
-    t_out = median_time(lambda: gather(buf, rows.next(), out=out), reps)
-    t_total = median_time(lambda: buf.sample_slices(256, 64, generator=g), reps)
+    t_hot = interleaved({"hot": lambda: np.copyto(dst, src)}, reps)["hot"]  # alone: src stays in cache
+    t = interleaved({
+        "ram": lambda: np.copyto(dst, chunks.next()),
+        "index": lambda: buf.slice_indices(256, 64, generator=g),
+        "gather": lambda: gather(buf, rows.next()),
+        "out": lambda: gather(buf, rows.next(), out=out),
+        "total": lambda: buf.sample_slices(256, 64, generator=g),
+    }, reps)
+    t_ram, t_index, t_gather, t_out, t_total = (t[k] for k in ("ram", "index", "gather", "out", "total"))
 
     def row(what: str, t: float) -> dict[str, object]:
         return {"what": what, "ms": t * 1e3, "% of copyto (cache)": 100 * t_hot / t, "% of copyto (RAM)": 100 * t_ram / t}
@@ -132,10 +159,13 @@ def transitions(buf: mb.Buffer, arrays: dict[str, np.ndarray], reps: int) -> lis
         for a in arrays.values():
             np.take(a, r, axis=0)
 
-    t_fancy = median_time(fancy, reps)
-    t_index = median_time(lambda: buf.sample_indices(4096, generator=g), reps)
-    t_gather = median_time(lambda: gather(buf, rows.next()), reps)
-    t_total = median_time(lambda: buf.sample(4096, generator=g), reps)
+    t = interleaved({
+        "fancy": fancy,
+        "index": lambda: buf.sample_indices(4096, generator=g),
+        "gather": lambda: gather(buf, rows.next()),
+        "total": lambda: buf.sample(4096, generator=g),
+    }, reps)
+    t_fancy, t_index, t_gather, t_total = (t[k] for k in ("fancy", "index", "gather", "total"))
     return [
         {"what": "numpy fancy indexing (np.take) of in-RAM arrays (baseline)", "ms": t_fancy * 1e3, "ratio": 1.0},
         {"what": "sample(4096): index + gather", "ms": t_total * 1e3, "ratio": t_fancy / t_total},

@@ -82,8 +82,11 @@ def _slice_rows(
         start_out[i] = start
         avail_out[i] = avail
         last = max(avail - 1, 0)
+        base = lane * lane_size
+        at = start % lane_size  # one division per slice; the ring wraps at most once in it
         for j in range(rows.shape[1]):
-            rows[i, j] = lane * lane_size + (start + min(j, last)) % lane_size
+            a = at + min(j, last)
+            rows[i, j] = base + (a - lane_size if a >= lane_size else a)
             mask[i, j] = j < avail
 
 
