@@ -191,20 +191,22 @@ def _copy_rows_next(
         # next values of the run's rows r, r + 1, ...: runs of following rows, cut
         # where a row ends its episode (its final observation instead) or its lane
         p = i
+        lane_last = (r // lane_size + 1) * lane_size - 1  # a run may go on into the next lane
         while p < j:
             q = r + (p - i)
+            if q > lane_last:
+                lane_last += lane_size
             if terminated[q] != 0 or truncated[q] != 0:
                 _memcpy(out_next, p * row_bytes, final, q * row_bytes, row_bytes)
                 p += 1
                 continue
             m = p + 1
-            if (q + 1) % lane_size != 0:
+            if q != lane_last:
                 first = q + 1
-                while m < j:
-                    s = r + (m - i)
-                    if terminated[s] != 0 or truncated[s] != 0 or (s + 1) % lane_size == 0:
-                        break
+                s = q + 1
+                while m < j and s != lane_last and terminated[s] == 0 and truncated[s] == 0:
                     m += 1
+                    s += 1
             else:  # the lane's last row: its following row is the lane's first
                 first = q + 1 - lane_size
             _memcpy(out_next, p * row_bytes, src, first * row_bytes, (m - p) * row_bytes)
