@@ -1,7 +1,11 @@
-"""Read rows for given indices: one vectorized read per column, out as torch tensors.
+"""Read rows for given indices: compiled copies from the mapped columns, out as torch tensors.
 
 ``next_<col>`` of a row is ``<col>`` of the following row of its lane, except at
 an episode's last row, where it is the stored final observation (``final/<col>``).
+Raw columns are copied by the kernels of ``mmbuffer.kernels.gather`` (a run of
+consecutive rows as one ``memcpy``, ``next_<col>`` in the same pass, no GIL);
+compressed ones are read through their backend. New tensors of a batch share one
+block of memory, recycled once they are all gone (``_Recycler``).
 
 >>> import tempfile, numpy as np, mmbuffer as mb
 >>> buf = mb.create(tempfile.mkdtemp() + "/s", {"obs": ((2,), "float32")}, capacity=8)
