@@ -37,8 +37,8 @@ _TORN_ROUNDS = 4  # exact draws of a zero leaf (only under a torn concurrent rea
 
 def _randint(high: int | np.ndarray, size: int, generator: torch.Generator | None) -> np.ndarray:
     """Uniform integers in ``[0, high)`` (``high`` scalar or per-sample, >= 1)."""
-    bits = torch.randint(0, 2**62, (size,), generator=generator, dtype=torch.int64).numpy()
-    return bits % np.asarray(high, dtype=np.int64)  # bias <= high / 2**62
+    out: np.ndarray = _bits(size, generator) % np.asarray(high, dtype=np.int64)  # bias <= high / 2**62
+    return out
 
 
 def _global(view: View, lane: np.ndarray, absolute: np.ndarray) -> np.ndarray:
@@ -59,10 +59,15 @@ def transition_counts(view: View) -> np.ndarray:
 
 def rows_at(view: View, ranks: np.ndarray) -> np.ndarray:
     """Global rows of the sampleable transitions of given ranks (lane order, oldest first)."""
-    counts = transition_counts(view)
-    lane, offset = _lane_of(counts, ranks)
+    return _rows_of_bits(view, np.asarray(ranks, dtype=np.int64))
+
+
+def _rows_of_bits(view: View, bits: np.ndarray) -> np.ndarray:
+    """Rows of the ranks ``bits % total`` (one compiled pass: ``kernels.sampling``)."""
+    from .kernels import sampling as kernels
+
     first = np.array([lv.first_start for lv in view.lanes], dtype=np.int64)
-    return _global(view, lane, first[lane] + offset)
+    return kernels.uniform_rows(bits, transition_counts(view), first, view.lane_size, np.empty(bits.shape[0], np.int64))
 
 
 def uniform(view: View, batch_size: int, generator: torch.Generator | None = None) -> np.ndarray:
@@ -70,7 +75,13 @@ def uniform(view: View, batch_size: int, generator: torch.Generator | None = Non
     total = int(transition_counts(view).sum())
     if total == 0:
         raise errors.EmptyBufferError("sample: expected a store with sampleable rows, got none")
-    return rows_at(view, _randint(total, batch_size, generator))
+    return _rows_of_bits(view, _bits(batch_size, generator))
+
+
+def _bits(size: int, generator: torch.Generator | None) -> np.ndarray:
+    """The random integers ``_randint`` reduces modulo its bound."""
+    bits: np.ndarray = torch.randint(0, 2**62, (size,), generator=generator, dtype=torch.int64).numpy()
+    return bits
 
 
 # -- slices -------------------------------------------------------------------------------
@@ -164,29 +175,6 @@ class SliceCounts:
         return closed, opened
 
 
-def _starts_in_lane(
-    view: View, counts: SliceCounts, lane: int, local: np.ndarray, closed: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Absolute starts and rows available for in-lane item ranks ``local``.
-
-    Ranks below ``closed`` fall in complete episodes (found by binary search on
-    the cumulative counts), the rest in the open episode.
-    """
-    lv = view.lanes[lane]
-    lc = counts.lanes[lane]
-    x = local + lc.cum[lv.ep_head - lc.base]
-    k = np.searchsorted(lc.cum, x, side="right") - 1
-    in_open = local >= closed
-    # open-episode ranks get a clamped (unused) episode so one vectorized path serves all
-    seq = lc.base + np.minimum(k, lv.ep_tail - 1 - lc.base)
-    both = index.ends_at(view.ends, lane, view.lane_size, np.concatenate((seq, seq - 1)))
-    ends, prev = both[: len(seq)], both[len(seq) :]
-    ep_start = np.where(seq == lv.ep_head, lv.first_start, prev)
-    within = x - lc.cum[np.minimum(k, len(lc.cum) - 1)]
-    start = np.where(in_open, lv.open_start + (local - closed), ep_start + within)
-    return start, np.where(in_open, lv.visible_end, ends) - start
-
-
 def slice_starts(
     view: View,
     counts: SliceCounts,
@@ -195,23 +183,52 @@ def slice_starts(
     totals: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Map item ranks to slices: (lane, absolute start, rows available from start)."""
-    closed, opened = totals if totals is not None else counts.totals(view)
-    if len(closed) == 1:
-        lane = np.zeros_like(ranks)
-        start, avail = _starts_in_lane(view, counts, 0, ranks, int(closed[0]))
-    else:
-        lane, u = _lane_of(closed + opened, ranks)
-        start = np.empty_like(ranks)
-        avail = np.empty_like(ranks)
-        for l in np.flatnonzero(np.bincount(lane, minlength=len(closed))):
-            sel = lane == l
-            start[sel], avail[sel] = _starts_in_lane(view, counts, int(l), u[sel], int(closed[l]))
-    if counts.per_episode:  # ranks picked the episode (its start); now a start inside it
-        room = np.maximum(avail - counts.slice_len + 1, 1) if counts.strict else avail
-        off = _randint(room, len(ranks), generator)
-        start = start + off
-        avail = avail - off
+    lane, start, avail, _, _ = _slice_batch(view, counts, ranks, generator, totals)
     return lane, start, avail
+
+
+def _slice_batch(
+    view: View,
+    counts: SliceCounts,
+    ranks: np.ndarray,
+    generator: torch.Generator | None,
+    totals: tuple[np.ndarray, np.ndarray] | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Lane, absolute start, rows available, ``[B, L]`` rows and mask of the slices of
+    item ranks ``ranks``.
+
+    Ranks count items over the lanes in order; inside a lane, ranks below its
+    ``closed`` count fall in complete episodes (a binary search on the cumulative
+    counts), the rest in the open episode. One compiled pass per lane holding
+    items (``kernels.sampling.slice_rows``); with per-episode weighting the
+    start inside the drawn episode takes one more draw of random bits, after the
+    ranks (the order the generator is used in never changed).
+    """
+    from .kernels import sampling as kernels
+
+    closed, opened = totals if totals is not None else counts.totals(view)
+    ranks = np.asarray(ranks, dtype=np.int64)
+    n = ranks.shape[0]
+    if len(closed) == 1:
+        lane, local = np.zeros(n, np.int64), ranks
+        lanes: list[int] = [0] if n else []
+        lane_of = np.zeros(0, np.int64)  # every item is in lane 0
+    else:
+        lane, local = _lane_of(closed + opened, ranks)
+        lanes = np.flatnonzero(np.bincount(lane, minlength=len(closed))).tolist()
+        lane_of = lane
+    offsets = _bits(n, generator) if counts.per_episode else np.zeros(0, np.int64)
+    start = np.empty(n, np.int64)
+    avail = np.empty(n, np.int64)
+    rows = np.empty((n, counts.slice_len), np.int64)
+    mask = np.empty((n, counts.slice_len), bool)
+    for l in lanes:
+        lv = view.lanes[l]
+        lc = counts.lanes[l]
+        bounds = (lv.ep_head, lv.ep_tail, lv.first_start, lv.open_start, lv.visible_end, int(closed[l]))
+        kernels.slice_rows(lane_of, local, l, lc.cum, lc.base, view.ends, view.lane_size, bounds,
+                           counts.slice_len, offsets, counts.strict, rows, mask, start, avail)
+    return lane, start, avail, rows, mask
 
 
 def slices(
@@ -231,8 +248,8 @@ def slices(
             "(no episode is that long; use strict=False to pad)"
         )
     ranks = _randint(total, num_slices, generator)
-    lane, start, avail = slice_starts(view, counts, ranks, generator, (closed, opened))
-    return window(view, lane, start, avail, counts.slice_len)
+    _, _, _, rows, mask = _slice_batch(view, counts, ranks, generator, (closed, opened))
+    return rows, mask
 
 
 def window(

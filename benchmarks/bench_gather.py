@@ -1,0 +1,225 @@
+"""Gather benchmark: a sampled batch against memcpy and against an in-RAM buffer.
+
+A store of ``--rows`` rows (2M; obs 17 float32, action 6 float32, reward float32,
+episodes of 1000 steps: TD-MPC2's layout), warm (read once, and mapped by this
+process). Two workloads, each against a baseline timed in the same run:
+
+* ``256 x 64`` slices, every column and ``next_obs`` (2.7 MB), with
+  ``buf.sample_slices`` (index + gather + batch), against ``np.copyto`` of the
+  same bytes between two preallocated in-RAM arrays: the floor for contiguous
+  runs. Also the gather alone (rows drawn beforehand), with and without ``out=``
+  buffers, and the index alone.
+* ``4096`` random transitions, every column and ``next_obs``, with ``buf.sample``,
+  against numpy fancy indexing (``np.take``) of the same rows from in-RAM
+  arrays of every column, ``next_obs`` included (what an in-RAM buffer that
+  stores ``next_obs`` pays for its gather alone).
+
+Every call reads rows (or bytes) that the calls just before it did not: a row set
+reused call after call sits in the CPU caches and flatters either side. Timed in
+interleaved rounds (``interleaved``). Ratios are baseline time / mmbuffer time
+(``>= 1``: mmbuffer is as fast).
+Then the first-call compile time of the kernels in a fresh process, with an
+empty numba cache (``NUMBA_CACHE_DIR`` pointed at a new directory), and loaded
+from that cache in a second fresh process.
+
+    python benchmarks/bench_gather.py            # ~0.4 GB scratch in $MMBUFFER_BENCH_DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _common import header, scratch, table  # noqa: E402
+
+import mmbuffer as mb  # noqa: E402
+from mmbuffer.gather import gather  # noqa: E402
+
+COLUMNS = {"obs": ((17,), "float32"), "action": ((6,), "float32"), "reward": ((), "float32")}
+
+
+def build(path: Path, rows: int, episode: int) -> None:
+    if (path / "manifest.json").exists():
+        ro = mb.open(path, mode="r")
+        if len(ro) == rows:
+            return
+    shutil.rmtree(path, ignore_errors=True)
+    rng = np.random.default_rng(0)
+    with mb.create(path, COLUMNS, capacity=rows) as buf:
+        chunk = 500_000
+        for start in range(0, rows, chunk):
+            n = min(chunk, rows - start)
+            done = (np.arange(start, start + n) % episode) == episode - 1
+            buf.extend(
+                {
+                    "obs": rng.standard_normal((n, 17), dtype=np.float32),
+                    "action": rng.standard_normal((n, 6), dtype=np.float32),
+                    "reward": rng.standard_normal(n, dtype=np.float32),
+                    "truncated": done,
+                },
+                final_obs={"obs": rng.standard_normal((int(done.sum()), 17), dtype=np.float32)},
+            )
+
+
+def in_ram(buf: mb.Buffer) -> dict[str, np.ndarray]:
+    """Every column and next_obs as in-RAM arrays (the in-RAM buffer's layout); reading
+    them also warms the page cache and maps the store in this process."""
+    rows = np.arange(buf.capacity)
+    arrays = {k: v.numpy().copy() for k, v in buf.get(rows).items()}
+    for name in buf.columns:
+        np.asarray(buf.column(name).mapped()).sum()
+    for name in buf.next_keys:
+        np.asarray(buf.column(f"final/{name}").mapped()).sum()
+    return arrays
+
+
+def interleaved(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
+    """Median seconds of each function, timed in rounds that call every one once in
+    a random order: load from other processes on a shared machine then slows all
+    of them alike, and the ratios hold where the absolute figures drift."""
+    order = np.random.default_rng(0)
+    names = list(fns)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    for _ in range(2):
+        for f in fns.values():
+            f()
+    for _ in range(reps):
+        for i in order.permutation(len(names)):
+            t0 = time.perf_counter()
+            fns[names[i]]()
+            times[names[i]].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+class Cycle:
+    """Call ``fn`` on the next of ``items`` each time: every timed call reads rows
+    (or bytes) the previous calls did not, as a training loop does."""
+
+    def __init__(self, items: list[object]) -> None:
+        self.items, self.i = items, 0
+
+    def next(self) -> object:
+        self.i = (self.i + 1) % len(self.items)
+        return self.items[self.i]
+
+
+def slices(buf: mb.Buffer, reps: int) -> list[dict[str, object]]:
+    g = torch.Generator().manual_seed(0)
+    b = buf.sample_slices(256, 64, generator=g)
+    nbytes = sum(v.numpy().nbytes for v in b.data.values())
+    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    big = np.random.default_rng(1).integers(0, 255, 128 * nbytes, dtype=np.uint8)  # ~350 MB, as the store
+    chunks = Cycle([big[i * nbytes : (i + 1) * nbytes] for i in range(128)])
+    rows = Cycle([buf.slice_indices(256, 64, generator=g)[0] for _ in range(64)])
+    out = {k: torch.empty_like(v) for k, v in b.data.items()}
+    t_hot = interleaved({"hot": lambda: np.copyto(dst, src)}, reps)["hot"]  # alone: src stays in cache
+    t = interleaved({
+        "ram": lambda: np.copyto(dst, chunks.next()),
+        "index": lambda: buf.slice_indices(256, 64, generator=g),
+        "gather": lambda: gather(buf, rows.next()),
+        "out": lambda: gather(buf, rows.next(), out=out),
+        "total": lambda: buf.sample_slices(256, 64, generator=g),
+    }, reps)
+    t_ram, t_index, t_gather, t_out, t_total = (t[k] for k in ("ram", "index", "gather", "out", "total"))
+
+    def row(what: str, t: float) -> dict[str, object]:
+        return {"what": what, "ms": t * 1e3, "% of copyto (cache)": 100 * t_hot / t, "% of copyto (RAM)": 100 * t_ram / t}
+
+    return [
+        row("np.copyto of the same bytes, source in cache (baseline 1)", t_hot),
+        row("np.copyto of the same bytes, a new 2.7 MB of a 350 MB array each call (baseline 2)", t_ram),
+        row("**sample_slices(256, 64): index + gather**", t_total),
+        row("  index alone (slice_indices)", t_index),
+        row("  gather alone (rows drawn beforehand)", t_gather),
+        row("  gather alone, into out= buffers", t_out),
+        {"what": f"({nbytes / 1e6:.2f} MB a batch)"},
+    ]
+
+
+def transitions(buf: mb.Buffer, arrays: dict[str, np.ndarray], reps: int) -> list[dict[str, object]]:
+    g = torch.Generator().manual_seed(1)
+    rows = Cycle([buf.sample_indices(4096, generator=g)[0] for _ in range(64)])
+
+    def fancy() -> None:
+        r = rows.next()
+        for a in arrays.values():
+            np.take(a, r, axis=0)
+
+    t = interleaved({
+        "fancy": fancy,
+        "index": lambda: buf.sample_indices(4096, generator=g),
+        "gather": lambda: gather(buf, rows.next()),
+        "total": lambda: buf.sample(4096, generator=g),
+    }, reps)
+    t_fancy, t_index, t_gather, t_total = (t[k] for k in ("fancy", "index", "gather", "total"))
+    return [
+        {"what": "numpy fancy indexing (np.take) of in-RAM arrays (baseline)", "ms": t_fancy * 1e3, "ratio": 1.0},
+        {"what": "sample(4096): index + gather", "ms": t_total * 1e3, "ratio": t_fancy / t_total},
+        {"what": "  index alone (sample_indices)", "ms": t_index * 1e3, "ratio": float("nan")},
+        {"what": "  gather alone", "ms": t_gather * 1e3, "ratio": t_fancy / t_gather},
+    ]
+
+
+COMPILE = """
+import sys, time
+t0 = time.perf_counter()
+import numpy as np, torch, mmbuffer as mb
+buf = mb.open(sys.argv[1], mode="r")
+t1 = time.perf_counter()
+buf.sample_slices(256, 64, generator=torch.Generator().manual_seed(0))
+buf.sample(4096, generator=torch.Generator().manual_seed(0))
+t2 = time.perf_counter()
+buf.sample_slices(256, 64, generator=torch.Generator().manual_seed(1))
+buf.sample(4096, generator=torch.Generator().manual_seed(1))
+t3 = time.perf_counter()
+print(t1 - t0, t2 - t1, t3 - t2)
+"""
+
+
+def compile_times(path: Path) -> list[dict[str, object]]:
+    out = []
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "NUMBA_CACHE_DIR": cache, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+        for label in ("fresh process, empty numba cache", "fresh process, numba cache filled"):
+            res = subprocess.run([sys.executable, "-c", COMPILE, str(path)], env=env, capture_output=True, text=True, check=True)
+            imp, first, second = map(float, res.stdout.split())
+            out.append({"run": label, "import + open ms": imp * 1e3, "first samples ms": first * 1e3,
+                        "second samples ms": second * 1e3})
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rows", type=float, default=2e6)
+    parser.add_argument("--episode", type=int, default=1000)
+    parser.add_argument("--reps", type=int, default=300)
+    args = parser.parse_args()
+    path = scratch() / f"gather_{int(args.rows)}"
+    build(path, int(args.rows), args.episode)
+    header("bench_gather")
+    buf = mb.open(path, mode="r")
+    arrays = in_ram(buf)
+    print(f"### 256 x 64 slices, every column + next_obs, {int(args.rows):,} rows, warm\n")
+    table(slices(buf, args.reps))
+    print("### 4096 random transitions, every column + next_obs\n")
+    table(transitions(buf, arrays, args.reps))
+    print("### first call: compile (empty cache) and load (cache filled)\n")
+    table(compile_times(path))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,256 @@
+"""Gather kernels: copy rows of mapped columns into caller buffers, compiled and GIL-free.
+
+Every array here is a flat ``uint8`` view of C-contiguous rows of ``row_bytes``
+bytes, whatever the column's dtype and shape (``bytes_of``), so one compiled
+version serves every column. ``runs`` splits the row ids once per batch into runs
+of consecutive rows (a slice, or the part of a slice before its lane's ring
+wraps); the copy kernels then copy each run with one ``memcpy``, in the order
+given, straight into the output (no sort, no temporary), while prefetching the
+source of the runs a few steps ahead: a batch's rows are scattered over the
+store, and without it each run waits for its first cache line and page-table
+walk in turn (2-3x slower, measured: ``benchmarks/RESULTS.md``). ``next_<col>``
+comes in the same pass as ``<col>``: row ``r``'s next value is row
+``following(r)`` of its lane, or ``final[r]`` where the row ends an episode
+(``terminated | truncated``).
+
+Safety does not depend on the caller: each run is checked against the source's
+size before it is copied, and buffers of the wrong size raise ``ValueError``.
+
+>>> import numpy as np
+>>> src = np.arange(12, dtype=np.int32).reshape(6, 2)
+>>> out = np.zeros((3, 2), np.int32)
+>>> rows = np.array([4, 5, 0])
+>>> starts, bad = runs(rows, 6)
+>>> starts.tolist(), bad
+([0, 2, 3], -1)
+>>> copy_rows(bytes_of(src), rows, starts, 8, bytes_of(out))
+>>> out.tolist()
+[[8, 9], [10, 11], [0, 1]]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numba
+import numpy as np
+from numba import types
+from numba.core import cgutils as _cgutils
+from numba.extending import intrinsic
+
+cgutils: Any = _cgutils  # numba's code generation helpers are untyped
+ir: Any = cgutils.ir  # llvmlite's IR builder, as numba imports it
+
+__all__ = ["bytes_of", "copy_rows", "copy_rows_next", "runs"]
+
+_LINE = 64  # bytes of a cache line
+_AHEAD_LINES = 64  # lines in flight ahead of the copy (about what a core keeps outstanding)
+_MAX_RUN_LINES = 128  # lines prefetched of one run; the hardware streams the rest
+
+
+def _memcpy_typing(typingctx: Any, dst: Any, dst_off: Any, src: Any, src_off: Any, nbytes: Any) -> Any:
+    """``dst[dst_off : dst_off + nbytes] = src[src_off : ...]`` as one ``llvm.memcpy``
+    (numba's slice assignment copies byte by byte: 2-10x slower on rows of a few KB).
+    Unchecked: the callers check every range first."""
+    sig = types.void(dst, types.intp, src, types.intp, types.intp)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        d, doff, s, soff, n = args
+        dptr = cgutils.create_struct_proxy(signature.args[0])(context, builder, value=d).data
+        sptr = cgutils.create_struct_proxy(signature.args[2])(context, builder, value=s).data
+        cgutils.raw_memcpy(builder, builder.gep(dptr, [doff]), builder.gep(sptr, [soff]), n, 1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _prefetch_typing(typingctx: Any, arr: Any, off: Any) -> Any:
+    """A read prefetch of the cache line holding byte ``off`` of ``arr`` (a hint:
+    it never faults, so an offset past the end is harmless)."""
+    sig = types.void(arr, types.intp)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        a, off = args
+        ptr = builder.gep(cgutils.create_struct_proxy(signature.args[0])(context, builder, value=a).data, [off])
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        builder.call(fn, [ptr, i32(0), i32(3), i32(1)])  # read, keep in all cache levels, data
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+_memcpy: Any = intrinsic(_memcpy_typing)
+_prefetch: Any = intrinsic(_prefetch_typing)
+
+
+@numba.njit(nogil=True, cache=True)
+def _runs(rows: Any, nrows: int) -> tuple[Any, int]:
+    n = rows.shape[0]
+    starts = np.empty(n + 1, np.int64)
+    count = 0
+    for i in range(n):
+        r = rows[i]
+        if r < 0 or r >= nrows:
+            return starts[:0], i
+        if i == 0 or r != rows[i - 1] + 1:
+            starts[count] = i
+            count += 1
+    starts[count] = n
+    return starts[: count + 1], -1
+
+
+@numba.njit(nogil=True, cache=True)
+def _ahead(starts: Any, rows: Any, row_bytes: int) -> int:
+    """How many runs ahead to prefetch: about ``_AHEAD_LINES`` lines in flight."""
+    count = starts.shape[0] - 1
+    if count <= 0:
+        return 1
+    lines = max((rows.shape[0] * row_bytes) // (count * _LINE), 1)
+    ahead: int = min(max(_AHEAD_LINES // lines, 2), 64)
+    return ahead
+
+
+@numba.njit(nogil=True, cache=True)
+def _prefetch_run(src: Any, first_row: int, length: int, row_bytes: int) -> None:
+    a = first_row * row_bytes
+    b = min(a + length * row_bytes, a + _MAX_RUN_LINES * _LINE)
+    x = a - a % _LINE
+    while x < b:
+        _prefetch(src, x)
+        x += _LINE
+
+
+@numba.njit(nogil=True, cache=True)
+def _check_run(starts: Any, k: int, n: int, rows: Any, nrows: int) -> tuple[int, int, int]:
+    """Positions ``[i, j)`` and first row of run ``k``, checked to lie inside the rows
+    and the source (whatever ``starts`` holds)."""
+    i, j = starts[k], starts[k + 1]
+    if i < 0 or j <= i or j > n:
+        raise ValueError("copy: run starts out of order")
+    r = rows[i]
+    if r < 0 or r + (j - i) > nrows:
+        raise ValueError("copy: a run of rows outside the source")
+    return i, j, r
+
+
+@numba.njit(nogil=True, cache=True)
+def _copy_rows(src: Any, rows: Any, starts: Any, row_bytes: int, out: Any) -> None:
+    n = rows.shape[0]
+    if row_bytes <= 0 or out.shape[0] != n * row_bytes or src.shape[0] % row_bytes != 0:
+        raise ValueError("copy_rows: out has the wrong size")
+    nrows = src.shape[0] // row_bytes
+    count = starts.shape[0] - 1
+    ahead = _ahead(starts, rows, row_bytes)
+    for k in range(min(ahead, count)):
+        i, j, r = _check_run(starts, k, n, rows, nrows)
+        _prefetch_run(src, r, j - i, row_bytes)
+    for k in range(count):
+        if k + ahead < count:
+            i, j, r = _check_run(starts, k + ahead, n, rows, nrows)
+            _prefetch_run(src, r, j - i, row_bytes)
+        i, j, r = _check_run(starts, k, n, rows, nrows)
+        _memcpy(out, i * row_bytes, src, r * row_bytes, (j - i) * row_bytes)
+
+
+@numba.njit(nogil=True, cache=True)
+def _copy_rows_next(
+    src: Any, final: Any, terminated: Any, truncated: Any, rows: Any, starts: Any, lane_size: int,
+    row_bytes: int, out: Any, out_next: Any, want_rows: bool,
+) -> None:
+    n = rows.shape[0]
+    if row_bytes <= 0 or src.shape[0] % row_bytes != 0:
+        raise ValueError("copy_rows_next: arrays of inconsistent sizes")
+    nrows = src.shape[0] // row_bytes
+    if (
+        final.shape[0] != src.shape[0]
+        or terminated.shape[0] != nrows
+        or truncated.shape[0] != nrows
+        or lane_size <= 0
+        or nrows % lane_size != 0
+        or out_next.shape[0] != n * row_bytes
+        or (want_rows and out.shape[0] != n * row_bytes)
+    ):
+        raise ValueError("copy_rows_next: arrays of inconsistent sizes")
+    count = starts.shape[0] - 1
+    ahead = _ahead(starts, rows, row_bytes)
+    for k in range(-ahead, count):
+        if k + ahead < count:
+            i, j, r = _check_run(starts, k + ahead, n, rows, nrows)
+            _prefetch_run(src, r, j - i + 1, row_bytes)  # and the row after: the last one's next
+            _prefetch(terminated, r)
+            _prefetch(truncated, r)
+            _prefetch(terminated, r + j - i - 1)
+            _prefetch(truncated, r + j - i - 1)
+        if k < 0:
+            continue
+        i, j, r = _check_run(starts, k, n, rows, nrows)
+        if want_rows:
+            _memcpy(out, i * row_bytes, src, r * row_bytes, (j - i) * row_bytes)
+        # next values of the run's rows r, r + 1, ...: runs of following rows, cut
+        # where a row ends its episode (its final observation instead) or its lane
+        p = i
+        lane_last = (r // lane_size + 1) * lane_size - 1  # a run may go on into the next lane
+        while p < j:
+            q = r + (p - i)
+            if q > lane_last:
+                lane_last += lane_size
+            if terminated[q] != 0 or truncated[q] != 0:
+                _memcpy(out_next, p * row_bytes, final, q * row_bytes, row_bytes)
+                p += 1
+                continue
+            m = p + 1
+            if q != lane_last:
+                first = q + 1
+                s = q + 1
+                while m < j and s != lane_last and terminated[s] == 0 and truncated[s] == 0:
+                    m += 1
+                    s += 1
+            else:  # the lane's last row: its following row is the lane's first
+                first = q + 1 - lane_size
+            _memcpy(out_next, p * row_bytes, src, first * row_bytes, (m - p) * row_bytes)
+            p = m
+
+
+def bytes_of(array: np.ndarray) -> np.ndarray:
+    """The bytes of a C-contiguous array as a flat ``uint8`` view (no copy)."""
+    if not array.flags.c_contiguous:
+        raise ValueError("bytes_of: expected a C-contiguous array")
+    flat: np.ndarray = array.reshape(-1).view(np.uint8)
+    return flat
+
+
+def runs(rows: np.ndarray, nrows: int) -> tuple[np.ndarray, int]:
+    """Split row ids (int64, flat) into runs of consecutive rows: the positions where
+    runs start, then ``len(rows)``; and the position of the first id outside
+    ``[0, nrows)`` (then no runs), or -1."""
+    starts, bad = _runs(rows, nrows)
+    return starts, int(bad)
+
+
+def copy_rows(src: np.ndarray, rows: np.ndarray, starts: np.ndarray, row_bytes: int, out: np.ndarray) -> None:
+    """Copy rows ``rows`` (int64, flat; split by ``runs``) of ``src`` into consecutive
+    rows of ``out`` (both flat bytes, see ``bytes_of``)."""
+    _copy_rows(src, rows, starts, row_bytes, out)
+
+
+def copy_rows_next(
+    src: np.ndarray,
+    final: np.ndarray,
+    terminated: np.ndarray,
+    truncated: np.ndarray,
+    rows: np.ndarray,
+    starts: np.ndarray,
+    lane_size: int,
+    row_bytes: int,
+    out_next: np.ndarray,
+    out: np.ndarray | None = None,
+) -> None:
+    """``copy_rows`` of ``src`` into ``out`` (when given) and, in the same pass, the
+    next value of each row into ``out_next``: ``src`` at the following row of its
+    lane (``lane_size`` rows, a ring), or ``final`` where ``terminated`` or
+    ``truncated`` (flat bytes, one per row) ends the episode there."""
+    want = out is not None
+    _copy_rows_next(src, final, terminated, truncated, rows, starts, lane_size, row_bytes,
+                    out if out is not None else out_next, out_next, want)

@@ -1,0 +1,131 @@
+"""Index sampling kernels: random bits to rows in one compiled pass per batch.
+
+The random numbers are drawn by the caller with torch (``mmbuffer.sampling``), the
+same way and in the same order as before these kernels existed, so the same
+generator state still gives the same batch; the kernels only map them to rows,
+with the arithmetic of ``mmbuffer.sampling`` (``_lane_of``, ``_starts_in_lane``,
+``window``) and of ``mmbuffer.layout`` (``Layout.rows``) written out per item.
+
+>>> import numpy as np
+>>> out = np.empty(3, np.int64)
+>>> uniform_rows(np.array([0, 4, 5]), np.array([4, 2]), np.array([10, 3]), 8, out).tolist()
+[2, 11, 12]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numba
+import numpy as np
+
+__all__ = ["slice_rows", "uniform_rows"]
+
+
+@numba.njit(nogil=True, cache=True)
+def _search_right(a: Any, x: int) -> int:
+    """``np.searchsorted(a, x, side="right")`` for a sorted int64 array."""
+    lo, hi = 0, a.shape[0]
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if a[mid] <= x:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@numba.njit(nogil=True, cache=True)
+def _uniform_rows(bits: Any, counts: Any, first: Any, lane_size: int, out: Any) -> None:
+    lanes = counts.shape[0]
+    cum = np.empty(lanes, np.int64)
+    total = 0
+    for l in range(lanes):
+        total += counts[l]
+        cum[l] = total
+    for i in range(bits.shape[0]):
+        u = bits[i] % total
+        lane = _search_right(cum, u)
+        absolute = first[lane] + u - (cum[lane] - counts[lane])
+        out[i] = lane * lane_size + absolute % lane_size
+
+
+@numba.njit(nogil=True, cache=True)
+def _slice_rows(
+    lane_of: Any, local: Any, lane: int, cum: Any, cum_base: int, ends: Any, lane_size: int,
+    ep_head: int, ep_tail: int, first_start: int, open_start: int, visible_end: int, closed: int,
+    slice_len: int, offsets: Any, strict: bool, rows: Any, mask: Any, start_out: Any, avail_out: Any,
+) -> None:
+    slots = 2 * lane_size
+    ring = lane * slots
+    c0 = cum[ep_head - cum_base]
+    for i in range(local.shape[0]):
+        if lane_of.shape[0] and lane_of[i] != lane:
+            continue
+        r = local[i]
+        if r >= closed:  # the open episode
+            start = open_start + (r - closed)
+            avail = visible_end - start
+        else:
+            x = r + c0
+            k = _search_right(cum, x) - 1
+            seq = cum_base + min(k, ep_tail - 1 - cum_base)
+            end = ends[ring + seq % slots]
+            ep_start = first_start if seq == ep_head else ends[ring + (seq - 1) % slots]
+            start = ep_start + (x - cum[min(k, cum.shape[0] - 1)])
+            avail = end - start
+        if offsets.shape[0]:  # per-episode weighting: the episode is drawn, now a start inside it
+            room = max(avail - slice_len + 1, 1) if strict else avail
+            off = offsets[i] % room
+            start += off
+            avail -= off
+        start_out[i] = start
+        avail_out[i] = avail
+        last = max(avail - 1, 0)
+        base = lane * lane_size
+        at = start % lane_size  # one division per slice; the ring wraps at most once in it
+        for j in range(rows.shape[1]):
+            a = at + min(j, last)
+            rows[i, j] = base + (a - lane_size if a >= lane_size else a)
+            mask[i, j] = j < avail
+
+
+def uniform_rows(bits: np.ndarray, counts: np.ndarray, first: np.ndarray, lane_size: int, out: np.ndarray) -> np.ndarray:
+    """Global rows of uniformly drawn transitions into ``out``: ``bits % sum(counts)``
+    is a rank over the lanes' ``counts`` sampleable rows (lane order), each lane's
+    starting at its absolute row ``first`` (the lanes are rings of ``lane_size``)."""
+    _uniform_rows(bits, counts, first, lane_size, out)
+    return out
+
+
+def slice_rows(
+    lane_of: np.ndarray,
+    local: np.ndarray,
+    lane: int,
+    cum: np.ndarray,
+    cum_base: int,
+    ends: np.ndarray,
+    lane_size: int,
+    bounds: tuple[int, int, int, int, int, int],
+    slice_len: int,
+    offsets: np.ndarray,
+    strict: bool,
+    rows: np.ndarray,
+    mask: np.ndarray,
+    start: np.ndarray,
+    avail: np.ndarray,
+) -> None:
+    """Slices of the items ``i`` of ``lane`` (all items when ``lane_of`` is empty,
+    else those with ``lane_of[i] == lane``) from their in-lane ranks ``local``.
+
+    ``cum`` holds the lane's cumulative counts of eligible starts per episode from
+    sequence number ``cum_base`` on (``sampling.SliceCounts``); ``bounds`` is
+    ``(ep_head, ep_tail, first_start, open_start, visible_end, closed)``: the
+    lane's view and its count of items in complete episodes. Writes each item's
+    absolute start and rows available from it into ``start``/``avail`` and its
+    ``[L]`` global rows and mask into ``rows``/``mask`` (positions past ``avail``
+    repeat the last available row, masked). With ``offsets`` (non-empty: bits,
+    one per item) the rank picked an episode and ``offsets % room`` the start in it.
+    """
+    _slice_rows(lane_of, local, lane, cum, cum_base, ends, lane_size, *bounds, slice_len, offsets, strict,
+                rows, mask, start, avail)
