@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from ..schema import PriorityConfig
 from ._minari_arrow import arrow_info_leaves, arrow_leaves, null_fill
 from ._minari_spaces import decode_jpeg, is_image, parse_space, space_leaves
 from ._reader import Chunk, ChunkAssembler, Reader, Schema, jsonable
@@ -400,6 +401,9 @@ def convert_minari(
     chunk_rows: int | None = None,
     progress: bool = True,
     verify: bool = True,
+    capacity: int | None = None,
+    num_streams: int | None = None,
+    priorities: PriorityConfig | None = None,
 ) -> dict[str, Any]:
     """Convert a Minari dataset directory into a new store at ``dst``.
 
@@ -426,5 +430,5 @@ def convert_minari(
     reader = MinariReader(Path(src).expanduser(), keep_infos=keep_infos)
     return write_store(
         reader, dst, overwrite=overwrite, compression=compression, chunk_rows=chunk_rows,
-        progress=progress, verify=verify,
+        progress=progress, verify=verify, capacity=capacity, num_streams=num_streams, priorities=priorities,
     )
