@@ -71,6 +71,8 @@ from typing import Any
 from ..errors import InvalidArgumentError
 from ._copy import copy, copy_store
 from ._d4rl import D4RLReader, convert_d4rl
+from ._diffusion import DiffusionPolicyReader, convert_diffusion_policy
+from ._export_diffusion import export_diffusion_policy
 from ._export_d4rl import export_d4rl
 from ._export_minari import export_minari
 from ._formats import READERS, WRITERS
@@ -85,6 +87,7 @@ __all__ = [
     "Chunk",
     "ConversionWarning",
     "D4RLReader",
+    "DiffusionPolicyReader",
     "MinariReader",
     "NpzReader",
     "Reader",
@@ -93,6 +96,7 @@ __all__ = [
     "TorchRLReader",
     "convert",
     "convert_d4rl",
+    "convert_diffusion_policy",
     "convert_minari",
     "convert_npz",
     "convert_torchrl",
@@ -100,6 +104,7 @@ __all__ = [
     "copy_store",
     "export",
     "export_d4rl",
+    "export_diffusion_policy",
     "export_minari",
     "write_store",
 ]
