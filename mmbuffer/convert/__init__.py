@@ -79,6 +79,7 @@ from ._formats import READERS, WRITERS
 from ._minari import MinariReader, convert_minari
 from ._npz import NpzReader, convert_npz
 from ._reader import Chunk, ConversionWarning, Reader, Schema
+from ._tianshou import TianshouReader, convert_tianshou
 from ._torchrl import TDMPC2Reader, TorchRLReader, convert_torchrl
 from ._write import write_store
 
@@ -93,12 +94,14 @@ __all__ = [
     "Reader",
     "Schema",
     "TDMPC2Reader",
+    "TianshouReader",
     "TorchRLReader",
     "convert",
     "convert_d4rl",
     "convert_diffusion_policy",
     "convert_minari",
     "convert_npz",
+    "convert_tianshou",
     "convert_torchrl",
     "copy",
     "copy_store",

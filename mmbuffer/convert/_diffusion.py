@@ -179,8 +179,11 @@ class DiffusionPolicyReader(Reader):
     def _data_arrays(self, group: Any, prefix: str = "") -> dict[str, Any]:
         out: dict[str, Any] = {}
         for name in sorted(group.keys()):
-            node = group[name]
             key = f"{prefix}{name}"
+            try:
+                node = group[name]
+            except Exception as exc:  # metadata zarr refuses (an object dtype, an unknown codec)
+                raise self._error(f"unreadable array metadata ({type(exc).__name__}: {exc})", f"data/{key}") from exc
             if _is_group(node):
                 out.update(self._data_arrays(node, key + "/"))
             else:

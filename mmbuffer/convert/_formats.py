@@ -27,6 +27,7 @@ from ._export_d4rl import export_d4rl
 from ._export_minari import export_minari
 from ._minari import convert_minari
 from ._npz import convert_npz
+from ._tianshou import convert_tianshou
 from ._torchrl import convert_torchrl
 
 __all__ = ["READERS", "WRITERS", "Format", "takes"]
@@ -57,6 +58,8 @@ READERS: dict[str, Format] = {f.name: f for f in (
     Format("tdmpc2", convert_torchrl, "a TD-MPC2 .pt file (the same reader as torchrl)"),
     Format("diffusion_policy", convert_diffusion_policy,
            "a Diffusion Policy / UMI Zarr group (data/<key>, meta/episode_ends; .zarr or .zarr.zip)"),
+    Format("tianshou", convert_tianshou, "a Tianshou ReplayBuffer/VectorReplayBuffer save_hdf5 file",
+           ("keep_infos",)),
 )}
 
 #: ``export`` formats (a store written out), in the order the CLI lists them.
