@@ -293,7 +293,7 @@ def test_diffusion_policy_bad_input(tmp_path):
     meta = json.loads(meta_file.read_text())
     meta["filters"] = [{"id": "pickle", "protocol": 5}]
     meta_file.write_text(json.dumps(meta))
-    with pytest.raises(ConversionError, match=r"data/action.*'pickle'"):
+    with pytest.raises(ConversionError, match=r"data/.*pickle"):
         convert("diffusion_policy", tmp_path / "c.zarr", tmp_path / "s", progress=False)
     # a symbolic link could point outside the dataset
     root = zarr.open_group(str(tmp_path / "d.zarr"), mode="w", zarr_format=2)

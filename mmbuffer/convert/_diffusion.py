@@ -178,7 +178,12 @@ class DiffusionPolicyReader(Reader):
 
     def _data_arrays(self, group: Any, prefix: str = "") -> dict[str, Any]:
         out: dict[str, Any] = {}
-        for name in sorted(group.keys()):
+        try:
+            names = sorted(group.keys())
+        except Exception as exc:  # metadata zarr refuses (an object dtype, an unknown codec)
+            raise self._error(f"unreadable array metadata ({type(exc).__name__}: {exc})",
+                              f"data/{prefix}") from exc
+        for name in names:
             key = f"{prefix}{name}"
             try:
                 node = group[name]
