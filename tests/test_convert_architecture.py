@@ -73,7 +73,7 @@ def test_cli_and_convert_read_the_one_registry(tmp_path, monkeypatch, capsys):
     assert mb.convert.convert("TOY", "a", "b") == {"rows": 0}
     # an option only the registry grants is refused for the new format
     assert main(["convert", "toy", "in", str(tmp_path / "o"), "--keep-infos"]) == 2
-    assert "--keep-infos: not an option of format 'toy' (only d4rl, minari, npz)" in capsys.readouterr().err
+    assert "--keep-infos: not an option of format 'toy' (only d4rl, minari, npz, tianshou)" in capsys.readouterr().err
 
 
 # -- the writer frame -------------------------------------------------------------------------

@@ -457,3 +457,144 @@ def test_tianshou_bad_input(tmp_path):
     with pytest.raises(ConversionError, match="found a directory"):
         convert("tianshou", tmp_path, tmp_path / "s", progress=False)
     assert not (tmp_path / "pwned").exists() and not (tmp_path / "s").exists()
+
+
+# -- 3b. LeRobot v3 -----------------------------------------------------------------------------
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+
+def write_lerobot(root: Path, lengths: list[int], *, files: int = 2, video: bool = False,
+                  seed: int = 0) -> dict[str, np.ndarray]:
+    """A dataset as ``LeRobotDataset`` v3.0 writes it (lerobot/datasets/utils.py: DEFAULT_DATA_PATH,
+    DEFAULT_EPISODES_PATH, create_empty_dataset_info, DEFAULT_FEATURES; 1-d features as fixed-size
+    lists, (1,)-shaped ones as scalars, 2-d as nested lists)."""
+    rng = np.random.default_rng(seed)
+    n = sum(lengths)
+    ep = np.repeat(np.arange(len(lengths)), lengths)
+    frame = np.concatenate([np.arange(k) for k in lengths])
+    done = np.zeros(n, bool)
+    ends = np.cumsum(lengths) - 1
+    done[ends[::2]] = True  # every other episode ends in success (next.done)
+    cols = {
+        "observation.state": rng.random((n, 6)).astype("float32"),
+        "observation.environment_state": rng.random((n, 3, 2)).astype("float32"),
+        "action": rng.random((n, 2)).astype("float32"),
+        "next.reward": rng.random(n).astype("float32"),
+        "next.done": done,
+        "timestamp": (frame / 10).astype("float32"),
+        "frame_index": frame.astype("int64"),
+        "episode_index": ep.astype("int64"),
+        "index": np.arange(n, dtype="int64"),
+        "task_index": np.zeros(n, "int64"),
+    }
+    features = {
+        "observation.state": {"dtype": "float32", "shape": [6], "names": [f"j{i}" for i in range(6)]},
+        "observation.environment_state": {"dtype": "float32", "shape": [3, 2], "names": None},
+        "action": {"dtype": "float32", "shape": [2], "names": ["x", "y"]},
+        "next.reward": {"dtype": "float32", "shape": [1], "names": None},
+        "next.done": {"dtype": "bool", "shape": [1], "names": None},
+        "timestamp": {"dtype": "float32", "shape": [1], "names": None},
+        "frame_index": {"dtype": "int64", "shape": [1], "names": None},
+        "episode_index": {"dtype": "int64", "shape": [1], "names": None},
+        "index": {"dtype": "int64", "shape": [1], "names": None},
+        "task_index": {"dtype": "int64", "shape": [1], "names": None},
+    }
+    if video:
+        features["observation.images.top"] = {"dtype": "video", "shape": [96, 96, 3],
+                                              "names": ["height", "width", "channels"]}
+
+    def arrow(key: str, v: np.ndarray) -> pa.Array:
+        if v.ndim == 1:
+            return pa.array(v)
+        if v.ndim == 2:
+            return pa.FixedSizeListArray.from_arrays(pa.array(v.reshape(-1)), v.shape[1])
+        return pa.array(v.tolist())  # Array2D: nested lists
+
+    # episodes are never split across files: cut at an episode boundary
+    cut = int(np.cumsum(lengths)[len(lengths) // 2 - 1]) if files == 2 else n
+    bounds = [(0, cut), (cut, n)] if files == 2 else [(0, n)]
+    for i, (a, b) in enumerate(bounds):
+        path = root / "data" / "chunk-000" / f"file-{i:03d}.parquet"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table({k: arrow(k, v[a:b]) for k, v in cols.items()}), path, row_group_size=16)
+    starts = np.cumsum(lengths) - np.array(lengths)
+    episodes = pa.table({
+        "episode_index": pa.array(np.arange(len(lengths), dtype="int64")),
+        "tasks": pa.array([["push the block"]] * len(lengths)),
+        "length": pa.array(np.array(lengths, "int64")),
+        "dataset_from_index": pa.array(starts.astype("int64")),
+        "dataset_to_index": pa.array((starts + lengths).astype("int64")),
+        "data/chunk_index": pa.array(np.zeros(len(lengths), "int64")),
+        "data/file_index": pa.array((starts >= cut).astype("int64")),
+        "meta/episodes/chunk_index": pa.array(np.zeros(len(lengths), "int64")),
+        "meta/episodes/file_index": pa.array(np.zeros(len(lengths), "int64")),
+    })
+    (root / "meta" / "episodes" / "chunk-000").mkdir(parents=True)
+    pq.write_table(episodes, root / "meta" / "episodes" / "chunk-000" / "file-000.parquet")
+    pq.write_table(pa.table({"task_index": pa.array([0]), "__index_level_0__": pa.array(["push the block"])}),
+                   root / "meta" / "tasks.parquet")
+    info = {
+        "codebase_version": "v3.0", "robot_type": "pusht", "total_episodes": len(lengths), "total_frames": n,
+        "total_tasks": 1, "chunks_size": 1000, "data_files_size_in_mb": 100, "video_files_size_in_mb": 500,
+        "fps": 10, "splits": {"train": f"0:{len(lengths)}"},
+        "data_path": "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet",
+        "video_path": "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4" if video else None,
+        "features": features,
+    }
+    (root / "meta" / "info.json").write_text(json.dumps(info, indent=4))
+    return cols
+
+
+@pytest.mark.parametrize("chunk_rows", [7, 1000])
+def test_lerobot_v3_tabular_features(tmp_path, chunk_rows):
+    lengths = [12, 30, 7, 21]
+    cols = write_lerobot(tmp_path / "pusht", lengths)
+    s = convert("lerobot", tmp_path / "pusht", tmp_path / "s", chunk_rows=chunk_rows, progress=False)
+    assert (s["rows"], s["episodes"], s["verified"]) == (70, 4, True)
+    with mb.open(tmp_path / "s", mode="r") as buf:
+        assert buf.episodes()[1].tolist() == lengths
+        got = buf.get(np.arange(70))
+        assert np.array_equal(got["obs/state"].numpy(), cols["observation.state"])
+        assert np.array_equal(got["obs/environment_state"].numpy(), cols["observation.environment_state"])
+        assert np.array_equal(got["action"].numpy(), cols["action"])
+        assert np.array_equal(got["reward"].numpy(), cols["next.reward"])
+        assert np.array_equal(got["episode_index"].numpy(), cols["episode_index"])
+        ends = np.cumsum(lengths) - 1
+        assert got["terminated"].nonzero().flatten().tolist() == ends[::2].tolist()
+        assert got["truncated"].nonzero().flatten().tolist() == ends[1::2].tolist()
+        assert buf.attrs["lerobot"]["fps"] == 10
+
+
+def test_lerobot_video_refused_unless_skipped(tmp_path):
+    write_lerobot(tmp_path / "aloha", [5, 6], video=True, files=1)
+    with pytest.raises(ConversionError, match=r"observation.images.top.*skip_visual"):
+        convert("lerobot", tmp_path / "aloha", tmp_path / "s", progress=False)
+    assert not (tmp_path / "s").exists()
+    with pytest.warns(ConversionWarning, match="video/image features left out"):
+        s = convert("lerobot", tmp_path / "aloha", tmp_path / "s", skip_visual=True, progress=False)
+    assert s["rows"] == 11 and "observation.images.top" not in s["columns"]
+
+
+def test_lerobot_bad_input(tmp_path):
+    write_lerobot(tmp_path / "a", [5, 6, 4])
+    info = json.loads((tmp_path / "a" / "meta" / "info.json").read_text())
+    info["codebase_version"] = "v2.1"
+    (tmp_path / "a" / "meta" / "info.json").write_text(json.dumps(info))
+    with pytest.raises(ConversionError, match="expected codebase_version v3.x"):
+        convert("lerobot", tmp_path / "a", tmp_path / "s", progress=False)
+    info["codebase_version"], info["total_frames"] = "v3.0", 99
+    (tmp_path / "a" / "meta" / "info.json").write_text(json.dumps(info))
+    with pytest.raises(ConversionError, match=r"total_frames: expected 15 \(meta/episodes\), got 99"):
+        convert("lerobot", tmp_path / "a", tmp_path / "s", progress=False)
+    # episode lengths in meta/ that disagree with the frames' episode_index
+    write_lerobot(tmp_path / "b", [5, 6, 4])
+    ep_file = tmp_path / "b" / "meta" / "episodes" / "chunk-000" / "file-000.parquet"
+    t = pq.read_table(ep_file)
+    t = t.set_column(t.schema.get_field_index("length"), "length", pa.array(np.array([6, 5, 4], "int64")))
+    pq.write_table(t, ep_file)
+    with pytest.raises(ConversionError, match=r"frame 5: expected episode_index 0"):
+        convert("lerobot", tmp_path / "b", tmp_path / "s", progress=False)
+    with pytest.raises(ConversionError, match="no meta/info.json"):
+        convert("lerobot", tmp_path, tmp_path / "s", progress=False)
+    assert not (tmp_path / "s").exists()

@@ -76,6 +76,7 @@ from ._export_diffusion import export_diffusion_policy
 from ._export_d4rl import export_d4rl
 from ._export_minari import export_minari
 from ._formats import READERS, WRITERS
+from ._lerobot import LeRobotReader, convert_lerobot
 from ._minari import MinariReader, convert_minari
 from ._npz import NpzReader, convert_npz
 from ._reader import Chunk, ConversionWarning, Reader, Schema
@@ -89,6 +90,7 @@ __all__ = [
     "ConversionWarning",
     "D4RLReader",
     "DiffusionPolicyReader",
+    "LeRobotReader",
     "MinariReader",
     "NpzReader",
     "Reader",
@@ -99,6 +101,7 @@ __all__ = [
     "convert",
     "convert_d4rl",
     "convert_diffusion_policy",
+    "convert_lerobot",
     "convert_minari",
     "convert_npz",
     "convert_tianshou",

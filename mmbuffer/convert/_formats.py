@@ -7,11 +7,11 @@ line shows and the format-specific options it takes; :func:`mmbuffer.convert.con
 all read these tables, so a new format is one line here.
 
 >>> list(READERS), list(WRITERS)
-(['d4rl', 'minari', 'npz', 'torchrl', 'tdmpc2', 'diffusion_policy'], ['d4rl', 'minari', 'diffusion_policy'])
+(['d4rl', 'minari', 'npz', 'torchrl', 'tdmpc2', 'diffusion_policy', 'lerobot', 'tianshou'], ['d4rl', 'minari', 'diffusion_policy'])
 >>> READERS["npz"].options
 ('keep_infos', 'keep_next_obs')
 >>> takes("keep_infos", READERS)
-('d4rl', 'minari', 'npz')
+('d4rl', 'minari', 'npz', 'tianshou')
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from ._diffusion import convert_diffusion_policy
 from ._export_diffusion import export_diffusion_policy
 from ._export_d4rl import export_d4rl
 from ._export_minari import export_minari
+from ._lerobot import convert_lerobot
 from ._minari import convert_minari
 from ._npz import convert_npz
 from ._tianshou import convert_tianshou
@@ -58,6 +59,8 @@ READERS: dict[str, Format] = {f.name: f for f in (
     Format("tdmpc2", convert_torchrl, "a TD-MPC2 .pt file (the same reader as torchrl)"),
     Format("diffusion_policy", convert_diffusion_policy,
            "a Diffusion Policy / UMI Zarr group (data/<key>, meta/episode_ends; .zarr or .zarr.zip)"),
+    Format("lerobot", convert_lerobot, "a LeRobot v3 dataset directory (meta/info.json, data/ parquet files)",
+           ("skip_visual",)),
     Format("tianshou", convert_tianshou, "a Tianshou ReplayBuffer/VectorReplayBuffer save_hdf5 file",
            ("keep_infos",)),
 )}

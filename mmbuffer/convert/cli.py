@@ -100,6 +100,10 @@ def _add_convert_options(p: argparse.ArgumentParser, fmt: str | None) -> None:
     if fmt is None or fmt in with_infos:
         p.add_argument("--keep-infos", action="store_true",
                        help=f"keep infos/* as columns ({', '.join(with_infos)})")
+    with_visual = takes("skip_visual", READERS)
+    if fmt is None or fmt in with_visual:
+        p.add_argument("--skip-visual", action="store_true",
+                       help=f"leave video/image features out instead of refusing them ({', '.join(with_visual)})")
     if fmt is None or fmt in with_next:
         p.add_argument("--keep-next-obs", action="store_true",
                        help=f"store next_observations as an explicit next/obs column ({', '.join(with_next)})")
@@ -144,6 +148,10 @@ def _run_convert(args: argparse.Namespace) -> int:
         if fmt not in (with_next := takes("keep_next_obs", READERS)):
             raise _invalid(f"--keep-next-obs: not an option of format {fmt!r} (only {', '.join(with_next)})")
         options["keep_next_obs"] = True
+    if getattr(args, "skip_visual", False):
+        if fmt not in (with_visual := takes("skip_visual", READERS)):
+            raise _invalid(f"--skip-visual: not an option of format {fmt!r} (only {', '.join(with_visual)})")
+        options["skip_visual"] = True
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConversionWarning)  # the summary lists them
         summary = convert(fmt, args.src, args.dst, **options)
