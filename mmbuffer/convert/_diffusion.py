@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from ..schema import PriorityConfig
-from ._reader import Chunk, Reader, Schema, jsonable
+from ._reader import Chunk, Reader, Schema, jsonable, reader_error
 from ._sniff import ZIP, expect
 from ._write import write_store
 
@@ -96,16 +96,16 @@ def open_zarr_group(reader: Reader, path: Path) -> Any:
             for top, dirs, files in os.walk(path):
                 for name in (*dirs, *files):
                     if os.path.islink(os.path.join(top, name)):
-                        raise reader._error(
+                        raise reader_error(reader, 
                             "expected a Zarr directory without symbolic links (they may point outside "
                             f"the dataset), found one at {os.path.relpath(os.path.join(top, name), path)!r}")
             store = zarr.storage.LocalStore(path, read_only=True)
         return zarr.open_group(store, mode="r")
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise reader._error(f"expected a Zarr group, could not open it ({type(exc).__name__}: {exc})") from exc
+        raise reader_error(reader, f"expected a Zarr group, could not open it ({type(exc).__name__}: {exc})") from exc
     except Exception as exc:  # zarr's own errors (GroupNotFoundError, MetadataValidationError...)
         if type(exc).__module__.startswith("zarr"):
-            raise reader._error(f"expected a Zarr group, could not open it ({type(exc).__name__}: {exc})") from exc
+            raise reader_error(reader, f"expected a Zarr group, could not open it ({type(exc).__name__}: {exc})") from exc
         raise
 
 

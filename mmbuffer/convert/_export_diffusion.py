@@ -69,10 +69,10 @@ def export_diffusion_policy(
     >>> import tempfile, numpy as np, mmbuffer as mb
     >>> d = tempfile.mkdtemp()
     >>> with mb.create(d + "/s", {"action": ((2,), "float32")}, capacity=8, next_keys=()) as buf:
-    ...     buf.extend({"action": np.ones((5, 2)), "truncated": np.arange(5) % 2 == 1})
+    ...     buf.extend({"action": np.ones((4, 2)), "truncated": np.arange(4) % 2 == 1})
     >>> s = export_diffusion_policy(d + "/s", d + "/out.zarr", progress=False)
-    >>> s["rows"], s["episodes"], s["skipped_open_rows"]
-    (4, 2, 1)
+    >>> s["rows"], s["episodes"], s["verified"]
+    (4, 2, True)
     """
     t0 = time.perf_counter()
     if zarr_format not in (2, 3):

@@ -232,7 +232,8 @@ class LeRobotReader(Reader):
             raise self._error(f"feature {key!r}: expected {n} rows of shape {shape}, got {len(flat)} values", where)
         if flat.dtype.kind not in "biuf":
             raise self._error(f"feature {key!r}: expected numbers, got {flat.dtype}", where)
-        return flat.astype(dtype, copy=False).reshape(n, *shape)
+        out: np.ndarray = flat.astype(dtype, copy=False).reshape(n, *shape)
+        return out
 
     def chunks(self, chunk_rows: int) -> Iterator[Chunk]:
         ends = np.cumsum(self._lengths)

@@ -84,7 +84,8 @@ class _Closed:
 
     def __init__(self, base: Any, rows: np.ndarray) -> None:
         self.base, self.rows = base, rows
-        self.shape, self.dtype = (base.shape[0],), np.dtype(bool)
+        self.shape: tuple[int, ...] = (int(base.shape[0]),)
+        self.dtype = np.dtype(bool)
 
     def __getitem__(self, idx: slice) -> np.ndarray:
         a, b, _ = idx.indices(self.shape[0])
