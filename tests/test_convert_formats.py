@@ -598,3 +598,86 @@ def test_lerobot_bad_input(tmp_path):
     with pytest.raises(ConversionError, match="no meta/info.json"):
         convert("lerobot", tmp_path, tmp_path / "s", progress=False)
     assert not (tmp_path / "s").exists()
+
+
+# -- 2. Minari: dataset ids and the reset info ------------------------------------------------------
+gym = pytest.importorskip("gymnasium")
+minari = pytest.importorskip("minari")
+
+
+class CountingInfo(gym.Wrapper):
+    """CartPole whose reset and step infos carry numbers (the reset info differs from every step's)."""
+
+    def reset(self, **kwargs):
+        obs, _ = self.env.reset(**kwargs)
+        self.t = 0
+        return obs, {"t": np.int64(-1), "x": np.float32(obs[0])}
+
+    def step(self, action):
+        obs, r, term, trunc, _ = self.env.step(action)
+        self.t += 1
+        return obs, r, term, trunc, {"t": np.int64(self.t), "x": np.float32(obs[0])}
+
+
+def collect_minari(tmp_path, monkeypatch, dataset_id: str, n_episodes: int, data_format: str = "hdf5"):
+    monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path / "minari"))
+    env = CountingInfo(gym.make("CartPole-v1", max_episode_steps=30))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        collector = minari.DataCollector(env, data_format=data_format, record_infos=True)
+        collector.action_space.seed(0)
+        for i in range(n_episodes):
+            collector.reset(seed=i)
+            while True:
+                *_, term, trunc, _ = collector.step(collector.action_space.sample())
+                if term or trunc:
+                    break
+        collector.create_dataset(dataset_id=dataset_id, algorithm_name="random", author="t",
+                                 author_email="t@x", code_permalink="x", description="test")
+        collector._tmp_dir.cleanup()  # noqa: SLF001 - see tests/test_convert.py::make_minari
+        collector.env.close()
+
+
+@pytest.mark.parametrize("data_format", ["hdf5", "arrow"])
+def test_minari_dataset_id_and_reset_info(tmp_path, monkeypatch, data_format):
+    if data_format == "arrow":
+        pytest.importorskip("pyarrow")
+    collect_minari(tmp_path, monkeypatch, "cartpole/random-v0", 4, data_format)
+    from mmbuffer.cli import main
+
+    # the id, resolved in MINARI_DATASETS_PATH (no download), on the command line
+    assert main(["convert", "minari", "cartpole/random-v0", str(tmp_path / "s"), "--keep-infos",
+                 "--no-progress", "--json"]) == 0
+    assert main(["convert", "minari", "cartpole/random", str(tmp_path / "s2"), "--no-progress"]) == 0  # latest
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        episodes = list(minari.load_dataset("cartpole/random-v0").iterate_episodes())
+    with mb.open(tmp_path / "s", mode="r") as buf:
+        starts, lengths = buf.episodes()
+        for ep, s, n in zip(episodes, starts.tolist(), lengths.tolist()):
+            rows = np.arange(s, s + n)
+            got = buf.get(rows, keys=["infos/t", "next_infos/t", "infos/x"])
+            final = buf.get(rows[-1:], keys=["next_infos/t"])["next_infos/t"].numpy()
+            # every info Minari recorded, the reset info (t = -1) first, none made up
+            assert np.array_equal(np.concatenate([got["infos/t"].numpy(), final]), ep.infos["t"])
+            assert got["infos/t"][0] == -1 and np.array_equal(got["next_infos/t"].numpy(), np.arange(1, n + 1))
+            assert np.array_equal(got["infos/x"].numpy(), ep.infos["x"][:-1])
+    with pytest.raises(ConversionError, match=r"cartpole/missing-v3: expected a Minari dataset .* nothing is downloaded"):
+        convert("minari", "cartpole/missing-v3", tmp_path / "s3", progress=False)
+
+
+def test_minari_infos_survive_export(tmp_path, monkeypatch):
+    collect_minari(tmp_path, monkeypatch, "cartpole/random-v0", 3)
+    convert("minari", "cartpole/random-v0", tmp_path / "s", keep_infos=True, progress=False)
+    out = tmp_path / "minari" / "cartpole" / "back-v0"
+    export("minari", tmp_path / "s", out, dataset_id="cartpole/back-v0", progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a = list(minari.load_dataset("cartpole/random-v0").iterate_episodes())
+        b = list(minari.load_dataset("cartpole/back-v0").iterate_episodes())
+    for x, y in zip(a, b):
+        assert np.array_equal(x.infos["t"], y.infos["t"]) and np.array_equal(x.infos["x"], y.infos["x"])
+        assert np.array_equal(x.observations, y.observations)
+    export("d4rl", tmp_path / "s", tmp_path / "d.hdf5", progress=False)  # infos stay row for row there
+    with h5py.File(tmp_path / "d.hdf5") as f:
+        assert f["infos/t"].shape[0] == f["observations"].shape[0]
