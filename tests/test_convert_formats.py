@@ -681,3 +681,19 @@ def test_minari_infos_survive_export(tmp_path, monkeypatch):
     export("d4rl", tmp_path / "s", tmp_path / "d.hdf5", progress=False)  # infos stay row for row there
     with h5py.File(tmp_path / "d.hdf5") as f:
         assert f["infos/t"].shape[0] == f["observations"].shape[0]
+
+
+def test_cli_summaries_are_readable(tmp_path, capsys):
+    from mmbuffer.cli import main
+
+    long = "observation_with_a_very_long_column_name_indeed"
+    with mb.create(tmp_path / "s", {long: ((2,), "float32")}, capacity=10, next_keys=()) as buf:
+        buf.extend({long: np.zeros((4, 2)), "terminated": np.arange(4) == 3})
+    assert main(["copy", str(tmp_path / "s"), str(tmp_path / "c"), "--compression", "none", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "compression" in out and "none" in out.split("compression")[1].splitlines()[0]
+    assert "crc32 of 3 lane:column pairs" in out and len(out.splitlines()) < 20
+    assert main(["export", "diffusion_policy", str(tmp_path / "s"), str(tmp_path / "o.zarr"), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if long in x)
+    assert line.split()[0] == long and len(line.split()) == 2  # the name and its checksum, apart

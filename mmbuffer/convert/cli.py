@@ -121,12 +121,18 @@ def _print(summary: dict[str, Any], as_json: bool) -> None:
     skip = {"checksums", "final_obs_checksums", "columns", "warnings"}
     width = max(len(k) for k in summary)
     for key, value in summary.items():
+        if key == "compression":
+            value = value or "none"  # as the user spells it
         if key not in skip:
             print(f"{key:<{width}}  {value}")
-    if summary.get("checksums"):
+    checksums = summary.get("checksums") or {}
+    if summary.get("format") == "copy" and checksums:
+        print(f"{'checksums':<{width}}  crc32 of {len(checksums)} lane:column pairs (--json lists them)")
+    elif checksums:
         print("checksums (crc32)")
-        for key, value in summary["checksums"].items():
-            print(f"  {key:<{width}}{value}")
+        name_width = max(len(k) for k in checksums)  # long column names never run into their value
+        for key, value in checksums.items():
+            print(f"  {key:<{name_width}}  {value}")
     for note in summary.get("warnings", []):
         print(f"warning: {note}", file=sys.stderr)
 
