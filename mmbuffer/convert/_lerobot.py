@@ -82,7 +82,11 @@ class LeRobotReader(Reader):
         if not info_path.is_file() or info_path.is_symlink():
             raise self._error("expected a LeRobot dataset: no meta/info.json", "meta/info.json")
         try:
-            info = json.loads(info_path.read_text())
+            with open(info_path, "rb") as f:
+                text = f.read(1 << 26)  # metadata, never gigabytes: a huge file is refused, not loaded
+            if len(text) == 1 << 26:
+                raise ValueError("larger than 64 MiB")
+            info = json.loads(text)
         except (OSError, ValueError) as exc:
             raise self._error(f"unreadable JSON ({exc})", "meta/info.json") from exc
         if not isinstance(info, dict) or not isinstance(info.get("features"), dict):
