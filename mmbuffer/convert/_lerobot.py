@@ -207,6 +207,13 @@ class LeRobotReader(Reader):
 
     # -- rows --------------------------------------------------------------------------------
     def _batches(self, chunk_rows: int) -> Iterator[Any]:
+        """Record batches of about ``chunk_rows`` frames, read a row group at a time.
+
+        ``ParquetFile.iter_batches`` kept every decoded batch allocated until the
+        file was done (pyarrow 26: +510 MB resident for 3M rows of 100 bytes);
+        ``read_row_group`` frees each group once its batches are written.
+        """
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
         names = list(self._features)
@@ -214,8 +221,17 @@ class LeRobotReader(Reader):
             where = str(path.relative_to(self.path))
             try:
                 f = pq.ParquetFile(path)
-                for batch in f.iter_batches(batch_size=chunk_rows, columns=names):
-                    yield where, batch
+                pending: list[Any] = []
+                rows = 0
+                for i in range(f.metadata.num_row_groups):
+                    pending.append(f.read_row_group(i, columns=names))
+                    rows += pending[-1].num_rows
+                    if rows >= chunk_rows or i == f.metadata.num_row_groups - 1:
+                        table = pending[0] if len(pending) == 1 else pa.concat_tables(pending)
+                        pending, rows = [], 0
+                        for batch in table.combine_chunks().to_batches(max_chunksize=chunk_rows):
+                            yield where, batch
+                        del table
             except Exception as exc:
                 if type(exc).__module__.startswith("mmbuffer"):
                     raise
