@@ -697,3 +697,20 @@ def test_cli_summaries_are_readable(tmp_path, capsys):
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if long in x)
     assert line.split()[0] == long and len(line.split()) == 2  # the name and its checksum, apart
+
+
+def test_diffusion_policy_zip_export_round_trip(tmp_path):
+    data = dp_group(tmp_path / "src.zarr")
+    convert("diffusion_policy", tmp_path / "src.zarr", tmp_path / "s", progress=False)
+    e = export("diffusion_policy", tmp_path / "s", tmp_path / "out.zarr.zip", progress=False)
+    assert e["verified"] and (tmp_path / "out.zarr.zip").is_file()
+    assert sorted(os.listdir(tmp_path)) == ["out.zarr.zip", "s", "src.zarr"]  # no temporary left
+    zs = zarr.storage.ZipStore(tmp_path / "out.zarr.zip", mode="r")
+    back = zarr.open_group(zs, mode="r")
+    assert back["meta/episode_ends"][:].tolist() == [10, 25, 50]
+    assert np.array_equal(back["data/img"][:], data["img"])
+    zs.close()
+    export("diffusion_policy", tmp_path / "s", tmp_path / "out.zarr.zip", overwrite=True, progress=False)
+    (tmp_path / "notes.zip").write_bytes((tmp_path / "out.zarr.zip").read_bytes()[:0] + b"PK\x05\x06" + bytes(18))
+    with pytest.raises(mb.errors.StoreExistsError, match="without meta/episode_ends"):
+        export("diffusion_policy", tmp_path / "s", tmp_path / "notes.zip", overwrite=True, progress=False)

@@ -18,7 +18,8 @@ written (``kind``):
   a JSON object with ``total_episodes`` and ``total_steps``, next to
   ``main_data.hdf5`` or episode directories and nothing else.
 * ``"diffusion_policy"``: a Zarr group directory (``.zgroup`` or ``zarr.json``)
-  holding only ``data/``, ``meta/`` and Zarr metadata files.
+  holding only ``data/``, ``meta/`` and Zarr metadata files, or a zip archive
+  (``.zarr.zip``) holding ``meta/episode_ends``.
 
 An empty directory is replaced too (nothing is lost). Anything else at ``DST`` (another kind of file or directory, a symbolic link,
 which is never followed for deletion) is refused with
@@ -160,6 +161,8 @@ def _not_ours(path: Path, kind: str, *, partial: bool) -> str:
         return _describe(path)
     if kind == "d4rl":
         return _not_d4rl(path, partial=partial)
+    if kind == "diffusion_policy" and stat.S_ISREG(st.st_mode):
+        return _not_diffusion_zip(path, partial=partial)
     if not stat.S_ISDIR(st.st_mode):
         return _describe(path)
     if not os.listdir(path):
@@ -266,6 +269,25 @@ def _not_diffusion(path: Path, *, partial: bool) -> str:
         return ""
     if not (_regular_file(path / ".zgroup") or _regular_file(path / "zarr.json")) or not _lexists(path / "meta"):
         return "a directory that is not a Zarr group with meta/ (not a Diffusion Policy dataset)"
+    return ""
+
+
+def _not_diffusion_zip(path: Path, *, partial: bool) -> str:
+    import zipfile
+
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if partial and len(head) < 4:
+        return ""  # killed before the first entry was written
+    if head not in (b"PK\x03\x04", b"PK\x05\x06"):
+        return _describe(path)
+    try:
+        with zipfile.ZipFile(path) as z:
+            names = z.namelist()
+    except zipfile.BadZipFile as exc:
+        return "" if partial else f"an unreadable zip archive ({exc})"
+    if not partial and not any(n.startswith("meta/episode_ends/") for n in names):
+        return "a zip archive without meta/episode_ends (not a Diffusion Policy .zarr.zip)"
     return ""
 
 

@@ -16,7 +16,10 @@ then renamed).
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +56,8 @@ def export_diffusion_policy(
     store
         A store path or an open ``mb.Buffer``.
     out
-        The ``.zarr`` directory to write (refused if it exists, unless
-        ``overwrite`` and it is a Zarr group with ``data/`` and ``meta/`` only).
+        The ``.zarr`` directory to write, or a ``.zarr.zip`` file (refused if it
+        exists, unless ``overwrite`` and it is such a group or zip).
     zarr_format
         2 (default: what Diffusion Policy opens) or 3.
 
@@ -111,7 +114,7 @@ class DiffusionPolicyWriter(Writer):
     def write(self, partial: Path) -> None:
         import zarr
 
-        buf, plan, notes = self.buf, self.plan, self.notes
+        buf, notes = self.buf, self.notes
         rows_per = chunk_rows_for(buf, self.chunk_rows)
         keys = [*data_columns(buf), *FLAGS]
         if self.skipped:
@@ -120,8 +123,21 @@ class DiffusionPolicyWriter(Writer):
         if buf.next_keys:
             notes.append(f"{self.out_path}: the final observations of {list(buf.next_keys)} were left out "
                          "(the Diffusion Policy layout has no observation after an episode's last step)")
+        if self.out_path.name.endswith(".zip"):
+            # a zip is append-only: write the group as a directory beside it, then store it in the zip
+            tmp = Path(tempfile.mkdtemp(prefix=".mmbuffer-dp-", dir=partial.parent))
+            try:
+                self._write_group(tmp, rows_per, keys, zarr)
+                _zip_directory(tmp, partial)
+            finally:
+                shutil.rmtree(tmp)
+        else:
+            self._write_group(partial, rows_per, keys, zarr)
+
+    def _write_group(self, where: Path, rows_per: int, keys: list[str], zarr: Any) -> None:
+        buf, plan, notes = self.buf, self.plan, self.notes
         n = plan.rows
-        root = zarr.open_group(str(partial), mode="w", zarr_format=self.zarr_format)  # type: ignore[arg-type]
+        root = zarr.open_group(str(where), mode="w", zarr_format=self.zarr_format)
         root.attrs.update({"mmbuffer_attrs": jsonable(dict(buf.attrs))})
         arrays = {}
         for name in keys:
@@ -161,3 +177,13 @@ class DiffusionPolicyWriter(Writer):
 
     def verify(self, partial: Path) -> None:
         check_reader(DiffusionPolicyReader(partial), self.summary, self.crc, None, partial)
+
+
+def _zip_directory(src: Path, out: Path) -> None:
+    """Store the files under ``src`` in the zip ``out`` (uncompressed, as Diffusion Policy's
+    ``.zarr.zip`` files are: the chunks are compressed already)."""
+    with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as z:
+        for top, _, files in os.walk(src):
+            for name in sorted(files):
+                full = Path(top) / name
+                z.write(full, full.relative_to(src).as_posix())
