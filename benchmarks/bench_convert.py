@@ -16,6 +16,13 @@ or ``benchmarks/_data``):
 4. TorchRL's in-memory path (the file loaded into a ``LazyTensorStorage`` replay
    buffer, as TorchRL's D4RL loader does) when torchrl is installed.
 
+``--formats`` measures the other readers instead: the same rows written as
+``.npz``, a Diffusion Policy Zarr group (v2, blosc, as Diffusion Policy writes
+it), a Tianshou ``save_hdf5`` file and a LeRobot v3 parquet dataset, each
+converted in a fresh process, with rows/s reported as a ratio to the D4RL
+conversion of the same round; and the D4RL conversion into an online layout
+(``capacity=2 N, num_streams=8, priorities``) against the plain one.
+
 The source file was just written, but a VM may drop idle page cache (the dev VM
 pages out unmapped file pages after ~30 s idle), so the source may come from
 disk: the raw copies and the conversions read it alike. The write speed of the
@@ -87,6 +94,129 @@ class PeakMemory:
 
     def report(self) -> dict[str, int]:
         return {"peak_rss": self._status()["VmHWM"], "peak_anon": self.anon, "peak_file": self.file}
+
+
+# -- the other formats (--formats) ---------------------------------------------------------------
+def write_formats(src: Path, work: Path, rows: int, chunk: int = 1 << 18) -> dict[str, Path]:
+    """The D4RL file's rows written in each other format's layout (streamed)."""
+    import h5py
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zarr
+
+    out = {"d4rl": src}
+    with h5py.File(src, "r") as f:
+        obs, act, rew = f["observations"], f["actions"], f["rewards"]
+        term, tout = f["terminals"], f["timeouts"]
+        ends = np.flatnonzero(term[()] | tout[()]) + 1
+        # npz: uncompressed members (np.savez), read with pread
+        np.savez(work / "src.npz", observations=obs[()], actions=act[()], rewards=rew[()],
+                 terminals=term[()], timeouts=tout[()])
+        out["npz"] = work / "src.npz"
+        # Diffusion Policy: zarr v2 group, data/<key> + meta/episode_ends (zarr's default blosc)
+        root = zarr.open_group(str(work / "src.zarr"), mode="w", zarr_format=2)
+        dp = {k: root.create_array(f"data/{k}", shape=(rows, *a.shape[1:]), dtype=a.dtype,
+                                   chunks=(chunk, *a.shape[1:]))
+              for k, a in (("obs", obs), ("action", act), ("reward", rew))}
+        for a in range(0, rows, chunk):
+            b = min(rows, a + chunk)
+            dp["obs"][a:b], dp["action"][a:b], dp["reward"][a:b] = obs[a:b], act[a:b], rew[a:b]
+        full_ends = np.unique(np.r_[ends, rows]).astype(np.int64)
+        root.create_array("meta/episode_ends", data=full_ends, chunks=(len(full_ends),))
+        out["diffusion_policy"] = work / "src.zarr"
+        # Tianshou: a full ReplayBuffer(rows).save_hdf5 (_meta group, ring not wrapped)
+        with h5py.File(work / "src_tianshou.hdf5", "w") as g:
+            meta = g.create_group("_meta")
+            meta.attrs["__data_type__"] = "Batch"
+            nxt = np.concatenate([obs[1:], obs[-1:]])
+            for k, v in (("obs", obs[()]), ("act", act[()]), ("rew", rew[()]), ("terminated", term[()]),
+                         ("truncated", tout[()]), ("done", term[()] | tout[()]), ("obs_next", nxt)):
+                meta.create_dataset(k, data=v)
+                meta[k].attrs["__data_type__"] = "ndarray"
+            g.attrs.update({"maxsize": rows, "_size": rows, "_insertion_idx": 0})
+            g["last_index"] = np.array([rows - 1])
+        out["tianshou"] = work / "src_tianshou.hdf5"
+        # LeRobot v3: data/chunk-000/file-000.parquet, meta/episodes, meta/info.json
+        lr = work / "src_lerobot"
+        (lr / "data" / "chunk-000").mkdir(parents=True)
+        (lr / "meta" / "episodes" / "chunk-000").mkdir(parents=True)
+        lengths = np.diff(np.r_[0, full_ends])
+        ep_of = np.repeat(np.arange(len(lengths)), lengths)
+        schema = pa.schema([("observation.state", pa.list_(pa.float32(), OBS)),
+                            ("action", pa.list_(pa.float32(), ACT)), ("next.reward", pa.float32()),
+                            ("episode_index", pa.int64()), ("index", pa.int64())])
+        with pq.ParquetWriter(lr / "data" / "chunk-000" / "file-000.parquet", schema) as w:
+            for a in range(0, rows, chunk):
+                b = min(rows, a + chunk)
+                w.write_table(pa.table([
+                    pa.FixedSizeListArray.from_arrays(pa.array(obs[a:b].reshape(-1)), OBS),
+                    pa.FixedSizeListArray.from_arrays(pa.array(act[a:b].reshape(-1)), ACT),
+                    pa.array(rew[a:b]), pa.array(ep_of[a:b]), pa.array(np.arange(a, b))], schema=schema))
+        pq.write_table(pa.table({"episode_index": np.arange(len(lengths)), "length": lengths}),
+                       lr / "meta" / "episodes" / "chunk-000" / "file-000.parquet")
+        feats = {"observation.state": {"dtype": "float32", "shape": [OBS]},
+                 "action": {"dtype": "float32", "shape": [ACT]}, "next.reward": {"dtype": "float32", "shape": [1]},
+                 "episode_index": {"dtype": "int64", "shape": [1]}, "index": {"dtype": "int64", "shape": [1]}}
+        (lr / "meta" / "info.json").write_text(json.dumps({
+            "codebase_version": "v3.0", "total_episodes": len(lengths), "total_frames": rows, "fps": 10,
+            "features": feats}))
+        out["lerobot"] = lr
+    return out
+
+
+def child_format(fmt: str, src: str, dst: str, online: bool) -> dict[str, object]:
+    import warnings
+
+    import mmbuffer as mb
+    from mmbuffer.convert import convert
+
+    layout = {}
+    if online:
+        layout = {"capacity": 0, "num_streams": 8, "priorities": mb.PriorityConfig(alpha=0.6)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with PeakMemory() as mem:
+            t0 = time.perf_counter()
+            if online:
+                from mmbuffer.convert import D4RLReader
+
+                with D4RLReader(src) as r:
+                    n = r.schema.num_rows
+                layout["capacity"] = 2 * n + (-2 * n) % 8
+            s = convert(fmt, src, dst, progress=False, **layout)
+            seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "rows": s["rows"], **mem.report()}
+
+
+def bench_formats(src: Path, work: Path, rows: int, repeat: int) -> None:
+    t0 = time.perf_counter()
+    sources = write_formats(src, work, rows)
+    print(f"wrote the other formats in {time.perf_counter() - t0:.1f} s\n")
+    kinds = [("d4rl", False), ("d4rl", True), ("npz", False), ("diffusion_policy", False), ("tianshou", False),
+             ("lerobot", False)]
+    rounds = []
+    for _ in range(repeat):
+        r = {}
+        for fmt, online in kinds:
+            dst = work / "store"
+            os.sync()
+            r[(fmt, online)] = _child("format", fmt, str(sources[fmt]), str(dst), "1" if online else "0")
+            shutil.rmtree(dst, ignore_errors=True)
+        base = r[("d4rl", False)]["seconds"]
+        for v in r.values():
+            v["vs d4rl"] = base / v["seconds"]
+        rounds.append(r)
+        print("round:", {f"{f}{' online' if o else ''}": f"{v['vs d4rl']:.2f}" for (f, o), v in r.items()})
+    results = []
+    for fmt, online in kinds:
+        runs = sorted((r[(fmt, online)] for r in rounds), key=lambda v: v["vs d4rl"])
+        med = runs[len(runs) // 2]
+        label = f"convert {fmt}" + (" --capacity 2N --streams 8 --priorities 0.6" if online else "")
+        results.append({"path": label, "seconds": med["seconds"], "rows/s": rows / med["seconds"],
+                        "vs d4rl (same round)": med["vs d4rl"],
+                        "ratios": " ".join(f"{v['vs d4rl']:.2f}" for v in runs),
+                        "peak RSS MB": max(v["peak_rss"] for v in runs) / 2**20})
+    table(results)
 
 
 # -- steps ---------------------------------------------------------------------------------------
@@ -193,6 +323,9 @@ def main() -> None:
     p.add_argument("--no-torchrl", action="store_true", help="skip the TorchRL in-memory baseline")
     p.add_argument("--repeat", type=int, default=3, help="runs of each measurement; the median is shown")
     p.add_argument("--keep", action="store_true", help="keep the generated file")
+    p.add_argument("--formats", action="store_true",
+                   help="measure the other readers (npz, diffusion_policy, tianshou, lerobot) and the online "
+                        "layout options against the D4RL conversion, instead of the raw-disk comparison")
     p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -201,6 +334,8 @@ def main() -> None:
             out = child_convert(rest[0], rest[1], rest[2] == "1", int(rest[3]) or None)
         elif kind == "torchrl":
             out = child_torchrl(rest[0], int(rest[1]))
+        elif kind == "format":
+            out = child_format(rest[0], rest[1], rest[2], rest[3] == "1")
         else:
             out = dd_copy(Path(rest[0]), Path(rest[1]), kind == "dd-nocache")
         print(json.dumps(out))
@@ -218,6 +353,11 @@ def main() -> None:
     row_bytes = OBS * 4 + ACT * 4 + 4 + 2
     print(f"generated {src} ({size / 1e9:.2f} GB) in {gen:.1f} s; disk free "
           f"{shutil.disk_usage(work).free / 1e9:.0f} GB\n")
+    if args.formats:
+        bench_formats(src, work, rows, args.repeat)
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+        return
 
     def run(kind: str, *child_args: str, cleanup: Path) -> dict[str, object]:
         os.sync()  # start every measurement with no dirty pages of an earlier step

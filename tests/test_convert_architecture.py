@@ -64,16 +64,16 @@ def test_cli_and_convert_read_the_one_registry(tmp_path, monkeypatch, capsys):
     conv = sub.choices["convert"]
     choices = next(a for a in conv._actions if a.dest == "format").choices
     assert list(choices) == list(_formats.READERS) and "toy" in choices
-    assert "toy: a toy format" in conv.format_help()
+    assert "toy: a toy format" in " ".join(conv.format_help().split())
     export_choices = next(a for a in sub.choices["export"]._actions if a.dest == "format").choices
-    assert list(export_choices) == list(_formats.WRITERS) == ["d4rl", "minari"]
+    assert list(export_choices) == list(_formats.WRITERS) == ["d4rl", "minari", "diffusion_policy"]
     assert main(["convert", "toy", "in", str(tmp_path / "out"), "--no-progress", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {"rows": 0}
     assert calls[0][:2] == ("in", str(tmp_path / "out")) and calls[0][2]["progress"] is False
     assert mb.convert.convert("TOY", "a", "b") == {"rows": 0}
     # an option only the registry grants is refused for the new format
     assert main(["convert", "toy", "in", str(tmp_path / "o"), "--keep-infos"]) == 2
-    assert "--keep-infos: not an option of format 'toy' (only d4rl, minari, npz)" in capsys.readouterr().err
+    assert "--keep-infos: not an option of format 'toy' (only d4rl, minari, npz, tianshou)" in capsys.readouterr().err
 
 
 # -- the writer frame -------------------------------------------------------------------------

@@ -342,3 +342,17 @@ def test_a_remote_column_whose_metadata_disagrees_is_refused(tmp_path, bucket, s
     fs.pipe_file(key, json.dumps(meta).encode())
     with pytest.raises(errors.CorruptStoreError, match=r"columns/obs.*shape: expected \[4096, 3\]"):
         mb.open(url, mode="r", cache_dir=tmp_path / "c")
+
+
+def test_copy_to_and_from_a_url_takes_the_online_layout_options(tmp_path, bucket):
+    """capacity / num_streams reach the published copy and the copy back (not dropped for URLs)."""
+    url = f"s3://{bucket}/layout"
+    local = make_store(tmp_path / "local", episodes=6)
+    rows = len(local)
+    local.close()
+    mb.convert.copy(tmp_path / "local", url, capacity=4 * rows, num_streams=2, progress=False)
+    with mb.open(url, mode="r", cache_dir=tmp_path / "cache", pool=None) as ro:
+        assert (ro.capacity, ro.num_streams, len(ro)) == (4 * rows, 2, rows)
+    mb.convert.copy(url, tmp_path / "back", capacity=8 * rows, progress=False)
+    with mb.open(tmp_path / "back", mode="r") as back:
+        assert (back.capacity, back.num_streams, back.num_episodes) == (8 * rows, 2, 6)

@@ -30,10 +30,20 @@ source in order as chunks ``(steps, final_obs)`` and a :class:`Schema`, and
 * returns a summary dict (rows, episodes, open episode rows, NaN rewards,
   checksums, throughput, warnings).
 
-Formats: ``d4rl`` (:func:`convert_d4rl`), ``minari`` (:func:`convert_minari`),
+Formats: ``d4rl`` (:func:`convert_d4rl`), ``minari`` (:func:`convert_minari`: a
+dataset directory or a dataset id in Minari's local datasets directory),
 ``npz`` (:func:`convert_npz`), ``torchrl`` (:func:`convert_torchrl`: a
-``dumps()`` directory or a TD-MPC2 ``.pt`` file). Export: :func:`export_d4rl`,
-:func:`export_minari`; re-encode a store: :func:`copy`. Every format is listed
+``dumps()`` directory or a TD-MPC2 ``.pt`` file), ``diffusion_policy``
+(:func:`convert_diffusion_policy`: Diffusion Policy / UMI Zarr), ``lerobot``
+(:func:`convert_lerobot`: LeRobot v3), ``tianshou`` (:func:`convert_tianshou`:
+``save_hdf5`` files). Export: :func:`export_d4rl`, :func:`export_minari`,
+:func:`export_diffusion_policy`; re-encode, resize or restream a store: :func:`copy`.
+
+Offline to online in one step: every converter and :func:`copy` take
+``capacity``, ``num_streams`` and ``priorities`` (as :func:`mmbuffer.create`),
+so a dataset becomes a replay buffer with room to grow, one stream per
+environment and a priority tree; episodes are dealt to the streams in
+contiguous runs (:mod:`._lanes`). Every format is listed
 once, in the registry :mod:`._formats` that :func:`convert`, :func:`export` and
 the command line read.
 
@@ -71,12 +81,16 @@ from typing import Any
 from ..errors import InvalidArgumentError
 from ._copy import copy, copy_store
 from ._d4rl import D4RLReader, convert_d4rl
+from ._diffusion import DiffusionPolicyReader, convert_diffusion_policy
+from ._export_diffusion import export_diffusion_policy
 from ._export_d4rl import export_d4rl
 from ._export_minari import export_minari
 from ._formats import READERS, WRITERS
+from ._lerobot import LeRobotReader, convert_lerobot
 from ._minari import MinariReader, convert_minari
 from ._npz import NpzReader, convert_npz
 from ._reader import Chunk, ConversionWarning, Reader, Schema
+from ._tianshou import TianshouReader, convert_tianshou
 from ._torchrl import TDMPC2Reader, TorchRLReader, convert_torchrl
 from ._write import write_store
 
@@ -85,21 +99,28 @@ __all__ = [
     "Chunk",
     "ConversionWarning",
     "D4RLReader",
+    "DiffusionPolicyReader",
+    "LeRobotReader",
     "MinariReader",
     "NpzReader",
     "Reader",
     "Schema",
     "TDMPC2Reader",
+    "TianshouReader",
     "TorchRLReader",
     "convert",
     "convert_d4rl",
+    "convert_diffusion_policy",
+    "convert_lerobot",
     "convert_minari",
     "convert_npz",
+    "convert_tianshou",
     "convert_torchrl",
     "copy",
     "copy_store",
     "export",
     "export_d4rl",
+    "export_diffusion_policy",
     "export_minari",
     "write_store",
 ]
@@ -117,9 +138,26 @@ def convert(
     """Convert ``src`` of the given ``format`` into a new store at ``dst``.
 
     ``format`` is one of the registry's readers (``d4rl``, ``minari``, ``npz``,
-    ``torchrl``/``tdmpc2``); ``options`` are those of the format's converter
-    (``overwrite``, ``compression``, ``chunk_rows``, ``progress``, ``verify``,
-    ``keep_infos``...). Returns the summary dict.
+    ``torchrl``/``tdmpc2``, ``diffusion_policy``, ``lerobot``, ``tianshou``);
+    ``options`` are those of the format's converter (``overwrite``,
+    ``compression``, ``chunk_rows``, ``progress``, ``verify``, ``capacity``,
+    ``num_streams``, ``priorities``, ``keep_infos``...). Returns the summary dict.
+
+    >>> import tempfile, numpy as np, mmbuffer as mb
+    >>> d = tempfile.mkdtemp()
+    >>> obs = np.random.rand(11, 3).astype("float32")
+    >>> np.savez(d + "/data.npz", observations=obs[:-1], next_observations=obs[1:],
+    ...          actions=np.zeros((10, 1), "float32"), rewards=np.ones(10, "float32"),
+    ...          terminals=np.arange(10) % 5 == 4, timeouts=np.zeros(10, bool))
+    >>> s = convert("npz", d + "/data.npz", d + "/replay", capacity=1000, num_streams=2,
+    ...             priorities=mb.PriorityConfig(alpha=0.6), progress=False)
+    >>> buf = mb.open(d + "/replay")
+    >>> buf.capacity, buf.num_streams, buf.num_episodes
+    (1000, 2, 2)
+    >>> buf.extend({"obs": np.zeros((3, 3)), "action": np.zeros((3, 1)), "reward": np.zeros(3)})
+    >>> buf.num_episodes  # nothing evicted
+    2
+    >>> buf.close()
 
     Raises
     ------

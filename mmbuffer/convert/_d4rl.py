@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from ..schema import PriorityConfig
 from ._flat import ArrayLike, FlatReader
 from ._reader import Reader, jsonable, reader_error, reader_warn
 from ._sniff import HDF5, expect
@@ -226,6 +227,9 @@ def convert_d4rl(
     chunk_rows: int | None = None,
     progress: bool = True,
     verify: bool = True,
+    capacity: int | None = None,
+    num_streams: int | None = None,
+    priorities: PriorityConfig | None = None,
 ) -> dict[str, Any]:
     """Convert a D4RL HDF5 file into a new store at ``dst``.
 
@@ -263,5 +267,5 @@ def convert_d4rl(
     reader = D4RLReader(src, keep_infos=keep_infos, keep_next_obs=keep_next_obs)
     return write_store(
         reader, dst, overwrite=overwrite, compression=compression, chunk_rows=chunk_rows,
-        progress=progress, verify=verify,
+        progress=progress, verify=verify, capacity=capacity, num_streams=num_streams, priorities=priorities,
     )

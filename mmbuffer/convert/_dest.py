@@ -17,6 +17,9 @@ written (``kind``):
 * ``"minari"``: a directory holding only ``data/``, whose ``metadata.json`` is
   a JSON object with ``total_episodes`` and ``total_steps``, next to
   ``main_data.hdf5`` or episode directories and nothing else.
+* ``"diffusion_policy"``: a Zarr group directory (``.zgroup`` or ``zarr.json``)
+  holding only ``data/``, ``meta/`` and Zarr metadata files, or a zip archive
+  (``.zarr.zip``) holding ``meta/episode_ends``.
 
 An empty directory is replaced too (nothing is lost). Anything else at ``DST`` (another kind of file or directory, a symbolic link,
 which is never followed for deletion) is refused with
@@ -48,7 +51,7 @@ from ..errors import StoreExistsError
 __all__ = ["check_destination", "partial_path", "remove_partial", "replace_destination", "KINDS"]
 
 #: Output kinds a converter writes.
-KINDS = ("store", "d4rl", "minari")
+KINDS = ("store", "d4rl", "minari", "diffusion_policy")
 
 #: Entries of a store directory (``_format.py``), with the temporary names of its writers.
 _STORE_ENTRIES = frozenset({
@@ -129,7 +132,8 @@ def _check_partial(partial: Path, kind: str) -> None:
         )
 
 
-_WHAT = {"store": "an mmbuffer store", "d4rl": "a D4RL HDF5 file", "minari": "a Minari dataset directory"}
+_WHAT = {"store": "an mmbuffer store", "d4rl": "a D4RL HDF5 file", "minari": "a Minari dataset directory",
+         "diffusion_policy": "a Diffusion Policy Zarr group"}
 
 
 def _lexists(path: Path) -> bool:
@@ -157,6 +161,8 @@ def _not_ours(path: Path, kind: str, *, partial: bool) -> str:
         return _describe(path)
     if kind == "d4rl":
         return _not_d4rl(path, partial=partial)
+    if kind == "diffusion_policy" and stat.S_ISREG(st.st_mode):
+        return _not_diffusion_zip(path, partial=partial)
     if not stat.S_ISDIR(st.st_mode):
         return _describe(path)
     if not os.listdir(path):
@@ -165,6 +171,8 @@ def _not_ours(path: Path, kind: str, *, partial: bool) -> str:
         return _not_store(path, partial=partial)
     if kind == "minari":
         return _not_minari(path, partial=partial)
+    if kind == "diffusion_policy":
+        return _not_diffusion(path, partial=partial)
     raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")  # pragma: no cover - internal
 
 
@@ -246,6 +254,40 @@ def _not_minari(path: Path, *, partial: bool) -> str:
     got = _json_object(meta)
     if got is None or "total_episodes" not in got or "total_steps" not in got:
         return "a directory whose data/metadata.json is not Minari metadata (total_episodes, total_steps)"
+    return ""
+
+
+def _not_diffusion(path: Path, *, partial: bool) -> str:
+    extra = [e for e in _entries(path) if e not in (".zgroup", ".zattrs", "zarr.json", "data", "meta")]
+    if extra:
+        return f"a directory holding {_listing(extra)}, which a Diffusion Policy group written by mmbuffer never holds"
+    for name in ("data", "meta"):
+        sub = path / name
+        if _lexists(sub) and not stat.S_ISDIR(os.lstat(sub).st_mode):
+            return f"a directory whose {name} is {_describe(sub)}"
+    if partial:
+        return ""
+    if not (_regular_file(path / ".zgroup") or _regular_file(path / "zarr.json")) or not _lexists(path / "meta"):
+        return "a directory that is not a Zarr group with meta/ (not a Diffusion Policy dataset)"
+    return ""
+
+
+def _not_diffusion_zip(path: Path, *, partial: bool) -> str:
+    import zipfile
+
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if partial and len(head) < 4:
+        return ""  # killed before the first entry was written
+    if head not in (b"PK\x03\x04", b"PK\x05\x06"):
+        return _describe(path)
+    try:
+        with zipfile.ZipFile(path) as z:
+            names = z.namelist()
+    except zipfile.BadZipFile as exc:
+        return "" if partial else f"an unreadable zip archive ({exc})"
+    if not partial and not any(n.startswith("meta/episode_ends/") for n in names):
+        return "a zip archive without meta/episode_ends (not a Diffusion Policy .zarr.zip)"
     return ""
 
 

@@ -137,7 +137,9 @@ class D4RLWriter(Writer):
         explicit_next = [c for c in cols if _d4rl_key(c).startswith("next_observations")]
         zeros = buf.attrs.get("final_obs_source") == "zeros"
         next_observations = not zeros if self.next_observations is None else self.next_observations
-        derive_next = next_observations and bool(buf.next_keys) and not explicit_next
+        # D4RL has next observations only: other next-derived columns (Minari's infos) stay row for row
+        obs_next = [k for k in buf.next_keys if _d4rl_key(k).startswith("observations")]
+        derive_next = next_observations and bool(obs_next) and not explicit_next
         if derive_next and zeros:
             notes.append(f"{out_path}: the store's final observations are zeros standing for unknown ones "
                          "(its source had no next observations); they are written as next_observations")
@@ -160,7 +162,7 @@ class D4RLWriter(Writer):
                 dsets[name] = f.create_dataset(_d4rl_key(name), shape=(n, *shape), dtype=dtype)
             nxt: dict[str, Any] = {}
             if derive_next:
-                for k in buf.next_keys:
+                for k in obs_next:
                     col = buf.columns[k]
                     nxt[k] = f.create_dataset(
                         _d4rl_key(k).replace("observations", "next_observations", 1),
@@ -176,7 +178,8 @@ class D4RLWriter(Writer):
                 for k in nxt:
                     nxt[k][at : at + m] = piece.data[f"next_{k}"]
                 for k, v in piece.final.items():
-                    crc_update(final_crc, k, v)
+                    if k in obs_next:
+                        crc_update(final_crc, k, v)
                 at += m
                 bar.update(m)
             if tail is not None:

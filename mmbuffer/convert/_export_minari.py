@@ -166,7 +166,7 @@ class MinariWriter(Writer):
                     for name in keys:
                         ds[name][o0:o1] = piece.data[name][a:b]
                     if piece.last[b - 1]:
-                        for k in obs_cols:
+                        for k in (*obs_cols, *(c for c in info_cols if c in buf.next_keys)):
                             ds[k][o1] = piece.final[k][fi]
                         fi += 1
                         del groups[e]
@@ -246,6 +246,6 @@ def _minari_episode(f: Any, ep_id: int, t: int, buf: Any, obs_cols: list[str], a
     make("terminated", "terminations", t)
     make("truncated", "truncations", t)
     g.require_group("infos")
-    for c in info_cols:
-        make(c, c, t)
+    for c in info_cols:  # a next-derived info holds the reset info too: T+1 rows, like obs
+        make(c, c, t + 1 if c in buf.next_keys else t)
     return out

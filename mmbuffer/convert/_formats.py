@@ -7,11 +7,11 @@ line shows and the format-specific options it takes; :func:`mmbuffer.convert.con
 all read these tables, so a new format is one line here.
 
 >>> list(READERS), list(WRITERS)
-(['d4rl', 'minari', 'npz', 'torchrl', 'tdmpc2'], ['d4rl', 'minari'])
+(['d4rl', 'minari', 'npz', 'torchrl', 'tdmpc2', 'diffusion_policy', 'lerobot', 'tianshou'], ['d4rl', 'minari', 'diffusion_policy'])
 >>> READERS["npz"].options
 ('keep_infos', 'keep_next_obs')
 >>> takes("keep_infos", READERS)
-('d4rl', 'minari', 'npz')
+('d4rl', 'minari', 'npz', 'tianshou')
 """
 
 from __future__ import annotations
@@ -21,10 +21,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._d4rl import convert_d4rl
+from ._diffusion import convert_diffusion_policy
+from ._export_diffusion import export_diffusion_policy
 from ._export_d4rl import export_d4rl
 from ._export_minari import export_minari
+from ._lerobot import convert_lerobot
 from ._minari import convert_minari
 from ._npz import convert_npz
+from ._tianshou import convert_tianshou
 from ._torchrl import convert_torchrl
 
 __all__ = ["READERS", "WRITERS", "Format", "takes"]
@@ -53,12 +57,19 @@ READERS: dict[str, Format] = {f.name: f for f in (
     Format("npz", convert_npz, "a .npz archive or a directory of .npy files", ("keep_infos", "keep_next_obs")),
     Format("torchrl", convert_torchrl, "a TorchRL dumps() directory or a TD-MPC2 .pt file"),
     Format("tdmpc2", convert_torchrl, "a TD-MPC2 .pt file (the same reader as torchrl)"),
+    Format("diffusion_policy", convert_diffusion_policy,
+           "a Diffusion Policy / UMI Zarr group (data/<key>, meta/episode_ends; .zarr or .zarr.zip)"),
+    Format("lerobot", convert_lerobot, "a LeRobot v3 dataset directory (meta/info.json, data/ parquet files)",
+           ("skip_visual",)),
+    Format("tianshou", convert_tianshou, "a Tianshou ReplayBuffer/VectorReplayBuffer save_hdf5 file",
+           ("keep_infos",)),
 )}
 
 #: ``export`` formats (a store written out), in the order the CLI lists them.
 WRITERS: dict[str, Format] = {f.name: f for f in (
     Format("d4rl", export_d4rl, "a D4RL HDF5 file (.hdf5)"),
     Format("minari", export_minari, "a Minari dataset directory", ("dataset_id",)),
+    Format("diffusion_policy", export_diffusion_policy, "a Diffusion Policy Zarr group (.zarr)", ("zarr_format",)),
 )}
 
 

@@ -14,7 +14,12 @@ Layout read (Minari 0.4/0.5)::
 
 Row ``t`` of episode ``i`` becomes one store row (``obs``, ``action``, ``reward``,
 ``terminated``, ``truncated``); observation ``T`` (the T+1-th) is the episode's
-final observation. Dict and Tuple spaces become one column per leaf:
+final observation. With ``keep_infos``, an info leaf of T+1 rows (the reset info,
+then the info of each step, as Minari records them) is kept whole like the
+observations: ``infos/<name>`` row ``t`` is the info returned with observation
+``t`` (row 0: the reset info), ``next_infos/<name>`` the info of step ``t``, and
+info ``T`` is the episode's final value of the next-derived column; an info leaf
+of T rows is row for row. Dict and Tuple spaces become one column per leaf:
 ``obs/pixels``, ``obs/_index_0`` (HDF5 names kept, so the export can rebuild
 the group). JPEG-encoded image leaves are decoded (needs Pillow). An episode
 whose last step has neither flag gets ``truncated=True`` there (it is a complete
@@ -35,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from ..schema import PriorityConfig
 from ._minari_arrow import arrow_info_leaves, arrow_leaves, null_fill
 from ._minari_spaces import decode_jpeg, is_image, parse_space, space_leaves
 from ._reader import Chunk, ChunkAssembler, Reader, Schema, jsonable
@@ -47,6 +53,56 @@ _EPISODE = re.compile(r"^episode_(\d+)$")
 _TOP = {"observations": "obs", "actions": "action"}
 
 
+#: Minari's dataset id: ``(namespace/)name(-vN)`` (``minari.dataset.minari_dataset.DATASET_ID_RE``).
+DATASET_ID = re.compile(r"^(?:(?P<namespace>[-_\w][-_\w/]*[-_\w]+)/)?(?P<dataset>[-_\w]+?)(?:-v(?P<version>\d+))?$")
+
+
+def datasets_root() -> Path:
+    """Minari's local datasets directory: ``$MINARI_DATASETS_PATH``, else ``~/.minari/datasets``."""
+    env = os.environ.get("MINARI_DATASETS_PATH")
+    return Path(env) if env else Path.home() / ".minari" / "datasets"
+
+
+def resolve_dataset(src: str | os.PathLike[str]) -> Path:
+    """``src`` as a path when it exists, else as a Minari dataset id in :func:`datasets_root`.
+
+    An id without a version (``cartpole/random``) names the highest local
+    version, as ``minari.load_dataset`` does. Nothing is downloaded.
+
+    >>> import os, tempfile
+    >>> root = tempfile.mkdtemp()
+    >>> os.makedirs(root + "/cartpole/random-v0/data"); os.makedirs(root + "/cartpole/random-v2/data")
+    >>> os.environ["MINARI_DATASETS_PATH"] = root
+    >>> resolve_dataset("cartpole/random").relative_to(root).as_posix()
+    'cartpole/random-v2'
+    >>> del os.environ["MINARI_DATASETS_PATH"]
+    """
+    from ..errors import ConversionError
+
+    path = Path(src).expanduser()
+    text = os.fspath(src)
+    if os.path.lexists(path) or not isinstance(text, str):
+        return path
+    m = DATASET_ID.match(text)
+    if m is None:
+        return path  # neither a path nor an id: the reader says what is there
+    root = datasets_root()
+    if m.group("version") is not None:
+        candidate = root / text
+    else:
+        parent = root / m.group("namespace") if m.group("namespace") else root
+        pattern = re.compile(re.escape(m.group("dataset")) + r"-v(\d+)$")
+        versions = sorted((int(v.group(1)), e) for e in (os.listdir(parent) if parent.is_dir() else [])
+                          if (v := pattern.match(e)))
+        candidate = parent / versions[-1][1] if versions else root / text
+    if not os.path.lexists(candidate):
+        raise ConversionError(
+            f"{text}: expected a Minari dataset directory or a dataset id found in Minari's local "
+            f"datasets directory {root} (MINARI_DATASETS_PATH), found neither; nothing is downloaded "
+            f"(run `minari download {text}` first)")
+    return candidate
+
+
 class MinariReader(Reader):
     """Read a Minari dataset directory (see the module docstring).
 
@@ -55,14 +111,15 @@ class MinariReader(Reader):
     path
         The dataset directory (``.../<dataset_id>``, holding ``data/``) or its ``data/``.
     keep_infos
-        Keep numeric ``infos`` leaves as ``infos/<name>`` columns (rows 1..T of a
-        T+1-row info, i.e. the info returned by each step).
+        Keep numeric ``infos`` leaves as ``infos/<name>`` columns, reset info
+        included (a T+1-row leaf is next-derived, like ``obs``: see the module
+        docstring).
     """
 
     format = "minari"
 
     def __init__(self, path: str | os.PathLike[str], *, keep_infos: bool = False) -> None:
-        super().__init__(path)
+        super().__init__(resolve_dataset(path))
         p = self.path
         expect(p, ("directory",), "a Minari dataset directory (holding data/metadata.json)")
         data = p / "data" if (p / "data" / "metadata.json").is_file() else p
@@ -147,6 +204,7 @@ class MinariReader(Reader):
         self._lengths: list[int] = []
         first = True
         dropped: set[str] = set()
+        info_whole: dict[str, bool] = {}
         for name in self._episodes:
             g = self._h5[name]
             for key in ("observations", "actions", "rewards", "terminations", "truncations"):
@@ -170,6 +228,13 @@ class MinariReader(Reader):
                 if col.startswith("infos/") and np.dtype(dtype).kind not in "biuf":
                     dropped.add(col)
                     continue
+                if col.startswith("infos/"):
+                    whole = rows == t + 1  # reset info + one per step: next-derived, like obs
+                    if first:
+                        info_whole[col] = whole
+                    elif info_whole.get(col) != whole:
+                        dropped.add(col)
+                        continue
                 if first:
                     columns[col] = (shape, dtype)
                 elif col not in columns:
@@ -196,7 +261,7 @@ class MinariReader(Reader):
             self._warn(f"info leaves not kept (non-numeric or not one per step): {sorted(dropped)}")
         self._cols = columns
         self._check_totals(sum(self._lengths), len(self._episodes))
-        next_keys = tuple(c for c in columns if c == "obs" or c.startswith("obs/"))
+        next_keys = tuple(c for c in columns if c == "obs" or c.startswith("obs/") or info_whole.get(c))
         return Schema(columns, next_keys, sum(self._lengths), self._attrs(), len(self._episodes))
 
     def _h5_leaves(self, g: Any, ep: str) -> dict[str, tuple[Any, int]]:
@@ -245,7 +310,7 @@ class MinariReader(Reader):
 
     def _chunks_hdf5(self, chunk_rows: int) -> Iterator[Chunk]:
         asm = ChunkAssembler(chunk_rows)
-        obs_cols = [c for c in self._cols if c == "obs" or c.startswith("obs/")]
+        obs_cols = list(self._schema.next_keys)
         for ep, (name, t) in enumerate(zip(self._episodes, self._lengths)):
             g = self._h5[name]
             leaves = self._h5_leaves(g, name)
@@ -255,10 +320,7 @@ class MinariReader(Reader):
                 steps: dict[str, np.ndarray] = {}
                 for col in self._cols:
                     ds, rows = leaves[col]
-                    if col.startswith("infos/") and rows == t + 1:
-                        steps[col] = self._read_leaf(col, ds, a + 1, b + 1)
-                    else:
-                        steps[col] = self._read_leaf(col, ds, a, b)
+                    steps[col] = self._read_leaf(col, ds, a, b)
                 term = np.asarray(term_ds[a:b]).reshape(b - a).astype(bool)
                 trunc = np.asarray(trunc_ds[a:b]).reshape(b - a).astype(bool)
                 last = b == t
@@ -343,12 +405,13 @@ class MinariReader(Reader):
             self._lengths.append(int(t))
         self._cols = columns
         self._check_totals(sum(self._lengths), len(self._dirs))
-        next_keys = tuple(c for c in columns if c == "obs" or c.startswith("obs/"))
+        # Arrow pads every column to T+1 rows: infos are kept whole (reset info first), like obs
+        next_keys = tuple(c for c in columns if c == "obs" or c.startswith("obs/") or c.startswith("infos/"))
         return Schema(columns, next_keys, sum(self._lengths), self._attrs(), len(self._dirs))
 
     def _chunks_arrow(self, chunk_rows: int) -> Iterator[Chunk]:
         asm = ChunkAssembler(chunk_rows)
-        obs_cols = [c for c in self._cols if c == "obs" or c.startswith("obs/")]
+        obs_cols = list(self._schema.next_keys)
         for (ep, d), t in zip(self._dirs, self._lengths):
             data = self._arrow_episode(d)
             if len(data["reward"]) != t + 1:
@@ -359,9 +422,10 @@ class MinariReader(Reader):
                 if col not in data:
                     raise self._error(f"missing column {col!r}", d.name)
             steps = {c: data[c][:t] for c in self._cols}
-            for c in self._cols:
-                if c.startswith("infos/") and len(data[c]) == t + 1:
-                    steps[c] = data[c][1 : t + 1]
+            for c in obs_cols:
+                if len(data[c]) != t + 1:
+                    raise self._error(f"expected {t + 1} rows (reset + {t} steps), got {len(data[c])}",
+                                      f"{d.name}/{c}")
             term = data["terminated"][:t].astype(bool)
             trunc = data["truncated"][:t].astype(bool)
             self._finish_episode(ep, term, trunc)
@@ -400,11 +464,16 @@ def convert_minari(
     chunk_rows: int | None = None,
     progress: bool = True,
     verify: bool = True,
+    capacity: int | None = None,
+    num_streams: int | None = None,
+    priorities: PriorityConfig | None = None,
 ) -> dict[str, Any]:
     """Convert a Minari dataset directory into a new store at ``dst``.
 
     ``src`` is the dataset's directory (e.g. ``~/.minari/datasets/D4RL/door/human-v2``)
-    or its ``data/`` directory; Minari itself is not needed to read it. Options
+    or its ``data/`` directory, or a dataset id (``D4RL/door/human-v2``) looked up
+    in Minari's local datasets directory (:func:`resolve_dataset`: never a
+    download); Minari itself is not needed to read it. Options
     and the returned summary are those of :func:`convert_d4rl`.
 
     Raises
@@ -423,8 +492,8 @@ def convert_minari(
     from ._dest import check_destination
 
     check_destination(dst, overwrite)
-    reader = MinariReader(Path(src).expanduser(), keep_infos=keep_infos)
+    reader = MinariReader(src, keep_infos=keep_infos)
     return write_store(
         reader, dst, overwrite=overwrite, compression=compression, chunk_rows=chunk_rows,
-        progress=progress, verify=verify,
+        progress=progress, verify=verify, capacity=capacity, num_streams=num_streams, priorities=priorities,
     )

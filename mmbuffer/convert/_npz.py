@@ -21,6 +21,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from ..schema import PriorityConfig
 from ._d4rl import flat_columns
 from ._flat import FileArray, FlatReader
 from ._reader import Reader, jsonable
@@ -219,6 +220,9 @@ def convert_npz(
     chunk_rows: int | None = None,
     progress: bool = True,
     verify: bool = True,
+    capacity: int | None = None,
+    num_streams: int | None = None,
+    priorities: PriorityConfig | None = None,
 ) -> dict[str, Any]:
     """Convert a ``.npz`` archive or a directory of ``.npy`` files (D4RL keys) into a store.
 
@@ -238,5 +242,5 @@ def convert_npz(
     reader = NpzReader(src, keep_infos=keep_infos, keep_next_obs=keep_next_obs)
     return write_store(
         reader, dst, overwrite=overwrite, compression=compression, chunk_rows=chunk_rows,
-        progress=progress, verify=verify,
+        progress=progress, verify=verify, capacity=capacity, num_streams=num_streams, priorities=priorities,
     )

@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import MMBufferError
+from ..schema import PriorityConfig
 from ._flat import FileArray, FlatReader, RolledArray
 from ._reader import Chunk, Reader, Schema, as_flag, reader_error
 from ._sniff import PICKLE, ZIP, expect
@@ -473,6 +474,9 @@ def convert_torchrl(
     chunk_rows: int | None = None,
     progress: bool = True,
     verify: bool = True,
+    capacity: int | None = None,
+    num_streams: int | None = None,
+    priorities: PriorityConfig | None = None,
 ) -> dict[str, Any]:
     """Convert a TorchRL ``dumps()`` directory or a TD-MPC2 ``.pt`` file into a store.
 
@@ -494,6 +498,6 @@ def convert_torchrl(
     reader = open_torchrl(src)
     return write_store(
         reader, dst, overwrite=overwrite, compression=compression, chunk_rows=chunk_rows,
-        progress=progress, verify=verify,
+        progress=progress, verify=verify, capacity=capacity, num_streams=num_streams, priorities=priorities,
     )
 

@@ -47,6 +47,7 @@ import numpy as np
 from .._producer import Producer
 from ..buffer import Buffer
 from ..opening import create
+from ..schema import PriorityConfig
 from ._frame import (
     SEGMENT_BYTES,
     Writer,
@@ -56,6 +57,7 @@ from ._frame import (
     progress_bar,
     write_and_verify,
 )
+from ._lanes import balanced, check_layout, runs
 from ._readback import ReadBack
 from ._reader import (
     FLAGS,
@@ -146,6 +148,9 @@ def write_store(
     chunk_rows: int | None = None,
     progress: bool = True,
     verify: bool = True,
+    capacity: int | None = None,
+    num_streams: int | None = None,
+    priorities: PriorityConfig | None = None,
 ) -> dict[str, Any]:
     """Write everything ``reader`` yields into a new store at ``dst``.
 
@@ -166,6 +171,15 @@ def write_store(
         Show a tqdm progress bar on stderr.
     verify
         Reopen the store and compare counts and checksums with the source.
+    capacity, num_streams, priorities
+        The new store's geometry, as for :func:`mmbuffer.create` (defaults: the
+        source's rows, one stream, no priorities): room to grow, one lane per
+        environment of an online collector, a priority tree usable at once (rows
+        start at the largest priority, as fresh rows do). Episodes are dealt to
+        the streams in contiguous runs of about ``rows / num_streams`` rows
+        (:mod:`._lanes`); a capacity smaller than the source is refused before
+        anything is written, one whose lanes cannot hold their run as soon as
+        that is seen (nothing is left behind).
 
     Returns
     -------
@@ -181,10 +195,14 @@ def write_store(
         ``dst`` exists and ``overwrite`` is false.
     ConversionError
         The source is inconsistent, or the verification pass found a difference.
+    InvalidArgumentError
+        ``capacity`` smaller than the source (or than a stream's share of it),
+        not a multiple of ``num_streams``; ``priorities`` not a ``PriorityConfig``.
     """
     t0 = time.perf_counter()
     writer = StoreWriter(reader, compression=compression, chunk_rows=chunk_rows, progress=progress,
-                         verify=verify)
+                         verify=verify, layout=dict(capacity=capacity, num_streams=num_streams,
+                                                    priorities=priorities))
     dst_path = write_and_verify(writer, dst, overwrite=overwrite, verify=verify)
     summary = writer.summary(dst_path, verified=verify)
     seconds = time.perf_counter() - t0
@@ -200,11 +218,12 @@ def write_store(
 
 
 class StoreWriter(Writer):
-    """Write a :class:`Reader`'s chunks into a new one-lane store (the :func:`write_store` steps)."""
+    """Write a :class:`Reader`'s chunks into a new store (the :func:`write_store` steps)."""
 
     def __init__(self, reader: Reader, *, compression: str | None, chunk_rows: int | None,
-                 progress: bool, verify: bool) -> None:
+                 progress: bool, verify: bool, layout: dict[str, Any] | None = None) -> None:
         super().__init__()
+        self.layout_options = dict(layout or {})
         self.reader = reader
         self.compression = compression
         self.chunk_rows = chunk_rows
@@ -219,37 +238,47 @@ class StoreWriter(Writer):
             raise reader_error(self.reader, "the source holds no rows")
         self.rows_per_chunk = default_chunk_rows(self.schema, self.chunk_rows)
         self.tally = _Tally(self.schema)
+        opts = self.layout_options
+        self.layout = check_layout(self.schema.num_rows, capacity=opts.get("capacity"),
+                                   num_streams=opts.get("num_streams"), priorities=opts.get("priorities"))
 
     def write(self, partial: Path) -> None:
         reader, schema, tally = self.reader, self.schema, self.tally
         attrs = dict(schema.attrs)
         segment_rows = max(self.rows_per_chunk, SEGMENT_BYTES // max(1, schema.row_bytes()))
+        layout = self.layout
         buf = self.out = create(
             str(partial),
             columns={k: (tuple(s), str(d)) for k, (s, d) in schema.columns.items()},
-            capacity=schema.num_rows,
-            num_streams=1,
+            capacity=layout.capacity,
+            num_streams=layout.num_streams,
             compression=self.compression,
+            priorities=layout.priorities,
             next_keys=tuple(schema.next_keys),
             attrs=jsonable(attrs),
         )
         since_release = 0
-        row = 0  # one lane, no wrap: the store's row numbers are the source's
         readback = ReadBack(partial) if self.readback else None
-        starts = deque([0] * DROP_BEHIND_CHUNKS, maxlen=DROP_BEHIND_CHUNKS)  # of the last chunks
+        behind: deque[list[tuple[int, int]]] = deque(maxlen=DROP_BEHIND_CHUNKS)  # row ranges of the last chunks
         source = _prepared(reader, schema, tally, self.rows_per_chunk)
+        dealer = _Dealer(schema.num_rows, layout.num_streams)
         with progress_bar(schema.num_rows, f"convert {reader.format}", self.progress) as bar, \
                 Producer(source, depth=2, name="mmbuffer-convert-read") as chunks:
             for steps, final, n in chunks:
-                buf.extend(steps, stream=0, final_obs=(final if schema.next_keys else None))
-                if readback is not None:
-                    readback.check(buf, row, steps, final)
+                ranges = []
+                for lane, piece, piece_final in dealer.split(steps, final):
+                    m = len(piece["terminated"])
+                    row = layout.take(lane, m, f"the source's rows from {dealer.done_rows - m}")
+                    buf.extend(piece, stream=lane, final_obs=(piece_final if schema.next_keys else None))
+                    if readback is not None:
+                        readback.check(buf, row, piece, piece_final)
+                    ranges.append((row, row + m))
                 # write behind: start writing this chunk to disk, and drop the
                 # earlier ones, written by now, from the page cache (2-3x faster
                 # on the dev VM, where fresh page-cache pages are slow to get)
-                starts.append(row)
-                buf.drop_cache(starts[0], row + n)
-                row += n
+                behind.append(ranges)
+                for start, stop in (r for chunk_ranges in behind for r in chunk_ranges):
+                    buf.drop_cache(start, stop)
                 bar.update(n)
                 since_release += n
                 if since_release >= segment_rows:
@@ -316,6 +345,44 @@ class StoreWriter(Writer):
         }
 
 
+class _Dealer:
+    """Splits the source's chunks into per-stream pieces by the rule of :mod:`._lanes`.
+
+    An episode goes to stream ``min(S - 1, first_row * S // N)``; the stream of
+    a row is that of the episode it belongs to, so a chunk splits into at most
+    ``S`` contiguous pieces (no loop over rows or episodes).
+    """
+
+    def __init__(self, total: int, num_streams: int) -> None:
+        self.total, self.num_streams = total, num_streams
+        self.episode_start = 0  # source row where the current episode began
+        self.done_rows = 0
+
+    def split(
+        self, steps: dict[str, np.ndarray], final: dict[str, np.ndarray]
+    ) -> Iterator[tuple[int, dict[str, np.ndarray], dict[str, np.ndarray]]]:
+        n = len(steps["terminated"])
+        a0 = self.done_rows
+        self.done_rows += n
+        if self.num_streams == 1:
+            yield 0, steps, final
+            return
+        done = steps["terminated"] | steps["truncated"]
+        begins = np.zeros(n, bool)
+        begins[1:] = done[:-1]
+        first = np.where(begins, a0 + np.arange(n, dtype=np.int64), -1)
+        first[0] = self.episode_start
+        first = np.maximum.accumulate(first)  # the first source row of each row's episode
+        ends = np.flatnonzero(done)
+        if len(ends):
+            self.episode_start = a0 + int(ends[-1]) + 1
+        lanes = balanced(first, self.total, self.num_streams)
+        ended = np.cumsum(done) - done  # episodes ended before each row
+        for lane, a, b in runs(lanes):
+            e0, e1 = int(ended[a]), int(ended[b - 1] + done[b - 1])
+            yield lane, {k: v[a:b] for k, v in steps.items()}, {k: v[e0:e1] for k, v in final.items()}
+
+
 def _prepared(
     reader: Reader, schema: Schema, tally: _Tally, chunk_rows: int
 ) -> Iterator[tuple[dict[str, np.ndarray], dict[str, np.ndarray], int]]:
@@ -369,11 +436,20 @@ def verify_store(path: Path, tally: _Tally, schema: Schema) -> None:
         if buf.num_episodes != tally.episodes:
             raise mismatch(path, "episodes", tally.episodes, buf.num_episodes)
         starts, lengths = buf.episodes()
+        lane_size = int(buf.lane_size)
         starts_np = starts.numpy().astype(np.int64)
         lengths_np = lengths.numpy().astype(np.int64)
+    # streams are filled in source order, so episodes sorted by row are in source order
+    order = np.argsort(starts_np, kind="stable")
+    starts_np, lengths_np = starts_np[order], lengths_np[order]
     len_crc = zlib.crc32(lengths_np.tobytes())
     if len_crc != tally.len_crc:
         raise mismatch(path, "episode lengths checksum", crc_hex(tally.len_crc), crc_hex(len_crc))
-    expected_starts = np.concatenate([[0], np.cumsum(lengths_np)[:-1]]) if len(lengths_np) else lengths_np
-    if not np.array_equal(starts_np, expected_starts):
-        raise mismatch(path, "episode starts", "contiguous from row 0", starts_np[:8].tolist())
+    # each stream's episodes are contiguous from the first row of its lane
+    lane_size = max(1, lane_size)
+    lanes = starts_np // lane_size
+    first = np.ones(len(lanes), bool)
+    first[1:] = lanes[1:] != lanes[:-1]
+    expected = np.where(first, lanes * lane_size, np.concatenate([[0], (starts_np + lengths_np)[:-1]])[: len(lanes)])
+    if not np.array_equal(starts_np, expected):
+        raise mismatch(path, "episode starts", "contiguous from the first row of each stream", starts_np[:8].tolist())
