@@ -83,13 +83,8 @@ def create_store(
         fmt.create_raw(tmp, "index/reserved", num_streams, (), np.dtype(np.int64), allocate=True)
         if priorities is not None:
             for name, (shape, kind) in tree.layout(capacity).items():
-                # written whole by reset (and the inner arrays by any write): allocated now
-                fmt.create_raw(tmp, f"priority/{name}", shape[0], tuple(shape[1:]), np.dtype(kind), allocate=True)
-            leaves = {k: fmt.open_raw(tmp, f"priority/{k}", writable=True) for k in tree.layout(capacity)}
-            tree.reset(tree.PriorityTree(**leaves))
-            for arr in leaves.values():
-                fmt.flush_rows(arr, 0, len(arr))
-            del leaves
+                # sparse: zero bytes are an empty tree (mmbuffer.tree), so nothing is written
+                fmt.create_raw(tmp, f"priority/{name}", shape[0], tuple(shape[1:]), np.dtype(kind))
         (tmp / "sampler").mkdir()
         fmt.atomic_write_json(tmp / fmt.MANIFEST, manifest.to_json())
         try:

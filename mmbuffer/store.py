@@ -638,14 +638,15 @@ class Store:
         reservation, before it advances: the rows ``[written, stop)`` of the lane's
         first pass through the ring, and the ``index/ends`` slots of the episodes
         that can end in them (at most one per row). Once a lane has wrapped, what
-        it rewrites is allocated already; the tree's inner arrays and
-        ``index/reserved`` are allocated at creation.
+        it rewrites is allocated already; ``index/reserved`` is allocated at creation.
         """
         w, t = st.written, st.ep_tail
         if w < self.lane_size:
             base, hi = lane * self.lane_size, min(stop, self.lane_size)
             for name in self._row_files():
                 fmt.reserve_raw(self.path, name, base + w, base + hi)
+            for a, b in tree.node_rows(self._tree, base + w, base + hi) if self._tree is not None else ():
+                fmt.reserve_raw(self.path, "priority/nodes", a, b)  # the tree's nodes over those rows
         slots = 2 * self.lane_size
         if t < slots:
             fmt.reserve_raw(self.path, "index/ends", lane * slots + t, lane * slots + min(t + stop - w, slots))

@@ -104,7 +104,7 @@ Examples
 from __future__ import annotations
 
 from ._check import check
-from ._layout import BLOCK, FANOUT, PriorityTree, init, layout, nbytes, reset
+from ._layout import BLOCK, FANOUT, PriorityTree, init, layout, nbytes, node_rows, reset
 from ._query import find_prefix, max_live, min_live, sample, total
 from ._ranges import find_in_ranges, range_sums
 from ._update import rebuild, set_range, update
@@ -112,5 +112,5 @@ from ._update import rebuild, set_range, update
 __all__ = [
     "BLOCK", "FANOUT", "PriorityTree", "layout", "nbytes", "init", "reset", "update",
     "set_range", "total", "min_live", "max_live", "find_prefix", "sample", "range_sums",
-    "find_in_ranges", "rebuild", "check",
+    "find_in_ranges", "rebuild", "check", "node_rows",
 ]
