@@ -102,10 +102,23 @@ def _store(ns: Any, nu: Any, nf: Any, g: int, c: int, s: float, code: int, mx: f
 
 
 @_jit
-def _refresh(leaf: Any, leafu: Any, ns: Any, nu: Any, nf: Any, offs: Any, kids: Any) -> None:
-    """Recompute the slots of the sorted, unique blocks ``kids`` and every row above."""
+def _touch(ns: Any, g: int) -> float:
+    """Load the 4 cache lines of node row ``g`` (a prefetch: see :func:`_find`)."""
+    return ns[g, 0] + ns[g, 8] + ns[g, 16] + ns[g, 24]
+
+
+@_jit
+def _refresh(leaf: Any, leafu: Any, ns: Any, nu: Any, nf: Any, offs: Any, kids: Any) -> float:
+    """Recompute the slots of the sorted, unique blocks ``kids`` and every row above;
+    returns the sum of the prefetching loads (which keeps them)."""
     depth = offs.shape[0] - 1
     o = offs[depth - 1]
+    cap = leaf.shape[0]
+    sink = 0.0
+    for b in kids:
+        lo = b * 64
+        sink += _touch(ns, o + (b >> 4)) + leaf[lo] + leaf[min(lo + 16, cap - 1)]
+        sink += leaf[min(lo + 32, cap - 1)] + leaf[min(lo + 48, cap - 1)]
     for b in kids:
         s, code, mx = _block(leaf, leafu, b)
         _store(ns, nu, nf, o + (b >> 4), b & 15, s, code, mx)
@@ -113,6 +126,9 @@ def _refresh(leaf: Any, leafu: Any, ns: Any, nu: Any, nf: Any, offs: Any, kids: 
     rows = kids.copy()
     for d in range(depth - 1, 0, -1):
         o, op = offs[d], offs[d - 1]
+        if d > 2:
+            for i in range(n):
+                sink += _touch(ns, op + (rows[i] >> 8))
         m = 0
         prev = -1
         for i in range(n):
@@ -124,13 +140,14 @@ def _refresh(leaf: Any, leafu: Any, ns: Any, nu: Any, nf: Any, offs: Any, kids: 
                 s, code, mx = _row(ns, nu, nf, o + r)
                 _store(ns, nu, nf, op + (r >> 4), r & 15, s, code, mx)
         n = m
+    return sink
 
 
 @_jit
-def _update(leaf: Any, leafu: Any, ns: Any, nu: Any, nf: Any, offs: Any, idx: Any, val: Any) -> None:
+def _update(leaf: Any, leafu: Any, ns: Any, nu: Any, nf: Any, offs: Any, idx: Any, val: Any) -> float:
     for i in range(idx.shape[0]):  # in order: a repeated id keeps its last value
         leaf[idx[i]] = val[i]
-    _refresh(leaf, leafu, ns, nu, nf, offs, np.unique(idx >> 6))
+    return _refresh(leaf, leafu, ns, nu, nf, offs, np.unique(idx >> 6))
 
 
 @_jit
@@ -167,24 +184,37 @@ def _clear(nu: Any, g: int, c0: int) -> None:
 
 # --------------------------------------------------------------------- descent
 @_jit
-def _find(leaf: Any, ns: Any, offs: Any, targets: Any, out_idx: Any, out_val: Any) -> int:
-    """Leaf holding each target mass; returns how many descents met an empty row.
+def _find(leaf: Any, ns: Any, offs: Any, targets: Any, out_idx: Any, out_val: Any) -> tuple[int, float]:
+    """Leaf holding each target mass; returns how many descents met an empty row
+    (and the sum of the prefetching loads, which keeps the compiler from dropping them).
 
     Per level: the first slot whose running sum passes ``t`` (``run <= t < run +
     s``, so ``s > 0``), else the last slot with ``s > 0`` (rounding or a target
     past the total), whose subtree is then searched for its last positive leaf.
     A row without a positive slot (only a torn read under a concurrent write)
     ends the descent at its first leaf.
+
+    The batch descends level by level: first a pass that only loads each
+    target's row (independent loads, so the cache misses of a tree larger than
+    the caches overlap), then the scans, which hit the cache.
     """
     depth = offs.shape[0] - 1
     cap = leaf.shape[0]
-    empty = 0
-    for k in range(targets.shape[0]):
-        t = max(targets[k], 0.0)
-        node = 0
-        ok = True
-        for d in range(depth):
-            g = offs[d] + node
+    n = targets.shape[0]
+    node = np.zeros(n, np.int64)
+    t = np.empty(n, np.float64)
+    ok = np.ones(n, np.bool_)
+    for k in range(n):
+        t[k] = max(targets[k], 0.0)
+    sink = 0.0
+    for d in range(depth):
+        o = offs[d]
+        if d > 1:
+            for k in range(n):
+                sink += ns[o + node[k], 0] + ns[o + node[k], 8]
+        for k in range(n):
+            g = o + node[k]
+            tk = t[k]
             run = 0.0
             j = -1
             last = -1
@@ -192,21 +222,25 @@ def _find(leaf: Any, ns: Any, offs: Any, targets: Any, out_idx: Any, out_val: An
                 s = ns[g, c]
                 if s > 0:
                     last = c
-                    if run + s > t:
+                    if run + s > tk:
                         j = c
                         break
                 run += s
             if j < 0:
                 if last < 0:
-                    ok = False
-                    j = 0
-                t = np.inf  # past this row's mass: its last positive leaf
-                if last >= 0:
-                    j = last
+                    ok[k] = False
+                    last = 0
+                j = last
+                t[k] = np.inf  # past this row's mass: its last positive leaf
             else:
-                t -= run
-            node = node * 16 + j
-        lo = node * 64
+                t[k] = tk - run
+            node[k] = node[k] * 16 + j
+    for k in range(n):
+        lo = min(node[k] * 64, cap - 1)
+        sink += leaf[lo] + leaf[min(lo + 16, cap - 1)] + leaf[min(lo + 32, cap - 1)] + leaf[min(lo + 48, cap - 1)]
+    empty = 0
+    for k in range(n):
+        lo = node[k] * 64
         hi = min(lo + 64, cap)
         if lo >= cap:
             lo = cap - 1
@@ -214,12 +248,13 @@ def _find(leaf: Any, ns: Any, offs: Any, targets: Any, out_idx: Any, out_val: An
         pick = -1
         last = -1
         run = 0.0
-        if ok:
+        tk = t[k]
+        if ok[k]:
             for i in range(lo, hi):
                 v = np.float64(leaf[i])
                 if v > 0:
                     last = i
-                    if run + v > t:
+                    if run + v > tk:
                         pick = i
                         break
                 run += v
@@ -230,10 +265,9 @@ def _find(leaf: Any, ns: Any, offs: Any, targets: Any, out_idx: Any, out_val: An
             pick = lo
         out_idx[k] = pick
         out_val[k] = leaf[pick]
-    return empty
+    return empty, sink
 
 
-# --------------------------------------------------------------------- check
 @_jit
 def _rel(a: float, b: float) -> float:
     if a == b:
@@ -245,35 +279,77 @@ def _rel(a: float, b: float) -> float:
 
 
 @_jit
-def _check(leaf: Any, leafu: Any, ns: Any, nu: Any, nf: Any, offs: Any) -> float:
-    """Largest relative disagreement of the sums with their recomputation from the
-    children; inf for any min/max mismatch, non-neutral padding, or a leaf that is
-    NaN, infinite or negative."""
+def _rows_above(sa: Any, sb: Any, i: int, d: int, shift: int, nrows: int) -> tuple[int, int]:
+    """Local rows of level ``d`` above span ``i`` (the root row for every span)."""
+    if d == 0:
+        return 0, 1
+    if sb[i] <= sa[i]:
+        return 0, 0
+    return sa[i] >> (shift + 4), min(((sb[i] - 1) >> (shift + 4)) + 1, nrows)
+
+
+@_jit
+def _expected(leaf: Any, leafu: Any, ns: Any, nu: Any, nf: Any, offs: Any, sa: Any, sb: Any,
+              d: int, shift: int, k: int) -> tuple[bool, float, int, float]:
+    """Whether a span lies under child ``k`` of level ``d``, and the child's values
+    (zeros when none does: nothing under it is reachable)."""
+    c0 = k << shift
+    c1 = c0 + (1 << shift)
+    if c0 < leaf.shape[0]:
+        for j in range(sa.shape[0]):
+            if sa[j] < c1 and sb[j] > c0:
+                if d == offs.shape[0] - 2:
+                    s, code, mx = _block(leaf, leafu, k)
+                else:
+                    s, code, mx = _row(ns, nu, nf, offs[d + 1] + k)
+                return True, s, code, mx
+    return False, 0.0, np.uint32(0), np.float32(0.0)
+
+
+@_jit
+def _check_spans(leaf: Any, leafu: Any, ns: Any, nu: Any, nf: Any, offs: Any, sa: Any, sb: Any) -> float:
+    """The largest relative disagreement of a slot sum with its recomputation from
+    the children, over the rows above the leaf spans ``[sa[i], sb[i])``; inf for
+    a min/max mismatch, a slot with no span under it that is not zero, or a leaf
+    in a span that is NaN, infinite or negative. The leaves outside the spans are
+    not read: O(the spans' rows), not O(capacity)."""
     depth = offs.shape[0] - 1
     worst = 0.0
-    for i in range(leaf.shape[0]):
-        v = leaf[i]
-        if not (v >= 0 and v < np.inf):
-            return np.inf
-    nblocks = (leaf.shape[0] + 63) >> 6
-    used = nblocks  # slots in use on the level being checked
-    for d in range(depth - 1, -1, -1):
-        o, r = offs[d], offs[d + 1] - offs[d]
-        for slot in range(r * 16):
-            g, c = o + (slot >> 4), slot & 15
-            if slot >= used:
-                if ns[g, c] != 0 or nu[g, 32 + c] != 0 or nf[g, 48 + c] != 0:
-                    return np.inf
-                continue
-            if d == depth - 1:
-                s, code, mx = _block(leaf, leafu, slot)
-            else:
-                s, code, mx = _row(ns, nu, nf, offs[d + 1] + slot)
-            if nu[g, 32 + c] != code or nf[g, 48 + c] != mx:
+    for i in range(sa.shape[0]):
+        for x in range(sa[i], sb[i]):
+            v = leaf[x]
+            if not (v >= 0 and v < np.inf):
                 return np.inf
-            worst = max(worst, _rel(ns[g, c], s))
-        used = r
+    for d in range(depth - 1, -1, -1):
+        shift = 6 + 4 * (depth - 1 - d)  # log2 of the leaves under a slot of level d
+        o, nrows = offs[d], offs[d + 1] - offs[d]
+        for i in range(sa.shape[0] if d > 0 else 1):
+            r0, r1 = _rows_above(sa, sb, i, d, shift, nrows)
+            for r in range(r0, r1):
+                for c in range(16):
+                    under, s, code, mx = _expected(leaf, leafu, ns, nu, nf, offs, sa, sb, d, shift, r * 16 + c)
+                    if nu[o + r, 32 + c] != code or nf[o + r, 48 + c] != mx:
+                        return np.inf
+                    if not under and ns[o + r, c] != 0:  # must be empty: exactly
+                        return np.inf
+                    worst = max(worst, _rel(ns[o + r, c], s))
     return worst
+
+
+@_jit
+def _rebuild_spans(leaf: Any, leafu: Any, ns: Any, nu: Any, nf: Any, offs: Any, sa: Any, sb: Any) -> None:
+    """Recompute, bottom up, every slot of the rows above the leaf spans (the
+    traversal of :func:`_check_spans`), storing only what differs."""
+    depth = offs.shape[0] - 1
+    for d in range(depth - 1, -1, -1):
+        shift = 6 + 4 * (depth - 1 - d)
+        o, nrows = offs[d], offs[d + 1] - offs[d]
+        for i in range(sa.shape[0] if d > 0 else 1):
+            r0, r1 = _rows_above(sa, sb, i, d, shift, nrows)
+            for r in range(r0, r1):
+                for c in range(16):
+                    _, s, code, mx = _expected(leaf, leafu, ns, nu, nf, offs, sa, sb, d, shift, r * 16 + c)
+                    _store(ns, nu, nf, o + r, c, s, code, mx)
 
 
 # --------------------------------------------------------------------- wrappers
@@ -315,14 +391,20 @@ def find(leaf: npt.NDArray[np.float32], nodes: npt.NDArray[np.float64], offs: In
     that met an empty row (a torn read)."""
     idx = np.empty(targets.shape[0], np.int64)
     val = np.empty(targets.shape[0], np.float32)
-    empty = _find(leaf, nodes, offs, targets, idx, val)
+    empty, _ = _find(leaf, nodes, offs, targets, idx, val)
     return idx, val, int(empty)
 
 
-def check(leaf: npt.NDArray[np.float32], nodes: npt.NDArray[np.float64], offs: Int64Array) -> float:
-    """Largest disagreement of the nodes with the leaves (see :func:`mmbuffer.tree.check`)."""
+def sweep(leaf: npt.NDArray[np.float32], nodes: npt.NDArray[np.float64], offs: Int64Array,
+          spans: Int64Array, *, write: bool) -> float:
+    """Check (``write=False``) or rebuild (``write=True``) the nodes above the leaf
+    spans ``spans`` [k, 2] (see :func:`mmbuffer.tree.check`)."""
     nu, nf = _views(nodes)
-    return float(_check(leaf, leaf.view(np.uint32), nodes, nu, nf, offs))
+    sa, sb = np.ascontiguousarray(spans[:, 0]), np.ascontiguousarray(spans[:, 1])
+    if write:
+        _rebuild_spans(leaf, leaf.view(np.uint32), nodes, nu, nf, offs, sa, sb)
+        return 0.0
+    return float(_check_spans(leaf, leaf.view(np.uint32), nodes, nu, nf, offs, sa, sb))
 
 
 def decode_min(codes: npt.NDArray[np.uint32]) -> npt.NDArray[np.float32]:

@@ -3,10 +3,13 @@ each recomputing the touched blocks and rows (never incrementing by a delta)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import numpy.typing as npt
 
 from ..errors import InvalidArgumentError
+from ._check import spans_array
 from ._layout import SHIFT, PriorityTree
 
 
@@ -124,7 +127,7 @@ def _check_range(tree: PriorityTree, start: int, stop: int) -> tuple[int, int]:
     return int(start), int(stop)
 
 
-def rebuild(tree: PriorityTree) -> None:
+def rebuild(tree: PriorityTree, *, spans: Sequence[tuple[int, int]] | None = None) -> None:
     """Recompute every node from the leaves, in place.
 
     One compiled pass over the leaves and rows (no temporaries) that also
@@ -144,7 +147,4 @@ def rebuild(tree: PriorityTree) -> None:
     from ..kernels import tree as kernels
 
     v = tree.views
-    for d, (o, r) in enumerate(v.levels):  # the padding slots: nothing under them
-        used = v.levels[d + 1][1] if d + 1 < len(v.levels) else v.nblocks
-        kernels.clear_padding(v.nodes, o + r - 1, used - (r - 1) * 16)
-    kernels.refresh_span(v.leaf, v.nodes, v.offs, 0, v.nblocks)
+    kernels.sweep(v.leaf, v.nodes, v.offs, spans_array(tree, spans), write=True)
