@@ -179,7 +179,7 @@ class Store:
         dirty = self.path / "priority" / "DIRTY"
         if self._tree is not None and (torn or dirty.exists()):
             self._zero_invisible_priorities()
-            tree.rebuild(self._tree)
+            tree.rebuild(self._tree, spans=self.tree_spans())
             self._tree_dirty = True
         if torn or self._tree_dirty:
             self.commit()
@@ -210,8 +210,17 @@ class Store:
         """Give priority 0 to every row of a lane outside its live range."""
         assert self._tree is not None
         for lane, st in enumerate(self._lanes):
-            for a, b in self.layout.segments(lane, st.written, st.first_start + self.lane_size):
+            stop, reserved = st.first_start + self.lane_size, int(self._reserved[lane])
+            if reserved < self.lane_size:  # first pass: the rows past the reservation were never written
+                stop = min(stop, max(st.written, reserved))
+            for a, b in self.layout.segments(lane, st.written, stop):
                 tree.set_range(self._tree, a, b, 0.0)
+
+    def tree_spans(self) -> list[tuple[int, int]]:
+        """The rows whose priority a writer may have set (per lane, those of the counters
+        below its reservation); ``tree.check`` and ``tree.rebuild`` read only these."""
+        lane_rows = self.lane_size
+        return [(k * lane_rows, k * lane_rows + min(lane_rows, int(r))) for k, r in enumerate(self._reserved)]
 
     # -- inspection --------------------------------------------------------------------
     def __len__(self) -> int:
@@ -591,7 +600,7 @@ class Store:
         fmt.flush_rows(self._ends, 0, len(self._ends))  # commit flushes only new slots
         if self._tree is not None:
             self._mark_tree_dirty()
-            tree.rebuild(self._tree)
+            tree.rebuild(self._tree, spans=self.tree_spans())
         self._sampler_cache.clear()  # slice counts came from the old index
         return self.commit()
 

@@ -677,3 +677,86 @@ def test_doctests() -> None:
     results = [doctest.testmod(m, optionflags=doctest.NORMALIZE_WHITESPACE) for m in modules]
     assert sum(r.attempted for r in results) > 20
     assert sum(r.failed for r in results) == 0
+
+
+# -- sparse, lazy tree -----------------------------------------------------------
+
+
+def _disk_bytes(root: str) -> int:
+    """Bytes of disk allocated under ``root`` (st_blocks, not file sizes)."""
+    import os
+
+    return sum(os.lstat(os.path.join(d, f)).st_blocks * 512 for d, _, fs in os.walk(root) for f in fs)
+
+
+def _sparse_files(tmp_path: object) -> bool:
+    import os
+
+    probe = f"{tmp_path}/probe"
+    with open(probe, "wb") as f:
+        f.truncate(1 << 30)
+    sparse = os.stat(probe).st_blocks * 512 < (1 << 20)
+    os.unlink(probe)
+    return sparse
+
+
+def test_untouched_tree_regions_cost_nothing(tmp_path: object) -> None:
+    if not _sparse_files(tmp_path):
+        pytest.skip("this filesystem has no sparse files")
+    cap = 3 * 2**30 + 5  # 12 GiB of leaves as a sparse file
+    maps = {n: np.memmap(f"{tmp_path}/{n}", mode="w+", dtype=d, shape=s) for n, (s, d) in T.layout(cap).items()}
+    tr = T.PriorityTree(**maps)  # zero bytes: an empty tree, nothing written
+    assert (T.total(tr), T.min_live(tr)) == (0.0, math.inf)
+    rng = np.random.default_rng(0)
+    rows = np.concatenate([np.arange(1000), cap - 1 - np.arange(50), rng.integers(0, cap, 20)])
+    vals = random_leaves(rng, rows.shape[0], zero_frac=0.0)
+    T.update(tr, rows, vals)
+    T.set_range(tr, 5000, 6000, 0.5)
+    T.set_range(tr, 2**31, 2**31 + 10**6, 0.0)  # evicting never-written rows writes nothing
+    idx, p = T.sample(tr, 4096, torch.Generator().manual_seed(0))
+    live = np.union1d(rows, np.arange(5000, 6000))
+    assert np.isin(idx, live).all()
+    ref = math.fsum(vals[np.unique(rows, return_index=True)[1]].tolist()) + 500.0
+    assert T.total(tr) == pytest.approx(ref, rel=1e-12)
+    # check and rebuild over the written spans: O(their rows), never the 12 GiB
+    spans = [(0, 6000), (cap - 50, cap)] + [(int(r), int(r) + 1) for r in rows[-20:]]
+    assert T.check(tr, spans=spans) == 0.0
+    assert T.check(tr, spans=spans[:1]) == math.inf  # the last rows are outside: refused
+    for lo, hi in T.node_rows(tr, 0, 6000):  # nodes wrong above the first span
+        tr.sums[lo:hi] *= 1.5
+    assert T.check(tr, spans=spans) > 0.1
+    T.rebuild(tr, spans=spans)
+    assert T.check(tr, spans=spans) == 0.0
+    for m in maps.values():
+        m.flush()
+    assert _disk_bytes(str(tmp_path)) < 4 << 20
+
+
+def test_store_with_priorities_is_created_sparse(tmp_path: object) -> None:
+    if not _sparse_files(tmp_path):
+        pytest.skip("this filesystem has no sparse files")
+    import mmbuffer as mb
+
+    path = f"{tmp_path}/s"
+    buf = mb.create(path, {"x": ((), "uint8")}, capacity=3_000_000_000, num_streams=2, next_keys=(),
+                    priorities=mb.PriorityConfig(alpha=1.0, eps=0.0))
+    assert _disk_bytes(path) < 100 << 20
+    n = 3000
+    for lane in (0, 1):
+        buf.extend({"x": np.zeros(n, np.uint8), "truncated": np.arange(n) % 1000 == 999}, stream=lane)
+    buf.update_priorities(np.array([1, 2, 1_500_000_001]), np.array([4.0, 5.0, 6.0]))
+    buf.commit()
+    ro = mb.open(path, mode="r")
+    rows, _, _ = ro.sample_indices(256, torch.Generator().manual_seed(0), prioritized=True)
+    assert ((rows < n) | ((rows >= 1_500_000_000) & (rows < 1_500_000_000 + n))).all()
+    # what verify checks of the tree: the rows below the reservations only
+    assert T.check(ro.view().tree, spans=ro.tree_spans()) == 0.0
+    ro.close()
+    buf.close()
+    open(f"{path}/priority/DIRTY", "w").close()  # as a writer killed mid-update leaves it
+    buf = mb.open(path, mode="a")  # recovery rebuilds the tree over the written rows only
+    assert buf.leaf_priorities([1, 2, 1_500_000_001]).tolist() == [4.0, 5.0, 6.0]
+    assert T.check(buf.view().tree, spans=buf.tree_spans()) == 0.0
+    assert T.total(buf.view().tree) == 2 * n - 3 + 15.0  # the default 1.0 elsewhere
+    buf.close()
+    assert _disk_bytes(path) < 100 << 20

@@ -38,9 +38,9 @@ Examples
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Final, TypeVar
+from typing import Any, Final, TypeVar, cast
 
-import numba  # type: ignore[import-untyped]
+import numba
 import numpy as np
 import numpy.typing as npt
 
@@ -52,12 +52,12 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def _jit(fn: _F) -> _F:
-    return numba.njit(nogil=True, cache=True)(fn)  # type: ignore[no-any-return]
+    return cast(_F, numba.njit(nogil=True, cache=True)(fn))
 
 
 # --------------------------------------------------------------------- node values
 @_jit
-def _block(leaf: Any, leafu: Any, b: int) -> tuple[float, int, float]:
+def _block(leaf: Any, leafu: Any, b: int) -> tuple[float, Any, Any]:
     """Sum (float64, in order), min code and max of block ``b``'s leaves."""
     lo = b * 64
     hi = min(lo + 64, leaf.shape[0])
@@ -77,7 +77,7 @@ def _block(leaf: Any, leafu: Any, b: int) -> tuple[float, int, float]:
 
 
 @_jit
-def _row(ns: Any, nu: Any, nf: Any, g: int) -> tuple[float, int, float]:
+def _row(ns: Any, nu: Any, nf: Any, g: int) -> tuple[float, Any, Any]:
     """Total (running sum in slot order), min code and max of row ``g``."""
     s = 0.0
     code = np.uint32(0)
@@ -102,7 +102,7 @@ def _store(ns: Any, nu: Any, nf: Any, g: int, c: int, s: float, code: int, mx: f
 
 
 @_jit
-def _touch(ns: Any, g: int) -> float:
+def _touch(ns: Any, g: int) -> Any:
     """Load the 4 cache lines of node row ``g`` (a prefetch: see :func:`_find`)."""
     return ns[g, 0] + ns[g, 8] + ns[g, 16] + ns[g, 24]
 
@@ -290,7 +290,7 @@ def _rows_above(sa: Any, sb: Any, i: int, d: int, shift: int, nrows: int) -> tup
 
 @_jit
 def _expected(leaf: Any, leafu: Any, ns: Any, nu: Any, nf: Any, offs: Any, sa: Any, sb: Any,
-              d: int, shift: int, k: int) -> tuple[bool, float, int, float]:
+              d: int, shift: int, k: int) -> tuple[bool, float, Any, Any]:
     """Whether a span lies under child ``k`` of level ``d``, and the child's values
     (zeros when none does: nothing under it is reachable)."""
     c0 = k << shift
