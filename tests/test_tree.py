@@ -760,3 +760,21 @@ def test_store_with_priorities_is_created_sparse(tmp_path: object) -> None:
     assert T.total(buf.view().tree) == 2 * n - 3 + 15.0  # the default 1.0 elsewhere
     buf.close()
     assert _disk_bytes(path) < 100 << 20
+
+
+def test_torn_reads_give_valid_rows() -> None:
+    # a reader racing a writer can see nodes that disagree with the leaves: the
+    # descent still returns row ids in range, and a positive leaf wherever its
+    # block has one
+    cap = 5000
+    leaves = np.ones(cap, np.float32)
+    tr = T.init(cap)
+    T.update(tr, np.arange(cap), leaves)
+    tr.leaves[64:128] = 0.0  # block 1 zeroed behind the tree's back
+    tr.leaves[4000:4010] = 0.0  # part of a block
+    targets = np.linspace(0, T.total(tr), 20_001)
+    got = T.find_prefix(tr, targets)
+    assert ((got >= 0) & (got < cap)).all()
+    inside = (got >= 64) & (got < 128)
+    assert (tr.leaves[got[~inside]] > 0).all()  # only the all-zero block gives a zero leaf
+    assert inside.sum() <= 64 * 20_001 / cap + 2

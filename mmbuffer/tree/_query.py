@@ -41,7 +41,11 @@ def _find(tree: PriorityTree, targets: Float64Array) -> tuple[Int64Array, Float3
     from ..kernels import tree as kernels
 
     v = tree.views
-    idx, value, _ = kernels.find(v.leaf, v.nodes, v.offs, np.ascontiguousarray(targets))
+    t = np.ascontiguousarray(targets)
+    idx, value, empty = kernels.find(v.leaf, v.nodes, v.offs, t)
+    if empty:  # only a read torn by a concurrent write meets an empty row: descend once more
+        again = np.flatnonzero(value <= 0)
+        idx[again], value[again], _ = kernels.find(v.leaf, v.nodes, v.offs, t[again])
     return idx, value
 
 
