@@ -174,14 +174,6 @@ def _fill(leaf: Any, lo: int, hi: int, value: Any) -> None:
             leaf[i] = value
 
 
-@_jit
-def _clear(nu: Any, g: int, c0: int) -> None:
-    for c in range(c0, 16):
-        for w in (2 * c, 2 * c + 1, 32 + c, 48 + c):
-            if nu[g, w] != 0:
-                nu[g, w] = 0
-
-
 # --------------------------------------------------------------------- descent
 @_jit
 def _find(leaf: Any, ns: Any, offs: Any, targets: Any, out_idx: Any, out_val: Any) -> tuple[int, float]:
@@ -378,11 +370,6 @@ def refresh_span(leaf: npt.NDArray[np.float32], nodes: npt.NDArray[np.float64], 
 def fill(leaf: npt.NDArray[np.float32], lo: int, hi: int, value: Any) -> None:
     """``leaf[lo:hi] = value``, storing only where a leaf differs."""
     _fill(leaf, int(lo), int(hi), np.float32(value))
-
-
-def clear_padding(nodes: npt.NDArray[np.float64], g: int, c0: int) -> None:
-    """Zero the slots ``c0..15`` of row ``g`` (where they are not zero already)."""
-    _clear(nodes.view(np.uint32), int(g), int(c0))
 
 
 def find(leaf: npt.NDArray[np.float32], nodes: npt.NDArray[np.float64], offs: Int64Array,
