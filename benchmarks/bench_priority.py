@@ -20,6 +20,15 @@ capacities up to ``--torchrl-max``.
     python benchmarks/bench_priority.py                  # 1e6, 1e8, 6e8 (needs ~5 GB free per 1e9 rows)
     python benchmarks/bench_priority.py --capacities 1e6  # quick
 
+``--rounds N`` alternates the mmbuffer worker and TorchRL N times per capacity (a
+shared, loaded machine drifts: each round's ratio compares neighbours in time)
+and reports every round and the medians; the ratio is TorchRL's (sample +
+update) time over mmbuffer's, so above 1 means mmbuffer is faster.
+
+First, unless ``--create-capacity 0``: ``mb.create`` of an empty prioritized
+store of ``--create-capacity`` rows (3e9) in a fresh process: its time, the
+disk it allocates (``st_blocks``, not file sizes) and the process's peak RSS.
+
 ``--slices`` times prioritized slices instead (``slice_indices(256, 64,
 prioritized=True)``, warm, in-process) on stores of episodes of 100 or 1000
 rows with a given share of the priority mass on valid window starts: 0.9 is
@@ -129,6 +138,33 @@ print(json.dumps({"open": t_open, "cold_index": med(t_cold), "warm": t_warm, "st
                   "update_max": med(t_max), "rss": mem["VmRSS"], "anon": mem["RssAnon"], "file": mem["RssFile"]}))
 """
 
+CREATE = """
+import json, os, resource, sys, time
+import mmbuffer as mb
+t0 = time.perf_counter()
+mb.create(sys.argv[1], {"x": ((), "uint8")}, capacity=int(float(sys.argv[2])), next_keys=(),
+          priorities=mb.PriorityConfig(alpha=0.6)).close()
+t = time.perf_counter() - t0
+disk = sum(os.lstat(os.path.join(d, f)).st_blocks * 512 for d, _, fs in os.walk(sys.argv[1]) for f in fs)
+size = sum(os.lstat(os.path.join(d, f)).st_size for d, _, fs in os.walk(sys.argv[1]) for f in fs)
+print(json.dumps({"create_s": t, "disk": disk, "size": size,
+                  "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def create_cost(root: Path, capacity: int) -> None:
+    """Time, disk and peak RSS of creating an empty prioritized store (a fresh process)."""
+    path = root / f"create_{capacity}"
+    shutil.rmtree(path, ignore_errors=True)
+    base = float(run_python(IMPORT_RSS.replace("RssAnon:", "VmHWM:")))
+    res = json.loads(run_python(CREATE, str(path), str(capacity)))
+    shutil.rmtree(path, ignore_errors=True)
+    print(f"mb.create(capacity={capacity:,}, priorities=...): {res['create_s']:.3f} s, "
+          f"{res['disk'] / 2**20:.1f} MiB of disk allocated (files' apparent size "
+          f"{res['size'] / 2**30:.1f} GiB), peak RSS {res['peak_rss']:.0f} MiB "
+          f"(a process that only imports torch and mmbuffer: {base:.0f} MiB)\n")
+
+
 IMPORT_RSS = "import torch, mmbuffer\nprint([int(l.split()[1]) / 1024 for l in open('/proc/self/status') if l.startswith('RssAnon:')][0])"
 
 
@@ -179,12 +215,16 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=45.0, help="steady-state sample+update loop per capacity")
     parser.add_argument("--torchrl-max", type=float, default=1e8)
     parser.add_argument("--slices", action="store_true", help="prioritized slices under low acceptance instead")
+    parser.add_argument("--rounds", type=int, default=1, help="alternate mmbuffer and TorchRL this many times")
+    parser.add_argument("--create-capacity", type=float, default=3e9, help="0: skip the create measurement")
     args = parser.parse_args()
     root = scratch()
     header("bench_priority")
     if args.slices:
         slices(root, [int(float(c)) for c in args.capacities.split(",")], min(args.reps, 50))
         return
+    if args.create_capacity:
+        create_cost(root, int(args.create_capacity))
     base_rss = float(run_python(IMPORT_RSS))
     print(f"anonymous RSS of a process that only imported torch and mmbuffer: {base_rss:.0f} MiB\n")
     rows = []
@@ -196,35 +236,41 @@ def main() -> None:
             continue
         path = root / f"priority_{cap}"
         built = build(path, cap)
-        drop_cache(path / "priority")
-        res = json.loads(run_python(WORKER, str(path), str(args.reps), str(args.seconds)))
-        row = {
-            "capacity": cap,
-            "build s": built,
-            "tree B/row": tree.nbytes(cap) / cap,
-            "open ms": res["open"] * 1e3,
-            "first 50 samples idx ms": res["cold_index"] * 1e3,
-            "warm s": res["warm"],
-            "steps": res["steps"],
-            "sample idx ms": res["index"] * 1e3,
-            "p90 idx ms": res["p90_index"] * 1e3,
-            "sample+gather ms": res["total"] * 1e3,
-            "update ms": res["update"] * 1e3,
-            "p90 update ms": res["p90_update"] * 1e3,
-            "lower max ms": res["update_max"] * 1e3,
-            "RSS MiB": res["rss"],
-            "anon RSS - imports MiB": res["anon"] - base_rss,
-            "file-backed RSS MiB": res["file"],
-        }
-        if cap <= args.torchrl_max:
-            t = trl.prioritized_sampler_times(cap, 256, reps=50)
-            if t is not None:
-                row["torchrl sample ms"] = t["sample_index_s"] * 1e3
-                row["torchrl update ms"] = t["update_s"] * 1e3
-                row["torchrl lower-max ms"] = t.get("update_touching_max_s", float("nan")) * 1e3
-                row["torchrl RSS MiB"] = t["rss_bytes"] / 2**20
-        rows.append(row)
-        print(json.dumps(row))
+        rounds = args.rounds if cap <= args.torchrl_max else 1
+        for r in range(rounds):
+            drop_cache(path / "priority")
+            res = json.loads(run_python(WORKER, str(path), str(args.reps), str(args.seconds)))
+            row = {
+                "capacity": cap,
+                "round": r + 1,
+                "build s": built,
+                "tree B/row": tree.nbytes(cap) / cap,
+                "open ms": res["open"] * 1e3,
+                "first 50 samples idx ms": res["cold_index"] * 1e3,
+                "warm s": res["warm"],
+                "steps": res["steps"],
+                "sample idx ms": res["index"] * 1e3,
+                "p90 idx ms": res["p90_index"] * 1e3,
+                "sample+gather ms": res["total"] * 1e3,
+                "update ms": res["update"] * 1e3,
+                "p90 update ms": res["p90_update"] * 1e3,
+                "lower max ms": res["update_max"] * 1e3,
+                "RSS MiB": res["rss"],
+                "anon RSS - imports MiB": res["anon"] - base_rss,
+                "file-backed RSS MiB": res["file"],
+            }
+            if cap <= args.torchrl_max:
+                t = trl.prioritized_sampler_times(cap, 256, reps=50)
+                if t is not None:
+                    row["torchrl sample ms"] = t["sample_index_s"] * 1e3
+                    row["torchrl update ms"] = t["update_s"] * 1e3
+                    row["torchrl lower-max ms"] = t.get("update_touching_max_s", float("nan")) * 1e3
+                    row["torchrl RSS MiB"] = t["rss_bytes"] / 2**20
+                    row["x TorchRL (sample+update)"] = (t["sample_index_s"] + t["update_s"]) / (res["index"] + res["update"])
+                else:
+                    print("torchrl not installed")
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     print()
     table(rows)
 

@@ -1,4 +1,4 @@
-"""The on-disk format of an mmbuffer store, format version 2 (``FORMAT_VERSION``).
+"""The on-disk format of an mmbuffer store, format version 3 (``FORMAT_VERSION``).
 
 A store is one directory that is also a valid **Zarr v3 group**, so zarr-python,
 tensorstore or xarray read it without mmbuffer. Nothing in it is a pickle::
@@ -70,6 +70,14 @@ Version history
     within ``written + 2 * lane_size`` of the last commit (``extend`` commits before
     a lane's uncommitted rows exceed a lane); ``zarr.json`` files are checked as
     above on open.
+3 (2026-11-23, issue 12)
+    Priority tree as two arrays, ``priority/leaves`` (float32, as before) and
+    ``priority/nodes`` (float64 [R, 32]: per row of 16 slots their float64 sums,
+    uint32 min codes ``0x7F800000 - bits(min)`` and float32 maxs, 256 bytes, so
+    16 rows per page), replacing ``sums``, ``prefix``, ``mins`` and ``maxs``: every
+    empty value is zero bytes, so the files are created sparse and untouched
+    regions cost no disk; 4.27 bytes per row. Version 2 stores are refused with
+    ``FormatVersionError``. No other change.
 """
 
 from __future__ import annotations
@@ -88,7 +96,7 @@ from . import _files, errors
 from .config import config
 
 FORMAT_NAME: Final = "mmbuffer"
-FORMAT_VERSION: Final = 2
+FORMAT_VERSION: Final = 3
 MANIFEST: Final = "manifest.json"
 LOCK: Final = "LOCK"
 RESERVED_NAMES: Final = frozenset({"terminated", "truncated"})

@@ -148,6 +148,10 @@ class Buffer:
         lane below ``reservation()[lane] - lane_size`` may be being rewritten."""
         return self._store.reservation()
 
+    def tree_spans(self) -> list[tuple[int, int]]:
+        """The rows whose priority a writer may have set (``Store.tree_spans``)."""
+        return self._store.tree_spans()
+
     def column(self, name: str) -> ColumnArray:
         """The backend array of a stored column or of ``final/<name>`` (``"final/obs"``):
         what gather kernels read (``column(name).mapped()`` when the bytes are mapped)."""

@@ -17,7 +17,6 @@ from . import _format as fmt
 from ._checks import check_int, check_json, check_schema
 from ._guards import raise_typed
 from ._manifest import Manifest
-from .columns import RawArray
 from .index import Lane
 from .schema import PriorityConfig
 
@@ -84,14 +83,8 @@ def create_store(
         fmt.create_raw(tmp, "index/reserved", num_streams, (), np.dtype(np.int64), allocate=True)
         if priorities is not None:
             for name, (shape, kind) in tree.layout(capacity).items():
-                # written whole by reset (and the inner arrays by any write): allocated now
-                fmt.create_raw(tmp, f"priority/{name}", shape[0], tuple(shape[1:]), np.dtype(kind), allocate=True)
-            levels = {k: RawArray.open(tmp, f"priority/{k}", writable=True) for k in tree.layout(capacity)}
-            tree.reset(tree.PriorityTree(**{k: a.mapped() for k, a in levels.items()}))
-            for arr in levels.values():
-                arr.flush(0, len(arr))
-                arr.close()
-            del levels
+                # sparse: zero bytes are an empty tree (mmbuffer.tree), so nothing is written
+                fmt.create_raw(tmp, f"priority/{name}", shape[0], tuple(shape[1:]), np.dtype(kind))
         (tmp / "sampler").mkdir()
         _files.atomic_write_json(tmp / fmt.MANIFEST, manifest.to_json())
         try:

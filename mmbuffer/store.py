@@ -184,6 +184,12 @@ class Store:
         lane below ``reservation()[lane] - lane_size`` may be being rewritten."""
         return np.array(self.reserved, dtype=np.int64)
 
+    def tree_spans(self) -> list[tuple[int, int]]:
+        """The rows whose priority a writer may have set (per lane, those of the counters
+        below its reservation); ``tree.check`` and ``tree.rebuild`` read only these."""
+        lane_rows = self.lane_size
+        return [(k * lane_rows, k * lane_rows + min(lane_rows, int(r))) for k, r in enumerate(self.reserved)]
+
     # -- inspection --------------------------------------------------------------------
     def __len__(self) -> int:
         """Live rows: rows of live complete episodes plus the open episodes' rows."""

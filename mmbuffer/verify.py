@@ -87,7 +87,7 @@ def verify(store: Buffer, repair: bool = False) -> dict[str, Any]:
     drift = 0.0
     if snapshot.tree is not None:
         settled, generation = _tree_settled(store) if store.mode == "r" else (True, 0)
-        drift = float(tree.check(snapshot.tree))
+        drift = float(tree.check(snapshot.tree, spans=store.tree_spans()))
         if store.mode == "r" and settled:
             settled = _tree_settled(store) == (True, generation)
         if drift > 1e-9 and settled:

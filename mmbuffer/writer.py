@@ -126,7 +126,7 @@ class Writer:
             torn = torn or self._lanes[lane] != st
         if self._tree is not None and (torn or (self.path / "priority" / "DIRTY").exists()):
             self._zero_invisible_priorities()
-            tree.rebuild(self._tree)
+            tree.rebuild(self._tree, spans=self.store.tree_spans())
             self._tree_dirty = True
         if torn or self._tree_dirty:
             self.commit()
@@ -135,7 +135,10 @@ class Writer:
         """Give priority 0 to every row of a lane outside its live range."""
         assert self._tree is not None
         for lane, st in enumerate(self._lanes):
-            for a, b in self.layout.segments(lane, st.written, st.first_start + self.lane_size):
+            stop, reserved = st.first_start + self.lane_size, int(self._reserved[lane])
+            if reserved < self.lane_size:  # first pass: the rows past the reservation were never written
+                stop = min(stop, max(st.written, reserved))
+            for a, b in self.layout.segments(lane, st.written, stop):
                 tree.set_range(self._tree, a, b, 0.0)
 
     # -- writing -------------------------------------------------------------------------
@@ -313,7 +316,7 @@ class Writer:
         self.store.array("index/ends").flush(0, len(self._ends))  # commit flushes only new slots
         if self._tree is not None:
             self._mark_tree_dirty()
-            tree.rebuild(self._tree)
+            tree.rebuild(self._tree, spans=self.store.tree_spans())
         return self.commit()
 
     # -- closing -----------------------------------------------------------------------------
@@ -365,14 +368,17 @@ class Writer:
         reservation, before it advances: the rows ``[written, stop)`` of the lane's
         first pass through the ring, and the ``index/ends`` slots of the episodes
         that can end in them (at most one per row). Once a lane has wrapped, what
-        it rewrites is allocated already; the tree's inner arrays and
-        ``index/reserved`` are allocated at creation.
+        it rewrites is allocated already; ``index/reserved`` is allocated at creation.
+        The tree's node rows over those rows are allocated with them (the tree file
+        is created sparse).
         """
         w, t = st.written, st.ep_tail
         if w < self.lane_size:
             base, hi = lane * self.lane_size, min(stop, self.lane_size)
             for name in self._row_arrays(with_tree=True):
                 self.store.array(name).allocate(base + w, base + hi)
+            for a, b in tree.node_rows(self._tree, base + w, base + hi) if self._tree is not None else ():
+                self.store.array("priority/nodes").allocate(a, b)
         slots = 2 * self.lane_size
         if t < slots:
             self.store.array("index/ends").allocate(lane * slots + t, lane * slots + min(t + stop - w, slots))

@@ -82,8 +82,8 @@ from ..errors import InvalidArgumentError
 from ._copy import copy, copy_store
 from ._d4rl import D4RLReader, convert_d4rl
 from ._diffusion import DiffusionPolicyReader, convert_diffusion_policy
-from ._export_diffusion import export_diffusion_policy
 from ._export_d4rl import export_d4rl
+from ._export_diffusion import export_diffusion_policy
 from ._export_minari import export_minari
 from ._formats import READERS, WRITERS
 from ._lerobot import LeRobotReader, convert_lerobot

@@ -22,8 +22,8 @@ from typing import Any
 
 from ._d4rl import convert_d4rl
 from ._diffusion import convert_diffusion_policy
-from ._export_diffusion import export_diffusion_policy
 from ._export_d4rl import export_d4rl
+from ._export_diffusion import export_diffusion_policy
 from ._export_minari import export_minari
 from ._lerobot import convert_lerobot
 from ._minari import convert_minari

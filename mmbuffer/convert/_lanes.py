@@ -37,8 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from ..schema import PriorityConfig
 from ..errors import InvalidArgumentError
+from ..schema import PriorityConfig
 
 __all__ = ["Layout", "balanced", "check_layout", "deal", "lane_rows_fit", "runs"]
 

@@ -1,16 +1,17 @@
 """Blocked priority tree: sums, minima and maxima of row priorities.
 
-The tree is five numpy arrays, allocated by the caller (in a store they are
-``numpy.memmap`` views of files) and changed in place by the pure functions
-of this package. The functions never loop in Python over rows or batch items,
-only over the levels of the tree (at most 8 below 2**38 rows).
+The tree is two numpy arrays, allocated by the caller (in a store they are
+memory maps of sparse files) and changed in place by the functions of this
+package, which run compiled kernels (``mmbuffer.kernels.tree``, numba,
+``nogil``) over them: one descent for a whole batch, one pass for an update.
+Nothing is compiled or imported before the first call that needs it.
 
 Its modules, one job each: ``_layout`` (geometry, :class:`PriorityTree`,
-:func:`init`, :func:`reset`), ``_nodes`` (block and row values, the chunked
-sweeps), ``_update`` (:func:`update`, :func:`set_range`, :func:`rebuild`),
-``_query`` (:func:`total`, :func:`min_live`, :func:`max_live`,
-:func:`find_prefix`, :func:`sample`), ``_ranges`` (:func:`range_sums`,
-:func:`find_in_ranges`) and ``_check`` (:func:`check`).
+:func:`init`, :func:`reset`, :func:`node_rows`), ``_update`` (:func:`update`,
+:func:`set_range`, :func:`rebuild`), ``_query`` (:func:`total`,
+:func:`min_live`, :func:`max_live`, :func:`find_prefix`, :func:`sample`),
+``_ranges`` (:func:`range_sums`, :func:`find_in_ranges`), ``_nodes`` (leaves
+gathered by block) and ``_check`` (:func:`check`).
 
 Layout
 ------
@@ -29,66 +30,66 @@ For a tree over ``capacity >= 1`` rows:
   ``[o_d, o_d + r_d)`` with ``o_0 = 0`` and ``o_(d+1) = o_d + r_d``; ``R`` rows
   in all.
 
-========  =======  ===========  ==============================================
-name      dtype    shape        content
-========  =======  ===========  ==============================================
-leaves    float32  (capacity,)  priority of each row, already transformed
-                                (``(p + eps) ** alpha`` is the caller's
-                                business); ``0.0`` for a row that is not live.
-                                Leaves must be finite and ``>= 0``.
-sums      float64  (R, 16)      ``sums[g, c]``: sum of the leaves under slot
-                                ``c`` of row ``g``: a block sum on level
-                                ``D``, else ``prefix[child, 16]``.
-prefix    float64  (R, 17)      running sums of each row: ``prefix[g, 0] =
-                                0``, ``prefix[g, c + 1] = prefix[g, c] +
-                                sums[g, c]``, added in this order; so
-                                ``prefix[g, 16]`` is the row's total, and
-                                ``prefix[0, 16]`` the sum of all leaves.
-mins      float32  (R, 16)      minimum over the leaves ``> 0`` under the
-                                slot; ``+inf`` when it has none.
-maxs      float32  (R, 16)      maximum over the leaves under the slot; ``0``
-                                when it has none.
-========  =======  ===========  ==============================================
+======  =======  ============  ================================================
+name    dtype    shape         content
+======  =======  ============  ================================================
+leaves  float32  (capacity,)   priority of each row, already transformed
+                               (``(p + eps) ** alpha`` is the caller's
+                               business); ``0.0`` for a row that is not live.
+                               Leaves must be finite and ``>= 0``.
+nodes   float64  (R, 32)       row ``g``, 256 bytes (16 rows fill a 4 KiB
+                               page): float64 words 0-15 the slot sums (the
+                               leaves under the slot, added in order);
+                               as uint32, words 32-47 the min codes
+                               ``0x7F800000 - bits(min)`` over the leaves
+                               ``> 0`` (0: none); as float32, words 48-63 the
+                               maxs over the leaves (0: none).
+======  =======  ============  ================================================
 
-Slots with no block or row under them (past ``nblocks``, or past ``r_(d+1)``)
-hold the neutral values (sum 0, min ``+inf``, max 0). Arrays must be
-C-contiguous: a descent reads one ``prefix`` row per level. A block sum is the
-float64 sum of its 64 leaves, always computed by ``np.add.reduceat`` over whole
-blocks (one fixed order per block, however many blocks are recomputed at once);
-running sums always by ``torch.cumsum`` over whole rows (sequential per row).
+Views: :attr:`PriorityTree.sums`, :attr:`~PriorityTree.min_codes` and
+:attr:`~PriorityTree.maxs` (writable), :attr:`~PriorityTree.mins` (decoded).
+Every empty value is zero bytes: all-zero arrays (a fresh sparse file, whose
+holes read as zeros) are an empty tree, and writes store only values that
+differ, so the regions nothing was written to stay holes. A row's total is
+its 16 slot sums added in slot order (the root row's: :func:`total`); slots
+with no block or row under them (past ``nblocks``, or past ``r_(d+1)``) are
+zero.
 
-Size: ``4 * capacity + 392 * R`` bytes (:func:`nbytes`); ``R <= nblocks / 15 +
-D + 1``: 4.41 bytes per row from 1e6 rows on (the leaves' 4 bytes and 0.41 for
-the nodes), at most 4.8 from 2,000 rows on.
+Size: ``4 * capacity + 256 * R`` bytes (:func:`nbytes`); ``R <= nblocks / 15 +
+D + 1``: 4.27 bytes per row from 1e6 rows on (the leaves' 4 bytes and 0.27 for
+the nodes), at most 4.6 from 2,000 rows on.
 
 Exactness
 ---------
 Every write recomputes each touched block from its 64 leaves, then each
-touched row's running sums from its slots and its slot in the parent row from
-the row (mins and maxs stop at the first level where none changed: no
-ancestor's can); nothing is ever incremented by a delta, so the float64 sums
-accumulate no drift however many updates are made. From a consistent tree, any
-sequence of :func:`update` and :func:`set_range` leaves the arrays bit-identical
-to a fresh :func:`rebuild` of the same leaves.
+touched row's total, min and max from its slots into its slot in the parent
+row, up to the root; nothing is ever incremented by a delta, so the float64
+sums accumulate no drift however many updates are made. From a consistent
+tree, any sequence of :func:`update` and :func:`set_range` leaves the arrays
+bit-identical to a fresh :func:`rebuild` of the same leaves. A descent adds a
+row's slot sums in the same order, so its running sums are exactly the totals
+the parents hold.
 
 Cost and concurrency
 --------------------
-:func:`update` of ``k`` rows and :func:`sample` of ``k`` draws cost
-O(k log k + 64 k + 16 k D) in a fixed number of numpy calls per level: a
-descent searches the slots of the deepest level of at most 256 rows at once,
-then reads one 136-byte ``prefix`` row per level below it and one 256-byte
-block of leaves. :func:`range_sums` of ``k`` ranges and :func:`find_in_ranges` cost
-O(k (64 + 32 D)) the same way, reading exactly the leaves and slots of the
-ranges' ends (never a difference of running sums, so a range keeps its
-mass to float64 precision however heavy the rows around it).
-:func:`rebuild` and :func:`check` stream the leaves in
-chunks (bounded RAM). A store's ``warm()`` reads all five arrays into memory at
-sequential disk speed (``_format.populate``; a cold tree is otherwise read a
-random 4 KiB page at a time). One writer; readers in other processes may map the files read-only
-and see writes at once, so a read during a write can see a block whose
-leaves disagree with its sum: :func:`find_prefix` still never returns a zero
-leaf while its block has a nonzero one, but such probabilities are
-approximate.
+:func:`update` of ``k`` rows and :func:`sample` of ``k`` draws cost O(k (64 +
+16 D)): a descent reads one 128-byte run of slot sums per level and one
+256-byte block of leaves, an update one node row per level and the block; the
+batch goes level by level, first loading every draw's row (so the cache
+misses of a tree larger than the caches overlap) and then scanning it.
+:func:`range_sums` of ``k`` ranges and :func:`find_in_ranges` cost
+O(k (64 + 32 D)) in numpy calls per level, reading exactly the leaves and
+slots of the ranges' ends (never a difference of running sums, so a range
+keeps its mass to float64 precision however heavy the rows around it).
+:func:`rebuild` and :func:`check` are one compiled pass; given ``spans`` (the
+leaf ranges that may hold a nonzero leaf) they touch only the rows above those,
+O(the spans) however large the capacity. A store's ``warm()`` reads both
+arrays into memory at sequential disk speed (``_rawio.populate``; a cold tree
+is otherwise read a random 4 KiB page at a time). One writer; readers in other
+processes may map the files read-only and see writes at once, so a read
+during a write can see a block whose leaves disagree with its sum:
+:func:`find_prefix` still never returns a zero leaf while its block has a
+nonzero one, but such probabilities are approximate.
 
 Examples
 --------
@@ -104,7 +105,7 @@ Examples
 from __future__ import annotations
 
 from ._check import check
-from ._layout import BLOCK, FANOUT, PriorityTree, init, layout, nbytes, reset
+from ._layout import BLOCK, FANOUT, PriorityTree, init, layout, nbytes, node_rows, reset
 from ._query import find_prefix, max_live, min_live, sample, total
 from ._ranges import find_in_ranges, range_sums
 from ._update import rebuild, set_range, update
@@ -112,5 +113,5 @@ from ._update import rebuild, set_range, update
 __all__ = [
     "BLOCK", "FANOUT", "PriorityTree", "layout", "nbytes", "init", "reset", "update",
     "set_range", "total", "min_live", "max_live", "find_prefix", "sample", "range_sums",
-    "find_in_ranges", "rebuild", "check",
+    "find_in_ranges", "rebuild", "check", "node_rows",
 ]

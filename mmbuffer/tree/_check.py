@@ -2,22 +2,41 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
-from ._layout import FANOUT, Float64Array, PriorityTree
-from ._nodes import block_chunks, block_stats, padding, row_values, span_rows, upward
+from ..errors import InvalidArgumentError
+from ._layout import Int64Array, PriorityTree
 
 
-def check(tree: PriorityTree) -> float:
+def spans_array(tree: PriorityTree, spans: Sequence[tuple[int, int]] | None) -> Int64Array:
+    """``spans`` as int64 [k, 2], checked (``None``: every leaf)."""
+    if spans is None:
+        return np.array([[0, tree.capacity]], np.int64)
+    out = np.array(list(spans), np.int64).reshape(-1, 2)
+    bad = (out[:, 0] < 0) | (out[:, 0] > out[:, 1]) | (out[:, 1] > tree.capacity)
+    if bad.any():
+        a, b = out[int(np.argmax(bad))].tolist()
+        raise InvalidArgumentError(
+            f"spans: expected 0 <= start <= stop <= {tree.capacity}, got ({a}, {b})"
+        )
+    return out
+
+
+def check(tree: PriorityTree, *, spans: Sequence[tuple[int, int]] | None = None) -> float:
     """Largest disagreement between the stored nodes and the leaves.
 
     Recomputes every block from its leaves and every row from its stored
-    slots, in chunks (bounded RAM, like :func:`rebuild`). Returns the largest
-    relative difference ``|stored - recomputed| / max(|stored|,
-    |recomputed|)`` of the sums and running sums; ``inf`` when any min or max
-    differs (they are exact), a padding slot is not neutral, or a leaf is NaN,
-    infinite or negative. ``0.0`` means the tree is exactly what
-    :func:`rebuild` makes.
+    slots in one compiled pass (no temporaries). ``spans``, a sequence of leaf
+    ranges ``(start, stop)``, limits that to the blocks and rows above them,
+    O(the spans' rows): the caller promises that every leaf outside them is 0
+    (rows a store never wrote), and every slot with no span under it must then
+    be empty; ``None`` (the default) checks every leaf. Returns the largest relative
+    difference ``|stored - recomputed| / max(|stored|, |recomputed|)`` of the
+    slot sums; ``inf`` when any min or max differs (they are exact), a padding
+    slot is not neutral (zero), or a leaf is NaN, infinite or negative. ``0.0``
+    means the tree is exactly what :func:`rebuild` makes.
 
     Examples
     --------
@@ -26,43 +45,15 @@ def check(tree: PriorityTree) -> float:
     >>> T.update(tr, [1, 50], [1.0, 2.0])
     >>> T.check(tr)
     0.0
-    >>> tr.prefix[0, 16] = 3.5  # corrupt the root's total
+    >>> tr.sums[0, 0] = 3.5  # corrupt the first block's sum (3.0)
     >>> T.check(tr)
     0.14285714285714285
+    >>> tr = T.init(1000)
+    >>> T.update(tr, [1, 900], [1.0, 2.0])
+    >>> T.check(tr, spans=[(0, 10), (850, 950)]), T.check(tr, spans=[(0, 10)])  # row 900 outside
+    (0.0, inf)
     """
-    for lo, hi in padding(tree):
-        s, mn, mx = (a.reshape(-1)[lo:hi] for a in (tree.views.sum, tree.views.min, tree.views.max))
-        if s.any() or mx.any() or not (mn == np.inf).all():
-            return float("inf")
-    worst = 0.0
-    s, mn, mx = tree.views.slot[-1]
-    for c, e in block_chunks(0, tree.views.nblocks):
-        rows = span_rows(tree, c, e)
-        if not ((rows >= 0).all() and np.isfinite(rows).all()):
-            return float("inf")
-        sums, mins, maxs = block_stats(rows)
-        if not (np.array_equal(mn[c:e], mins) and np.array_equal(mx[c:e], maxs)):
-            return float("inf")
-        worst = max(worst, _rel(s[c:e], sums))
-    for d, c, e in upward(tree, 0, tree.views.nblocks):
-        pre, mins, maxs = row_values(tree, d, c, e)
-        o = tree.views.levels[d][0]
-        worst = max(worst, _rel(tree.views.pre[o + c : o + e], pre))
-        if d > 0:
-            s, mn, mx = tree.views.slot[d - 1]
-            if not (np.array_equal(mn[c:e], mins) and np.array_equal(mx[c:e], maxs)):
-                return float("inf")
-            worst = max(worst, _rel(s[c:e], pre[:, FANOUT]))
-    return worst
+    from ..kernels import tree as kernels
 
-
-def _rel(stored: Float64Array, fresh: Float64Array) -> float:
-    """Largest ``|a - b| / max(|a|, |b|)`` (0 where both are 0, inf for NaN)."""
-    diff = np.abs(stored - fresh)
-    if not diff.any():
-        return 0.0
-    scale = np.maximum(np.abs(stored), np.abs(fresh))
-    with np.errstate(invalid="ignore", divide="ignore"):
-        rel = np.where(diff == 0, 0.0, diff / scale)  # NaN stays NaN
-    worst = float(rel.max())
-    return worst if worst == worst else float("inf")
+    v = tree.views
+    return kernels.sweep(v.leaf, v.nodes, v.offs, spans_array(tree, spans), write=False)

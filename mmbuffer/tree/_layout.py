@@ -21,7 +21,7 @@ FANOUT: Final = 16
 
 SHIFT: Final = 6  # log2(BLOCK)
 FSHIFT: Final = 4  # log2(FANOUT)
-FLAT_ROWS: Final = 256  # a descent starts with one search over a level this small
+NODE_WORDS: Final = 32  # float64 words per node row: 16 sums, 16 uint32 min codes, 16 float32 maxs
 
 Float32Array = npt.NDArray[np.float32]
 Float64Array = npt.NDArray[np.float64]
@@ -40,12 +40,11 @@ def geometry(capacity: int) -> tuple[int, tuple[int, ...]]:
 
 
 def layout(capacity: int) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Shapes and dtypes of the five arrays of a tree over ``capacity`` rows.
+    """Shapes and dtypes of the two arrays of a tree over ``capacity`` rows.
 
-    Returns ``name -> (shape, dtype)`` for ``leaves``, ``sums``, ``prefix``,
-    ``mins`` and ``maxs``, the keyword arguments of :class:`PriorityTree`.
-    ``capacity`` may be any size (row ids are int64);
-    :class:`InvalidArgumentError` unless it is a positive integer.
+    Returns ``name -> (shape, dtype)`` for ``leaves`` and ``nodes``, the keyword
+    arguments of :class:`PriorityTree`. ``capacity`` may be any size (row ids are
+    int64); :class:`InvalidArgumentError` unless it is a positive integer.
 
     Examples
     --------
@@ -53,33 +52,23 @@ def layout(capacity: int) -> dict[str, tuple[tuple[int, ...], str]]:
     >>> for name, (shape, dtype) in T.layout(5000).items():
     ...     print(name, shape, dtype)
     leaves (5000,) float32
-    sums (6, 16) float64
-    prefix (6, 17) float64
-    mins (6, 16) float32
-    maxs (6, 16) float32
+    nodes (6, 32) float64
     """
     _, rows = geometry(capacity)
-    r = sum(rows)
-    return {
-        "leaves": ((int(capacity),), "float32"),
-        "sums": ((r, FANOUT), "float64"),
-        "prefix": ((r, FANOUT + 1), "float64"),
-        "mins": ((r, FANOUT), "float32"),
-        "maxs": ((r, FANOUT), "float32"),
-    }
+    return {"leaves": ((int(capacity),), "float32"), "nodes": ((sum(rows), NODE_WORDS), "float64")}
 
 
 def nbytes(capacity: int) -> int:
-    """Total bytes of the five arrays: ``4 * capacity + 392 * R``.
+    """Total bytes of the two arrays: ``4 * capacity + 256 * R``.
 
     Examples
     --------
     >>> from mmbuffer import tree as T
     >>> round(T.nbytes(600_000_000) / 600_000_000, 4)
-    4.4083
+    4.2667
     """
     _, rows = geometry(capacity)
-    return 4 * int(capacity) + (24 * FANOUT + 8) * sum(rows)
+    return 4 * int(capacity) + 8 * NODE_WORDS * sum(rows)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -88,22 +77,18 @@ class Views:
     functions of :mod:`mmbuffer.tree` compute on (built by :class:`PriorityTree`)."""
 
     leaf: Float32Array
-    full: Float32Array  # the whole blocks of leaves, [nfull, 64]
-    sum: Float64Array
-    pre: Float64Array
-    min: Float32Array
-    max: Float32Array
+    nodes: Float64Array  # [R, 32]
+    sum: Float64Array  # [R, 16] view: the slot sums
+    min_code: npt.NDArray[np.uint32]  # [R, 16] view
+    max: Float32Array  # [R, 16] view
+    offs: Int64Array  # [depth + 1]: level d is the rows [offs[d], offs[d + 1])
     levels: tuple[tuple[int, int], ...]  # (o_d, r_d)
-    slot: tuple[tuple[Any, Any, Any], ...]  # flat sums, mins, maxs of the slots of each
-    # level: slot i of level d is child i of the level
-    top: int  # the deepest level of at most FLAT_ROWS rows, where a descent starts
     nblocks: int
-    nfull: int  # whole blocks (nblocks - 1 when the last one is partial)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
 class PriorityTree:
-    """The five arrays of a priority tree (see :mod:`mmbuffer.tree`).
+    """The two arrays of a priority tree (see :mod:`mmbuffer.tree`).
 
     Frozen, but the arrays are mutated in place by :func:`update`,
     :func:`set_range`, :func:`reset` and :func:`rebuild`. They are C-contiguous
@@ -111,41 +96,34 @@ class PriorityTree:
     :class:`InvalidArgumentError`), possibly ``numpy.memmap`` objects: the
     fields keep them (for ``flush``), the functions compute on plain ndarray
     views of them (``views``, a :class:`Views`). ``PriorityTree(**arrays)``
-    takes a mapping keyed like :func:`layout`.
+    takes a mapping keyed like :func:`layout`; all-zero arrays are an empty tree.
 
     Examples
     --------
     >>> import numpy as np
     >>> from mmbuffer import tree as T
     >>> tr = T.PriorityTree(**{k: np.zeros(s, d) for k, (s, d) in T.layout(10).items()})
-    >>> T.reset(tr)  # fresh zero-filled arrays need min = +inf
-    >>> tr.capacity, tr.depth, len(tr.arrays)
-    (10, 1, 5)
+    >>> tr.capacity, tr.depth, len(tr.arrays), T.min_live(tr)
+    (10, 1, 2, inf)
+    >>> T.update(tr, [4], [2.5])
+    >>> tr.sums[0, :2].tolist(), tr.mins[0, :2].tolist(), tr.maxs[0, :2].tolist()
+    ([2.5, 0.0], [2.5, inf], [2.5, 0.0])
     """
 
     leaves: Float32Array
-    sums: Float64Array
-    prefix: Float64Array
-    mins: Float32Array
-    maxs: Float32Array
+    nodes: Float64Array
     views: Views = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         leaf = _plain("leaves", self.leaves, np.float32, None)
         shapes = layout(leaf.shape[0])
         nblocks, rows = geometry(leaf.shape[0])
-        nfull = leaf.shape[0] >> SHIFT
-        s, pre, mn, mx = (_plain(name, getattr(self, name), dtype, shapes[name][0])
-                          for name, dtype in (("sums", np.float64), ("prefix", np.float64),
-                                              ("mins", np.float32), ("maxs", np.float32)))
-        offsets = np.cumsum((0,) + rows[:-1]).tolist()
-        levels = tuple(zip(offsets, rows))
-        flat = [a.reshape(-1) for a in (s, mn, mx)]
-        slot = tuple(tuple(a[o * FANOUT : (o + r) * FANOUT] for a in flat) for o, r in levels)
-        top = max(d for d, r in enumerate(rows) if r <= FLAT_ROWS)
-        full = leaf[: nfull * BLOCK].reshape(nfull, BLOCK)
-        object.__setattr__(self, "views", Views(leaf, full, s, pre, mn, mx, levels, slot, top,
-                                                nblocks, nfull))
+        nodes = _plain("nodes", self.nodes, np.float64, shapes["nodes"][0])
+        offsets = np.cumsum((0,) + rows).tolist()
+        levels = tuple(zip(offsets[:-1], rows))
+        views = Views(leaf, nodes, nodes[:, :FANOUT], nodes.view(np.uint32)[:, 2 * FANOUT : 3 * FANOUT],
+                      nodes.view(np.float32)[:, 3 * FANOUT :], np.array(offsets, np.int64), levels, nblocks)
+        object.__setattr__(self, "views", views)
 
     @property
     def capacity(self) -> int:
@@ -159,8 +137,49 @@ class PriorityTree:
 
     @property
     def arrays(self) -> tuple[Any, ...]:
-        """The five arrays as given, in :func:`layout` order (to flush or map them)."""
-        return (self.leaves, self.sums, self.prefix, self.mins, self.maxs)
+        """The two arrays as given, in :func:`layout` order (to flush or map them)."""
+        return (self.leaves, self.nodes)
+
+    @property
+    def sums(self) -> Float64Array:
+        """Slot sums, [R, 16] (a writable view)."""
+        return self.views.sum
+
+    @property
+    def maxs(self) -> Float32Array:
+        """Slot maxima, [R, 16] (a writable view; 0 for a slot without a live leaf)."""
+        return self.views.max
+
+    @property
+    def min_codes(self) -> npt.NDArray[np.uint32]:
+        """Slot minima as stored, [R, 16] (a writable view): ``0x7F800000 - bits(min)``."""
+        return self.views.min_code
+
+    @property
+    def mins(self) -> Float32Array:
+        """Slot minima over the leaves ``> 0``, [R, 16] (a copy; ``inf``: none)."""
+        bits = np.uint32(0x7F800000) - self.views.min_code
+        return bits.view(np.float32)
+
+
+def node_rows(tree: PriorityTree, start: int, stop: int) -> list[tuple[int, int]]:
+    """The rows ``[lo, hi)`` of ``nodes``, one range per level, that a write of the
+    leaves ``[start, stop)`` (``start < stop``) may store into: what a store
+    allocates on disk before such a write (a store into a hole of a full disk
+    is a SIGBUS). Depth + 1 ranges, ``O(depth)``.
+
+    Examples
+    --------
+    >>> from mmbuffer import tree as T
+    >>> T.node_rows(T.init(100_000), 5000, 70_000)  # levels of 1, 6 and 98 rows
+    [(0, 1), (1, 6), (12, 77)]
+    """
+    rows = []
+    lo, hi = int(start) >> SHIFT, ((int(stop) - 1) >> SHIFT) + 1  # blocks: slots of the last level
+    for o, _ in reversed(tree.views.levels):
+        lo, hi = lo >> FSHIFT, ((hi - 1) >> FSHIFT) + 1
+        rows.append((o + lo, o + hi))
+    return rows[::-1]
 
 
 def _plain(name: str, arr: Any, dtype: type, shape: tuple[int, ...] | None) -> Any:
@@ -187,17 +206,14 @@ def init(capacity: int) -> PriorityTree:
     >>> T.total(tr), T.min_live(tr), T.max_live(tr)
     (0.0, inf, 0.0)
     """
-    arrays = {k: np.zeros(shape, dtype) for k, (shape, dtype) in layout(capacity).items()}
-    arrays["mins"].fill(np.inf)
-    return PriorityTree(**arrays)
+    return PriorityTree(**{k: np.zeros(shape, dtype) for k, (shape, dtype) in layout(capacity).items()})
 
 
 def reset(tree: PriorityTree) -> None:
-    """Set every leaf to 0 and every node to its neutral value, in place.
+    """Set every leaf to 0 and every node to its neutral value (all zero bytes), in place.
 
-    Call it on freshly allocated (zero-filled) arrays: the neutral min is
-    ``+inf``, not 0. Example: :class:`PriorityTree`.
+    Not needed on freshly allocated zero-filled arrays (or a sparse file): they
+    already are an empty tree. Example: :class:`PriorityTree`.
     """
-    v = tree.views
-    for arr, neutral in ((v.leaf, 0), (v.sum, 0), (v.pre, 0), (v.min, np.inf), (v.max, 0)):
-        arr.fill(neutral)
+    tree.views.leaf.fill(0)
+    tree.views.nodes.fill(0)

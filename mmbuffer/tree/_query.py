@@ -8,16 +8,7 @@ import numpy.typing as npt
 import torch
 
 from ..errors import EmptyBufferError, InvalidArgumentError
-from ._layout import (
-    BLOCK,
-    FANOUT,
-    FSHIFT,
-    Float32Array,
-    Float64Array,
-    Int64Array,
-    PriorityTree,
-)
-from ._nodes import block_rows
+from ._layout import Float32Array, Float64Array, Int64Array, PriorityTree
 
 
 def total(tree: PriorityTree) -> float:
@@ -31,12 +22,13 @@ def total(tree: PriorityTree) -> float:
     >>> T.total(tr), T.min_live(tr), T.max_live(tr)
     (0.75, 0.25, 0.5)
     """
-    return float(tree.views.pre[0, FANOUT])
+    return float(np.cumsum(tree.views.sum[0])[-1])  # the root row's running sum, in slot order
 
 
 def min_live(tree: PriorityTree) -> float:
     """Smallest leaf ``> 0``; ``inf`` when no leaf is live (example: :func:`total`)."""
-    return float(tree.views.min[0].min())
+    code = int(tree.views.min_code[0].max())
+    return float(np.uint32(0x7F800000 - code).view(np.float32)) if code else float("inf")
 
 
 def max_live(tree: PriorityTree) -> float:
@@ -44,91 +36,17 @@ def max_live(tree: PriorityTree) -> float:
     return float(tree.views.max[0].max())
 
 
-def _descend(tree: PriorityTree, t: Float64Array, guarded: bool) -> Int64Array:
-    """Block holding each target (``>= 0``); ``t`` becomes the rest within it.
+def _find(tree: PriorityTree, targets: Float64Array) -> tuple[Int64Array, Float32Array]:
+    """Leaf index and leaf value for each of the 1-D float64 ``targets`` (compiled descent)."""
+    from ..kernels import tree as kernels
 
-    First one search over the running sums of all slots of the deepest level
-    of at most ``FLAT_ROWS`` rows (the levels above are skipped); then one
-    ``prefix`` row per level: the slot ``j`` with ``prefix[j] <= t <
-    prefix[j + 1]`` (the last one when ``t`` reaches the row's total), and
-    ``t -= prefix[j]``. Rounding, or a target past the total, can lead into
-    a slot of sum 0; the guarded descent takes the nearest nonzero slot
-    before, else after, instead.
-    """
-    k, top = t.shape[0], tree.views.top
-    sums = tree.views.slot[top][0]
-    alive = np.flatnonzero(sums > 0) if guarded else None
-    if alive is not None:
-        sums = sums[alive]
-    cum = np.zeros(sums.shape[0] + 1, np.float64)
-    np.cumsum(sums, out=cum[1:])
-    at = np.searchsorted(cum, t, "right") - 1  # cum[at] <= t < cum[at + 1]
-    np.minimum(at, sums.shape[0] - 1, out=at)
-    t -= cum.take(at)
-    node = at if alive is None else alive.take(at)
-    buf, above = np.empty((k, FANOUT + 1), np.float64), np.empty((k, FANOUT + 1), bool)
-    j, at, rest = np.empty(k, np.int64), np.empty(k, np.int64), np.empty(k, np.float64)
-    flat, base = buf.reshape(-1), np.arange(0, k * (FANOUT + 1), FANOUT + 1, dtype=np.int64)
-    t_col = t[:, None]
-    for o, r in tree.views.levels[top + 1 :]:  # preallocated outputs: a level costs 10 numpy calls
-        tree.views.pre[o : o + r].take(node, axis=0, out=buf, mode="clip")
-        np.greater(buf, t_col, out=above)  # column 0 (0.0) is never above t >= 0
-        above.argmax(axis=1, out=j)  # first running sum above t; 0 when none is
-        j -= 1
-        j &= FANOUT - 1  # none above: the last slot
-        if guarded:
-            np.copyto(j, _nearest(tree.views.sum[o : o + r].take(node, axis=0) > 0, j))
-        np.add(base, j, out=at)
-        flat.take(at, out=rest, mode="clip")
-        t -= rest
-        if guarded:
-            np.maximum(t, 0.0, out=t)  # moved right past t: start at the slot's beginning
-        node <<= FSHIFT
-        node += j
-    return node
-
-
-def _nearest(live: npt.NDArray[np.bool_], j: Int64Array) -> Int64Array:
-    """Per row of ``live`` [k, n]: the last True at or before ``j``, else the first after."""
-    pos = np.arange(live.shape[1], dtype=np.int64)
-    prev = np.where(live & (pos <= j[:, None]), pos, -1).max(axis=1)
-    nxt = np.where(live & (pos >= j[:, None]), pos, live.shape[1] - 1).min(axis=1)
-    return np.where(prev >= 0, prev, nxt)  # type: ignore[no-any-return]
-
-
-def _find(
-    tree: PriorityTree, targets: Float64Array, guarded: bool = False
-) -> tuple[Int64Array, Float32Array]:
-    """Leaf index and leaf value for each of the 1-D float64 ``targets``."""
-    t = np.maximum(targets, 0.0)  # a copy; -0.0 and negatives become +0.0
-    blocks = _descend(tree, t, guarded)
-    astray = blocks >= tree.views.nblocks  # a padding slot (rounding, t >= total): redone below
-    np.minimum(blocks, tree.views.nblocks - 1, out=blocks)
-    rows = block_rows(tree, blocks)
-    cum = torch.cumsum(torch.from_numpy(rows), 1, dtype=torch.float64).numpy()
-    below = cum <= t[:, None]
-    j = below.argmin(axis=1)  # first prefix sum above t: cum[j-1] <= t < cum[j]
-    j[below[:, -1]] = BLOCK
-    # The in-block cumsum adds in another order than the block sum the descent
-    # used, so t can reach past the block's last prefix sum (j == 64, and a
-    # target >= total lands there too). j can also point at a zero leaf (a
-    # partial last block, a torn concurrent read). Move such picks to the last
-    # nonzero leaf before j, else the first one after it: sampling must never
-    # return a row of zero priority.
-    flat = rows.reshape(-1)
-    base = np.arange(t.shape[0], dtype=np.int64) * BLOCK
-    value = flat.take(base + np.minimum(j, BLOCK - 1))
-    bad = (j == BLOCK) | (value <= 0) | astray
-    if not bad.any():
-        return blocks * BLOCK + j, value
-    j[bad] = fixed = _nearest(rows[bad] > 0, j[bad])
-    value[bad] = flat.take(base[bad] + fixed)
-    idx = blocks * BLOCK + j
-    empty = (value <= 0) | astray  # a block of zeros: the descent went astray too
-    if empty.any() and not guarded:  # rare: redo those targets with the guarded descent
-        idx[empty], value[empty] = _find(tree, targets[empty], guarded=True)
-    # an all-zero block (only under a torn read) must still give a valid row id
-    return np.minimum(idx, tree.capacity - 1), value
+    v = tree.views
+    t = np.ascontiguousarray(targets)
+    idx, value, empty = kernels.find(v.leaf, v.nodes, v.offs, t)
+    if empty:  # only a read torn by a concurrent write meets an empty row: descend once more
+        again = np.flatnonzero(value <= 0)
+        idx[again], value[again], _ = kernels.find(v.leaf, v.nodes, v.offs, t[again])
+    return idx, value
 
 
 def find_prefix(tree: PriorityTree, targets: npt.ArrayLike) -> Int64Array:

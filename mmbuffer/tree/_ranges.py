@@ -66,7 +66,8 @@ def _level_rows(tree: PriorityTree, d: int, rows: Int64Array) -> Float64Array:
 
 
 def _run_sums(flat: npt.NDArray[Any], start: Int64Array, length: Int64Array) -> Float64Array:
-    """Float64 sums of ``flat[start : start + length]`` (``length >= 0``), added in order:
+    """Float64 sums of ``flat[start : start + length]`` (``length >= 0``; a 2-D ``flat``
+    of rows of 16 slots counts them in C order), added in order:
     one gather of exactly the values needed and one ``reduceat``."""
     out = np.zeros(start.shape[0], np.float64)
     use = np.flatnonzero(length > 0)
@@ -77,7 +78,8 @@ def _run_sums(flat: npt.NDArray[Any], start: Int64Array, length: Int64Array) -> 
     begins = ends - n
     idx = np.arange(int(ends[-1]), dtype=np.int64)
     idx += np.repeat(start[use] - begins, n)
-    out[use] = np.add.reduceat(flat.take(idx), begins, dtype=np.float64)
+    vals = flat.take(idx) if flat.ndim == 1 else flat[idx >> FSHIFT, idx & (FANOUT - 1)]
+    out[use] = np.add.reduceat(vals, begins, dtype=np.float64)
     return out
 
 
@@ -103,7 +105,8 @@ def _runs(tree: PriorityTree, a: Int64Array, b: Int64Array) -> Iterator[_Run]:
         meet = gx == gy
         more = active & ~meet
         top = ((y - 1) & (FANOUT - 1)) + 1
-        flat = tree.views.slot[d][0]
+        o, r = tree.views.levels[d]
+        flat = tree.views.sum[o : o + r]  # [r, 16]: slot i of the level is [i >> 4, i & 15]
         lo = np.where(active, x & (FANOUT - 1), 0)
         yield depth - d, gx, lo, np.where(active, np.where(meet, top, FANOUT), 0), flat, FSHIFT
         yield depth + 1 + d, gy, zero, np.where(more, top, 0), flat, FSHIFT

@@ -3,77 +3,14 @@ each recomputing the touched blocks and rows (never incrementing by a delta)."""
 
 from __future__ import annotations
 
-from typing import Final
+from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from ..errors import InvalidArgumentError
-from ._layout import FANOUT, FSHIFT, SHIFT, Float32Array, Int64Array, PriorityTree
-from ._nodes import (
-    block_rows,
-    block_stats,
-    blocks_span,
-    levels_span,
-    padding,
-    reduce_rows,
-)
-
-LEVELS_AT_ONCE: Final = 1 << 14  # update: row ids of all levels at once up to this many
-
-
-def _run_ends(ids: Int64Array, last: bool) -> npt.NDArray[np.bool_]:
-    """Mask of the last (or first) element of each run of equal sorted ``ids``."""
-    mask = np.ones(ids.shape[0], dtype=bool)
-    np.not_equal(ids[1:], ids[:-1], out=mask[:-1] if last else mask[1:])
-    return mask
-
-
-def _propagate(tree: PriorityTree, kids: Int64Array, low: Int64Array, high: Int64Array) -> None:
-    """Recompute the rows above the sorted, unique level-``D`` slots ``kids``.
-
-    ``low`` and ``high`` are the slots among ``kids`` whose min and max changed:
-    only their rows' mins and maxs are recomputed, and those stop at the first
-    level where none changed (no ancestor's can). Levels of at most
-    ``FLAT_ROWS`` rows are recomputed whole.
-    """
-    v = tree.views
-    levels, top = v.levels, v.top
-    dedupe = kids.shape[0] * len(levels) > LEVELS_AT_ONCE  # else duplicates write equal values
-    for d in range(len(levels) - 1, -1, -1):
-        o, r = levels[d]
-        if d <= top:  # a small level: all its rows
-            kids = np.arange(r, dtype=np.int64)
-            low, high = (kids if x.shape[0] else x for x in (low, high))
-        else:
-            kids = kids >> FSHIFT
-            if dedupe:
-                kids = kids[_run_ends(kids, last=False)]
-            low, high = low >> FSHIFT, high >> FSHIFT
-        rows = kids + o
-        cum = torch.cumsum(torch.from_numpy(v.sum.take(rows, axis=0)), 1).numpy()
-        v.pre[rows, 1:] = cum  # column 0 is always 0
-        if d == 0:
-            return
-        s, mn, mx = v.slot[d - 1]
-        s[kids] = cum[:, FANOUT - 1]
-        if low.shape[0]:
-            low = _changed(mn, low, reduce_rows(np.minimum, v.min.take(low + o, axis=0)))
-        if high.shape[0]:
-            high = _changed(mx, high, reduce_rows(np.maximum, v.max.take(high + o, axis=0)))
-
-
-def _changed(slots: Float32Array, ids: Int64Array, new: Float32Array) -> Int64Array:
-    """Write ``new`` into ``slots[ids]`` where it differs; return those ids.
-
-    Writing only changes matters for a memory-mapped tree: a store of an
-    equal value still dirties the page, which the kernel must write back.
-    """
-    diff = slots.take(ids) != new
-    ids = ids[diff]
-    slots[ids] = new[diff]
-    return ids
+from ._check import spans_array
+from ._layout import SHIFT, PriorityTree
 
 
 def update(tree: PriorityTree, indices: npt.ArrayLike, values: npt.ArrayLike) -> None:
@@ -120,26 +57,19 @@ def update(tree: PriorityTree, indices: npt.ArrayLike, values: npt.ArrayLike) ->
             raise InvalidArgumentError(
                 f"values: expected a shape broadcastable to {idx.shape}, got {val.shape}"
             ) from None
-    idx, val = idx.ravel(), val.ravel()
+    idx = np.ascontiguousarray(idx.reshape(-1))
+    val = np.ascontiguousarray(val.reshape(-1))
     if idx.shape[0] == 0:
         return
-    if idx.shape[0] > 1:  # sort (memmap-friendly) and keep the last write of each id
-        order = idx.argsort(kind="stable")
-        idx = idx.take(order)
-        keep = _run_ends(idx, last=True)
-        idx, val = idx[keep], val.take(order[keep])
-    if idx[0] < 0 or idx[-1] >= tree.capacity:
-        bad = idx[0] if idx[0] < 0 else idx[-1]
+    lo, hi = int(idx.min()), int(idx.max())
+    if lo < 0 or hi >= tree.capacity:
         raise InvalidArgumentError(
-            f"indices: expected row ids in [0, {tree.capacity}), got {int(bad)}"
+            f"indices: expected row ids in [0, {tree.capacity}), got {lo if lo < 0 else hi}"
         )
-    tree.views.leaf[idx] = val
-    blocks = idx >> SHIFT
-    blocks = blocks[_run_ends(blocks, last=False)]
-    s, mn, mx = tree.views.slot[-1]
-    sums, mins, maxs = block_stats(block_rows(tree, blocks))
-    s[blocks] = sums
-    _propagate(tree, blocks, _changed(mn, blocks, mins), _changed(mx, blocks, maxs))
+    from ..kernels import tree as kernels
+
+    v = tree.views
+    kernels.update(v.leaf, v.nodes, v.offs, idx, val)
 
 
 def set_range(tree: PriorityTree, start: int, stop: int, value: npt.ArrayLike) -> None:
@@ -180,10 +110,14 @@ def set_range(tree: PriorityTree, start: int, stop: int, value: npt.ArrayLike) -
         )
     if start == stop:
         return
-    tree.views.leaf[start:stop] = val
-    b0, b1 = start >> SHIFT, ((stop - 1) >> SHIFT) + 1
-    blocks_span(tree, b0, b1)
-    levels_span(tree, b0, b1)
+    from ..kernels import tree as kernels
+
+    v = tree.views
+    if val.ndim:
+        v.leaf[start:stop] = val
+    else:  # writes only the leaves that differ: evicting never-written rows allocates nothing
+        kernels.fill(v.leaf, start, stop, val)
+    kernels.refresh_span(v.leaf, v.nodes, v.offs, start >> SHIFT, ((stop - 1) >> SHIFT) + 1)
 
 
 def _check_range(tree: PriorityTree, start: int, stop: int) -> tuple[int, int]:
@@ -193,11 +127,13 @@ def _check_range(tree: PriorityTree, start: int, stop: int) -> tuple[int, int]:
     return int(start), int(stop)
 
 
-def rebuild(tree: PriorityTree) -> None:
+def rebuild(tree: PriorityTree, *, spans: Sequence[tuple[int, int]] | None = None) -> None:
     """Recompute every node from the leaves, in place.
 
-    Streams the leaves in chunks of ``2**22`` rows (bounded RAM) and restores
-    the padding slots to their neutral values.
+    One compiled pass over the leaves and rows (no temporaries) that also
+    restores the padding slots to their neutral value (zero); it stores only
+    the values that differ, so the untouched (zero) regions of a sparse tree
+    file stay holes.
 
     Examples
     --------
@@ -208,9 +144,7 @@ def rebuild(tree: PriorityTree) -> None:
     >>> T.total(tr), T.check(tr)
     (300.0, 0.0)
     """
-    for lo, hi in padding(tree):
-        for arr, neutral in ((tree.views.sum, 0.0), (tree.views.min, np.inf),
-                             (tree.views.max, 0.0)):
-            arr.reshape(-1)[lo:hi] = neutral
-    blocks_span(tree, 0, tree.views.nblocks)
-    levels_span(tree, 0, tree.views.nblocks)
+    from ..kernels import tree as kernels
+
+    v = tree.views
+    kernels.sweep(v.leaf, v.nodes, v.offs, spans_array(tree, spans), write=True)
