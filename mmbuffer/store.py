@@ -42,7 +42,7 @@ from typing import Any, Self
 
 import numpy as np
 
-from . import _counters, _safe_io, errors, index, tree
+from . import _counters, _safe_io, errors, index, tree, zarr_view
 from . import _format as fmt
 from ._checks import as_numpy, check_stream, row_ids, validate_final, validate_steps
 from ._guards import acquire_lock, locked, locked_write, raise_typed
@@ -387,6 +387,7 @@ class Store:
         if self._tree is not None and self._tree_dirty:
             (self.path / "priority" / "DIRTY").unlink(missing_ok=True)
             self._tree_dirty = False
+        zarr_view.publish(self.path, self.layout, self._committed, self.generation)  # live rows for Zarr readers
         return self.generation
 
     @locked
