@@ -86,10 +86,7 @@ import sys
 from pathlib import Path
 from typing import Any, Final
 
-import google_crc32c
 import numpy as np
-import zarr
-from zarr.codecs import BloscCodec, ZstdCodec
 
 from . import _safe_io, errors
 from .config import config
@@ -164,6 +161,9 @@ def create_raw(
 ) -> None:
     """Create a raw single-shard Zarr array and its sparse shard file; ``allocate``
     reserves the disk blocks of every row at once (arrays written whole at creation)."""
+    import google_crc32c  # creating needs zarr; opening a store (mmbuffer info) does not
+    import zarr
+
     from .zarr_view import dimension_names  # what xarray needs; documented there
 
     row_bytes = int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize
@@ -497,6 +497,9 @@ def is_mapped(arr: object) -> bool:
 def create_compressed(
     root: Path, name: str, rows: int, row_shape: tuple[int, ...], dtype: np.dtype, compression: str
 ) -> None:
+    import zarr
+    from zarr.codecs import BloscCodec, ZstdCodec
+
     from .zarr_view import dimension_names  # what xarray needs; documented there
 
     row_bytes = int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import zarr
 
 from .. import _format as fmt
 from .. import _safe_io, errors
@@ -35,6 +34,8 @@ class ZarrArray(ColumnArray):
         meta = root / name / "zarr.json"
         fmt.check_array_meta(meta, fmt.read_json_in(root, f"{name}/zarr.json"), expect, raw=False)
         _safe_io.check_tree(root, name)
+        import zarr  # only compressed stores need zarr to be read (mmbuffer info stays light)
+
         try:
             array = zarr.open_array(str(root / name), mode="r+" if writable else "r")
         except Exception as exc:  # noqa: BLE001 - zarr's errors are untyped for us
