@@ -53,27 +53,31 @@ def main() -> None:
     import mmbuffer as mb
 
     with tempfile.TemporaryDirectory() as tmp:
-        store = str(Path(tmp) / "s")
-        with mb.create(store, {"obs": ((17,), "float32"), "reward": ((), "float32")}, capacity=100_000,
-                       num_streams=4, priorities=mb.PriorityConfig(alpha=0.6)) as buf:
-            for s in range(4):
-                buf.extend({"obs": np.zeros((20_000, 17)), "reward": np.zeros(20_000),
-                            "terminated": np.arange(20_000) % 500 == 499}, stream=s,
-                           final_obs={"obs": np.zeros((40, 17))})
+        stores = {}
+        for name, priorities in (("plain", None), ("prioritized", mb.PriorityConfig(alpha=0.6))):
+            stores[name] = str(Path(tmp) / name)
+            with mb.create(stores[name], {"obs": ((17,), "float32"), "reward": ((), "float32")}, capacity=100_000,
+                           num_streams=4, priorities=priorities) as buf:
+                for s in range(4):
+                    buf.extend({"obs": np.zeros((20_000, 17)), "reward": np.zeros(20_000),
+                                "terminated": np.arange(20_000) % 500 == 499}, stream=s,
+                               final_obs={"obs": np.zeros((40, 17))})
         py = sys.executable
         cases = {
             "python -c pass": [py, "-c", "pass"],
             'python -c "import torch" (baseline)': [py, "-c", "import torch"],
             "mmbuffer --help": [py, "-m", "mmbuffer", "--help"],
-            "mmbuffer info STORE": [py, "-m", "mmbuffer", "info", store],
-            "mmbuffer verify STORE": [py, "-m", "mmbuffer", "verify", store],
+            "mmbuffer info STORE": [py, "-m", "mmbuffer", "info", stores["plain"]],
+            "mmbuffer info STORE (priorities)": [py, "-m", "mmbuffer", "info", stores["prioritized"]],
+            "mmbuffer verify STORE": [py, "-m", "mmbuffer", "verify", stores["plain"]],
+            "mmbuffer verify STORE (priorities: the tree check)": [py, "-m", "mmbuffer", "verify", stores["prioritized"]],
         }
         results = {name: timed(cmd, args.reps) for name, cmd in cases.items()}
     header("bench_cli")
     base = results['python -c "import torch" (baseline)']
     table([{"command": name, "wall ms": w * 1e3, "cpu ms": c * 1e3, "wall / import torch": w / base[0],
             "cpu / import torch": c / base[1]} for name, (w, c) in results.items()])
-    print(f"\nstore: 80,000 rows of 4 streams with priorities; {args.reps} runs each, medians")
+    print(f"\nstores: 80,000 rows of 4 streams, with and without priorities; {args.reps} runs each, medians")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """mmbuffer: reinforcement-learning trajectories on disk, memory-mapped, sampled as if in RAM.
 
-The public API lives in this namespace (API.md); submodules ``errors``, ``data``
+The public API lives in this namespace (docs/api.md); submodules ``errors``, ``data``
 and ``losses`` are public too.
 
 >>> import tempfile, numpy as np, mmbuffer as mb

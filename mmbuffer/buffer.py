@@ -1,4 +1,4 @@
-"""``Buffer``: the user-facing store (API.md): write, inspect, sample, reprioritize.
+"""``Buffer``: the user-facing store (docs/api.md): write, inspect, sample, reprioritize.
 
 ``Buffer`` is a ``Store`` (files, cursors, commit protocol) plus the read side:
 it asks a sampler spec (``mmbuffer.samplers``) for indices, gathers them

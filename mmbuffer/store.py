@@ -25,7 +25,7 @@ observation yet (it arrives with the next ``extend``), so when the store derives
 ``next_*`` columns that row is not sampleable until the next extend; without
 next-derived columns every extended row is.
 
-Commit protocol (DESIGN.md): the rows written since the last commit are msync'ed,
+Commit protocol (docs/design.md): the rows written since the last commit are msync'ed,
 then the index and the tree, then ``manifest.json`` is replaced atomically.
 """
 
@@ -85,7 +85,7 @@ class View:
         return self.layout.lane_size
 
 
-Snapshot = View  # DESIGN.md's name
+Snapshot = View  # docs/design.md's name
 
 
 class Store:

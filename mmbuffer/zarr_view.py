@@ -35,7 +35,7 @@ rename) after ``manifest.json``, so they describe a finished commit, the last or
 (between the two renames, or if the write failed) the one before. A writer
 running meanwhile may have rewritten rows they describe: a reader drops every
 row below ``index/reserved[l] - lane_size``, read after its data (the rule
-mmbuffer's own readers follow, DESIGN.md "Readers and the writer").
+mmbuffer's own readers follow, docs/design.md "Readers and the writer").
 
 >>> import tempfile, numpy as np, zarr, mmbuffer as mb
 >>> path = tempfile.mkdtemp() + "/s"

@@ -1,7 +1,7 @@
 """Compressed columns: chunked Zarr arrays (zstd, lz4) read and written through zarr-python.
 
 For archives and object storage: a random gather decodes whole chunks, far slower
-than a mapped raw column (DESIGN.md); ``mmbuffer copy`` turns them raw for training.
+than a mapped raw column (docs/design.md); ``mmbuffer copy`` turns them raw for training.
 The metadata is checked like every array of a store (``_format.check_array_meta``),
 no link is followed inside the array (zarr opens files by path), and what zarr
 cannot open or decode is a ``CorruptStoreError``.
