@@ -155,6 +155,7 @@ SUITES = {
     "readers": "readers against a live writer, and writers killed at random",
     "compare": "this tree against another checkout (--baseline DIR)",
     "cli": "start-up time of mmbuffer --help, info and verify",
+    "commit": "commit latency with and without refreshing the Zarr attributes",
 }
 
 
