@@ -7,7 +7,7 @@ Baselines in the same run: ``python -c pass`` (the interpreter alone) and
 ``python -c "import torch"`` (what every command cost while the package imported
 torch at ``import mmbuffer``).
 
-    python benchmarks/bench_cli.py [--reps 15]
+    python benchmarks/bench_cli.py [--reps 15] [--baseline OTHER_CHECKOUT]
 """
 
 from __future__ import annotations
@@ -28,14 +28,15 @@ from _common import header, table  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def timed(cmd: list[str], reps: int) -> tuple[float, float]:
-    """Median wall and CPU seconds of ``reps`` runs of ``cmd`` (after one warm-up)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+def timed(cmd: list[str], reps: int, root: Path = ROOT) -> tuple[float, float]:
+    """Median wall and CPU seconds of ``reps`` runs of ``cmd`` with the checkout ``root``
+    first on the path (after one warm-up)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)}
     walls, cpus = [], []
     for i in range(reps + 1):
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env, cwd=root)  # -m looks in cwd first
         wall = time.perf_counter() - t0
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         if i:  # the first run warms the page cache
@@ -47,6 +48,7 @@ def timed(cmd: list[str], reps: int) -> tuple[float, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--reps", type=int, default=15, help="runs of each command; medians are shown")
+    p.add_argument("--baseline", type=Path, default=None, help="another mmbuffer checkout whose commands are timed too")
     args = p.parse_args()
     import numpy as np
 
@@ -73,6 +75,10 @@ def main() -> None:
             "mmbuffer verify STORE (priorities: the tree check)": [py, "-m", "mmbuffer", "verify", stores["prioritized"]],
         }
         results = {name: timed(cmd, args.reps) for name, cmd in cases.items()}
+        if args.baseline is not None:
+            for name, cmd in list(cases.items()):
+                if name.startswith("mmbuffer"):
+                    results[f"{name} [{args.baseline}]"] = timed(cmd, args.reps, args.baseline.resolve())
     header("bench_cli")
     base = results['python -c "import torch" (baseline)']
     table([{"command": name, "wall ms": w * 1e3, "cpu ms": c * 1e3, "wall / import torch": w / base[0],
