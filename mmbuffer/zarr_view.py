@@ -101,8 +101,8 @@ def publish(path: Path, layout: Layout, lanes: Sequence[Lane], generation: int) 
     """Replace the root ``zarr.json`` by one whose ``"mmbuffer"`` attributes describe
     commit ``generation`` (called by ``Store.commit`` after the manifest).
 
-    Other attributes and fields of the group are kept. An ``OSError`` (a full disk)
-    leaves the previous ``zarr.json`` in place: it describes an older commit, which
+    Other attributes and fields of the group are kept. A failed write (a full disk,
+    or something not a file at ``zarr.json.partial``) leaves the previous ``zarr.json`` in place: it describes an older commit, which
     a reader that follows the reservation rule reads safely, and the next commit
     writes it again; the commit itself has succeeded by then, so it is not undone.
     """
@@ -118,5 +118,5 @@ def publish(path: Path, layout: Layout, lanes: Sequence[Lane], generation: int) 
     meta["attributes"] = attrs
     try:
         fmt.atomic_write_json(path / "zarr.json", meta)
-    except OSError:
+    except (OSError, errors.CorruptStoreError):  # a full disk; something planted at zarr.json.partial
         pass

@@ -163,3 +163,18 @@ def test_stores_without_dimension_names_still_open_and_bad_ones_are_refused(tmp_
     meta_file.write_text(json.dumps(meta))
     with pytest.raises(mb.errors.CorruptStoreError, match=r"dimension_names: expected absent or a list of 2 names"):
         mb.open(tmp_path / "s", mode="r")
+
+
+def test_a_failed_attributes_write_leaves_the_last_ones_and_the_commit_stands(tmp_path):
+    buf = _fill(tmp_path / "s", close=False)
+    before = zarr.open_group(tmp_path / "s", mode="r").attrs["mmbuffer"]
+    (tmp_path / "s" / "zarr.json.partial").mkdir()  # the write cannot happen
+    buf.extend({"x": np.arange(5), "obs": np.zeros((5, 2)), "reward": np.zeros(5)}, stream=0)
+    generation = buf.commit()
+    assert mb.open(tmp_path / "s", mode="r").generation == generation == before["generation"] + 1
+    assert zarr.open_group(tmp_path / "s", mode="r").attrs["mmbuffer"] == before  # stale, and whole
+    (tmp_path / "s" / "zarr.json.partial").rmdir()
+    buf.extend({"x": np.arange(5), "obs": np.zeros((5, 2)), "reward": np.zeros(5)}, stream=0)
+    generation = buf.commit()
+    assert zarr.open_group(tmp_path / "s", mode="r").attrs["mmbuffer"]["generation"] == generation
+    buf.close()
