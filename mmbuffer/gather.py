@@ -27,7 +27,7 @@ from .store import Store
 
 @dataclass(slots=True)
 class Batch:
-    """One sampled batch (API.md).
+    """One sampled batch (docs/api.md).
 
     data:    column -> tensor ``[B, ...]`` (transitions) or ``[B, L, ...]`` (slices)
     indices: int64 global row ids, ``[B]`` or ``[B, L]``

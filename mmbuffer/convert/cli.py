@@ -57,18 +57,21 @@ def _format_help(table: dict[str, Format]) -> str:
 
 
 def _print(summary: dict[str, Any], as_json: bool) -> None:
+    """The summary, one ``key  value`` line each; checksums as one line (``--json``
+    lists them); ``compression`` as it is spelled on the command line."""
     if as_json:
         print(json.dumps(summary, indent=2, default=str))
         return
     skip = {"checksums", "final_obs_checksums", "columns", "warnings"}
     width = max(len(k) for k in summary)
     for key, value in summary.items():
+        if key == "compression":
+            value = value or "none"
         if key not in skip:
             print(f"{key:<{width}}  {value}")
-    if summary.get("checksums"):
-        print("checksums (crc32)")
-        for key, value in summary["checksums"].items():
-            print(f"  {key:<{width}}{value}")
+    sums = len(summary.get("checksums") or ()) + len(summary.get("final_obs_checksums") or ())
+    if sums:
+        print(f"{'checksums':<{width}}  crc32 of {sums} array(s) (--json lists them)")
     for note in summary.get("warnings", []):
         print(f"warning: {note}", file=sys.stderr)
 

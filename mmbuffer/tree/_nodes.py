@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from typing import Final
 
 import numpy as np
-import torch
 
 from ._layout import (
     BLOCK,
@@ -55,6 +54,8 @@ def running(sums: Float64Array) -> Float64Array:
     """Running sums [k, 17] of slot sums [k, 16]: the one definition of ``prefix`` rows."""
     out = np.zeros((sums.shape[0], FANOUT + 1), np.float64)
     src = sums if sums.flags.writeable else sums.copy()  # torch refuses read-only maps
+    import torch  # on use: `mmbuffer info`/`verify` never import torch
+
     out[:, 1:] = torch.cumsum(torch.from_numpy(src), 1).numpy()
     return out
 

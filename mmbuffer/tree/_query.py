@@ -3,9 +3,10 @@ cumulative sum (:func:`find_prefix`, :func:`sample`)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from ..errors import EmptyBufferError, InvalidArgumentError
 from ._layout import (
@@ -18,6 +19,9 @@ from ._layout import (
     PriorityTree,
 )
 from ._nodes import block_rows
+
+if TYPE_CHECKING:
+    import torch
 
 
 def total(tree: PriorityTree) -> float:
@@ -105,6 +109,8 @@ def _find(
     astray = blocks >= tree.views.nblocks  # a padding slot (rounding, t >= total): redone below
     np.minimum(blocks, tree.views.nblocks - 1, out=blocks)
     rows = block_rows(tree, blocks)
+    import torch  # on use: `mmbuffer info`/`verify` never import torch
+
     cum = torch.cumsum(torch.from_numpy(rows), 1, dtype=torch.float64).numpy()
     below = cum <= t[:, None]
     j = below.argmin(axis=1)  # first prefix sum above t: cum[j-1] <= t < cum[j]
@@ -209,6 +215,8 @@ def sample(
             "sample: expected a tree with total priority > 0, got total 0 (no live row)"
         )
     n = int(batch_size)
+    import torch  # on use: `mmbuffer info`/`verify` never import torch
+
     u = torch.rand(n, generator=generator, dtype=torch.float64).numpy()
     idx, value = _find(tree, (u + np.arange(n, dtype=np.float64)) * (mass / max(n, 1)))
     return idx, value.astype(np.float64) / mass

@@ -7,7 +7,6 @@ from typing import Final
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from ..errors import InvalidArgumentError
 from ._layout import FANOUT, FSHIFT, SHIFT, Float32Array, Int64Array, PriorityTree
@@ -52,6 +51,8 @@ def _propagate(tree: PriorityTree, kids: Int64Array, low: Int64Array, high: Int6
                 kids = kids[_run_ends(kids, last=False)]
             low, high = low >> FSHIFT, high >> FSHIFT
         rows = kids + o
+        import torch  # on use: `mmbuffer info`/`verify` never import torch
+
         cum = torch.cumsum(torch.from_numpy(v.sum.take(rows, axis=0)), 1).numpy()
         v.pre[rows, 1:] = cum  # column 0 is always 0
         if d == 0:
