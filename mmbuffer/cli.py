@@ -123,7 +123,12 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     from .verify import verify
 
     _check_store_path(args.path)
-    buf = Store(args.path, mode="a" if args.repair else "r")
+    if args.repair:  # the writer (it takes the lock and commits): the full package
+        from .buffer import open as open_buffer
+
+        buf: Any = open_buffer(args.path, mode="a")
+    else:  # a reader needs neither torch nor the writer
+        buf = Store(args.path, mode="r")
     try:
         report = verify(buf, repair=args.repair)
     finally:
