@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import platform
@@ -15,6 +16,23 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
+
+
+def count(text: str) -> int:
+    """An ``argparse`` type for row counts: ``100000``, ``100_000``, ``1e5`` or ``2.5e6``
+    (a whole number >= 1), else an argparse error naming the value."""
+    try:
+        value = float(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count such as 100000 or 1e5, got {text!r}") from None
+    if not value.is_integer() or value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1 such as 1e5, got {text!r}")
+    return int(value)
+
+
+def counts(text: str) -> list[int]:
+    """Comma-separated :func:`count` values (``1e6,1e8``)."""
+    return [count(t) for t in text.split(",") if t.strip()]
 
 
 def median_time(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _common import header, table  # noqa: E402
+from _common import count, header, table  # noqa: E402
 
 WORKER = r"""
 import json, sys, time, statistics, tempfile
@@ -81,8 +81,8 @@ def run(tree: Path, rows: int) -> dict[str, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--baseline", type=Path, required=True, help="root of another mmbuffer checkout")
-    p.add_argument("--rows", type=float, default=2e6)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rows", type=count, default=2_000_000, help="rows of the store (1e6 notation accepted)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of each measurement")
     args = p.parse_args()
     this = HERE.parent
     header(f"This tree ({this}) against {args.baseline}, {int(args.rows):,} rows, {args.rounds} rounds")

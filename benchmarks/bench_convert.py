@@ -49,7 +49,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import header, scratch, table  # noqa: E402
+from _common import count, header, scratch, table  # noqa: E402
 
 OBS, ACT, EP = 17, 6, 1000
 
@@ -317,7 +317,7 @@ def _child(kind: str, *args: str) -> dict[str, object]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=float, default=20e6, help="rows of the generated file (default 20M)")
+    p.add_argument("--rows", type=count, default=20_000_000, help="rows of the generated file (default 20M)")
     p.add_argument("--dir", default=None, help="scratch directory (default $MMBUFFER_BENCH_DIR or benchmarks/_data)")
     p.add_argument("--chunk-rows", type=int, default=None, help="convert_d4rl chunk_rows (default ~32 MiB)")
     p.add_argument("--no-torchrl", action="store_true", help="skip the TorchRL in-memory baseline")

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import header, scratch, table
+from _common import count, header, scratch, table
 
 import mmbuffer as mb
 from mmbuffer.convert import copy, export_d4rl
@@ -62,7 +62,7 @@ def raw_copy(files: list[Path], out: Path, block: int = 16 << 20) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=float, default=4e6)
+    p.add_argument("--rows", type=count, default=4_000_000, help="rows of the store to export (4e6 notation accepted)")
     p.add_argument("--repeat", type=int, default=3, help="rounds; the median round is shown")
     args = p.parse_args()
     rows = int(args.rows)

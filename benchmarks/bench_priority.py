@@ -53,7 +53,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _torchrl_baseline as trl  # noqa: E402
-from _common import header, run_python, scratch, table  # noqa: E402
+from _common import counts, count, header, run_python, scratch, table  # noqa: E402
 
 import mmbuffer as mb  # noqa: E402
 from mmbuffer import tree  # noqa: E402
@@ -210,10 +210,10 @@ def slices(root: Path, capacities: list[int], reps: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--capacities", default="1e6,1e8,6e8")
-    parser.add_argument("--reps", type=int, default=500)
+    parser.add_argument("--capacities", type=counts, default="1e6,1e8,6e8", help="store capacities, comma-separated")
+    parser.add_argument("--reps", type=int, default=500, help="timed calls per measurement")
     parser.add_argument("--seconds", type=float, default=45.0, help="steady-state sample+update loop per capacity")
-    parser.add_argument("--torchrl-max", type=float, default=1e8)
+    parser.add_argument("--torchrl-max", type=count, default=100_000_000, help="largest capacity run against TorchRL")
     parser.add_argument("--slices", action="store_true", help="prioritized slices under low acceptance instead")
     parser.add_argument("--rounds", type=int, default=1, help="alternate mmbuffer and TorchRL this many times")
     parser.add_argument("--create-capacity", type=float, default=3e9, help="0: skip the create measurement")
@@ -221,14 +221,14 @@ def main() -> None:
     root = scratch()
     header("bench_priority")
     if args.slices:
-        slices(root, [int(float(c)) for c in args.capacities.split(",")], min(args.reps, 50))
+        slices(root, args.capacities, min(args.reps, 50))
         return
     if args.create_capacity:
         create_cost(root, int(args.create_capacity))
     base_rss = float(run_python(IMPORT_RSS))
     print(f"anonymous RSS of a process that only imported torch and mmbuffer: {base_rss:.0f} MiB\n")
     rows = []
-    for cap in (int(float(c)) for c in args.capacities.split(",")):
+    for cap in args.capacities:
         free = shutil.disk_usage(root).free
         need = cap * (3 + tree.nbytes(cap) / cap) * 1.2
         if free < need:

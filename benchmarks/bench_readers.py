@@ -36,7 +36,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
-from _common import header, median_time, table  # noqa: E402
+from _common import count, header, median_time, table  # noqa: E402
 from test_readers import _write_forever, run_race, seed_store  # noqa: E402
 
 import mmbuffer as mb  # noqa: E402
@@ -89,10 +89,10 @@ def recheck_cost(path: Path, rows: int, reps: int) -> list[dict[str, object]]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seconds", type=float, default=60.0)
-    p.add_argument("--readers", type=int, default=4)
-    p.add_argument("--kills", type=int, default=20)
-    p.add_argument("--rows", type=float, default=2e6, help="store size for the re-check cost (0: skip)")
+    p.add_argument("--seconds", type=float, default=60.0, help="length of the reader/writer run")
+    p.add_argument("--readers", type=int, default=4, help="reader processes")
+    p.add_argument("--kills", type=int, default=20, help="writer kills in the crash run")
+    p.add_argument("--rows", type=lambda t: 0 if t == "0" else count(t), default=2_000_000, help="store size for the re-check cost (0: skip; 2e6 notation accepted)")
     args = p.parse_args()
     header(f"Readers against a live writer (mmbuffer from {Path(mb.__file__).parent})")
     rows = []

@@ -33,7 +33,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mmbuffer as mb
+from _common import count  # noqa: E402
 from mmbuffer.remote import PoolConfig
 
 
@@ -62,7 +64,7 @@ def rate(buf: mb.Buffer, batches: int, b: int, length: int, seed: int = 0) -> fl
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", type=int, default=1_000_000)
+    ap.add_argument("--rows", type=count, default=1_000_000)
     ap.add_argument("--episode", type=int, default=1000)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--slice-len", type=int, default=16)

@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _torchrl_baseline as trl  # noqa: E402
-from _common import header, median_time, run_python, scratch, table  # noqa: E402
+from _common import count, header, median_time, run_python, scratch, table  # noqa: E402
 
 import mmbuffer as mb  # noqa: E402
 
@@ -133,11 +133,11 @@ def torchrl_side(path: Path, stored: int, capacity: int, n: int, L: int, reps: i
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--sizes", default="5e6:6e6,346e6:600e6", help="stored:capacity pairs")
-    parser.add_argument("--ep-lens", default="1000,501")
-    parser.add_argument("--reps", type=int, default=200)
-    parser.add_argument("--online-episodes", type=int, default=300)
-    parser.add_argument("--torchrl-max-stored", type=float, default=4e8)
+    parser.add_argument("--sizes", default="5e6:6e6,346e6:600e6", help="stored:capacity pairs, comma-separated (1e6 notation)")
+    parser.add_argument("--ep-lens", default="1000,501", help="episode lengths, comma-separated")
+    parser.add_argument("--reps", type=int, default=200, help="timed calls per measurement")
+    parser.add_argument("--online-episodes", type=int, default=300, help="episodes appended in the online run")
+    parser.add_argument("--torchrl-max-stored", type=count, default=400_000_000, help="largest store run against TorchRL")
     args = parser.parse_args()
     root = scratch()
     header("bench_sampling")

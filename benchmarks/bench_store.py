@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import episode_flags, header, median_time, rss_mb, run_python, scratch, table  # noqa: E402
+from _common import count, episode_flags, header, median_time, rss_mb, run_python, scratch, table  # noqa: E402
 
 import mmbuffer as mb  # noqa: E402
 
@@ -109,12 +109,13 @@ def build_big(path: Path, rows: int) -> None:
         return
     shutil.rmtree(path, ignore_errors=True)
     rng = np.random.default_rng(0)
-    block = 1_000_000
+    block = min(1_000_000, rows)
     data = make_block(block, rng)
-    final = {"obs": rng.random((int(data["terminated"].sum()), 17), dtype=np.float32)}
     with mb.create(path, COLUMNS, capacity=rows) as buf:
-        for _ in range(rows // block):
-            buf.extend(data, final_obs=final)
+        for start in range(0, rows, block):  # the last block may be shorter
+            part = {k: v[: rows - start] for k, v in data.items()}
+            ends = int(part["terminated"].sum())
+            buf.extend(part, final_obs={"obs": rng.random((ends, 17), dtype=np.float32)})
 
 
 def bench_get(path: Path, rows: int, rng: np.random.Generator) -> list[dict[str, object]]:
@@ -169,18 +170,19 @@ def bench_reopen(paths: list[Path]) -> list[dict[str, object]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rows", type=float, default=1e8, help="rows of the large store")
-    parser.add_argument("--append-rows", type=float, default=2e7, help="rows appended per block size (100k blocks)")
+    parser.add_argument("--rows", type=count, default=100_000_000, help="rows of the large store (1e8 notation accepted)")
+    parser.add_argument("--append-rows", type=count, default=20_000_000,
+                        help="rows appended per block size (blocks of 1, 1000 and 100k rows, each at most this)")
     args = parser.parse_args()
-    rows = int(args.rows) // 1_000_000 * 1_000_000
+    rows = args.rows
     root = scratch()
     rng = np.random.default_rng(0)
     header("bench_store")
-    total = int(args.append_rows)
-    table([bench_append(root, 1, 20_000, rng), bench_append(root, 1000, min(total, 2_000_000), rng),
-           bench_append(root, 100_000, total, rng)])
-    small, big = root / "store_1M", root / f"store_{rows // 1_000_000}M"
-    build_big(small, 1_000_000)
+    total = args.append_rows
+    table([bench_append(root, 1, min(total, 20_000), rng), bench_append(root, min(total, 1000), min(total, 2_000_000), rng),
+           bench_append(root, min(total, 100_000), total, rng)])
+    small, big = root / "store_1M", root / f"store_{rows}"
+    build_big(small, min(rows, 1_000_000))
     t0 = time.perf_counter()
     build_big(big, rows)
     print(f"built the {rows:,}-row store in {time.perf_counter() - t0:.1f} s (RSS of this process {rss_mb():.0f} MiB)\n")

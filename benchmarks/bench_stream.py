@@ -51,6 +51,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import count  # noqa: E402
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mmbuffer as mb
 from mmbuffer.stream import stream as mb_stream  # mb.stream once exported
@@ -185,14 +188,15 @@ def timed(fn, n: int) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rows", type=int, default=4_000_000)
+    p.add_argument("--rows", type=count, default=4_000_000, help="rows of the store (4e6 notation accepted)")
     p.add_argument("--episode", type=int, default=1000, help="episode length")
-    p.add_argument("--slices", type=int, default=256)
-    p.add_argument("--slice-len", type=int, default=64)
-    p.add_argument("--step-ms", type=float, default=5.0)
-    p.add_argument("--step", choices=("busy", "sleep", "launch", "both"), default="both")
-    p.add_argument("--batches", type=int, default=400)
-    p.add_argument("--prefetch", type=int, default=4)
+    p.add_argument("--slices", type=int, default=256, help="slices per batch")
+    p.add_argument("--slice-len", type=int, default=64, help="steps per slice")
+    p.add_argument("--step-ms", type=float, default=5.0, help="simulated training step, ms")
+    p.add_argument("--step", choices=("busy", "sleep", "launch", "both"), default="both",
+                   help="how the training step spends its time (launch: many small torch ops, like a launch-bound GPU step)")
+    p.add_argument("--batches", type=int, default=400, help="batches per run")
+    p.add_argument("--prefetch", type=int, default=4, help="batches prepared ahead")
     p.add_argument("--repeats", type=int, default=3, help="best of")
     p.add_argument("--path", type=Path, default=None, help="reuse (or build) the store here")
     args = p.parse_args()

@@ -1,6 +1,6 @@
 """mmbuffer: reinforcement-learning trajectories on disk, memory-mapped, sampled as if in RAM.
 
-The public API lives in this namespace (API.md); submodules ``errors``, ``data``
+The public API lives in this namespace (docs/api.md); submodules ``errors``, ``data``
 and ``losses`` are public too.
 
 >>> import tempfile, numpy as np, mmbuffer as mb
@@ -9,27 +9,49 @@ and ``losses`` are public too.
 ...            final_obs={"obs": np.zeros((1, 2))})
 >>> buf.sample(4).data["next_obs"].shape
 torch.Size([4, 2])
+
+Every name is imported on first use (PEP 562): ``import mmbuffer`` costs only
+``errors``, so the command line's ``--help``, ``info`` and ``verify`` never import
+torch (tests/test_cli.py checks it). ``mb.create`` and friends are the same
+objects however they are reached.
 """
 
+from __future__ import annotations
+
+import importlib
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
-from . import (
-    data,  # noqa: E402 - needs the names above
-    errors,
-    losses,
-    samplers,
-)
-from .buffer import Buffer
-from .epoch import EpochSampler
-from .gather import Batch
-from .opening import create, open
-from .store import Column, PriorityConfig
-from .stream import Stream, stream
+from . import errors
 
 if TYPE_CHECKING:
-    from . import convert
+    from . import convert, data, losses, samplers
+    from .buffer import Buffer
+    from .epoch import EpochSampler
+    from .gather import Batch
+    from .opening import create, open
+    from .store import Column, PriorityConfig
+    from .stream import Stream, stream
 
 __version__ = "0.1.0"
+
+# public name -> (module, attribute or None for the module itself)
+_LAZY: dict[str, tuple[str, str | None]] = {
+    "Batch": (".gather", "Batch"),
+    "Buffer": (".buffer", "Buffer"),
+    "Column": (".schema", "Column"),
+    "convert": (".convert", None),
+    "create": (".opening", "create"),
+    "data": (".data", None),
+    "EpochSampler": (".epoch", "EpochSampler"),
+    "losses": (".losses", None),
+    "open": (".opening", "open"),
+    "PriorityConfig": (".schema", "PriorityConfig"),
+    "samplers": (".samplers", None),
+    "stream": (".stream", "stream"),
+    "Stream": (".stream", "Stream"),
+}
 
 __all__ = [
     "Batch",
@@ -50,10 +72,45 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """``mb.convert`` is imported on first use: it depends on the core, never the reverse."""
-    if name == "convert":
-        import importlib
+class _Namespace(types.ModuleType):
+    """This package's module type: a submodule import never replaces a public name.
 
-        return importlib.import_module(f"{__name__}.convert")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    ``mmbuffer/create.py`` and ``mmbuffer/stream.py`` share their names with the
+    functions ``mb.create`` and ``mb.stream``; importing them (``store.py`` imports
+    ``.create``) would bind the submodule over the name, which ``__getattr__`` then
+    no longer sees. The submodules stay in ``sys.modules``.
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _FUNCTIONS and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # pickled by name, as a plain module is (Ray's cloudpickle pickles the
+        # globals of a function that uses ``mb``; a ModuleType subclass is not in
+        # pickle's table of modules)
+        return importlib.import_module, (self.__name__,)
+
+
+_FUNCTIONS = frozenset(n for n, (_, attr) in _LAZY.items() if attr == n and n[0].islower())
+sys.modules[__name__].__class__ = _Namespace
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name on first use and keep it in the namespace.
+
+    ``mb.convert`` depends on the core, never the reverse; the rest is lazy so
+    that a process that only inspects a store never pays for ``import torch``.
+    """
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(target[0], __name__)
+    value = module if target[1] is None else getattr(module, target[1])
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

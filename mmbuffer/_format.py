@@ -4,7 +4,8 @@ A store is one directory that is also a valid **Zarr v3 group**, so zarr-python,
 tensorstore or xarray read it without mmbuffer. Nothing in it is a pickle::
 
     store/
-      zarr.json            Zarr v3 group metadata
+      zarr.json            Zarr v3 group metadata; attributes["mmbuffer"] say which rows
+                           and episodes are live, refreshed by each commit (zarr_view.py)
       manifest.json        the commit record (JSON, see below); replaced atomically
       columns/<name>/      one Zarr array per column, shape [capacity, *row_shape]
       final/<name>/        the observation after each episode's last row, for every
@@ -77,7 +78,11 @@ Version history
     16 rows per page), replacing ``sums``, ``prefix``, ``mins`` and ``maxs``: every
     empty value is zero bytes, so the files are created sparse and untouched
     regions cost no disk; 4.27 bytes per row. Version 2 stores are refused with
-    ``FormatVersionError``. No other change.
+    ``FormatVersionError``. Also new with version 3, and additive (mmbuffer reads
+    neither; an older reader accepts both): every array's ``zarr.json`` names its
+    dimensions (``dimension_names``, which xarray needs), and each commit refreshes
+    the root group's ``"mmbuffer"`` attributes with the live rows and episodes
+    (``zarr_view.py``, docs/format.md).
 """
 
 from __future__ import annotations
@@ -87,10 +92,7 @@ import re
 from pathlib import Path
 from typing import Any, Final
 
-import google_crc32c
 import numpy as np
-import zarr
-from zarr.codecs import BloscCodec, ZstdCodec
 
 from . import _files, errors
 from .config import config
@@ -163,6 +165,11 @@ def create_raw(
 ) -> None:
     """Create a raw single-shard Zarr array and its sparse shard file; ``allocate``
     reserves the disk blocks of every row at once (arrays written whole at creation)."""
+    import google_crc32c  # creating needs zarr; opening a store (mmbuffer info) does not
+    import zarr
+
+    from .zarr_view import dimension_names  # what xarray needs; documented there
+
     row_bytes = int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize
     chunk = _chunk_rows(rows, row_bytes)
     shard_rows = -(-rows // chunk) * chunk
@@ -178,6 +185,7 @@ def create_raw(
         fill_value=0,
         zarr_format=3,
         write_data=False,
+        dimension_names=dimension_names(name, len(row_shape)),
     )
     n_chunks = shard_rows // chunk
     chunk_bytes = chunk * row_bytes
@@ -267,6 +275,9 @@ def check_array_meta(where: Path, meta: object, expect: Expect | None, *, raw: b
     shape = meta.get("shape")
     if not isinstance(shape, list) or not shape or not all(_is_int(s, 1) for s in shape):
         raise bad("shape", f"a non-empty list of integers in [1, {MAX_ROWS}]", shape)
+    dims = meta.get("dimension_names")  # written since 2026-11-23; absent before
+    if dims is not None and (not isinstance(dims, list) or len(dims) != len(shape) or not all(d is None or isinstance(d, str) for d in dims)):
+        raise bad("dimension_names", f"absent or a list of {len(shape)} names", dims)
     name = meta.get("data_type")
     try:
         if not isinstance(name, str) or np.dtype(name).name != name:
@@ -340,6 +351,11 @@ def check_array_meta(where: Path, meta: object, expect: Expect | None, *, raw: b
 def create_compressed(
     root: Path, name: str, rows: int, row_shape: tuple[int, ...], dtype: np.dtype, compression: str
 ) -> None:
+    import zarr
+    from zarr.codecs import BloscCodec, ZstdCodec
+
+    from .zarr_view import dimension_names  # what xarray needs; documented there
+
     row_bytes = int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize
     compressor = ZstdCodec(level=3) if compression == "zstd" else BloscCodec(cname="lz4", clevel=5)
     zarr.create_array(
@@ -352,6 +368,7 @@ def create_compressed(
         filters=None,
         fill_value=0,
         zarr_format=3,
+        dimension_names=dimension_names(name, len(row_shape)),
     )
 
 

@@ -1,6 +1,6 @@
 """Open files inside a store directory without following symbolic links.
 
-A store is untrusted input (DESIGN.md): nothing in it may make mmbuffer read or
+A store is untrusted input (docs/design.md): nothing in it may make mmbuffer read or
 write outside its directory. The store directory itself may be reached through a
 link (the user's choice); every component *below* it is opened with
 ``O_NOFOLLOW`` (directories with ``O_DIRECTORY`` too), one at a time relative to

@@ -1,4 +1,4 @@
-"""``Buffer``: the user-facing store (API.md): write, inspect, sample, reprioritize.
+"""``Buffer``: the user-facing store (docs/api.md): write, inspect, sample, reprioritize.
 
 ``Buffer`` composes a ``Store`` (columns, manifest, index, tree: ``store.py``), the
 single writer's ``Writer`` (cursors, reservation, commits: ``writer.py``) and the
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Self
 
@@ -195,6 +195,19 @@ class Buffer:
         """
         starts, lengths = self._store.episode_bounds()
         return torch.from_numpy(starts), torch.from_numpy(lengths)
+
+    def episode(self, i: int, keys: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+        """The ``i``-th live episode (``episodes()`` order: lane by lane, oldest first)
+        as ``{key: tensor [length, ...]}``, steps in order, wrap undone (``episodes.py``)."""
+        from .episodes import episode
+
+        return episode(self, i, keys)
+
+    def iter_episodes(self, keys: Iterable[str] | None = None) -> Iterator[dict[str, torch.Tensor]]:
+        """Every live episode as of the call, in ``episode(i)`` order (``episodes.py``)."""
+        from .episodes import iter_episodes
+
+        return iter_episodes(self, keys)
 
     @locked
     def get(self, index: Any, keys: Iterable[str] | None = None) -> dict[str, torch.Tensor]:

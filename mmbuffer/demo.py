@@ -48,10 +48,13 @@ def rollout(rng: np.random.Generator, max_len: int = 200) -> tuple[dict[str, np.
 
 
 def run_demo(directory: str | Path | None = None, episodes: int = 400, quiet: bool = False) -> dict[str, Any]:
-    """Run the demo in ``directory`` (a fresh temporary one by default)."""
+    """Run the demo in ``directory`` (a fresh temporary one by default): ``episodes``
+    (>= 1, else ``InvalidArgumentError`` before anything is created) over 4 streams."""
     import mmbuffer as mb
     from mmbuffer.verify import verify
 
+    if isinstance(episodes, bool) or not isinstance(episodes, int) or episodes < 1:  # before anything is created
+        raise mb.errors.InvalidArgumentError(f"episodes: expected an integer >= 1, got {episodes!r}")
     say = (lambda *a: None) if quiet else print
     root = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="mmbuffer-demo-"))
     path = root / "replay"  # mb.create refuses an existing store: pick a fresh DIR to rerun

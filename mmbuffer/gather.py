@@ -35,7 +35,7 @@ from .store import Column, Store
 
 @dataclass(slots=True)
 class Batch:
-    """One sampled batch (API.md).
+    """One sampled batch (docs/api.md).
 
     data:    column -> tensor ``[B, ...]`` (transitions) or ``[B, L, ...]`` (slices)
     indices: int64 global row ids, ``[B]`` or ``[B, L]``

@@ -1,6 +1,6 @@
 """Writers on many hosts through Ray: one actor owns the store's writer, actors send episodes.
 
-The learner's host owns the store (the single writer, DESIGN.md); environment
+The learner's host owns the store (the single writer, docs/design.md); environment
 workers anywhere in the Ray cluster send it steps. :func:`serve` starts (or finds) a
 :class:`StoreWriter` actor on the calling node that creates or opens the store and
 is its only writer; learners on that host read it with ``mb.open(path, "r")`` as

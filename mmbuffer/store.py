@@ -84,7 +84,7 @@ class View:
         return self.layout.lane_size
 
 
-Snapshot = View  # DESIGN.md's name
+Snapshot = View  # docs/design.md's name
 
 
 def check_rows(idx: np.ndarray, capacity: int) -> np.ndarray:

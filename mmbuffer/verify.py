@@ -20,15 +20,17 @@ True
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import _format as fmt
 from . import index, tree
-from .buffer import Buffer
 from .index import Lane
 from .store import View
+
+if TYPE_CHECKING:  # a reader's verify needs no torch (mmbuffer verify): a Store serves it too
+    from .buffer import Buffer
 
 _CHUNK_ROWS = 1 << 22
 REPAIR_HINT = "repair needs the writer: stop it, then run `mmbuffer verify PATH --repair` (or open the store with mode='a')"

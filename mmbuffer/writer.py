@@ -13,7 +13,7 @@ every committed episode whose first row lies below ``reserved - lane_size`` as
 evicted: they never sample a row the writer may be rewriting, and a kill at any
 instant leaves the last commit readable.
 
-Commit protocol (DESIGN.md): the rows written since the last commit are msync'ed,
+Commit protocol (docs/design.md): the rows written since the last commit are msync'ed,
 then the index and the tree, then ``manifest.json`` is replaced atomically.
 
 >>> import tempfile, numpy as np, mmbuffer as mb
@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _files, _rawio, errors, index, tree
+from . import _files, _rawio, errors, index, tree, zarr_view
 from . import _format as fmt
 from ._checks import as_numpy, check_stream, row_ids, validate_final, validate_steps
 from ._guards import acquire_lock, locked, locked_write, raise_typed
@@ -219,6 +219,7 @@ class Writer:
         if self._tree is not None and self._tree_dirty:
             (self.path / "priority" / "DIRTY").unlink(missing_ok=True)
             self._tree_dirty = False
+        zarr_view.publish(self.path, self.layout, store.committed, store.generation)  # live rows for Zarr readers
         return store.generation
 
     def _write_manifest(self, generation: int) -> None:

@@ -128,3 +128,79 @@ def test_readme_python_blocks_run(tmp_path):
     work = tmp_path / "cwd"
     work.mkdir()
     _run([runner], work, timeout=600)  # a failure shows the traceback, with README.md line numbers
+
+
+# -- documents and figures ---------------------------------------------------------------------
+def _numbers(obj):
+    if isinstance(obj, bool) or obj is None:
+        return
+    if isinstance(obj, (int, float)):
+        yield obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            if k not in ("stored_rows", "capacity"):  # axes, named in words in RESULTS.md (346M, 1e8)
+                yield from _numbers(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from _numbers(v)
+
+
+def test_every_plotted_figure_is_recorded_in_results():
+    import json
+
+    data = json.loads((REPO / "benchmarks" / "figures.json").read_text())
+    results = (REPO / "benchmarks" / "RESULTS.md").read_text()
+    values = list(_numbers(data))
+    assert len(values) > 20
+    missing = [v for v in values if not re.search(rf"(?<![\d.]){re.escape(f'{v:g}')}0*(?![\d])", results)]
+    assert not missing, f"figures.json values not in RESULTS.md: {missing}"
+    for group in ("sampling", "priority", "stream"):
+        title = re.match(r"RESULTS\.md, '([^']+)'", data[group]["source"]).group(1)
+        assert title.replace("(", "").replace(")", "").split(",")[0] in results.replace("(", "").replace(")", "").replace("`", "")
+
+
+def test_plot_draws_the_recorded_figures(tmp_path):
+    pytest.importorskip("matplotlib")
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("plot", REPO / "benchmarks" / "plot.py")
+    plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot)
+    paths = plot.draw(json.loads((REPO / "benchmarks" / "figures.json").read_text()), tmp_path)
+    assert [p.name for p in paths] == ["sampling.png", "priority.png", "stream.png"]
+    readme = (REPO / "README.md").read_text()
+    for p in paths:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 10_000
+        assert (REPO / "docs" / "img" / p.name).exists() and f"(docs/img/{p.name})" in readme
+
+
+def _doc_files():
+    yield REPO / "README.md"
+    yield from sorted((REPO / "docs").glob("*.md"))
+    yield from sorted((REPO / "mmbuffer").rglob("*.py"))
+
+
+def test_cited_documents_exist():
+    """Docstrings and documents cite files that exist in the repository."""
+    missing = []
+    for path in _doc_files():
+        for ref in set(re.findall(r"[\w./-]*\.(?:md|png)\b", path.read_text())):
+            ref = ref.lstrip("./")
+            if not ref or ref in ("py.md",):
+                continue
+            here = path.parent / ref
+            if not ((REPO / ref).exists() or here.exists()):
+                missing.append(f"{path.relative_to(REPO)}: {ref}")
+    assert not missing
+
+
+def test_guarantees_cite_tests_that_exist():
+    text = (REPO / "docs" / "guarantees.md").read_text()
+    defined = set()
+    for test_file in (REPO / "tests").glob("test_*.py"):
+        defined |= set(re.findall(r"^def (test_\w+)", test_file.read_text(), re.M))
+    cited = set(re.findall(r"\b(test_\w+)\b", text)) - {n for n in re.findall(r"\b(test_\w+)\.py", text)}
+    assert len(cited) > 10 and not (cited - defined), sorted(cited - defined)
+    for f in re.findall(r"tests/(test_\w+\.py)", text):
+        assert (REPO / "tests" / f).exists(), f

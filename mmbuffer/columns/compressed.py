@@ -1,7 +1,7 @@
 """Compressed columns: chunked Zarr arrays (zstd, lz4) read and written through zarr-python.
 
 For archives and object storage: a random gather decodes whole chunks, far slower
-than a mapped raw column (DESIGN.md); ``mmbuffer copy`` turns them raw for training.
+than a mapped raw column (docs/design.md); ``mmbuffer copy`` turns them raw for training.
 The metadata is checked like every array of a store (``_format.check_array_meta``),
 no link is followed inside the array (zarr opens files by path), and what zarr
 cannot open or decode is a ``CorruptStoreError``.
@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import zarr
 
 from .. import _files, _safe_io, errors
 from .. import _format as fmt
@@ -35,6 +34,8 @@ class ZarrArray(ColumnArray):
         meta = root / name / "zarr.json"
         fmt.check_array_meta(meta, _files.read_json_in(root, f"{name}/zarr.json"), expect, raw=False)
         _safe_io.check_tree(root, name)
+        import zarr  # only compressed stores need zarr to be read (mmbuffer info stays light)
+
         try:
             array = zarr.open_array(str(root / name), mode="r+" if writable else "r")
         except Exception as exc:  # noqa: BLE001 - zarr's errors are untyped for us

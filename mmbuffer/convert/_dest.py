@@ -55,7 +55,7 @@ KINDS = ("store", "d4rl", "minari", "diffusion_policy")
 
 #: Entries of a store directory (``_format.py``), with the temporary names of its writers.
 _STORE_ENTRIES = frozenset({
-    "zarr.json", "manifest.json", "manifest.json.partial", "columns", "final", "index",
+    "zarr.json", "zarr.json.partial", "manifest.json", "manifest.json.partial", "columns", "final", "index",
     "priority", "sampler", "LOCK",
 })
 _HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"

@@ -115,6 +115,8 @@ def _format_help(table: dict[str, Format]) -> str:
 
 
 def _print(summary: dict[str, Any], as_json: bool) -> None:
+    """The summary, one ``key  value`` line each; checksums as one line (``--json``
+    lists them); ``compression`` as it is spelled on the command line."""
     if as_json:
         print(json.dumps(summary, indent=2, default=str))
         return

@@ -181,7 +181,7 @@ def gae_from_buffer(buf: Any, values_fn: Callable[[torch.Tensor], torch.Tensor],
     ----------
     buf : store
         Anything with ``episodes()``, ``get(index, keys)``, ``capacity`` and
-        ``num_streams`` as in API.md.
+        ``num_streams`` as in docs/api.md.
     values_fn : callable
         ``values_fn(obs [b, *obs_shape]) -> [b]`` or ``[b, 1]`` (any shape of
         ``b * prod(reward shape)`` elements).

@@ -3,9 +3,13 @@ cumulative sum (:func:`find_prefix`, :func:`sample`)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import numpy.typing as npt
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 from ..errors import EmptyBufferError, InvalidArgumentError
 from ._layout import Float32Array, Float64Array, Int64Array, PriorityTree
@@ -126,6 +130,8 @@ def sample(
         raise EmptyBufferError(
             "sample: expected a tree with total priority > 0, got total 0 (no live row)"
         )
+    import torch  # on use: `mmbuffer info`/`verify` never import torch
+
     n = int(batch_size)
     u = torch.rand(n, generator=generator, dtype=torch.float64).numpy()
     idx, value = _find(tree, (u + np.arange(n, dtype=np.float64)) * (mass / max(n, 1)))

@@ -1,0 +1,223 @@
+"""The command line (issue 13 §4): light start-up, help everywhere, clean exits, plain output.
+
+Start-up speed itself is a benchmark (``benchmarks/bench_cli.py``); here the cause is
+checked: ``mmbuffer --help``, ``info`` and ``verify`` never import torch or numba.
+"""
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mmbuffer as mb
+from mmbuffer.cli import build_parser, main
+
+REPO = Path(mb.__file__).resolve().parents[1]
+HEAVY = ("torch", "numba")
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _cli(*args, stdout=subprocess.PIPE, timeout=120):
+    return subprocess.run([sys.executable, *args], env=_env(), stdout=stdout, stderr=subprocess.PIPE, text=True,
+                          timeout=timeout, check=False)
+
+
+def _store(path, **kw):
+    with mb.create(path, {"obs": ((3,), "float32"), "reward": ((), "float32")}, capacity=64, num_streams=2, **kw) as buf:
+        for s in range(2):
+            buf.extend({"obs": np.ones((20, 3)), "reward": np.arange(20), "terminated": np.arange(20) % 5 == 4},
+                       stream=s, final_obs={"obs": np.zeros((4, 3))})
+    return path
+
+
+@pytest.mark.parametrize("command", [["--help"], ["info", "P"], ["info", "P", "--json"], ["verify", "S"], ["verify", "Z"]])
+def test_help_info_and_verify_import_neither_torch_nor_numba(tmp_path, command):
+    """P: a store with priorities (``info`` reads the tree's totals); S: without,
+    Z: compressed. ``verify`` of a prioritized store recomputes the tree with the
+    tree's own code, which may use compiled kernels: not covered here."""
+    kinds = {"P": {"priorities": mb.PriorityConfig(alpha=0.6)}, "S": {}, "Z": {"compression": "zstd"}}
+    kind = next((a for a in command if a in kinds), "S")
+    store = _store(tmp_path / "s", **kinds[kind])
+    argv = [str(store) if a in kinds else a for a in command]
+    proc = _cli("-X", "importtime", "-m", "mmbuffer", *argv)
+    assert proc.returncode == 0, proc.stderr
+    imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "mmbuffer.cli" in imported  # the check sees the package's imports
+    assert not {m for m in imported if m.split(".")[0] in HEAVY}, sorted(m for m in imported if m.split(".")[0] in HEAVY)[:5]
+
+
+def test_import_mmbuffer_is_lazy_and_every_public_name_works():
+    code = ("import sys, mmbuffer as mb; light = [m for m in ('torch', 'numba') if m in sys.modules]; "
+            "import mmbuffer.store, mmbuffer.stream, mmbuffer.create; "  # submodules named like functions
+            "names = {n: getattr(mb, n) for n in mb.__all__}; "
+            "assert callable(mb.create) and callable(mb.stream) and not isinstance(mb.stream, type(sys)); "
+            "from mmbuffer import create, Buffer, stream, samplers, convert; "
+            "assert names['create'] is create and names['Buffer'] is mb.Buffer; "
+            "assert mb.Column is __import__('mmbuffer.store').store.Column; "
+            "assert set(mb.__all__) <= set(dir(mb)); print(light, 'torch' in sys.modules)")
+    proc = _cli("-c", code)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["[]", "True"]  # nothing heavy at import; torch once a name needs it
+    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+        mb.nope  # noqa: B018
+
+
+def _walk(parser, path=()):
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _walk(sub, (*path, name))
+
+
+def test_every_option_has_help():
+    missing = []
+    for path, parser in _walk(build_parser()):
+        for action in parser._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)) or action.help == argparse.SUPPRESS:
+                continue
+            own = path[:1] in (("info",), ("verify",), ("demo",), ("bench",))  # positionals too
+            if (action.option_strings or own) and not action.help:
+                missing.append(f"{' '.join(path)} {action.option_strings or action.dest}")
+    assert not missing
+    text = " ".join(_cli("-m", "mmbuffer", "convert", "--help").stdout.split())
+    assert "tdmpc2: a TD-MPC2 .pt file" in text
+    text = _cli("-m", "mmbuffer", "bench", "--help").stdout
+    assert re.search(r"export\s+export to D4RL", text) and "1e5 notation" in text
+
+
+SCRIPTS = sorted(p.stem[len("bench_"):] for p in (REPO / "benchmarks").glob("bench_*.py"))
+
+
+def test_every_bench_script_is_a_suite_and_accepts_1e5_row_counts():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from _common import count, counts
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    assert [count(t) for t in ("1e5", "100000", "100_000", "2.5e6")] == [100_000, 100_000, 100_000, 2_500_000]
+    assert counts("1e6,1e8") == [1_000_000, 100_000_000]
+    for bad in ("1.5", "0", "-1e3", "many"):
+        with pytest.raises(argparse.ArgumentTypeError, match=re.escape(repr(bad))):
+            count(bad)
+    from mmbuffer.cli import SUITES
+
+    assert sorted(SUITES) == SCRIPTS
+    for suite in SCRIPTS:
+        source = (REPO / "benchmarks" / f"bench_{suite}.py").read_text()
+        for option in re.findall(r'add_argument\("(--(?:rows|append-rows|torchrl-max|torchrl-max-stored))"', source):
+            # the value is converted before --help ends the run: a refused 1e5 would exit 2
+            proc = _cli(str(REPO / "benchmarks" / f"bench_{suite}.py"), option, "1e5", "--help", timeout=300)
+            assert proc.returncode == 0, f"bench {suite} {option} 1e5: {proc.stderr[-500:]}"
+
+
+@pytest.mark.slow
+def test_bench_store_runs_at_1e5_rows(tmp_path):
+    """``bench store --rows 1e5`` used to fail with "capacity ... got 0"."""
+    env = {**_env(), "MMBUFFER_BENCH_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "mmbuffer", "bench", "store", "--rows", "1e5", "--append-rows", "2e3"],
+                          env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "built the 100,000-row store" in proc.stdout
+
+
+def test_info_into_a_closed_pipe_ends_without_a_traceback(tmp_path):
+    store = _store(tmp_path / "s")
+    r, w = os.pipe()
+    os.close(r)  # `| head` that has gone away: every write fails with EPIPE
+    try:
+        proc = _cli("-m", "mmbuffer", "info", str(store), stdout=w)
+    finally:
+        os.close(w)
+    assert proc.returncode == 141
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr and proc.stderr == ""
+
+
+def test_ctrl_c_ends_without_a_traceback(tmp_path):
+    with subprocess.Popen([sys.executable, "-m", "mmbuffer", "demo", str(tmp_path / "d"), "--episodes", "1000000"],
+                          env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            deadline = time.monotonic() + 240
+            while not (tmp_path / "d" / "replay").exists() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert (tmp_path / "d" / "replay").exists()  # writing episodes now
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 130 and err.strip() == "mmbuffer: interrupted", err
+
+
+def test_info_names_what_a_path_is(tmp_path, capsys):
+    (tmp_path / "d4rl.hdf5").write_bytes(b"\x89HDF\r\n\x1a\n" + bytes(100))
+    (tmp_path / "data.npz").write_bytes(b"PK\x03\x04" + bytes(100))
+    (tmp_path / "notes.txt").write_text("hello")
+    (tmp_path / "folder").mkdir()
+    cases = {
+        "d4rl.hdf5": "expected a store directory, got an HDF5 file (D4RL? mmbuffer convert d4rl PATH STORE)",
+        "data.npz": "got a zip archive (.npz? mmbuffer convert npz PATH STORE)",
+        "notes.txt": "expected a store directory, got a file",
+        "missing": "expected a store directory, got no such file or directory",
+        "folder": "not an mmbuffer store (no manifest.json)",
+    }
+    for name, message in cases.items():
+        for command in ("info", "verify"):
+            assert main([command, str(tmp_path / name)]) == 2
+            err = capsys.readouterr().err
+            assert err.startswith("mmbuffer: error: ") and message in err and str(tmp_path / name) in err, err
+
+
+def test_long_column_names_stay_apart_from_what_follows(tmp_path, capsys):
+    long = "observation/a_rather_long_nested_column_name"
+    with mb.create(tmp_path / "s", {long: ((3,), "float32")}, capacity=8, next_keys=()) as buf:
+        buf.extend({long: np.ones((4, 3)), "terminated": np.arange(4) == 3})
+    assert main(["info", str(tmp_path / "s")]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if long in ln)
+    assert re.fullmatch(rf"\s+{long} +\(3,\) +float32", line)
+
+
+def test_copy_prints_compression_as_spelled_and_one_checksum_line(tmp_path, capsys):
+    src = _store(tmp_path / "s")
+    for flag, shown in ((["--compression", "zstd"], "zstd"), ([], "none"), (["--compression", "none"], "none")):
+        out = tmp_path / f"c{len(flag)}{shown}"
+        assert main(["copy", str(src), str(out), "--no-progress", *flag]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert re.fullmatch(rf"compression\s+{shown}", next(ln for ln in lines if ln.startswith("compression")))
+        sums = [ln for ln in lines if "crc32" in ln]
+        assert len(sums) == 1 and re.search(r"crc32 of \d+ lane:column pairs \(--json lists them\)", sums[0])
+        assert len(lines) < 15
+
+
+def test_demo_with_no_episodes_is_refused_before_anything_is_created(tmp_path, capsys):
+    from mmbuffer.demo import run_demo
+
+    with pytest.raises(SystemExit) as exit_:  # argparse's own refusal
+        main(["demo", str(tmp_path / "d"), "--episodes", "0"])
+    assert exit_.value.code == 2
+    assert "--episodes: expected a whole number >= 1, got 0" in capsys.readouterr().err
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(mb.errors.InvalidArgumentError, match="episodes: expected an integer >= 1"):
+            run_demo(tmp_path / "d", episodes=bad, quiet=True)
+    assert not (tmp_path / "d").exists()
+
+
+def test_the_lazy_namespace_pickles_by_name_like_a_module():
+    """Ray ships a function's globals with cloudpickle: ``mb`` must travel by name."""
+    import pickle
+
+    assert pickle.loads(pickle.dumps(mb)) is mb
+    cloudpickle = pytest.importorskip("cloudpickle")
+    assert cloudpickle.loads(cloudpickle.dumps(lambda: mb.create))() is mb.create
