@@ -201,7 +201,7 @@ def main() -> int:
         gbs = f"{rate * nbytes / 1e9:.2f}" if hidden is None else ""
         print(f"| {name} | {rate:.0f} | {ratio} | {gbs} |", flush=True)
 
-    for mode in modes:
+    def run_mode(mode: str) -> None:
         wide = mode.startswith("wide_")
         base = mode[5:] if wide else mode
         hidden = args.hidden * (args.wide if wide else 1)
@@ -257,6 +257,12 @@ def main() -> int:
             report(f"{tag}DataLoader(BufferDataset, {nw} workers, pin_memory{fsname})", rate, None if alone else hidden)
         else:
             print(f"| unknown mode {mode!r} | | | |")
+
+    for mode in modes:
+        try:
+            run_mode(mode)
+        except Exception as exc:  # one failing mode must not hide the others' figures
+            print(f"| {mode} | failed: {type(exc).__name__}: {exc} | | |", flush=True)
     buf.close()
     if tmp is not None:
         import shutil
