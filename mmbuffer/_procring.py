@@ -31,11 +31,19 @@ when the last process unmaps it.
 * **Errors.** A worker's exception is re-raised by ``get`` (same type for
   mmbuffer's errors and builtin ones, with its message); a worker that died is a
   ``ChildProcessError``, never a hang.
+
+>>> import tempfile, numpy as np, mmbuffer as mb
+>>> buf = mb.create(tempfile.mkdtemp() + "/p", {"obs": ((3,), "float32")}, capacity=64)
+>>> layout = layout_for(buf, mb.samplers.Slices(4), 8, ["obs", "next_obs"])
+>>> [(e.kind, e.name, e.shape) for e in layout.entries]  # doctest: +NORMALIZE_WHITESPACE
+[('data', 'obs', (8, 4, 3)), ('data', 'next_obs', (8, 4, 3)), ('indices', '', (8, 4)),
+ ('weights', '', (8,)), ('mask', '', (8, 4))]
 """
 
 from __future__ import annotations
 
 import builtins
+import contextlib
 import json
 import mmap
 import os
@@ -129,34 +137,59 @@ class ProcessRing:
         self._seeds = [int(s.generate_state(1, np.uint64)[0]) for s in seeds]
         self._args = (str(buf.path), sampler, size, names, limit)
         self._pending: deque[tuple[int, Any]] = deque()  # (slot, event) of copies in flight
+        self._path: Path | None = None
+        self._procs: list[Any] = []
+        self._conns: list[Any] = []
+        self._registered: int | None = None
+        self._map: mmap.mmap | None = None
+        self._memory: torch.Tensor | None = None
+        self._blocks: list[torch.Tensor] = []
+        self._cursors: list[torch.Tensor] = []
 
     # -- start ---------------------------------------------------------------------------
     def start(self) -> None:
         """Create and map the ring, start the workers, wait until each has mapped it."""
         shm = Path("/dev/shm")
         folder = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
-        self._path: Path | None = folder / f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        path = folder / f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
         total = self._slot_bytes * self._per * self._n
-        fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self._path = path
         self._closed = False
-        self._procs: list[Any] = []
-        self._conns: list[Any] = []
-        self._registered: int | None = None
         try:
-            os.ftruncate(fd, total)
-            self._map = mmap.mmap(fd, total)
+            try:
+                os.ftruncate(fd, total)
+                self._map = mmap.mmap(fd, total)
+            finally:
+                os.close(fd)
+            memory = self._memory = torch.frombuffer(self._map, dtype=torch.uint8)
+            if self._cuda:
+                self._pin(memory, total)
+            starts = [s * self._slot_bytes for s in range(self._per * self._n)]
+            self._blocks = [memory[at : at + self.layout.nbytes] for at in starts]
+            cursors = [at + self._cursor_at for at in starts]
+            self._cursors = [memory[at : at + 8 * self._lanes].view(torch.int64) for at in cursors]
+            self._spawn()
+            for w in range(self._n):
+                msg = self._receive(w, _START_S)
+                if msg != b"R":
+                    self._decode(w, msg)  # the worker's error, re-raised here
+                    raise ChildProcessError(f"worker process {w}: expected a ready message, got {msg!r}")
+        except BaseException:
+            self.close()
+            raise
         finally:
-            os.close(fd)
-        self._memory = torch.frombuffer(self._map, dtype=torch.uint8)
-        if self._cuda:
-            ptr = self._memory.data_ptr()
-            code = torch.cuda.cudart().cudaHostRegister(ptr, total, 0)  # type: ignore[no-untyped-call]
-            if int(code) != 0:
-                raise errors.InvalidArgumentError(f"device: expected host memory CUDA can page-lock, got cudaHostRegister error {code}")
-            self._registered = ptr
-            self._side = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
-        self._blocks = [self._slot(s)[: self.layout.nbytes] for s in range(self._per * self._n)]
-        self._cursors = [self._slot(s)[self._cursor_at : self._cursor_at + 8 * self._lanes].view(torch.int64) for s in range(self._per * self._n)]
+            self._unlink()
+
+    def _pin(self, memory: torch.Tensor, total: int) -> None:
+        ptr = memory.data_ptr()
+        code = torch.cuda.cudart().cudaHostRegister(ptr, total, 0)  # type: ignore[no-untyped-call]
+        if int(code) != 0:
+            raise errors.InvalidArgumentError(f"device: expected host memory CUDA can page-lock, got cudaHostRegister error {code}")
+        self._registered = ptr
+        self._side = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
+
+    def _spawn(self) -> None:
         ctx = _context()
         path, sampler, size, names, limit = self._args
         for w in range(self._n):
@@ -166,23 +199,10 @@ class ProcessRing:
             spec = (path, sampler, size, names, self.layout, str(self._path), self._slot_bytes, self._cursor_at, self._lanes,
                     slots, self._seeds[w], quota, int(self._buf.generation))
             p = ctx.Process(target=_work, args=(spec, theirs), name=f"mmbuffer-stream-proc{w}", daemon=True)
+            self._conns.append(mine)
             p.start()
             theirs.close()
             self._procs.append(p)
-            self._conns.append(mine)
-        try:
-            for w in range(self._n):
-                msg = self._receive(w, _START_S)
-                if msg != b"R":
-                    raise ChildProcessError(f"worker {w}: expected a ready message, got {msg!r}")
-        except BaseException:
-            self.close()
-            raise
-        finally:
-            self._unlink()
-
-    def _slot(self, s: int) -> torch.Tensor:
-        return self._memory[s * self._slot_bytes : (s + 1) * self._slot_bytes]
 
     # -- the consumer's side ---------------------------------------------------------------
     def get(self) -> tuple[Batch, Any]:
@@ -288,11 +308,10 @@ class ProcessRing:
             self._registered = None
         self._blocks = []
         self._cursors = []
-        del self._memory
-        try:
-            self._map.close()
-        except BufferError:  # a view is still alive somewhere: freed with it
-            pass
+        self._memory = None
+        if self._map is not None:
+            with contextlib.suppress(BufferError):  # a view still alive somewhere: unmapped with it
+                self._map.close()
         self._unlink()
 
     def _unlink(self) -> None:

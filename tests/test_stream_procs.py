@@ -110,6 +110,23 @@ def test_a_commit_in_the_main_process_reaches_the_workers(tmp_path: Path) -> Non
     assert seen[2:] == [1, 1, 1, 1]
 
 
+def test_workers_refresh_every_refresh_every_batches_for_commits_made_elsewhere(tmp_path: Path) -> None:
+    from mmbuffer import _procring
+
+    with mb.create(tmp_path / "p", {"x": ((), "int64")}, capacity=1000, next_keys=()) as w:
+        w.extend({"x": np.zeros(100, np.int64), "truncated": np.arange(100) % 10 == 9})
+        w.commit()
+        with mb.open(tmp_path / "p", "r") as r:  # a reader: its generation stays, so only the period refreshes
+            k = _procring.REFRESH_EVERY
+            with mb.stream(r, 16, processes=1, generator=torch.Generator().manual_seed(0)) as s:
+                first = int(next(s)["x"].max())
+                w.extend({"x": np.ones(800, np.int64), "truncated": np.arange(800) % 10 == 9})
+                w.commit()
+                seen = [int(next(s)["x"].max()) for _ in range(k + 5)]
+    assert first == 0 and seen[: k - 1] == [0] * (k - 1)  # batches 1..k-1: the worker's view of the start
+    assert seen[k - 1 :] == [1] * 6  # batch k onwards: drawn after refresh()
+
+
 def test_a_killed_worker_is_an_error_not_a_hang(store: mb.Buffer) -> None:
     s = mb.stream(store, 8, slice_len=4, processes=2)
     next(s)
