@@ -219,7 +219,8 @@ class ProcessRing:
             if len(mine) == self._per:  # every slot of w is still being copied: wait for the oldest
                 mine[0][1].synchronize()
                 continue
-            connection.wait([conn, self._procs[w].sentinel], POLL_S)
+            if connection.wait([conn, self._procs[w].sentinel], POLL_S):
+                break  # a message, or the worker ended: _receive tells which
         msg = self._receive(w, None)
         slot = self._decode(w, msg)
         written = self._cursors[slot].numpy().copy()
@@ -241,6 +242,7 @@ class ProcessRing:
         waited = 0.0
         while not conn.poll(0):
             if not proc.is_alive() and not conn.poll(0):
+                self.failed = True
                 raise ChildProcessError(f"mmbuffer.stream: worker process {w} (pid {proc.pid}) exited with code {proc.exitcode}")
             if timeout is not None and waited >= timeout:
                 raise ChildProcessError(f"mmbuffer.stream: worker process {w} did not start within {timeout:.0f} s")
@@ -249,6 +251,7 @@ class ProcessRing:
         try:
             return bytes(conn.recv_bytes())
         except (EOFError, OSError):
+            self.failed = True
             raise ChildProcessError(f"mmbuffer.stream: worker process {w} (pid {proc.pid}) closed its pipe (exit code {proc.exitcode})") from None
 
     def _decode(self, w: int, msg: bytes) -> int:
