@@ -14,6 +14,8 @@ Reported, steps per second and as a fraction of ``compute only``:
 * ``compute only``: the step on batches already on the GPU (the ceiling),
 * ``sync``: ``buf.sample_slices`` + ``.to("cuda")`` then the step, in the loop,
 * ``mb.stream(device="cuda", workers=k)``: the ring of pinned blocks, one copy a batch,
+* ``mb.stream(device="cuda", processes=k)`` (modes ``stream-procK``): producers in k
+  processes writing into a shared page-locked ring, only slot numbers crossing,
 * ``DataLoader(BufferDataset, num_workers=k, pin_memory=True)``, then ``.to("cuda")``,
 
 and the loaders alone (no step): batches/s and GB/s delivered to the GPU.
@@ -44,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mmbuffer as mb  # noqa: E402
 from mmbuffer.data import BufferDataset  # noqa: E402
 
-DEFAULT_MODES = "compute,sync,stream1,stream2,stream4,loader2,loader8,loaderfs8,alone_stream1,alone_stream2,alone_stream4,alone_loader2,alone_loader8,alone_loaderfs8,wide_compute,wide_sync,wide_stream2"
+DEFAULT_MODES = "compute,sync,stream1,stream2,stream4,loader2,loader8,loaderfs8,alone_stream1,alone_stream2,alone_stream4,alone_loader2,alone_loader8,alone_loaderfs8,wide_compute,wide_sync,wide_stream2,stream-proc2,stream-proc4,alone_stream-proc2,alone_stream-proc4"
 
 
 def build(path: Path, rows: int, episode: int) -> None:
@@ -199,7 +201,7 @@ def main() -> int:
         gbs = f"{rate * nbytes / 1e9:.2f}" if hidden is None else ""
         print(f"| {name} | {rate:.0f} | {ratio} | {gbs} |", flush=True)
 
-    for mode in modes:
+    def run_mode(mode: str) -> None:
         wide = mode.startswith("wide_")
         base = mode[5:] if wide else mode
         hidden = args.hidden * (args.wide if wide else 1)
@@ -216,6 +218,11 @@ def main() -> int:
                 while True:
                     yield buf.sample_slices(B, L, generator=g).to(dev, non_blocking=True)
             report(f"{tag}sync: sample_slices + .to(cuda)", timed(sync_batches(), step, args.warmup, args.steps), None if alone else hidden)
+        elif kind.startswith("stream-proc"):
+            procs = int(kind[11:])
+            with mb.stream(buf, B, L, device=dev, generator=g, processes=procs) as s:
+                rate = timed(iter(s), step, args.warmup, args.steps)
+            report(f"{tag}mb.stream(device=cuda, processes={procs})", rate, None if alone else hidden)
         elif kind.startswith("stream"):
             workers = int(kind[6:] or 0) or None
             extra = {} if workers is None else {"workers": workers}
@@ -250,6 +257,12 @@ def main() -> int:
             report(f"{tag}DataLoader(BufferDataset, {nw} workers, pin_memory{fsname})", rate, None if alone else hidden)
         else:
             print(f"| unknown mode {mode!r} | | | |")
+
+    for mode in modes:
+        try:
+            run_mode(mode)
+        except Exception as exc:  # one failing mode must not hide the others' figures
+            print(f"| {mode} | failed: {type(exc).__name__}: {exc} | | |", flush=True)
     buf.close()
     if tmp is not None:
         import shutil

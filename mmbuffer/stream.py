@@ -63,6 +63,27 @@ Threading facts
   ``sys.setswitchinterval``, process-wide) and restored when the last stream
   closes, unless something else changed it meanwhile; ``switch_interval=None``
   leaves it alone.
+* **Processes.** ``processes=N`` makes the batches in N worker processes
+  instead of threads (``mmbuffer._procring``), so the training thread shares
+  its GIL with nobody: each worker opens the store read-only, gathers into a
+  shared ring of one-block slots (page-locked once with ``device="cuda"``) and
+  sends the main process only the slot number; ``next()`` issues one copy of the
+  block on a side stream (without CUDA: copies the block out) and hands the slot
+  back once that copy has finished. Batch ``i`` comes from worker ``i % N``,
+  whose generator is seeded from one number drawn from ``generator`` (or torch's
+  global one) and its id: the same state gives the same batches, not those of
+  the threaded mode. Workers see the last commit only (rows extended but not
+  committed are not streamed; the first batch fails with ``EmptyBufferError``
+  on a store with nothing committed); they ``refresh()`` when the caller's
+  buffer has a newer generation and every 100 batches. Prioritized sampling
+  reads the committed priorities; give ``update_priorities`` the batch itself
+  (``buf.update_priorities(b, p)``: it carries its lane cursors). Workers start
+  from a ``forkserver`` (its preload list is set to mmbuffer's ring modules;
+  ``spawn`` where there is none), so the main module must be safe to import
+  (``if __name__ == "__main__":``), as for ``DataLoader`` workers. A worker's
+  exception is re-raised by ``next()``; a worker that died is a
+  ``ChildProcessError``. The ring's shared-memory file is removed as soon as
+  every worker has mapped it, so nothing is left in ``/dev/shm``.
 * **CPU threads.** Leave the worker a core: with as many torch intra-op threads
   as cores, OpenMP threads spin between kernels and starve it (online SAC on two
   cores: 26 s with 2 threads, 3.3 s with ``torch.set_num_threads(1)``).
@@ -93,6 +114,7 @@ import torch
 
 from . import errors, samplers
 from ._checks import check_int
+from ._procring import ProcessRing, check_processes
 from ._producer import Pool
 from ._transfer import BlockLayout, PackedBatch, Ring, read_into
 from .gather import Batch, resolve_keys
@@ -137,24 +159,20 @@ class Stream:
 
     def __init__(
         self,
-        maker: _Maker,
+        source: Pool[tuple[Batch, Any]] | ProcessRing,
         *,
-        workers: int,
-        prefetch: int,
-        num_batches: int | None,
+        device: torch.device | None,
         switch_interval: float | None = None,
     ) -> None:
         self.delivered = 0
         self._switch = False
         self._closed = False
         self._done = False
-        self._device = maker.device
-        self._cuda = maker.cuda
-        self._move = maker.device is not None and not maker.cuda
+        self._device = device
+        self._cuda = device is not None and device.type == "cuda"
+        self._move = device is not None and not self._cuda
         # the workers get the maker (buffer, sampler, ring) but never ``self``
-        self._pool: Pool[tuple[Batch, Any]] = Pool(
-            maker, workers=workers, depth=prefetch + 1, limit=num_batches, name="mmbuffer-stream"
-        )
+        self._pool = source
         if switch_interval is not None:
             _SWITCH.acquire(switch_interval)
             self._switch = True
@@ -231,6 +249,7 @@ def stream(
     sampler: Sampler | None = None,
     switch_interval: float | None = 5e-4,
     workers: int | None = None,
+    processes: int | None = None,
 ) -> Stream:
     """Sample and gather batches on a background thread, ``prefetch`` ahead.
 
@@ -274,6 +293,10 @@ def stream(
     workers:
         Threads making batches (default 1; 2 with ``device="cuda"``); more than
         one gather side by side, outside the buffer lock (see the module docstring).
+    processes:
+        Make batches in that many worker processes instead of threads (see
+        "Processes" in the module docstring); leave ``workers`` and
+        ``pin_memory`` unset.
 
     Returns
     -------
@@ -332,11 +355,17 @@ def stream(
         )
         pin_memory = False
     buffer_lock(buf)
+    if processes is not None:
+        processes = check_processes(buf, sampler, processes, workers=workers, pin=pin_memory, device=dev)
     if workers is None:
         workers = 2 if dev is not None and dev.type == "cuda" else 1
     workers = check_int("workers", workers, 1)
+    if processes is not None:
+        ring = ProcessRing(buf, sampler, batch_size, names, generator, processes=processes, prefetch=prefetch, limit=num_batches, device=dev)
+        return Stream(ring, device=dev)  # no threads here: the switch interval stays as it is
     maker = _Maker(buf, sampler, batch_size, names, generator, workers=workers, pin=pin_memory, device=dev)
-    return Stream(maker, workers=workers, prefetch=prefetch, num_batches=num_batches, switch_interval=switch_interval)
+    pool: Pool[tuple[Batch, Any]] = Pool(maker, workers=workers, depth=prefetch + 1, limit=num_batches, name="mmbuffer-stream")
+    return Stream(pool, device=dev, switch_interval=switch_interval)
 
 
 # -- the workers ---------------------------------------------------------------------------
