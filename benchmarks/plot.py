@@ -9,8 +9,8 @@ value is in RESULTS.md). Nothing is measured here. Needs matplotlib (the
 
 Draws ``sampling.png`` (slice sampling time against stored rows, log-log, with
 TorchRL), ``priority.png`` (prioritized sample and update against capacity, and
-lowering the max priority) and ``stream.png`` (the training loop's share of a
-compute-only loop with and without ``mb.stream``). A group holding ``null``
+lowering the max priority) and ``stream.png`` (a GPU training loop's share of its
+compute-only steps/s, fed by ``mb.stream`` and by ``DataLoader``). A group holding ``null``
 draws only the points that were measured.
 """
 
@@ -83,7 +83,7 @@ def draw(data: dict, out: Path) -> list[Path]:
     ax.set_xticks(range(len(st["steps"])), st["steps"])
     ax.set_ylim(0, 110)
     ax.set_ylabel("% of a compute-only loop's throughput")
-    ax.set_title("Training loop fed by sampling")
+    ax.set_title("GPU training loop fed by mmbuffer")
     ax.legend(fontsize=8, loc="lower right")
     fig.subplots_adjust(bottom=0.24)
     _caption(fig, st["source"])
