@@ -130,3 +130,31 @@ def episode_flags(rows: int, length: int) -> np.ndarray:
     done = np.zeros(rows, dtype=bool)
     done[length - 1 :: length] = True
     return done
+
+
+#: The world-model store of bench_gather, bench_gpu and bench_stream: a TD-MPC2-sized
+#: proprioceptive task (17-dim observation, 6-dim action, reward).
+WORLD_MODEL_COLUMNS = {"obs": ((17,), "float32"), "action": ((6,), "float32"), "reward": ((), "float32")}
+
+
+def build_world_model_store(path: Path, rows: int, episode: int, *, seed: int = 0, priorities: object = None,
+                            chunk: int = 500_000) -> None:
+    """Create ``path`` with ``rows`` random rows of :data:`WORLD_MODEL_COLUMNS` in episodes of
+    ``episode`` rows (each ended as truncated, its final observation stored), committed."""
+    import mmbuffer as mb
+
+    rng = np.random.default_rng(seed)
+    with mb.create(path, WORLD_MODEL_COLUMNS, capacity=rows, priorities=priorities) as buf:  # type: ignore[arg-type]
+        for start in range(0, rows, chunk):
+            n = min(chunk, rows - start)
+            done = (np.arange(start, start + n) % episode) == episode - 1
+            buf.extend(
+                {
+                    "obs": rng.standard_normal((n, 17), dtype=np.float32),
+                    "action": rng.standard_normal((n, 6), dtype=np.float32),
+                    "reward": rng.standard_normal(n, dtype=np.float32),
+                    "truncated": done,
+                },
+                final_obs={"obs": rng.standard_normal((int(done.sum()), 17), dtype=np.float32)},
+            )
+        buf.commit()

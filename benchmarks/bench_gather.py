@@ -43,12 +43,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import header, scratch, table  # noqa: E402
+from _common import build_world_model_store, header, scratch, table  # noqa: E402
 
 import mmbuffer as mb  # noqa: E402
 from mmbuffer.gather import gather  # noqa: E402
-
-COLUMNS = {"obs": ((17,), "float32"), "action": ((6,), "float32"), "reward": ((), "float32")}
 
 
 def build(path: Path, rows: int, episode: int) -> None:
@@ -57,21 +55,7 @@ def build(path: Path, rows: int, episode: int) -> None:
         if len(ro) == rows:
             return
     shutil.rmtree(path, ignore_errors=True)
-    rng = np.random.default_rng(0)
-    with mb.create(path, COLUMNS, capacity=rows) as buf:
-        chunk = 500_000
-        for start in range(0, rows, chunk):
-            n = min(chunk, rows - start)
-            done = (np.arange(start, start + n) % episode) == episode - 1
-            buf.extend(
-                {
-                    "obs": rng.standard_normal((n, 17), dtype=np.float32),
-                    "action": rng.standard_normal((n, 6), dtype=np.float32),
-                    "reward": rng.standard_normal(n, dtype=np.float32),
-                    "truncated": done,
-                },
-                final_obs={"obs": rng.standard_normal((int(done.sum()), 17), dtype=np.float32)},
-            )
+    build_world_model_store(path, rows, episode)
 
 
 def in_ram(buf: mb.Buffer) -> dict[str, np.ndarray]:

@@ -39,10 +39,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import build_world_model_store  # noqa: E402
+
 import mmbuffer as mb  # noqa: E402
 from mmbuffer.data import BufferDataset  # noqa: E402
 
@@ -50,22 +52,7 @@ DEFAULT_MODES = "compute,sync,stream1,stream2,stream4,loader2,loader8,loaderfs8,
 
 
 def build(path: Path, rows: int, episode: int) -> None:
-    rng = np.random.default_rng(0)
-    cols = {"obs": ((17,), "float32"), "action": ((6,), "float32"), "reward": ((), "float32")}
-    with mb.create(path, cols, capacity=rows) as buf:
-        chunk = 500_000
-        for start in range(0, rows, chunk):
-            n = min(chunk, rows - start)
-            done = (np.arange(start, start + n) % episode) == episode - 1
-            buf.extend(
-                {
-                    "obs": rng.standard_normal((n, 17), dtype=np.float32),
-                    "action": rng.standard_normal((n, 6), dtype=np.float32),
-                    "reward": rng.standard_normal(n, dtype=np.float32),
-                    "truncated": done,
-                },
-                final_obs={"obs": rng.standard_normal((int(done.sum()), 17), dtype=np.float32)},
-            )
+    build_world_model_store(path, rows, episode)
 
 
 def warm(path: Path) -> None:

@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import count  # noqa: E402
+from _common import build_world_model_store, count  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mmbuffer as mb
@@ -60,23 +60,7 @@ from mmbuffer.stream import stream as mb_stream  # mb.stream once exported
 
 
 def build(path: Path, rows: int, episode: int, seed: int = 0) -> None:
-    rng = np.random.default_rng(seed)
-    cols = {"obs": ((17,), "float32"), "action": ((6,), "float32"), "reward": ((), "float32")}
-    with mb.create(path, cols, capacity=rows, priorities=mb.PriorityConfig()) as buf:
-        chunk = 250_000
-        for start in range(0, rows, chunk):
-            n = min(chunk, rows - start)
-            done = (np.arange(start, start + n) % episode) == episode - 1
-            buf.extend(
-                {
-                    "obs": rng.standard_normal((n, 17), dtype=np.float32),
-                    "action": rng.standard_normal((n, 6), dtype=np.float32),
-                    "reward": rng.standard_normal(n, dtype=np.float32),
-                    "truncated": done,
-                },
-                final_obs={"obs": rng.standard_normal((int(done.sum()), 17), dtype=np.float32)},
-            )
-        buf.commit()
+    build_world_model_store(path, rows, episode, seed=seed, priorities=mb.PriorityConfig(), chunk=250_000)
 
 
 def warm(path: Path) -> None:
