@@ -25,3 +25,13 @@ def tree_hash(path: Path) -> str:
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compiled_kernels():
+    """Compile (or load from numba's cache) the kernels once, before any test starts
+    processes: with an empty cache every new process would compile them at once, a
+    few seconds each, inside tests that time a writer against its readers."""
+    import importlib
+
+    importlib.import_module("mmbuffer._procwarm")  # warms on import (uniform, slices, priorities)
