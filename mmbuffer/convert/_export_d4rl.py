@@ -22,7 +22,7 @@ import numpy as np
 from ..errors import ConversionError
 from ._d4rl import D4RLReader
 from ._flat import TAIL_ATTR
-from ._frame import Writer, crc_hex, crc_update, progress_bar, write_and_verify
+from ._frame import ExportWriter, crc_hex, crc_update, progress_bar, write_export
 from ._readback import check_reader
 from ._reader import FLAGS, jsonable
 from ._walk import OpenedStore, Plan, chunk_rows_for, data_columns, plan_episodes, walk
@@ -94,14 +94,10 @@ def export_d4rl(
     """
     t0 = time.perf_counter()
     writer = D4RLWriter(store, out, next_observations=next_observations, chunk_rows=chunk_rows, progress=progress)
-    write_and_verify(writer, out, overwrite=overwrite, verify=verify)
-    summary = writer.summary
-    summary["verified"] = verify
-    summary["seconds"] = round(time.perf_counter() - t0, 3)
-    return summary
+    return write_export(writer, out, overwrite=overwrite, verify=verify, started=t0)
 
 
-class D4RLWriter(Writer):
+class D4RLWriter(ExportWriter):
     """Writes a store's rows into a D4RL HDF5 file (the :func:`export_d4rl` steps)."""
 
     kind = "d4rl"
@@ -115,7 +111,6 @@ class D4RLWriter(Writer):
         self.next_observations = next_observations
         self.chunk_rows = chunk_rows
         self.progress = progress
-        self.summary: dict[str, Any] = {}
 
     def open(self) -> None:
         buf = self.buf = self.opened.open()

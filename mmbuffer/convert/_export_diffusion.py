@@ -27,7 +27,7 @@ import numpy as np
 
 from ..errors import ConversionError, InvalidArgumentError
 from ._diffusion import DiffusionPolicyReader
-from ._frame import Writer, crc_hex, crc_update, progress_bar, write_and_verify
+from ._frame import ExportWriter, crc_hex, crc_update, progress_bar, write_export
 from ._readback import check_reader
 from ._reader import FLAGS, jsonable
 from ._walk import OpenedStore, chunk_rows_for, data_columns, plan_episodes, walk
@@ -81,14 +81,10 @@ def export_diffusion_policy(
     if zarr_format not in (2, 3):
         raise InvalidArgumentError(f"zarr_format: expected 2 or 3, got {zarr_format!r}")
     writer = DiffusionPolicyWriter(store, out, zarr_format=zarr_format, chunk_rows=chunk_rows, progress=progress)
-    write_and_verify(writer, out, overwrite=overwrite, verify=verify)
-    summary = writer.summary
-    summary["verified"] = verify
-    summary["seconds"] = round(time.perf_counter() - t0, 3)
-    return summary
+    return write_export(writer, out, overwrite=overwrite, verify=verify, started=t0)
 
 
-class DiffusionPolicyWriter(Writer):
+class DiffusionPolicyWriter(ExportWriter):
     """Writes a store's complete episodes as a Diffusion Policy Zarr group."""
 
     kind = "diffusion_policy"
@@ -102,7 +98,6 @@ class DiffusionPolicyWriter(Writer):
         self.zarr_format = zarr_format
         self.chunk_rows = chunk_rows
         self.progress = progress
-        self.summary: dict[str, Any] = {}
 
     def open(self) -> None:
         buf = self.buf = self.opened.open()

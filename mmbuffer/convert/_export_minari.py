@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConversionError
-from ._frame import Writer, crc_hex, crc_update, progress_bar, write_and_verify
+from ._frame import ExportWriter, crc_hex, crc_update, progress_bar, write_export
 from ._minari import MinariReader
 from ._minari_spaces import leaf_names, space_for
 from ._readback import check_reader
@@ -63,14 +63,10 @@ def export_minari(
     """
     t0 = time.perf_counter()
     writer = MinariWriter(store, out, dataset_id=dataset_id, chunk_rows=chunk_rows, progress=progress)
-    write_and_verify(writer, out, overwrite=overwrite, verify=verify)
-    summary = writer.summary
-    summary["verified"] = verify
-    summary["seconds"] = round(time.perf_counter() - t0, 3)
-    return summary
+    return write_export(writer, out, overwrite=overwrite, verify=verify, started=t0)
 
 
-class MinariWriter(Writer):
+class MinariWriter(ExportWriter):
     """Writes a store's complete episodes into a Minari dataset (the :func:`export_minari` steps)."""
 
     kind = "minari"
@@ -84,7 +80,6 @@ class MinariWriter(Writer):
         self.dataset_id = dataset_id
         self.chunk_rows = chunk_rows
         self.progress = progress
-        self.summary: dict[str, Any] = {}
 
     def open(self) -> None:
         buf = self.buf = self.opened.open()
