@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from . import errors
+from . import _rawio, errors
 from .layout import Layout
 
 
@@ -222,9 +222,11 @@ def rebuild(done_by_lane: list[np.ndarray], states: list[Lane], lane_size: int) 
     """Recompute the ring and lane states from the end flags of the live rows.
 
     ``done_by_lane[l]`` holds the flags of absolute rows ``[first_start, written)``
-    of lane ``l``, in order. Used by ``verify --repair``.
+    of lane ``l``, in order. Used by ``verify --repair``. The ring is as large as
+    the store's (16 bytes a row of capacity) and only its live episodes' slots are
+    written, so it lives in sparse memory.
     """
-    ends = np.zeros(len(states) * 2 * lane_size, dtype=np.int64)
+    ends = _rawio.sparse_zeros(len(states) * 2 * lane_size, np.int64)
     out = []
     for lane, (done, st) in enumerate(zip(done_by_lane, states)):
         fresh = Lane(written=st.first_start, ep_head=st.ep_head, ep_tail=st.ep_head, first_start=st.first_start)

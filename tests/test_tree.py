@@ -759,6 +759,16 @@ def test_store_with_priorities_is_created_sparse(tmp_path: object) -> None:
     assert buf.leaf_priorities([1, 2, 1_500_000_001]).tolist() == [4.0, 5.0, 6.0]
     assert T.check(buf.view().tree, spans=buf.tree_spans()) == 0.0
     assert T.total(buf.view().tree) == 2 * n - 3 + 15.0  # the default 1.0 elsewhere
+    # verify and its repair rebuild a ring of 16 bytes per row of capacity (48 GB
+    # here): they allocate it sparse (a MemoryError once)
+    from mmbuffer.verify import verify
+
+    assert verify(buf)["ok"]
+    buf.update_priorities(np.array([5]), np.array([2.0]))
+    buf.view().tree.leaves[5] = 9.0  # a leaf changed behind the tree's back
+    report = verify(buf, repair=True)
+    assert not report["ok"] and report["repaired"] and verify(buf)["ok"]
+    assert T.total(buf.view().tree) == 2 * n - 3 + 15.0 + 8.0
     buf.close()
     assert _disk_bytes(path) < 100 << 20
 
