@@ -2,9 +2,8 @@
 
 ``next_<col>`` of a row is ``<col>`` of the following row of its lane, except at
 an episode's last row, where it is the stored final observation (``final/<col>``).
-Raw columns are copied by one call of the kernel of ``mmbuffer.kernels.gather``
-per batch (a run of consecutive rows as one ``memcpy``, ``next_<col>`` in the
-same pass, no GIL);
+Raw columns are copied by the kernels of ``mmbuffer.kernels.gather`` (a run of
+consecutive rows as one ``memcpy``, ``next_<col>`` in the same pass, no GIL);
 compressed ones are read through their backend. New tensors of a batch share one
 block of memory, recycled once they are all gone (``_Recycler``).
 
@@ -25,16 +24,13 @@ import math
 import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import numpy as np
 import torch
 
 from . import errors
 from .store import Column, Store
-
-if TYPE_CHECKING:  # the kernels import numba: only a gather does (mmbuffer.kernels)
-    from .kernels import gather as kernels
 
 
 @dataclass(slots=True)
@@ -107,78 +103,45 @@ def gather(
     they are filled in place and returned. One that is contiguous and of the
     column's dtype is written directly; any other is filled by ``copy_``.
 
-    Raw columns are copied from their mapped bytes by one call of the compiled
-    kernel of ``mmbuffer.kernels.gather``, in the order given and without the
-    GIL: a run of consecutive rows (a slice) as one ``memcpy`` per column,
-    ``next_<col>`` in the same pass as ``<col>``. Compressed columns are read
-    through their backend.
+    Raw columns are copied from their mapped bytes by the compiled kernels of
+    ``mmbuffer.kernels.gather``, in the order given and without the GIL: a run of
+    consecutive rows (a slice) as one ``memcpy``, ``next_<col>`` in the same pass
+    as ``<col>``. Compressed columns are read through their backend.
     """
+    from .kernels import gather as kernels
+
     names = resolve_keys(store, keys)
     rows = np.asarray(rows, dtype=np.int64)
     flat = np.ascontiguousarray(rows).reshape(-1)
-    targets = _targets(store, names, rows.shape, out)
-    plan = _plan(store)
-    own: list[torch.Tensor | None] = [None] * len(plan.slots)
-    nxt: list[torch.Tensor | None] = [None] * len(plan.slots)
-    rest = []  # keys of columns that are not mapped: read through their backend
-    for name in names:
-        is_next = name.startswith("next_")
-        slot = plan.slots.get(name[5:] if is_next else name)
-        if slot is None or (is_next and not plan.has_final[slot]):
-            rest.append(name)
-        elif is_next:
-            nxt[slot] = targets[name].tensor
-        else:
-            own[slot] = targets[name].tensor
-    bad = plan.sources.gather(flat, own, nxt)
+    starts, bad = kernels.runs(flat, store.capacity)
     if bad >= 0:
         raise errors.InvalidArgumentError(
             f"index: expected row ids in [0, {store.capacity}), got {int(flat[bad])} "
             f"(values from {flat.min()} to {flat.max()})"
         )
-    for name in rest:
-        if name.startswith("next_"):
-            _read_next(store, flat, name[5:], targets[name])
-        else:
-            targets[name].array[...] = store.read(name, flat).reshape(targets[name].array.shape)
-    return {name: targets[name].finish() for name in names}
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """A store's mapped columns as the gather kernel takes them: ``slots`` maps a
-    column to its position in ``sources``; ``has_final`` says whether its next
-    values come from the kernel too."""
-
-    sources: kernels.Sources
-    slots: dict[str, int]
-    has_final: list[bool]
-
-
-# a store's columns never change once it is open: their plan is made once
-_PLANS: weakref.WeakKeyDictionary[Store, _Plan] = weakref.WeakKeyDictionary()
-
-
-def _plan(store: Store) -> _Plan:
-    plan = _PLANS.get(store)
-    if plan is not None:
-        return plan
-    from .kernels import gather as kernels
-
-    flags = [store.column(n).mapped() for n in ("terminated", "truncated")]
-    columns: list[tuple[np.ndarray, np.ndarray | None]] = []
-    slots = {}
-    for name in store.columns:
-        mapped = store.column(name).mapped()
-        if mapped is None:
+    wanted = set(names)
+    targets = _targets(store, names, rows.shape, out)
+    result: dict[str, torch.Tensor] = {}
+    for name in names:
+        if name in result:
             continue
-        final = store.column(f"final/{name}").mapped() if name in store.next_keys else None
-        slots[name] = len(columns)
-        columns.append((mapped, final if all(f is not None for f in flags) else None))
-    term, trunc = flags
-    plan = _Plan(kernels.Sources(columns, term, trunc, store.layout.lane_size, store.capacity), slots, [f is not None for _, f in columns])
-    _PLANS[store] = plan
-    return plan
+        base = name[5:] if name.startswith("next_") else name
+        nxt = f"next_{base}"
+        if nxt in wanted:  # the column and its next values in one pass
+            own = targets[base] if base in wanted else None
+            _next_into(kernels, store, flat, starts, base, targets[nxt], own)
+            result[nxt] = targets[nxt].finish()
+            if own is not None:
+                result[base] = own.finish()
+            continue
+        target = targets[base]
+        mapped = store.column(base).mapped()
+        if mapped is None:
+            target.array[...] = store.read(base, flat).reshape(target.array.shape)
+        elif target.row_bytes:
+            kernels.copy_rows(kernels.bytes_of(mapped), flat, starts, target.row_bytes, target.bytes(kernels))
+        result[base] = target.finish()
+    return {name: result[name] for name in names}
 
 
 class _Target:
@@ -214,6 +177,10 @@ class _Target:
         """Take ``memory`` (``nbytes`` bytes) as this target's array."""
         self.array = memory.view(self.dtype).reshape(self.shape)
         self.tensor = torch.from_numpy(self.array)
+
+    def bytes(self, kernels: Any) -> np.ndarray:
+        out: np.ndarray = kernels.bytes_of(self.array)
+        return out
 
     def finish(self) -> torch.Tensor:
         assert self.tensor is not None
@@ -303,8 +270,24 @@ def _torch_dtype(dtype: np.dtype) -> torch.dtype:
     return found
 
 
-def _read_next(store: Store, flat: np.ndarray, base: str, after: _Target) -> None:
-    """``next_<base>`` of a column that is not mapped (compressed): read through its backend."""
+def _next_into(
+    kernels: Any, store: Store, flat: np.ndarray, starts: np.ndarray, base: str, after: _Target, own: _Target | None
+) -> None:
+    """``next_<base>`` into ``after`` and, when ``own`` is given, ``base`` into it."""
+    column = store.column(base).mapped()
+    parts = [store.column(n).mapped() for n in (f"final/{base}", "terminated", "truncated")]
+    if column is not None and all(p is not None for p in parts):
+        if after.row_bytes:
+            b = [kernels.bytes_of(a) for a in (column, *parts) if a is not None]
+            kernels.copy_rows_next(
+                *b, flat, starts, store.layout.lane_size, after.row_bytes, after.bytes(kernels),
+                None if own is None else own.bytes(kernels),
+            )
+        return
+    # a compressed column: read through its backend
+    values = store.read(base, flat)
+    if own is not None:
+        own.array[...] = values.reshape(own.array.shape)
     following = store.read(base, store.layout.following(flat))
     last = store.read("terminated", flat) | store.read("truncated", flat)
     if last.any():

@@ -155,18 +155,15 @@ def naive_next(src, final, done, rows, lane):
     return np.stack([final[r] if done[r] else src[r // lane * lane + (r % lane + 1) % lane] for r in rows])
 
 
-SHAPES = [((), "bool"), ((3,), "float16"), ((7,), "uint8"), ((2, 3), "float64")]
-
-
-def test_kernel_matches_the_naive_copy(rng):
-    """Every column and every next value of one batch in one call, for any mix of
-    wanted outputs, against the naive row-by-row copy."""
+@pytest.mark.parametrize("row_shape,dtype", [((), "bool"), ((3,), "float16"), ((7,), "uint8"), ((2, 3), "float64")])
+def test_kernels_match_the_naive_copy(rng, row_shape, dtype):
     lane, lanes = 13, 3
     n = lane * lanes
-    srcs = [rng.integers(0, 100, (n, *shape)).astype(dtype) for shape, dtype in SHAPES]
-    finals = [rng.integers(100, 200, a.shape).astype(a.dtype) for a in srcs]
+    src = rng.integers(0, 100, (n, *row_shape)).astype(dtype)
+    final = rng.integers(100, 200, (n, *row_shape)).astype(dtype)
     term, trunc = rng.random(n) < 0.2, rng.random(n) < 0.1
-    sources = kernels.Sources(list(zip(srcs, finals)), term, trunc, lane)
+    row_bytes = src[0].nbytes
+    b = kernels.bytes_of
     for size in (1, 6, 60):  # a few runs (prefetched from the start) to many
         # runs of consecutive rows from random starts, some crossing lane ends
         starts = rng.integers(0, n, size)
@@ -175,53 +172,51 @@ def test_kernel_matches_the_naive_copy(rng):
         assert bad == -1 and runs[0] == 0 and runs[-1] == len(rows)
         assert all((np.diff(rows[a:z]) == 1).all() and (a == 0 or rows[a] != rows[a - 1] + 1)
                    for a, z in zip(runs[:-1], runs[1:]))
-        for wanted in range(4):  # neither, own only, next only, both; per column in turn
-            own = [torch.zeros((len(rows), *a.shape[1:]), dtype=torch.from_numpy(a[:0]).dtype)
-                   if (wanted + c) % 4 in (1, 3) else None for c, a in enumerate(srcs)]
-            nxt = [torch.zeros((len(rows), *a.shape[1:]), dtype=torch.from_numpy(a[:0]).dtype)
-                   if (wanted + c) % 4 in (2, 3) else None for c, a in enumerate(srcs)]
-            assert sources.gather(rows, own, nxt) == -1
-            for c, a in enumerate(srcs):
-                if own[c] is not None:
-                    np.testing.assert_array_equal(own[c].numpy(), naive_rows(a, rows))
-                if nxt[c] is not None:
-                    np.testing.assert_array_equal(nxt[c].numpy(), naive_next(a, finals[c], term | trunc, rows, lane))
+        out = np.zeros((len(rows), *row_shape), dtype)
+        nxt = np.zeros_like(out)
+        kernels.copy_rows(b(src), rows, runs, row_bytes, b(out))
+        np.testing.assert_array_equal(out, naive_rows(src, rows))
+        out[...] = 0
+        kernels.copy_rows_next(b(src), b(final), b(term), b(trunc), rows, runs, lane, row_bytes, b(nxt), b(out))
+        np.testing.assert_array_equal(out, naive_rows(src, rows))
+        np.testing.assert_array_equal(nxt, naive_next(src, final, term | trunc, rows, lane))
+        nxt[...] = 0
+        kernels.copy_rows_next(b(src), b(final), b(term), b(trunc), rows, runs, lane, row_bytes, b(nxt))
+        np.testing.assert_array_equal(nxt, naive_next(src, final, term | trunc, rows, lane))
 
 
-def test_kernel_refuses_bad_rows_wrong_sizes_and_bad_sources(rng):
+def test_kernels_refuse_bad_rows_wrong_sizes_and_bad_runs(rng):
     src = np.arange(40, dtype=np.int32).reshape(10, 4)
-    out = torch.zeros((3, 4), dtype=torch.int32)
+    out = np.zeros((3, 4), np.int32)
+    b = kernels.bytes_of
     assert kernels.runs(np.array([1, 2, 10]), 10)[1] == 2
     assert kernels.runs(np.array([1, -1, 3]), 10)[1] == 1
     assert kernels.runs(np.array([7, 8, 9]), 10)[0].tolist() == [0, 3]
-    sources = kernels.Sources([(src, src.copy())], np.zeros(10, bool), np.zeros(10, bool), 5)
-    # a row outside the source: its position, and nothing copied
-    assert sources.gather(np.array([8, 9, 10]), [out], [None]) == 2 and not out.any()
-    assert sources.gather(np.array([-1, 2, 3]), [out], [None]) == 0 and not out.any()
     with pytest.raises(ValueError, match="wrong size"):
-        sources.gather(np.array([1, 2]), [out], [None])
-    with pytest.raises(ValueError, match="wrong size"):
-        sources.gather(np.array([1, 2, 3]), [None], [torch.zeros((3, 8), dtype=torch.int32)[:, ::2]])
-    with pytest.raises(ValueError, match="expected 1 outputs"):
-        sources.gather(np.array([1, 2, 3]), [out, out], [None, None])
-    with pytest.raises(ValueError, match="no final observations"):
-        kernels.Sources([(src, None)]).gather(np.array([1, 2, 3]), [None], [out])
+        kernels.copy_rows(b(src), np.array([1, 2]), np.array([0, 2]), 16, b(out))
+    # runs that do not describe the rows never make a copy leave the source
+    with pytest.raises(ValueError, match="outside the source"):
+        kernels.copy_rows(b(src), np.array([8, 9, 10]), np.array([0, 3]), 16, b(out))
+    with pytest.raises(ValueError, match="outside the source"):
+        kernels.copy_rows(b(src), np.array([8, 2, 3]), np.array([0, 3]), 16, b(out))
+    with pytest.raises(ValueError, match="out of order"):
+        kernels.copy_rows(b(src), np.array([1, 2, 3]), np.array([0, 5]), 16, b(out))
     flags = np.zeros(10, bool)
-    with pytest.raises(ValueError, match="lane size dividing"):
-        kernels.Sources([(src, src)], flags, flags, 3)
-    with pytest.raises(ValueError, match="one byte per row"):  # flags of another length
-        kernels.Sources([(src, src)], flags[:9], flags, 5)
-    with pytest.raises(ValueError, match="shape and dtype"):
-        kernels.Sources([(src, src[:, :2].copy())], flags, flags, 5)
-    with pytest.raises(ValueError, match="one length"):
-        kernels.Sources([(src, None), (src[:9], None)])
+    rows = np.array([1, 2, 3])
+    runs = kernels.runs(rows, 10)[0]
+    with pytest.raises(ValueError, match="inconsistent sizes"):  # a lane size that does not divide the rows
+        kernels.copy_rows_next(b(src), b(src), b(flags), b(flags), rows, runs, 3, 16, b(out))
+    with pytest.raises(ValueError, match="inconsistent sizes"):  # flags of another length
+        kernels.copy_rows_next(b(src), b(src), b(flags[:9]), b(flags), rows, runs, 5, 16, b(out))
+    with pytest.raises(ValueError, match="outside the source"):
+        kernels.copy_rows_next(b(src), b(src), b(flags), b(flags), np.array([8, 9, 10]), runs, 5, 16, b(out))
     with pytest.raises(ValueError, match="C-contiguous"):
-        kernels.Sources([(src[:, ::2], None)])
+        kernels.bytes_of(src[:, ::2])
 
 
 def test_kernels_release_the_gil():
     """Compiled with nogil (and cached), so a gather runs beside the training step."""
-    for kernel in (kernels._runs, kernels._gather, kernels._plain_run, kernels._next_walk):
+    for kernel in (kernels._runs, kernels._copy_rows, kernels._copy_rows_next):
         assert kernel.targetoptions["nogil"]
         assert type(kernel._cache).__name__ == "FunctionCache"  # cache=True (NullCache otherwise)
 
