@@ -764,7 +764,6 @@ def test_store_with_priorities_is_created_sparse(tmp_path: object) -> None:
     from mmbuffer.verify import verify
 
     assert verify(buf)["ok"]
-    buf.update_priorities(np.array([5]), np.array([2.0]))
     buf.view().tree.leaves[5] = 9.0  # a leaf changed behind the tree's back
     report = verify(buf, repair=True)
     assert not report["ok"] and report["repaired"] and verify(buf)["ok"]
