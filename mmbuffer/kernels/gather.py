@@ -45,7 +45,11 @@ __all__ = ["bytes_of", "copy_rows", "copy_rows_next", "runs"]
 
 _LINE = 64  # bytes of a cache line
 _AHEAD_LINES = 64  # lines in flight ahead of the copy (about what a core keeps outstanding)
-_MAX_RUN_LINES = 128  # lines prefetched of one run; the hardware streams the rest
+# Lines prefetched of one run: its first misses; the hardware prefetcher streams the
+# rest. Prefetching whole runs (up to 128 lines) made a 256 x 64 slice gather 10-14%
+# slower (benchmarks/RESULTS.md, 2026-11-23 evening): the surplus requests queue behind
+# the misses that matter.
+_MAX_RUN_LINES = 4
 
 
 def _memcpy_typing(typingctx: Any, dst: Any, dst_off: Any, src: Any, src_off: Any, nbytes: Any) -> Any:
@@ -107,7 +111,7 @@ def _ahead(starts: Any, rows: Any, row_bytes: int) -> int:
     count = starts.shape[0] - 1
     if count <= 0:
         return 1
-    lines = max((rows.shape[0] * row_bytes) // (count * _LINE), 1)
+    lines = min(max((rows.shape[0] * row_bytes) // (count * _LINE), 1), _MAX_RUN_LINES)
     ahead: int = min(max(_AHEAD_LINES // lines, 2), 64)
     return ahead
 
