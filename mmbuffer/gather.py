@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from . import errors
-from .store import Column, Store
+from .store import Store
 
 
 @dataclass(slots=True)
@@ -110,7 +110,7 @@ def gather(
     """
     from .kernels import gather as kernels
 
-    names = resolve_keys(store, keys)
+    plan = _plan(store, keys)
     rows = np.asarray(rows, dtype=np.int64)
     flat = np.ascontiguousarray(rows).reshape(-1)
     starts, bad = kernels.runs(flat, store.capacity)
@@ -119,29 +119,103 @@ def gather(
             f"index: expected row ids in [0, {store.capacity}), got {int(flat[bad])} "
             f"(values from {flat.min()} to {flat.max()})"
         )
-    wanted = set(names)
-    targets = _targets(store, names, rows.shape, out)
-    result: dict[str, torch.Tensor] = {}
-    for name in names:
-        if name in result:
-            continue
-        base = name[5:] if name.startswith("next_") else name
-        nxt = f"next_{base}"
-        if nxt in wanted:  # the column and its next values in one pass
-            own = targets[base] if base in wanted else None
-            _next_into(kernels, store, flat, starts, base, targets[nxt], own)
-            result[nxt] = targets[nxt].finish()
-            if own is not None:
-                result[base] = own.finish()
-            continue
-        target = targets[base]
-        mapped = store.column(base).mapped()
-        if mapped is None:
-            target.array[...] = store.read(base, flat).reshape(target.array.shape)
-        elif target.row_bytes:
-            kernels.copy_rows(kernels.bytes_of(mapped), flat, starts, target.row_bytes, target.bytes(kernels))
-        result[base] = target.finish()
-    return {name: result[name] for name in names}
+    targets = _targets(plan.keys, rows.shape, out)
+    for own, after in plan.passes:
+        if after is None:
+            assert own is not None
+            _copy(kernels, store, flat, starts, own, targets[own.name])
+        else:
+            _next_into(kernels, store, flat, starts, after, targets[after.name],
+                       None if own is None else targets[own.name])
+    return {key.name: targets[key.name].finish() for key in plan.keys}
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Key:
+    """One key a gather returns, as it is copied: fixed for the store's life (a
+    store's columns and their maps never change once it is open)."""
+
+    name: str
+    base: str  # the stored column (``obs`` for ``next_obs``)
+    row_shape: tuple[int, ...]
+    dtype: np.dtype
+    torch_dtype: torch.dtype
+    row_bytes: int
+    source: np.ndarray | None  # the column's mapped bytes; None: read through its backend
+    # final, terminated and truncated as mapped bytes, for a ``next_`` key (None: read them)
+    ends: tuple[np.ndarray, np.ndarray, np.ndarray] | None
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Plan:
+    """The keys of one ``keys`` argument, and the passes that copy them: ``(own,
+    after)`` copies ``own`` alone (``after`` None) or ``after`` = ``next_<col>``
+    with ``own`` = ``<col>`` (when also asked) in the same pass."""
+
+    keys: tuple[_Key, ...]
+    passes: tuple[tuple[_Key | None, _Key | None], ...]
+
+
+_MAX_PLANS = 64  # per store: distinct ``keys`` arguments seen
+_PLANS: weakref.WeakKeyDictionary[Store, dict[Any, _Plan]] = weakref.WeakKeyDictionary()
+
+
+def _plan(store: Store, keys: Iterable[str] | None) -> _Plan:
+    """The plan of ``keys`` for ``store``, built once per store and keys (a batch's
+    fixed Python cost was ~25-45 us of dtype, shape and map lookups before)."""
+    if keys is not None and not isinstance(keys, str):
+        keys = tuple(keys)
+    plans = _PLANS.get(store)
+    if plans is None:
+        plans = _PLANS.setdefault(store, {})
+    try:
+        plan = plans.get(keys)
+    except TypeError:  # unhashable names: resolve_keys says what is wrong with them
+        resolve_keys(store, keys)
+        raise
+    if plan is None:
+        names = resolve_keys(store, keys)
+        if len(plans) >= _MAX_PLANS:
+            plans.clear()
+        built = {name: _key(store, name) for name in dict.fromkeys(names)}
+        wanted, done = set(names), set[str]()
+        passes: list[tuple[_Key | None, _Key | None]] = []
+        for name in built:
+            base = built[name].base
+            after = f"next_{base}"
+            if base in done or after in done:
+                continue
+            if after in wanted:  # the column and its next values in one pass
+                passes.append((built.get(base), built[after]))
+                done.update((base, after))
+            else:
+                passes.append((built[name], None))
+                done.add(name)
+        plan = plans[keys] = _Plan(tuple(built[n] for n in names), tuple(passes))
+    return plan
+
+
+def _key(store: Store, name: str) -> _Key:
+    from .kernels import gather as kernels
+
+    base = name[5:] if name.startswith("next_") else name
+    col = store.columns[base]
+    dtype = np.dtype(col.dtype)
+    mapped = store.column(base).mapped()
+    ends = None
+    if name != base:
+        final, terminated, truncated = (store.column(n).mapped() for n in (f"final/{base}", "terminated", "truncated"))
+        if mapped is not None and final is not None and terminated is not None and truncated is not None:
+            ends = (kernels.bytes_of(final), kernels.bytes_of(terminated), kernels.bytes_of(truncated))
+    return _Key(name, base, tuple(col.shape), dtype, _torch_dtype(dtype), math.prod(col.shape) * dtype.itemsize,
+                None if mapped is None else kernels.bytes_of(mapped), ends)
+
+
+def _copy(kernels: Any, store: Store, flat: np.ndarray, starts: np.ndarray, key: _Key, target: _Target) -> None:
+    if key.source is None:  # a compressed column: read through its backend
+        target.array[...] = store.read(key.base, flat).reshape(target.array.shape)
+    elif key.row_bytes:
+        kernels.copy_rows(key.source, flat, starts, key.row_bytes, target.bytes(kernels))
 
 
 class _Target:
@@ -149,19 +223,19 @@ class _Target:
     contiguous, that shape and dtype), else new memory that ``finish`` copies
     into the caller's tensor or returns as a tensor."""
 
-    __slots__ = ("array", "caller", "dtype", "row_bytes", "shape", "tensor")
+    __slots__ = ("array", "caller", "dtype", "raw", "shape", "tensor")
 
-    def __init__(self, shape: tuple[int, ...], col: Column, caller: torch.Tensor | None) -> None:
-        self.dtype = np.dtype(col.dtype)
+    def __init__(self, shape: tuple[int, ...], key: _Key, caller: torch.Tensor | None) -> None:
+        self.dtype = key.dtype
         self.shape = shape
-        self.row_bytes = math.prod(col.shape) * self.dtype.itemsize
         self.caller = caller
         self.tensor: torch.Tensor | None = None
+        self.raw: np.ndarray | None = None  # the array's bytes, when placed in new memory
         if (
             caller is not None
             and caller.device.type == "cpu"
             and tuple(caller.shape) == shape
-            and caller.dtype == _torch_dtype(self.dtype)
+            and caller.dtype == key.torch_dtype
             and caller.is_contiguous()
             and not caller.requires_grad
         ):
@@ -175,10 +249,14 @@ class _Target:
 
     def place(self, memory: np.ndarray) -> None:
         """Take ``memory`` (``nbytes`` bytes) as this target's array."""
+        self.raw = memory
         self.array = memory.view(self.dtype).reshape(self.shape)
         self.tensor = torch.from_numpy(self.array)
 
     def bytes(self, kernels: Any) -> np.ndarray:
+        """The array as flat bytes, what the copy kernels write."""
+        if self.raw is not None:
+            return self.raw
         out: np.ndarray = kernels.bytes_of(self.array)
         return out
 
@@ -190,21 +268,17 @@ class _Target:
         return self.caller
 
 
-def _targets(
-    store: Store, names: list[str], index_shape: tuple[int, ...], out: Mapping[str, torch.Tensor] | None
-) -> dict[str, _Target]:
+def _targets(keys: tuple[_Key, ...], index_shape: tuple[int, ...], out: Mapping[str, torch.Tensor] | None) -> dict[str, _Target]:
     """A target per key; the new memory of all of them is one recycled block."""
-    targets = {}
-    for name in names:
-        col = store.columns[name[5:] if name.startswith("next_") else name]
-        targets[name] = _Target((*index_shape, *col.shape), col, None if out is None else out.get(name))
-    sizes = [-(-t.nbytes // _ALIGN) * _ALIGN for t in targets.values()]
-    block = _RECYCLER.block(sum(sizes)) if sum(sizes) else np.empty(0, np.uint8)
+    targets = {k.name: _Target((*index_shape, *k.row_shape), k, None if out is None else out.get(k.name)) for k in keys}
+    sizes = [t.nbytes for t in targets.values()]
+    total = sum(-(-n // _ALIGN) * _ALIGN for n in sizes)
+    block = _RECYCLER.block(total) if total else np.empty(0, np.uint8)
     at = 0
-    for t, size in zip(targets.values(), sizes):
+    for t, n in zip(targets.values(), sizes):
         if t.tensor is None:
-            t.place(block[at : at + t.nbytes])
-        at += size
+            t.place(block[at : at + n])
+        at += -(-n // _ALIGN) * _ALIGN
     return targets
 
 
@@ -271,25 +345,22 @@ def _torch_dtype(dtype: np.dtype) -> torch.dtype:
 
 
 def _next_into(
-    kernels: Any, store: Store, flat: np.ndarray, starts: np.ndarray, base: str, after: _Target, own: _Target | None
+    kernels: Any, store: Store, flat: np.ndarray, starts: np.ndarray, key: _Key, after: _Target, own: _Target | None
 ) -> None:
-    """``next_<base>`` into ``after`` and, when ``own`` is given, ``base`` into it."""
-    column = store.column(base).mapped()
-    parts = [store.column(n).mapped() for n in (f"final/{base}", "terminated", "truncated")]
-    if column is not None and all(p is not None for p in parts):
-        if after.row_bytes:
-            b = [kernels.bytes_of(a) for a in (column, *parts) if a is not None]
+    """``next_<base>`` into ``after`` and, when ``own`` is given, ``<base>`` into it."""
+    if key.source is not None and key.ends is not None:
+        if key.row_bytes:
             kernels.copy_rows_next(
-                *b, flat, starts, store.layout.lane_size, after.row_bytes, after.bytes(kernels),
+                key.source, *key.ends, flat, starts, store.layout.lane_size, key.row_bytes, after.bytes(kernels),
                 None if own is None else own.bytes(kernels),
             )
         return
     # a compressed column: read through its backend
-    values = store.read(base, flat)
+    values = store.read(key.base, flat)
     if own is not None:
         own.array[...] = values.reshape(own.array.shape)
-    following = store.read(base, store.layout.following(flat))
+    following = store.read(key.base, store.layout.following(flat))
     last = store.read("terminated", flat) | store.read("truncated", flat)
     if last.any():
-        following[last] = store.read(f"final/{base}", flat[last])
+        following[last] = store.read(f"final/{key.base}", flat[last])
     after.array[...] = following.reshape(after.array.shape)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import mmbuffer as mb
-from mmbuffer.gather import gather
+from mmbuffer.gather import gather, resolve_keys
 from mmbuffer.kernels import gather as kernels
 
 COLUMNS = {
@@ -139,6 +139,27 @@ def test_rows_out_of_range_are_refused_and_change_no_out_buffer(tmp_path, rng):
             gather(buf, np.array(bad), ["obs"], out=out)
         assert (out["obs"] == 5.0).all()
 
+
+
+def test_plans_are_kept_per_store_and_keys(tmp_path, rng):
+    """What a gather keeps between calls (the keys' dtypes, shapes and maps) belongs to
+    one store and one keys argument: another store, a store reopened on new files,
+    keys in another order or given as a list each get their own, and bad names are
+    still refused with a typed error."""
+    a = fill(tmp_path / "a", rng)
+    b = fill(tmp_path / "b", rng, streams=3, lane=16)
+    rows = rng.integers(0, 48, (3, 5))
+    for buf in (a, b, a):
+        for keys in (KEYS, KEYS[::-1], tuple(KEYS), ["next_img"], "obs", ["obs"], None):
+            want_keys = resolve_keys(buf, keys)
+            want = reference(buf, rows, want_keys)
+            assert_same(gather(buf, rows, keys), {k: want[k] for k in dict.fromkeys(want_keys)})
+    a.close()
+    c = fill(tmp_path / "a2", np.random.default_rng(7))  # other rows, other files
+    assert_same(gather(c, rows, KEYS), reference(c, rows, KEYS))
+    for bad in (["obs", "nope"], [["obs"]]):
+        with pytest.raises(mb.errors.InvalidArgumentError, match="keys: expected names among"):
+            gather(c, rows, bad)
 
 def test_empty_rows(tmp_path, rng):
     buf = fill(tmp_path / "s", rng)
