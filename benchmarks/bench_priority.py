@@ -13,7 +13,14 @@ percentile: the steady state of a learner, whose tree is mapped and dirty);
 then ``sample`` with the gather, an update that lowers the row holding the max
 (the default for new rows must follow the live max), and reports its RSS,
 split into anonymous memory (the process's own) and file-backed pages (the
-page cache of the store's maps, shared and reclaimable). When TorchRL's
+page cache of the store's maps, shared and reclaimable). It also counts the page
+faults per sample + update step in the timed half, and the machine's dirty and
+under-writeback page cache then, beside the kernel's writeback settings printed at
+the start: a store into a mapped tree page that the kernel has written back since
+the last store faults again (the page is write-protected once clean), so the
+update's cost depends on how long the kernel lets the tree's pages stay dirty
+(``vm.dirty_background_*``, ``vm.dirty_expire_centisecs``; RESULTS.md, issue 12).
+When TorchRL's
 PrioritizedSampler is available (see ``_torchrl_baseline.py``) it runs at the
 capacities up to ``--torchrl-max``.
 
@@ -78,6 +85,22 @@ def build(path: Path, capacity: int) -> float:
     return time.perf_counter() - t0
 
 
+def writeback_settings() -> str:
+    """The kernel's page-cache writeback settings, and the memory they scale with."""
+    def read(name: str) -> str:
+        try:
+            return Path(f"/proc/sys/vm/{name}").read_text().strip()
+        except OSError:
+            return "n/a"
+
+    names = ("dirty_background_ratio", "dirty_background_bytes", "dirty_expire_centisecs", "dirty_writeback_centisecs")
+    try:
+        avail = next(int(line.split()[1]) // 1024 for line in open("/proc/meminfo") if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        avail = -1
+    return "writeback: " + ", ".join(f"{n} {read(n)}" for n in names) + f"; MemAvailable {avail} MiB"
+
+
 def drop_cache(folder: Path) -> None:
     """Drop the clean pages of every file under ``folder`` from the page cache."""
     for file in folder.rglob("*"):
@@ -91,10 +114,13 @@ def drop_cache(folder: Path) -> None:
 
 
 WORKER = """
-import json, statistics, sys, time
+import json, resource, statistics, sys, time
 import numpy as np, torch
 import mmbuffer as mb
 from mmbuffer import tree
+def vmstat(key):
+    with open("/proc/vmstat") as f:
+        return next(int(l.split()[1]) * 4096 for l in f if l.split()[0] == key)
 t0 = time.perf_counter()
 buf = mb.open(sys.argv[1])
 t_open = time.perf_counter() - t0
@@ -109,14 +135,19 @@ buf.warm()  # the whole tree at sequential disk speed, mapped
 t_warm = time.perf_counter() - t0
 # steady state: a learner samples and updates for a while, so the tree's pages are
 # mapped and dirty; time the later half of a fixed-duration loop
-t_idx, t_tot, t_upd = [], [], []
+t_idx, t_tot, t_upd, faults, dirty = [], [], [], [], []
 end = time.time() + float(sys.argv[3])
 while time.time() < end or len(t_idx) < reps:
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     t0 = time.perf_counter(); rows, w, _ = buf.sample_indices(256, g, prioritized=True); t1 = time.perf_counter()
     buf.update_priorities(torch.from_numpy(rows), torch.from_numpy(rng.random(256))); t2 = time.perf_counter()
     t_idx.append(t1 - t0); t_upd.append(t2 - t1)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+    if len(t_idx) % 1000 == 0:  # the kernel's dirty page-cache bytes, machine-wide
+        dirty.append(vmstat("nr_dirty") + vmstat("nr_writeback"))
 half = len(t_idx) // 2
 steps = len(t_idx)
+faults_per_step = sum(faults[half:]) / len(faults[half:])
 p90_idx, p90_upd = np.percentile(t_idx[half:], 90), np.percentile(t_upd[half:], 90)
 t_idx, t_upd = t_idx[half:], t_upd[half:]
 for _ in range(reps):
@@ -135,14 +166,16 @@ with open("/proc/self/status") as f:
     mem = {l.split(":")[0]: int(l.split()[1]) / 1024 for l in f if l.startswith(("VmRSS:", "RssAnon:", "RssFile:"))}
 med = statistics.median
 print(json.dumps({"open": t_open, "cold_index": med(t_cold), "warm": t_warm, "steps": steps, "p90_index": p90_idx, "p90_update": p90_upd, "index": med(t_idx), "total": med(t_tot), "update": med(t_upd),
-                  "update_max": med(t_max), "rss": mem["VmRSS"], "anon": mem["RssAnon"], "file": mem["RssFile"]}))
+                  "update_max": med(t_max), "faults_per_step": faults_per_step,
+                  "dirty_mib": statistics.median(dirty[len(dirty) // 2:] or [0]) / 2**20, "rss": mem["VmRSS"], "anon": mem["RssAnon"], "file": mem["RssFile"]}))
 """
 
 CREATE = """
 import json, os, resource, sys, time
 import mmbuffer as mb
+create = mb.create  # mmbuffer imports torch lazily, on its first use: not part of create's time
 t0 = time.perf_counter()
-mb.create(sys.argv[1], {"x": ((), "uint8")}, capacity=int(float(sys.argv[2])), next_keys=(),
+create(sys.argv[1], {"x": ((), "uint8")}, capacity=int(float(sys.argv[2])), next_keys=(),
           priorities=mb.PriorityConfig(alpha=0.6)).close()
 t = time.perf_counter() - t0
 disk = sum(os.lstat(os.path.join(d, f)).st_blocks * 512 for d, _, fs in os.walk(sys.argv[1]) for f in fs)
@@ -220,6 +253,7 @@ def main() -> None:
     args = parser.parse_args()
     root = scratch()
     header("bench_priority")
+    print(writeback_settings() + "\n")
     if args.slices:
         slices(root, args.capacities, min(args.reps, 50))
         return
@@ -254,6 +288,8 @@ def main() -> None:
                 "sample+gather ms": res["total"] * 1e3,
                 "update ms": res["update"] * 1e3,
                 "p90 update ms": res["p90_update"] * 1e3,
+                "page faults / step": res["faults_per_step"],
+                "dirty + writeback MiB (machine)": res["dirty_mib"],
                 "lower max ms": res["update_max"] * 1e3,
                 "RSS MiB": res["rss"],
                 "anon RSS - imports MiB": res["anon"] - base_rss,
