@@ -272,13 +272,13 @@ def _targets(keys: tuple[_Key, ...], index_shape: tuple[int, ...], out: Mapping[
     """A target per key; the new memory of all of them is one recycled block."""
     targets = {k.name: _Target((*index_shape, *k.row_shape), k, None if out is None else out.get(k.name)) for k in keys}
     sizes = [t.nbytes for t in targets.values()]
-    total = sum(-(-n // _ALIGN) * _ALIGN for n in sizes)
-    block = _RECYCLER.block(total) if total else np.empty(0, np.uint8)
+    spans = [-(-n // _ALIGN) * _ALIGN for n in sizes]  # each key's memory starts on a cache line
+    block = _RECYCLER.block(sum(spans)) if sum(spans) else np.empty(0, np.uint8)
     at = 0
-    for t, n in zip(targets.values(), sizes):
+    for t, n, span in zip(targets.values(), sizes, spans):
         if t.tensor is None:
             t.place(block[at : at + n])
-        at += -(-n // _ALIGN) * _ALIGN
+        at += span
     return targets
 
 
