@@ -140,7 +140,6 @@ def test_rows_out_of_range_are_refused_and_change_no_out_buffer(tmp_path, rng):
         assert (out["obs"] == 5.0).all()
 
 
-
 def test_plans_are_kept_per_store_and_keys(tmp_path, rng):
     """What a gather keeps between calls (the keys' dtypes, shapes and maps) belongs to
     one store and one keys argument: another store, a store reopened on new files,
@@ -160,6 +159,7 @@ def test_plans_are_kept_per_store_and_keys(tmp_path, rng):
     for bad in (["obs", "nope"], [["obs"]]):
         with pytest.raises(mb.errors.InvalidArgumentError, match="keys: expected names among"):
             gather(c, rows, bad)
+
 
 def test_empty_rows(tmp_path, rng):
     buf = fill(tmp_path / "s", rng)
