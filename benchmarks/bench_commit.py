@@ -24,7 +24,7 @@ from _common import count, header, table  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mmbuffer as mb  # noqa: E402
-from mmbuffer import zarr_view  # noqa: E402
+from mmbuffer._ledger import zarr_view  # noqa: E402
 
 
 def main() -> None:

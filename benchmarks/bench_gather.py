@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import build_world_model_store, header, scratch, table  # noqa: E402
 
 import mmbuffer as mb  # noqa: E402
-from mmbuffer.gather import gather  # noqa: E402
+from mmbuffer._read.gather import gather  # noqa: E402
 
 
 def build(path: Path, rows: int, episode: int) -> None:

@@ -40,7 +40,7 @@ from _common import count, header, median_time, table  # noqa: E402
 from test_readers import _write_forever, run_race, seed_store  # noqa: E402
 
 import mmbuffer as mb  # noqa: E402
-from mmbuffer.verify import verify  # noqa: E402
+from mmbuffer._ledger.verify import verify  # noqa: E402
 
 
 def kill_runs(path: Path, kills: int) -> dict[str, int]:

@@ -9,7 +9,7 @@ Reported: batches per second of
 * ``sync``: ``buf.sample_slices`` then the step, in the loop,
 * ``stream``: ``for b in mb.stream(...)`` then the step (prefetch thread), with
   CPython's default 5 ms thread switch interval and with the stream's default
-  (0.5 ms while it runs; see ``mmbuffer.stream``),
+  (0.5 ms while it runs; see ``mmbuffer._feed.stream``),
 * prioritized: ``stream(..., prioritized=True)`` with ``update_priorities`` after
   each step, against its own ceiling (the step plus ``update_priorities``),
 
@@ -56,7 +56,7 @@ from _common import build_world_model_store, count  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mmbuffer as mb
-from mmbuffer.stream import stream as mb_stream  # mb.stream once exported
+from mmbuffer._feed.stream import stream as mb_stream  # mb.stream once exported
 
 
 def build(path: Path, rows: int, episode: int, seed: int = 0) -> None:

@@ -96,7 +96,7 @@ def main() -> None:
     episodes = args.episodes or (20 if args.quick else 100)
     steps = args.steps or (300 if args.quick else 3000)
     torch.manual_seed(args.seed)
-    torch.set_num_threads(1)  # leave a core to the stream's sampling thread (see mmbuffer.stream)
+    torch.set_num_threads(1)  # leave a core to the stream's sampling thread (see mmbuffer._feed.stream)
     with tempfile.TemporaryDirectory(prefix="mmbuffer-wm-") as tmp:
         run(args.dir or Path(tmp), episodes, steps, args.seed)
 

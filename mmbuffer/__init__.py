@@ -28,29 +28,29 @@ from . import errors
 if TYPE_CHECKING:
     from . import convert, data, losses, samplers
     from .buffer import Buffer
-    from .epoch import EpochSampler
-    from .gather import Batch
+    from ._feed.epochs import EpochSampler
+    from ._read.gather import Batch
     from .opening import create, open
-    from .store import Column, PriorityConfig
-    from .stream import Stream, stream
+    from ._ledger.store import Column, PriorityConfig
+    from ._feed.stream import Stream, stream
 
 __version__ = "0.1.0"
 
 # public name -> (module, attribute or None for the module itself)
 _LAZY: dict[str, tuple[str, str | None]] = {
-    "Batch": (".gather", "Batch"),
+    "Batch": ("._read.gather", "Batch"),
     "Buffer": (".buffer", "Buffer"),
     "Column": (".schema", "Column"),
     "convert": (".convert", None),
     "create": (".opening", "create"),
     "data": (".data", None),
-    "EpochSampler": (".epoch", "EpochSampler"),
+    "EpochSampler": ("._feed.epochs", "EpochSampler"),
     "losses": (".losses", None),
     "open": (".opening", "open"),
     "PriorityConfig": (".schema", "PriorityConfig"),
     "samplers": (".samplers", None),
-    "stream": (".stream", "stream"),
-    "Stream": (".stream", "Stream"),
+    "stream": ("._feed.stream", "stream"),
+    "Stream": ("._feed.stream", "Stream"),
 }
 
 __all__ = [

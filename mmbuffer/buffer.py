@@ -38,15 +38,15 @@ import numpy as np
 import torch
 
 from . import errors, samplers
-from ._checks import check_int
-from ._manifest import load_manifest
-from .columns import ColumnArray
-from .gather import Batch, gather, resolve_keys
-from .index import Lane
-from .recheck import read_checked
+from ._disk.checks import check_int
+from ._disk.manifest import load_manifest
+from ._disk.columns import ColumnArray
+from ._read.gather import Batch, gather, resolve_keys
+from ._ledger.index import Lane
+from ._read.recheck import read_checked
 from .samplers import Draw, Sampler
-from .store import Column, ColumnOpener, Store, View, locked
-from .writer import Writer, priority_shape, release_lock, take_lock
+from ._ledger.store import Column, ColumnOpener, Store, View, locked
+from ._ledger.writer import Writer, priority_shape, release_lock, take_lock
 
 _REMEMBERED_BATCHES = 256
 
@@ -54,9 +54,9 @@ _REMEMBERED_BATCHES = 256
 class Buffer:
     """An on-disk, memory-mapped trajectory store (use ``mb.create`` / ``mb.open``).
 
-    A facade: the columns and the ledger are a :class:`~mmbuffer.store.Store`
+    A facade: the columns and the ledger are a :class:`~mmbuffer._ledger.store.Store`
     (:attr:`store`), the single writer's cursors, reservation and commits a
-    :class:`~mmbuffer.writer.Writer` (``mode="a"`` only), the draws a sampler spec
+    :class:`~mmbuffer._ledger.writer.Writer` (``mode="a"`` only), the draws a sampler spec
     (:mod:`mmbuffer.samplers`), the reads ``gather``. Every method that reads or
     changes cursors, index, tree or rows holds :attr:`lock` (re-entrant), so a
     prefetching thread may sample while the training thread extends, commits and
@@ -136,7 +136,7 @@ class Buffer:
         return self._store.num_episodes
 
     def view(self) -> View:
-        """The snapshot samplers draw from now (``mmbuffer.store.View``)."""
+        """The snapshot samplers draw from now (``mmbuffer._ledger.store.View``)."""
         return self._store.view()
 
     def episode_bounds(self, view: View | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -199,13 +199,13 @@ class Buffer:
     def episode(self, i: int, keys: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
         """The ``i``-th live episode (``episodes()`` order: lane by lane, oldest first)
         as ``{key: tensor [length, ...]}``, steps in order, wrap undone (``episodes.py``)."""
-        from .episodes import episode
+        from ._read.episodes import episode
 
         return episode(self, i, keys)
 
     def iter_episodes(self, keys: Iterable[str] | None = None) -> Iterator[dict[str, torch.Tensor]]:
         """Every live episode as of the call, in ``episode(i)`` order (``episodes.py``)."""
-        from .episodes import iter_episodes
+        from ._read.episodes import iter_episodes
 
         return iter_episodes(self, keys)
 
@@ -440,7 +440,7 @@ class Buffer:
         for those positions, from the store's current ``view()`` (a sampler, or a
         rank lookup). In a reader the copy is re-checked against the writer and
         what it may have rewritten meanwhile is drawn and read again
-        (``mmbuffer.recheck``). Padded window positions read as zeros.
+        (``mmbuffer._read.recheck``). Padded window positions read as zeros.
         ``out``: caller tensors the columns are gathered into. ``recheck=True``
         gathers without holding the store's lock and re-checks the items as a
         reader does, also in the writer's process (``mb.stream``'s parallel

@@ -6,7 +6,7 @@ loader's own batching). Each worker process opens the store read-only itself
 (``mb.open(path, "r")``); the columns are memory-mapped, so all workers and ranks
 on a machine share one copy in the page cache and each process's memory stays
 flat. Each batch is gathered straight into one flat block (a
-:class:`~mmbuffer._transfer.PackedBatch`, a ``Batch`` whose tensors are views into
+:class:`~mmbuffer._feed.blocks.PackedBatch`, a ``Batch`` whose tensors are views into
 it), so a batch crosses from a worker as one shared-memory segment (one file
 descriptor, one map in the main process, whatever the number of columns),
 ``DataLoader``'s ``pin_memory=True`` pins one tensor (it calls
@@ -61,14 +61,14 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from . import errors, samplers
-from ._checks import check_int
-from ._transfer import BlockLayout, PackedBatch, read_into
+from ._disk.checks import check_int
+from ._feed.blocks import BlockLayout, PackedBatch, read_into
 from .buffer import Buffer
-from .epoch import EpochSampler
-from .gather import Batch, resolve_keys
+from ._feed.epochs import EpochSampler
+from ._read.gather import Batch, resolve_keys
 from .opening import open as open_store
 from .samplers import Sampler
-from .urls import is_url, location
+from ._disk.urls import is_url, location
 
 __all__ = ["BufferDataset"]
 

@@ -19,9 +19,9 @@ from typing import Any
 
 from . import errors
 from .buffer import Buffer
-from .create import create_store
+from ._disk.create import create_store
 from .schema import PriorityConfig
-from .urls import is_url, local_path
+from ._disk.urls import is_url, local_path
 
 __all__ = ["create", "open"]
 

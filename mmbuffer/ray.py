@@ -45,10 +45,10 @@ import torch
 
 from . import errors
 from .buffer import Buffer
-from .gather import Batch
+from ._read.gather import Batch
 from .opening import create
 from .opening import open as open_store
-from .store import PriorityConfig
+from ._ledger.store import PriorityConfig
 
 # ``ray`` is imported inside the functions: this module imports (and its doctest
 # skips) without the "ray" extra
@@ -135,7 +135,7 @@ def serve(path: str | os.PathLike[str], columns: Mapping[str, Any] | None = None
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from .urls import local_path
+    from ._disk.urls import local_path
 
     where = str(local_path(path, "path", hint="the owner writes a local store"))
     opts: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0}

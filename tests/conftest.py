@@ -34,4 +34,4 @@ def compiled_kernels():
     few seconds each, inside tests that time a writer against its readers."""
     import importlib
 
-    importlib.import_module("mmbuffer._procwarm")  # warms on import (uniform, slices, priorities)
+    importlib.import_module("mmbuffer._feed.warm")  # warms on import (uniform, slices, priorities)

@@ -94,8 +94,8 @@ def test_no_module_is_over_about_500_lines():
 def test_buffer_composes_a_store_and_a_writer(tmp_path):
     """``Buffer`` is a facade: it is not a ``Store``; a writable buffer has a ``Writer``
     over the same store, a reader none (and writes are refused before any check)."""
-    from mmbuffer.store import Store
-    from mmbuffer.writer import Writer
+    from mmbuffer._ledger.store import Store
+    from mmbuffer._ledger.writer import Writer
 
     assert not issubclass(mb.Buffer, Store) and not issubclass(mb.Buffer, Writer)
     buf = mb.create(tmp_path / "s", {"x": ((), "int64")}, capacity=8, next_keys=())
@@ -106,3 +106,4 @@ def test_buffer_composes_a_store_and_a_writer(tmp_path):
     ro = mb.open(tmp_path / "s", mode="r")
     with pytest.raises(mb.errors.ReadOnlyError, match="mode='r'"):
         ro.extend({"x": "not even checked"})
+

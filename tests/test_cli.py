@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import mmbuffer as mb
-from mmbuffer.cli import build_parser, main
+from mmbuffer._cli.main import build_parser, main
 
 REPO = Path(mb.__file__).resolve().parents[1]
 HEAVY = ("torch", "numba")
@@ -54,18 +54,18 @@ def test_help_info_and_verify_import_neither_torch_nor_numba(tmp_path, command):
     proc = _cli("-X", "importtime", "-m", "mmbuffer", *argv)
     assert proc.returncode == 0, proc.stderr
     imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
-    assert "mmbuffer.cli" in imported  # the check sees the package's imports
+    assert "mmbuffer._cli.main" in imported  # the check sees the package's imports
     assert not {m for m in imported if m.split(".")[0] in HEAVY}, sorted(m for m in imported if m.split(".")[0] in HEAVY)[:5]
 
 
 def test_import_mmbuffer_is_lazy_and_every_public_name_works():
     code = ("import sys, mmbuffer as mb; light = [m for m in ('torch', 'numba') if m in sys.modules]; "
-            "import mmbuffer.store, mmbuffer.stream, mmbuffer.create; "  # submodules named like functions
+            "import mmbuffer._ledger.store, mmbuffer._feed.stream, mmbuffer._disk.create; "  # submodules named like functions
             "names = {n: getattr(mb, n) for n in mb.__all__}; "
             "assert callable(mb.create) and callable(mb.stream) and not isinstance(mb.stream, type(sys)); "
             "from mmbuffer import create, Buffer, stream, samplers, convert; "
             "assert names['create'] is create and names['Buffer'] is mb.Buffer; "
-            "assert mb.Column is __import__('mmbuffer.store').store.Column; "
+            "assert mb.Column is __import__('mmbuffer._ledger.store', fromlist=['Column']).Column; "
             "assert set(mb.__all__) <= set(dir(mb)); print(light, 'torch' in sys.modules)")
     proc = _cli("-c", code)
     assert proc.returncode == 0, proc.stderr
@@ -112,7 +112,7 @@ def test_every_bench_script_is_a_suite_and_accepts_1e5_row_counts():
     for bad in ("1.5", "0", "-1e3", "many"):
         with pytest.raises(argparse.ArgumentTypeError, match=re.escape(repr(bad))):
             count(bad)
-    from mmbuffer.cli import SUITES
+    from mmbuffer._cli.main import SUITES
 
     assert sorted(SUITES) == SCRIPTS
     for suite in SCRIPTS:
@@ -202,7 +202,7 @@ def test_copy_prints_compression_as_spelled_and_one_checksum_line(tmp_path, caps
 
 
 def test_demo_with_no_episodes_is_refused_before_anything_is_created(tmp_path, capsys):
-    from mmbuffer.demo import run_demo
+    from mmbuffer._cli.demo import run_demo
 
     with pytest.raises(SystemExit) as exit_:  # argparse's own refusal
         main(["demo", str(tmp_path / "d"), "--episodes", "0"])

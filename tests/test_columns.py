@@ -1,6 +1,6 @@
 """One conformance suite for every column backend (zarr's ``StoreTests`` is the model).
 
-``ColumnTests`` holds the behaviour every :class:`mmbuffer.columns.ColumnArray`
+``ColumnTests`` holds the behaviour every :class:`mmbuffer._disk.columns.ColumnArray`
 must have; each backend subclasses it once, saying how to create and open its
 arrays. A new backend adds one subclass (the remote one: ``TestRemoteArray`` in test_remote.py,
 beside the S3 server it needs).
@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mmbuffer import _format as fmt
-from mmbuffer.columns import ColumnArray, RawArray, ZarrArray, open_array
+from mmbuffer._disk import format as fmt
+from mmbuffer._disk.columns import ColumnArray, RawArray, ZarrArray, open_array
 
 ROWS = 1000  # not a power of two: partial last chunk
 

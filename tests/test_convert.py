@@ -17,17 +17,7 @@ import pytest
 import torch
 
 import mmbuffer as mb
-from mmbuffer.convert import (
-    ConversionWarning,
-    convert,
-    convert_d4rl,
-    convert_minari,
-    convert_npz,
-    convert_torchrl,
-    copy,
-    export_d4rl,
-    export_minari,
-)
+from mmbuffer.convert import ConversionWarning, convert, convert_d4rl, convert_minari, convert_npz, convert_torchrl, copy, export_d4rl, export_minari
 from mmbuffer.errors import ConversionError, InvalidArgumentError, StoreExistsError
 
 gym = pytest.importorskip("gymnasium")
@@ -246,7 +236,7 @@ def test_existing_output_is_refused_unless_overwrite(tmp_path, cartpole):
 
 
 def test_interrupted_conversion_leaves_nothing_that_looks_complete(tmp_path, cartpole, monkeypatch):
-    from mmbuffer.convert import _flat
+    from mmbuffer.convert._pipeline import flat as _flat
 
     src = tmp_path / "c.hdf5"
     write_d4rl(src, cartpole)
@@ -265,7 +255,7 @@ def test_interrupted_conversion_leaves_nothing_that_looks_complete(tmp_path, car
 
 
 def test_verification_catches_a_bad_write(tmp_path, cartpole, monkeypatch):
-    from mmbuffer import _rawio as _format  # the raw-array I/O moved out of _format
+    from mmbuffer._disk import rawio as _format  # the raw-array I/O moved out of _format
 
     src = tmp_path / "c.hdf5"
     write_d4rl(src, cartpole)
@@ -316,7 +306,7 @@ def test_copy_keeps_stored_priorities(tmp_path, compression):
 
 
 def test_copy_verification_catches_a_bad_write(tmp_path, monkeypatch):
-    from mmbuffer import _rawio as _format  # the raw-array I/O moved out of _format
+    from mmbuffer._disk import rawio as _format  # the raw-array I/O moved out of _format
 
     with mb.create(str(tmp_path / "src"), {"obs": ((4,), "float32")}, capacity=20_000, next_keys=()) as buf:
         buf.extend({"obs": np.ones((20_000, 4), np.float32), "truncated": np.arange(20_000) % 1000 == 999})
@@ -335,7 +325,7 @@ def test_copy_verification_catches_a_bad_write(tmp_path, monkeypatch):
 
 
 def test_verification_compares_episodes_after_reopening(tmp_path, cartpole, monkeypatch):
-    from mmbuffer.convert import _write
+    from mmbuffer.convert._pipeline import write as _write
 
     src = tmp_path / "c.hdf5"
     write_d4rl(src, cartpole)
@@ -388,8 +378,8 @@ def test_npz_refuses_pickles_and_non_archives(tmp_path, cartpole):
 
 
 def test_command_line_convert_export_copy(tmp_path, cartpole, capsys):
-    from mmbuffer.cli import main
-    from mmbuffer.convert.cli import tool_main
+    from mmbuffer._cli.main import main
+    from mmbuffer._cli.convert import tool_main
 
     src = tmp_path / "c.hdf5"
     write_d4rl(src, cartpole)

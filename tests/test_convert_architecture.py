@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import mmbuffer as mb
-from mmbuffer.cli import build_parser, main
-from mmbuffer.convert._dest import partial_path
+from mmbuffer._cli.main import build_parser, main
+from mmbuffer.convert._pipeline.dest import partial_path
 from mmbuffer.errors import ConversionError
 
 CONVERT = Path(mb.__file__).parent / "convert"
@@ -51,7 +51,7 @@ def test_no_convert_module_uses_another_modules_private_names():
 
 # -- one registry of formats ----------------------------------------------------------------
 def test_cli_and_convert_read_the_one_registry(tmp_path, monkeypatch, capsys):
-    from mmbuffer.convert import _formats
+    from mmbuffer.convert import registry as _formats
 
     calls = []
 
@@ -83,7 +83,7 @@ HDF5 = b"\x89HDF\r\n\x1a\n"  # an HDF5 signature: the d4rl rules of _dest accept
 def _file_writer() -> type:
     """A writer class that writes ``data`` to a file (a plain file output: the d4rl rules of
     _dest); it fails where told to. Built on call: the module under test is imported there."""
-    from mmbuffer.convert import _frame
+    from mmbuffer.convert._pipeline import frame as _frame
 
     class FileWriter(_frame.Writer):
         kind = "d4rl"
@@ -130,7 +130,7 @@ def _d4rl_like(path: Path) -> Path:
 
 
 def test_writer_frame_writes_verifies_and_renames(tmp_path):
-    from mmbuffer.convert import _frame
+    from mmbuffer.convert._pipeline import frame as _frame
 
     FileWriter = _file_writer()
     dst = tmp_path / "out.hdf5"
@@ -158,7 +158,7 @@ def test_writer_frame_writes_verifies_and_renames(tmp_path):
 
 # -- the producer thread ----------------------------------------------------------------------
 def test_producer_hands_over_items_errors_and_stops_a_blocked_source():
-    from mmbuffer._producer import Producer
+    from mmbuffer._feed.threads import Producer
 
     with Producer(iter(range(5)), depth=2, name="t-producer") as p:
         assert list(p) == [0, 1, 2, 3, 4]

@@ -160,7 +160,7 @@ def test_copy_resizes_restreams_and_changes_priorities(tmp_path):
 
 
 def test_cli_capacity_streams_priorities(tmp_path, capsys):
-    from mmbuffer.cli import main
+    from mmbuffer._cli.main import main
 
     npz_source(tmp_path / "d.npz", [10, 20, 5, 15])
     assert main(["convert", "npz", str(tmp_path / "d.npz"), str(tmp_path / "s"), "--capacity", "1e3",
@@ -179,7 +179,7 @@ def test_cli_capacity_streams_priorities(tmp_path, capsys):
 
 
 def test_convert_help_documents_every_option_and_the_npz_layout(capsys):
-    from mmbuffer.cli import main
+    from mmbuffer._cli.main import main
 
     for cmd in ("convert", "copy", "export"):
         with pytest.raises(SystemExit):
@@ -197,7 +197,7 @@ def test_convert_help_documents_every_option_and_the_npz_layout(capsys):
 def _help(cmd: str) -> str:
     import argparse
 
-    from mmbuffer.convert.cli import add_subcommands
+    from mmbuffer._cli.convert import add_subcommands
 
     p = argparse.ArgumentParser()
     add_subcommands(p.add_subparsers())
@@ -643,7 +643,7 @@ def test_minari_dataset_id_and_reset_info(tmp_path, monkeypatch, data_format):
     if data_format == "arrow":
         pytest.importorskip("pyarrow")
     collect_minari(tmp_path, monkeypatch, "cartpole/random-v0", 4, data_format)
-    from mmbuffer.cli import main
+    from mmbuffer._cli.main import main
 
     # the id, resolved in MINARI_DATASETS_PATH (no download), on the command line
     assert main(["convert", "minari", "cartpole/random-v0", str(tmp_path / "s"), "--keep-infos",
@@ -684,7 +684,7 @@ def test_minari_infos_survive_export(tmp_path, monkeypatch):
 
 
 def test_cli_summaries_are_readable(tmp_path, capsys):
-    from mmbuffer.cli import main
+    from mmbuffer._cli.main import main
 
     long = "observation_with_a_very_long_column_name_indeed"
     with mb.create(tmp_path / "s", {long: ((2,), "float32")}, capacity=10, next_keys=()) as buf:

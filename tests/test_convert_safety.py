@@ -16,16 +16,8 @@ import pytest
 import torch
 
 import mmbuffer as mb
-from mmbuffer.cli import main
-from mmbuffer.convert import (
-    ConversionWarning,
-    convert_d4rl,
-    convert_npz,
-    convert_torchrl,
-    copy,
-    export_d4rl,
-    export_minari,
-)
+from mmbuffer._cli.main import main
+from mmbuffer.convert import ConversionWarning, convert_d4rl, convert_npz, convert_torchrl, copy, export_d4rl, export_minari
 from mmbuffer.errors import ConversionError, StoreExistsError
 
 N = 1050
@@ -161,7 +153,7 @@ def test_stale_partial_that_is_not_ours_is_refused(tmp_path, store):
 
 @pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "rename-aside"])
 def test_overwrite_replaces_our_own_outputs(tmp_path, store, monkeypatch, exchange):
-    from mmbuffer.convert import _dest
+    from mmbuffer.convert._pipeline import dest as _dest
 
     if not exchange:  # a filesystem or kernel without RENAME_EXCHANGE
         monkeypatch.setattr(_dest, "_exchange", lambda a, b: False)
@@ -189,7 +181,7 @@ def test_store_with_a_live_writer_is_not_overwritten(tmp_path, store):
 
 def test_swap_failure_leaves_the_old_output(tmp_path, store, monkeypatch):
     """A crash while swapping leaves the old store or the new one at DST, never neither."""
-    from mmbuffer.convert import _dest
+    from mmbuffer.convert._pipeline import dest as _dest
 
     src = write_h5(tmp_path / "src2.hdf5", d4rl_arrays(100, open_tail=False))
 
@@ -340,7 +332,7 @@ def test_wrong_format_input_is_one_typed_line(tmp_path, capsys, fmt, what, messa
 
 
 def test_sniff_names_what_a_file_holds(tmp_path):
-    from mmbuffer.convert._sniff import sniff
+    from mmbuffer.convert._pipeline.sniff import sniff
 
     src = _sources(tmp_path)
     torch.save({"obs": torch.zeros(2)}, tmp_path / "t.pt")

@@ -104,7 +104,7 @@ def test_distributed_remote_store(tmp_path, monkeypatch):
     pytest.importorskip("s3fs")
     import dataclasses
 
-    from mmbuffer import _format as fmt
+    from mmbuffer._disk import format as fmt
 
     monkeypatch.setattr(fmt, "config", dataclasses.replace(fmt.config, chunk_bytes=512))  # many small blocks
     make_store(tmp_path / "store")

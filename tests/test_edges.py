@@ -109,7 +109,7 @@ def test_create_refuses_an_empty_directory_made_meanwhile(tmp_path, monkeypatch,
     take that directory over when it appears while the store is being built (also
     where ``renameat2`` is missing: then the directory is checked just before)."""
     if not renameat2:
-        from mmbuffer import _files
+        from mmbuffer._disk import files as _files
 
         monkeypatch.setattr(_files, "_renameat2", lambda: None)
     target = tmp_path / "s"
@@ -350,7 +350,7 @@ def test_read_only_filesystem_refuses_a_writer_with_a_typed_error(small_fs):
         mb.create(small_fs / "t", COLUMNS, capacity=64)
     ro = mb.open(path, mode="r")  # reading works
     assert ro.num_episodes == 2 and ro.get([7])["action"].tolist() == [7]
-    from mmbuffer.cli import main
+    from mmbuffer._cli.main import main
 
     assert main(["verify", str(path)]) == 0  # a reader's verify needs no write
     assert main(["verify", str(path), "--repair"]) == 2  # one typed line, no traceback
@@ -373,7 +373,7 @@ def test_a_failed_lock_owner_write_releases_the_lock(tmp_path, monkeypatch):
     """If writing the owner's name into LOCK fails (a full disk), the open is refused
     and the lock is not kept: the next writer gets it."""
     _small_store(tmp_path / "s")
-    import mmbuffer._guards as guards
+    import mmbuffer._disk.guards as guards
 
     real = os.pwrite
 

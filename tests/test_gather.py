@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import mmbuffer as mb
-from mmbuffer.gather import gather, resolve_keys
+from mmbuffer._read.gather import gather, resolve_keys
 from mmbuffer.kernels import gather as kernels
 
 COLUMNS = {

@@ -203,7 +203,7 @@ def test_tree_survives_many_updates_and_reopen(tmp_path, rng):
     ref = np.sum(ro.view().tree.leaves[:5000].astype(np.float64))
     assert T.total(ro.view().tree) == total
     assert abs(total - ref) <= 1e-9 * ref
-    from mmbuffer.verify import verify
+    from mmbuffer._ledger.verify import verify
 
     assert verify(ro)["ok"]
 
@@ -293,7 +293,7 @@ def naive_starts(buf, layout, slice_len, strict=True):
 
 def spy_exact(monkeypatch):
     """Count the draws ``sampling.exact`` makes (the fallback of ``sampling.prioritized``)."""
-    from mmbuffer import sampling
+    from mmbuffer.samplers import _draw as sampling
 
     calls = []
     real = sampling.exact
@@ -429,7 +429,7 @@ def test_prioritized_weights_match_a_float64_reference(tmp_path, regime):
 @pytest.mark.parametrize("slice_len,strict", [(None, True), (1, True), (7, True), (40, True), (7, False)])
 @pytest.mark.parametrize("mode", ["a", "r"])
 def test_valid_ranges_hold_exactly_the_sampleable_rows(tmp_path, slice_len, strict, mode):
-    from mmbuffer import sampling
+    from mmbuffer.samplers import _draw as sampling
 
     rng = np.random.default_rng(12)
     buf, layout = write_episodes(tmp_path / "v", rng)

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import mmbuffer as mb
-import mmbuffer.recheck as recheck_module
-from mmbuffer.verify import verify
+import mmbuffer._read.recheck as recheck_module
+from mmbuffer._ledger.verify import verify
 
 WIDE = 64
 COLUMNS = {"obs": ((4,), "int64"), "wide": ((WIDE,), "float32"), "reward": ((), "float32")}

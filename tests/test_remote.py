@@ -15,13 +15,13 @@ import pytest
 import torch
 
 import mmbuffer as mb
-from mmbuffer import _format as fmt
+from mmbuffer._disk import format as fmt
 from mmbuffer import errors
 from s3server import moto_s3, new_bucket
 from test_columns import ROWS, ColumnTests
 
 pytest.importorskip("s3fs")
-from mmbuffer.columns.remote import RemoteArray  # noqa: E402
+from mmbuffer._disk.columns.remote import RemoteArray  # noqa: E402
 from mmbuffer.remote import PoolConfig, RemoteBuffer  # noqa: E402
 
 SMALL = PoolConfig(blocks=2, block_bytes=1, rotate_every=2, prefetch=1)  # block = one chunk
@@ -205,7 +205,7 @@ def test_copy_back_and_the_cli(tmp_path, bucket):
     url = f"s3://{bucket}/a/b"
     local = make_store(tmp_path / "local", episodes=6)
     local.close()
-    from mmbuffer.cli import main
+    from mmbuffer._cli.main import main
 
     assert main(["copy", str(tmp_path / "local"), url, "--compression", "zstd"]) == 0
     mb.convert.copy(url, tmp_path / "back", progress=False)

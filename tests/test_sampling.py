@@ -252,7 +252,7 @@ def test_epoch_shards_split_slices_without_overlap(tmp_path, rng):
 def test_cached_counts_survive_growth_and_trimming(tmp_path, rng):
     """Thousands of short episodes: the per-lane count buffers grow and drop their
     evicted front, and their totals always equal a recount from episodes()."""
-    from mmbuffer import sampling
+    from mmbuffer.samplers import _draw as sampling
     from mmbuffer.samplers.slices import slice_counts
 
     buf = mb.create(tmp_path / "s", {"obs": ((), "float32")}, capacity=2 * 600, num_streams=2, next_keys=())

@@ -202,7 +202,7 @@ def test_counters_are_int64_past_2_31(tmp_path):
     assert (rows[:, 0] == w).all() and rows.max().item() == 2**31 + 2
     np.testing.assert_array_equal(ro.get(torch.arange(w, w + 10))["x"].numpy(), np.arange(10))
     assert json.loads((path / "manifest.json").read_text())["lanes"][0]["written"] == w + 10
-    from mmbuffer.verify import verify
+    from mmbuffer._ledger.verify import verify
 
     assert verify(ro)["ok"]  # its index rebuilt in sparse memory (np.zeros: 48 GB, a MemoryError)
     used = sum(os.stat(os.path.join(r, f)).st_blocks for r, _, fs in os.walk(path) for f in fs) * 512
@@ -379,7 +379,7 @@ def test_reader_sees_commits_after_refresh(tmp_path):
 
 def test_info_and_verify_cli(tmp_path):
     _store(tmp_path).close()
-    from mmbuffer.cli import main
+    from mmbuffer._cli.main import main
 
     assert main(["info", str(tmp_path / "s")]) == 0
     assert main(["verify", str(tmp_path / "s")]) == 0
@@ -447,7 +447,7 @@ def test_sigkill_at_any_instant_leaves_the_last_commit(tmp_path, priorities):
         ro = _check_consistent(path)
         assert ro.generation >= committed
         with mb.open(path) as buf:  # the writer reopens, repairing what the crash left
-            from mmbuffer.verify import verify
+            from mmbuffer._ledger.verify import verify
 
             report = verify(buf)
             assert report["ok"], report["problems"]

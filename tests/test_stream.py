@@ -356,7 +356,7 @@ def _batch(tmp_path, **kwargs):
 
 
 def test_block_layout_views_are_the_batch(tmp_path):
-    from mmbuffer._transfer import ALIGN, BlockLayout, PackedBatch
+    from mmbuffer._feed.blocks import ALIGN, BlockLayout, PackedBatch
 
     _, batch = _batch(tmp_path)
     assert not batch.mask.all()  # padded windows: every field is in play
@@ -391,7 +391,7 @@ def test_packed_batch_crosses_processes_as_one_block(tmp_path):
 
     import torch.multiprocessing  # noqa: F401 - registers torch's shared-memory reductions (as DataLoader does)
 
-    from mmbuffer._transfer import BlockLayout
+    from mmbuffer._feed.blocks import BlockLayout
 
     _, batch = _batch(tmp_path)
     packed = BlockLayout.of(batch).pack(batch)
@@ -406,8 +406,8 @@ def test_packed_batch_crosses_processes_as_one_block(tmp_path):
 
 @pytest.mark.parametrize("kwargs", [{"slice_len": 8}, {"slice_len": 60, "strict": False}, {}])
 def test_read_into_a_block_equals_sampling(tmp_path, kwargs):
-    from mmbuffer._transfer import BlockLayout, PackedBatch, read_into
-    from mmbuffer.gather import resolve_keys
+    from mmbuffer._feed.blocks import BlockLayout, PackedBatch, read_into
+    from mmbuffer._read.gather import resolve_keys
 
     buf = _store(tmp_path / "s")
     spec = mb.samplers.from_flags(kwargs.get("slice_len"), strict=kwargs.get("strict", True))
@@ -438,7 +438,7 @@ class _Fence:
 
 
 def test_ring_waits_for_the_fence_before_handing_a_slot_out_again():
-    from mmbuffer._transfer import Ring, Stopped
+    from mmbuffer._feed.blocks import Ring, Stopped
 
     ring = Ring(128, 2, pin=False)
     a, b = ring.acquire(), ring.acquire()
@@ -466,7 +466,7 @@ def test_ring_never_refills_a_slot_its_copy_still_reads():
     let a filler overwrite bytes a copy had yet to read."""
     import random
 
-    from mmbuffer._transfer import Ring
+    from mmbuffer._feed.blocks import Ring
 
     ring = Ring(4096, 3, pin=False)
     errors, done = [], []
@@ -528,7 +528,7 @@ def test_pool_orders_items_by_ticket_and_reraises_in_place():
     """Items come out in ticket order although later tickets finish first; an error
     raised after a ticket surfaces at that ticket's place, one raised before any
     ticket at the next get."""
-    from mmbuffer._producer import Pool
+    from mmbuffer._feed.threads import Pool
 
     order = threading.Lock()
 

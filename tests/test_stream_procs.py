@@ -111,7 +111,7 @@ def test_a_commit_in_the_main_process_reaches_the_workers(tmp_path: Path) -> Non
 
 
 def test_workers_refresh_every_refresh_every_batches_for_commits_made_elsewhere(tmp_path: Path) -> None:
-    from mmbuffer import _procring
+    from mmbuffer._feed import processes as _procring
 
     with mb.create(tmp_path / "p", {"x": ((), "int64")}, capacity=1000, next_keys=()) as w:
         w.extend({"x": np.zeros(100, np.int64), "truncated": np.arange(100) % 10 == 9})

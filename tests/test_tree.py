@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from mmbuffer import _rawio as _format  # populate moved out of _format
+from mmbuffer._disk import rawio as _format  # populate moved out of _format
 from mmbuffer import errors
 from mmbuffer import tree as T
 from mmbuffer.kernels import tree as K
@@ -761,7 +761,7 @@ def test_store_with_priorities_is_created_sparse(tmp_path: object) -> None:
     assert T.total(buf.view().tree) == 2 * n - 3 + 15.0  # the default 1.0 elsewhere
     # verify and its repair rebuild a ring of 16 bytes per row of capacity (48 GB
     # here): they allocate it sparse (a MemoryError once)
-    from mmbuffer.verify import verify
+    from mmbuffer._ledger.verify import verify
 
     assert verify(buf)["ok"]
     buf.view().tree.leaves[5] = 9.0  # a leaf changed behind the tree's back

@@ -6,7 +6,7 @@ The same code as `mmbuffer convert d4rl SRC DST` (see `mmbuffer.convert`); `--he
 
 import sys
 
-from mmbuffer.convert.cli import tool_main
+from mmbuffer._cli.convert import tool_main
 
 if __name__ == "__main__":
     sys.exit(tool_main("d4rl"))

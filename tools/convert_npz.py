@@ -6,7 +6,7 @@ The same code as `mmbuffer convert npz SRC DST` (see `mmbuffer.convert`); `--hel
 
 import sys
 
-from mmbuffer.convert.cli import tool_main
+from mmbuffer._cli.convert import tool_main
 
 if __name__ == "__main__":
     sys.exit(tool_main("npz"))

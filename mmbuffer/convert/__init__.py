@@ -40,7 +40,7 @@ dataset directory or a dataset id in Minari's local datasets directory),
 :func:`export_diffusion_policy`; re-encode, resize or restream a store: :func:`copy`.
 
 Offline to online in one step: every converter and :func:`copy` take
-``capacity``, ``num_streams`` and ``priorities`` (as :func:`mmbuffer.create`),
+``capacity``, ``num_streams`` and ``priorities`` (as :func:`mmbuffer._disk.create`),
 so a dataset becomes a replay buffer with room to grow, one stream per
 environment and a priority tree; episodes are dealt to the streams in
 contiguous runs (:mod:`._lanes`). Every format is listed
@@ -79,20 +79,20 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import InvalidArgumentError
-from ._copy import copy, copy_store
-from ._d4rl import D4RLReader, convert_d4rl
-from ._diffusion import DiffusionPolicyReader, convert_diffusion_policy
-from ._export_d4rl import export_d4rl
-from ._export_diffusion import export_diffusion_policy
-from ._export_minari import export_minari
-from ._formats import READERS, WRITERS
-from ._lerobot import LeRobotReader, convert_lerobot
-from ._minari import MinariReader, convert_minari
-from ._npz import NpzReader, convert_npz
-from ._reader import Chunk, ConversionWarning, Reader, Schema
-from ._tianshou import TianshouReader, convert_tianshou
-from ._torchrl import TDMPC2Reader, TorchRLReader, convert_torchrl
-from ._write import write_store
+from ._pipeline.copy import copy, copy_store
+from .readers.d4rl import D4RLReader, convert_d4rl
+from .readers.diffusion import DiffusionPolicyReader, convert_diffusion_policy
+from .exporters.d4rl import export_d4rl
+from .exporters.diffusion import export_diffusion_policy
+from .exporters.minari import export_minari
+from .registry import READERS, WRITERS
+from .readers.lerobot import LeRobotReader, convert_lerobot
+from .readers.minari import MinariReader, convert_minari
+from .readers.npz import NpzReader, convert_npz
+from ._pipeline.reader import Chunk, ConversionWarning, Reader, Schema
+from .readers.tianshou import TianshouReader, convert_tianshou
+from .readers.torchrl import TDMPC2Reader, TorchRLReader, convert_torchrl
+from ._pipeline.write import write_store
 
 __all__ = [
     "FORMATS",

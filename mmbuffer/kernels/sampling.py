@@ -1,10 +1,10 @@
 """Index sampling kernels: random bits to rows in one compiled pass per batch.
 
-The random numbers are drawn by the caller with torch (``mmbuffer.sampling``), the
+The random numbers are drawn by the caller with torch (``mmbuffer.samplers._draw``), the
 same way and in the same order as before these kernels existed, so the same
 generator state still gives the same batch; the kernels only map them to rows,
-with the arithmetic of ``mmbuffer.sampling`` (``_lane_of``, ``_starts_in_lane``,
-``window``) and of ``mmbuffer.layout`` (``Layout.rows``) written out per item.
+with the arithmetic of ``mmbuffer.samplers._draw`` (``_lane_of``, ``_starts_in_lane``,
+``window``) and of ``mmbuffer._ledger.layout`` (``Layout.rows``) written out per item.
 
 >>> import numpy as np
 >>> out = np.empty(3, np.int64)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ..errors import InvalidArgumentError
-from ..layout import Layout
+from .._ledger.layout import Layout
 from ._common import align, as_tensor, check_size, check_unit, float_dtype
 from ._minibatched import minibatched
 

@@ -16,7 +16,7 @@
 :class:`RemoteBuffer`: the small parts of the published snapshot (manifest, index,
 tree, final observations, flags) are fetched whole into ``cache_dir`` and opened
 by the ordinary store code; the data columns are read through zarr's store layer
-(:class:`mmbuffer.columns.RemoteArray`). fsspec is the I/O layer: it is what zarr,
+(:class:`mmbuffer._disk.columns.RemoteArray`). fsspec is the I/O layer: it is what zarr,
 xarray and pandas users configure already (``storage_options``, the ``AWS_*``
 environment), one dependency covers S3, GCS, Azure, HTTP and local files, and
 zarr-python's ``FsspecStore`` is its mature store (obstore is faster per request,
@@ -48,11 +48,11 @@ from typing import Any
 import torch
 
 from .. import errors, samplers
-from .._manifest import load_manifest
+from .._disk.manifest import load_manifest
 from ..buffer import Buffer
-from ..columns.remote import RemoteArray
-from ..gather import Batch
-from ..urls import filesystem, is_url
+from .._disk.columns.remote import RemoteArray
+from .._read.gather import Batch
+from .._disk.urls import filesystem, is_url
 from . import _snapshot
 from ._pool import ChunkPool, PoolConfig, PooledSampler
 

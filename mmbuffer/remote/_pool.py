@@ -42,9 +42,9 @@ import numpy as np
 import torch
 
 from .. import errors
-from ..columns.remote import RemoteArray
+from .._disk.columns.remote import RemoteArray
 from ..samplers import Draw, Sampler
-from ..store import View
+from .._ledger.store import View
 
 __all__ = ["ChunkPool", "PoolConfig", "PooledSampler"]
 

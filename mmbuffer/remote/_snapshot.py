@@ -33,9 +33,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from .. import _format as fmt
+from .._disk import format as fmt
 from .. import errors
-from ..urls import join
+from .._disk.urls import join
 
 __all__ = ["POINTER", "cache_root", "check_alive", "mirror", "publish_dir", "read_pointer"]
 

@@ -31,10 +31,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import _format as fmt
+from .._disk import format as fmt
 from .. import errors
-from .._checks import check_int
-from ..store import View
+from .._disk.checks import check_int
+from .._ledger.store import View
 from .base import Draw, Sampler
 
 
@@ -76,7 +76,7 @@ class Epoch(Sampler):
     def _cursor(self, root: Path | None, cache: dict[Any, Any]) -> Any:
         """The buffer's cursor for this spec's state file (loaded from it once, when
         ``root`` is given); a spec that disagrees with it is refused."""
-        from ..epoch import EpochCursor  # epoch.py reads buffers: imported when used
+        from .._feed.epochs import EpochCursor  # epoch.py reads buffers: imported when used
 
         key = ("epoch", self.name)
         cur = cache.get(key)

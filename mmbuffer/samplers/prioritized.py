@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from .. import sampling
-from .._checks import check_int
-from ..store import View
+from . import _draw as sampling
+from .._disk.checks import check_int
+from .._ledger.store import View
 from .base import Draw, Sampler, check_beta, require_priorities, tree_of
 
 

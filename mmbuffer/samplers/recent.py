@@ -22,9 +22,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import errors, index
-from .._checks import check_int
-from ..store import View
+from .. import errors
+from .._ledger import index
+from .._disk.checks import check_int
+from .._ledger.store import View
 from .base import Draw, Sampler
 from .epoch import Epoch
 from .prioritized import Prioritized, PrioritizedSlices

@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 
-from .. import errors, sampling
-from .._checks import check_int
-from ..store import View
+from .. import errors
+from . import _draw as sampling
+from .._disk.checks import check_int
+from .._ledger.store import View
 from .base import Draw, Sampler, ones
 
 WEIGHTINGS = ("windows", "episodes")

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from .. import sampling
-from ..store import View
+from . import _draw as sampling
+from .._ledger.store import View
 from .base import Draw, Sampler, ones
 
 

@@ -16,7 +16,7 @@ import torch
 
 from .. import errors, samplers
 from ..buffer import Buffer
-from ..gather import Batch
+from .._read.gather import Batch
 
 WEIGHT_KEY = "priority_weight"  # TorchRL's PrioritizedSampler info key, read by its losses
 FLAGS = ("done", "terminated", "truncated")

@@ -14,7 +14,7 @@ import torch
 
 from .. import errors, samplers
 from ..buffer import Buffer
-from ..gather import Batch
+from .._read.gather import Batch
 from ..opening import create as create_buffer
 from ..opening import open as open_buffer
 from ..schema import PriorityConfig

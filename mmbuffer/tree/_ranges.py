@@ -23,16 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import InvalidArgumentError
-from ._layout import (
-    BLOCK,
-    FANOUT,
-    FSHIFT,
-    SHIFT,
-    Float32Array,
-    Float64Array,
-    Int64Array,
-    PriorityTree,
-)
+from ._layout import BLOCK, FANOUT, FSHIFT, SHIFT, Float32Array, Float64Array, Int64Array, PriorityTree
 from ._nodes import block_rows
 
 

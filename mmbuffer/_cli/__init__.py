@@ -1,0 +1,1 @@
+"""The ``mmbuffer`` command line: main, convert, demo."""

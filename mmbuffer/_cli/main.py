@@ -1,0 +1,274 @@
+"""The ``mmbuffer`` command line: info, verify, convert, export, copy, demo, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _disk_usage(path: Path) -> tuple[int, int]:
+    """(allocated bytes, apparent bytes) of every file under ``path``."""
+    used = apparent = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            st = os.stat(os.path.join(root, name))
+            used += st.st_blocks * 512
+            apparent += st.st_size
+    return used, apparent
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def info(path: str) -> dict[str, Any]:
+    """A summary of the store at ``path`` (opened read-only, without torch)."""
+    from .._ledger.store import Store
+
+    _check_store_path(path)
+    buf = Store(path, mode="r")
+    used, apparent = _disk_usage(Path(path))
+    out: dict[str, Any] = {
+        "path": str(path),
+        "generation": buf.generation,
+        "rows": len(buf),
+        "episodes": buf.num_episodes,
+        "capacity": buf.capacity,
+        "num_streams": buf.num_streams,
+        "compression": buf.compression,
+        "columns": {k: {"shape": list(c.shape), "dtype": c.dtype} for k, c in buf.columns.items()},
+        "next_keys": list(buf.next_keys),
+        "disk_used": used,
+        "disk_apparent": apparent,
+        "priorities": None,
+    }
+    ptree = buf.view().tree
+    if ptree is not None and buf.priorities is not None:
+        from .. import tree
+
+        out["priorities"] = {
+            "alpha": buf.priorities.alpha,
+            "eps": buf.priorities.eps,
+            "max_priority": buf.priorities.max_priority,
+            "total": tree.total(ptree),
+            "min": tree.min_live(ptree),
+            "max": tree.max_live(ptree),
+        }
+    return out
+
+
+_MAGIC = {b"\x89HDF\r\n\x1a\n": "an HDF5 file (D4RL? mmbuffer convert d4rl PATH STORE)",
+          b"PK\x03\x04": "a zip archive (.npz? mmbuffer convert npz PATH STORE)"}
+
+
+def _check_store_path(path: str | os.PathLike[str]) -> None:
+    """Say what ``path`` is when it is not a store directory: missing, or which kind of file."""
+    from .. import errors
+
+    p = Path(path)
+    if p.is_dir() or os.path.lexists(p / "manifest.json"):
+        return  # a directory: the store's own checks say what is wrong with it
+    if not os.path.lexists(p):
+        raise errors.StoreNotFoundError(f"{p}: expected a store directory, got no such file or directory")
+    kind = "a file"
+    try:
+        with open(p, "rb") as f:
+            head = f.read(8)
+        kind = next((what for magic, what in _MAGIC.items() if head.startswith(magic)), kind)
+        if kind == "a file" and p.suffix == ".pt":
+            kind = "a PyTorch file (TD-MPC2? mmbuffer convert tdmpc2 PATH STORE)"
+    except OSError:
+        pass
+    raise errors.StoreNotFoundError(f"{p}: expected a store directory, got {kind}")
+
+
+def _print_info(summary: dict[str, Any]) -> None:
+    print(f"store        {summary['path']}  (generation {summary['generation']})")
+    print(f"rows         {summary['rows']:,} live of {summary['capacity']:,} capacity, {summary['num_streams']} stream(s)")
+    print(f"episodes     {summary['episodes']:,} complete")
+    print(f"on disk      {_human(summary['disk_used'])} used ({_human(summary['disk_apparent'])} apparent, sparse)")
+    print(f"compression  {summary['compression'] or 'none (memory-mapped)'}")
+    print("columns")
+    width = max([20, *(len(n) for n in summary["columns"])])
+    for name, col in summary["columns"].items():
+        derived = "  (+ next_" + name + ")" if name in summary["next_keys"] else ""
+        print(f"  {name:<{width}} {str(tuple(col['shape'])):<14} {col['dtype']}{derived}")
+    pri = summary["priorities"]
+    if pri:
+        print(f"priorities   alpha={pri['alpha']} eps={pri['eps']} max_priority={pri['max_priority']}; "
+              f"sum={pri['total']:.6g} min={pri['min']:.6g} max={pri['max']:.6g}")
+    else:
+        print("priorities   none")
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    summary = info(args.path)
+    if args.json:
+        print(json.dumps(summary, indent=1))
+    else:
+        _print_info(summary)
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from .._ledger.store import Store
+    from .._ledger.verify import verify
+
+    _check_store_path(args.path)
+    if args.repair:  # the writer (it takes the lock and commits): the full package
+        from ..opening import open as open_buffer
+
+        buf: Any = open_buffer(args.path, mode="a")
+    else:  # a reader needs neither torch nor the writer
+        buf = Store(args.path, mode="r")
+    try:
+        report = verify(buf, repair=args.repair)
+    finally:
+        buf.close()
+    for line in report["problems"]:
+        print("problem:", line)
+    for line in report["notes"]:
+        print("note:", line)
+    if report["repaired"]:
+        print("repaired: index and tree rewritten from the data and committed")
+    print("ok" if report["ok"] else ("repaired" if report["repaired"] else "FAILED"))
+    return 0 if report["ok"] or report["repaired"] else 1
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    run_demo(args.dir, episodes=args.episodes)
+    return 0
+
+
+SUITES = {
+    "store": "append, gather and reopen against plain numpy memmaps",
+    "sampling": "slice and transition sampling against TorchRL, by store size",
+    "priority": "prioritized sample + update against TorchRL's PrioritizedSampler",
+    "convert": "D4RL conversion throughput and memory",
+    "export": "export to D4RL HDF5 and Minari, and back",
+    "stream": "mb.stream feeding a training loop: share of the step spent waiting",
+    "readers": "readers against a live writer, and writers killed at random",
+    "compare": "this tree against another checkout (--baseline DIR)",
+    "cli": "start-up time of mmbuffer --help, info and verify",
+    "commit": "commit latency with and without refreshing the Zarr attributes",
+    "torchrl": "the TorchRL drop-in against TorchRL's own replay buffer",
+    "gather": "sample + gather of slices and transitions against memcpy and numpy fancy indexing",
+    "gpu": "a TD-MPC2-sized GPU training loop fed by mb.stream and DataLoader (needs CUDA)",
+    "remote": "sampling a store on object storage (S3 on loopback) against local disk",
+    "ray": "rows/s ingested from Ray actors, and the learner's sample latency meanwhile",
+}
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    import runpy
+
+    root = Path(__file__).resolve().parent.parent / "benchmarks"
+    script = root / f"bench_{args.suite}.py"
+    if not script.exists():
+        print(f"mmbuffer: error: no benchmark {script} (benchmarks/ ships with the source tree)", file=sys.stderr)
+        return 2
+    sys.argv = [str(script), *args.rest]
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
+    return value
+
+
+_CONVERT_COMMANDS = {
+    "convert": "convert a dataset into a store (d4rl, minari, npz, torchrl, tdmpc2; see convert --help)",
+    "export": "write a store as a D4RL HDF5 file or a Minari dataset",
+    "copy": "re-encode a store (raw memory-mapped <-> zstd/lz4 archive)",
+}
+
+
+def build_parser(*, with_convert: bool = True) -> argparse.ArgumentParser:
+    """The ``mmbuffer`` parser. ``with_convert=False`` lists ``convert``, ``export``
+    and ``copy`` by name only: their parser needs ``mmbuffer.convert``, which
+    imports torch, and ``--help``, ``info`` and ``verify`` must start fast."""
+    parser = argparse.ArgumentParser(
+        prog="mmbuffer",
+        description="On-disk, memory-mapped RL trajectory stores.",
+        epilog="Each command has its own --help. Errors exit with status 2, a failed verify with 1, "
+        "an interrupt with 130.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("info", help="rows, episodes, columns, size on disk, priorities",
+                       description="Summarize a store (opened read-only; a writer may be running).")
+    p.add_argument("path", help="the store directory")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(func=_cmd_info)
+    p = sub.add_parser("verify", help="check that data, index and tree agree",
+                       description="Recompute the episode index and the priority tree from the data and "
+                       "compare; exit status 1 when they disagree.")
+    p.add_argument("path", help="the store directory")
+    p.add_argument("--repair", action="store_true",
+                   help="rebuild derived state from the data and commit (needs the writer lock)")
+    p.set_defaults(func=_cmd_verify)
+    if with_convert:
+        from . import convert as convert_cli
+
+        convert_cli.add_subcommands(sub)  # convert, export, copy
+    else:
+        for name, text in _CONVERT_COMMANDS.items():
+            sub.add_parser(name, help=text, add_help=False)
+    p = sub.add_parser("demo", help="build, sample and reopen a store of generated trajectories",
+                       description="The main job end to end on generated trajectories: write 4 streams, "
+                       "sample transitions, slices and priorities, reopen read-only, verify.")
+    p.add_argument("dir", nargs="?", default=None, help="directory to create the store in (default: a fresh temporary one)")
+    p.add_argument("--episodes", type=_positive, default=400, help="episodes to generate (>= 1; default 400)")
+    p.set_defaults(func=_cmd_demo)
+    p = sub.add_parser("bench", help="run a benchmark script from benchmarks/",
+                       description="Run benchmarks/bench_SUITE.py (source tree only); options after SUITE "
+                       "go to the script (mmbuffer bench SUITE --help). Row counts accept 1e5 notation.",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="suites:\n" + "\n".join(f"  {k:<9} {v}" for k, v in SUITES.items()))
+    p.add_argument("suite", choices=tuple(SUITES), metavar="SUITE", help="one of: " + ", ".join(SUITES))
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="options of the suite")
+    p.set_defaults(func=_cmd_bench)
+    return parser
+
+
+def _command(argv: list[str]) -> str | None:
+    """The subcommand named in ``argv`` (the first word that is not an option)."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; return the exit status (KeyboardInterrupt: 130, a
+    closed output pipe, as in ``mmbuffer info PATH | head``: 141, without a traceback)."""
+    from .. import errors
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = build_parser(with_convert=_command(argv) in _CONVERT_COMMANDS).parse_args(argv)
+        return int(args.func(args))
+    except errors.MMBufferError as exc:
+        print(f"mmbuffer: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("mmbuffer: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # the reader of our output went away (| head): say nothing more, and keep
+        # the interpreter's final flush of stdout from failing again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141

@@ -1,0 +1,86 @@
+"""Raw columns: a memory-mapped single-shard Zarr array, large writes with ``pwrite``.
+
+>>> import tempfile, numpy as np
+>>> from pathlib import Path
+>>> from mmbuffer._disk import format as fmt
+>>> root = Path(tempfile.mkdtemp())
+>>> fmt.create_raw(root, "x", 8, (2,), np.dtype("float32"))
+>>> col = RawArray.open(root, "x", writable=True)
+>>> col.write_range(6, np.ones((3, 2), "float32")[:2]); col.read(np.array([5, 6])).tolist()
+[[0.0, 0.0], [1.0, 1.0]]
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from .. import files as _files, rawio as _rawio
+from .. import format as fmt
+from .base import ColumnArray
+
+
+class RawArray(ColumnArray):
+    """A mapped array and the descriptor it was mapped from (pwrite, pread, fadvise)."""
+
+    def __init__(self, mm: np.ndarray, fd: int | None, where: Path | None = None) -> None:
+        self._mm = mm
+        self._fd = fd
+        self._where = where  # the shard file, named in errors
+        self.shape = tuple(mm.shape)
+        self.dtype = mm.dtype
+
+    @classmethod
+    def open(cls, root: Path, name: str, *, writable: bool, expect: fmt.Expect | None = None) -> RawArray:
+        mm, fd = _rawio.open_raw_fd(root, name, writable=writable, expect=expect)
+        return cls(mm, fd, root.joinpath(name, "c", *(["0"] * mm.ndim)))
+
+    def read(self, rows: np.ndarray) -> np.ndarray:
+        return np.asarray(self._mm[rows])
+
+    def read_range(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+        if out is None:
+            out = np.empty((stop - start, *self.row_shape), dtype=self.dtype)
+        if self._fd is None:
+            out[...] = self._mm[start:stop]
+        else:
+            _rawio.read_rows(self._fd, self._mm, start, out)
+        return out
+
+    def write_range(self, start: int, values: np.ndarray) -> None:
+        if self._fd is None:
+            self._mm[start : start + len(values)] = values
+        else:
+            _rawio.write_rows(self._fd, self._mm, start, values)
+
+    def write_at(self, rows: np.ndarray, values: np.ndarray) -> None:
+        self._mm[rows] = values
+
+    def flush(self, start: int, stop: int) -> None:
+        _rawio.flush_rows(self._mm, start, stop)
+
+    def allocate(self, start: int, stop: int) -> None:
+        """``posix_fallocate`` the blocks under the rows (``_files.reserve_rows``)."""
+        if self._fd is None:
+            return
+        try:
+            _files.reserve_rows(self._fd, self._mm.strides[0], start, stop)
+        except OSError as exc:  # name the file: posix_fallocate's error does not
+            raise OSError(exc.errno, exc.strerror, str(self._where)) from None
+
+    def release(self) -> None:
+        _rawio.release(self._mm)
+
+    def drop_cache(self, start: int, stop: int) -> None:
+        if self._fd is not None:
+            _rawio.drop_cache(self._fd, self._mm, start, stop)
+
+    def mapped(self) -> np.ndarray:
+        return self._mm
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

@@ -1,0 +1,399 @@
+"""The on-disk format of an mmbuffer store, format version 3 (``FORMAT_VERSION``).
+
+A store is one directory that is also a valid **Zarr v3 group**, so zarr-python,
+tensorstore or xarray read it without mmbuffer. Nothing in it is a pickle::
+
+    store/
+      zarr.json            Zarr v3 group metadata; attributes["mmbuffer"] say which rows
+                           and episodes are live, refreshed by each commit (zarr_view.py)
+      manifest.json        the commit record (JSON, see below); replaced atomically
+      columns/<name>/      one Zarr array per column, shape [capacity, *row_shape]
+      final/<name>/        the observation after each episode's last row, for every
+                           next-derived column, stored at that last row's id (sparse)
+      index/ends/          int64 [num_streams * 2 * lane_size]: per lane, a ring of
+                           episode ends (absolute, exclusive row counters)
+      index/reserved/      int64 [num_streams]: rows the writer may have overwritten
+                           past its last commit (see ``writer.py``)
+      priority/<level>/    priority tree arrays (``mmbuffer.tree``), when enabled
+      sampler/<name>.json  persisted sampler state (``epoch.py``)
+      LOCK                 advisory lock file of the single writer (pid, host)
+
+Raw arrays (the default, and always the index and the tree) hold a single shard
+with the ``bytes`` codec and the shard index at the end. The first
+``rows * row_bytes`` bytes of the shard file ``c/0[/0...]`` are then exactly a
+C-order numpy array, which mmbuffer memory-maps (and writes large blocks into
+with ``pwrite``), while a Zarr reader still makes
+partial reads through the shard index (one entry per inner chunk of about
+``config.chunk_bytes``). mmbuffer writes that index itself when it creates the file
+(every inner chunk present, crc32c like zarr's default), and allocates the file
+sparse, so an empty store of 3e9 rows costs no disk. One shard per array keeps a
+column one memory map: a gather is one fancy-index, never a split by shard.
+
+Compressed arrays (``compression="zstd"|"lz4"``) are ordinary chunked Zarr arrays
+read and written through zarr-python; they are for archives (see ``mmbuffer copy``).
+
+``manifest.json`` fields: ``format`` ("mmbuffer"), ``format_version``,
+``generation`` (commit counter), ``capacity``, ``num_streams``, ``lane_size``,
+``columns`` (name -> {shape, dtype}), ``next_keys``, ``compression``,
+``priorities`` (null or {alpha, eps, max_priority}), ``lanes`` (per lane:
+``written``, ``ep_head``, ``ep_tail``, ``first_start``; all int64 counters that
+never wrap) and ``attrs`` (user metadata). Readers ignore every row past a lane's
+committed ``written``; unknown top-level manifest fields are ignored (room for
+additions that old readers may skip), everything named is checked (``_manifest.py``).
+
+What a store may contain, and how it is opened: everything inside the directory
+is opened without following symbolic links and must be a regular file or a
+directory (``_safe_io.py``); every ``zarr.json`` must describe exactly the array
+the manifest implies: an allowed dtype (bool, signed and unsigned integers,
+floats), the shape, one shard of whole-row chunks with the index at the end for
+raw arrays, and only ``bytes`` plus at most one ``zstd``/``blosc`` codec for
+compressed ones. Counters are checked against each other and the index at open
+(``_counters.py``). Anything else is ``CorruptStoreError``, never a repair.
+
+This module is the spec and its checks (names, dtypes, shapes, ``zarr.json``,
+the manifest's format and version) and creates arrays (``create_raw``,
+``create_compressed``). The bytes are read and written elsewhere: raw arrays by
+``_rawio.py`` (maps, ``pwrite``/``pread``, page cache) behind ``columns/``, JSON
+files, atomic placement and disk room by ``_files.py``.
+
+Version history
+---------------
+1 (2026-11-22, first session)
+    Priority tree: float32 leaves in blocks of 64 under a binary heap of float64
+    block sums and float32 min/max. Refused with ``FormatVersionError``.
+2 (2026-11-22, second session)
+    Priority tree of float32 leaves in blocks of 64 under a 16-ary tree of float64
+    sums and running sums and float32 min/max (``mmbuffer.tree``): 4.41 bytes per row,
+    one gathered row per level per draw. No other change.
+    Since then, without a version change (a store of either time reads the same):
+    ``index/reserved`` is kept at a dead writer's value by recovery (readers of an
+    older commit must keep away from the rows it may have rewritten) and stays
+    within ``written + 2 * lane_size`` of the last commit (``extend`` commits before
+    a lane's uncommitted rows exceed a lane); ``zarr.json`` files are checked as
+    above on open.
+3 (2026-11-23, issue 12)
+    Priority tree as two arrays, ``priority/leaves`` (float32, as before) and
+    ``priority/nodes`` (float64 [R, 32]: per row of 16 slots their float64 sums,
+    uint32 min codes ``0x7F800000 - bits(min)`` and float32 maxs, 256 bytes, so
+    16 rows per page), replacing ``sums``, ``prefix``, ``mins`` and ``maxs``: every
+    empty value is zero bytes, so the files are created sparse and untouched
+    regions cost no disk; 4.27 bytes per row. Version 2 stores are refused with
+    ``FormatVersionError``. Also new with version 3, and additive (mmbuffer reads
+    neither; an older reader accepts both): every array's ``zarr.json`` names its
+    dimensions (``dimension_names``, which xarray needs), and each commit refreshes
+    the root group's ``"mmbuffer"`` attributes with the live rows and episodes
+    (``zarr_view.py``, docs/format.md).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Final
+
+import numpy as np
+
+from . import files as _files
+from .. import errors
+from ..config import config
+
+FORMAT_NAME: Final = "mmbuffer"
+FORMAT_VERSION: Final = 3
+MANIFEST: Final = "manifest.json"
+LOCK: Final = "LOCK"
+RESERVED_NAMES: Final = frozenset({"terminated", "truncated"})
+COMPRESSIONS: Final = (None, "zstd", "lz4")
+
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*(/[A-Za-z0-9_][A-Za-z0-9_.\-]*)*$")
+
+
+# -- validation ----------------------------------------------------------------------
+def check_column_name(name: object) -> str:
+    """Return ``name`` if it is a legal column name, else raise ``SchemaError``.
+
+    Names are path-safe: letters, digits, ``_ . -``, and ``/`` only as a nesting
+    separator between non-empty parts (``obs/pixels``, as Minari's dict spaces).
+    """
+    if not isinstance(name, str) or not _NAME.match(name) or ".." in name:
+        raise errors.SchemaError(
+            f"column name: expected letters, digits, '_', '.', '-' and '/' between parts, got {name!r}"
+        )
+    if name.startswith("next_"):
+        raise errors.SchemaError(
+            f"column {name!r}: names starting with 'next_' are reserved for derived next values"
+        )
+    return name
+
+
+def check_dtype(name: str, dtype: object) -> np.dtype:
+    try:
+        dt: np.dtype = np.dtype(dtype)  # type: ignore[call-overload]
+    except TypeError as exc:
+        raise errors.SchemaError(f"column {name!r}: expected a numpy dtype, got {dtype!r}") from exc
+    if dt.kind not in "biuf" or dt.hasobject:
+        raise errors.SchemaError(
+            f"column {name!r}: expected a bool, integer or float dtype, got {dt}"
+        )
+    return dt.newbyteorder("=")
+
+
+def check_shape(name: str, shape: object) -> tuple[int, ...]:
+    if isinstance(shape, (int, np.integer)):
+        shape = (int(shape),)
+    try:
+        out = tuple(int(s) for s in shape)  # type: ignore[attr-defined]
+    except TypeError as exc:
+        raise errors.SchemaError(f"column {name!r}: expected a shape tuple, got {shape!r}") from exc
+    if any(s < 1 for s in out):
+        raise errors.SchemaError(f"column {name!r}: expected positive dimensions, got {out}")
+    return out
+
+
+# -- raw (memory-mapped) arrays --------------------------------------------------------
+def _chunk_rows(rows: int, row_bytes: int) -> int:
+    """Rows per inner chunk: a power of two of about ``config.chunk_bytes``."""
+    target = max(1, config.chunk_bytes // max(1, row_bytes))
+    return int(min(1 << (target.bit_length() - 1), 1 << max(0, (rows - 1).bit_length())))
+
+
+def _shard_file(array_dir: Path, ndim: int) -> Path:
+    return array_dir.joinpath("c", *(["0"] * ndim))
+
+
+def create_raw(
+    root: Path, name: str, rows: int, row_shape: tuple[int, ...], dtype: np.dtype, *, allocate: bool = False
+) -> None:
+    """Create a raw single-shard Zarr array and its sparse shard file; ``allocate``
+    reserves the disk blocks of every row at once (arrays written whole at creation)."""
+    import google_crc32c  # creating needs zarr; opening a store (mmbuffer info) does not
+    import zarr
+
+    from .._ledger.zarr_view import dimension_names  # what xarray needs; documented there
+
+    row_bytes = int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize
+    chunk = _chunk_rows(rows, row_bytes)
+    shard_rows = -(-rows // chunk) * chunk
+    zarr.create_array(
+        str(root),
+        name=name,
+        shape=(rows, *row_shape),
+        dtype=dtype,
+        chunks=(chunk, *row_shape),
+        shards=(shard_rows, *row_shape),
+        compressors=None,
+        filters=None,
+        fill_value=0,
+        zarr_format=3,
+        write_data=False,
+        dimension_names=dimension_names(name, len(row_shape)),
+    )
+    n_chunks = shard_rows // chunk
+    chunk_bytes = chunk * row_bytes
+    index = np.empty((n_chunks, 2), dtype="<u8")
+    index[:, 0] = np.arange(n_chunks, dtype=np.uint64) * np.uint64(chunk_bytes)
+    index[:, 1] = chunk_bytes
+    blob = index.tobytes()
+    blob += google_crc32c.value(blob).to_bytes(4, "little")
+    path = _shard_file(root / name, 1 + len(row_shape))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        f.truncate(shard_rows * row_bytes)  # sparse: no block is allocated yet
+        f.seek(shard_rows * row_bytes)
+        f.write(blob)
+        f.flush()
+        if allocate:
+            _files.reserve_rows(f.fileno(), row_bytes, 0, shard_rows)
+
+
+_BYTES_LE: Final = {"name": "bytes", "configuration": {"endian": "little"}}
+_ARRAY_KEYS: Final = frozenset({
+    "shape", "data_type", "chunk_grid", "chunk_key_encoding", "fill_value", "codecs",
+    "attributes", "zarr_format", "node_type", "storage_transformers", "dimension_names",
+})
+_BLOSC_CNAMES: Final = ("lz4", "lz4hc", "blosclz", "zstd", "zlib")
+_BLOSC_SHUFFLES: Final = ("noshuffle", "shuffle", "bitshuffle")
+MAX_ROWS: Final = 1 << 48  # any larger shape or counter in a store is corruption
+Expect = tuple[int, tuple[int, ...], np.dtype]
+
+
+def _is_int(x: object, low: int = 0, high: int = MAX_ROWS) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and low <= x <= high
+
+
+def _bytes_codec_ok(codec: object, dtype: np.dtype) -> bool:
+    if codec == _BYTES_LE:
+        return True
+    # zarr omits the endianness of one-byte types
+    return dtype.itemsize == 1 and codec in ({"name": "bytes"}, {"name": "bytes", "configuration": {}})
+
+
+def _compressor_ok(codec: object) -> bool:
+    if not isinstance(codec, dict) or set(codec) - {"name", "configuration"}:
+        return False
+    conf = codec.get("configuration", {})
+    if not isinstance(conf, dict):
+        return False
+    if codec.get("name") == "zstd":
+        return set(conf) <= {"level", "checksum"} and _is_int(conf.get("level", 0), -131072, 22) and isinstance(
+            conf.get("checksum", False), bool
+        )
+    if codec.get("name") == "blosc":
+        return (
+            set(conf) <= {"typesize", "cname", "clevel", "shuffle", "blocksize"}
+            and conf.get("cname", "lz4") in _BLOSC_CNAMES
+            and _is_int(conf.get("clevel", 5), 0, 9)
+            and conf.get("shuffle", "shuffle") in _BLOSC_SHUFFLES
+            and _is_int(conf.get("typesize", 1), 1, 1 << 16)
+            and _is_int(conf.get("blocksize", 0), 0, 1 << 31)
+        )
+    return False
+
+
+def check_array_meta(where: Path, meta: object, expect: Expect | None, *, raw: bool) -> tuple[tuple[int, ...], np.dtype, int]:
+    """Check an array's ``zarr.json`` against what mmbuffer writes; return its shape,
+    dtype and rows per shard (raw) or per chunk (compressed).
+
+    ``expect``: ``(rows, row_shape, dtype)`` from the manifest, when known. A raw
+    array must be one shard of whole-row inner chunks with the ``bytes`` codec
+    (little-endian) and the index at the end, so that its file starts with the
+    C-order array; a compressed one ``bytes`` then at most one of ``zstd``/``blosc``.
+    Anything else raises ``CorruptStoreError`` naming the field, expected and got.
+    """
+
+    def bad(field: str, want: object, got: object) -> errors.CorruptStoreError:
+        return errors.CorruptStoreError(f"{where}: {field}: expected {want}, got {got!r}")
+
+    if not isinstance(meta, dict):
+        raise bad("metadata", "a JSON object", type(meta).__name__)
+    unknown = set(meta) - _ARRAY_KEYS
+    if unknown:
+        raise bad("keys", f"only {sorted(_ARRAY_KEYS)}", sorted(unknown))
+    if meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
+        raise bad("zarr_format/node_type", "3/'array'", (meta.get("zarr_format"), meta.get("node_type")))
+    if meta.get("storage_transformers", []) != []:
+        raise bad("storage_transformers", "[]", meta.get("storage_transformers"))
+    shape = meta.get("shape")
+    if not isinstance(shape, list) or not shape or not all(_is_int(s, 1) for s in shape):
+        raise bad("shape", f"a non-empty list of integers in [1, {MAX_ROWS}]", shape)
+    dims = meta.get("dimension_names")  # written since 2026-11-23; absent before
+    if dims is not None and (not isinstance(dims, list) or len(dims) != len(shape) or not all(d is None or isinstance(d, str) for d in dims)):
+        raise bad("dimension_names", f"absent or a list of {len(shape)} names", dims)
+    name = meta.get("data_type")
+    try:
+        if not isinstance(name, str) or np.dtype(name).name != name:
+            raise TypeError(name)
+        dtype = check_dtype(str(where), name)
+    except (TypeError, errors.SchemaError):
+        raise bad("data_type", "one of bool, int8-64, uint8-64, float16-64", name) from None
+    if expect is not None:
+        rows, row_shape, want_dtype = expect
+        if tuple(shape) != (rows, *row_shape):
+            raise bad("shape", [rows, *row_shape], shape)
+        if dtype != np.dtype(want_dtype):
+            raise bad("data_type", f"{np.dtype(want_dtype).name} (as the manifest says)", name)
+    if meta.get("chunk_key_encoding") != {"name": "default", "configuration": {"separator": "/"}}:
+        raise bad("chunk_key_encoding", "default with separator '/'", meta.get("chunk_key_encoding"))
+    grid = meta.get("chunk_grid")
+    chunk = grid.get("configuration", {}).get("chunk_shape") if isinstance(grid, dict) and isinstance(grid.get("configuration"), dict) else None
+    if (
+        not isinstance(grid, dict)
+        or grid.get("name") != "regular"
+        or not isinstance(chunk, list)
+        or len(chunk) != len(shape)
+        or not _is_int(chunk[0], 1)
+        or chunk[1:] != shape[1:]
+    ):
+        raise bad("chunk_grid", f"regular, chunk_shape [rows, {', '.join(map(str, shape[1:]))}]", grid)
+    fill = meta.get("fill_value")
+    if not isinstance(fill, (bool, int, float)) and fill not in ("NaN", "Infinity", "-Infinity"):
+        raise bad("fill_value", "a number", fill)
+    codecs = meta.get("codecs")
+    if not raw:
+        ok = (
+            isinstance(codecs, list)
+            and 1 <= len(codecs) <= 2
+            and _bytes_codec_ok(codecs[0], dtype)
+            and all(_compressor_ok(c) for c in codecs[1:])
+        )
+        if not ok:
+            raise bad("codecs", "bytes, then at most one of zstd, blosc", codecs)
+        return tuple(shape), dtype, int(chunk[0])
+    shard_rows = int(chunk[0])
+    conf = codecs[0].get("configuration") if isinstance(codecs, list) and len(codecs) == 1 and isinstance(codecs[0], dict) else None
+    inner = conf.get("chunk_shape") if isinstance(conf, dict) else None
+    ok = (
+        isinstance(conf, dict)
+        and isinstance(codecs, list)
+        and codecs[0] == {"name": "sharding_indexed", "configuration": conf}
+        and set(conf) == {"chunk_shape", "codecs", "index_codecs", "index_location"}
+        and isinstance(inner, list)
+        and len(inner) == len(shape)
+        and _is_int(inner[0], 1)
+        and inner[1:] == shape[1:]
+        and shard_rows % inner[0] == 0
+        and shape[0] <= shard_rows < shape[0] + inner[0]
+        and isinstance(conf["codecs"], list)
+        and len(conf["codecs"]) == 1
+        and _bytes_codec_ok(conf["codecs"][0], dtype)
+        and conf["index_codecs"] == [_BYTES_LE, {"name": "crc32c"}]
+        and conf["index_location"] == "end"
+    )
+    if not ok:
+        raise bad(
+            "codecs",
+            "one shard of whole-row chunks (sharding_indexed, bytes little-endian, index crc32c at the end)",
+            codecs,
+        )
+    return tuple(shape), dtype, shard_rows
+
+
+# -- compressed arrays -----------------------------------------------------------------
+def create_compressed(
+    root: Path, name: str, rows: int, row_shape: tuple[int, ...], dtype: np.dtype, compression: str
+) -> None:
+    import zarr
+    from zarr.codecs import BloscCodec, ZstdCodec
+
+    from .._ledger.zarr_view import dimension_names  # what xarray needs; documented there
+
+    row_bytes = int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize
+    compressor = ZstdCodec(level=3) if compression == "zstd" else BloscCodec(cname="lz4", clevel=5)
+    zarr.create_array(
+        str(root),
+        name=name,
+        shape=(rows, *row_shape),
+        dtype=dtype,
+        chunks=(_chunk_rows(rows, row_bytes), *row_shape),
+        compressors=[compressor],
+        filters=None,
+        fill_value=0,
+        zarr_format=3,
+        dimension_names=dimension_names(name, len(row_shape)),
+    )
+
+
+# -- the manifest ----------------------------------------------------------------------
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of store ``path`` as a JSON object, format and version checked
+    (the rest: ``_manifest.parse``)."""
+    file = path / MANIFEST
+    if not path.is_dir():
+        raise errors.StoreNotFoundError(f"{path}: no such store directory")
+    if not os.path.lexists(file):
+        raise errors.StoreNotFoundError(f"{path}: not an mmbuffer store (no {MANIFEST})")
+    manifest = _files.read_json_in(path, MANIFEST)
+    if not isinstance(manifest, dict):
+        raise errors.CorruptStoreError(f"{file}: expected a JSON object, got {type(manifest).__name__}")
+    if manifest.get("format") != FORMAT_NAME:
+        raise errors.CorruptStoreError(
+            f"{file}: expected format {FORMAT_NAME!r}, got {manifest.get('format')!r}"
+        )
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION or isinstance(version, bool):
+        raise errors.FormatVersionError(
+            f"{file}: expected format_version {FORMAT_VERSION}, got {version!r}; "
+            "this mmbuffer cannot read it"
+        )
+    return manifest
+

@@ -1,0 +1,1 @@
+"""Into training: the prefetching stream, its threads, processes and pinned blocks, epochs."""

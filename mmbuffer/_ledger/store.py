@@ -1,0 +1,355 @@
+"""The store: the columns of one store directory and its ledger (manifest, index, tree).
+
+``Store`` opens the files (layout in ``_format.py``) through the column seam
+(``mmbuffer._disk.columns``): the data columns, the final observations, the episode
+index (``index/ends``), the writer's reservation (``index/reserved``) and the
+priority tree levels are all :class:`~mmbuffer._disk.columns.ColumnArray` objects; the
+index, the reservation and the tree are used as the arrays their backend maps
+(``ColumnArray.mapped()``), updated in place by the pure functions of ``index.py``
+and ``mmbuffer.tree``. It checks the counters, hands samplers a consistent
+``View`` and reads rows. It never writes: the single writer (``writer.py``)
+advances the cursors and commits, and ``Buffer`` (``buffer.py``) composes both.
+
+Lanes. A store of ``capacity`` rows has ``num_streams`` lanes of
+``lane_size = capacity // num_streams`` rows; every ring computation is in
+``layout.py``.
+
+Visibility. The writer samples rows as soon as ``extend`` returns; ``commit``
+makes them durable and visible to readers. A ring overwrites committed rows before
+the next commit, so the writer first *reserves* rows ahead of its cursor in
+``index/reserved`` (a memory-mapped counter, see ``writer.py``). Readers treat
+every committed episode whose first row lies below ``reserved - lane_size`` as
+evicted: they never sample a row the writer may be rewriting.
+
+The open episode. The last row of a lane's unfinished episode has no next
+observation yet (it arrives with the next ``extend``), so when the store derives
+``next_*`` columns that row is not sampleable until the next extend; without
+next-derived columns every extended row is.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import counters as _counters, index
+from .._disk import rawio as _rawio, safe_io as _safe_io
+from .. import errors, tree
+from .._disk import format as fmt
+from .._disk.checks import row_ids
+from .._disk.guards import locked
+from .._disk.manifest import Manifest, load_manifest
+from .._disk.columns import ColumnArray, RawArray, ZarrArray
+from ..config import config
+from .index import Lane
+from .layout import Layout
+from ..schema import Column, PriorityConfig
+
+__all__ = [
+    "Column", "ColumnOpener", "LaneView", "PriorityConfig", "Snapshot", "Store", "View", "check_rows", "locked",
+]
+#: opens a data column held elsewhere (``mmbuffer.remote``): (its path in the store, expect) -> array
+ColumnOpener = Callable[[str, "fmt.Expect"], ColumnArray]
+
+
+@dataclass(frozen=True, slots=True)
+class LaneView:
+    """What a sampler may use of one lane (absolute row counters)."""
+
+    first_start: int  # start of the oldest live episode
+    ep_head: int
+    ep_tail: int
+    open_start: int  # start of the open episode (== visible_end when none)
+    visible_end: int  # one past the last sampleable row
+
+
+@dataclass(frozen=True, slots=True)
+class View:
+    """A consistent snapshot of the index for samplers: cursors plus the ring, and
+    the priority tree (None without priorities). Samplers read nothing else."""
+
+    lanes: tuple[LaneView, ...]
+    ends: np.ndarray
+    layout: Layout
+    written: np.ndarray  # int64 [num_streams], rows ever written per lane
+    generation: int
+    tree: tree.PriorityTree | None = None
+
+    @property
+    def lane_size(self) -> int:
+        return self.layout.lane_size
+
+
+Snapshot = View  # docs/design.md's name
+
+
+def check_rows(idx: np.ndarray, capacity: int) -> np.ndarray:
+    """``idx`` if every row id lies in ``[0, capacity)``, else ``InvalidArgumentError``."""
+    bad = (idx < 0) | (idx >= capacity)
+    if bad.any():
+        raise errors.InvalidArgumentError(f"indices: expected row ids in [0, {capacity}), got {idx[bad][:3].tolist()}")
+    return idx
+
+
+class Store:
+    """Columns, index and tree of one store directory. Use ``mb.create``/``mb.open``.
+
+    ``mode="a"`` opens the files writable for the single writer (who holds the
+    ``LOCK``: ``writer.py``); ``mode="r"`` read-only. Thread-safe: every method that
+    reads cursors, index or tree holds :attr:`lock` (re-entrant), the lock the
+    writer holds while it changes them.
+
+    Attributes the writer changes: ``lanes`` (the cursors a ``view`` shows: the
+    last commit's in a reader, every extended row in the writer), ``committed``
+    (the last commit's), ``generation`` and ``attrs``.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str], mode: str = "a", manifest: Manifest | None = None, *, columns: ColumnOpener | None = None
+    ) -> None:
+        self._lock = threading.RLock()
+        self._open_column = columns  # data columns held elsewhere (mmbuffer.remote)
+        if mode not in ("r", "a"):
+            raise errors.InvalidArgumentError(f"mode: expected 'r' or 'a', got {mode!r}")
+        self.path = Path(path)
+        self.mode = mode
+        manifest = manifest if manifest is not None else load_manifest(self.path)
+        self.capacity = manifest.capacity
+        self.num_streams = manifest.num_streams
+        self.lane_size = manifest.lane_size
+        self.compression: str | None = manifest.compression
+        self.columns = {name: Column(shape, dt.name) for name, (shape, dt) in manifest.columns.items()}
+        self.next_keys: tuple[str, ...] = manifest.next_keys
+        self.priorities = PriorityConfig(**manifest.priorities) if manifest.priorities else None
+        self.attrs: dict[str, Any] = dict(manifest.attrs)
+        self.generation = manifest.generation
+        self.manifest = manifest  # what the next commit rewrites (fields that never change)
+        self.layout = Layout(self.capacity, self.num_streams)  # all ring arithmetic (layout.py)
+        self._arrays: dict[str, ColumnArray] = {}  # every array of the store, by its path in it
+        try:
+            self._open_arrays(manifest)
+            self.committed = list(manifest.lanes)
+            _counters.check_lanes(
+                self.ends, self.reserved, self.committed, self.lane_size, str(self.path / fmt.MANIFEST), writer=mode == "a"
+            )
+        except BaseException:
+            self.close()
+            raise
+        self.lanes = list(self.committed)
+
+    def _open_arrays(self, manifest: Manifest) -> None:
+        """Open the arrays the checked manifest names, each against what it implies."""
+        root, cap, writable = self.path, self.capacity, self.mode == "a"
+        for name, (shape, dt) in manifest.columns.items():
+            expect = (cap, shape, dt)
+            if self._open_column is not None and name not in fmt.RESERVED_NAMES:  # the flags stay local and raw
+                self._arrays[f"columns/{name}"] = self._open_column(f"columns/{name}", expect)
+                continue
+            raw = name in fmt.RESERVED_NAMES or self.compression is None  # the flags are always raw
+            kind = RawArray if raw else ZarrArray
+            self._arrays[f"columns/{name}"] = kind.open(root, f"columns/{name}", writable=writable, expect=expect)
+        for k in self.next_keys:
+            shape, dt = manifest.columns[k]
+            self._arrays[f"final/{k}"] = RawArray.open(root, f"final/{k}", writable=writable, expect=(cap, shape, dt))
+        int64 = np.dtype(np.int64)
+        self.ends = self._mapped("index/ends", (2 * cap, (), int64))
+        self.reserved = self._mapped("index/reserved", (self.num_streams, (), int64))
+        self.priority_tree: tree.PriorityTree | None = None
+        if self.priorities is not None:
+            levels = {k: self._mapped(f"priority/{k}", (s[0], tuple(s[1:]), np.dtype(t))) for k, (s, t) in tree.layout(cap).items()}
+            self.priority_tree = tree.PriorityTree(**levels)
+            _safe_io.lexists(root, "priority/DIRTY")  # a link there would be touched through
+
+    def _mapped(self, name: str, expect: fmt.Expect) -> np.ndarray:
+        """Open a ledger array (index, reservation, tree level) and return its mapped rows:
+        the pure functions of ``index.py`` and ``mmbuffer.tree`` update it in place."""
+        arr = self._arrays[name] = RawArray.open(self.path, name, writable=self.mode == "a", expect=expect)
+        mapped = arr.mapped()
+        if mapped is None:  # a backend that maps nothing cannot hold the ledger (yet)
+            raise errors.InvalidArgumentError(f"{self.path / name}: expected a memory-mapped array, got {type(arr).__name__}")
+        return mapped
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The re-entrant lock every method that reads or changes cursors, index, tree
+        or rows holds: hold it to make several calls one step (a prefetch thread)."""
+        return self._lock
+
+    def reservation(self) -> np.ndarray:
+        """The writer's reservation per lane, read now from the shared map: rows of a
+        lane below ``reservation()[lane] - lane_size`` may be being rewritten."""
+        return np.array(self.reserved, dtype=np.int64)
+
+    def tree_spans(self) -> list[tuple[int, int]]:
+        """The rows whose priority a writer may have set (per lane, those of the counters
+        below its reservation); ``tree.check`` and ``tree.rebuild`` read only these."""
+        lane_rows = self.lane_size
+        return [(k * lane_rows, k * lane_rows + min(lane_rows, int(r))) for k, r in enumerate(self.reserved)]
+
+    # -- inspection --------------------------------------------------------------------
+    def __len__(self) -> int:
+        """Live rows: rows of live complete episodes plus the open episodes' rows."""
+        return int(sum(v.visible_end - v.first_start for v in self.view().lanes))
+
+    @property
+    def num_episodes(self) -> int:
+        """Live complete episodes over all lanes."""
+        return int(sum(v.ep_tail - v.ep_head for v in self.view().lanes))
+
+    @locked
+    def view(self) -> View:
+        """The index as samplers may use it now (see the module docstring)."""
+        lanes = []
+        written = np.empty(self.num_streams, dtype=np.int64)
+        for lane in range(self.num_streams):
+            st = self.lanes[lane]
+            written[lane] = st.written
+            if self.mode == "r":  # a reader keeps away from rows the writer may be rewriting
+                st = index.drop_below(self.ends, lane, self.lane_size, st, int(self.reserved[lane]) - self.lane_size)
+            open_start = st.open_start(self.ends, lane, self.lane_size)
+            visible_end = st.written - (1 if self.next_keys and st.written > open_start else 0)
+            lanes.append(LaneView(st.first_start, st.ep_head, st.ep_tail, open_start, visible_end))
+        return View(tuple(lanes), self.ends, self.layout, written, self.generation, self.priority_tree)
+
+    def episode_bounds(self, view: View | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Global start row and length of every live complete episode (lane order)."""
+        view = view or self.view()
+        starts, lengths = [], []
+        for lane, lv in enumerate(view.lanes):
+            st = Lane(int(view.written[lane]), lv.ep_head, lv.ep_tail, lv.first_start)
+            s, n = index.starts_lengths(self.ends, lane, self.lane_size, st)
+            starts.append(lane * self.lane_size + s % self.lane_size)
+            lengths.append(n)
+        return np.concatenate(starts), np.concatenate(lengths)
+
+    def column(self, name: str) -> ColumnArray:
+        """The backend array of a stored column or of ``final/<name>`` (``"final/obs"``):
+        what gather kernels read (``column(name).mapped()`` when the bytes are mapped)."""
+        return self._arrays[name if name.startswith("final/") else f"columns/{name}"]
+
+    def array(self, name: str) -> ColumnArray:
+        """Any array of the store by its path in it: ``columns/<c>``, ``final/<c>``,
+        ``index/ends``, ``index/reserved``, ``priority/<level>`` (the writer flushes
+        and allocates through these)."""
+        return self._arrays[name]
+
+    def read(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """Rows of a stored column or of ``final/<name>`` (``name = "final/obs"``)."""
+        return self.column(name).read(rows)
+
+    def read_range(self, name: str, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows ``[start, stop)`` of a stored column (global row numbers, one lane's ring
+        segment), copied into ``out`` when given.
+
+        For scans: a raw column is read with ``pread``, which pulls pages in with
+        read-ahead and maps nothing, where the ``MADV_RANDOM`` maps that serve
+        gathers fault one page at a time (a sequential pass over 1 GB cached:
+        0.6 s read and compared against 2.2 s through the map, on the dev VM).
+        Takes no lock: the caller reads rows it knows are written.
+
+        >>> import tempfile, numpy as np, mmbuffer as mb
+        >>> buf = mb.create(tempfile.mkdtemp() + "/r", {"x": ((), "int32")}, capacity=8, next_keys=())
+        >>> buf.extend({"x": np.arange(5)})
+        >>> buf.read_range("x", 1, 4).tolist()
+        [1, 2, 3]
+        """
+        return self._arrays[f"columns/{name}"].read_range(start, stop, out)
+
+    def leaf_priorities(self, rows: Any) -> np.ndarray:
+        """The stored priorities ``(p + eps) ** alpha`` of ``rows`` (float32; 0 where a
+        row is not live): sampling is proportional to them.
+
+        >>> import tempfile, numpy as np, mmbuffer as mb
+        >>> buf = mb.create(tempfile.mkdtemp() + "/l", {"x": ((), "int32")}, capacity=8, next_keys=(),
+        ...                 priorities=mb.PriorityConfig(alpha=0.5, eps=0.0))
+        >>> buf.extend({"x": np.arange(3)})
+        >>> buf.update_priorities([0, 1, 2], [4.0, 9.0, 16.0])
+        >>> buf.leaf_priorities([0, 1, 2]).tolist()
+        [2.0, 3.0, 4.0]
+        """
+        if self.priority_tree is None:
+            raise errors.InvalidPriorityError(
+                "leaf_priorities: expected a store created with priorities=mb.PriorityConfig(...), got priorities=None"
+            )
+        idx = check_rows(row_ids(rows, self.capacity), self.capacity)
+        return np.asarray(self.priority_tree.leaves[idx])
+
+    # -- a reader's refresh --------------------------------------------------------------
+    @locked
+    def refresh(self) -> bool:
+        """Reload the last commit (readers); return whether it changed."""
+        manifest = load_manifest(self.path)
+        if manifest.generation == self.generation:
+            return False
+        if self.mode == "a":
+            return False  # the writer is the source of commits
+        where = str(self.path / fmt.MANIFEST)
+        if manifest.schema() != self.manifest.schema():
+            raise errors.CorruptStoreError(f"{where}: expected the schema opened, {self.manifest.schema()}, got {manifest.schema()}")
+        lanes = list(manifest.lanes)
+        _counters.check_lanes(self.ends, self.reserved, lanes, self.lane_size, where, writer=False, since=self.committed)
+        self.generation = manifest.generation
+        self.attrs = dict(manifest.attrs)
+        self.committed = lanes
+        self.lanes = list(self.committed)
+        return True
+
+    # -- memory ----------------------------------------------------------------------------
+    def warm(self) -> None:
+        """Read the priority tree into memory and map it in this process.
+
+        The tree is read at random, a 4 KiB page at a time: a process that opens
+        a large store whose tree is not in the page cache (the kernel dropped it,
+        or the machine restarted) pays a random disk read per page at first use;
+        at 6e8 rows that is minutes of slow samples. ``warm`` reads the whole
+        tree at sequential disk speed (``_rawio.populate``: seconds at 6e8 rows) and
+        keeps it mapped, so that the kernel sees it as in use. ``open`` does not
+        call it (reopening stays a few milliseconds, and a reader that samples
+        little needs no warm tree); call it after ``open`` in a learner. It is
+        not locked and releases the GIL, so it may run in a background thread
+        while the store is used: ``threading.Thread(target=buf.warm).start()``.
+        A store without priorities has nothing to warm.
+        """
+        if self.priority_tree is not None:
+            for arr in self.priority_tree.arrays:
+                _rawio.populate(arr, random=config.madvise_random)
+
+    @locked
+    def release_memory(self) -> None:
+        """Drop this process's mappings of the store's pages.
+
+        A process that streams through a whole store (a converter, a verification
+        pass) otherwise keeps every page it touched counted in its RSS. Nothing is
+        lost: the pages stay in the page cache and the next access maps them again.
+        """
+        for name, arr in self._arrays.items():
+            if name != "index/reserved":  # the reservation is read at every check
+                arr.release()
+
+    def drop_cache(self, start: int, stop: int) -> None:
+        """Write rows ``[start, stop)`` of the raw columns behind: start writing them to
+        disk and drop their clean pages from the page cache.
+
+        For bulk writers whose output exceeds memory (converters, copies), like
+        ``dd oflag=nocache``: the page cache keeps what readers use instead of
+        the bulk output. Call it again on a range a few chunks later to drop the
+        pages that were still being written. Nothing is lost and nothing is
+        committed; later reads come from disk. No lock: it changes no data.
+        """
+        for name, arr in self._arrays.items():
+            if name.startswith("columns/"):
+                arr.drop_cache(start, stop)
+
+    def close(self) -> None:
+        """Close every array's file handles (the maps stay valid while referenced)."""
+        for arr in getattr(self, "_arrays", {}).values():
+            arr.close()
+
+    def __del__(self) -> None:
+        self.close()

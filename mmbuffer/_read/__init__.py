@@ -1,0 +1,1 @@
+"""Indices to tensors: gather, the reader's re-check, episodes as reads."""

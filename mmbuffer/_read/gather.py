@@ -1,0 +1,366 @@
+"""Read rows for given indices: compiled copies from the mapped columns, out as torch tensors.
+
+``next_<col>`` of a row is ``<col>`` of the following row of its lane, except at
+an episode's last row, where it is the stored final observation (``final/<col>``).
+Raw columns are copied by the kernels of ``mmbuffer.kernels.gather`` (a run of
+consecutive rows as one ``memcpy``, ``next_<col>`` in the same pass, no GIL);
+compressed ones are read through their backend. New tensors of a batch share one
+block of memory, recycled once they are all gone (``_Recycler``).
+
+>>> import tempfile, numpy as np, mmbuffer as mb
+>>> buf = mb.create(tempfile.mkdtemp() + "/s", {"obs": ((2,), "float32")}, capacity=8)
+>>> buf.extend({"obs": np.arange(6, dtype="float32").reshape(3, 2),
+...             "terminated": [False, False, True]}, final_obs={"obs": [[9.0, 9.0]]})
+>>> out = gather(buf, np.array([1, 2]), keys=["obs", "next_obs"])
+>>> out["next_obs"].tolist()
+[[4.0, 5.0], [9.0, 9.0]]
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import math
+import weakref
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import numpy as np
+import torch
+
+from .. import errors
+from .._ledger.store import Store
+
+
+@dataclass(slots=True)
+class Batch:
+    """One sampled batch (docs/api.md).
+
+    data:    column -> tensor ``[B, ...]`` (transitions) or ``[B, L, ...]`` (slices)
+    indices: int64 global row ids, ``[B]`` or ``[B, L]``
+    weights: float32 importance weights ``[B]`` (ones when not prioritized)
+    mask:    bool ``[B, L]``, False on padded positions (all True otherwise; None for transitions)
+    """
+
+    data: dict[str, torch.Tensor]
+    indices: torch.Tensor
+    weights: torch.Tensor
+    mask: torch.Tensor | None = None
+    written_at: np.ndarray | None = field(default=None, repr=False)  # lane cursors when sampled
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.data[key]
+
+    def to(self, device: Any, non_blocking: bool = False) -> Batch:
+        """The same batch with every tensor moved to ``device``."""
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=non_blocking)
+
+        return Batch(
+            {k: move(v) for k, v in self.data.items()},
+            move(self.indices),
+            move(self.weights),
+            None if self.mask is None else move(self.mask),
+            self.written_at,
+        )
+
+    def pin_memory(self) -> Batch:
+        """The same batch in page-locked memory (for asynchronous copies to a GPU)."""
+        return Batch(
+            {k: v.pin_memory() for k, v in self.data.items()},
+            self.indices.pin_memory(),
+            self.weights.pin_memory(),
+            None if self.mask is None else self.mask.pin_memory(),
+            self.written_at,
+        )
+
+
+def resolve_keys(store: Store, keys: Iterable[str] | None) -> list[str]:
+    """Validate ``keys`` (default: every column and every ``next_<col>``)."""
+    allowed = [*store.columns, *(f"next_{k}" for k in store.next_keys)]
+    if keys is None:
+        return allowed
+    if isinstance(keys, str):
+        keys = [keys]
+    keys = list(keys)
+    unknown = [k for k in keys if k not in allowed]
+    if unknown:
+        raise errors.InvalidArgumentError(f"keys: expected names among {allowed}, got unknown {unknown}")
+    return keys
+
+
+def gather(
+    store: Store,
+    rows: np.ndarray,
+    keys: Iterable[str] | None = None,
+    out: Mapping[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Rows of ``store`` at global ids ``rows`` (any shape) as a dict of tensors.
+
+    ``out`` may hold caller-owned CPU tensors (pinned, say) of the result shapes;
+    they are filled in place and returned. One that is contiguous and of the
+    column's dtype is written directly; any other is filled by ``copy_``.
+
+    Raw columns are copied from their mapped bytes by the compiled kernels of
+    ``mmbuffer.kernels.gather``, in the order given and without the GIL: a run of
+    consecutive rows (a slice) as one ``memcpy``, ``next_<col>`` in the same pass
+    as ``<col>``. Compressed columns are read through their backend.
+    """
+    from ..kernels import gather as kernels
+
+    plan = _plan(store, keys)
+    rows = np.asarray(rows, dtype=np.int64)
+    flat = np.ascontiguousarray(rows).reshape(-1)
+    starts, bad = kernels.runs(flat, store.capacity)
+    if bad >= 0:
+        raise errors.InvalidArgumentError(
+            f"index: expected row ids in [0, {store.capacity}), got {int(flat[bad])} "
+            f"(values from {flat.min()} to {flat.max()})"
+        )
+    targets = _targets(plan.keys, rows.shape, out)
+    for own, after in plan.passes:
+        if after is None:
+            assert own is not None
+            _copy(kernels, store, flat, starts, own, targets[own.name])
+        else:
+            _next_into(kernels, store, flat, starts, after, targets[after.name],
+                       None if own is None else targets[own.name])
+    return {key.name: targets[key.name].finish() for key in plan.keys}
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Key:
+    """One key a gather returns, as it is copied: fixed for the store's life (a
+    store's columns and their maps never change once it is open)."""
+
+    name: str
+    base: str  # the stored column (``obs`` for ``next_obs``)
+    row_shape: tuple[int, ...]
+    dtype: np.dtype
+    torch_dtype: torch.dtype
+    row_bytes: int
+    source: np.ndarray | None  # the column's mapped bytes; None: read through its backend
+    # final, terminated and truncated as mapped bytes, for a ``next_`` key (None: read them)
+    ends: tuple[np.ndarray, np.ndarray, np.ndarray] | None
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Plan:
+    """The keys of one ``keys`` argument, and the passes that copy them: ``(own,
+    after)`` copies ``own`` alone (``after`` None) or ``after`` = ``next_<col>``
+    with ``own`` = ``<col>`` (when also asked) in the same pass."""
+
+    keys: tuple[_Key, ...]
+    passes: tuple[tuple[_Key | None, _Key | None], ...]
+
+
+_MAX_PLANS = 64  # per store: distinct ``keys`` arguments seen
+_PLANS: weakref.WeakKeyDictionary[Store, dict[Any, _Plan]] = weakref.WeakKeyDictionary()
+
+
+def _plan(store: Store, keys: Iterable[str] | None) -> _Plan:
+    """The plan of ``keys`` for ``store``, built once per store and keys (a batch's
+    fixed Python cost was ~25-45 us of dtype, shape and map lookups before)."""
+    if keys is not None and not isinstance(keys, str):
+        keys = tuple(keys)
+    plans = _PLANS.get(store)
+    if plans is None:
+        plans = _PLANS.setdefault(store, {})
+    try:
+        plan = plans.get(keys)
+    except TypeError:  # unhashable names: resolve_keys says what is wrong with them
+        resolve_keys(store, keys)
+        raise
+    if plan is None:
+        names = resolve_keys(store, keys)
+        if len(plans) >= _MAX_PLANS:
+            plans.clear()
+        built = {name: _key(store, name) for name in dict.fromkeys(names)}
+        wanted, done = set(names), set[str]()
+        passes: list[tuple[_Key | None, _Key | None]] = []
+        for name in built:
+            base = built[name].base
+            after = f"next_{base}"
+            if base in done or after in done:
+                continue
+            if after in wanted:  # the column and its next values in one pass
+                passes.append((built.get(base), built[after]))
+                done.update((base, after))
+            else:
+                passes.append((built[name], None))
+                done.add(name)
+        plan = plans[keys] = _Plan(tuple(built[n] for n in names), tuple(passes))
+    return plan
+
+
+def _key(store: Store, name: str) -> _Key:
+    from ..kernels import gather as kernels
+
+    base = name[5:] if name.startswith("next_") else name
+    col = store.columns[base]
+    dtype = np.dtype(col.dtype)
+    mapped = store.column(base).mapped()
+    ends = None
+    if name != base:
+        final, terminated, truncated = (store.column(n).mapped() for n in (f"final/{base}", "terminated", "truncated"))
+        if mapped is not None and final is not None and terminated is not None and truncated is not None:
+            ends = (kernels.bytes_of(final), kernels.bytes_of(terminated), kernels.bytes_of(truncated))
+    return _Key(name, base, tuple(col.shape), dtype, _torch_dtype(dtype), math.prod(col.shape) * dtype.itemsize,
+                None if mapped is None else kernels.bytes_of(mapped), ends)
+
+
+def _copy(kernels: Any, store: Store, flat: np.ndarray, starts: np.ndarray, key: _Key, target: _Target) -> None:
+    if key.source is None:  # a compressed column: read through its backend
+        target.array[...] = store.read(key.base, flat).reshape(target.array.shape)
+    elif key.row_bytes:
+        kernels.copy_rows(key.source, flat, starts, key.row_bytes, target.bytes(kernels))
+
+
+class _Target:
+    """Where one key's rows go: the caller's tensor itself when it fits (CPU,
+    contiguous, that shape and dtype), else new memory that ``finish`` copies
+    into the caller's tensor or returns as a tensor."""
+
+    __slots__ = ("array", "caller", "dtype", "raw", "shape", "tensor")
+
+    def __init__(self, shape: tuple[int, ...], key: _Key, caller: torch.Tensor | None) -> None:
+        self.dtype = key.dtype
+        self.shape = shape
+        self.caller = caller
+        self.tensor: torch.Tensor | None = None
+        self.raw: np.ndarray | None = None  # the array's bytes, when placed in new memory
+        if (
+            caller is not None
+            and caller.device.type == "cpu"
+            and tuple(caller.shape) == shape
+            and caller.dtype == key.torch_dtype
+            and caller.is_contiguous()
+            and not caller.requires_grad
+        ):
+            self.tensor, self.caller = caller, None
+            self.array: np.ndarray = caller.numpy()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of new memory this target needs (0 when it writes the caller's tensor)."""
+        return 0 if self.tensor is not None else math.prod(self.shape) * self.dtype.itemsize
+
+    def place(self, memory: np.ndarray) -> None:
+        """Take ``memory`` (``nbytes`` bytes) as this target's array."""
+        self.raw = memory
+        self.array = memory.view(self.dtype).reshape(self.shape)
+        self.tensor = torch.from_numpy(self.array)
+
+    def bytes(self, kernels: Any) -> np.ndarray:
+        """The array as flat bytes, what the copy kernels write."""
+        if self.raw is not None:
+            return self.raw
+        out: np.ndarray = kernels.bytes_of(self.array)
+        return out
+
+    def finish(self) -> torch.Tensor:
+        assert self.tensor is not None
+        if self.caller is None:
+            return self.tensor
+        self.caller.copy_(self.tensor)
+        return self.caller
+
+
+def _targets(keys: tuple[_Key, ...], index_shape: tuple[int, ...], out: Mapping[str, torch.Tensor] | None) -> dict[str, _Target]:
+    """A target per key; the new memory of all of them is one recycled block."""
+    targets = {k.name: _Target((*index_shape, *k.row_shape), k, None if out is None else out.get(k.name)) for k in keys}
+    sizes = [t.nbytes for t in targets.values()]
+    spans = [-(-n // _ALIGN) * _ALIGN for n in sizes]  # each key's memory starts on a cache line
+    block = _RECYCLER.block(sum(spans)) if sum(spans) else np.empty(0, np.uint8)
+    at = 0
+    for t, n, span in zip(targets.values(), sizes, spans):
+        if t.tensor is None:
+            t.place(block[at : at + n])
+        at += span
+    return targets
+
+
+_ALIGN = 64  # each key's memory starts on a cache line
+
+
+class _Recycler:
+    """Memory for new batches, taken back once every tensor of a batch is gone.
+
+    A batch of a few MB in fresh memory costs a page fault per 4 KiB on its
+    first write (``malloc`` maps large blocks anew, and ``free`` returns them to
+    the system): 0.5-0.8 ms for a 2.7 MB batch on the dev VM, more than the
+    copy itself. Each block is lent behind a ``ctypes`` array that every array
+    and tensor carved from it references (numpy keeps non-array bases in a
+    view's base chain), so its finalizer runs only when the last of them is
+    gone; the block then waits for the next batch of the same size. Finalizers
+    may run in any thread, so the free lists are deques (atomic append/pop) and
+    nothing here takes a lock. A caller that keeps its batches just gets new
+    blocks.
+    """
+
+    def __init__(self, *, per_size: int = 4, sizes: int = 8) -> None:
+        self._free: dict[int, collections.deque[np.ndarray]] = {}
+        self._per_size = per_size
+        self._sizes = sizes
+        self._types: dict[int, Any] = {}
+
+    def block(self, nbytes: int) -> np.ndarray:
+        """``nbytes`` writable bytes (uninitialized)."""
+        try:
+            raw = self._free[nbytes].pop()
+        except (KeyError, IndexError):
+            raw = np.empty(nbytes, np.uint8)
+        kind = self._types.get(nbytes)
+        if kind is None:
+            kind = self._types[nbytes] = ctypes.c_uint8 * nbytes
+            if len(self._types) > 4 * self._sizes:
+                self._types = {nbytes: kind}
+        lease: Any = kind.from_buffer(cast(Any, raw))
+        weakref.finalize(lease, self._give_back, raw).atexit = False
+        memory: np.ndarray = np.frombuffer(lease, np.uint8)
+        return memory
+
+    def _give_back(self, raw: np.ndarray) -> None:
+        free = self._free.get(raw.nbytes)
+        if free is None:
+            if len(self._free) >= self._sizes:
+                self._free = {}
+            free = self._free.setdefault(raw.nbytes, collections.deque(maxlen=self._per_size))
+        free.append(raw)
+
+
+_RECYCLER = _Recycler()
+
+
+_TORCH_DTYPES: dict[np.dtype, torch.dtype] = {}
+
+
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    found = _TORCH_DTYPES.get(dtype)
+    if found is None:
+        found = _TORCH_DTYPES[dtype] = torch.from_numpy(np.empty(0, dtype)).dtype
+    return found
+
+
+def _next_into(
+    kernels: Any, store: Store, flat: np.ndarray, starts: np.ndarray, key: _Key, after: _Target, own: _Target | None
+) -> None:
+    """``next_<base>`` into ``after`` and, when ``own`` is given, ``<base>`` into it."""
+    if key.source is not None and key.ends is not None:
+        if key.row_bytes:
+            kernels.copy_rows_next(
+                key.source, *key.ends, flat, starts, store.layout.lane_size, key.row_bytes, after.bytes(kernels),
+                None if own is None else own.bytes(kernels),
+            )
+        return
+    # a compressed column: read through its backend
+    values = store.read(key.base, flat)
+    if own is not None:
+        own.array[...] = values.reshape(own.array.shape)
+    following = store.read(key.base, store.layout.following(flat))
+    last = store.read("terminated", flat) | store.read("truncated", flat)
+    if last.any():
+        following[last] = store.read(f"final/{key.base}", flat[last])
+    after.array[...] = following.reshape(after.array.shape)

@@ -1,0 +1,92 @@
+"""A reader's read of a batch, re-checked against the writer after the copy (seqlock-style).
+
+In a reader (``mode="r"``) a writer in another process may overwrite rows while
+they are copied. So after the copy every item is checked against the writer's
+reservation as it stands *then* (:func:`overwritten`); the items that fail are
+drawn again from a fresh view and copied again, until none fails. What a reader
+returns was therefore never being rewritten while it was read. The writer needs
+no check: its writes take the store's lock.
+
+>>> from mmbuffer._ledger.layout import Layout
+>>> overwritten(Layout(8), np.array([[2, 3], [6, 7]]), np.array([8, 8]), np.array([11]))
+array([ True, False])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import numpy as np
+import torch
+
+from .. import errors
+from .gather import gather
+from .._ledger.layout import Layout
+from ..samplers import Draw
+from .._ledger.store import Store
+
+MAX_REREADS = 64
+
+
+def read_checked(
+    store: Store,
+    draw: Callable[[np.ndarray], Draw],
+    size: int,
+    names: list[str],
+    *,
+    out: Mapping[str, torch.Tensor] | None = None,
+    recheck: bool | None = None,
+) -> tuple[dict[str, torch.Tensor], Draw]:
+    """Gather the rows that ``draw`` picks for batch positions ``arange(size)``; return
+    the data and the draw (with the redrawn items in place).
+
+    ``draw(positions)`` returns ``(rows, weights, mask or None, lane cursors)`` for
+    those positions, from the store's current ``view()``. A reader's items are
+    re-checked as the module docstring says (``recheck=True``: a writer's too, for
+    callers that gather without the store's lock); ``out``: caller tensors the
+    columns are gathered into; ``EmptyBufferError`` when the writer
+    laps a lane faster than ``MAX_REREADS`` draws in a row can be read.
+    """
+    rows, weights, mask, written = draw(np.arange(size))
+    data = gather(store, rows, names, out)
+    if store.mode == "r" if recheck is None else recheck:
+        layout = store.layout
+        cursors = written[layout.lane(first_rows(rows, size))]
+        for _ in range(MAX_REREADS):
+            bad = np.flatnonzero(overwritten(layout, rows, cursors, store.reservation()))
+            if bad.size == 0:
+                break
+            r, w, m, wr = draw(bad)
+            fresh = gather(store, r, names)
+            rows[bad], weights[bad], cursors[bad] = r, w, wr[layout.lane(first_rows(r, bad.size))]
+            if mask is not None and m is not None:
+                mask[bad] = m
+            for name, value in data.items():
+                value[torch.from_numpy(bad)] = fresh[name]
+        else:
+            raise errors.EmptyBufferError(
+                f"sample: expected rows that stay put while they are read, got rows overwritten by the writer "
+                f"in {MAX_REREADS} draws in a row (the writer laps this lane faster than a batch is read)"
+            )
+    return data, (rows, weights, mask, written)
+
+
+def first_rows(rows: np.ndarray, items: int) -> np.ndarray:
+    """The first row of each of ``items`` items (``rows`` is ``[B]`` or ``[B, L]``)."""
+    first: np.ndarray = rows.reshape(items, -1)[:, 0]
+    return first
+
+
+def overwritten(layout: Layout, rows: np.ndarray, cursors: np.ndarray, reserved: np.ndarray) -> np.ndarray:
+    """Which items (first axis of ``rows``) the writer may have begun rewriting.
+
+    ``cursors[i]`` is the ``written`` counter of item ``i``'s lane in the view it
+    was drawn from, which fixes the absolute row its first row held. Absolute row
+    ``a`` is rewritten when the writer writes ``a + lane_size``, and the writer
+    raises ``reserved`` past a row before it writes it: ``a >= reserved -
+    lane_size`` holds exactly while ``a`` is intact. An item's later rows (the
+    window, the next row read for ``next_*``) are younger than its first.
+    """
+    first = first_rows(rows, len(cursors))
+    bad: np.ndarray = layout.absolute_at(first, cursors) < reserved[layout.lane(first)] - layout.lane_size
+    return bad

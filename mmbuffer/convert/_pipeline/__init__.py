@@ -1,0 +1,1 @@
+"""What every reader and exporter shares: the write, read-back, walk and destination steps."""

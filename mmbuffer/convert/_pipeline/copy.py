@@ -1,0 +1,263 @@
+"""Re-encode a store: raw memory-mapped <-> zstd/lz4 archive.
+
+:func:`copy` keeps the geometry (capacity, streams, priority settings), the
+``attrs`` and every lane's open episode, and changes the encoding
+(``compression``). It walks the source like the exporters (:mod:`._walk`:
+lane by lane, live complete episodes oldest first, then the open episode) and
+is written by a :class:`CopyWriter` in the frame of :mod:`._frame`, and
+verifies like the converters (:mod:`._readback`): every written piece is read back
+from the new store's files and compared byte for byte, and the reopened copy
+must hold the same episodes. The stored priorities of a prioritized store are
+copied exactly (:meth:`~mmbuffer.Buffer.set_leaf_priorities`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ...buffer import Buffer
+from ...errors import InvalidArgumentError
+from ...opening import create
+from ...opening import open as open_buffer
+from ...schema import PriorityConfig
+from ..._disk.urls import is_url
+from .frame import SEGMENT_BYTES, Writer, crc_hex, crc_update, mismatch, progress_bar, same_bytes, write_and_verify
+from .lanes import check_layout, deal, lane_rows_fit, runs
+from .readback import ReadBack
+from .reader import FLAGS, jsonable
+from .walk import OpenedStore, Plan, chunk_rows_for, data_columns, plan_episodes, row_bytes, walk
+
+__all__ = ["copy", "copy_store"]
+
+
+def copy(
+    src: Any,
+    dst: str | os.PathLike[str],
+    *,
+    compression: str | None = None,
+    chunk_rows: int | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+    verify: bool = True,
+    capacity: int | None = None,
+    num_streams: int | None = None,
+    priorities: PriorityConfig | None | str = "keep",
+) -> dict[str, Any]:
+    """Copy a store into a new one with another encoding, size, streams or priorities.
+
+    ``compression=None`` gives a raw memory-mapped store (for training),
+    ``"zstd"`` / ``"lz4"`` a compressed archive. Columns, next keys and
+    ``attrs`` are kept; by default capacity, streams and priority settings too,
+    and then every lane's live episodes are written to the same lane, oldest
+    first, then its open episode, so the copy samples the same data with the
+    same probabilities (its rows start at row 0 of each lane; each row keeps its
+    stored priority). Built at ``dst + ".partial"``, verified, then renamed.
+
+    With another ``num_streams`` the episodes (lane by lane, oldest first) are
+    dealt to the new streams in contiguous runs of about ``rows / num_streams``
+    rows, each open episode last in its stream (:mod:`._lanes`); a store with
+    more open episodes than new streams is refused. A ``capacity`` whose lanes
+    cannot hold their episodes is refused before anything is written
+    (:class:`~mmbuffer.errors.InvalidArgumentError` naming ``capacity``).
+
+    Parameters
+    ----------
+    src
+        A store path or an open ``mb.Buffer``.
+    dst
+        The new store's path, or a URL (``s3://bucket/prefix/store``, any fsspec URL):
+        the copy is published there as a new snapshot (``mmbuffer.remote.publish``;
+        ``compression=None`` means ``"zstd"`` there). ``src`` may be such a URL too.
+    compression
+        ``None``, ``"zstd"`` or ``"lz4"``.
+    chunk_rows
+        Rows per read and ``extend`` (default: about 32 MiB of rows).
+    verify
+        Read every written piece back and compare it; reopen the copy and
+        compare its episodes.
+    capacity, num_streams
+        The copy's rows over all streams and its streams (default: the source's;
+        with only ``num_streams`` given, the source's capacity rounded up to a
+        multiple of it).
+    priorities
+        ``"keep"`` (default: the source's settings, stored priorities copied
+        exactly), ``None`` (no priority tree) or an ``mb.PriorityConfig``: when
+        it differs from the source's, every row starts at its largest priority
+        (the stored values were computed with other settings).
+
+    Returns
+    -------
+    dict
+        Summary: ``rows``, ``episodes``, ``open_episode_rows``, ``checksums``
+        (``"<lane>:<column>"`` -> CRC-32 of the source rows), ``verified``,
+        ``seconds``, ``rows_per_s``, ``mb_per_s``.
+
+    Examples
+    --------
+    >>> import tempfile, numpy as np, mmbuffer as mb
+    >>> d = tempfile.mkdtemp()
+    >>> with mb.create(d + "/raw", {"x": ((), "float32")}, capacity=8, next_keys=()) as buf:
+    ...     buf.extend({"x": np.arange(5), "terminated": np.arange(5) == 2})
+    >>> copy(d + "/raw", d + "/zst", compression="zstd", progress=False)["verified"]
+    True
+    >>> mb.open(d + "/zst", mode="r").get(np.arange(5))["x"].tolist()
+    [0.0, 1.0, 2.0, 3.0, 4.0]
+    """
+    if is_url(src) or is_url(dst):  # object storage: mmbuffer.remote publishes / fetches
+        from ...remote import copy_url
+
+        return copy_url(src, dst, compression=compression, chunk_rows=chunk_rows, overwrite=overwrite,
+                        progress=progress, verify=verify, capacity=capacity, num_streams=num_streams,
+                        priorities=priorities)
+    t0 = time.perf_counter()
+    writer = CopyWriter(src, compression=compression, chunk_rows=chunk_rows, progress=progress, verify=verify,
+                        layout=dict(capacity=capacity, num_streams=num_streams, priorities=priorities))
+    dst_path = _write_to(writer, dst, overwrite=overwrite, verify=verify)
+    summary = writer.summary
+    summary["out"] = str(dst_path)
+    summary["verified"] = verify
+    plan = writer.plan
+    seconds = time.perf_counter() - t0
+    summary.update(
+        seconds=round(seconds, 3),
+        rows_per_s=round(plan.rows / seconds, 1) if seconds else None,
+        mb_per_s=round(writer.nbytes / seconds / 1e6, 1) if seconds else None,
+    )
+    return summary
+
+
+def _write_to(writer: CopyWriter, dst: str | os.PathLike[str], *, overwrite: bool, verify: bool) -> Path:
+    """Where a local copy goes (a URL destination is published by :func:`copy` through
+    ``mmbuffer.remote`` before this is reached)."""
+    return write_and_verify(writer, dst, overwrite=overwrite, verify=verify)
+
+
+class CopyWriter(Writer):
+    """Writes a store's episodes into a new store (the :func:`copy` steps)."""
+
+    def __init__(self, src: Any, *, compression: str | None, chunk_rows: int | None, progress: bool,
+                 verify: bool, layout: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.layout_options = dict(layout or {})
+        self.src = src
+        self.opened = OpenedStore(src)
+        self.compression = compression
+        self.chunk_rows = chunk_rows
+        self.progress = progress
+        self.readback = verify
+        self.out: Buffer | None = None
+        self.summary: dict[str, Any] = {}
+
+    def open(self) -> None:
+        buf = self.buf = self.opened.open()
+        self.rows_per = min(chunk_rows_for(buf, self.chunk_rows), int(buf.lane_size))
+        self.plan, _ = plan_episodes(buf, "all")
+        plan, opts = self.plan, self.layout_options
+        src_priorities = getattr(buf, "priorities", None)
+        priorities = opts.get("priorities", "keep")
+        if isinstance(priorities, str):
+            if priorities != "keep":
+                raise InvalidArgumentError(
+                    f"priorities: expected 'keep', None or mb.PriorityConfig, got {priorities!r}")
+            priorities = src_priorities
+        src_streams = int(buf.num_streams)
+        streams = opts.get("num_streams")
+        same_lanes = streams is None or streams == src_streams
+        self.layout = check_layout(
+            plan.rows, capacity=opts.get("capacity"), num_streams=streams, priorities=priorities,
+            default_capacity=int(buf.capacity), default_streams=src_streams)
+        # each episode's lane in the copy: its own, or dealt out anew (_lanes)
+        self.lanes = plan.lanes if same_lanes else deal(plan.lengths, plan.complete, self.layout.num_streams)
+        lane_rows_fit(self.lanes, plan.lengths, self.layout)
+        self.copy_leaves = src_priorities is not None and priorities == src_priorities
+
+    def write(self, partial: Path) -> None:
+        buf, plan, rows_per = self.buf, self.plan, self.rows_per
+        cols = data_columns(buf)
+        keys = [*cols, *FLAGS]
+        crc: dict[str, int] = {}
+        layout = self.layout
+        out = self.out = create(
+            str(partial),
+            columns={k: (tuple(buf.columns[k].shape), buf.columns[k].dtype) for k in cols},
+            capacity=layout.capacity,
+            num_streams=layout.num_streams,
+            compression=self.compression,
+            priorities=layout.priorities,
+            next_keys=tuple(buf.next_keys),
+            attrs=jsonable(dict(buf.attrs)),
+        )
+        readback = ReadBack(partial) if self.readback else None
+        segment = max(rows_per, SEGMENT_BYTES // max(1, row_bytes(buf)))
+        since = 0
+        with progress_bar(plan.rows, "copy", self.progress) as bar:
+            for piece in walk(buf, plan, keys, rows_per, release=self.opened.owned):
+                for name in keys:
+                    crc_update(crc, f"{piece.lane}:{name}", piece.data[name])
+                ended = np.cumsum(piece.last) - piece.last  # complete episodes ended before each row
+                for lane, a, b in runs(self.lanes[piece.episode]):
+                    data = {k: v[a:b] for k, v in piece.data.items()}
+                    e0, e1 = int(ended[a]), int(ended[b - 1] + piece.last[b - 1])
+                    final = {k: v[e0:e1] for k, v in piece.final.items()}
+                    n = b - a
+                    row = layout.take(lane, n, "the source's episodes")
+                    out.extend(data, stream=lane, final_obs=final or None)
+                    if self.copy_leaves:  # the stored priorities, exactly
+                        leaves, rows = buf.leaf_priorities(piece.rows[a:b]), np.arange(row, row + n)
+                        out.set_leaf_priorities(rows, leaves)
+                        if readback is not None and not same_bytes(out.leaf_priorities(rows), leaves):
+                            raise mismatch(partial, f"priorities of rows [{row}, {row + n})", "the source's", "others")
+                    if readback is not None:
+                        readback.check(out, row, data, final)
+                bar.update(len(piece.rows))
+                since += len(piece.rows)
+                if since >= segment:  # unmap what was written through the maps (flat memory)
+                    out.release_memory()
+                    since = 0
+        out.commit()
+        out.close()
+        self.out = None
+        self.summary = {
+            "format": "copy",
+            "store": str(getattr(buf, "path", self.src)),
+            "out": "",
+            "compression": self.compression,
+            "rows": plan.rows,
+            "episodes": int(plan.complete.sum()),
+            "open_episode_rows": int(plan.lengths[~plan.complete].sum()),
+            "checksums": {k: crc_hex(v) for k, v in crc.items()},
+            "verified": False,
+        }
+        self.nbytes = row_bytes(buf) * plan.rows
+
+    def abort(self) -> None:
+        if self.out is not None:
+            self.out.close()
+
+    def close(self) -> None:
+        self.opened.close()
+
+    def verify(self, partial: Path) -> None:
+        _verify_episodes(partial, self.plan, self.lanes)
+
+
+def _verify_episodes(path: Path, plan: Plan, lanes: np.ndarray) -> None:
+    """The reopened copy holds the plan's episodes, stream by stream, in order."""
+    with open_buffer(str(path), mode="r") as new:
+        got, _ = plan_episodes(new, "all")
+    if got.rows != plan.rows:
+        raise mismatch(path, "rows", plan.rows, got.rows)
+    if int(got.complete.sum()) != int(plan.complete.sum()):
+        raise mismatch(path, "episodes", int(plan.complete.sum()), int(got.complete.sum()))
+    order = np.argsort(lanes, kind="stable")  # the plan's episodes in the copy's order
+    if not (np.array_equal(got.lengths, plan.lengths[order]) and np.array_equal(got.lanes, lanes[order])):
+        raise mismatch(path, "episode lengths by stream", plan.lengths[order][:8].tolist(), got.lengths[:8].tolist())
+
+
+#: Alias that does not shadow the standard library's ``copy`` in ``from ... import *``.
+copy_store = copy

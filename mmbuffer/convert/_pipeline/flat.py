@@ -1,0 +1,317 @@
+"""A reader over row-aligned arrays (D4RL HDF5, ``.npz``/``.npy``, TorchRL memmaps).
+
+Every source here is a set of arrays with one row per transition plus two flag
+arrays; episodes end at rows where either flag is set. ``next_arrays`` (when the
+source has them, e.g. D4RL ``next_observations`` or TorchRL ``("next", ...)``)
+give each episode's final observation; without them the final observation is
+unknown and is filled with zeros (``attrs["final_obs_source"] == "zeros"``).
+
+A source that stops inside an episode (its last row has no flag, as in most
+D4RL files) keeps every row. With next observations the last row is a whole
+transition: the episode is closed as truncated there (D4RL's ``timeouts``: the
+data stops), its final observation is the last row's next observation, and
+``attrs["tail_truncated_row"]`` records the row, so
+:func:`~mmbuffer.convert.export_d4rl` writes the flag back as it was. Without
+next observations the episode stays open: its last row has no next observation
+and is not sampled (warning).
+Arrays are read in row slices only, so any object with ``shape``, ``dtype`` and
+``__getitem__(slice)`` works (``h5py.Dataset``, :class:`FileArray`, numpy arrays).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from .reader import Chunk, Reader, Schema, as_flag
+
+__all__ = ["ArrayLike", "FileArray", "RolledArray", "FlatReader", "TAIL_ATTR"]
+
+#: Store attribute: the row where a converter set ``truncated`` because the source
+#: stopped inside an episode (its last row had no end flag).
+TAIL_ATTR = "tail_truncated_row"
+
+
+class ArrayLike(Protocol):
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    def __getitem__(self, idx: slice) -> np.ndarray: ...
+
+
+class FileArray:
+    """A C-order array inside a file, read with ``pread`` (no memory map).
+
+    Reading through ``pread`` into fresh buffers keeps the process's resident set
+    flat: pages of a memory map would stay counted against the process.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], offset: int, shape: tuple[int, ...], dtype: Any):
+        self.path = Path(path)
+        self.offset = int(offset)
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = np.dtype(dtype)
+        self._row_bytes = int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
+        self._fd: int | None = None
+        need = self.offset + self._row_bytes * (self.shape[0] if self.shape else 1)
+        size = self.path.stat().st_size
+        if size < need:
+            from ...errors import ConversionError
+
+            raise ConversionError(
+                f"{self.path}: expected at least {need} bytes for an array of shape {self.shape} "
+                f"and dtype {self.dtype}, got {size} (file seems not fully written?)"
+            )
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def _open(self) -> int:
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        return self._fd
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __getitem__(self, idx: Any) -> np.ndarray:
+        if not self.shape:
+            out = np.empty((), self.dtype)
+            _pread_into(self._open(), out.reshape(1).data.cast("B"), self.offset)
+            return out
+        if isinstance(idx, (int, np.integer)):
+            row: np.ndarray = self[int(idx) : int(idx) + 1][0]
+            return row
+        if not isinstance(idx, slice) or idx.step not in (None, 1):
+            raise TypeError(f"FileArray supports contiguous slices only, got {idx!r}")
+        a, b, _ = idx.indices(self.shape[0])
+        b = max(a, b)
+        out = np.empty((b - a, *self.shape[1:]), self.dtype)
+        if b > a:
+            _pread_into(self._open(), out.data.cast("B"), self.offset + a * self._row_bytes)
+        return out
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    total = len(view)
+    while done < total:
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise EOFError(f"unexpected end of file at byte {offset + done}")
+        done += n
+
+
+class RolledArray:
+    """Rows ``[shift:] + [:shift]`` of the first ``length`` rows of ``base`` (a ring read in age order)."""
+
+    def __init__(self, base: ArrayLike, shift: int, length: int) -> None:
+        self.base, self.shift, self.length = base, int(shift), int(length)
+        self.shape = (self.length, *base.shape[1:])
+        self.dtype = base.dtype
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, idx: slice) -> np.ndarray:
+        a, b, _ = idx.indices(self.length)
+        b = max(a, b)
+        cap = self.length
+        start, stop = a + self.shift, b + self.shift
+        if stop <= cap:
+            return np.asarray(self.base[start:stop])
+        if start >= cap:
+            return np.asarray(self.base[start - cap : stop - cap])
+        return np.concatenate([np.asarray(self.base[start:cap]), np.asarray(self.base[0 : stop - cap])])
+
+
+class FlatReader(Reader):
+    """Stream row-aligned arrays as store chunks.
+
+    Parameters
+    ----------
+    path
+        The source, for messages and attributes.
+    columns
+        Store column name -> array ``[N, *shape]`` (``reward`` squeezed to ``[N]``
+        when given as ``[N, 1]``).
+    terminated, truncated
+        Flag arrays ``[N]`` or ``[N, 1]`` of any numeric dtype (non-zero is set).
+    next_arrays
+        Next-derived column -> array ``[N, *shape]`` of next observations, used for
+        the final observation of every episode; rows inside an episode are
+        compared with the following row's observation and the disagreements are
+        counted (``next_obs_mismatch_rows``). Columns listed in ``next_keys`` but
+        missing here get zeros as final observation.
+    next_keys
+        Columns whose next value the store derives.
+    keys
+        Source key of each column, for error messages.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        fmt: str,
+        columns: Mapping[str, ArrayLike],
+        terminated: ArrayLike,
+        truncated: ArrayLike,
+        next_arrays: Mapping[str, ArrayLike] | None = None,
+        next_keys: tuple[str, ...] = (),
+        keys: Mapping[str, str] | None = None,
+        attrs: dict[str, Any] | None = None,
+        squeeze: tuple[str, ...] = ("reward",),
+    ) -> None:
+        super().__init__(path)
+        self.format = fmt
+        self._columns = dict(columns)
+        self._term = terminated
+        self._trunc = truncated
+        self._next = dict(next_arrays or {})
+        self._next_keys = tuple(next_keys)
+        self._keys = dict(keys or {})
+        self._squeeze = {k for k in squeeze if k in self._columns and self._columns[k].shape[1:] == (1,)}
+        everything = [*self._columns.items(), ("terminated", terminated), ("truncated", truncated),
+                      *((f"next_{k}", v) for k, v in self._next.items())]
+        for name, arr in everything:
+            if not arr.shape:
+                raise self._error("expected an array with one row per step, got a scalar", self._key(name))
+        lengths = [int(arr.shape[0]) for _, arr in everything]
+        n = max(set(lengths), key=lengths.count) if lengths else 0  # the most common length
+        for name, arr in everything:
+            if int(arr.shape[0]) != n:
+                ref = next(k for k, a in everything if int(a.shape[0]) == n)
+                raise self._error(
+                    f"mismatched lengths: {arr.shape[0]} rows, expected {n} (as {self._key(ref)!r})",
+                    self._key(name),
+                )
+        for flag, arr in (("terminated", terminated), ("truncated", truncated)):
+            if arr.shape[1:] not in ((), (1,)):
+                raise self._error(f"expected a flag per row, got shape {arr.shape}", self._key(flag))
+        for k, arr in self._next.items():
+            if k not in self._columns or tuple(arr.shape[1:]) != tuple(self._columns[k].shape[1:]):
+                raise self._error(
+                    f"next observations of shape {tuple(arr.shape[1:])} do not match "
+                    f"{k!r} of shape {tuple(self._columns[k].shape[1:]) if k in self._columns else None}",
+                    self._key(f"next_{k}"),
+                )
+        self._n = int(n or 0)
+        cols: dict[str, tuple[tuple[int, ...], str]] = {}
+        for name, arr in self._columns.items():
+            shape = tuple(int(s) for s in arr.shape[1:])
+            if name in self._squeeze:
+                shape = ()
+            cols[name] = (shape, np.dtype(arr.dtype).newbyteorder("=").str)
+        self._attrs = dict(attrs or {})
+        missing = [k for k in self._next_keys if k not in self._next]
+        if self._next_keys:
+            self._attrs["final_obs_source"] = "zeros" if missing else "next"
+        n = self._n
+        self._open_tail = bool(n) and not bool(as_flag(terminated[n - 1 : n])[0] or as_flag(truncated[n - 1 : n])[0])
+        # the dataset stops inside an episode: with next observations its last row is
+        # a whole transition, so the episode is closed as truncated (D4RL's timeouts)
+        self._close_tail = self._open_tail and bool(self._next_keys) and not missing
+        if self._close_tail:
+            self._attrs[TAIL_ATTR] = n - 1
+        self._schema = Schema(cols, self._next_keys, self._n, self._attrs)
+
+    def _key(self, name: str) -> str:
+        return self._keys.get(name, name)
+
+    @property
+    def schema(self) -> Schema:
+        return self._schema
+
+    def chunks(self, chunk_rows: int) -> Iterator[Chunk]:
+        n = self._n
+        missing = [k for k in self._next_keys if k not in self._next]
+        if missing and n:
+            self._warn(
+                f"no next observations for {missing}: the final observation of every episode "
+                "is unknown and stored as zeros"
+            )
+        mismatches = 0
+        prev_next: dict[str, np.ndarray] = {}
+        prev_end = True
+        for a in range(0, n, chunk_rows):
+            b = min(n, a + chunk_rows)
+            steps: dict[str, np.ndarray] = {}
+            for name, arr in self._columns.items():
+                rows = np.asarray(arr[a:b])
+                if name in self._squeeze:
+                    rows = rows.reshape(b - a)
+                steps[name] = rows
+            term = as_flag(self._term[a:b])
+            trunc = as_flag(self._trunc[a:b])
+            if b == n and self._close_tail:
+                trunc = trunc.copy()
+                trunc[-1] = True
+            steps["terminated"] = term
+            steps["truncated"] = trunc
+            done = term | trunc
+            ends = np.flatnonzero(done)
+            final: dict[str, np.ndarray] = {}
+            for k in self._next_keys:
+                shape, dtype = self._schema.columns[k]
+                if k in self._next:
+                    nxt = np.asarray(self._next[k][a:b])
+                    final[k] = nxt[ends]
+                    obs = steps[k]
+                    # inside an episode, next_obs[t] should be obs[t + 1]
+                    inner = ~done[:-1]
+                    if inner.any():
+                        diff = _rows_differ(nxt[:-1][inner], obs[1:][inner])
+                        mismatches += int(diff.sum())
+                    if k in prev_next and not prev_end:
+                        mismatches += int(_rows_differ(prev_next[k], obs[:1]).sum())
+                    prev_next[k] = nxt[-1:]
+                else:
+                    final[k] = np.zeros((len(ends), *shape), dtype)
+            prev_end = bool(done[-1]) if len(done) else prev_end
+            yield Chunk(steps, final)
+        if self._next:
+            self.stats["next_obs_mismatch_rows"] = mismatches
+            if mismatches:
+                self._warn(
+                    f"{mismatches} rows have a next observation that differs from the following "
+                    "row's observation inside an episode; the store derives next_obs from the "
+                    "following row (keep_next_obs=True stores them as an explicit column)"
+                )
+        if self._close_tail:
+            self.stats["tail_truncated_row"] = n - 1
+            self._warn(
+                "the last episode has no terminated/truncated flag (the dataset stops there): kept as "
+                f"a truncated episode (truncated set at row {n - 1}, attrs[{TAIL_ATTR!r}]), whose final "
+                "observation is the last row's next observation; export_d4rl writes it back unflagged"
+            )
+        elif self._open_tail and self._next_keys:
+            self._warn(
+                "the last episode has no terminated/truncated flag and the source has no next "
+                f"observations: kept as an open episode; its last row (row {n - 1}) has no next "
+                "observation, so it is stored but not sampled"
+            )
+        elif self._open_tail:
+            self._warn("the last episode has no terminated/truncated flag: kept as an open episode")
+
+
+def _rows_differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per row: do ``a`` and ``b`` differ (NaN equal to NaN)?"""
+    if a.dtype.kind == "f":
+        same = (a == b) | (np.isnan(a) & np.isnan(b))
+    else:
+        same = a == b
+    differs: np.ndarray = ~same.reshape(len(a), -1).all(axis=1)
+    return differs

@@ -1,0 +1,1 @@
+"""One exporter per target format."""

@@ -1,0 +1,499 @@
+"""Minari datasets (HDF5, and the Arrow/Parquet variant when ``pyarrow`` is installed).
+
+Layout read (Minari 0.4/0.5)::
+
+    DATASET/data/metadata.json          total_episodes, total_steps, data_format,
+                                        observation_space, action_space, env_spec, ...
+    DATASET/data/main_data.hdf5         data_format "hdf5": one group per episode
+        episode_<i>/observations        [T+1, ...] (a group of leaves for Dict/Tuple spaces)
+        episode_<i>/actions             [T, ...]
+        episode_<i>/rewards, terminations, truncations   [T]
+        episode_<i>/infos/...           [T+1 or T, ...]
+    DATASET/data/<i>/*.arrow|.parquet   data_format "arrow"/"parquet": one directory per
+                                        episode, every column padded to T+1 rows
+
+Row ``t`` of episode ``i`` becomes one store row (``obs``, ``action``, ``reward``,
+``terminated``, ``truncated``); observation ``T`` (the T+1-th) is the episode's
+final observation. With ``keep_infos``, an info leaf of T+1 rows (the reset info,
+then the info of each step, as Minari records them) is kept whole like the
+observations: ``infos/<name>`` row ``t`` is the info returned with observation
+``t`` (row 0: the reset info), ``next_infos/<name>`` the info of step ``t``, and
+info ``T`` is the episode's final value of the next-derived column; an info leaf
+of T rows is row for row. Dict and Tuple spaces become one column per leaf:
+``obs/pixels``, ``obs/_index_0`` (HDF5 names kept, so the export can rebuild
+the group). JPEG-encoded image leaves are decoded (needs Pillow). An episode
+whose last step has neither flag gets ``truncated=True`` there (it is a complete
+Minari episode; counted as ``forced_truncations``, with a warning).
+``metadata.json`` goes into ``attrs["minari"]`` (spaces and env spec as the JSON
+strings Minari wrote). Episodes are read one at a time (an Arrow episode whole,
+an HDF5 episode in row slices), so memory stays at about one chunk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ...schema import PriorityConfig
+from .minari_arrow import arrow_info_leaves, arrow_leaves, null_fill
+from .minari_spaces import decode_jpeg, is_image, parse_space, space_leaves
+from .._pipeline.reader import Chunk, ChunkAssembler, Reader, Schema, jsonable
+from .._pipeline.sniff import expect
+from .._pipeline.write import write_store
+
+__all__ = ["MinariReader", "convert_minari"]
+
+_EPISODE = re.compile(r"^episode_(\d+)$")
+_TOP = {"observations": "obs", "actions": "action"}
+
+
+#: Minari's dataset id: ``(namespace/)name(-vN)`` (``minari.dataset.minari_dataset.DATASET_ID_RE``).
+DATASET_ID = re.compile(r"^(?:(?P<namespace>[-_\w][-_\w/]*[-_\w]+)/)?(?P<dataset>[-_\w]+?)(?:-v(?P<version>\d+))?$")
+
+
+def datasets_root() -> Path:
+    """Minari's local datasets directory: ``$MINARI_DATASETS_PATH``, else ``~/.minari/datasets``."""
+    env = os.environ.get("MINARI_DATASETS_PATH")
+    return Path(env) if env else Path.home() / ".minari" / "datasets"
+
+
+def resolve_dataset(src: str | os.PathLike[str]) -> Path:
+    """``src`` as a path when it exists, else as a Minari dataset id in :func:`datasets_root`.
+
+    An id without a version (``cartpole/random``) names the highest local
+    version, as ``minari.load_dataset`` does. Nothing is downloaded.
+
+    >>> import os, tempfile
+    >>> root = tempfile.mkdtemp()
+    >>> os.makedirs(root + "/cartpole/random-v0/data"); os.makedirs(root + "/cartpole/random-v2/data")
+    >>> os.environ["MINARI_DATASETS_PATH"] = root
+    >>> resolve_dataset("cartpole/random").relative_to(root).as_posix()
+    'cartpole/random-v2'
+    >>> del os.environ["MINARI_DATASETS_PATH"]
+    """
+    from ...errors import ConversionError
+
+    path = Path(src).expanduser()
+    text = os.fspath(src)
+    if os.path.lexists(path) or not isinstance(text, str):
+        return path
+    m = DATASET_ID.match(text)
+    if m is None:
+        return path  # neither a path nor an id: the reader says what is there
+    root = datasets_root()
+    if m.group("version") is not None:
+        candidate = root / text
+    else:
+        parent = root / m.group("namespace") if m.group("namespace") else root
+        pattern = re.compile(re.escape(m.group("dataset")) + r"-v(\d+)$")
+        versions = sorted((int(v.group(1)), e) for e in (os.listdir(parent) if parent.is_dir() else [])
+                          if (v := pattern.match(e)))
+        candidate = parent / versions[-1][1] if versions else root / text
+    if not os.path.lexists(candidate):
+        raise ConversionError(
+            f"{text}: expected a Minari dataset directory or a dataset id found in Minari's local "
+            f"datasets directory {root} (MINARI_DATASETS_PATH), found neither; nothing is downloaded "
+            f"(run `minari download {text}` first)")
+    return candidate
+
+
+class MinariReader(Reader):
+    """Read a Minari dataset directory (see the module docstring).
+
+    Parameters
+    ----------
+    path
+        The dataset directory (``.../<dataset_id>``, holding ``data/``) or its ``data/``.
+    keep_infos
+        Keep numeric ``infos`` leaves as ``infos/<name>`` columns, reset info
+        included (a T+1-row leaf is next-derived, like ``obs``: see the module
+        docstring).
+    """
+
+    format = "minari"
+
+    def __init__(self, path: str | os.PathLike[str], *, keep_infos: bool = False) -> None:
+        super().__init__(resolve_dataset(path))
+        p = self.path
+        expect(p, ("directory",), "a Minari dataset directory (holding data/metadata.json)")
+        data = p / "data" if (p / "data" / "metadata.json").is_file() else p
+        meta_path = data / "metadata.json"
+        if not meta_path.is_file():
+            raise self._error(
+                "not a Minari dataset: no data/metadata.json (expected the dataset directory)"
+            )
+        try:
+            self.metadata: dict[str, Any] = json.loads(meta_path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise self._error(f"unreadable metadata.json ({exc})", "metadata.json") from exc
+        self._data = data
+        self._keep_infos = keep_infos
+        self.data_format = self.metadata.get("data_format", "hdf5")
+        self._obs_space = parse_space(self.metadata, "observation_space")
+        self._act_space = parse_space(self.metadata, "action_space")
+        self._jpeg = bool(self.metadata.get("jpeg_encoding", True))
+        self._leaf_space = {**space_leaves(self._obs_space, "obs"), **space_leaves(self._act_space, "action")}
+        self._h5: Any = None
+        if self.data_format == "hdf5":
+            self._schema = self._scan_hdf5()
+        elif self.data_format in ("arrow", "parquet"):
+            self._schema = self._scan_arrow()
+        else:
+            raise self._error(f"unknown data_format {self.data_format!r} (hdf5, arrow, parquet)", "metadata.json")
+
+    @property
+    def schema(self) -> Schema:
+        return self._schema
+
+    def close(self) -> None:
+        if self._h5 is not None:
+            self._h5.close()
+            self._h5 = None
+
+    # -- common ----------------------------------------------------------------------------
+    def _attrs(self) -> dict[str, Any]:
+        return {"source_format": "minari", "minari": jsonable(self.metadata)}
+
+    def _check_totals(self, steps: int, episodes: int) -> None:
+        for key, got in (("total_steps", steps), ("total_episodes", episodes)):
+            want = self.metadata.get(key)
+            if want is not None and int(want) != got:
+                raise self._error(f"metadata.json says {key}={want} but the data holds {got}", key)
+
+    def _finish_episode(self, ep: int, term: np.ndarray, trunc: np.ndarray) -> None:
+        if len(term) and not (term[-1] or trunc[-1]):
+            trunc[-1] = True
+            self.stats["forced_truncations"] = self.stats.get("forced_truncations", 0) + 1
+            if self.stats["forced_truncations"] == 1:
+                self._warn(
+                    f"episode {ep} ends with neither terminated nor truncated: marked truncated "
+                    "(further cases are counted in forced_truncations)"
+                )
+
+    # -- HDF5 ----------------------------------------------------------------------------------
+    def _episode_names(self) -> list[str]:
+        names = []
+        for name in self._h5:
+            m = _EPISODE.match(name)
+            if m is None:
+                raise self._error(f"unexpected entry {name!r} (expected episode_<i> groups)", "main_data.hdf5")
+            names.append((int(m.group(1)), name))
+        names.sort()
+        return [n for _, n in names]
+
+    def _scan_hdf5(self) -> Schema:
+        import h5py
+
+        path = self._data / "main_data.hdf5"
+        if not path.is_file():
+            raise self._error("data_format is hdf5 but data/main_data.hdf5 is missing", "main_data.hdf5")
+        try:
+            self._h5 = h5py.File(path, "r")
+        except OSError as exc:
+            raise self._error(f"not an HDF5 file ({exc})", "main_data.hdf5") from exc
+        self._episodes = self._episode_names()
+        if not self._episodes:
+            raise self._error("no episodes", "main_data.hdf5")
+        columns: dict[str, tuple[tuple[int, ...], str]] = {}
+        self._lengths: list[int] = []
+        first = True
+        dropped: set[str] = set()
+        info_whole: dict[str, bool] = {}
+        for name in self._episodes:
+            g = self._h5[name]
+            for key in ("observations", "actions", "rewards", "terminations", "truncations"):
+                if key not in g:
+                    raise self._error(f"missing key {key!r}", f"{name}/{key}")
+            rew = g["rewards"]
+            t = int(rew.shape[0])
+            self._lengths.append(t)
+            leaves = self._h5_leaves(g, name)
+            for col, (ds, rows) in leaves.items():
+                want = t + 1 if col.startswith("obs") else t
+                if col.startswith("infos/"):
+                    if rows not in (t, t + 1):
+                        dropped.add(col)
+                        continue
+                elif rows != want:
+                    raise self._error(
+                        f"mismatched lengths: {rows} rows, expected {want} ({t} steps)", f"{name}/{ds.name.split('/', 2)[-1]}"
+                    )
+                shape, dtype = self._leaf_schema(col, ds)
+                if col.startswith("infos/") and np.dtype(dtype).kind not in "biuf":
+                    dropped.add(col)
+                    continue
+                if col.startswith("infos/"):
+                    whole = rows == t + 1  # reset info + one per step: next-derived, like obs
+                    if first:
+                        info_whole[col] = whole
+                    elif info_whole.get(col) != whole:
+                        dropped.add(col)
+                        continue
+                if first:
+                    columns[col] = (shape, dtype)
+                elif col not in columns:
+                    if not col.startswith("infos/"):
+                        raise self._error(f"column {col!r} is not in episode 0", name)
+                    dropped.add(col)
+                elif columns[col] != (shape, dtype):
+                    raise self._error(
+                        f"shape/dtype {shape} {dtype} differ from the first episode's {columns[col]}",
+                        f"{name}/{col}",
+                    )
+            if not first:
+                missing = [c for c in columns if c not in leaves]
+                info_missing = [c for c in missing if c.startswith("infos/")]
+                for c in info_missing:
+                    dropped.add(c)
+                    columns.pop(c)
+                if len(missing) > len(info_missing):
+                    raise self._error(f"missing {sorted(set(missing) - set(info_missing))}", name)
+            first = False
+        for c in dropped:
+            columns.pop(c, None)
+        if dropped:
+            self._warn(f"info leaves not kept (non-numeric or not one per step): {sorted(dropped)}")
+        self._cols = columns
+        self._check_totals(sum(self._lengths), len(self._episodes))
+        next_keys = tuple(c for c in columns if c == "obs" or c.startswith("obs/") or info_whole.get(c))
+        return Schema(columns, next_keys, sum(self._lengths), self._attrs(), len(self._episodes))
+
+    def _h5_leaves(self, g: Any, ep: str) -> dict[str, tuple[Any, int]]:
+        import h5py
+
+        out: dict[str, tuple[Any, int]] = {}
+
+        def walk(node: Any, col: str) -> None:
+            if isinstance(node, h5py.Dataset):
+                out[col] = (node, int(node.shape[0]) if node.shape else -1)
+            else:
+                for k in node:
+                    walk(node[k], f"{col}/{k}")
+
+        for key, col in (*_TOP.items(), ("rewards", "reward")):
+            walk(g[key], col)
+        if self._keep_infos and "infos" in g:
+            walk(g["infos"], "infos")
+        return out
+
+    def _leaf_schema(self, col: str, ds: Any) -> tuple[tuple[int, ...], str]:
+        space = self._leaf_space.get(col)
+        if ds.dtype.kind in "OV" or h5py_vlen(ds):
+            if space is not None and self._jpeg and is_image(space):
+                return tuple(space["shape"]), "|u1"
+            raise self._error(f"unsupported non-numeric data (dtype {ds.dtype})", col)
+        if ds.dtype.kind not in "biuf":
+            if col.startswith("infos/"):
+                return (), ds.dtype.str
+            raise self._error(f"unsupported dtype {ds.dtype} (text spaces are not stored)", col)
+        shape = tuple(int(s) for s in ds.shape[1:])
+        if col == "reward":
+            if shape == (1,):
+                shape = ()
+        return shape, np.dtype(ds.dtype).newbyteorder("=").str
+
+    def _read_leaf(self, col: str, ds: Any, a: int, b: int) -> np.ndarray:
+        space = self._leaf_space.get(col)
+        if ds.dtype.kind in "OV" or h5py_vlen(ds):
+            return decode_jpeg(ds[a:b], f"{self._data}/main_data.hdf5:{ds.name}")
+        rows = np.asarray(ds[a:b])
+        if col == "reward":
+            rows = rows.reshape(b - a)
+        del space
+        return rows
+
+    def _chunks_hdf5(self, chunk_rows: int) -> Iterator[Chunk]:
+        asm = ChunkAssembler(chunk_rows)
+        obs_cols = list(self._schema.next_keys)
+        for ep, (name, t) in enumerate(zip(self._episodes, self._lengths)):
+            g = self._h5[name]
+            leaves = self._h5_leaves(g, name)
+            term_ds, trunc_ds = g["terminations"], g["truncations"]
+            for a in range(0, t, chunk_rows):
+                b = min(t, a + chunk_rows)
+                steps: dict[str, np.ndarray] = {}
+                for col in self._cols:
+                    ds, rows = leaves[col]
+                    steps[col] = self._read_leaf(col, ds, a, b)
+                term = np.asarray(term_ds[a:b]).reshape(b - a).astype(bool)
+                trunc = np.asarray(trunc_ds[a:b]).reshape(b - a).astype(bool)
+                last = b == t
+                if last:
+                    self._finish_episode(ep, term, trunc)
+                inner = term[:-1] | trunc[:-1] if last else term | trunc
+                if inner.any():
+                    raise self._error(
+                        f"a terminated/truncated flag before the last step (row {a + int(np.flatnonzero(inner)[0])})",
+                        f"{name}/terminations",
+                    )
+                steps["terminated"], steps["truncated"] = term, trunc
+                final = None
+                if last:
+                    final = {c: self._read_leaf(c, leaves[c][0], t, t + 1)[0] for c in obs_cols}
+                out = asm.add(steps, final)
+                if out is not None:
+                    yield out
+        out = asm.flush()
+        if out is not None:
+            yield out
+
+    # -- Arrow / Parquet ----------------------------------------------------------------------
+    def _episode_dirs(self) -> list[tuple[int, Path]]:
+        dirs = []
+        for d in self._data.iterdir():
+            if d.is_dir() and d.name.isdigit():
+                dirs.append((int(d.name), d))
+            elif d.is_dir() and d.name.startswith("episode_id="):
+                dirs.append((int(d.name.split("=", 1)[1]), d))
+        dirs.sort()
+        return dirs
+
+    def _arrow_table(self, d: Path) -> Any:
+        try:
+            import pyarrow.dataset as pds
+        except ImportError as exc:
+            raise self._error(f"data_format {self.data_format!r} needs pyarrow (pip install pyarrow)") from exc
+        ds = pds.dataset(str(d), format=self.data_format, ignore_prefixes=["_", ".", "metadata.json"])
+        return ds.to_table()
+
+    def _arrow_episode(self, d: Path) -> dict[str, np.ndarray]:
+        table = self._arrow_table(d)
+        n = table.num_rows
+        out: dict[str, np.ndarray] = {}
+        for key, col in (("observations", "obs"), ("actions", "action")):
+            if key not in table.column_names:
+                raise self._error(f"missing key {key!r}", f"{d.name}/{key}")
+            space = self._obs_space if key == "observations" else self._act_space
+            arrow_leaves(table.column(key).combine_chunks(), space, col, out, self, jpeg=self._jpeg)
+        for key, col in (("rewards", "reward"), ("terminations", "terminated"), ("truncations", "truncated")):
+            if key not in table.column_names:
+                raise self._error(f"missing key {key!r}", f"{d.name}/{key}")
+            arr = table.column(key).combine_chunks()
+            out[col] = arr.fill_null(null_fill(arr)).to_numpy(zero_copy_only=False)
+        if self._keep_infos and "infos" in table.column_names:
+            arrow_info_leaves(table.column("infos").combine_chunks(), "infos", out, n)
+        return out
+
+    def _scan_arrow(self) -> Schema:
+        self._dirs = self._episode_dirs()
+        if not self._dirs:
+            raise self._error(f"data_format is {self.data_format} but data/ holds no episode directories")
+        self._lengths = []
+        columns: dict[str, tuple[tuple[int, ...], str]] = {}
+        for ep, d in self._dirs:
+            meta_file = d / "metadata.json"
+            t = None
+            if meta_file.is_file() and ep != self._dirs[0][0]:
+                t = json.loads(meta_file.read_text()).get("total_steps")
+            if t is None or not columns:
+                data = self._arrow_episode(d)
+                t = len(data["reward"]) - 1
+                if not columns:
+                    for col, arr in data.items():
+                        if col in ("terminated", "truncated"):
+                            continue
+                        if col.startswith("infos/") and arr.dtype.kind not in "biuf":
+                            continue
+                        shape = tuple(arr.shape[1:])
+                        columns[col] = (shape, np.dtype(arr.dtype).newbyteorder("=").str)
+            self._lengths.append(int(t))
+        self._cols = columns
+        self._check_totals(sum(self._lengths), len(self._dirs))
+        # Arrow pads every column to T+1 rows: infos are kept whole (reset info first), like obs
+        next_keys = tuple(c for c in columns if c == "obs" or c.startswith("obs/") or c.startswith("infos/"))
+        return Schema(columns, next_keys, sum(self._lengths), self._attrs(), len(self._dirs))
+
+    def _chunks_arrow(self, chunk_rows: int) -> Iterator[Chunk]:
+        asm = ChunkAssembler(chunk_rows)
+        obs_cols = list(self._schema.next_keys)
+        for (ep, d), t in zip(self._dirs, self._lengths):
+            data = self._arrow_episode(d)
+            if len(data["reward"]) != t + 1:
+                raise self._error(
+                    f"mismatched lengths: {len(data['reward']) - 1} steps, metadata says {t}", f"{d.name}"
+                )
+            for col in self._cols:
+                if col not in data:
+                    raise self._error(f"missing column {col!r}", d.name)
+            steps = {c: data[c][:t] for c in self._cols}
+            for c in obs_cols:
+                if len(data[c]) != t + 1:
+                    raise self._error(f"expected {t + 1} rows (reset + {t} steps), got {len(data[c])}",
+                                      f"{d.name}/{c}")
+            term = data["terminated"][:t].astype(bool)
+            trunc = data["truncated"][:t].astype(bool)
+            self._finish_episode(ep, term, trunc)
+            steps["terminated"], steps["truncated"] = term, trunc
+            final = {c: data[c][t] for c in obs_cols}
+            for a in range(0, t, chunk_rows):
+                b = min(t, a + chunk_rows)
+                piece = {k: v[a:b] for k, v in steps.items()}
+                out = asm.add(piece, final if b == t else None)
+                if out is not None:
+                    yield out
+        out = asm.flush()
+        if out is not None:
+            yield out
+
+    def chunks(self, chunk_rows: int) -> Iterator[Chunk]:
+        if self.data_format == "hdf5":
+            yield from self._chunks_hdf5(chunk_rows)
+        else:
+            yield from self._chunks_arrow(chunk_rows)
+
+
+def h5py_vlen(ds: Any) -> bool:
+    import h5py
+
+    return h5py.check_vlen_dtype(ds.dtype) is not None
+
+
+def convert_minari(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    keep_infos: bool = False,
+    overwrite: bool = False,
+    compression: str | None = None,
+    chunk_rows: int | None = None,
+    progress: bool = True,
+    verify: bool = True,
+    capacity: int | None = None,
+    num_streams: int | None = None,
+    priorities: PriorityConfig | None = None,
+) -> dict[str, Any]:
+    """Convert a Minari dataset directory into a new store at ``dst``.
+
+    ``src`` is the dataset's directory (e.g. ``~/.minari/datasets/D4RL/door/human-v2``)
+    or its ``data/`` directory, or a dataset id (``D4RL/door/human-v2``) looked up
+    in Minari's local datasets directory (:func:`resolve_dataset`: never a
+    download); Minari itself is not needed to read it. Options
+    and the returned summary are those of :func:`convert_d4rl`.
+
+    Raises
+    ------
+    ConversionError
+        Not a Minari dataset, a missing key, observations not ``T+1`` rows, totals
+        that disagree with ``metadata.json``.
+    StoreExistsError
+        ``dst`` exists and ``overwrite`` is false.
+
+    Examples
+    --------
+    ``convert_minari("~/.minari/datasets/D4RL/door/human-v2", "stores/door")``;
+    ``tests/test_convert.py`` runs it on datasets written by ``minari.DataCollector``.
+    """
+    from .._pipeline.dest import check_destination
+
+    check_destination(dst, overwrite)
+    reader = MinariReader(src, keep_infos=keep_infos)
+    return write_store(
+        reader, dst, overwrite=overwrite, compression=compression, chunk_rows=chunk_rows,
+        progress=progress, verify=verify, capacity=capacity, num_streams=num_streams, priorities=priorities,
+    )
