@@ -15,7 +15,7 @@ tensorstore or xarray read it without mmbuffer. Nothing in it is a pickle::
       index/reserved/      int64 [num_streams]: rows the writer may have overwritten
                            past its last commit (see ``writer.py``)
       priority/<level>/    priority tree arrays (``mmbuffer.tree``), when enabled
-      sampler/<name>.json  persisted sampler state (``epoch.py``)
+      sampler/<name>.json  persisted sampler state (``samplers/epoch.py``)
       LOCK                 advisory lock file of the single writer (pid, host)
 
 Raw arrays (the default, and always the index and the tree) hold a single shard
@@ -39,22 +39,22 @@ read and written through zarr-python; they are for archives (see ``mmbuffer copy
 ``written``, ``ep_head``, ``ep_tail``, ``first_start``; all int64 counters that
 never wrap) and ``attrs`` (user metadata). Readers ignore every row past a lane's
 committed ``written``; unknown top-level manifest fields are ignored (room for
-additions that old readers may skip), everything named is checked (``_manifest.py``).
+additions that old readers may skip), everything named is checked (``_ledger/manifest.py``).
 
 What a store may contain, and how it is opened: everything inside the directory
 is opened without following symbolic links and must be a regular file or a
-directory (``_safe_io.py``); every ``zarr.json`` must describe exactly the array
+directory (``safe_io.py``); every ``zarr.json`` must describe exactly the array
 the manifest implies: an allowed dtype (bool, signed and unsigned integers,
 floats), the shape, one shard of whole-row chunks with the index at the end for
 raw arrays, and only ``bytes`` plus at most one ``zstd``/``blosc`` codec for
 compressed ones. Counters are checked against each other and the index at open
-(``_counters.py``). Anything else is ``CorruptStoreError``, never a repair.
+(``_ledger/counters.py``). Anything else is ``CorruptStoreError``, never a repair.
 
 This module is the spec and its checks (names, dtypes, shapes, ``zarr.json``,
 the manifest's format and version) and creates arrays (``create_raw``,
 ``create_compressed``). The bytes are read and written elsewhere: raw arrays by
-``_rawio.py`` (maps, ``pwrite``/``pread``, page cache) behind ``columns/``, JSON
-files, atomic placement and disk room by ``_files.py``.
+``rawio.py`` (maps, ``pwrite``/``pread``, page cache) behind ``columns/``, JSON
+files, atomic placement and disk room by ``files.py``.
 
 Version history
 ---------------
@@ -168,8 +168,6 @@ def create_raw(
     reserves the disk blocks of every row at once (arrays written whole at creation)."""
     import google_crc32c  # creating needs zarr; opening a store (mmbuffer info) does not
     import zarr
-
-    from .._ledger.zarr_view import dimension_names  # what xarray needs; documented there
 
     row_bytes = int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize
     chunk = _chunk_rows(rows, row_bytes)
@@ -355,8 +353,6 @@ def create_compressed(
     import zarr
     from zarr.codecs import BloscCodec, ZstdCodec
 
-    from .._ledger.zarr_view import dimension_names  # what xarray needs; documented there
-
     row_bytes = int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize
     compressor = ZstdCodec(level=3) if compression == "zstd" else BloscCodec(cname="lz4", clevel=5)
     zarr.create_array(
@@ -397,3 +393,18 @@ def read_manifest(path: Path) -> dict[str, Any]:
         )
     return manifest
 
+
+def dimension_names(name: str, row_ndim: int) -> list[str]:
+    """The ``dimension_names`` of array ``name`` (``"columns/obs"``) with ``row_ndim``
+    dimensions after the first.
+
+    Arrays with one entry per store row (``columns/*``, ``final/*``) share the
+    first dimension ``"row"``; the others name it after themselves (``"ends"``).
+    Trailing dimensions are ``<leaf>_1``, ``<leaf>_2``, ... (``obs_1``).
+
+    >>> dimension_names("columns/obs/pixels", 3), dimension_names("index/ends", 0)
+    (['row', 'pixels_1', 'pixels_2', 'pixels_3'], ['ends'])
+    """
+    leaf = name.rsplit("/", 1)[-1]
+    first = "row" if name.split("/", 1)[0] in ("columns", "final") else leaf
+    return [first, *(f"{leaf}_{i}" for i in range(1, row_ndim + 1))]

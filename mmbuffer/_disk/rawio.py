@@ -1,6 +1,6 @@
 """Raw arrays in files: memory maps, ``pwrite``/``pread`` of row blocks, page-cache control.
 
-A raw array (``_format.py``: one shard, ``bytes`` codec, index at the end) starts
+A raw array (``_disk/format.py``: one shard, ``bytes`` codec, index at the end) starts
 with its C-order rows, so it is mapped as a numpy array from the shard file's
 descriptor (opened without following links) after its ``zarr.json`` is checked.
 Everything here works on one mapped array and knows nothing of stores.
@@ -33,23 +33,6 @@ from ..config import config
 
 _MADV_POPULATE_READ: Final = 22  # Linux >= 5.14; Python 3.11's mmap module lacks it
 PWRITE_MIN_BYTES: Final = 1 << 16
-# Linux's MAP_NORESERVE (Python 3.11's mmap module lacks it); elsewhere no flag
-_MAP_NORESERVE: Final = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
-
-
-def sparse_zeros(count: int, dtype: np.dtype | type) -> np.ndarray:
-    """``count`` zeros in anonymous memory whose untouched pages cost nothing, and are
-    not counted against the kernel's overcommit heuristic: ``np.zeros`` of a
-    3e9-row store's 48 GB index raises ``MemoryError`` on a 24 GB machine, though
-    only the pages of its live episodes are ever written.
-
-    >>> z = sparse_zeros(10**10, np.int64); z[-1] = 7; int(z[-1]), int(z[0])
-    (7, 0)
-    """
-    dtype = np.dtype(dtype)
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
-    handle = mmap.mmap(-1, max(count * dtype.itemsize, 1), flags=flags)
-    return np.frombuffer(handle, dtype, count=count)
 
 
 def open_raw_fd(root: Path, name: str, *, writable: bool, expect: fmt.Expect | None = None) -> tuple[np.ndarray, int]:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .._disk import rawio as _rawio
+from .._disk.memory import sparse_zeros
 from .. import errors
 from .layout import Layout
 
@@ -227,7 +227,7 @@ def rebuild(done_by_lane: list[np.ndarray], states: list[Lane], lane_size: int) 
     the store's (16 bytes a row of capacity) and only its live episodes' slots are
     written, so it lives in sparse memory.
     """
-    ends = _rawio.sparse_zeros(len(states) * 2 * lane_size, np.int64)
+    ends = sparse_zeros(len(states) * 2 * lane_size, np.int64)
     out = []
     for lane, (done, st) in enumerate(zip(done_by_lane, states)):
         fresh = Lane(written=st.first_start, ep_head=st.ep_head, ep_tail=st.ep_head, first_start=st.first_start)

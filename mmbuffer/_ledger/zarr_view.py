@@ -1,6 +1,6 @@
 """What a Zarr reader sees of a store: named dimensions, and which rows are live.
 
-A store is a Zarr v3 group (``_format.py``), so zarr-python, tensorstore and
+A store is a Zarr v3 group (``_disk/format.py``), so zarr-python, tensorstore and
 xarray open its arrays without mmbuffer. Two things make what they read usable:
 
 * every array's ``zarr.json`` carries ``dimension_names`` (:func:`dimension_names`;
@@ -58,26 +58,11 @@ from typing import Any
 from .._disk import files as _files, safe_io as _safe_io
 from .. import errors
 from .._disk import format as fmt
+from .._disk.format import dimension_names
 from .index import Lane, slot_ranges
 from .layout import Layout
 
 __all__ = ["attributes", "dimension_names", "publish"]
-
-
-def dimension_names(name: str, row_ndim: int) -> list[str]:
-    """The ``dimension_names`` of array ``name`` (``"columns/obs"``) with ``row_ndim``
-    dimensions after the first.
-
-    Arrays with one entry per store row (``columns/*``, ``final/*``) share the
-    first dimension ``"row"``; the others name it after themselves (``"ends"``).
-    Trailing dimensions are ``<leaf>_1``, ``<leaf>_2``, ... (``obs_1``).
-
-    >>> dimension_names("columns/obs/pixels", 3), dimension_names("index/ends", 0)
-    (['row', 'pixels_1', 'pixels_2', 'pixels_3'], ['ends'])
-    """
-    leaf = name.rsplit("/", 1)[-1]
-    first = "row" if name.split("/", 1)[0] in ("columns", "final") else leaf
-    return [first, *(f"{leaf}_{i}" for i in range(1, row_ndim + 1))]
 
 
 def attributes(layout: Layout, lanes: Sequence[Lane], generation: int) -> dict[str, Any]:

@@ -53,7 +53,7 @@ __all__ = ["check_destination", "partial_path", "remove_partial", "replace_desti
 #: Output kinds a converter writes.
 KINDS = ("store", "d4rl", "minari", "diffusion_policy")
 
-#: Entries of a store directory (``_format.py``), with the temporary names of its writers.
+#: Entries of a store directory (``_disk/format.py``), with the temporary names of its writers.
 _STORE_ENTRIES = frozenset({
     "zarr.json", "zarr.json.partial", "manifest.json", "manifest.json.partial", "columns", "final", "index",
     "priority", "sampler", "LOCK",

@@ -156,7 +156,7 @@ def write_store(
     verify
         Reopen the store and compare counts and checksums with the source.
     capacity, num_streams, priorities
-        The new store's geometry, as for :func:`mmbuffer._disk.create` (defaults: the
+        The new store's geometry, as for :func:`mmbuffer._ledger.create` (defaults: the
         source's rows, one stream, no priorities): room to grow, one lane per
         environment of an online collector, a priority tree usable at once (rows
         start at the largest priority, as fresh rows do). Episodes are dealt to

@@ -12,13 +12,13 @@ from typing import Any
 
 import numpy as np
 
-from . import files as _files
+from .._disk import files as _files
 from .. import errors, tree
-from . import format as fmt
-from .checks import check_int, check_json, check_schema
-from .guards import raise_typed
+from .._disk import format as fmt
+from .._disk.checks import check_int, check_json, check_schema
+from .._disk.guards import raise_typed
 from .manifest import Manifest
-from .._ledger.index import Lane
+from .index import Lane
 from ..schema import PriorityConfig
 
 

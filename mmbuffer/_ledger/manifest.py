@@ -1,11 +1,11 @@
-"""Parse and check ``manifest.json`` (fields in ``_format.py``) into a frozen ``Manifest``.
+"""Parse and check ``manifest.json`` (fields in ``_disk/format.py``) into a frozen ``Manifest``.
 
 A store is untrusted input: every field is checked for its type and range, and
 the counters of each lane against each other and the capacity, before any file
 is opened from what the manifest says. Every refusal is a ``CorruptStoreError``
 that names the file, the field, the expected and the received value (format and
 version: ``_format.read_manifest``). Checks that need the episode index are in
-``_counters.py``.
+``_ledger/counters.py``.
 
 >>> m = parse({"format": "mmbuffer", "format_version": 2, "generation": 0, "capacity": 8,
 ...            "num_streams": 1, "lane_size": 8, "compression": None, "next_keys": [],
@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from . import format as fmt
+from .._disk import format as fmt
 from .. import errors
-from .._ledger.index import Lane
+from .index import Lane
 
 MAX_COUNTER = 1 << 62  # row and episode counters stay far from int64 overflow
 
