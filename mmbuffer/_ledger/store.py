@@ -1,6 +1,6 @@
 """The store: the columns of one store directory and its ledger (manifest, index, tree).
 
-``Store`` opens the files (layout in ``_format.py``) through the column seam
+``Store`` opens the files (layout in ``_disk/format.py``) through the column seam
 (``mmbuffer._disk.columns``): the data columns, the final observations, the episode
 index (``index/ends``), the writer's reservation (``index/reserved``) and the
 priority tree levels are all :class:`~mmbuffer._disk.columns.ColumnArray` objects; the
@@ -32,7 +32,6 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +43,12 @@ from .. import errors, tree
 from .._disk import format as fmt
 from .._disk.checks import row_ids
 from .._disk.guards import locked
-from .._disk.manifest import Manifest, load_manifest
+from .manifest import Manifest, load_manifest
 from .._disk.columns import ColumnArray, RawArray, ZarrArray
 from ..config import config
 from .index import Lane
 from .layout import Layout
+from .snapshot import LaneView, Snapshot, View
 from ..schema import Column, PriorityConfig
 
 __all__ = [
@@ -56,37 +56,6 @@ __all__ = [
 ]
 #: opens a data column held elsewhere (``mmbuffer.remote``): (its path in the store, expect) -> array
 ColumnOpener = Callable[[str, "fmt.Expect"], ColumnArray]
-
-
-@dataclass(frozen=True, slots=True)
-class LaneView:
-    """What a sampler may use of one lane (absolute row counters)."""
-
-    first_start: int  # start of the oldest live episode
-    ep_head: int
-    ep_tail: int
-    open_start: int  # start of the open episode (== visible_end when none)
-    visible_end: int  # one past the last sampleable row
-
-
-@dataclass(frozen=True, slots=True)
-class View:
-    """A consistent snapshot of the index for samplers: cursors plus the ring, and
-    the priority tree (None without priorities). Samplers read nothing else."""
-
-    lanes: tuple[LaneView, ...]
-    ends: np.ndarray
-    layout: Layout
-    written: np.ndarray  # int64 [num_streams], rows ever written per lane
-    generation: int
-    tree: tree.PriorityTree | None = None
-
-    @property
-    def lane_size(self) -> int:
-        return self.layout.lane_size
-
-
-Snapshot = View  # docs/design.md's name
 
 
 def check_rows(idx: np.ndarray, capacity: int) -> np.ndarray:

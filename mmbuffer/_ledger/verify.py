@@ -20,24 +20,39 @@ True
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 
+from .. import tree
 from .._disk import format as fmt
 from . import index
-from .. import tree
 from .index import Lane
-from .store import View
+from .layout import Layout
+from .snapshot import View
 
-if TYPE_CHECKING:  # a reader's verify needs no torch (mmbuffer verify): a Store serves it too
-    from ..buffer import Buffer
+
+class Checked(Protocol):
+    """What verify reads of a store: a ``Store`` in a reader (no torch: ``mmbuffer verify``),
+    a ``Buffer`` (``mb.open``) when it may repair: ``rewrite_derived`` needs the writer."""
+
+    path: Path
+    mode: str
+    lane_size: int
+    layout: Layout
+
+    def view(self) -> View: ...
+    def read_range(self, name: str, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray: ...
+    def reservation(self) -> np.ndarray: ...
+    def tree_spans(self) -> list[tuple[int, int]]: ...
+    def rewrite_derived(self, ends: np.ndarray, lanes: list[Lane]) -> int: ...
 
 _CHUNK_ROWS = 1 << 22
 REPAIR_HINT = "repair needs the writer: stop it, then run `mmbuffer verify PATH --repair` (or open the store with mode='a')"
 
 
-def _live_done(store: Buffer, lane: int, st: Lane) -> np.ndarray:
+def _live_done(store: Checked, lane: int, st: Lane) -> np.ndarray:
     parts = []
     for a, b in store.layout.segments(lane, st.first_start, st.written):
         for lo in range(a, b, _CHUNK_ROWS):
@@ -46,7 +61,7 @@ def _live_done(store: Buffer, lane: int, st: Lane) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, dtype=bool)
 
 
-def _readable_lanes(store: Buffer, view: View) -> tuple[list[Lane], list[np.ndarray]]:
+def _readable_lanes(store: Checked, view: View) -> tuple[list[Lane], list[np.ndarray]]:
     """The lanes of the store's ``view`` and their end flags. In a reader, the episodes
     that the writer's reservation reached while the flags were read are left out:
     what is compared was intact for the whole read."""
@@ -61,13 +76,13 @@ def _readable_lanes(store: Buffer, view: View) -> tuple[list[Lane], list[np.ndar
     return lanes, done
 
 
-def _tree_settled(store: Buffer) -> tuple[bool, int]:
+def _tree_settled(store: Checked) -> tuple[bool, int]:
     """Whether no writer change is pending on the tree, and the committed generation."""
     generation = int(fmt.read_manifest(store.path)["generation"])
     return not (store.path / "priority" / "DIRTY").exists(), generation
 
 
-def verify(store: Buffer, repair: bool = False) -> dict[str, Any]:
+def verify(store: Checked, repair: bool = False) -> dict[str, Any]:
     """Recompute derived state; return ``{"ok", "problems", "notes", "repaired", "tree_drift"}``."""
     problems: list[str] = []
     notes: list[str] = []

@@ -11,7 +11,7 @@ A reader (``mode="r"``) checks every episode after reading it against the
 writer's reservation (the rule of ``Buffer.read_batch``): an episode the writer
 began rewriting meanwhile is read again from a fresh view (``episode``) or
 skipped, having been evicted (``iter_episodes``). Only public names of the
-buffer are used: ``view``, ``episode_bounds``, ``layout``, ``reservation``, ``get``.
+store are used: ``view``, ``episode_bounds``, ``layout``, ``reservation``, and ``gather``.
 
 >>> import tempfile, numpy as np, mmbuffer as mb
 >>> buf = mb.create(tempfile.mkdtemp() + "/e", {"x": ((), "int64")}, capacity=8, next_keys=())
@@ -33,30 +33,31 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .. import errors
+from .gather import gather
 
 if TYPE_CHECKING:
     import torch
 
-    from ..buffer import Buffer
-    from .._ledger.store import View
+    from .._ledger.snapshot import View
+    from .._ledger.store import Store
 
 __all__ = ["episode", "iter_episodes"]
 
 _MAX_REREADS = 64
 
 
-def episode(buf: Buffer, i: int, keys: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
-    """The ``i``-th live episode of ``buf`` (module docstring)."""
+def episode(store: Store, i: int, keys: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+    """The ``i``-th live episode of ``store`` (module docstring)."""
     if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
         raise errors.InvalidArgumentError(f"i: expected an integer episode number, got {i!r}")
     keys = None if keys is None else list(keys)
     for _ in range(_MAX_REREADS):
-        view = buf.view()
-        starts, lengths = buf.episode_bounds(view)
+        view = store.view()
+        starts, lengths = store.episode_bounds(view)
         n = len(starts)
         if not -n <= int(i) < n:
             raise errors.InvalidArgumentError(f"i: expected an episode number in [{-n}, {n}), got {i}")
-        ep = _read(buf, view, int(starts[i]), int(lengths[i]), keys)
+        ep = _read(store, view, int(starts[i]), int(lengths[i]), keys)
         if ep is not None:
             return ep
     raise errors.EmptyBufferError(
@@ -65,31 +66,32 @@ def episode(buf: Buffer, i: int, keys: Iterable[str] | None = None) -> dict[str,
     )
 
 
-def iter_episodes(buf: Buffer, keys: Iterable[str] | None = None) -> Iterator[dict[str, torch.Tensor]]:
-    """Every live episode of ``buf`` as of the call, in the order of ``episode(i)``.
+def iter_episodes(store: Store, keys: Iterable[str] | None = None) -> Iterator[dict[str, torch.Tensor]]:
+    """Every live episode of ``store`` as of the call, in the order of ``episode(i)``.
 
     The episodes are fixed when iteration starts; a reader skips those the
     writer evicts before they are read (the writer itself never evicts while it
     iterates, unless the loop extends).
     """
     keys = None if keys is None else list(keys)
-    view = buf.view()
-    starts, lengths = buf.episode_bounds(view)
+    view = store.view()
+    starts, lengths = store.episode_bounds(view)
     for start, length in zip(starts.tolist(), lengths.tolist()):
-        ep = _read(buf, view, start, length, keys)
+        ep = _read(store, view, start, length, keys)
         if ep is not None:
             yield ep
 
 
-def _read(buf: Buffer, view: View, start: int, length: int, keys: list[str] | None) -> dict[str, torch.Tensor] | None:
+def _read(store: Store, view: View, start: int, length: int, keys: list[str] | None) -> dict[str, torch.Tensor] | None:
     """The rows of the episode starting at global row ``start``, or None when a
     writer may have rewritten its first row by the end of the read (a reader)."""
-    layout = buf.layout
+    layout = store.layout
     lane = start // layout.lane_size
-    data = buf.get(_rows(layout.lane_size, start, length), keys)
-    if buf.mode == "r":
+    with store.lock:
+        data = gather(store, _rows(layout.lane_size, start, length), keys)
+    if store.mode == "r":
         first = int(layout.absolute_at(np.array([start]), np.array([view.written[lane]]))[0])
-        if first < int(buf.reservation()[lane]) - layout.lane_size:
+        if first < int(store.reservation()[lane]) - layout.lane_size:
             return None
     return data
 

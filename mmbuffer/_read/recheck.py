@@ -22,7 +22,7 @@ import torch
 from .. import errors
 from .gather import gather
 from .._ledger.layout import Layout
-from ..samplers import Draw
+from .._ledger.snapshot import Draw
 from .._ledger.store import Store
 
 MAX_REREADS = 64

@@ -44,7 +44,7 @@ import torch
 from .. import errors
 from .._disk.columns.remote import RemoteArray
 from ..samplers import Draw, Sampler
-from .._ledger.store import View
+from .._ledger.snapshot import View
 
 __all__ = ["ChunkPool", "PoolConfig", "PooledSampler"]
 
@@ -268,8 +268,8 @@ class PooledSampler(Sampler):
             need -= len(keep)
             if need == 0:
                 assert written is not None
-                return (np.concatenate(rows_out), np.concatenate(w_out),
-                        np.concatenate(m_out) if m_out else None, written)
+                return Draw(np.concatenate(rows_out), np.concatenate(w_out),
+                            np.concatenate(m_out) if m_out else None, written)
         raise errors.EmptyBufferError(
             f"pool: expected items inside the {len(self.pool.held_blocks())} held blocks, got {n - need} of {n} "
             f"in {_MAX_ROUNDS} rounds of draws (windows longer than a block of {self.pool.block_rows} rows, "

@@ -46,21 +46,35 @@ def from_flags(
     return Slices(slice_len, strict, weighting)
 
 
-def resolve(sampler: object, *, prioritized: bool = False, beta: float = 0.4) -> Sampler:
-    """``sampler``, or the spec the ``prioritized``/``beta`` flags stand for; a value
-    that is not a spec, or a spec and flags at once, is refused.
+def resolve(
+    sampler: object = None,
+    slice_len: int | None = None,
+    *,
+    prioritized: bool = False,
+    beta: float = 0.4,
+    strict: bool = True,
+    weighting: str = "windows",
+) -> Sampler:
+    """The one place flags become a spec: ``sampler`` itself, or the spec the flags
+    stand for (:func:`from_flags`). A value that is not a spec, or a spec together
+    with flags off their defaults, is refused. ``buf.sample``, ``mb.stream``,
+    ``BufferDataset`` and the remote buffer all resolve through here.
 
     >>> resolve(None, prioritized=True)
     Prioritized(beta=0.4)
+    >>> resolve(Uniform())
+    Uniform()
     """
     from .. import errors
 
+    flags = (slice_len, prioritized, beta, strict, weighting)
     if sampler is None:
-        return from_flags(None, prioritized=prioritized, beta=beta)
+        return from_flags(slice_len, prioritized=prioritized, beta=beta, strict=strict, weighting=weighting)
     if not isinstance(sampler, Sampler):
         raise errors.InvalidArgumentError(f"sampler: expected an mb.samplers spec (Uniform(), Slices(16), ...), got {sampler!r}")
-    if prioritized or beta != 0.4:
+    if flags != (None, False, 0.4, True, "windows"):
         raise errors.InvalidArgumentError(
-            f"sampler: expected either sampler= or prioritized=/beta=, got both (sampler={sampler!r}, prioritized={prioritized})"
+            f"sampler: expected either sampler= or the flags, got both (sampler={sampler!r}, slice_len={slice_len!r}, "
+            f"prioritized={prioritized!r}, beta={beta!r}, strict={strict!r}, weighting={weighting!r})"
         )
     return sampler

@@ -29,7 +29,7 @@ import torch
 
 from .. import errors, tree
 from .._ledger import index
-from .._ledger.store import LaneView, View
+from .._ledger.snapshot import LaneView, View
 
 _REDRAW_ROUNDS = 8  # rejection rounds at most before the exact draw
 _MIN_ACCEPT = 0.25  # a lower share of sampleable draws so far switches to the exact draw

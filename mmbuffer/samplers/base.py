@@ -26,10 +26,7 @@ import numpy as np
 import torch
 
 from .. import errors
-from .._ledger.store import View
-
-Draw = tuple[np.ndarray, np.ndarray, "np.ndarray | None", np.ndarray]
-"""``(rows [B] or [B, L], weights float32 [B], mask bool [B, L] or None, lane cursors)``."""
+from .._ledger.snapshot import Draw, View
 
 
 class Sampler(abc.ABC):

@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from . import _draw as sampling
+import mmbuffer.samplers._draw as sampling  # the algorithms (not "from .": that names the package)
 from .._disk.checks import check_int
-from .._ledger.store import View
+from .._ledger.snapshot import View
 from .base import Draw, Sampler, check_beta, require_priorities, tree_of
 
 
@@ -39,7 +39,7 @@ class Prioritized(Sampler):
 
     def indices(self, snapshot: View, n: int, generator: torch.Generator | None, cache: dict[Any, Any]) -> Draw:
         rows, weights = sampling.prioritized(snapshot, tree_of(snapshot), n, self.beta, generator)
-        return rows, weights, None, snapshot.written
+        return Draw(rows, weights, None, snapshot.written)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,4 +69,4 @@ class PrioritizedSlices(Sampler):
         lane, absolute = sampling.absolute_rows(snapshot, starts)
         avail = sampling.rows_left(snapshot, lane, absolute)
         rows, mask = sampling.window(snapshot, lane, absolute, avail, self.slice_len)
-        return rows, weights, mask, snapshot.written
+        return Draw(rows, weights, mask, snapshot.written)

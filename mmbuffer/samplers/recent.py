@@ -25,7 +25,7 @@ import torch
 from .. import errors
 from .._ledger import index
 from .._disk.checks import check_int
-from .._ledger.store import View
+from .._ledger.snapshot import View
 from .base import Draw, Sampler
 from .epoch import Epoch
 from .prioritized import Prioritized, PrioritizedSlices

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from .. import errors
-from . import _draw as sampling
+import mmbuffer.samplers._draw as sampling  # the algorithms (not "from .": that names the package)
 from .._disk.checks import check_int
-from .._ledger.store import View
+from .._ledger.snapshot import View
 from .base import Draw, Sampler, ones
 
 WEIGHTINGS = ("windows", "episodes")
@@ -48,7 +48,7 @@ class Slices(Sampler):
 
     def indices(self, snapshot: View, n: int, generator: torch.Generator | None, cache: dict[Any, Any]) -> Draw:
         rows, mask = sampling.slices(snapshot, slice_counts(cache, self.slice_len, self.strict, self.weighting), n, generator)
-        return rows, ones(n), mask, snapshot.written
+        return Draw(rows, ones(n), mask, snapshot.written)
 
 
 def slice_counts(cache: dict[Any, Any], slice_len: int, strict: bool, weighting: str) -> sampling.SliceCounts:

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from . import _draw as sampling
-from .._ledger.store import View
+import mmbuffer.samplers._draw as sampling  # the algorithms (not "from .": that names the package)
+from .._ledger.snapshot import View
 from .base import Draw, Sampler, ones
 
 
@@ -25,4 +25,4 @@ class Uniform(Sampler):
     episodes, and open episodes up to their last row with a known next value)."""
 
     def indices(self, snapshot: View, n: int, generator: torch.Generator | None, cache: dict[Any, Any]) -> Draw:
-        return sampling.uniform(snapshot, n, generator), ones(n), None, snapshot.written
+        return Draw(sampling.uniform(snapshot, n, generator), ones(n), None, snapshot.written)

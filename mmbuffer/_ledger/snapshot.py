@@ -1,0 +1,80 @@
+"""What readers and samplers see of a store: a frozen snapshot of the ledger, and draws.
+
+A :class:`View` (``Snapshot``) is one consistent value: the lanes' cursors, the ring of
+episode ends, the ring layout, the rows written per lane, the generation and the
+priority tree. The writer publishes a new one at every change; readers and samplers
+only ever hold one, never the writer's mutable state. A sampler maps a View to a
+:class:`Draw` (indices, never column data); :class:`ReadableStore` is what the read
+side needs of a store.
+
+>>> import numpy as np
+>>> d = Draw(np.arange(3), np.ones(3, np.float32), None, np.array([3]))
+>>> d.rows.tolist(), d.mask is None
+([0, 1, 2], True)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple, Protocol
+
+import numpy as np
+
+from .layout import Layout
+
+if TYPE_CHECKING:
+    from .. import tree
+
+__all__ = ["Draw", "LaneView", "ReadableStore", "Snapshot", "View"]
+
+
+@dataclass(frozen=True, slots=True)
+class LaneView:
+    """What a sampler may use of one lane (absolute row counters)."""
+
+    first_start: int  # start of the oldest live episode
+    ep_head: int
+    ep_tail: int
+    open_start: int  # start of the open episode (== visible_end when none)
+    visible_end: int  # one past the last sampleable row
+
+
+@dataclass(frozen=True, slots=True)
+class View:
+    """A consistent snapshot of the index for samplers: cursors plus the ring, and
+    the priority tree (None without priorities). Samplers read nothing else."""
+
+    lanes: tuple[LaneView, ...]
+    ends: np.ndarray
+    layout: Layout
+    written: np.ndarray  # int64 [num_streams], rows ever written per lane
+    generation: int
+    tree: tree.PriorityTree | None = None
+
+    @property
+    def lane_size(self) -> int:
+        return self.layout.lane_size
+
+
+Snapshot = View  # docs/design.md's name
+
+
+class Draw(NamedTuple):
+    """The index half of one batch: what a sampler returns (no column data)."""
+
+    rows: np.ndarray  # int64 [B] or [B, L]: global row ids
+    weights: np.ndarray  # float32 [B]: importance weights
+    mask: np.ndarray | None  # bool [B, L] for windows (False: padding), else None
+    written: np.ndarray  # int64 [num_streams]: the lane cursors the rows were drawn against
+
+
+class ReadableStore(Protocol):
+    """What samplers, gathers and readers need of a store (``Store`` and ``Buffer`` are one)."""
+
+    @property
+    def capacity(self) -> int: ...
+
+    @property
+    def num_streams(self) -> int: ...
+
+    def view(self) -> View: ...
