@@ -192,7 +192,7 @@ def test_a_pruned_snapshot_raises_instead_of_reading_zeros(tmp_path, bucket):
     url = f"s3://{bucket}/store"
     publish(tmp_path, url, episodes=10).close()
     ro = mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None)
-    from mmbuffer.remote import publish as publish_to
+    from mmbuffer.convert import publish as publish_to
 
     publish_to(tmp_path / "local", url, keep=1, progress=False)
     with pytest.raises(errors.StoreNotFoundError, match="removed by a newer publish"):
@@ -291,7 +291,7 @@ def test_fewer_blocks_than_shards_share_blocks(tmp_path, bucket):
 def test_publish_keeps_three_snapshots_and_a_failed_publish_stays_invisible(tmp_path, bucket, s3, monkeypatch):
     import fsspec
 
-    from mmbuffer.remote import publish as publish_to
+    from mmbuffer.convert import publish as publish_to
 
     url = f"s3://{bucket}/store"
     make_store(tmp_path / "local", episodes=3).close()

@@ -40,7 +40,7 @@ dataset directory or a dataset id in Minari's local datasets directory),
 :func:`export_diffusion_policy`; re-encode, resize or restream a store: :func:`copy`.
 
 Offline to online in one step: every converter and :func:`copy` take
-``capacity``, ``num_streams`` and ``priorities`` (as :func:`mmbuffer._disk.create`),
+``capacity``, ``num_streams`` and ``priorities`` (as :func:`mmbuffer._ledger.create`),
 so a dataset becomes a replay buffer with room to grow, one stream per
 environment and a priority tree; episodes are dealt to the streams in
 contiguous runs (:mod:`._lanes`). Every format is listed
@@ -79,7 +79,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import InvalidArgumentError
-from ._pipeline.copy import copy, copy_store
+from ._pipeline.publish import copy, copy_store, publish
 from .readers.d4rl import D4RLReader, convert_d4rl
 from .readers.diffusion import DiffusionPolicyReader, convert_diffusion_policy
 from .exporters.d4rl import export_d4rl
@@ -118,6 +118,7 @@ __all__ = [
     "convert_torchrl",
     "copy",
     "copy_store",
+    "publish",
     "export",
     "export_d4rl",
     "export_diffusion_policy",

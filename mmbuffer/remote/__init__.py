@@ -24,8 +24,8 @@ but the pool makes few, large requests, where the two are alike).
 
 Sampling reads from a :class:`PoolConfig` pool of whole blocks (``_pool.py`` says
 how that changes the distribution); ``pool=None`` reads exactly, on demand.
-Publishing (:func:`publish`, ``mb.convert.copy(src, url)``) and snapshots:
-``_snapshot.py``.
+Publishing (``mb.convert.copy(src, url)``, ``mb.convert.publish``: ``convert/_pipeline/publish.py``)
+and snapshots: ``_snapshot.py``.
 
 What a real multi-node deployment still needs (not built here): publishing is a
 full copy per snapshot (an incremental publish of the chunks written since the last
@@ -40,7 +40,6 @@ pool rotates blocks by draw count, with no adaptive prefetch depth for slow link
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -48,17 +47,15 @@ from typing import Any
 import torch
 
 from .. import errors, samplers
-from .._disk.manifest import load_manifest
+from .._ledger.manifest import load_manifest
 from ..buffer import Buffer
 from .._disk.columns.remote import RemoteArray
 from .._read.gather import Batch
-from .._disk.urls import filesystem, is_url
+from .._disk.urls import filesystem
 from . import _snapshot
 from ._pool import ChunkPool, PoolConfig, PooledSampler
 
-__all__ = ["ChunkPool", "PoolConfig", "RemoteBuffer", "copy_url", "open_remote", "publish"]
-
-_SNAPSHOTS_KEPT = 3
+__all__ = ["ChunkPool", "PoolConfig", "RemoteBuffer", "open_remote"]
 
 
 class RemoteBuffer(Buffer):
@@ -138,9 +135,7 @@ class RemoteBuffer(Buffer):
     def sample(self, batch_size: int, generator: torch.Generator | None = None, *, prioritized: bool = False,
                beta: float = 0.4, keys: Iterable[str] | None = None, sampler: samplers.Sampler | None = None) -> Batch:
         """As :meth:`Buffer.sample`, drawn from the pool's blocks (exactly, without a pool)."""
-        if sampler is not None and (prioritized or beta != 0.4):  # Buffer.sample refuses both
-            return super().sample(batch_size, generator, prioritized=prioritized, beta=beta, keys=keys, sampler=sampler)
-        spec = samplers.from_flags(None, prioritized=prioritized, beta=beta) if sampler is None else sampler
+        spec = samplers.resolve(sampler, prioritized=prioritized, beta=beta)
         return super().sample(batch_size, generator, keys=keys, sampler=self.through_pool(spec))
 
     def indices(self, sampler: samplers.Sampler, n: int, generator: torch.Generator | None = None) -> samplers.Draw:
@@ -159,7 +154,7 @@ class RemoteBuffer(Buffer):
                       generator: torch.Generator | None = None, *, prioritized: bool = False, beta: float = 0.4,
                       weighting: str = "windows", keys: Iterable[str] | None = None) -> Batch:
         """As :meth:`Buffer.sample_slices`, drawn from the pool's blocks."""
-        spec = samplers.from_flags(slice_len, prioritized=prioritized, beta=beta, strict=strict, weighting=weighting)
+        spec = samplers.resolve(None, slice_len, prioritized=prioritized, beta=beta, strict=strict, weighting=weighting)
         return self.sample(num_slices, generator, keys=keys, sampler=spec)
 
     def close(self) -> None:
@@ -184,44 +179,3 @@ def open_remote(url: str, *, mode: str = "r", cache_dir: str | os.PathLike[str] 
     if pool is not None and not isinstance(pool, PoolConfig):
         raise errors.InvalidArgumentError(f"pool: expected an mb.remote.PoolConfig or None, got {pool!r}")
     return RemoteBuffer(url, cache_dir=cache_dir, storage_options=storage_options, pool=pool)
-
-
-def publish(src: Any, url: str, *, compression: str | None = "zstd", storage_options: Mapping[str, Any] | None = None,
-            keep: int = _SNAPSHOTS_KEPT, tmp_dir: str | os.PathLike[str] | None = None, **copy_options: Any) -> dict[str, Any]:
-    """Publish the store ``src`` (a path or an open ``Buffer``) at ``url`` as its next snapshot.
-
-    The store is copied (``mb.convert.copy``, verified) into a temporary directory
-    with ``compression``, uploaded under ``url/snapshots/<id>/``, and ``url/current.json``
-    is then replaced in one request; the ``keep`` newest snapshots stay. Returns the
-    copy's summary with ``url``, ``snapshot``, ``sequence`` and ``pruned``.
-    """
-    from ..convert import copy
-
-    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-        raise errors.InvalidArgumentError(f"keep: expected an integer >= 1, got {keep!r}")
-    fs, root = filesystem(url, storage_options)
-    with tempfile.TemporaryDirectory(prefix="mmbuffer-publish-", dir=tmp_dir) as tmp:
-        summary = copy(src, Path(tmp) / "store", compression=compression, **copy_options)
-        generation = load_manifest(Path(tmp) / "store").generation
-        summary.update(_snapshot.publish_dir(fs, root, url.rstrip("/"), Path(tmp) / "store", keep=keep, generation=generation))
-    summary["out"] = url
-    return summary
-
-
-def copy_url(src: Any, dst: Any, *, storage_options: Mapping[str, Any] | None = None,
-             cache_dir: str | os.PathLike[str] | None = None, **copy_options: Any) -> dict[str, Any]:
-    """``mb.convert.copy`` when ``src`` or ``dst`` is a URL: publish to a URL, or copy a
-    published store (read exactly, chunk by chunk) into a local store."""
-    from ..convert import copy
-
-    if is_url(src):
-        buf = open_remote(str(src), cache_dir=cache_dir, storage_options=storage_options, pool=None)
-        try:
-            if is_url(dst):
-                return copy_url(buf, dst, storage_options=storage_options, **copy_options)
-            return copy(buf, dst, **copy_options)
-        finally:
-            buf.close()
-    if copy_options.get("compression") is None:  # raw arrays are sparse files: never upload them dense
-        copy_options["compression"] = "zstd"
-    return publish(src, str(dst), storage_options=storage_options, **copy_options)

@@ -25,17 +25,16 @@ from ...errors import InvalidArgumentError
 from ...opening import create
 from ...opening import open as open_buffer
 from ...schema import PriorityConfig
-from ..._disk.urls import is_url
 from .frame import SEGMENT_BYTES, Writer, crc_hex, crc_update, mismatch, progress_bar, same_bytes, write_and_verify
 from .lanes import check_layout, deal, lane_rows_fit, runs
 from .readback import ReadBack
 from .reader import FLAGS, jsonable
 from .walk import OpenedStore, Plan, chunk_rows_for, data_columns, plan_episodes, row_bytes, walk
 
-__all__ = ["copy", "copy_store"]
+__all__ = ["copy_local"]
 
 
-def copy(
+def copy_local(
     src: Any,
     dst: str | os.PathLike[str],
     *,
@@ -48,72 +47,7 @@ def copy(
     num_streams: int | None = None,
     priorities: PriorityConfig | None | str = "keep",
 ) -> dict[str, Any]:
-    """Copy a store into a new one with another encoding, size, streams or priorities.
-
-    ``compression=None`` gives a raw memory-mapped store (for training),
-    ``"zstd"`` / ``"lz4"`` a compressed archive. Columns, next keys and
-    ``attrs`` are kept; by default capacity, streams and priority settings too,
-    and then every lane's live episodes are written to the same lane, oldest
-    first, then its open episode, so the copy samples the same data with the
-    same probabilities (its rows start at row 0 of each lane; each row keeps its
-    stored priority). Built at ``dst + ".partial"``, verified, then renamed.
-
-    With another ``num_streams`` the episodes (lane by lane, oldest first) are
-    dealt to the new streams in contiguous runs of about ``rows / num_streams``
-    rows, each open episode last in its stream (:mod:`._lanes`); a store with
-    more open episodes than new streams is refused. A ``capacity`` whose lanes
-    cannot hold their episodes is refused before anything is written
-    (:class:`~mmbuffer.errors.InvalidArgumentError` naming ``capacity``).
-
-    Parameters
-    ----------
-    src
-        A store path or an open ``mb.Buffer``.
-    dst
-        The new store's path, or a URL (``s3://bucket/prefix/store``, any fsspec URL):
-        the copy is published there as a new snapshot (``mmbuffer.remote.publish``;
-        ``compression=None`` means ``"zstd"`` there). ``src`` may be such a URL too.
-    compression
-        ``None``, ``"zstd"`` or ``"lz4"``.
-    chunk_rows
-        Rows per read and ``extend`` (default: about 32 MiB of rows).
-    verify
-        Read every written piece back and compare it; reopen the copy and
-        compare its episodes.
-    capacity, num_streams
-        The copy's rows over all streams and its streams (default: the source's;
-        with only ``num_streams`` given, the source's capacity rounded up to a
-        multiple of it).
-    priorities
-        ``"keep"`` (default: the source's settings, stored priorities copied
-        exactly), ``None`` (no priority tree) or an ``mb.PriorityConfig``: when
-        it differs from the source's, every row starts at its largest priority
-        (the stored values were computed with other settings).
-
-    Returns
-    -------
-    dict
-        Summary: ``rows``, ``episodes``, ``open_episode_rows``, ``checksums``
-        (``"<lane>:<column>"`` -> CRC-32 of the source rows), ``verified``,
-        ``seconds``, ``rows_per_s``, ``mb_per_s``.
-
-    Examples
-    --------
-    >>> import tempfile, numpy as np, mmbuffer as mb
-    >>> d = tempfile.mkdtemp()
-    >>> with mb.create(d + "/raw", {"x": ((), "float32")}, capacity=8, next_keys=()) as buf:
-    ...     buf.extend({"x": np.arange(5), "terminated": np.arange(5) == 2})
-    >>> copy(d + "/raw", d + "/zst", compression="zstd", progress=False)["verified"]
-    True
-    >>> mb.open(d + "/zst", mode="r").get(np.arange(5))["x"].tolist()
-    [0.0, 1.0, 2.0, 3.0, 4.0]
-    """
-    if is_url(src) or is_url(dst):  # object storage: mmbuffer.remote publishes / fetches
-        from ...remote import copy_url
-
-        return copy_url(src, dst, compression=compression, chunk_rows=chunk_rows, overwrite=overwrite,
-                        progress=progress, verify=verify, capacity=capacity, num_streams=num_streams,
-                        priorities=priorities)
+    """:func:`mmbuffer.convert.copy` between two local paths (or from an open ``Buffer``)."""
     t0 = time.perf_counter()
     writer = CopyWriter(src, compression=compression, chunk_rows=chunk_rows, progress=progress, verify=verify,
                         layout=dict(capacity=capacity, num_streams=num_streams, priorities=priorities))
@@ -132,8 +66,8 @@ def copy(
 
 
 def _write_to(writer: CopyWriter, dst: str | os.PathLike[str], *, overwrite: bool, verify: bool) -> Path:
-    """Where a local copy goes (a URL destination is published by :func:`copy` through
-    ``mmbuffer.remote`` before this is reached)."""
+    """Where a local copy goes (a URL destination is published by ``publish.copy``
+    before this is reached)."""
     return write_and_verify(writer, dst, overwrite=overwrite, verify=verify)
 
 
@@ -258,6 +192,3 @@ def _verify_episodes(path: Path, plan: Plan, lanes: np.ndarray) -> None:
     if not (np.array_equal(got.lengths, plan.lengths[order]) and np.array_equal(got.lanes, lanes[order])):
         raise mismatch(path, "episode lengths by stream", plan.lengths[order][:8].tolist(), got.lengths[:8].tolist())
 
-
-#: Alias that does not shadow the standard library's ``copy`` in ``from ... import *``.
-copy_store = copy

@@ -1,0 +1,148 @@
+"""Copies that cross a URL: publish a store to object storage, or fetch a published one.
+
+The one place where a URL meets ``copy``: :func:`copy` sends a URL here and a pair of
+local paths to :func:`~.copy.copy_local`; :mod:`mmbuffer.remote` only reads published
+snapshots and uploads directories (``_snapshot``), and never calls back into convert.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ... import errors
+from ..._disk.urls import filesystem, is_url
+from ..._ledger.manifest import load_manifest
+from ...remote import _snapshot, open_remote
+from ...schema import PriorityConfig
+from .copy import copy_local
+
+__all__ = ["copy", "copy_store", "copy_url", "publish"]
+
+_SNAPSHOTS_KEPT = 3
+
+
+def copy(
+    src: Any,
+    dst: str | os.PathLike[str],
+    *,
+    compression: str | None = None,
+    chunk_rows: int | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+    verify: bool = True,
+    capacity: int | None = None,
+    num_streams: int | None = None,
+    priorities: PriorityConfig | None | str = "keep",
+) -> dict[str, Any]:
+    """Copy a store into a new one with another encoding, size, streams or priorities.
+
+    ``compression=None`` gives a raw memory-mapped store (for training),
+    ``"zstd"`` / ``"lz4"`` a compressed archive. Columns, next keys and
+    ``attrs`` are kept; by default capacity, streams and priority settings too,
+    and then every lane's live episodes are written to the same lane, oldest
+    first, then its open episode, so the copy samples the same data with the
+    same probabilities (its rows start at row 0 of each lane; each row keeps its
+    stored priority). Built at ``dst + ".partial"``, verified, then renamed.
+
+    With another ``num_streams`` the episodes (lane by lane, oldest first) are
+    dealt to the new streams in contiguous runs of about ``rows / num_streams``
+    rows, each open episode last in its stream (:mod:`._lanes`); a store with
+    more open episodes than new streams is refused. A ``capacity`` whose lanes
+    cannot hold their episodes is refused before anything is written
+    (:class:`~mmbuffer.errors.InvalidArgumentError` naming ``capacity``).
+
+    Parameters
+    ----------
+    src
+        A store path or an open ``mb.Buffer``.
+    dst
+        The new store's path, or a URL (``s3://bucket/prefix/store``, any fsspec URL):
+        the copy is published there as a new snapshot (``mmbuffer.remote.publish``;
+        ``compression=None`` means ``"zstd"`` there). ``src`` may be such a URL too.
+    compression
+        ``None``, ``"zstd"`` or ``"lz4"``.
+    chunk_rows
+        Rows per read and ``extend`` (default: about 32 MiB of rows).
+    verify
+        Read every written piece back and compare it; reopen the copy and
+        compare its episodes.
+    capacity, num_streams
+        The copy's rows over all streams and its streams (default: the source's;
+        with only ``num_streams`` given, the source's capacity rounded up to a
+        multiple of it).
+    priorities
+        ``"keep"`` (default: the source's settings, stored priorities copied
+        exactly), ``None`` (no priority tree) or an ``mb.PriorityConfig``: when
+        it differs from the source's, every row starts at its largest priority
+        (the stored values were computed with other settings).
+
+    Returns
+    -------
+    dict
+        Summary: ``rows``, ``episodes``, ``open_episode_rows``, ``checksums``
+        (``"<lane>:<column>"`` -> CRC-32 of the source rows), ``verified``,
+        ``seconds``, ``rows_per_s``, ``mb_per_s``.
+
+    Examples
+    --------
+    >>> import tempfile, numpy as np, mmbuffer as mb
+    >>> d = tempfile.mkdtemp()
+    >>> with mb.create(d + "/raw", {"x": ((), "float32")}, capacity=8, next_keys=()) as buf:
+    ...     buf.extend({"x": np.arange(5), "terminated": np.arange(5) == 2})
+    >>> copy(d + "/raw", d + "/zst", compression="zstd", progress=False)["verified"]
+    True
+    >>> mb.open(d + "/zst", mode="r").get(np.arange(5))["x"].tolist()
+    [0.0, 1.0, 2.0, 3.0, 4.0]
+    """
+    if is_url(src) or is_url(dst):  # object storage: published / fetched here
+        return copy_url(src, dst, compression=compression, chunk_rows=chunk_rows, overwrite=overwrite,
+                        progress=progress, verify=verify, capacity=capacity, num_streams=num_streams,
+                        priorities=priorities)
+    return copy_local(src, dst, compression=compression, chunk_rows=chunk_rows, overwrite=overwrite,
+                      progress=progress, verify=verify, capacity=capacity, num_streams=num_streams,
+                      priorities=priorities)
+
+
+def publish(src: Any, url: str, *, compression: str | None = "zstd", storage_options: Mapping[str, Any] | None = None,
+            keep: int = _SNAPSHOTS_KEPT, tmp_dir: str | os.PathLike[str] | None = None, **copy_options: Any) -> dict[str, Any]:
+    """Publish the store ``src`` (a path or an open ``Buffer``) at ``url`` as its next snapshot.
+
+    The store is copied (``mb.convert.copy``, verified) into a temporary directory
+    with ``compression``, uploaded under ``url/snapshots/<id>/``, and ``url/current.json``
+    is then replaced in one request; the ``keep`` newest snapshots stay. Returns the
+    copy's summary with ``url``, ``snapshot``, ``sequence`` and ``pruned``.
+    """
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise errors.InvalidArgumentError(f"keep: expected an integer >= 1, got {keep!r}")
+    fs, root = filesystem(url, storage_options)
+    with tempfile.TemporaryDirectory(prefix="mmbuffer-publish-", dir=tmp_dir) as tmp:
+        summary = copy_local(src, Path(tmp) / "store", compression=compression, **copy_options)
+        generation = load_manifest(Path(tmp) / "store").generation
+        summary.update(_snapshot.publish_dir(fs, root, url.rstrip("/"), Path(tmp) / "store", keep=keep, generation=generation))
+    summary["out"] = url
+    return summary
+
+
+def copy_url(src: Any, dst: Any, *, storage_options: Mapping[str, Any] | None = None,
+             cache_dir: str | os.PathLike[str] | None = None, **copy_options: Any) -> dict[str, Any]:
+    """``mb.convert.copy`` when ``src`` or ``dst`` is a URL: publish to a URL, or copy a
+    published store (read exactly, chunk by chunk) into a local store."""
+    if is_url(src):
+        buf = open_remote(str(src), cache_dir=cache_dir, storage_options=storage_options, pool=None)
+        try:
+            if is_url(dst):
+                return copy_url(buf, dst, storage_options=storage_options, **copy_options)
+            return copy_local(buf, dst, **copy_options)
+        finally:
+            buf.close()
+    if copy_options.get("compression") is None:  # raw arrays are sparse files: never upload them dense
+        copy_options["compression"] = "zstd"
+    return publish(src, str(dst), storage_options=storage_options, **copy_options)
+
+
+#: Alias that does not shadow the standard library's ``copy`` in ``from ... import *``.
+copy_store = copy
