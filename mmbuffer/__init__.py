@@ -19,8 +19,6 @@ objects however they are reached.
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 from . import errors
@@ -70,31 +68,6 @@ __all__ = [
     "Stream",
     "__version__",
 ]
-
-
-class _Namespace(types.ModuleType):
-    """This package's module type: a submodule import never replaces a public name.
-
-    ``mmbuffer/create.py`` and ``mmbuffer/stream.py`` share their names with the
-    functions ``mb.create`` and ``mb.stream``; importing them (``store.py`` imports
-    ``.create``) would bind the submodule over the name, which ``__getattr__`` then
-    no longer sees. The submodules stay in ``sys.modules``.
-    """
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _FUNCTIONS and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # pickled by name, as a plain module is (Ray's cloudpickle pickles the
-        # globals of a function that uses ``mb``; a ModuleType subclass is not in
-        # pickle's table of modules)
-        return importlib.import_module, (self.__name__,)
-
-
-_FUNCTIONS = frozenset(n for n, (_, attr) in _LAZY.items() if attr == n and n[0].islower())
-sys.modules[__name__].__class__ = _Namespace
 
 
 def __getattr__(name: str) -> Any:

@@ -39,7 +39,7 @@ import torch
 
 from . import errors, samplers
 from ._disk.checks import check_int
-from ._disk.manifest import load_manifest
+from ._ledger.manifest import load_manifest
 from ._disk.columns import ColumnArray
 from ._read.gather import Batch, gather, resolve_keys
 from ._ledger.index import Lane
@@ -201,13 +201,13 @@ class Buffer:
         as ``{key: tensor [length, ...]}``, steps in order, wrap undone (``episodes.py``)."""
         from ._read.episodes import episode
 
-        return episode(self, i, keys)
+        return episode(self._store, i, keys)
 
     def iter_episodes(self, keys: Iterable[str] | None = None) -> Iterator[dict[str, torch.Tensor]]:
         """Every live episode as of the call, in ``episode(i)`` order (``episodes.py``)."""
         from ._read.episodes import iter_episodes
 
-        return iter_episodes(self, keys)
+        return iter_episodes(self._store, keys)
 
     @locked
     def get(self, index: Any, keys: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
@@ -376,7 +376,7 @@ class Buffer:
         window's probability is proportional to the priority of its start row
         among valid starts (invalid starts have probability exactly 0).
         """
-        spec = samplers.from_flags(slice_len, prioritized=prioritized, beta=beta, strict=strict, weighting=weighting)
+        spec = samplers.resolve(None, slice_len, prioritized=prioritized, beta=beta, strict=strict, weighting=weighting)
         return self._draw(spec, check_int("num_slices", num_slices, 1), generator, keys)
 
     @locked
@@ -397,7 +397,7 @@ class Buffer:
         beta: float = 0.4,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The index half of ``sample``: ``(rows [B], weights [B], lane cursors)``."""
-        spec = samplers.from_flags(None, prioritized=prioritized, beta=beta)
+        spec = samplers.resolve(None, prioritized=prioritized, beta=beta)
         rows, weights, _, written = self.indices(spec, check_int("batch_size", batch_size, 1), generator)
         return rows, weights, written
 
@@ -414,7 +414,7 @@ class Buffer:
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The index half of ``sample_slices``: ``(rows [B, L], weights [B], mask [B, L],
         lane cursors)``."""
-        spec = samplers.from_flags(slice_len, prioritized=prioritized, beta=beta, strict=strict, weighting=weighting)
+        spec = samplers.resolve(None, slice_len, prioritized=prioritized, beta=beta, strict=strict, weighting=weighting)
         rows, weights, mask, written = self.indices(spec, check_int("num_slices", num_slices, 1), generator)
         assert mask is not None  # slices always have a mask
         return rows, weights, mask, written

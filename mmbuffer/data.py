@@ -157,14 +157,8 @@ class BufferDataset(IterableDataset[Batch]):
         self.seed = check_int("seed", seed, 0)
         self.num_batches = None if num_batches is None else check_int("num_batches", num_batches, 0)
         self.refresh_every = check_int("refresh_every", refresh_every, 0)
-        if sampler is None:
-            sampler = samplers.from_flags(self.slice_len, prioritized=bool(prioritized), beta=beta, strict=bool(strict))
-        elif not isinstance(sampler, Sampler) or (slice_len, prioritized, beta, strict) != (None, False, 0.4, True):
-            raise errors.InvalidArgumentError(
-                f"sampler: expected an mb.samplers spec and no slice_len/prioritized/beta/strict flags, "
-                f"got sampler={sampler!r}, slice_len={slice_len!r}, prioritized={prioritized!r}"
-            )
-        elif isinstance(sampler, samplers.Slices):
+        sampler = samplers.resolve(sampler, self.slice_len, prioritized=bool(prioritized), beta=beta, strict=bool(strict))
+        if isinstance(sampler, samplers.Slices):
             self.slice_len = sampler.slice_len
         elif isinstance(sampler, samplers.Epoch):  # epoch mode, sharded over workers and ranks here
             if (seed, name, sampler.shard) != (0, "dataloader", (0, 1)):

@@ -19,7 +19,7 @@ from typing import Any
 
 from . import errors
 from .buffer import Buffer
-from ._disk.create import create_store
+from ._ledger.create import create_store
 from .schema import PriorityConfig
 from ._disk.urls import is_url, local_path
 

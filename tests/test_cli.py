@@ -60,7 +60,7 @@ def test_help_info_and_verify_import_neither_torch_nor_numba(tmp_path, command):
 
 def test_import_mmbuffer_is_lazy_and_every_public_name_works():
     code = ("import sys, mmbuffer as mb; light = [m for m in ('torch', 'numba') if m in sys.modules]; "
-            "import mmbuffer._ledger.store, mmbuffer._feed.stream, mmbuffer._disk.create; "  # submodules named like functions
+            "import mmbuffer._ledger.store, mmbuffer._feed.stream, mmbuffer._ledger.create; "  # submodules named like functions
             "names = {n: getattr(mb, n) for n in mb.__all__}; "
             "assert callable(mb.create) and callable(mb.stream) and not isinstance(mb.stream, type(sys)); "
             "from mmbuffer import create, Buffer, stream, samplers, convert; "

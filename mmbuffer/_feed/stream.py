@@ -6,89 +6,9 @@ threads while the caller trains, so the gather (page faults, copies, the
 ``next_obs`` lookup) hides behind the training step. torch's kernels release the
 GIL, so on two cores the threads really run side by side.
 
-Threading facts
----------------
-* **Workers and order.** ``workers`` threads (default 1; 2 with ``device="cuda"``)
-  make batches; each draws its batch's indices from ``generator`` under the
-  buffer lock and numbers the batch at that moment, and batches are delivered in
-  that order. So the batches come out in the order ``buf.sample`` /
-  ``buf.sample_slices`` would give them in a plain loop with the same generator
-  state, whatever the number of workers. Do not draw from that generator
-  elsewhere while the stream runs; after the stream stops, the generator has
-  advanced past up to ``prefetch + 1`` batches that were never delivered.
-* **The buffer lock.** Indices are drawn under the buffer's re-entrant lock
-  (:func:`buffer_lock`), which every ``Buffer`` method that reads or changes
-  rows, index or tree also takes, so the training thread may keep writing
-  (``extend``/``commit``) and reprioritizing (``update_priorities``) while the
-  workers sample. One worker also gathers under the lock (each such call waits
-  for at most one sample + gather, a few ms). Several workers gather without it,
-  side by side, and the buffer then re-checks every item against the writer's
-  reservation after the copy (``Buffer.read_batch(recheck=True)``, the check a
-  reader in another process always makes) and redraws the few a concurrent
-  ``extend`` may have overwritten; such redraws come from ``generator`` too, so
-  with writes racing the stream the sequence is no longer the plain loop's.
-  Without the lock, an ``extend`` that wraps the ring tears slices being
-  gathered and an ``update_priorities`` racing the tree descent draws
-  zero-priority rows.
-* **Priorities.** Batches already prefetched when ``update_priorities`` runs were
-  drawn with the old priorities (at most ``prefetch + 1`` batches of lag); their
-  importance weights are those of the old distribution. ``update_priorities``
-  still applies to their rows (it ignores rows overwritten since the sample).
-* **Shutdown.** ``close()`` (also ``with``-exit, ``break`` followed by the
-  iterator's release, garbage collection, an exception in the loop once the
-  stream is released, and interpreter exit) sets a stop event, drops what is
-  ready and joins the threads. The workers hold no reference to the :class:`Stream`, so
-  dropping the last reference closes it. ``with mb.stream(...) as s:`` is the
-  deterministic form.
-* **Errors** raised in the worker (an empty store, a bad ``slice_len``) are
-  re-raised by the ``next()`` that would have returned the failed batch.
-* **Devices.** ``pin_memory=True`` gathers each batch straight into one fresh
-  page-locked block (torch's caching host allocator recycles them): the batch is
-  a ``PackedBatch`` whose tensors are views into that block, so a later
-  ``b.to("cuda", non_blocking=True)`` is one copy (page-locked memory needs an
-  accelerator; without one it warns once and does not pin, as ``DataLoader``
-  does). ``device="cuda"`` gathers into a ring of ``workers + 1`` reusable pinned
-  blocks (no allocation, no page-locking per batch) and copies each block to the
-  device in one piece on the worker's CUDA side stream, recording an event; the
-  slot goes back to the ring with that event and is refilled only once the copy
-  has finished. The consumer makes its current stream wait on the event and marks
-  the device block as used on it (``record_stream``), so the copy overlaps the
-  previous step's kernels and the caching allocator never reuses that memory
-  early. Other devices are moved in the consumer thread with ``non_blocking=True``.
-* **The GIL.** The workers' sampling is partly Python and partly numpy calls
-  that hold the GIL; with CPython's default 5 ms switch interval a training
-  thread that wants the GIL back (between two torch kernels) can wait up to 5 ms
-  behind it, which on two cores cost ~35% of a 5 ms step. While a stream runs,
-  the interpreter's switch interval is lowered to ``switch_interval`` (0.5 ms;
-  ``sys.setswitchinterval``, process-wide) and restored when the last stream
-  closes, unless something else changed it meanwhile; ``switch_interval=None``
-  leaves it alone.
-* **Processes.** ``processes=N`` makes the batches in N worker processes
-  instead of threads (``mmbuffer._feed.processes``), so the training thread shares
-  its GIL with nobody: each worker opens the store read-only, gathers into a
-  shared ring of one-block slots (page-locked once with ``device="cuda"``) and
-  sends the main process only the slot number; ``next()`` issues one copy of the
-  block on a side stream (without CUDA: copies the block out) and hands the slot
-  back once that copy has finished. Batch ``i`` comes from worker ``i % N``,
-  whose generator is seeded from one number drawn from ``generator`` (or torch's
-  global one) and its id: the same state gives the same batches, not those of
-  the threaded mode. Workers see the last commit only (rows extended but not
-  committed are not streamed; the first batch fails with ``EmptyBufferError``
-  on a store with nothing committed); they ``refresh()`` when the caller's
-  buffer has a newer generation and every 100 batches. Prioritized sampling
-  reads the committed priorities; give ``update_priorities`` the batch itself
-  (``buf.update_priorities(b, p)``: it carries its lane cursors). Workers start
-  from a ``forkserver`` (its preload list is set to mmbuffer's ring modules;
-  ``spawn`` where there is none), so the main module must be safe to import
-  (``if __name__ == "__main__":``), as for ``DataLoader`` workers. A worker's
-  exception is re-raised by ``next()``; a worker that died is a
-  ``ChildProcessError``. The ring's shared-memory file is removed as soon as
-  every worker has mapped it, so nothing is left in ``/dev/shm``.
-* **CPU threads.** Leave the worker a core: with as many torch intra-op threads
-  as cores, OpenMP threads spin between kernels and starve it (online SAC on two
-  cores: 26 s with 2 threads, 3.3 s with ``torch.set_num_threads(1)``).
-* ``EpochSampler`` does not take the buffer lock: do not iterate one on a buffer
-  that a running stream samples while the same process writes to it.
+The threading facts (workers and order, the buffer lock, priorities, shutdown, errors,
+devices, the GIL, processes, CPU threads) are in ``docs/design.md``, "The stream:
+threading facts" (``tests/test_stream.py`` tests them).
 
 >>> import tempfile, numpy as np, torch, mmbuffer as mb
 >>> buf = mb.create(tempfile.mkdtemp() + "/s", {"obs": ((3,), "float32")}, capacity=100)
@@ -325,13 +245,7 @@ def stream(
     5
     """
     batch_size = check_int("batch_size", batch_size, 1)
-    if sampler is None:
-        sampler = samplers.from_flags(slice_len, prioritized=prioritized, beta=beta, strict=strict)
-    elif not isinstance(sampler, samplers.Sampler) or (slice_len, prioritized, beta, strict) != (None, False, 0.4, True):
-        raise errors.InvalidArgumentError(
-            f"sampler: expected an mb.samplers spec and no slice_len/prioritized/beta/strict flags, got sampler={sampler!r}, "
-            f"slice_len={slice_len!r}, prioritized={prioritized!r}, beta={beta!r}, strict={strict!r}"
-        )
+    sampler = samplers.resolve(sampler, slice_len, prioritized=prioritized, beta=beta, strict=strict)
     prefetch = check_int("prefetch", prefetch, 1)
     if num_batches is not None:
         num_batches = check_int("num_batches", num_batches, 0)

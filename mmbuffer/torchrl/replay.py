@@ -18,8 +18,8 @@ from .._read.gather import Batch
 from ..opening import create as create_buffer
 from ..opening import open as open_buffer
 from ..schema import PriorityConfig
-from . import keys, streams
-from .keys import ATTR, PRIORITY, WEIGHT_KEY, Columns, Key, KeyMap
+from .keys import ATTR, PRIORITY, WEIGHT_KEY, Columns, Key, KeyMap, infer, read_batch, to_tensordict
+from .streams import Held, Segment, plan as plan_streams, segments as stream_segments
 
 __all__ = ["ReplayBuffer"]
 
@@ -86,7 +86,7 @@ class ReplayBuffer:
         self._compression = compression
         self._buf: Buffer | None = None
         self._layout: KeyMap | None = None
-        self._held: dict[int, streams.Held] = {}
+        self._held: dict[int, Held] = {}
         self._uncommitted: np.ndarray = np.zeros(0, dtype=np.int64)
         self._dangling: set[int] = set()
         self._sampled: dict[int, tuple[weakref.ref[torch.Tensor], np.ndarray | None]] = {}
@@ -176,18 +176,18 @@ class ReplayBuffer:
                 "data: expected a collector batch with split_trajs=False, got padded trajectories (('collector', 'mask'))"
             )
         if self._buf is None:
-            layout, columns = keys.infer(td, self.priority_key)
+            layout, columns = infer(td, self.priority_key)
             rows_per_env = td.batch_size[-1] if td.batch_dims > 1 else 0
             n_streams = self._num_streams or (int(np.prod(td.batch_size[:-1])) if rows_per_env else 1)
             self._create(layout, columns, n_streams)
         assert self._buf is not None and self._layout is not None
         buf = self._buf
-        values, ends, truncated, traj = keys.read_batch(td, self._layout, buf, self.priority_key)
+        values, ends, truncated, traj = read_batch(td, self._layout, buf, self.priority_key)
         lane = buf.capacity // buf.num_streams
 
-        def planned() -> list[streams.Segment]:
-            pieces = streams.plan(ends, traj, buf.num_streams, self._held)
-            return streams.segments(
+        def planned() -> list[Segment]:
+            pieces = plan_streams(ends, traj, buf.num_streams, self._held)
+            return stream_segments(
                 pieces, values, ends, truncated, traj, self._held, lane_size=lane, dangling=self._dangling, where=self.path
             )
 
@@ -219,7 +219,7 @@ class ReplayBuffer:
         )
         self._attach(buf)
 
-    def _write(self, segments: list[streams.Segment], lead: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+    def _write(self, segments: list[Segment], lead: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
         """Write planned segments; return the global row of each batch row (-1: held)."""
         assert self._buf is not None and self._layout is not None
         buf, layout = self._buf, self._layout
@@ -295,7 +295,7 @@ class ReplayBuffer:
                 )
             items = size // length
         b = buf.sample(items, self.generator, sampler=spec)
-        out = keys.to_tensordict(b, layout, spec, flatten=self.flatten_slices)
+        out = to_tensordict(b, layout, spec, flatten=self.flatten_slices)
         index = out.get("index")
         self._remember(index, b.written_at)
         if return_info:
