@@ -91,7 +91,8 @@ from .readers.minari import MinariReader, convert_minari
 from .readers.npz import NpzReader, convert_npz
 from ._pipeline.reader import Chunk, ConversionWarning, Reader, Schema
 from .readers.tianshou import TianshouReader, convert_tianshou
-from .readers.torchrl import TDMPC2Reader, TorchRLReader, convert_torchrl
+from .readers.tdmpc2 import TDMPC2Reader
+from .readers.torchrl import TorchRLReader, convert_torchrl
 from ._pipeline.write import write_store
 
 __all__ = [
