@@ -29,10 +29,10 @@ them (``gather.py``) and, in a reader, re-checks them against the writer
 from __future__ import annotations
 
 import os
-import weakref
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
 import torch
@@ -43,12 +43,15 @@ from ._ledger.manifest import load_manifest
 from ._disk.columns import ColumnArray
 from ._read.gather import Batch, gather, resolve_keys
 from ._ledger.index import Lane
-from ._read.recheck import read_checked
+from ._read.batch import SampledBatches, read_batch
 from .samplers import Draw, Sampler
-from ._ledger.store import Column, ColumnOpener, Store, View, locked
+from ._ledger.store import Column, Store, View, locked
 from ._ledger.writer import Writer, priority_shape, release_lock, take_lock
 
-_REMEMBERED_BATCHES = 256
+if TYPE_CHECKING:
+    from .remote import RemoteSource
+
+__all__ = ["Buffer"]
 
 
 class Buffer:
@@ -63,39 +66,52 @@ class Buffer:
     updates priorities.
     """
 
-    def __init__(self, path: str | os.PathLike[str], mode: str = "a", *, columns: ColumnOpener | None = None) -> None:
+    def __init__(self, path: str | os.PathLike[str], mode: str = "a", *, source: RemoteSource | None = None) -> None:
         if mode not in ("r", "a"):
             raise errors.InvalidArgumentError(f"mode: expected 'r' or 'a', got {mode!r}")
-        manifest = load_manifest(Path(path))  # before the LOCK file: a missing store creates nothing
-        lock_fd = take_lock(Path(path)) if mode == "a" else None
+        #: the re-entrant lock every method that reads or changes cursors, index, tree or
+        #: rows holds: hold it to make several calls one step (a prefetch thread); the
+        #: facade's own, handed to every store it opens, so it never changes
+        self.lock = self._lock = threading.RLock()
+        self._source = source  # a published store's snapshots (mmbuffer.remote), or None
         self._writer: Writer | None = None
+        if source is not None:
+            self._adopt(source.open(self.lock))
+        else:
+            self._adopt(self._open_local(Path(path), mode))
+        self._sampler_cache: dict[Any, Any] = {}  # samplers' state derived from the index (slice counts)
+        self._sampled = SampledBatches()  # lane cursors of recent batches, for update_priorities
+
+    def _open_local(self, path: Path, mode: str) -> Store:
+        manifest = load_manifest(path)  # before the LOCK file: a missing store creates nothing
+        lock_fd = take_lock(path) if mode == "a" else None
         try:
-            self._store = Store(path, mode, manifest, columns=columns)
+            store = Store(path, mode, manifest, lock=self.lock)
         except BaseException:
             if lock_fd is not None:
                 release_lock(lock_fd)
             raise
         if lock_fd is not None:
             try:
-                self._writer = Writer(self._store, lock_fd)  # owns the lock from here; recovers the store
+                self._writer = Writer(store, lock_fd)  # owns the lock from here; recovers the store
             except BaseException:
-                self._store.close()
+                store.close()
                 raise
-        store = self._store
+        return store
+
+    def _adopt(self, store: Store) -> None:
+        """Read through ``store`` from now on (a remote buffer's refresh swaps it)."""
+        self._store = store
         self.path, self.mode, self.layout = store.path, store.mode, store.layout
         self.capacity, self.num_streams, self.lane_size = store.capacity, store.num_streams, store.lane_size
         self.compression, self.priorities = store.compression, store.priorities
         self.columns: dict[str, Column] = store.columns  # name -> mb.Column(shape, dtype)
         self.next_keys = store.next_keys
-        #: the re-entrant lock every method that reads or changes cursors, index, tree or
-        #: rows holds: hold it to make several calls one step (a prefetch thread)
-        self.lock = self._lock = store.lock
-        self._sampler_cache: dict[Any, Any] = {}  # samplers' state derived from the index (slice counts)
-        self._sampled: dict[int, tuple[weakref.ref[torch.Tensor], np.ndarray]] = {}
 
     def __repr__(self) -> str:
+        where = str(self.path) if self._source is None else f"{self._source.url}@{self._source.snapshot}"
         return (
-            f"Buffer({str(self.path)!r}, mode={self.mode!r}, rows={len(self)}, "
+            f"Buffer({where!r}, mode={self.mode!r}, rows={len(self)}, "
             f"episodes={self.num_episodes}, capacity={self.capacity}, streams={self.num_streams})"
         )
 
@@ -104,6 +120,12 @@ class Buffer:
     def store(self) -> Store:
         """The columns and the ledger (manifest, index, tree) this buffer reads."""
         return self._store
+
+    @property
+    def remote(self) -> RemoteSource | None:
+        """The published store's snapshots (``url``, ``snapshot``, ``pool``, ``set_shard``)
+        when opened from a URL, else None."""
+        return self._source
 
     def _writing(self, what: str) -> Writer:
         if self._writer is None:
@@ -170,8 +192,21 @@ class Buffer:
         return self._store.leaf_priorities(rows)
 
     def refresh(self) -> bool:
-        """Reload the last commit (readers); return whether it changed."""
-        return self._store.refresh()
+        """Reload the last commit (readers); return whether it changed. Opened from a URL:
+        move to the newest published snapshot (a new store swapped in under the same
+        lock; batches already returned keep their data; another schema is refused with
+        ``CorruptStoreError`` and the buffer stays where it was)."""
+        if self._source is None:
+            return self._store.refresh()
+        with self.lock:
+            new = self._source.refresh(self._store, self.lock)
+            if new is None:
+                return False
+            old = self._store
+            self._adopt(new)
+            self._sampler_cache.clear()
+            old.close()
+            return True
 
     def warm(self) -> None:
         """Read the priority tree into memory and map it (see ``Store.warm``)."""
@@ -278,9 +313,7 @@ class Buffer:
         if isinstance(indices, Batch):
             written_at, indices = indices.written_at, indices.indices
         elif isinstance(indices, torch.Tensor):
-            entry = self._sampled.get(id(indices))
-            if entry is not None and entry[0]() is indices:
-                written_at = entry[1]
+            written_at = self._sampled.written_at(indices)
         idx = torch.as_tensor(indices).cpu().numpy()
         pri = np.asarray(priorities if isinstance(priorities, np.ndarray) else torch.as_tensor(priorities).detach().cpu().numpy())
         self._writing("update_priorities").update_priorities(idx, priority_shape(pri, idx.shape), written_at)
@@ -317,6 +350,8 @@ class Buffer:
                 self._writer.close()
         finally:
             self._store.close()
+            if self._source is not None:
+                self._source.close()
 
     def __enter__(self) -> Self:
         return self
@@ -384,7 +419,7 @@ class Buffer:
         """The index half of sampling with any spec: ``(rows, weights, mask or None,
         lane cursors)`` as numpy arrays, with no column read."""
         n = check_int("n", n, 1)
-        spec = samplers.resolve(sampler)
+        spec = self._route(samplers.resolve(sampler))
         spec.check(self)
         return spec.plan(self, n, generator, self._sampler_cache)(np.arange(n))
 
@@ -421,6 +456,7 @@ class Buffer:
 
     def _draw(self, spec: Sampler, n: int, generator: torch.Generator | None, keys: Iterable[str] | None) -> Batch:
         names = resolve_keys(self._store, keys)
+        spec = self._route(spec)
         spec.check(self)
         return self.read_batch(spec.plan(self, n, generator, self._sampler_cache), n, names)
 
@@ -446,30 +482,12 @@ class Buffer:
         reader does, also in the writer's process (``mb.stream``'s parallel
         workers: their gathers run beside each other and beside ``extend``).
         """
-        if recheck:
-            data, (rows, weights, mask, written) = read_checked(self._store, draw, size, names, out=out, recheck=True)
-        else:
-            with self.lock:
-                data, (rows, weights, mask, written) = read_checked(self._store, draw, size, names, out=out)
-        mask_t = None
-        if mask is not None:
-            mask_t = torch.from_numpy(mask)
-            if not mask.all():
-                for value in data.values():
-                    value[~mask_t] = 0
-        indices = torch.from_numpy(rows)
-        batch = Batch(data, indices, torch.from_numpy(weights), mask_t, written.copy())
+        batch = read_batch(self._store, draw, size, names, out=out, recheck=bool(recheck))
         if self.priorities is not None:
             with self.lock:  # stream workers read batches concurrently
-                self._remember(indices, batch.written_at)
+                self._sampled.remember(batch.indices, batch.written_at)
         return batch
 
-    def _remember(self, indices: torch.Tensor, written: np.ndarray | None) -> None:
-        """Keep a batch's lane cursors by its ``indices`` tensor, for ``update_priorities``."""
-        if len(self._sampled) >= _REMEMBERED_BATCHES:
-            self._sampled = {k: v for k, v in self._sampled.items() if v[0]() is not None}
-            while len(self._sampled) >= _REMEMBERED_BATCHES:
-                self._sampled.pop(next(iter(self._sampled)))
-        assert written is not None  # a sampled batch's cursors
-        self._sampled[id(indices)] = (weakref.ref(indices), written)
-
+    def _route(self, spec: Sampler) -> Sampler:
+        """``spec`` as this buffer draws it: through a remote store's chunk pool."""
+        return spec if self._source is None else self._source.route(spec)

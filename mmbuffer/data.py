@@ -217,8 +217,8 @@ class BufferDataset(IterableDataset[Batch]):
         passes = self._passes
         self._passes += 1
         budget = None if self.num_batches is None else _split(self.num_batches, wid, nw)
-        if self.remote:  # a remote store's chunk pool: each (rank, worker) reads its own blocks
-            buf.set_shard(rank * nw + wid, world * nw, epoch=self._set_epoch)  # type: ignore[attr-defined]
+        if buf.remote is not None:  # a remote store's chunk pool: each (rank, worker) reads its own blocks
+            buf.remote.set_shard(rank * nw + wid, world * nw, epoch=self._set_epoch)
         if self.epoch:
             return self._epoch(buf, rank * nw + wid, world * nw, budget)
         # DataLoader draws a fresh base seed per pass from torch's global RNG (so

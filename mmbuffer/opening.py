@@ -1,5 +1,7 @@
 """``mb.create`` and ``mb.open``: where a path (local, or a URL) becomes a ``Buffer``.
 
+(Beside ``buffer.py`` rather than in it only to keep both files short.)
+
 A URL (``s3://...``, any fsspec URL) is never taken for a local path: ``create``
 refuses one, ``open`` hands it to :mod:`mmbuffer.remote` (``urls.py`` says what a
 URL is).
@@ -79,13 +81,14 @@ def open(  # noqa: A001 - API name
     """Open an existing store: ``mode="a"`` the single writer, ``mode="r"`` a reader.
 
     A URL (``s3://bucket/prefix/store``, ``gs://``, ``file://``, any fsspec URL) opens a
-    published store read-only through :func:`mmbuffer.remote.open_remote`; ``cache_dir``,
+    published store read-only (a ``Buffer`` over a :class:`~mmbuffer.remote.RemoteSource`); ``cache_dir``,
     ``storage_options`` and ``pool`` are its options (a local path takes none of them).
     """
     if is_url(path):
-        from .remote import open_remote
+        from .remote import RemoteSource, pool_config
 
-        return open_remote(str(path), mode=mode, cache_dir=cache_dir, storage_options=storage_options, pool=pool)
+        config = pool_config(str(path), mode, pool)
+        return Buffer(path, "r", source=RemoteSource(str(path), cache_dir=cache_dir, storage_options=storage_options, pool=config))
     if cache_dir is not None or storage_options is not None or pool != "default":
         raise errors.InvalidArgumentError(
             f"cache_dir, storage_options, pool: expected none of them for the local path {str(path)!r} (they are for URLs)"

@@ -22,7 +22,7 @@ from test_columns import ROWS, ColumnTests
 
 pytest.importorskip("s3fs")
 from mmbuffer._disk.columns.remote import RemoteArray  # noqa: E402
-from mmbuffer.remote import PoolConfig, RemoteBuffer  # noqa: E402
+from mmbuffer.remote import PoolConfig, RemoteSource  # noqa: E402
 
 SMALL = PoolConfig(blocks=2, block_bytes=1, rotate_every=2, prefetch=1)  # block = one chunk
 
@@ -99,7 +99,7 @@ def test_publish_open_and_sample_exactly_and_from_the_pool(tmp_path, bucket):
     url = f"s3://{bucket}/prefix/store"
     local = publish(tmp_path, url, priorities=True)
     exact = mb.open(url, mode="r", cache_dir=tmp_path / "cache", pool=None)
-    assert isinstance(exact, RemoteBuffer) and exact.pool is None
+    assert isinstance(exact.remote, RemoteSource) and exact.remote.pool is None
     assert (len(exact), exact.num_episodes, exact.columns) == (len(local), local.num_episodes, local.columns)
     rows = np.array([0, 5, 2048 + 7, 999])
     for k, v in local.get(rows).items():
@@ -109,7 +109,7 @@ def test_publish_open_and_sample_exactly_and_from_the_pool(tmp_path, bucket):
     same_as_local(local, exact.sample_slices(8, 10, generator=g))
     np.testing.assert_array_equal(exact.leaf_priorities(np.arange(100)), local.leaf_priorities(np.arange(100)))
     pooled = mb.open(url, mode="r", cache_dir=tmp_path / "cache", pool=SMALL)
-    pool = pooled.pool
+    pool = pooled.remote.pool
     b = pooled.sample(64, g)
     same_as_local(local, b)
     held = set(pool.held_blocks())
@@ -124,17 +124,17 @@ def test_pool_rotation_is_deterministic_and_shards_cover_an_epoch_disjointly(tmp
     url = f"s3://{bucket}/store"
     publish(tmp_path, url).close()
     with mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=SMALL) as buf:
-        pool = buf.pool
+        pool = buf.remote.pool
         live = set(pool.live.tolist())
         assert len(live) >= 8
         shards = [set(pool.order(3)[i::1].tolist()) for i in range(1)]
         parts = []
         for i in range(3):
-            buf.set_shard(i, 3, epoch=3)
+            buf.remote.set_shard(i, 3, epoch=3)
             parts.append(pool.order(3).tolist())
         assert sorted(sum(parts, [])) == sorted(live)  # disjoint, and together every block once
         assert shards[0] == live
-        buf.set_shard(1, 3, epoch=3)
+        buf.remote.set_shard(1, 3, epoch=3)
         seen, draws = [], []
         for _ in range(12):
             draws.append(buf.sample(16, torch.Generator().manual_seed(1)).indices)
@@ -142,7 +142,7 @@ def test_pool_rotation_is_deterministic_and_shards_cover_an_epoch_disjointly(tmp
         later = set(np.concatenate([pool.order(e) for e in range(3, 3 + 12)]).tolist())
         assert set(sum(map(list, seen), [])) <= later  # only this shard's blocks, epoch after epoch
         assert seen[0] == tuple(parts[1][:2]) and seen[2] == tuple(parts[1][1:3])  # one block out, the next in
-        buf.set_shard(1, 3, epoch=3)
+        buf.remote.set_shard(1, 3, epoch=3)
         again = [buf.sample(16, torch.Generator().manual_seed(1)).indices for _ in range(12)]
         assert all(torch.equal(a, b) for a, b in zip(draws, again))
         assert pool.fetched_bytes > 0
@@ -156,8 +156,8 @@ def test_dataloader_two_workers_two_ranks_read_disjoint_blocks(tmp_path, bucket)
         ds = mb.data.BufferDataset(url, 16, num_batches=8, rank=rank, world_size=2, seed=5,
                                    cache_dir=tmp_path / "cache", pool=SMALL)
         loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
-        with RemoteBuffer(url, cache_dir=tmp_path / "cache", pool=SMALL) as probe:
-            block_rows = probe.pool.block_rows
+        with mb.open(url, mode="r", cache_dir=tmp_path / "cache", pool=SMALL) as probe:
+            block_rows = probe.remote.pool.block_rows
         for i, batch in enumerate(loader):  # in order: batch i comes from worker i % 2
             same_as_local(local, batch)
             per_shard.setdefault(rank * 2 + i % 2, set()).update((batch.indices // block_rows).tolist())
@@ -173,15 +173,15 @@ def test_readers_keep_their_snapshot_until_refresh(tmp_path, bucket):
     url = f"s3://{bucket}/store"
     publish(tmp_path, url, episodes=10).close()
     ro = mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None)
-    first = ro.snapshot
+    first = ro.remote.snapshot
     with mb.open(tmp_path / "local") as w:  # the writer goes on, and publishes again
         w.extend({"obs": np.ones((30, 3)), "x": np.arange(30) + 10_000, "terminated": np.arange(30) == 29},
                  final_obs={"obs": np.zeros((1, 3))})
     mb.convert.copy(tmp_path / "local", url, progress=False)
-    assert ro.num_episodes == 10 and ro.snapshot == first
+    assert ro.num_episodes == 10 and ro.remote.snapshot == first
     assert ro.sample(32).data["x"].max() < 10_000  # still the pinned snapshot
     assert ro.refresh() is True and ro.refresh() is False
-    assert ro.num_episodes == 11 and ro.snapshot != first
+    assert ro.num_episodes == 11 and ro.remote.snapshot != first
     with mb.open(tmp_path / "local", mode="r") as local:
         rows = np.flatnonzero(np.isin(np.arange(4096), np.arange(0, 4096)))[:4096]
         torch.testing.assert_close(ro.get(rows)["x"], local.get(rows)["x"], rtol=0, atol=0)
@@ -279,13 +279,13 @@ def test_fewer_blocks_than_shards_share_blocks(tmp_path, bucket):
     url = f"s3://{bucket}/store"
     publish(tmp_path, url, episodes=2, length=20).close()  # 40 rows: one live block per lane
     with mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=SMALL) as buf:
-        n = len(buf.pool.live)
+        n = len(buf.remote.pool.live)
         assert n == 2
         for i in range(5):
-            buf.set_shard(i, 5)
-            assert buf.pool.order(0).tolist() == [buf.pool.order(0).tolist()[0]]  # one block each
+            buf.remote.set_shard(i, 5)
+            assert buf.remote.pool.order(0).tolist() == [buf.remote.pool.order(0).tolist()[0]]  # one block each
             b = buf.sample(4)
-            assert set((b.indices // buf.pool.block_rows).tolist()) <= set(buf.pool.live.tolist())
+            assert set((b.indices // buf.remote.pool.block_rows).tolist()) <= set(buf.remote.pool.live.tolist())
 
 
 def test_publish_keeps_three_snapshots_and_a_failed_publish_stays_invisible(tmp_path, bucket, s3, monkeypatch):
@@ -302,10 +302,10 @@ def test_publish_keeps_three_snapshots_and_a_failed_publish_stays_invisible(tmp_
     snaps = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/store/snapshots") if not p.endswith("zarr.json"))
     assert [s[:10] for s in snaps] == ["0000000002", "0000000003", "0000000004"]
     ro = mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None)
-    assert ro.snapshot == snaps[-1]
-    mirrors = sorted(p.name for p in ro.cache.iterdir())
+    assert ro.remote.snapshot == snaps[-1]
+    mirrors = sorted(p.name for p in ro.remote.cache.iterdir())
     with mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None) as again:  # the mirror is reused
-        assert again.path == ro.path and sorted(p.name for p in ro.cache.iterdir()) == mirrors
+        assert again.path == ro.path and sorted(p.name for p in ro.remote.cache.iterdir()) == mirrors
 
     def fail(*args, **kwargs):
         raise OSError("the network went away")
@@ -318,7 +318,7 @@ def test_publish_keeps_three_snapshots_and_a_failed_publish_stays_invisible(tmp_
     monkeypatch.undo()
     fs.invalidate_cache()
     assert len(fs.ls(f"{bucket}/store/snapshots")) == 5  # uploaded: a fourth snapshot besides zarr.json
-    assert ro.refresh() is False and ro.snapshot == snaps[-1]  # the half-published snapshot is invisible
+    assert ro.refresh() is False and ro.remote.snapshot == snaps[-1]  # the half-published snapshot is invisible
     assert ro.get(np.arange(3))["x"].tolist() == [0, 1, 2]
     done = publish_to(tmp_path / "local", url, progress=False)  # the orphan goes, the pointed-to one stays
     fs.invalidate_cache()

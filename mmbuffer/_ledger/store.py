@@ -80,9 +80,10 @@ class Store:
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], mode: str = "a", manifest: Manifest | None = None, *, columns: ColumnOpener | None = None
+        self, path: str | os.PathLike[str], mode: str = "a", manifest: Manifest | None = None, *,
+        columns: ColumnOpener | None = None, lock: threading.RLock | None = None,
     ) -> None:
-        self._lock = threading.RLock()
+        self._lock = lock if lock is not None else threading.RLock()  # the facade's, when it has one
         self._open_column = columns  # data columns held elsewhere (mmbuffer.remote)
         if mode not in ("r", "a"):
             raise errors.InvalidArgumentError(f"mode: expected 'r' or 'a', got {mode!r}")

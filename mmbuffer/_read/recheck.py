@@ -68,7 +68,7 @@ def read_checked(
                 f"sample: expected rows that stay put while they are read, got rows overwritten by the writer "
                 f"in {MAX_REREADS} draws in a row (the writer laps this lane faster than a batch is read)"
             )
-    return data, (rows, weights, mask, written)
+    return data, Draw(rows, weights, mask, written)
 
 
 def first_rows(rows: np.ndarray, items: int) -> np.ndarray:

@@ -10,7 +10,8 @@ the same specs. One file per sampler (``base.py`` holds the contract).
 PrioritizedSlices(slice_len=16, beta=0.4, strict=True)
 """
 
-from .base import Draw, Sampler
+from .._ledger.snapshot import Draw
+from .base import Sampler
 from .epoch import Epoch
 from .prioritized import Prioritized, PrioritizedSlices
 from .recent import Recent

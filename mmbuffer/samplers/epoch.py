@@ -36,7 +36,8 @@ from .._disk import format as fmt
 from .. import errors
 from .._disk.checks import check_int
 from .._ledger.snapshot import View
-from .base import Draw, Sampler
+from .._ledger.snapshot import Draw
+from .base import Sampler
 
 import mmbuffer.samplers._draw as sampling  # the algorithms (not "from .": that names the package)
 from .._disk import files as _files, safe_io as _safe_io

@@ -22,7 +22,8 @@ import torch
 import mmbuffer.samplers._draw as sampling  # the algorithms (not "from .": that names the package)
 from .._disk.checks import check_int
 from .._ledger.snapshot import View
-from .base import Draw, Sampler, check_beta, require_priorities, tree_of
+from .._ledger.snapshot import Draw
+from .base import Sampler, check_beta, require_priorities, tree_of
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,8 @@ from .. import errors
 from .._ledger import index
 from .._disk.checks import check_int
 from .._ledger.snapshot import View
-from .base import Draw, Sampler
+from .._ledger.snapshot import Draw
+from .base import Sampler
 from .epoch import Epoch
 from .prioritized import Prioritized, PrioritizedSlices
 from .uniform import Uniform

@@ -19,7 +19,8 @@ from .. import errors
 import mmbuffer.samplers._draw as sampling  # the algorithms (not "from .": that names the package)
 from .._disk.checks import check_int
 from .._ledger.snapshot import View
-from .base import Draw, Sampler, ones
+from .._ledger.snapshot import Draw
+from .base import Sampler, ones
 
 WEIGHTINGS = ("windows", "episodes")
 

@@ -16,7 +16,8 @@ import torch
 
 import mmbuffer.samplers._draw as sampling  # the algorithms (not "from .": that names the package)
 from .._ledger.snapshot import View
-from .base import Draw, Sampler, ones
+from .._ledger.snapshot import Draw
+from .base import Sampler, ones
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,8 @@ from typing import Any
 from ... import errors
 from ..._disk.urls import filesystem, is_url
 from ..._ledger.manifest import load_manifest
-from ...remote import _snapshot, open_remote
+from ...opening import open as open_buffer
+from ...remote import _snapshot
 from ...schema import PriorityConfig
 from .copy import copy_local
 
@@ -132,7 +133,7 @@ def copy_url(src: Any, dst: Any, *, storage_options: Mapping[str, Any] | None = 
     """``mb.convert.copy`` when ``src`` or ``dst`` is a URL: publish to a URL, or copy a
     published store (read exactly, chunk by chunk) into a local store."""
     if is_url(src):
-        buf = open_remote(str(src), cache_dir=cache_dir, storage_options=storage_options, pool=None)
+        buf = open_buffer(str(src), mode="r", cache_dir=cache_dir, storage_options=storage_options, pool=None)
         try:
             if is_url(dst):
                 return copy_url(buf, dst, storage_options=storage_options, **copy_options)
