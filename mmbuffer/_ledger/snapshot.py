@@ -1,6 +1,9 @@
 """What readers and samplers see of a store: a frozen snapshot of the ledger, and draws.
 
-A :class:`View` (``Snapshot``) is one consistent value: the lanes' cursors, the ring of
+A :class:`Ledger` is what is live: every lane's cursors, the last commit's, and its
+generation, one frozen value that the writer (or a reader's refresh) publishes in one
+assignment; nothing holds a list another object mutates. A :class:`View`
+(``Snapshot``) is one consistent value: the lanes' cursors, the ring of
 episode ends, the ring layout, the rows written per lane, the generation and the
 priority tree. The writer publishes a new one at every change; readers and samplers
 only ever hold one, never the writer's mutable state. A sampler maps a View to a
@@ -15,17 +18,50 @@ side needs of a store.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 
+from .index import Lane
 from .layout import Layout
 
 if TYPE_CHECKING:
     from .. import tree
 
-__all__ = ["Draw", "LaneView", "ReadableStore", "Snapshot", "View"]
+__all__ = ["Draw", "LaneView", "Ledger", "ReadableStore", "Snapshot", "View"]
+
+
+@dataclass(frozen=True, slots=True)
+class Ledger:
+    """Every lane's cursors now (``lanes``: the writer's extended rows, a reader's last
+    commit), the last commit's (``committed``) and its ``generation``.
+
+    >>> led = Ledger.of((Lane(),), generation=3).with_lane(0, Lane(written=5))
+    >>> led.lanes[0].written, led.committed[0].written, led.committed_as(4).committed[0].written
+    (5, 0, 5)
+    """
+
+    lanes: tuple[Lane, ...]
+    committed: tuple[Lane, ...]
+    generation: int
+
+    @classmethod
+    def of(cls, lanes: tuple[Lane, ...], generation: int) -> Ledger:
+        """The ledger of a commit: nothing extended since."""
+        return cls(tuple(lanes), tuple(lanes), generation)
+
+    def with_lane(self, lane: int, state: Lane) -> Ledger:
+        """This ledger with lane ``lane`` at ``state`` (not committed)."""
+        return replace(self, lanes=(*self.lanes[:lane], state, *self.lanes[lane + 1 :]))
+
+    def committed_as(self, generation: int) -> Ledger:
+        """This ledger once its lanes are committed as ``generation``."""
+        return replace(self, committed=self.lanes, generation=generation)
+
+    @property
+    def has_changes(self) -> bool:
+        return self.lanes != self.committed
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,7 +48,7 @@ from .._disk.columns import ColumnArray, RawArray, ZarrArray
 from ..config import config
 from .index import Lane
 from .layout import Layout
-from .snapshot import LaneView, Snapshot, View
+from .snapshot import LaneView, Ledger, Snapshot, View
 from ..schema import Column, PriorityConfig
 
 __all__ = [
@@ -74,9 +74,9 @@ class Store:
     reads cursors, index or tree holds :attr:`lock` (re-entrant), the lock the
     writer holds while it changes them.
 
-    Attributes the writer changes: ``lanes`` (the cursors a ``view`` shows: the
-    last commit's in a reader, every extended row in the writer), ``committed``
-    (the last commit's), ``generation`` and ``attrs``.
+    What the writer changes: ``ledger`` (a frozen :class:`Ledger`, replaced whole:
+    ``lanes``, the cursors a ``view`` shows, the last commit's in a reader and every
+    extended row in the writer; ``committed``; ``generation``) and ``attrs``.
     """
 
     def __init__(
@@ -98,20 +98,19 @@ class Store:
         self.next_keys: tuple[str, ...] = manifest.next_keys
         self.priorities = PriorityConfig(**manifest.priorities) if manifest.priorities else None
         self.attrs: dict[str, Any] = dict(manifest.attrs)
-        self.generation = manifest.generation
         self.manifest = manifest  # what the next commit rewrites (fields that never change)
         self.layout = Layout(self.capacity, self.num_streams)  # all ring arithmetic (layout.py)
         self._arrays: dict[str, ColumnArray] = {}  # every array of the store, by its path in it
         try:
             self._open_arrays(manifest)
-            self.committed = list(manifest.lanes)
             _counters.check_lanes(
-                self.ends, self.reserved, self.committed, self.lane_size, str(self.path / fmt.MANIFEST), writer=mode == "a"
+                self.ends, self.reserved, list(manifest.lanes), self.lane_size, str(self.path / fmt.MANIFEST), writer=mode == "a"
             )
         except BaseException:
             self.close()
             raise
-        self.lanes = list(self.committed)
+        #: what is live, one frozen value: replaced whole by the writer and by refresh
+        self.ledger = Ledger.of(tuple(manifest.lanes), manifest.generation)
 
     def _open_arrays(self, manifest: Manifest) -> None:
         """Open the arrays the checked manifest names, each against what it implies."""
@@ -146,6 +145,21 @@ class Store:
         return mapped
 
     @property
+    def lanes(self) -> tuple[Lane, ...]:
+        """Every lane's cursors now (the ledger's)."""
+        return self.ledger.lanes
+
+    @property
+    def committed(self) -> tuple[Lane, ...]:
+        """The last commit's cursors."""
+        return self.ledger.committed
+
+    @property
+    def generation(self) -> int:
+        """The last commit's counter."""
+        return self.ledger.generation
+
+    @property
     def lock(self) -> threading.RLock:
         """The re-entrant lock every method that reads or changes cursors, index, tree
         or rows holds: hold it to make several calls one step (a prefetch thread)."""
@@ -176,16 +190,17 @@ class Store:
     def view(self) -> View:
         """The index as samplers may use it now (see the module docstring)."""
         lanes = []
+        ledger = self.ledger
         written = np.empty(self.num_streams, dtype=np.int64)
         for lane in range(self.num_streams):
-            st = self.lanes[lane]
+            st = ledger.lanes[lane]
             written[lane] = st.written
             if self.mode == "r":  # a reader keeps away from rows the writer may be rewriting
                 st = index.drop_below(self.ends, lane, self.lane_size, st, int(self.reserved[lane]) - self.lane_size)
             open_start = st.open_start(self.ends, lane, self.lane_size)
             visible_end = st.written - (1 if self.next_keys and st.written > open_start else 0)
             lanes.append(LaneView(st.first_start, st.ep_head, st.ep_tail, open_start, visible_end))
-        return View(tuple(lanes), self.ends, self.layout, written, self.generation, self.priority_tree)
+        return View(tuple(lanes), self.ends, self.layout, written, ledger.generation, self.priority_tree)
 
     def episode_bounds(self, view: View | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Global start row and length of every live complete episode (lane order)."""
@@ -263,11 +278,9 @@ class Store:
         if manifest.schema() != self.manifest.schema():
             raise errors.CorruptStoreError(f"{where}: expected the schema opened, {self.manifest.schema()}, got {manifest.schema()}")
         lanes = list(manifest.lanes)
-        _counters.check_lanes(self.ends, self.reserved, lanes, self.lane_size, where, writer=False, since=self.committed)
-        self.generation = manifest.generation
+        _counters.check_lanes(self.ends, self.reserved, lanes, self.lane_size, where, writer=False, since=list(self.committed))
         self.attrs = dict(manifest.attrs)
-        self.committed = lanes
-        self.lanes = list(self.committed)
+        self.ledger = Ledger.of(tuple(lanes), manifest.generation)
         return True
 
     # -- memory ----------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from .._disk.checks import as_numpy, check_stream, row_ids, validate_final, vali
 from .._disk.guards import acquire_lock, locked, locked_write, raise_typed
 from ..config import config
 from .index import Lane
+from .snapshot import Ledger
 from .store import Store, check_rows
 
 __all__ = ["Writer", "priority_shape", "release_lock", "take_lock"]
@@ -99,7 +100,6 @@ class Writer:
         self._ends = store.ends
         self._reserved = store.reserved
         self._tree = store.priority_tree
-        self._lanes = store.lanes  # changed in place: what the store's view shows
         self.layout = store.layout
         self.lane_size = store.lane_size
         self._tree_dirty = False
@@ -120,12 +120,13 @@ class Writer:
         and the reservation is the only record of how far that went.
         """
         self._reserved_floor = np.array(self._reserved, dtype=np.int64)
-        torn = False
-        for lane in range(self.store.num_streams):
-            st = self._lanes[lane]
-            threshold = int(self._reserved[lane]) - self.lane_size
-            self._lanes[lane] = index.drop_below(self._ends, lane, self.lane_size, st, threshold)
-            torn = torn or self._lanes[lane] != st
+        before = self.store.ledger
+        kept = tuple(
+            index.drop_below(self._ends, lane, self.lane_size, st, int(self._reserved[lane]) - self.lane_size)
+            for lane, st in enumerate(before.lanes)
+        )
+        torn = kept != before.lanes
+        self.store.ledger = Ledger(kept, before.committed, before.generation)
         if self._tree is not None and (torn or (self.path / "priority" / "DIRTY").exists()):
             self._zero_invisible_priorities()
             tree.rebuild(self._tree, spans=self.store.tree_spans())
@@ -136,7 +137,7 @@ class Writer:
     def _zero_invisible_priorities(self) -> None:
         """Give priority 0 to every row of a lane outside its live range."""
         assert self._tree is not None
-        for lane, st in enumerate(self._lanes):
+        for lane, st in enumerate(self.store.lanes):
             stop, reserved = st.first_start + self.lane_size, int(self._reserved[lane])
             if reserved < self.lane_size:  # first pass: the rows past the reservation were never written
                 stop = min(stop, max(st.written, reserved))
@@ -155,7 +156,7 @@ class Writer:
         if rows == 0:
             return
         finals = validate_final(store.columns, store.next_keys, final_obs, int(done.sum()))
-        st = self._lanes[lane]
+        st = store.lanes[lane]
         index.check_fits(st, self._ends, lane, self.lane_size, done)
 
         new_written = st.written + rows
@@ -187,7 +188,7 @@ class Writer:
 
         st = index.append(self._ends, lane, self.lane_size, st, rows=rows, done=done)
         st, dropped_end = index.evict(self._ends, lane, self.lane_size, st, new_written - self.lane_size)
-        self._lanes[lane] = st
+        store.ledger = store.ledger.with_lane(lane, st)  # published whole: the view sees the rows from here
         if self._tree is not None:
             # overwritten and evicted rows leave the tree before the default is
             # taken, so a new row gets the max of what stays live
@@ -203,31 +204,33 @@ class Writer:
         (see ``Buffer.commit``)."""
         self.check_writable("commit")
         store = self.store
+        ledger = store.ledger
         ends = store.array("index/ends")
-        for lane in range(store.num_streams):
-            segs = self.layout.segments(lane, store.committed[lane].written, self._lanes[lane].written)
+        for lane, (was, now) in enumerate(zip(ledger.committed, ledger.lanes)):
+            segs = self.layout.segments(lane, was.written, now.written)
             for a, b in segs:
                 for name in self._row_arrays(with_tree=False):
                     store.array(name).flush(a, b)
             # the ring slots of the episodes added since the last commit
-            for a, b in index.slot_ranges(lane, self.lane_size, store.committed[lane].ep_tail, self._lanes[lane].ep_tail):
+            for a, b in index.slot_ranges(lane, self.lane_size, was.ep_tail, now.ep_tail):
                 ends.flush(a, b)
         if self._tree is not None:
             for arr in self._tree.arrays:
                 _rawio.flush_rows(arr, 0, len(arr))
-        self._write_manifest(store.generation + 1)  # the generation advances once it is written
-        store.generation += 1
-        store.committed = list(self._lanes)
+        self._write_manifest(ledger)  # the generation advances once it is written
+        store.ledger = ledger.committed_as(ledger.generation + 1)
         if self._tree is not None and self._tree_dirty:
             (self.path / "priority" / "DIRTY").unlink(missing_ok=True)
             self._tree_dirty = False
         zarr_view.publish(self.path, self.layout, store.committed, store.generation)  # live rows for Zarr readers
         return store.generation
 
-    def _write_manifest(self, generation: int) -> None:
-        """Replace ``manifest.json`` by this state as commit ``generation`` (a failed
+    def _write_manifest(self, ledger: Ledger) -> None:
+        """Replace ``manifest.json`` by ``ledger``'s lanes as its next commit (a failed
         attempt leaves no ``.partial`` behind: ``atomic_write_json``)."""
-        state = dataclasses.replace(self.store.manifest, generation=generation, lanes=tuple(self._lanes), attrs=self.store.attrs)
+        state = dataclasses.replace(
+            self.store.manifest, generation=ledger.generation + 1, lanes=ledger.lanes, attrs=self.store.attrs
+        )
         _files.atomic_write_json(self.path / fmt.MANIFEST, state.to_json())
 
     # -- priorities ------------------------------------------------------------------------
@@ -280,8 +283,9 @@ class Writer:
     def _live_rows(self, rows: np.ndarray, written_at: np.ndarray | None) -> np.ndarray:
         """Rows that still hold what was sampled when the lanes' cursors were ``written_at``."""
         lane = rows // self.lane_size
-        now = np.array([st.written for st in self._lanes], dtype=np.int64)
-        first = np.array([st.first_start for st in self._lanes], dtype=np.int64)
+        lanes = self.store.lanes
+        now = np.array([st.written for st in lanes], dtype=np.int64)
+        first = np.array([st.first_start for st in lanes], dtype=np.int64)
         snap = (now if written_at is None else np.asarray(written_at, dtype=np.int64))[lane]
         absolute = self.layout.absolute_at(rows, snap)  # the row's id then
         live: np.ndarray = (snap > 0) & (absolute >= first[lane]) & (absolute < now[lane])
@@ -315,7 +319,8 @@ class Writer:
         for lane, new in enumerate(lanes):
             at = index.slots(lane, self.lane_size, np.arange(new.ep_head, new.ep_tail, dtype=np.int64))
             self._ends[at] = ends[at]
-            self._lanes[lane] = new
+        before = self.store.ledger
+        self.store.ledger = Ledger(tuple(lanes), before.committed, before.generation)
         self.store.array("index/ends").flush(0, len(self._ends))  # commit flushes only new slots
         if self._tree is not None:
             self._mark_tree_dirty()
@@ -338,7 +343,7 @@ class Writer:
 
     def has_changes(self) -> bool:
         """Whether anything was extended or reprioritized since the last commit."""
-        return self._lanes != self.store.committed or (self._tree is not None and self._tree_dirty)
+        return self.store.ledger.has_changes or (self._tree is not None and self._tree_dirty)
 
     def _release_reservation(self) -> None:
         """Lower the reservation to the committed cursors on a clean close, never below
