@@ -79,7 +79,7 @@ class Buffer:
             self._adopt(source.open(self.lock))
         else:
             self._adopt(self._open_local(Path(path), mode))
-        self._sampler_cache: dict[Any, Any] = {}  # samplers' state derived from the index (slice counts)
+        self._sampler_state = samplers.SamplerState()  # what specs derive from the index (slice counts, epochs)
         self._sampled = SampledBatches()  # lane cursors of recent batches, for update_priorities
 
     def _open_local(self, path: Path, mode: str) -> Store:
@@ -204,7 +204,7 @@ class Buffer:
                 return False
             old = self._store
             self._adopt(new)
-            self._sampler_cache.clear()
+            self._sampler_state.clear()
             old.close()
             return True
 
@@ -332,7 +332,7 @@ class Buffer:
         data, rebuild the priority tree from its leaves, and commit; return the
         generation (``verify --repair``)."""
         generation = self._writing("verify --repair").rewrite_derived(ends, lanes)
-        self._sampler_cache.clear()  # slice counts came from the old index
+        self._sampler_state.clear()  # slice counts came from the old index
         return generation
 
     # -- closing -----------------------------------------------------------------------
@@ -421,7 +421,7 @@ class Buffer:
         n = check_int("n", n, 1)
         spec = self._route(samplers.resolve(sampler))
         spec.check(self)
-        return spec.plan(self, n, generator, self._sampler_cache)(np.arange(n))
+        return spec.plan(self, n, generator, self._sampler_state)(np.arange(n))
 
     def sample_indices(
         self,
@@ -458,7 +458,7 @@ class Buffer:
         names = resolve_keys(self._store, keys)
         spec = self._route(spec)
         spec.check(self)
-        return self.read_batch(spec.plan(self, n, generator, self._sampler_cache), n, names)
+        return self.read_batch(spec.plan(self, n, generator, self._sampler_state), n, names)
 
     # -- helpers -----------------------------------------------------------------------
     def read_batch(

@@ -258,7 +258,7 @@ def test_cached_counts_survive_growth_and_trimming(tmp_path, rng):
     buf = mb.create(tmp_path / "s", {"obs": ((), "float32")}, capacity=2 * 600, num_streams=2, next_keys=())
     L = 2
     g = torch.Generator().manual_seed(0)
-    spec, cache = mb.samplers.Slices(L), {}
+    spec, cache = mb.samplers.Slices(L), mb.samplers.SamplerState()
     for step in range(3000):
         n = int(rng.integers(1, 4))
         buf.extend({"obs": np.zeros(n, np.float32), "terminated": np.arange(n) == n - 1}, stream=step % 2)

@@ -58,7 +58,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import errors, samplers
+from .. import errors
 from .._disk.checks import check_int
 from .threads import POLL_S
 from .blocks import ALIGN, BlockLayout, PackedBatch, read_into
@@ -99,7 +99,7 @@ def check_processes(buf: Any, sampler: Sampler, processes: int, *, workers: int 
         raise errors.InvalidArgumentError(f"workers: expected None with processes={processes} (threads or processes, not both), got {workers!r}")
     if pin and (device is None or device.type != "cuda"):
         raise errors.InvalidArgumentError("pin_memory: expected False with processes (batches come back as copies; with device='cuda' the ring is page-locked), got True")
-    if isinstance(sampler, samplers.Epoch):
+    if sampler.stateful:
         raise errors.InvalidArgumentError(f"sampler: expected a random sampler with processes (an epoch is not split over processes here), got {sampler!r}")
     if not Path(str(buf.path)).is_dir():
         raise errors.InvalidArgumentError(f"processes: expected a buffer of a local store (the workers open its path), got path {str(buf.path)!r}")

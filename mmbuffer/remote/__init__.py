@@ -132,7 +132,7 @@ class RemoteSource:
     def route(self, spec: samplers.Sampler) -> samplers.Sampler:
         """``spec`` conditioned on the pool's blocks (``spec`` itself without a pool, and
         for the epoch sampler, which reads exactly)."""
-        if self.pool is None or isinstance(spec, (PooledSampler, samplers.Epoch)):
+        if self.pool is None or spec.stateful or isinstance(spec, PooledSampler):
             return spec
         return PooledSampler(spec, self.pool)
 

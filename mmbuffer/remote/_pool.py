@@ -43,7 +43,8 @@ import torch
 
 from .. import errors
 from .._disk.columns.remote import RemoteArray
-from ..samplers import Draw, Sampler
+from .._ledger.snapshot import Draw
+from ..samplers import Sampler, SamplerState
 from .._ledger.snapshot import View
 
 __all__ = ["ChunkPool", "PoolConfig", "PooledSampler"]
@@ -251,7 +252,7 @@ class PooledSampler(Sampler):
     def check(self, store: Any) -> None:
         self.inner.check(store)
 
-    def indices(self, snapshot: View, n: int, generator: torch.Generator | None, cache: dict[Any, Any]) -> Draw:
+    def indices(self, snapshot: View, n: int, generator: torch.Generator | None, state: SamplerState) -> Draw:
         self.pool.advance()
         frac = self.pool.fraction()
         rows_out, w_out, m_out = [], [], []
@@ -259,7 +260,7 @@ class PooledSampler(Sampler):
         written = None
         for _ in range(_MAX_ROUNDS):
             k = min(_MAX_DRAW, max(2 * need, math.ceil(need / max(frac, 1e-9) * 1.25) + 16))
-            rows, weights, mask, written = self.inner.indices(snapshot, k, generator, cache)
+            rows, weights, mask, written = self.inner.indices(snapshot, k, generator, state)
             keep = np.flatnonzero(self.pool.holds(rows.reshape(k, -1)).all(axis=1))[:need]
             rows_out.append(rows[keep])
             w_out.append(weights[keep])

@@ -11,14 +11,14 @@ PrioritizedSlices(slice_len=16, beta=0.4, strict=True)
 """
 
 from .._ledger.snapshot import Draw
-from .base import Sampler
+from .base import Sampler, SamplerState
 from .epoch import Epoch
 from .prioritized import Prioritized, PrioritizedSlices
 from .recent import Recent
 from .slices import Slices
 from .uniform import Uniform
 
-__all__ = ["Draw", "Epoch", "Prioritized", "PrioritizedSlices", "Recent", "Sampler", "Slices", "Uniform", "from_flags", "resolve"]
+__all__ = ["Draw", "Epoch", "SamplerState", "Prioritized", "PrioritizedSlices", "Recent", "Sampler", "Slices", "Uniform", "from_flags", "resolve"]
 
 
 def from_flags(

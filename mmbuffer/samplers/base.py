@@ -1,12 +1,15 @@
 """The sampler contract: a frozen spec that maps a snapshot to indices.
 
 A sampler is a value (a frozen dataclass: hashable, picklable, comparable) with one
-method, :meth:`Sampler.indices`, that maps ``(snapshot, n, generator, cache)`` to a
-:data:`Draw`: the rows to read, their importance weights, the slice mask and the
-lane cursors the rows were drawn against. It never reads column data. ``cache`` is
-a dict owned by the buffer, where a sampler keeps derived state between calls
-(slice counts, say) under a key of its own; the spec itself holds none, so one
-spec serves any number of buffers, threads and DataLoader workers.
+method, :meth:`Sampler.indices`, that maps ``(snapshot, n, generator, state)`` to a
+:class:`Draw`: the rows to read, their importance weights, the slice mask and the
+lane cursors the rows were drawn against. It never reads column data. ``state`` is a
+:class:`SamplerState` owned by the buffer, where specs keep what they derive between
+calls, each kind in a typed field of its own (slice counts, epoch cursors); the spec
+itself holds none, so one spec serves any number of buffers, threads and DataLoader
+workers. What a spec can do is said by attributes, never by its class: ``slices``,
+``prioritized`` (needs a priority tree), ``stateful`` (advances a cursor saved in the
+store: draws exactly, never through a remote pool, one stream per cursor).
 
 Adding a sampler is one file in this package and one line in ``__init__.py``.
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -27,6 +31,27 @@ import torch
 
 from .. import errors
 from .._ledger.snapshot import Draw, View
+from ._draw import SliceCounts
+
+
+@dataclass(slots=True)
+class SamplerState:
+    """What specs derive and keep between draws on one buffer, by kind.
+
+    ``slice_counts``: eligible window starts per ``(length, strict, per_episode)``;
+    ``epochs``: the cursor of each ``Epoch`` name (``samplers.epoch.EpochCursor``);
+    ``recent``: the state of a ``Recent`` wrapper's inner spec, per episode count (its
+    counts cover the recent episodes only, so they cannot be shared).
+    """
+
+    slice_counts: dict[tuple[int, bool, bool], SliceCounts] = field(default_factory=dict)
+    epochs: dict[str, Any] = field(default_factory=dict)
+    recent: dict[int, SamplerState] = field(default_factory=dict)
+
+    def clear(self) -> None:
+        """Forget what was derived from the index (after a repair or a new snapshot)."""
+        self.slice_counts.clear()
+        self.recent.clear()
 
 
 class Sampler(abc.ABC):
@@ -34,10 +59,16 @@ class Sampler(abc.ABC):
 
     #: ``[B, L]`` windows (True) or ``[B]`` transitions (False)
     slices: bool = False
+    #: rows per window (None for transitions)
+    slice_len: int | None = None
+    #: draws by priority: needs a store with a priority tree
+    prioritized: bool = False
+    #: advances a cursor kept in the store (an epoch): reads exactly, one cursor per name
+    stateful: bool = False
 
     @abc.abstractmethod
     def indices(
-        self, snapshot: View, n: int, generator: torch.Generator | None, cache: dict[Any, Any]
+        self, snapshot: View, n: int, generator: torch.Generator | None, state: SamplerState
     ) -> Draw:
         """``n`` items drawn from ``snapshot`` (see the module docstring)."""
 
@@ -46,7 +77,7 @@ class Sampler(abc.ABC):
         (called before drawing; the default accepts every store)."""
 
     def plan(
-        self, buf: Any, n: int, generator: torch.Generator | None, cache: dict[Any, Any]
+        self, buf: Any, n: int, generator: torch.Generator | None, state: SamplerState
     ) -> Callable[[np.ndarray], Draw]:
         """The draws of one batch of ``n`` items from ``buf`` (a ``Buffer``):
         ``draw(positions)`` gives the items at those batch positions, drawn against
@@ -56,7 +87,7 @@ class Sampler(abc.ABC):
         (``Epoch``) advances it here, once per batch."""
 
         def draw(positions: np.ndarray) -> Draw:
-            return self.indices(buf.view(), len(positions), generator, cache)
+            return self.indices(buf.view(), len(positions), generator, state)
 
         return draw
 

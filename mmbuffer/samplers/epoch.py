@@ -37,7 +37,7 @@ from .. import errors
 from .._disk.checks import check_int
 from .._ledger.snapshot import View
 from .._ledger.snapshot import Draw
-from .base import Sampler
+from .base import Sampler, SamplerState
 
 import mmbuffer.samplers._draw as sampling  # the algorithms (not "from .": that names the package)
 from .._disk import files as _files, safe_io as _safe_io
@@ -221,6 +221,7 @@ class Epoch(Sampler):
     seed: int = 0
     name: str = "default"
     shard: tuple[int, int] = (0, 1)
+    stateful = True
 
     def __post_init__(self) -> None:
         if self.slice_len is not None:
@@ -241,13 +242,12 @@ class Epoch(Sampler):
     def slices(self) -> bool:  # type: ignore[override]
         return self.slice_len is not None
 
-    def _cursor(self, root: Path | None, cache: dict[Any, Any]) -> Any:
+    def _cursor(self, root: Path | None, state: SamplerState) -> EpochCursor:
         """The buffer's cursor for this spec's state file (loaded from it once, when
         ``root`` is given); a spec that disagrees with it is refused."""
-        key = ("epoch", self.name)
-        cur = cache.get(key)
+        cur: EpochCursor | None = state.epochs.get(self.name)
         if cur is None:  # without a root: a fresh cursor that saves nothing
-            cur = cache[key] = EpochCursor(root, self.name, seed=self.seed, slice_len=self.slice_len, shard=self.shard)
+            cur = state.epochs[self.name] = EpochCursor(root, self.name, seed=self.seed, slice_len=self.slice_len, shard=self.shard)
         st = cur.state
         if (st.seed, st.slice_len, st.shard) != (self.seed, self.slice_len, self.shard):
             raise errors.InvalidArgumentError(
@@ -256,8 +256,8 @@ class Epoch(Sampler):
             )
         return cur
 
-    def plan(self, buf: Any, n: int, generator: torch.Generator | None, cache: dict[Any, Any]) -> Callable[[np.ndarray], Draw]:
-        cur = self._cursor(Path(buf.path), cache)
+    def plan(self, buf: Any, n: int, generator: torch.Generator | None, state: SamplerState) -> Callable[[np.ndarray], Draw]:
+        cur = self._cursor(Path(buf.path), state)
         ranks = cur.take(n, buf.view())
         cur.save()  # a failed save restores the position and raises: no item is skipped
 
@@ -268,10 +268,10 @@ class Epoch(Sampler):
 
         return draw
 
-    def indices(self, snapshot: View, n: int, generator: torch.Generator | None, cache: dict[Any, Any]) -> Draw:
-        """The next ``n`` items of ``snapshot`` by the position kept in ``cache``
+    def indices(self, snapshot: View, n: int, generator: torch.Generator | None, state: SamplerState) -> Draw:
+        """The next ``n`` items of ``snapshot`` by the position kept in ``state``
         (nothing is loaded or saved: ``buf.sample`` does that)."""
-        cur = self._cursor(None, cache)
+        cur = self._cursor(None, state)
         resolved: Draw = cur.resolve(snapshot, cur.take(n, snapshot))
         return resolved
 

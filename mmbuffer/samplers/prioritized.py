@@ -23,7 +23,7 @@ import mmbuffer.samplers._draw as sampling  # the algorithms (not "from .": that
 from .._disk.checks import check_int
 from .._ledger.snapshot import View
 from .._ledger.snapshot import Draw
-from .base import Sampler, check_beta, require_priorities, tree_of
+from .base import Sampler, SamplerState, check_beta, require_priorities, tree_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +31,7 @@ class Prioritized(Sampler):
     """Transitions with probability ``p_i / sum p`` over sampleable rows."""
 
     beta: float = 0.4
+    prioritized = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "beta", check_beta(self.beta))
@@ -38,7 +39,7 @@ class Prioritized(Sampler):
     def check(self, store: Any) -> None:
         require_priorities(store)
 
-    def indices(self, snapshot: View, n: int, generator: torch.Generator | None, cache: dict[Any, Any]) -> Draw:
+    def indices(self, snapshot: View, n: int, generator: torch.Generator | None, state: SamplerState) -> Draw:
         rows, weights = sampling.prioritized(snapshot, tree_of(snapshot), n, self.beta, generator)
         return Draw(rows, weights, None, snapshot.written)
 
@@ -54,6 +55,7 @@ class PrioritizedSlices(Sampler):
     beta: float = 0.4
     strict: bool = True
     slices = True
+    prioritized = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "slice_len", check_int("slice_len", self.slice_len, 1))
@@ -63,7 +65,7 @@ class PrioritizedSlices(Sampler):
     def check(self, store: Any) -> None:
         require_priorities(store)
 
-    def indices(self, snapshot: View, n: int, generator: torch.Generator | None, cache: dict[Any, Any]) -> Draw:
+    def indices(self, snapshot: View, n: int, generator: torch.Generator | None, state: SamplerState) -> Draw:
         starts, weights = sampling.prioritized(
             snapshot, tree_of(snapshot), n, self.beta, generator, slice_len=self.slice_len, strict=self.strict
         )

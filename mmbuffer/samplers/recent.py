@@ -27,9 +27,7 @@ from .._ledger import index
 from .._disk.checks import check_int
 from .._ledger.snapshot import View
 from .._ledger.snapshot import Draw
-from .base import Sampler
-from .epoch import Epoch
-from .prioritized import Prioritized, PrioritizedSlices
+from .base import Sampler, SamplerState
 from .uniform import Uniform
 
 
@@ -43,7 +41,7 @@ class Recent(Sampler):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "episodes", check_int("episodes", self.episodes, 1))
-        if not isinstance(self.sampler, Sampler) or isinstance(self.sampler, (Recent, Prioritized, PrioritizedSlices, Epoch)):
+        if not isinstance(self.sampler, Sampler) or isinstance(self.sampler, Recent) or self.sampler.prioritized or self.sampler.stateful:
             raise errors.InvalidArgumentError(
                 f"sampler: expected a uniform sampler (mb.samplers.Uniform() or Slices(...)), got {self.sampler!r}"
             )
@@ -55,7 +53,7 @@ class Recent(Sampler):
     def check(self, store: Any) -> None:
         self.sampler.check(store)
 
-    def indices(self, snapshot: View, n: int, generator: torch.Generator | None, cache: dict[Any, Any]) -> Draw:
+    def indices(self, snapshot: View, n: int, generator: torch.Generator | None, state: SamplerState) -> Draw:
         lanes = []
         for lane, lv in enumerate(snapshot.lanes):
             head = max(lv.ep_head, lv.ep_tail - self.episodes)
@@ -65,5 +63,5 @@ class Recent(Sampler):
             start = int(index.ends_at(snapshot.ends, lane, snapshot.lane_size, np.array([head - 1]))[0])
             lanes.append(replace(lv, ep_head=head, first_start=start))
         recent = replace(snapshot, lanes=tuple(lanes))
-        # counts of its own: a shared cache would be trimmed to the recent episodes
-        return self.sampler.indices(recent, n, generator, cache.setdefault(("recent", self.episodes), {}))
+        # state of its own: shared counts would be trimmed to the recent episodes
+        return self.sampler.indices(recent, n, generator, state.recent.setdefault(self.episodes, SamplerState()))

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -20,7 +19,7 @@ import mmbuffer.samplers._draw as sampling  # the algorithms (not "from .": that
 from .._disk.checks import check_int
 from .._ledger.snapshot import View
 from .._ledger.snapshot import Draw
-from .base import Sampler, ones
+from .base import Sampler, SamplerState, ones
 
 WEIGHTINGS = ("windows", "episodes")
 
@@ -47,18 +46,18 @@ class Slices(Sampler):
         if self.weighting not in WEIGHTINGS:
             raise errors.InvalidArgumentError(f"weighting: expected 'windows' or 'episodes', got {self.weighting!r}")
 
-    def indices(self, snapshot: View, n: int, generator: torch.Generator | None, cache: dict[Any, Any]) -> Draw:
-        rows, mask = sampling.slices(snapshot, slice_counts(cache, self.slice_len, self.strict, self.weighting), n, generator)
+    def indices(self, snapshot: View, n: int, generator: torch.Generator | None, state: SamplerState) -> Draw:
+        rows, mask = sampling.slices(snapshot, slice_counts(state, self.slice_len, self.strict, self.weighting), n, generator)
         return Draw(rows, ones(n), mask, snapshot.written)
 
 
-def slice_counts(cache: dict[Any, Any], slice_len: int, strict: bool, weighting: str) -> sampling.SliceCounts:
-    """The buffer's cached counts of eligible starts for these settings (non-strict
-    counts do not depend on the length: one cache serves every length)."""
+def slice_counts(state: SamplerState, slice_len: int, strict: bool, weighting: str) -> sampling.SliceCounts:
+    """The buffer's counts of eligible starts for these settings (non-strict counts do
+    not depend on the length: one entry serves every length)."""
     per_episode = weighting == "episodes"
-    key = ("slice_counts", slice_len if strict else 1, strict, per_episode)
-    counts = cache.get(key)
+    key = (slice_len if strict else 1, strict, per_episode)
+    counts = state.slice_counts.get(key)
     if counts is None:
-        counts = cache[key] = sampling.SliceCounts(slice_len, strict, per_episode)
+        counts = state.slice_counts[key] = sampling.SliceCounts(slice_len, strict, per_episode)
     counts.slice_len = slice_len
     return counts

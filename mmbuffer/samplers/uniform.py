@@ -10,14 +10,13 @@ torch.Size([4])
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 import mmbuffer.samplers._draw as sampling  # the algorithms (not "from .": that names the package)
 from .._ledger.snapshot import View
 from .._ledger.snapshot import Draw
-from .base import Sampler, ones
+from .base import Sampler, SamplerState, ones
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,5 +24,5 @@ class Uniform(Sampler):
     """Transitions drawn uniformly over the sampleable rows of every lane (complete
     episodes, and open episodes up to their last row with a known next value)."""
 
-    def indices(self, snapshot: View, n: int, generator: torch.Generator | None, cache: dict[Any, Any]) -> Draw:
+    def indices(self, snapshot: View, n: int, generator: torch.Generator | None, state: SamplerState) -> Draw:
         return Draw(sampling.uniform(snapshot, n, generator), ones(n), None, snapshot.written)

@@ -217,7 +217,7 @@ def to_tensordict(b: Batch, keymap: KeyMap, spec: samplers.Sampler, *, flatten: 
     for f in keymap.root_flags:
         out.set((f,), torch.zeros(fshape, dtype=torch.bool))
     out.set("index", b.indices)
-    if isinstance(spec, (samplers.Prioritized, samplers.PrioritizedSlices)):
+    if spec.prioritized:
         out.set(WEIGHT_KEY, b.weights[:, None].expand(shape).contiguous() if spec.slices else b.weights)
     if spec.slices and flatten:
         out = out.reshape(-1)

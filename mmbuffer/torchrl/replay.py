@@ -78,7 +78,7 @@ class ReplayBuffer:
         self._batch_size = _positive("batch_size", batch_size)
         self._capacity = _positive("capacity", capacity)
         self._num_streams = _positive("num_streams", num_streams)
-        prioritized = isinstance(self._sampler, (samplers.Prioritized, samplers.PrioritizedSlices))
+        prioritized = self._sampler.prioritized
         self._priorities = priorities if priorities is not None else (PriorityConfig() if prioritized else None)
         self.priority_key: Key = (priority_key,) if isinstance(priority_key, str) else tuple(priority_key)
         self.flatten_slices = bool(flatten_slices)
@@ -120,7 +120,7 @@ class ReplayBuffer:
         """Sample with ``sampler`` from now on (TorchRL's name for it)."""
         if not isinstance(sampler, samplers.Sampler):
             raise errors.InvalidArgumentError(f"sampler: expected an mb.samplers spec, got {sampler!r}")
-        prioritized = isinstance(sampler, (samplers.Prioritized, samplers.PrioritizedSlices))
+        prioritized = sampler.prioritized
         if prioritized and self._buf is not None and self._buf.priorities is None:
             raise errors.InvalidArgumentError(f"sampler: {sampler!r} needs priorities; the store at {self.path} has none")
         self._sampler = sampler
@@ -139,7 +139,7 @@ class ReplayBuffer:
                 raise errors.SchemaError(
                     f"capacity: expected the store's {buf.capacity} at {buf.path}, got {self._capacity}"
                 )
-            if isinstance(self._sampler, (samplers.Prioritized, samplers.PrioritizedSlices)) and buf.priorities is None:
+            if self._sampler.prioritized and buf.priorities is None:
                 raise errors.InvalidArgumentError(
                     f"sampler: {self._sampler!r} needs priorities; the store at {buf.path} has none"
                 )
@@ -287,7 +287,7 @@ class ReplayBuffer:
         buf, layout, spec = self.buffer, self._layout, self._sampler
         assert layout is not None
         items = size
-        if isinstance(spec, (samplers.Slices, samplers.PrioritizedSlices)):
+        if spec.slice_len is not None:
             length = spec.slice_len
             if size % length:
                 raise errors.InvalidArgumentError(
