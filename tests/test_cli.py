@@ -222,3 +222,19 @@ def test_the_lazy_namespace_pickles_by_name_like_a_module():
     assert type(mb) is types.ModuleType
     cloudpickle = pytest.importorskip("cloudpickle")
     assert cloudpickle.loads(cloudpickle.dumps(lambda: mb.create))() is mb.create
+
+
+def test_help_lists_exactly_the_registered_formats():
+    """``mmbuffer --help`` and ``convert --help`` name every format of the converter
+    registry and no other (the help is generated from it)."""
+    import re
+
+    from mmbuffer.convert.registry import READERS, WRITERS
+
+    top = _cli("-m", "mmbuffer", "--help").stdout
+    listed = {cmd: re.search(rf"{cmd}\s+.*?\(([^)]*)\)", top, re.S).group(1) for cmd in ("convert", "export")}
+    assert [f.strip() for f in " ".join(listed["convert"].split()).split(",")] == list(READERS)
+    assert [f.strip() for f in " ".join(listed["export"].split()).split(",")] == list(WRITERS)
+    usage = _cli("-m", "mmbuffer", "convert", "--help").stdout
+    choices = re.search(r"\{([^}]*)\}", usage).group(1).split(",")
+    assert choices == list(READERS)

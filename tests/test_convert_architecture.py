@@ -50,16 +50,21 @@ def test_no_convert_module_uses_another_modules_private_names():
 
 
 # -- one registry of formats ----------------------------------------------------------------
+TOY_CALLS: list = []
+
+
+def convert_toy(src, dst, **options):
+    """A format registered by the test below (the registry names functions by module)."""
+    TOY_CALLS.append((src, dst, options))
+    return {"rows": 0}
+
+
 def test_cli_and_convert_read_the_one_registry(tmp_path, monkeypatch, capsys):
     from mmbuffer.convert import registry as _formats
 
-    calls = []
-
-    def convert_toy(src, dst, **options):
-        calls.append((src, dst, options))
-        return {"rows": 0}
-
-    monkeypatch.setitem(_formats.READERS, "toy", _formats.Format("toy", convert_toy, "a toy format"))
+    calls = TOY_CALLS
+    calls.clear()
+    monkeypatch.setitem(_formats.READERS, "toy", _formats.Format("toy", __name__, "convert_toy", "a toy format"))
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     conv = sub.choices["convert"]
     choices = next(a for a in conv._actions if a.dest == "format").choices

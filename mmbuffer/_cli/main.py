@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .convert import add_subcommands as add_convert_subcommands
+
 
 def _disk_usage(path: Path) -> tuple[int, int]:
     """(allocated bytes, apparent bytes) of every file under ``path``."""
@@ -192,17 +194,10 @@ def _positive(text: str) -> int:
     return value
 
 
-_CONVERT_COMMANDS = {
-    "convert": "convert a dataset into a store (d4rl, minari, npz, torchrl, tdmpc2; see convert --help)",
-    "export": "write a store as a D4RL HDF5 file or a Minari dataset",
-    "copy": "re-encode a store (raw memory-mapped <-> zstd/lz4 archive)",
-}
-
-
-def build_parser(*, with_convert: bool = True) -> argparse.ArgumentParser:
-    """The ``mmbuffer`` parser. ``with_convert=False`` lists ``convert``, ``export``
-    and ``copy`` by name only: their parser needs ``mmbuffer.convert``, which
-    imports torch, and ``--help``, ``info`` and ``verify`` must start fast."""
+def build_parser() -> argparse.ArgumentParser:
+    """The ``mmbuffer`` parser. ``convert``, ``export`` and ``copy`` and their formats
+    come from the converter registry (``mmbuffer.convert.registry``), which imports no
+    reader: ``--help``, ``info`` and ``verify`` start without torch."""
     parser = argparse.ArgumentParser(
         prog="mmbuffer",
         description="On-disk, memory-mapped RL trajectory stores.",
@@ -222,13 +217,7 @@ def build_parser(*, with_convert: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--repair", action="store_true",
                    help="rebuild derived state from the data and commit (needs the writer lock)")
     p.set_defaults(func=_cmd_verify)
-    if with_convert:
-        from . import convert as convert_cli
-
-        convert_cli.add_subcommands(sub)  # convert, export, copy
-    else:
-        for name, text in _CONVERT_COMMANDS.items():
-            sub.add_parser(name, help=text, add_help=False)
+    add_convert_subcommands(sub)  # convert, export, copy
     p = sub.add_parser("demo", help="build, sample and reopen a store of generated trajectories",
                        description="The main job end to end on generated trajectories: write 4 streams, "
                        "sample transitions, slices and priorities, reopen read-only, verify.")
@@ -246,11 +235,6 @@ def build_parser(*, with_convert: bool = True) -> argparse.ArgumentParser:
     return parser
 
 
-def _command(argv: list[str]) -> str | None:
-    """The subcommand named in ``argv`` (the first word that is not an option)."""
-    return next((a for a in argv if not a.startswith("-")), None)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; return the exit status (KeyboardInterrupt: 130, a
     closed output pipe, as in ``mmbuffer info PATH | head``: 141, without a traceback)."""
@@ -258,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        args = build_parser(with_convert=_command(argv) in _CONVERT_COMMANDS).parse_args(argv)
+        args = build_parser().parse_args(argv)
         return int(args.func(args))
     except errors.MMBufferError as exc:
         print(f"mmbuffer: error: {exc}", file=sys.stderr)

@@ -74,61 +74,69 @@ Examples
 
 from __future__ import annotations
 
+import importlib
 import os
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidArgumentError
-from ._pipeline.publish import copy, copy_store, publish
-from .readers.d4rl import D4RLReader, convert_d4rl
-from .readers.diffusion import DiffusionPolicyReader, convert_diffusion_policy
-from .exporters.d4rl import export_d4rl
-from .exporters.diffusion import export_diffusion_policy
-from .exporters.minari import export_minari
 from .registry import READERS, WRITERS
-from .readers.lerobot import LeRobotReader, convert_lerobot
-from .readers.minari import MinariReader, convert_minari
-from .readers.npz import NpzReader, convert_npz
-from ._pipeline.reader import Chunk, ConversionWarning, Reader, Schema
-from .readers.tianshou import TianshouReader, convert_tianshou
-from .readers.tdmpc2 import TDMPC2Reader
-from .readers.torchrl import TorchRLReader, convert_torchrl
-from ._pipeline.write import write_store
 
-__all__ = [
-    "FORMATS",
-    "Chunk",
-    "ConversionWarning",
-    "D4RLReader",
-    "DiffusionPolicyReader",
-    "LeRobotReader",
-    "MinariReader",
-    "NpzReader",
-    "Reader",
-    "Schema",
-    "TDMPC2Reader",
-    "TianshouReader",
-    "TorchRLReader",
-    "convert",
-    "convert_d4rl",
-    "convert_diffusion_policy",
-    "convert_lerobot",
-    "convert_minari",
-    "convert_npz",
-    "convert_tianshou",
-    "convert_torchrl",
-    "copy",
-    "copy_store",
-    "publish",
-    "export",
-    "export_d4rl",
-    "export_diffusion_policy",
-    "export_minari",
-    "write_store",
-]
+if TYPE_CHECKING:
+    from ._pipeline.publish import copy as copy, copy_store as copy_store, publish as publish
+    from ._pipeline.reader import Chunk as Chunk, ConversionWarning as ConversionWarning, Reader as Reader, Schema as Schema
+    from ._pipeline.write import write_store as write_store
+    from .exporters.d4rl import export_d4rl as export_d4rl
+    from .exporters.diffusion import export_diffusion_policy as export_diffusion_policy
+    from .exporters.minari import export_minari as export_minari
+    from .readers.d4rl import D4RLReader as D4RLReader, convert_d4rl as convert_d4rl
+    from .readers.diffusion import DiffusionPolicyReader as DiffusionPolicyReader, convert_diffusion_policy as convert_diffusion_policy
+    from .readers.lerobot import LeRobotReader as LeRobotReader, convert_lerobot as convert_lerobot
+    from .readers.minari import MinariReader as MinariReader, convert_minari as convert_minari
+    from .readers.npz import NpzReader as NpzReader, convert_npz as convert_npz
+    from .readers.tdmpc2 import TDMPC2Reader as TDMPC2Reader
+    from .readers.tianshou import TianshouReader as TianshouReader, convert_tianshou as convert_tianshou
+    from .readers.torchrl import TorchRLReader as TorchRLReader, convert_torchrl as convert_torchrl
 
-#: ``convert`` format name -> converter (from the registry, :mod:`._formats`).
-FORMATS: dict[str, Callable[..., dict[str, Any]]] = {name: f.run for name, f in READERS.items()}
+# public name -> (module, attribute): the converters and exporters come from the registry,
+# the rest is listed here; each is imported on first use (PEP 562), as ``mmbuffer`` does
+_LAZY: dict[str, tuple[str, str]] = {
+    **{f.function: (f.module, f.function) for f in (*READERS.values(), *WRITERS.values())},
+    "copy": ("._pipeline.publish", "copy"),
+    "copy_store": ("._pipeline.publish", "copy_store"),
+    "publish": ("._pipeline.publish", "publish"),
+    "Chunk": ("._pipeline.reader", "Chunk"),
+    "ConversionWarning": ("._pipeline.reader", "ConversionWarning"),
+    "Reader": ("._pipeline.reader", "Reader"),
+    "Schema": ("._pipeline.reader", "Schema"),
+    "write_store": ("._pipeline.write", "write_store"),
+    "D4RLReader": (".readers.d4rl", "D4RLReader"),
+    "DiffusionPolicyReader": (".readers.diffusion", "DiffusionPolicyReader"),
+    "LeRobotReader": (".readers.lerobot", "LeRobotReader"),
+    "MinariReader": (".readers.minari", "MinariReader"),
+    "NpzReader": (".readers.npz", "NpzReader"),
+    "TDMPC2Reader": (".readers.tdmpc2", "TDMPC2Reader"),
+    "TianshouReader": (".readers.tianshou", "TianshouReader"),
+    "TorchRLReader": (".readers.torchrl", "TorchRLReader"),
+}
+
+__all__ = sorted({*_LAZY, "FORMATS", "convert", "export"})
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name on first use and keep it in the namespace."""
+    if name == "FORMATS":  # ``convert`` format name -> converter
+        value: Any = {n: f.run for n, f in READERS.items()}
+    elif name in _LAZY:
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module, __name__), attr)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
 
 
 def convert(

@@ -25,7 +25,6 @@ The module also holds the checksum and progress helpers the writers share.
 from __future__ import annotations
 
 import os
-import time
 import warnings
 import zlib
 from abc import ABC, abstractmethod
@@ -41,7 +40,6 @@ from .reader import ConversionWarning
 
 __all__ = [
     "SEGMENT_BYTES",
-    "ExportWriter",
     "Mismatch",
     "Writer",
     "as_bytes",
@@ -51,7 +49,6 @@ __all__ = [
     "progress_bar",
     "same_bytes",
     "write_and_verify",
-    "write_export",
 ]
 
 #: Rows written (or read) between two ``Buffer.release_memory`` calls: the pages
@@ -181,23 +178,3 @@ def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
         return False
     k = len(x) // 8 * 8  # eight bytes a comparison: about 10 GB/s
     return bool(np.array_equal(x[:k].view(np.uint64), y[:k].view(np.uint64)) and np.array_equal(x[k:], y[k:]))
-
-
-class ExportWriter(Writer):
-    """A :class:`Writer` of an export (D4RL, Minari, Diffusion Policy): its
-    :meth:`~Writer.write` fills :attr:`summary` (rows, episodes, checksums)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.summary: dict[str, Any] = {}
-
-
-def write_export(writer: ExportWriter, out: str | os.PathLike[str], *, overwrite: bool, verify: bool, started: float) -> dict[str, Any]:
-    """An exporter's frame: :func:`write_and_verify`, then the writer's summary with
-    ``verified`` and ``seconds`` (since ``started``, a ``time.perf_counter()`` taken
-    before the writer was built)."""
-    write_and_verify(writer, out, overwrite=overwrite, verify=verify)
-    summary = writer.summary
-    summary["verified"] = verify
-    summary["seconds"] = round(time.perf_counter() - started, 3)
-    return summary

@@ -22,10 +22,11 @@ import numpy as np
 from ...errors import ConversionError
 from ..readers.d4rl import D4RLReader
 from .._pipeline.flat import TAIL_ATTR
-from .._pipeline.frame import ExportWriter, crc_hex, crc_update, progress_bar, write_export
+from .._pipeline.export import ExportWriter, write_export
+from .._pipeline.frame import crc_hex, crc_update, progress_bar
 from .._pipeline.readback import check_reader
 from .._pipeline.reader import FLAGS, jsonable
-from .._pipeline.walk import OpenedStore, Plan, chunk_rows_for, data_columns, plan_episodes, walk
+from .._pipeline.walk import Plan, chunk_rows_for, data_columns, plan_episodes, walk
 
 __all__ = ["D4RLWriter", "export_d4rl"]
 
@@ -104,13 +105,8 @@ class D4RLWriter(ExportWriter):
 
     def __init__(self, store: Any, out: str | os.PathLike[str], *, next_observations: bool | None,
                  chunk_rows: int | None, progress: bool) -> None:
-        super().__init__()
-        self.opened = OpenedStore(store)
-        self.store = store
-        self.out_path = Path(out)
+        super().__init__(store, out, chunk_rows=chunk_rows, progress=progress)
         self.next_observations = next_observations
-        self.chunk_rows = chunk_rows
-        self.progress = progress
 
     def open(self) -> None:
         buf = self.buf = self.opened.open()

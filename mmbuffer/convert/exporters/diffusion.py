@@ -27,10 +27,11 @@ import numpy as np
 
 from ...errors import ConversionError, InvalidArgumentError
 from ..readers.diffusion import DiffusionPolicyReader
-from .._pipeline.frame import ExportWriter, crc_hex, crc_update, progress_bar, write_export
+from .._pipeline.export import ExportWriter, write_export
+from .._pipeline.frame import crc_hex, crc_update, progress_bar
 from .._pipeline.readback import check_reader
 from .._pipeline.reader import FLAGS, jsonable
-from .._pipeline.walk import OpenedStore, chunk_rows_for, data_columns, plan_episodes, walk
+from .._pipeline.walk import chunk_rows_for, data_columns, plan_episodes, walk
 
 __all__ = ["DiffusionPolicyWriter", "export_diffusion_policy"]
 
@@ -91,13 +92,8 @@ class DiffusionPolicyWriter(ExportWriter):
 
     def __init__(self, store: Any, out: str | os.PathLike[str], *, zarr_format: int, chunk_rows: int | None,
                  progress: bool) -> None:
-        super().__init__()
-        self.opened = OpenedStore(store)
-        self.store = store
-        self.out_path = Path(out)
+        super().__init__(store, out, chunk_rows=chunk_rows, progress=progress)
         self.zarr_format = zarr_format
-        self.chunk_rows = chunk_rows
-        self.progress = progress
 
     def open(self) -> None:
         buf = self.buf = self.opened.open()

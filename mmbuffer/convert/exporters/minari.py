@@ -20,12 +20,13 @@ from typing import Any
 import numpy as np
 
 from ...errors import ConversionError
-from .._pipeline.frame import ExportWriter, crc_hex, crc_update, progress_bar, write_export
+from .._pipeline.export import ExportWriter, write_export
+from .._pipeline.frame import crc_hex, crc_update, progress_bar
 from ..readers.minari import MinariReader
 from ..readers.minari_spaces import leaf_names, space_for
 from .._pipeline.readback import check_reader
 from .._pipeline.reader import FLAGS
-from .._pipeline.walk import OpenedStore, chunk_rows_for, data_columns, plan_episodes, walk
+from .._pipeline.walk import chunk_rows_for, data_columns, plan_episodes, walk
 
 __all__ = ["MinariWriter", "export_minari"]
 
@@ -73,13 +74,8 @@ class MinariWriter(ExportWriter):
 
     def __init__(self, store: Any, out: str | os.PathLike[str], *, dataset_id: str | None,
                  chunk_rows: int | None, progress: bool) -> None:
-        super().__init__()
-        self.opened = OpenedStore(store)
-        self.store = store
-        self.out_path = Path(out)
+        super().__init__(store, out, chunk_rows=chunk_rows, progress=progress)
         self.dataset_id = dataset_id
-        self.chunk_rows = chunk_rows
-        self.progress = progress
 
     def open(self) -> None:
         buf = self.buf = self.opened.open()
