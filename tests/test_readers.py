@@ -262,11 +262,11 @@ def run_race(path, laps: int, batches: int, readers: int, generations: int = 10)
     while the writer wrote); summed counts (``fewest_generations``: the fewest
     distinct commits one reader drew from)."""
     ctx = mp.get_context("spawn")
-    lane_size, streams = mb.open(path, mode="r").lane_size, mb.open(path, mode="r").num_streams
+    with mb.open(path, mode="r") as ro:
+        lane_size, streams, start = ro.lane_size, ro.num_streams, np.array(ro.view().written)
     out, stop = ctx.Queue(), ctx.Event()
     state = ctx.Array("q", WRITTEN + streams, lock=False)
     drawn, seen = ctx.Array("q", readers, lock=False), ctx.Array("q", readers, lock=False)
-    start = np.array(mb.open(path, mode="r").view().written)
     procs = [ctx.Process(target=_write_loop, args=(str(path), 7, stop, state, out))]
     procs += [ctx.Process(target=_read_loop, args=(str(path), 100 + i, stop, drawn, seen, i, out)) for i in range(readers)]
     for p in procs:
@@ -321,9 +321,8 @@ def test_concurrent_readers_see_no_overwritten_rows(tmp_path, priorities):
     assert r["fewest_generations"] >= 10  # each reader drew from commits the writer made during the race
     assert r["verified"] >= 4  # every 50 batches, each reader
     assert r["bad_rows"] == 0 and r["bad_batches"] == 0 and r["verify_failed"] == 0
-    reader = mb.open(tmp_path / "s", mode="r")
-    assert verify(reader)["ok"]
-    assert len(reader) > 0
+    with mb.open(tmp_path / "s", mode="r") as reader:
+        assert verify(reader)["ok"] and len(reader) > 0
 
 
 @pytest.mark.slow
@@ -374,7 +373,8 @@ def test_verify_after_a_writer_is_killed(tmp_path):
     trials, after_commit, mid_write, in_commit = 6, 0, 0, 0
     for trial in range(trials):
         state = ctx.Array("q", WRITTEN + 2, lock=False)
-        before = mb.open(tmp_path / "s", mode="r").generation
+        with mb.open(tmp_path / "s", mode="r") as ro:
+            before = ro.generation
         proc = ctx.Process(target=_write_forever, args=(str(tmp_path / "s"), trial, state))
         proc.start()
         deadline = time.monotonic() + HANG_S

@@ -477,7 +477,8 @@ def test_sigkill_at_any_instant_leaves_the_last_commit(tmp_path, priorities):
     after_commit = mid_write = 0
     for trial in range(KILL_TRIALS):
         report = tmp_path / f"report{trial}"
-        generation_before = mb.open(path, mode="r").generation
+        with mb.open(path, mode="r") as ro:
+            generation_before = ro.generation
         proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path), str(report)], stderr=subprocess.PIPE, text=True)
         try:
             deadline = time.monotonic() + HANG_S
@@ -511,7 +512,8 @@ def test_sigkill_at_any_instant_leaves_the_last_commit(tmp_path, priorities):
             report_ = verify(buf)
             assert report_["ok"], report_["problems"]
             assert buf.view().written.tolist() == committed  # recovery keeps the committed cursors
-        _check_committed_rows(_check_consistent(path))
+        with _check_consistent(path) as ro:
+            _check_committed_rows(ro)
     assert after_commit == KILL_TRIALS, f"{after_commit} of {KILL_TRIALS} kills landed after the child's first commit"
     assert mid_write >= 0.75 * KILL_TRIALS, f"only {mid_write} of {KILL_TRIALS} kills landed mid-write"
 
