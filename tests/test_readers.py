@@ -363,7 +363,8 @@ def test_verify_after_a_writer_is_killed(tmp_path):
     row no writer may have reached holds its encoding, and a new writer recovers.
 
     It asserts that all 6 kills landed after the child's first commit and at least 5
-    with rows extended since its last commit (mid-write); measured 6 of 6, 3 of them
+    mid-write, with rows extended since its last explicit commit (extend's own commits,
+    one per lane of rows, are not counted); measured 6 of 6, 3 of them
     inside ``commit`` itself (its fsyncs are much of the writer's time). Since the
     writer commits about every two laps, a kill often leaves no committed row out of
     the dead writer's reach (measured: 4 of 6 trials had rows left to check)."""
