@@ -275,7 +275,7 @@ def run_race(path, laps: int, batches: int, readers: int, generations: int = 10)
         deadline = time.monotonic() + HANG_S
         while True:
             # the writer's cursors as of its last commit (readers draw from commits)
-            lapped = int((np.array(state[WRITTEN:]) - start).min()) // lane_size
+            lapped = int((np.array(state[WRITTEN:]) - start).min()) // lane_size if state[COMMITS] else 0
             if lapped >= laps and min(drawn) >= batches and min(seen) >= generations:
                 break
             dead = [p.exitcode for p in procs if p.exitcode is not None]
@@ -285,8 +285,14 @@ def run_race(path, laps: int, batches: int, readers: int, generations: int = 10)
                 f"had lapped {lapped} of {laps} times and the readers drawn {list(drawn)} of {batches} batches "
                 f"from {list(seen)} of {generations} commits")
             time.sleep(0.05)
-    finally:
+    except BaseException:
         stop.set()
+        for p in procs:  # a failed race leaves no process behind
+            p.join(timeout=60)
+            p.kill()
+            p.join()
+        raise
+    stop.set()
     results = [out.get(timeout=300) for _ in procs]
     for p in procs:
         p.join(timeout=60)
@@ -378,14 +384,17 @@ def test_verify_after_a_writer_is_killed(tmp_path):
             before = ro.generation
         proc = ctx.Process(target=_write_forever, args=(str(tmp_path / "s"), trial, state))
         proc.start()
-        deadline = time.monotonic() + HANG_S
-        while state[COMMITS] == 0:  # the writer is live: it has committed once
-            assert proc.exitcode is None, f"the writer exited with {proc.exitcode} before its first commit"
-            assert time.monotonic() < deadline, f"hang: no commit in {HANG_S} s (a limit that only reports a hang)"
-            time.sleep(0.005)
-        time.sleep(float(rng.random()))  # 0-1 s: about 0-4 commits later
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.join()
+        try:
+            deadline = time.monotonic() + HANG_S
+            while state[COMMITS] == 0:  # the writer is live: it has committed once
+                assert proc.exitcode is None, f"the writer exited with {proc.exitcode} before its first commit"
+                assert time.monotonic() < deadline, f"hang: no commit in {HANG_S} s (a limit that only reports a hang)"
+                time.sleep(0.005)
+            time.sleep(float(rng.random()))  # 0-1 s: about 0-4 commits later
+            os.kill(proc.pid, signal.SIGKILL)
+        finally:
+            proc.kill()  # also when an assert above failed: never leave it writing
+            proc.join()
         assert proc.exitcode == -signal.SIGKILL  # it was still writing
         mid_write += state[UNCOMMITTED] > 0
         in_commit += state[IN_COMMIT]
