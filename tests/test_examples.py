@@ -1,9 +1,8 @@
-"""The examples run (``--quick``) and do what they say; README snippets execute.
+"""The examples run (``--quick``) and do what they say.
 
 Each example runs in a subprocess, in a temporary directory, and the test reads
-what it prints. The README's ```python blocks run in order in one fresh
-interpreter (one namespace, like a reader following the page), with line
-numbers that point into README.md.
+what it prints. The ```python blocks of README.md and docs/ run one by one,
+standalone, in tests/test_documented_examples.py.
 """
 
 import os
@@ -92,42 +91,6 @@ def test_online_sac_killed_and_resumed(tmp_path):
     assert int(_number(r"done rows=(\d+)", out)) == 1200
     with mb.open(store, mode="r") as ro:
         assert len(ro) == 1200 and ro.num_episodes == 6
-
-
-def _readme_script(text):
-    """The README's python blocks as one script whose line numbers match README.md."""
-    lines = text.splitlines()
-    out = [""] * len(lines)
-    blocks = 0
-    inside = False
-    for i, line in enumerate(lines):
-        fence = line.strip()
-        if not inside and re.fullmatch(r"```(python|py)\s*", fence):
-            inside, blocks = True, blocks + 1
-        elif inside and fence == "```":
-            inside = False
-        elif inside:
-            out[i] = line
-    return "\n".join(out) + "\n", blocks
-
-
-def test_readme_python_blocks_run(tmp_path):
-    readme = REPO / "README.md"
-    if not readme.exists():
-        pytest.skip("README.md does not exist yet")
-    source, blocks = _readme_script(readme.read_text())
-    if not blocks:
-        pytest.skip("README.md has no ```python blocks yet")
-    runner = tmp_path / "run_readme.py"
-    runner.write_text(
-        "import sys\n"
-        f"source = open({str(runner.with_suffix('.src'))!r}).read()\n"
-        f"exec(compile(source, {str(readme)!r}, 'exec'), {{'__name__': '__main__'}})\n"
-    )
-    runner.with_suffix(".src").write_text(source)
-    work = tmp_path / "cwd"
-    work.mkdir()
-    _run([runner], work, timeout=600)  # a failure shows the traceback, with README.md line numbers
 
 
 # -- documents and figures ---------------------------------------------------------------------

@@ -66,6 +66,25 @@ def use(path: Path, mode: str = "r") -> None:
             buf.sample_slices(4, 2, generator=torch.Generator().manual_seed(0))
 
 
+def intact(path: Path, mode: str = "r") -> None:
+    """The store ``make_store`` wrote reads back whole: 2 lanes of 6 rows, lane ``s``'s
+    ``x`` all ``s`` and ``a`` counting 0..5, episodes of 3 rows; and samples from it."""
+    use(path, mode)
+    lane_size = CAP // 2
+    with mb.open(path, mode=mode) as buf:
+        assert len(buf) == 12 and buf.num_episodes == 4
+        starts, lengths = buf.episodes()
+        assert starts.tolist() == [0, 3, lane_size, lane_size + 3] and lengths.tolist() == [3, 3, 3, 3]
+        for s in range(2):
+            got = buf.get(torch.arange(6) + s * lane_size, keys=["x", "a", "terminated", "next_x"])
+            assert (got["x"] == s).all() and got["a"].tolist() == list(range(6))
+            assert got["terminated"].tolist() == [False, False, True] * 2
+            assert (got["next_x"][[2, 5]] == 0).all()  # the final observations
+        b = buf.sample(8, generator=torch.Generator().manual_seed(0), keys=["x", "a"])
+        assert (b.data["x"][:, 0] == (b.indices // lane_size)).all()
+        assert (b.data["a"] == b.indices % lane_size).all()
+
+
 def refused(path: Path, mode: str = "r", error: type[Exception] = mb.errors.CorruptStoreError) -> str:
     """The message of the typed error opening (and using) the store gives; the store is unchanged."""
     before = tree_hash(path)
@@ -153,7 +172,7 @@ def test_compressed_column_codecs_are_those_mmbuffer_writes(tmp_path, codec):
 
 def test_compressed_store_still_opens(tmp_path):
     for compression in ("zstd", "lz4"):
-        use(make_store(tmp_path / compression, compression=compression))
+        intact(make_store(tmp_path / compression, compression=compression))
 
 
 # -- links and names ----------------------------------------------------------------------
@@ -220,7 +239,9 @@ def test_linked_directory_inside_the_store_is_refused(tmp_path):
 def test_store_reached_through_a_link_opens(tmp_path):
     path = make_store(tmp_path / "s")
     (tmp_path / "alias").symlink_to(path)
-    use(tmp_path / "alias", mode="a")
+    intact(tmp_path / "alias", mode="a")
+    (tmp_path / "alias").unlink()
+    intact(path)  # the writer through the link changed nothing it should not have
 
 
 def test_linked_chunk_of_a_compressed_column_is_refused(tmp_path):
