@@ -3,7 +3,7 @@
 One writer wraps a small two-lane ring (256 rows a lane) as fast as it can, with
 priorities, committing now and then; ``--readers`` processes refresh and sample
 uniform, slice, padded-slice and prioritized batches in turn and check every row
-against its encoding (``tests/test_readers.py``: each row names its stream,
+against its encoding (``tests/guarantees/test_readers.py``: each row names its stream,
 episode, step and absolute row; a wide second column is a function of that). A
 row counts as a violation if it was not in the commit the reader reads, sits at
 the wrong ring position, disagrees across columns, or breaks its slice's episode.

@@ -12,7 +12,7 @@ torch.Size([4, 2])
 
 Every name is imported on first use (PEP 562): ``import mmbuffer`` costs only
 ``errors``, so the command line's ``--help``, ``info`` and ``verify`` never import
-torch (tests/test_cli.py checks it). ``mb.create`` and friends are the same
+torch (tests/cli/test_cli.py checks it). ``mb.create`` and friends are the same
 objects however they are reached.
 """
 

@@ -8,7 +8,7 @@ GIL, so on two cores the threads really run side by side.
 
 The threading facts (workers and order, the buffer lock, priorities, shutdown, errors,
 devices, the GIL, processes, CPU threads) are in ``docs/design.md``, "The stream:
-threading facts" (``tests/test_stream.py`` tests them).
+threading facts" (``tests/feed/test_stream.py`` tests them).
 
 >>> import tempfile, numpy as np, torch, mmbuffer as mb
 >>> buf = mb.create(tempfile.mkdtemp() + "/s", {"obs": ((3,), "float32")}, capacity=100)

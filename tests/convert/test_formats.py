@@ -634,7 +634,7 @@ def collect_minari(tmp_path, monkeypatch, dataset_id: str, n_episodes: int, data
                     break
         collector.create_dataset(dataset_id=dataset_id, algorithm_name="random", author="t",
                                  author_email="t@x", code_permalink="x", description="test")
-        collector._tmp_dir.cleanup()  # noqa: SLF001 - see tests/test_convert.py::make_minari
+        collector._tmp_dir.cleanup()  # noqa: SLF001 - see tests/convert/test_convert.py::make_minari
         collector.env.close()
 
 

@@ -17,7 +17,7 @@ import zarr
 
 import mmbuffer as mb
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "format.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "format.md"
 
 
 def _recipe():

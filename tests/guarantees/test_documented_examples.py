@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 ILLUSTRATION = "<!-- illustration -->"
 HANG_S = 900  # only reports a hang; the slowest block takes well under a minute on an idle 2-core VM

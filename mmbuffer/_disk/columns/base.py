@@ -8,7 +8,7 @@ make a range durable, and drop this process's pages. ``RawArray`` (``raw.py``)
 memory-maps a file and writes large blocks with ``pwrite``; ``ZarrArray``
 (``compressed.py``) reads and writes compressed chunks through zarr-python; a
 later backend (object storage, a chunk pool) is one more file that passes the same
-conformance suite (``tests/test_columns.py``, zarr's ``StoreTests`` is the model).
+conformance suite (``tests/disk/test_columns.py``, zarr's ``StoreTests`` is the model).
 
 The index and the tree are updated in place by pure functions over numpy arrays:
 a backend whose bytes are mapped into the process exposes them with

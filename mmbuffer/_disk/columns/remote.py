@@ -12,7 +12,7 @@ would therefore read as zeros: after every fetch the backend calls ``alive()``,
 which raises if the snapshot is gone (``mmbuffer.remote``).
 
 Writable too (zarr writes whole chunks), so the conformance suite of
-``tests/test_columns.py`` runs on it; mmbuffer itself only reads remote columns.
+``tests/disk/test_columns.py`` runs on it; mmbuffer itself only reads remote columns.
 """
 
 from __future__ import annotations

@@ -487,7 +487,7 @@ def convert_minari(
     Examples
     --------
     ``convert_minari("~/.minari/datasets/D4RL/door/human-v2", "stores/door")``;
-    ``tests/test_convert.py`` runs it on datasets written by ``minari.DataCollector``.
+    ``tests/convert/test_convert.py`` runs it on datasets written by ``minari.DataCollector``.
     """
     from .._pipeline.dest import check_destination
 
