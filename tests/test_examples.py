@@ -2,7 +2,7 @@
 
 Each example runs in a subprocess, in a temporary directory, and the test reads
 what it prints. The ```python blocks of README.md and docs/ run one by one,
-standalone, in tests/test_documented_examples.py.
+standalone, in tests/guarantees/test_documented_examples.py.
 """
 
 import os

@@ -509,7 +509,7 @@ FUZZ = textwrap.dedent(
 def test_fuzzed_metadata_gives_typed_errors_only(tmp_path):
     base = make_store(tmp_path / "s", priorities=True)
     out = subprocess.run(
-        [sys.executable, "-c", FUZZ, str(base), str(Path(__file__).resolve().parents[1]), "150"]  # tests/: conftest,
+        [sys.executable, "-c", FUZZ, str(base), str(Path(__file__).resolve().parents[1]), "150"],  # tests/: conftest
         capture_output=True, text=True, timeout=600,
     )
     assert out.returncode == 0, f"exit {out.returncode}: {out.stdout[-3000:]} {out.stderr[-3000:]}"
