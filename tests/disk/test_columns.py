@@ -28,6 +28,12 @@ class ColumnTests:
     def open(self, root: Path, name: str, *, writable: bool, expect) -> ColumnArray:
         return open_array(root, name, compressed=self.compressed, writable=writable, expect=expect)
 
+    def zarr_array(self, root: Path, name: str, mode: str):
+        """The same array opened by zarr-python itself: the oracle the backend is checked against."""
+        import zarr
+
+        return zarr.open_array(str(root / name), mode=mode)
+
     @pytest.fixture(params=[((), "int64"), ((3,), "float32"), ((2, 5), "uint8"), ((), "bool")])
     def spec(self, request):
         return request.param
@@ -42,6 +48,43 @@ class ColumnTests:
     def values(col: ColumnArray, n: int, seed: int = 0) -> np.ndarray:
         rng = np.random.default_rng(seed)
         return (rng.integers(0, 200, size=(n, *col.row_shape)) % (2 if col.dtype == bool else 200)).astype(col.dtype)
+
+    # -- an independent oracle: the Zarr world writes and reads the same files -----------
+    def test_rows_written_by_zarr_read_back_through_the_backend(self, tmp_path, spec):
+        """zarr-python writes the array's files (not mmbuffer's code); the backend, opened
+        afterwards, reads exactly those rows."""
+        row_shape, dtype = spec
+        self.create(tmp_path, "z", row_shape, dtype)
+        rng = np.random.default_rng(7)
+        v = (rng.integers(0, 200, size=(123, *row_shape)) % (2 if dtype == "bool" else 200)).astype(dtype)
+        self.zarr_array(tmp_path, "z", "r+")[400:523] = v
+        col = self.open(tmp_path, "z", writable=False, expect=(ROWS, row_shape, np.dtype(dtype)))
+        np.testing.assert_array_equal(col.read_range(400, 523), v)
+        np.testing.assert_array_equal(col.read(np.array([522, 400, 460])), v[[122, 0, 60]])
+        assert not col.read_range(0, 400).any() and not col.read_range(523, ROWS).any()
+
+    def test_rows_written_by_the_backend_read_back_through_zarr(self, tmp_path, col, spec):
+        v = self.values(col, 200, seed=3)
+        col.write_range(17, v)
+        col.flush(17, 217)
+        col.close()
+        got = self.zarr_array(tmp_path, "c", "r")[:]
+        np.testing.assert_array_equal(got[17:217], v)
+        assert not got[:17].any() and not got[217:].any()
+
+    def test_writes_to_a_read_only_array_are_refused_typed_and_change_nothing(self, tmp_path, col, spec):
+        import mmbuffer as mb
+
+        v = self.values(col, 10, seed=4)
+        col.write_range(0, v)
+        col.flush(0, 10)
+        ro = self.open(tmp_path, "c", writable=False, expect=(ROWS, spec[0], np.dtype(spec[1])))
+        with pytest.raises(mb.errors.ReadOnlyError, match="write_range.*read-only"):
+            ro.write_range(0, np.zeros_like(v))
+        with pytest.raises(mb.errors.ReadOnlyError, match="write_at.*read-only"):
+            ro.write_at(np.array([1, 2]), np.zeros_like(v[:2]))
+        np.testing.assert_array_equal(self.open(tmp_path, "c", writable=False, expect=(ROWS, spec[0], np.dtype(spec[1])))
+                                      .read_range(0, 10), v)
 
     def test_shape_and_dtype(self, col, spec):
         assert col.shape == (ROWS, *spec[0]) and col.dtype == np.dtype(spec[1]) and len(col) == ROWS

@@ -271,6 +271,11 @@ class TestRemoteArray(ColumnTests):
     def open(self, root, name, *, writable, expect):
         return RemoteArray.open(self.url(root), name, writable=writable, expect=expect)
 
+    def zarr_array(self, root, name, mode):
+        import zarr
+
+        return zarr.open_array(f"{self.url(root)}/{name}", mode=mode)
+
     def test_is_remote(self, col):
         assert isinstance(col, RemoteArray) and col.mapped() is None
 

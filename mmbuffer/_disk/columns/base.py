@@ -19,8 +19,11 @@ where it can map them.
 from __future__ import annotations
 
 import abc
+from pathlib import Path
 
 import numpy as np
+
+from ... import errors
 
 
 class ColumnArray(abc.ABC):
@@ -28,6 +31,11 @@ class ColumnArray(abc.ABC):
 
     shape: tuple[int, ...]
     dtype: np.dtype
+
+    @staticmethod
+    def refuse_write(where: Path | str, what: str) -> None:
+        """The typed refusal of a write to an array opened read-only (nothing is written)."""
+        raise errors.ReadOnlyError(f"{where}: {what}: expected an array opened writable, got one opened read-only")
 
     def __len__(self) -> int:
         return self.shape[0]

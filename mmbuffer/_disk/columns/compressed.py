@@ -65,9 +65,13 @@ class ZarrArray(ColumnArray):
         return out
 
     def write_range(self, start: int, values: np.ndarray) -> None:
+        if self._array.read_only:
+            self.refuse_write(self._where, "write_range")
         self._array[start : start + len(values)] = values
 
     def write_at(self, rows: np.ndarray, values: np.ndarray) -> None:
+        if self._array.read_only:
+            self.refuse_write(self._where, "write_at")
         self._array.oindex[np.asarray(rows, dtype=np.int64)] = values
 
     def flush(self, start: int, stop: int) -> None:

@@ -50,12 +50,16 @@ class RawArray(ColumnArray):
         return out
 
     def write_range(self, start: int, values: np.ndarray) -> None:
+        if not self._mm.flags.writeable:
+            self.refuse_write(self._where or "raw array", "write_range")
         if self._fd is None:
             self._mm[start : start + len(values)] = values
         else:
             _rawio.write_rows(self._fd, self._mm, start, values)
 
     def write_at(self, rows: np.ndarray, values: np.ndarray) -> None:
+        if not self._mm.flags.writeable:
+            self.refuse_write(self._where or "raw array", "write_at")
         self._mm[rows] = values
 
     def flush(self, start: int, stop: int) -> None:

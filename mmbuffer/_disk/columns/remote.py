@@ -153,11 +153,15 @@ class RemoteArray(ColumnArray):
         return out
 
     def write_range(self, start: int, values: np.ndarray) -> None:
+        if self._array.read_only:
+            self.refuse_write(self._where, "write_range")
         with self._lock:
             self._cache.clear()
             self._array[start : start + len(values)] = values
 
     def write_at(self, rows: np.ndarray, values: np.ndarray) -> None:
+        if self._array.read_only:
+            self.refuse_write(self._where, "write_at")
         with self._lock:
             self._cache.clear()
             self._array.oindex[np.asarray(rows, dtype=np.int64)] = values
