@@ -18,7 +18,7 @@ side needs of a store.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
@@ -53,11 +53,11 @@ class Ledger:
 
     def with_lane(self, lane: int, state: Lane) -> Ledger:
         """This ledger with lane ``lane`` at ``state`` (not committed)."""
-        return replace(self, lanes=(*self.lanes[:lane], state, *self.lanes[lane + 1 :]))
+        return Ledger((*self.lanes[:lane], state, *self.lanes[lane + 1 :]), self.committed, self.generation)
 
     def committed_as(self, generation: int) -> Ledger:
         """This ledger once its lanes are committed as ``generation``."""
-        return replace(self, committed=self.lanes, generation=generation)
+        return Ledger(self.lanes, self.lanes, generation)
 
     @property
     def has_changes(self) -> bool:
