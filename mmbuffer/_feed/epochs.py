@@ -42,6 +42,8 @@ from .._disk import format as fmt
 from .._disk.checks import check_int
 from .._disk.guards import raise_typed
 from ..buffer import Buffer
+from .._read import frames
+from .._read.frames import Stacks
 from .._read.gather import Batch, resolve_keys
 from ..samplers import Draw
 from .._ledger.store import View
@@ -242,8 +244,10 @@ class EpochSampler:
         name: str = "default",
         shard: tuple[int, int] = (0, 1),
         keys: Iterable[str] | None = None,
+        stack: Stacks | None = None,
     ) -> None:
         self.buf = buf
+        self.stack = frames.for_store(stack, buf.store)
         self.batch_size = check_int("batch_size", batch_size, 1)
         self.slice_len = None if slice_len is None else check_int("slice_len", slice_len, 1)
         self._cursor = EpochCursor(Path(buf.path), name, seed=seed, slice_len=self.slice_len, shard=shard)
@@ -286,7 +290,7 @@ class EpochSampler:
     def _batch(self, ranks: np.ndarray) -> Batch:
         with self.buf.lock:
             # ranks resolve against the view of now: a reader re-reads overwritten items this way
-            return self.buf.read_batch(lambda p: self._cursor.resolve(self.buf.view(), ranks[p]), len(ranks), self.keys)
+            return self.buf.read_batch(lambda p: self._cursor.resolve(self.buf.view(), ranks[p]), len(ranks), self.keys, stack=self.stack)
 
 
 def _load_state(root: Path, rel: str) -> EpochState | None:
