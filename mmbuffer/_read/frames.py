@@ -57,7 +57,7 @@ from .. import errors
 from .._ledger import index
 from .._ledger.store import Store
 from ..samplers import Draw
-from .gather import gather
+from .gather import _RECYCLER, gather
 
 #: ``stack_pad`` values: repeat the episode's first frame, or zeros
 PADS = ("first", "zero")
@@ -113,19 +113,22 @@ class Stacks:
             if self.pad == "zero":
                 pad = want < low
                 if pad.any():
-                    where = torch.from_numpy(pad)
                     for value in got.values():
-                        value[where] = 0
+                        value.numpy()[pad] = 0
             stacks.update(got)
         for name, col in nexts.items():  # frames a-k+2 .. a, then the row's next frame
             frame = data.pop(name)
             stack = stacks[col]
-            target = out.get(name) if out is not None else None
-            if target is None or tuple(target.shape) != tuple(stack.shape) or target.dtype != stack.dtype:
-                target = torch.empty_like(stack)
-            k = stack.shape[rows.ndim]
-            target.narrow(rows.ndim, 0, k - 1).copy_(stack.narrow(rows.ndim, 1, k - 1))
-            target.select(rows.ndim, k - 1).copy_(frame)
+            caller = out.get(name) if out is not None else None
+            fits = (caller is not None and caller.device.type == "cpu" and caller.is_contiguous()
+                    and caller.shape == stack.shape and caller.dtype == stack.dtype)
+            target = caller if fits and caller is not None else _new_like(stack)  # recycled: fresh memory faults per page
+            k, m = stack.shape[rows.ndim], rows.size
+            dst = target.numpy().reshape(m, k, -1)  # numpy: one plain copy each, no torch threads
+            dst[:, : k - 1] = stack.numpy().reshape(m, k, -1)[:, 1:]
+            dst[:, k - 1] = frame.numpy().reshape(m, -1)
+            if caller is not None and target is not caller:
+                target = caller.copy_(target)
             data[name] = target
         kmax = max(sizes.values())
         first = np.maximum(absolute.reshape(items, -1)[:, 0] - (kmax - 1), start.reshape(items, -1)[:, 0])
@@ -196,6 +199,16 @@ def check(stack: Mapping[str, int] | None, stack_pad: str = "first", columns: It
 def for_store(stacks: Stacks | None, store: Any) -> Stacks | None:
     """``stacks`` with its column names checked against ``store``'s columns."""
     return None if stacks is None else check(dict(stacks.sizes), stacks.pad, store.columns)
+
+
+def _new_like(t: torch.Tensor) -> torch.Tensor:
+    """An uninitialized tensor of ``t``'s shape and dtype in memory recycled across
+    batches (``gather._RECYCLER``)."""
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return torch.empty_like(t)
+    block = _RECYCLER.block(nbytes)
+    return torch.from_numpy(block.view(t.numpy().dtype).reshape(tuple(t.shape)))
 
 
 def _subset(out: Mapping[str, torch.Tensor] | None, names: list[str]) -> dict[str, torch.Tensor] | None:
