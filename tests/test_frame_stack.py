@@ -320,3 +320,15 @@ def test_refusals(tmp_path):
     with pytest.raises(errors.InvalidArgumentError, match="got unknown 'pix'"):
         next(iter(mb.data.BufferDataset(tmp_path / "s", 4, stack={"pix": 2})))
     buf.close()
+
+
+def test_epoch_sampler(tmp_path):
+    buf, model = make(tmp_path, streams=2, capacity=2 * 29, rows=80, lengths=LENGTHS, seed=29)
+    seen = 0
+    for b in mb.EpochSampler(buf, 20, seed=1, name="stacks", stack={"pixels": 3}, stack_pad="zero"):
+        assert tuple(b["pixels"].shape[1:]) == (3, *FRAME)
+        seen += check_batch(buf, model, b, 3, "zero")
+    assert seen == int(samplers._draw.transition_counts(buf.view()).sum())  # every sampleable row once
+    with pytest.raises(errors.InvalidArgumentError, match="got unknown 'pix'"):
+        mb.EpochSampler(buf, 20, stack={"pix": 3})
+    buf.close()

@@ -29,7 +29,7 @@ for stores that are not written during the epoch (offline training).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
@@ -244,10 +244,11 @@ class EpochSampler:
         name: str = "default",
         shard: tuple[int, int] = (0, 1),
         keys: Iterable[str] | None = None,
-        stack: Stacks | None = None,
+        stack: Mapping[str, int] | Stacks | None = None,
+        stack_pad: str = "first",
     ) -> None:
         self.buf = buf
-        self.stack = frames.for_store(stack, buf.store)
+        self.stack = frames.check(stack, stack_pad, buf.store.columns)  # frame stacks, as Buffer.sample
         self.batch_size = check_int("batch_size", batch_size, 1)
         self.slice_len = None if slice_len is None else check_int("slice_len", slice_len, 1)
         self._cursor = EpochCursor(Path(buf.path), name, seed=seed, slice_len=self.slice_len, shard=shard)

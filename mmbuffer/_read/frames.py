@@ -161,7 +161,7 @@ def episode_starts(store: Store, rows: np.ndarray, written: np.ndarray) -> tuple
     return lane, absolute, start
 
 
-def check(stack: Mapping[str, int] | None, stack_pad: str = "first", columns: Iterable[str] | None = None) -> Stacks | None:
+def check(stack: Mapping[str, int] | Stacks | None, stack_pad: str = "first", columns: Iterable[str] | None = None) -> Stacks | None:
     """``stack``/``stack_pad`` checked (typed errors naming the argument, the expected and
     the received value); None when nothing is stacked. ``columns``: the stored
     column names (None: check the column names later, with the store).
@@ -177,8 +177,8 @@ def check(stack: Mapping[str, int] | None, stack_pad: str = "first", columns: It
         raise errors.InvalidArgumentError(f"stack_pad: expected one of {list(PADS)}, got {stack_pad!r}")
     if stack is None:
         return None
-    if isinstance(stack, Stacks):
-        return check(dict(stack.sizes), stack_pad, columns)
+    if isinstance(stack, Stacks):  # already checked: its own padding, its names against ``columns``
+        return check(dict(stack.sizes), stack.pad, columns)
     if not isinstance(stack, Mapping):
         raise errors.InvalidArgumentError(
             f"stack: expected a mapping column -> frames per stack ({{'pixels': 4}}), got {type(stack).__name__} {stack!r}"
@@ -197,8 +197,9 @@ def check(stack: Mapping[str, int] | None, stack_pad: str = "first", columns: It
 
 
 def for_store(stacks: Stacks | None, store: Any) -> Stacks | None:
-    """``stacks`` with its column names checked against ``store``'s columns."""
-    return None if stacks is None else check(dict(stacks.sizes), stacks.pad, store.columns)
+    """``stacks`` (checked without a store) with its column names checked against
+    ``store``'s columns."""
+    return None if stacks is None else check(stacks, stacks.pad, store.columns)
 
 
 def _new_like(t: torch.Tensor) -> torch.Tensor:
