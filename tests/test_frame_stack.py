@@ -332,3 +332,28 @@ def test_epoch_sampler(tmp_path):
     with pytest.raises(errors.InvalidArgumentError, match="got unknown 'pix'"):
         mb.EpochSampler(buf, 20, stack={"pix": 3})
     buf.close()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_stream_while_the_writer_wraps_the_ring(tmp_path, workers):
+    """Workers gather stacks while the training thread keeps extending (two workers
+    gather outside the lock and re-check at the earliest frame): every item must
+    still be the reference stack of the absolute row it read (``action`` holds it)."""
+    buf, model = make(tmp_path, streams=2, capacity=2 * 40, rows=60, lengths=LENGTHS, seed=31)
+    rng = np.random.default_rng(32)
+    checked = 0
+    with mb.stream(buf, 24, num_batches=40, workers=workers, prefetch=2, stack={"pixels": 4},
+                   generator=torch.Generator().manual_seed(7)) as s:
+        for b in s:
+            for lane in range(2):
+                model.write(buf, rng, lane, int(rng.integers(5, 30)), LENGTHS)
+            rows, action = b.indices.numpy(), b["action"].numpy()
+            for i, r in enumerate(rows):
+                lane = int(r) // buf.lane_size
+                want, want_next = model.stack(lane, int(action[i]), 4, "first")
+                np.testing.assert_array_equal(b["pixels"][i].numpy(), want)
+                np.testing.assert_array_equal(b["next_pixels"][i].numpy(), want_next)
+                checked += 1
+    assert checked == 40 * 24
+    assert all(len(f) > 4 * buf.lane_size for f in model.frames)  # the ring wrapped several times meanwhile
+    buf.close()
