@@ -57,7 +57,7 @@ from .. import errors
 from .._ledger import index
 from .._ledger.store import Store
 from ..samplers import Draw
-from .gather import _RECYCLER, gather
+from .gather import gather, recycled
 
 #: ``stack_pad`` values: repeat the episode's first frame, or zeros
 PADS = ("first", "zero")
@@ -122,7 +122,7 @@ class Stacks:
             caller = out.get(name) if out is not None else None
             fits = (caller is not None and caller.device.type == "cpu" and caller.is_contiguous()
                     and caller.shape == stack.shape and caller.dtype == stack.dtype)
-            target = caller if fits and caller is not None else _new_like(stack)  # recycled: fresh memory faults per page
+            target = caller if fits and caller is not None else recycled(tuple(stack.shape), stack.numpy().dtype)
             k, m = stack.shape[rows.ndim], rows.size
             dst = target.numpy().reshape(m, k, -1)  # numpy: one plain copy each, no torch threads
             dst[:, : k - 1] = stack.numpy().reshape(m, k, -1)[:, 1:]
@@ -200,16 +200,6 @@ def for_store(stacks: Stacks | None, store: Any) -> Stacks | None:
     """``stacks`` (checked without a store) with its column names checked against
     ``store``'s columns."""
     return None if stacks is None else check(stacks, stacks.pad, store.columns)
-
-
-def _new_like(t: torch.Tensor) -> torch.Tensor:
-    """An uninitialized tensor of ``t``'s shape and dtype in memory recycled across
-    batches (``gather._RECYCLER``)."""
-    nbytes = t.numel() * t.element_size()
-    if nbytes == 0:
-        return torch.empty_like(t)
-    block = _RECYCLER.block(nbytes)
-    return torch.from_numpy(block.view(t.numpy().dtype).reshape(tuple(t.shape)))
 
 
 def _subset(out: Mapping[str, torch.Tensor] | None, names: list[str]) -> dict[str, torch.Tensor] | None:
