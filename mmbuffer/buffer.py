@@ -43,6 +43,7 @@ from ._ledger.manifest import load_manifest
 from ._disk.columns import ColumnArray
 from ._read.gather import Batch, gather, resolve_keys
 from ._ledger.index import Lane
+from ._read import frames
 from ._read.batch import SampledBatches, read_batch
 from .samplers import Draw, Sampler
 from ._ledger.store import Column, Store, View, locked
@@ -370,6 +371,8 @@ class Buffer:
         beta: float = 0.4,
         keys: Iterable[str] | None = None,
         sampler: Sampler | None = None,
+        stack: Mapping[str, int] | None = None,
+        stack_pad: str = "first",
     ) -> Batch:
         """``batch_size`` items drawn by ``sampler`` (default: uniform transitions).
 
@@ -380,9 +383,14 @@ class Buffer:
         known next observation) equally likely. Prioritized: probability
         ``p_i / sum p`` with importance weights ``(N P(i))^-beta`` normalized by
         their maximum over live rows.
+
+        ``stack={"pixels": 4}``: ``data["pixels"]`` is ``[B, 4, ...]``, the frames of
+        the row's last 4 steps, oldest first, padded before the episode's first
+        step (``stack_pad="first"`` repeats its first frame, ``"zero"`` zeros), and
+        ``next_pixels`` the stack as of the next observation (``_read/frames.py``).
         """
         spec = samplers.resolve(sampler, prioritized=prioritized, beta=beta)
-        return self._draw(spec, check_int("batch_size", batch_size, 1), generator, keys)
+        return self._draw(spec, check_int("batch_size", batch_size, 1), generator, keys, stack, stack_pad)
 
     @locked
     def sample_slices(
@@ -396,6 +404,8 @@ class Buffer:
         beta: float = 0.4,
         weighting: str = "windows",
         keys: Iterable[str] | None = None,
+        stack: Mapping[str, int] | None = None,
+        stack_pad: str = "first",
     ) -> Batch:
         """``[num_slices, slice_len]`` windows of consecutive rows of one episode:
         ``sample(num_slices, sampler=samplers.Slices(slice_len, strict, weighting))``,
@@ -410,9 +420,10 @@ class Buffer:
         inside it (TorchRL's SliceSampler convention). ``prioritized=True``: a
         window's probability is proportional to the priority of its start row
         among valid starts (invalid starts have probability exactly 0).
+        ``stack``, ``stack_pad``: as in ``sample``; a stacked column is ``[B, L, k, ...]``.
         """
         spec = samplers.resolve(None, slice_len, prioritized=prioritized, beta=beta, strict=strict, weighting=weighting)
-        return self._draw(spec, check_int("num_slices", num_slices, 1), generator, keys)
+        return self._draw(spec, check_int("num_slices", num_slices, 1), generator, keys, stack, stack_pad)
 
     @locked
     def indices(self, sampler: Sampler, n: int, generator: torch.Generator | None = None) -> samplers.Draw:
@@ -454,11 +465,15 @@ class Buffer:
         assert mask is not None  # slices always have a mask
         return rows, weights, mask, written
 
-    def _draw(self, spec: Sampler, n: int, generator: torch.Generator | None, keys: Iterable[str] | None) -> Batch:
+    def _draw(
+        self, spec: Sampler, n: int, generator: torch.Generator | None, keys: Iterable[str] | None,
+        stack: Mapping[str, int] | None = None, stack_pad: str = "first",
+    ) -> Batch:
         names = resolve_keys(self._store, keys)
+        stacks = frames.check(stack, stack_pad, self._store.columns)
         spec = self._route(spec)
         spec.check(self)
-        return self.read_batch(spec.plan(self, n, generator, self._sampler_state), n, names)
+        return self.read_batch(spec.plan(self, n, generator, self._sampler_state), n, names, stack=stacks)
 
     # -- helpers -----------------------------------------------------------------------
     def read_batch(
@@ -469,6 +484,7 @@ class Buffer:
         *,
         out: Mapping[str, torch.Tensor] | None = None,
         recheck: bool | None = None,
+        stack: frames.Stacks | None = None,
     ) -> Batch:
         """Gather the rows that ``draw`` picks for batch positions ``arange(size)``.
 
@@ -481,8 +497,9 @@ class Buffer:
         gathers without holding the store's lock and re-checks the items as a
         reader does, also in the writer's process (``mb.stream``'s parallel
         workers: their gathers run beside each other and beside ``extend``).
+        ``stack``: frame stacks (``mmbuffer._read.frames``).
         """
-        batch = read_batch(self._store, draw, size, names, out=out, recheck=bool(recheck))
+        batch = read_batch(self._store, draw, size, names, out=out, recheck=bool(recheck), stack=stack)
         if self.priorities is not None:
             with self.lock:  # stream workers read batches concurrently
                 self._sampled.remember(batch.indices, batch.written_at)

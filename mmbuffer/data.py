@@ -52,7 +52,7 @@ True
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +65,7 @@ from ._disk.checks import check_int
 from ._feed.blocks import BlockLayout, PackedBatch, read_into
 from .buffer import Buffer
 from ._feed.epochs import EpochSampler
+from ._read import frames
 from ._read.gather import Batch, resolve_keys
 from .opening import open as open_store
 from .samplers import Sampler
@@ -116,6 +117,8 @@ class BufferDataset(IterableDataset[Batch]):
     rank, world_size:
         Override the ``torch.distributed`` rank and world size (default: from
         the initialized process group, else ``0`` and ``1``).
+    stack, stack_pad:
+        Frame stacks, as in ``Buffer.sample`` (``mmbuffer._read.frames``).
 
     Raises
     ------
@@ -146,6 +149,8 @@ class BufferDataset(IterableDataset[Batch]):
         cache_dir: str | os.PathLike[str] | None = None,
         storage_options: dict[str, Any] | None = None,
         pool: Any = "default",
+        stack: Mapping[str, int] | None = None,
+        stack_pad: str = "first",
     ) -> None:
         super().__init__()
         self.path = location(path)
@@ -153,6 +158,7 @@ class BufferDataset(IterableDataset[Batch]):
         self.batch_size = check_int("batch_size", batch_size, 1)
         self.slice_len = None if slice_len is None else check_int("slice_len", slice_len, 1)
         self.keys = None if keys is None else ([keys] if isinstance(keys, str) else list(keys))
+        self.stack = frames.check(stack, stack_pad)  # column names checked against the store when iterating
         self.epoch = bool(epoch)
         self.seed = check_int("seed", seed, 0)
         self.num_batches = None if num_batches is None else check_int("num_batches", num_batches, 0)
@@ -231,6 +237,7 @@ class BufferDataset(IterableDataset[Batch]):
 
     def _random(self, buf: Buffer, generator: torch.Generator, budget: int | None) -> Iterator[Batch]:
         names = resolve_keys(buf.store, self.keys)
+        stack = frames.for_store(self.stack, buf.store)
         self.sampler.check(buf)
         layout: BlockLayout | None = None
         n = 0
@@ -238,7 +245,7 @@ class BufferDataset(IterableDataset[Batch]):
             if self.refresh_every and n and n % self.refresh_every == 0:
                 buf.refresh()
             block = None if layout is None else layout.empty()
-            batch = read_into(buf, self.sampler, self.batch_size, names, generator, block=block, layout=layout)
+            batch = read_into(buf, self.sampler, self.batch_size, names, generator, block=block, layout=layout, stack=stack)
             if not isinstance(batch, PackedBatch):  # the first batch fixes the layout
                 own = BlockLayout.of(batch)
                 layout = layout or own
@@ -249,7 +256,7 @@ class BufferDataset(IterableDataset[Batch]):
     def _epoch(self, buf: Buffer, index: int, count: int, budget: int | None) -> Iterator[Batch]:
         sampler = EpochSampler(
             buf, self.batch_size, self.slice_len, seed=self.seed,
-            name=f"{self.name}-{index}of{count}", shard=(index, count), keys=self.keys,
+            name=f"{self.name}-{index}of{count}", shard=(index, count), keys=self.keys, stack=self.stack,
         )
         for n, batch in enumerate(sampler):
             if budget is not None and n >= budget:

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from .threads import POLL_S
+from .._read.frames import Stacks
 from .._read.gather import Batch
 from ..samplers import Draw, Sampler
 
@@ -223,6 +224,7 @@ def read_into(
     layout: BlockLayout | None = None,
     hold_lock: bool = True,
     first_draw: Callable[[], object] | None = None,
+    stack: Stacks | None = None,
 ) -> Batch:
     """Draw ``size`` items with ``sampler`` from ``buf`` and gather them.
 
@@ -235,7 +237,8 @@ def read_into(
     its batches there, so that numbers follow the generator's order).
     ``hold_lock=False`` gathers without holding the lock and has the buffer
     re-check every item against the writer afterwards (redrawing those it may have
-    overwritten), so several threads can gather at once.
+    overwritten), so several threads can gather at once. ``stack``: frame stacks
+    (``mmbuffer._read.frames``).
     """
     lock = buf.lock
     started = False
@@ -255,23 +258,26 @@ def read_into(
 
     out = None if block is None or layout is None else layout.views(block)
     try:
-        batch = _read(buf, draw, size, names, out, hold_lock)
+        batch = _read(buf, draw, size, names, out, hold_lock, stack)
     except _ShapeChanged as changed:
         replay: list[Draw] = [changed.drawn]
 
         def again(positions: np.ndarray) -> Draw:
             return replay.pop() if replay else draw(positions)
 
-        return _read(buf, again, size, names, None, hold_lock)
+        return _read(buf, again, size, names, None, hold_lock, stack)
     if out is None:
         return batch
     assert layout is not None and block is not None
     return layout.pack(batch, block, out)
 
 
-def _read(buf: Any, draw: Callable[[np.ndarray], Draw], size: int, names: list[str], out: dict[str, Any] | None, hold_lock: bool) -> Batch:
+def _read(
+    buf: Any, draw: Callable[[np.ndarray], Draw], size: int, names: list[str], out: dict[str, Any] | None, hold_lock: bool,
+    stack: Stacks | None = None,
+) -> Batch:
     data = None if out is None else out["data"]
     if hold_lock:
         with buf.lock:
-            return buf.read_batch(draw, size, names, out=data)  # type: ignore[no-any-return]
-    return buf.read_batch(draw, size, names, out=data, recheck=True)  # type: ignore[no-any-return]
+            return buf.read_batch(draw, size, names, out=data, stack=stack)  # type: ignore[no-any-return]
+    return buf.read_batch(draw, size, names, out=data, recheck=True, stack=stack)  # type: ignore[no-any-return]

@@ -28,12 +28,14 @@ for stores that are not written during the epoch (offline training).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
 
 from .._disk.checks import check_int
+from .._read import frames
+from .._read.frames import Stacks
 from .._read.gather import Batch, resolve_keys
 from ..buffer import Buffer
 from ..samplers.epoch import EpochCursor, shard_size
@@ -72,8 +74,11 @@ class EpochSampler:
         name: str = "default",
         shard: tuple[int, int] = (0, 1),
         keys: Iterable[str] | None = None,
+        stack: Mapping[str, int] | Stacks | None = None,
+        stack_pad: str = "first",
     ) -> None:
         self.buf = buf
+        self.stack = frames.check(stack, stack_pad, buf.store.columns)  # frame stacks, as Buffer.sample
         self.batch_size = check_int("batch_size", batch_size, 1)
         self.slice_len = None if slice_len is None else check_int("slice_len", slice_len, 1)
         self._cursor = EpochCursor(Path(buf.path), name, seed=seed, slice_len=self.slice_len, shard=shard)
@@ -116,4 +121,4 @@ class EpochSampler:
     def _batch(self, ranks: np.ndarray) -> Batch:
         with self.buf.lock:
             # ranks resolve against the view of now: a reader re-reads overwritten items this way
-            return self.buf.read_batch(lambda p: self._cursor.resolve(self.buf.view(), ranks[p]), len(ranks), self.keys)
+            return self.buf.read_batch(lambda p: self._cursor.resolve(self.buf.view(), ranks[p]), len(ranks), self.keys, stack=self.stack)

@@ -62,6 +62,7 @@ from .. import errors
 from .._disk.checks import check_int
 from .threads import POLL_S
 from .blocks import ALIGN, BlockLayout, PackedBatch, read_into
+from .._read.frames import Stacks
 from .._read.gather import Batch
 from ..samplers import Sampler
 
@@ -77,9 +78,9 @@ _SLOT = struct.Struct("<i")
 _BACK = struct.Struct("<iq")  # slot handed back, generation of the caller's buffer
 
 
-def layout_for(buf: Any, sampler: Sampler, size: int, names: list[str]) -> BlockLayout:
-    """The block layout of ``size``-item batches of ``names`` drawn with ``sampler``,
-    from the schema alone (no draw)."""
+def layout_for(buf: Any, sampler: Sampler, size: int, names: list[str], stack: Stacks | None = None) -> BlockLayout:
+    """The block layout of ``size``-item batches of ``names`` drawn with ``sampler``
+    (and frame stacks ``stack``), from the schema alone (no draw)."""
     inner: Any = getattr(sampler, "sampler", sampler)  # Recent wraps a sampler
     rows = (size, int(inner.slice_len)) if sampler.slices else (size,)
     columns = buf.store.columns
@@ -87,7 +88,8 @@ def layout_for(buf: Any, sampler: Sampler, size: int, names: list[str]) -> Block
     for name in names:
         col = columns[name.removeprefix("next_")]
         dtype = torch.from_numpy(np.empty(0, np.dtype(col.dtype))).dtype
-        data[name] = torch.empty((*rows, *col.shape), dtype=dtype)
+        shape = tuple(col.shape) if stack is None else stack.shape(name, tuple(col.shape))
+        data[name] = torch.empty((*rows, *shape), dtype=dtype)
     mask = torch.empty(rows, dtype=torch.bool) if sampler.slices else None
     return BlockLayout.of(Batch(data, torch.empty(rows, dtype=torch.int64), torch.empty(size, dtype=torch.float32), mask))
 
@@ -116,7 +118,7 @@ class ProcessRing:
 
     def __init__(
         self, buf: Any, sampler: Sampler, size: int, names: list[str], generator: torch.Generator | None,
-        *, processes: int, prefetch: int, limit: int | None, device: torch.device | None,
+        *, processes: int, prefetch: int, limit: int | None, device: torch.device | None, stack: Stacks | None = None,
     ) -> None:
         self.failed = False
         self._closed = True  # until start() has set everything up
@@ -125,7 +127,7 @@ class ProcessRing:
         self._cuda = device is not None and device.type == "cuda"
         self._limit = limit
         self._delivered = 0
-        self.layout = layout_for(buf, sampler, size, names)
+        self.layout = layout_for(buf, sampler, size, names, stack)
         lanes = len(buf.reservation())
         self._cursor_at = -(-self.layout.nbytes // ALIGN) * ALIGN
         self._lanes = lanes
@@ -135,7 +137,7 @@ class ProcessRing:
         base = int(torch.randint(0, 2**62, (1,), generator=generator).item())
         seeds = np.random.SeedSequence(base).spawn(processes)
         self._seeds = [int(s.generate_state(1, np.uint64)[0]) for s in seeds]
-        self._args = (str(buf.path), sampler, size, names, limit)
+        self._args = (str(buf.path), sampler, size, names, limit, stack)
         self._pending: deque[tuple[int, Any]] = deque()  # (slot, event) of copies in flight
         self._path: Path | None = None
         self._procs: list[Any] = []
@@ -191,13 +193,13 @@ class ProcessRing:
 
     def _spawn(self) -> None:
         ctx = _context()
-        path, sampler, size, names, limit = self._args
+        path, sampler, size, names, limit, stack = self._args
         for w in range(self._n):
             mine, theirs = ctx.Pipe()
             quota = None if limit is None else limit // self._n + (1 if w < limit % self._n else 0)
             slots = list(range(w * self._per, (w + 1) * self._per))
             spec = (path, sampler, size, names, self.layout, str(self._path), self._slot_bytes, self._cursor_at, self._lanes,
-                    slots, self._seeds[w], quota, int(self._buf.generation))
+                    slots, self._seeds[w], quota, int(self._buf.generation), stack)
             p = ctx.Process(target=_work, args=(spec, theirs), name=f"mmbuffer-stream-proc{w}", daemon=True)
             self._conns.append(mine)
             p.start()
@@ -337,7 +339,7 @@ def _context() -> Any:
 # -- the worker process ------------------------------------------------------------------------
 def _work(spec: tuple[Any, ...], conn: Any) -> None:
     """A worker: map the ring, open the store, fill free slots until the pipe closes."""
-    (path, sampler, size, names, layout, ring, slot_bytes, cursor_at, lanes, slots, seed, quota, generation) = spec
+    (path, sampler, size, names, layout, ring, slot_bytes, cursor_at, lanes, slots, seed, quota, generation, stack) = spec
     torch.set_num_threads(1)
     try:
         from ..opening import open as open_store
@@ -364,7 +366,7 @@ def _work(spec: tuple[Any, ...], conn: Any) -> None:
                 buf.refresh()
             slot = free.popleft()
             if first:  # check the layout computed from the schema against a real batch
-                batch = read_into(buf, sampler, size, names, g)
+                batch = read_into(buf, sampler, size, names, g, stack=stack)
                 if not layout.matches(batch):
                     raise errors.InvalidArgumentError(
                         f"processes: expected batches of layout {layout.entries}, got {BlockLayout.of(batch).entries}"
@@ -372,7 +374,7 @@ def _work(spec: tuple[Any, ...], conn: Any) -> None:
                 layout.pack(batch, blocks[slot])
                 first = False
             else:
-                batch = read_into(buf, sampler, size, names, g, block=blocks[slot], layout=layout)
+                batch = read_into(buf, sampler, size, names, g, block=blocks[slot], layout=layout, stack=stack)
                 if not isinstance(batch, PackedBatch):
                     raise errors.InvalidArgumentError(f"processes: expected items of shape {layout.rows_shape}, got {tuple(batch.indices.shape)}")
             cursors[slot][:] = batch.written_at

@@ -27,7 +27,7 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Self
 
 import torch
@@ -37,6 +37,8 @@ from .._disk.checks import check_int
 from .processes import ProcessRing, check_processes
 from .threads import Pool
 from .blocks import BlockLayout, PackedBatch, Ring, read_into
+from .._read import frames
+from .._read.frames import Stacks
 from .._read.gather import Batch, resolve_keys
 from ..samplers import Sampler
 
@@ -170,6 +172,8 @@ def stream(
     switch_interval: float | None = 5e-4,
     workers: int | None = None,
     processes: int | None = None,
+    stack: Mapping[str, int] | None = None,
+    stack_pad: str = "first",
 ) -> Stream:
     """Sample and gather batches on a background thread, ``prefetch`` ahead.
 
@@ -217,6 +221,8 @@ def stream(
         Make batches in that many worker processes instead of threads (see
         "Processes" in the module docstring); leave ``workers`` and
         ``pin_memory`` unset.
+    stack, stack_pad:
+        Frame stacks, as in ``Buffer.sample`` (``mmbuffer._read.frames``).
 
     Returns
     -------
@@ -255,6 +261,7 @@ def stream(
     if switch_interval is not None and not (isinstance(switch_interval, (int, float)) and 0 < switch_interval):
         raise errors.InvalidArgumentError(f"switch_interval: expected seconds > 0 or None, got {switch_interval!r}")
     names = resolve_keys(buf, keys)
+    stacks = frames.check(stack, stack_pad, buf.columns)
     dev = None if device is None else torch.device(device)
     if dev is not None and dev.type == "cuda":
         if not torch.cuda.is_available():
@@ -275,9 +282,10 @@ def stream(
         workers = 2 if dev is not None and dev.type == "cuda" else 1
     workers = check_int("workers", workers, 1)
     if processes is not None:
-        ring = ProcessRing(buf, sampler, batch_size, names, generator, processes=processes, prefetch=prefetch, limit=num_batches, device=dev)
+        ring = ProcessRing(buf, sampler, batch_size, names, generator, processes=processes, prefetch=prefetch, limit=num_batches, device=dev,
+                           stack=stacks)
         return Stream(ring, device=dev)  # no threads here: the switch interval stays as it is
-    maker = _Maker(buf, sampler, batch_size, names, generator, workers=workers, pin=pin_memory, device=dev)
+    maker = _Maker(buf, sampler, batch_size, names, generator, workers=workers, pin=pin_memory, device=dev, stack=stacks)
     pool: Pool[tuple[Batch, Any]] = Pool(maker, workers=workers, depth=prefetch + 1, limit=num_batches, name="mmbuffer-stream")
     return Stream(pool, device=dev, switch_interval=switch_interval)
 
@@ -297,9 +305,10 @@ class _Maker:
 
     def __init__(
         self, buf: Any, sampler: Sampler, size: int, names: list[str], generator: torch.Generator | None,
-        *, workers: int, pin: bool, device: torch.device | None,
+        *, workers: int, pin: bool, device: torch.device | None, stack: Stacks | None = None,
     ) -> None:
         self.buf = buf
+        self.stack = stack
         self.sampler = sampler
         self.size = size
         self.names = names
@@ -334,7 +343,7 @@ class _Maker:
     def _read(self, ticket: Callable[[], int], block: torch.Tensor | None) -> Batch:
         return read_into(
             self.buf, self.sampler, self.size, self.names, self.generator,
-            block=block, layout=self.layout, hold_lock=self.hold_lock, first_draw=ticket,
+            block=block, layout=self.layout, hold_lock=self.hold_lock, first_draw=ticket, stack=self.stack,
         )
 
     def _packed(self, batch: Batch) -> PackedBatch:

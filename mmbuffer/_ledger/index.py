@@ -125,6 +125,26 @@ def containing_end(
     return out
 
 
+def containing_start(ends: np.ndarray, lane: int, lane_size: int, state: Lane, rows: np.ndarray) -> np.ndarray:
+    """Absolute start of the episode (live complete, or the open one) holding each
+    absolute row ``rows`` of a lane: the last episode end at or before the row, or
+    ``state.first_start``. O(len(rows) * log(episodes)), no copy of the ring.
+
+    >>> ends = np.zeros(2 * 8, dtype=np.int64)
+    >>> lane = append(ends, 0, 8, Lane(), rows=6, done=np.array([1, 0, 0, 1, 0, 0], bool))
+    >>> containing_start(ends, 0, 8, lane, np.array([0, 1, 3, 4, 5])).tolist()
+    [0, 1, 1, 4, 4]
+    """
+    rows = np.asarray(rows, dtype=np.int64)
+    out = np.full(rows.shape, state.first_start, dtype=np.int64)
+    for a, b in slot_ranges(lane, lane_size, state.ep_head, state.ep_tail):
+        seg = ends[a:b]  # sorted: ends of consecutive episodes
+        i = np.searchsorted(seg, rows, side="right")
+        hit = i > 0
+        np.maximum(out, np.where(hit, seg[np.maximum(i - 1, 0)], out), out=out)
+    return out
+
+
 def episode_starts(ends: np.ndarray, lane: int, lane_size: int, state: Lane, lo: int, hi: int) -> np.ndarray:
     """Absolute starts of live episodes ``lo <= seq < hi`` (``lo >= ep_head``)."""
     prev = episode_ends(ends, lane, lane_size, max(lo - 1, state.ep_head), hi - 1)

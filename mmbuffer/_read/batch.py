@@ -19,6 +19,7 @@ import torch
 from .._ledger.snapshot import Draw
 from .._ledger.store import Store
 from .gather import Batch
+from .frames import Stacks
 from .recheck import read_checked
 
 __all__ = ["SampledBatches", "read_batch"]
@@ -32,18 +33,20 @@ def read_batch(
     *,
     out: Mapping[str, torch.Tensor] | None = None,
     recheck: bool = False,
+    stack: Stacks | None = None,
 ) -> Batch:
     """Gather the rows that ``draw`` picks for batch positions ``arange(size)`` from ``store``.
 
     Under the store's lock unless ``recheck``: then the gather runs beside the writer
     and every item is re-checked against its reservation afterwards, as a reader's
-    always are (``recheck.py``). Padded window positions read as zeros.
+    always are (``recheck.py``). Padded window positions read as zeros. ``stack``: frame
+    stacks (``frames.py``).
     """
     if recheck:
-        data, (rows, weights, mask, written) = read_checked(store, draw, size, names, out=out, recheck=True)
+        data, (rows, weights, mask, written) = read_checked(store, draw, size, names, out=out, recheck=True, stack=stack)
     else:
         with store.lock:
-            data, (rows, weights, mask, written) = read_checked(store, draw, size, names, out=out)
+            data, (rows, weights, mask, written) = read_checked(store, draw, size, names, out=out, stack=stack)
     mask_t = None
     if mask is not None:
         mask_t = torch.from_numpy(mask)

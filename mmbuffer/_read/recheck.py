@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from .. import errors
+from .frames import Stacks
 from .gather import gather
 from .._ledger.layout import Layout
 from .._ledger.snapshot import Draw
@@ -36,6 +37,7 @@ def read_checked(
     *,
     out: Mapping[str, torch.Tensor] | None = None,
     recheck: bool | None = None,
+    stack: Stacks | None = None,
 ) -> tuple[dict[str, torch.Tensor], Draw]:
     """Gather the rows that ``draw`` picks for batch positions ``arange(size)``; return
     the data and the draw (with the redrawn items in place).
@@ -45,20 +47,19 @@ def read_checked(
     re-checked as the module docstring says (``recheck=True``: a writer's too, for
     callers that gather without the store's lock); ``out``: caller tensors the
     columns are gathered into; ``EmptyBufferError`` when the writer
-    laps a lane faster than ``MAX_REREADS`` draws in a row can be read.
+    laps a lane faster than ``MAX_REREADS`` draws in a row can be read. ``stack``:
+    frame stacks (``frames.py``); an item is then checked at its earliest frame.
     """
-    rows, weights, mask, written = draw(np.arange(size))
-    data = gather(store, rows, names, out)
+    (rows, weights, mask, written), data, first = _read(store, draw, np.arange(size), names, out, stack)
     if store.mode == "r" if recheck is None else recheck:
         layout = store.layout
-        cursors = written[layout.lane(first_rows(rows, size))]
+        cursors = written[layout.lane(first)]
         for _ in range(MAX_REREADS):
-            bad = np.flatnonzero(overwritten(layout, rows, cursors, store.reservation()))
+            bad = np.flatnonzero(overwritten(layout, first, cursors, store.reservation()))
             if bad.size == 0:
                 break
-            r, w, m, wr = draw(bad)
-            fresh = gather(store, r, names)
-            rows[bad], weights[bad], cursors[bad] = r, w, wr[layout.lane(first_rows(r, bad.size))]
+            (r, w, m, wr), fresh, f = _read(store, draw, bad, names, None, stack)
+            rows[bad], weights[bad], first[bad], cursors[bad] = r, w, f, wr[layout.lane(f)]
             if mask is not None and m is not None:
                 mask[bad] = m
             for name, value in data.items():
@@ -69,6 +70,18 @@ def read_checked(
                 f"in {MAX_REREADS} draws in a row (the writer laps this lane faster than a batch is read)"
             )
     return data, Draw(rows, weights, mask, written)
+
+
+def _read(
+    store: Store, draw: Callable[[np.ndarray], Draw], positions: np.ndarray, names: list[str],
+    out: Mapping[str, torch.Tensor] | None, stack: Stacks | None,
+) -> tuple[Draw, dict[str, torch.Tensor], np.ndarray]:
+    """The items at batch ``positions``: their draw, data and the row each is checked at
+    (its first row; with ``stack``, the earliest frame it reads)."""
+    if stack is not None:
+        return stack.read(store, draw, positions, names, out)
+    drawn = draw(positions)
+    return drawn, gather(store, drawn[0], names, out), first_rows(drawn[0], len(positions)).copy()
 
 
 def first_rows(rows: np.ndarray, items: int) -> np.ndarray:
