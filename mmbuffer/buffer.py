@@ -434,30 +434,16 @@ class Buffer:
         spec.check(self)
         return spec.plan(self, n, generator, self._sampler_state)(np.arange(n))
 
-    def sample_indices(
-        self,
-        batch_size: int,
-        generator: torch.Generator | None = None,
-        *,
-        prioritized: bool = False,
-        beta: float = 0.4,
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def sample_indices(self, batch_size: int, generator: torch.Generator | None = None, *, prioritized: bool = False,
+                       beta: float = 0.4) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The index half of ``sample``: ``(rows [B], weights [B], lane cursors)``."""
         spec = samplers.resolve(None, prioritized=prioritized, beta=beta)
         rows, weights, _, written = self.indices(spec, check_int("batch_size", batch_size, 1), generator)
         return rows, weights, written
 
-    def slice_indices(
-        self,
-        num_slices: int,
-        slice_len: int,
-        strict: bool = True,
-        generator: torch.Generator | None = None,
-        *,
-        prioritized: bool = False,
-        beta: float = 0.4,
-        weighting: str = "windows",
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def slice_indices(self, num_slices: int, slice_len: int, strict: bool = True, generator: torch.Generator | None = None,
+                      *, prioritized: bool = False, beta: float = 0.4, weighting: str = "windows",
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The index half of ``sample_slices``: ``(rows [B, L], weights [B], mask [B, L],
         lane cursors)``."""
         spec = samplers.resolve(None, slice_len, prioritized=prioritized, beta=beta, strict=strict, weighting=weighting)
