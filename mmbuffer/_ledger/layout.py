@@ -90,3 +90,21 @@ class Layout:
             out.append((lane * n + p, lane * n + p + k))
             lo += k
         return out
+
+    def ranges(self, lane: int, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`segments` for many ranges at once: global ``[starts, stops)`` holding
+        absolute rows ``[lo[i], hi[i])`` of a lane (each at most a lap long); a range the
+        seam cuts gives two, the wrapped tails after all the heads.
+
+        >>> [a.tolist() for a in Layout(20, 2).ranges(1, np.array([3, 8]), np.array([6, 12]))]
+        [[13, 18, 10], [16, 20, 12]]
+        """
+        n = self.lane_size
+        lo, hi = np.asarray(lo, dtype=np.int64), np.asarray(hi, dtype=np.int64)
+        pos = lo % n
+        end = pos + (hi - lo)
+        wraps = end > n
+        base = lane * n
+        starts = np.concatenate([base + pos, np.full(int(wraps.sum()), base, np.int64)])
+        stops = np.concatenate([base + np.minimum(end, n), base + end[wraps] - n])
+        return starts, stops

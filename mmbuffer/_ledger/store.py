@@ -209,7 +209,7 @@ class Store:
         for lane, lv in enumerate(view.lanes):
             st = Lane(int(view.written[lane]), lv.ep_head, lv.ep_tail, lv.first_start)
             s, n = index.starts_lengths(self.ends, lane, self.lane_size, st)
-            starts.append(lane * self.lane_size + s % self.lane_size)
+            starts.append(self.layout.rows(lane, s))
             lengths.append(n)
         return np.concatenate(starts), np.concatenate(lengths)
 

@@ -88,16 +88,10 @@ def _read(store: Store, view: View, start: int, length: int, keys: list[str] | N
     layout = store.layout
     lane = start // layout.lane_size
     with store.lock:
-        data = gather(store, _rows(layout.lane_size, start, length), keys)
+        data = gather(store, layout.rows(lane, start + np.arange(length, dtype=np.int64)), keys)
     if store.mode == "r":
         first = int(layout.absolute_at(np.array([start]), np.array([view.written[lane]]))[0])
         if first < int(store.reservation()[lane]) - layout.lane_size:
             return None
     return data
 
-
-def _rows(lane_size: int, start: int, length: int) -> np.ndarray:
-    """Global rows ``start, start + 1, ...`` wrapping inside ``start``'s lane."""
-    base = start // lane_size * lane_size
-    out: np.ndarray = base + (start - base + np.arange(length, dtype=np.int64)) % lane_size
-    return out

@@ -315,14 +315,10 @@ def valid_ranges(view: View, slice_len: int | None, strict: bool) -> tuple[np.nd
             starts, lengths = index.starts_lengths(view.ends, lane, size, st)
             s = np.append(starts, lv.open_start).astype(np.int64)
             e = np.append(starts + lengths, lv.visible_end).astype(np.int64) - (slice_len - 1)
-        keep = e > s
-        s, e = s[keep], e[keep]
-        pos = s % size
-        end = pos + (e - s)  # <= 2 * size: live rows span at most one lap
-        wraps = end > size
-        base = lane * size
-        lo += [base + pos, np.full(int(wraps.sum()), base, np.int64)]
-        hi += [base + np.minimum(end, size), base + end[wraps] - size]
+        keep = e > s  # live rows span at most one lap
+        a, b = view.layout.ranges(lane, s[keep], e[keep])
+        lo.append(a)
+        hi.append(b)
     if not lo:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
     return np.concatenate(lo), np.concatenate(hi)
