@@ -62,7 +62,7 @@ def copy(
         A store path or an open ``mb.Buffer``.
     dst
         The new store's path, or a URL (``s3://bucket/prefix/store``, any fsspec URL):
-        the copy is published there as a new snapshot (``mmbuffer.remote.publish``;
+        the copy is published there as a new snapshot (:func:`publish`;
         ``compression=None`` means ``"zstd"`` there). ``src`` may be such a URL too.
     compression
         ``None``, ``"zstd"`` or ``"lz4"``.
