@@ -3,7 +3,7 @@
 For each capacity a store (one uint8 column, episodes of 1000 rows, full) with a
 priority tree is built on disk (kept between runs). Its tree files are then
 dropped from the page cache (``posix_fadvise(DONTNEED)``: what the kernel does
-to a file nobody maps, after ~30 s idle on the VM of RESULTS.md) and a fresh
+to a file nobody maps, after ~30 s idle on the VM of HISTORY.md) and a fresh
 process opens the store and times ``sample_indices(256, prioritized=True)``
 (the sampler alone): its first 50 samples separately (cold: a random disk read
 per tree page), then ``buf.warm()`` (the tree read at sequential disk speed and
@@ -19,7 +19,7 @@ under-writeback page cache then, beside the kernel's writeback settings printed 
 the start: a store into a mapped tree page that the kernel has written back since
 the last store faults again (the page is write-protected once clean), so the
 update's cost depends on how long the kernel lets the tree's pages stay dirty
-(``vm.dirty_background_*``, ``vm.dirty_expire_centisecs``; RESULTS.md, issue 12).
+(``vm.dirty_background_*``, ``vm.dirty_expire_centisecs``; HISTORY.md, issue 12).
 When TorchRL's
 PrioritizedSampler is available (see ``_torchrl_baseline.py``) it runs at the
 capacities up to ``--torchrl-max``.

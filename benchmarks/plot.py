@@ -1,8 +1,8 @@
 """Draw the recorded benchmark figures as PNGs for the README (``docs/img/``).
 
-Reads ``benchmarks/figures.json``: figures copied from ``benchmarks/RESULTS.md``
-(each group names its section; ``tests/test_examples.py`` checks that every
-value is in RESULTS.md). Nothing is measured here. Needs matplotlib (the
+Reads ``benchmarks/figures.json``: figures copied from ``benchmarks/HISTORY.md``
+(the dated log; each group names its section; ``tests/test_examples.py`` checks
+that every value is in HISTORY.md). Nothing is measured here. Needs matplotlib (the
 ``bench`` extra)::
 
     python benchmarks/plot.py [--out docs/img]

@@ -155,7 +155,7 @@ def populate(arr: np.ndarray, *, random: bool = True) -> None:
     kernel sees the pages in use; then back to ``MADV_RANDOM`` (``random=True``,
     as :func:`open_raw` advises) or ``MADV_NORMAL``. Under ``MADV_RANDOM`` the
     same populate reads a 4 KiB page per disk read: 42 s instead of 1.2-2.3 s
-    for a 2.5 GB priority tree (benchmarks/RESULTS.md). Calls ``madvise`` through ctypes,
+    for a 2.5 GB priority tree (benchmarks/HISTORY.md). Calls ``madvise`` through ctypes,
     which releases the GIL: it can run in a background thread. An array in RAM
     is left as it is.
     """

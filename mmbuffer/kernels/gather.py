@@ -8,7 +8,7 @@ wraps); the copy kernels then copy each run with one ``memcpy``, in the order
 given, straight into the output (no sort, no temporary), while prefetching the
 source of the runs a few steps ahead: a batch's rows are scattered over the
 store, and without it each run waits for its first cache line and page-table
-walk in turn (2-3x slower, measured: ``benchmarks/RESULTS.md``). ``next_<col>``
+walk in turn (2-3x slower, measured: ``benchmarks/HISTORY.md``). ``next_<col>``
 comes in the same pass as ``<col>``: row ``r``'s next value is row
 ``following(r)`` of its lane, or ``final[r]`` where the row ends an episode
 (``terminated | truncated``).
@@ -47,7 +47,7 @@ _LINE = 64  # bytes of a cache line
 _AHEAD_LINES = 64  # lines in flight ahead of the copy (about what a core keeps outstanding)
 # Lines prefetched of one run: its first misses; the hardware prefetcher streams the
 # rest. Prefetching whole runs (up to 128 lines) made a 256 x 64 slice gather 10-14%
-# slower (benchmarks/RESULTS.md, 2026-11-23 evening): the surplus requests queue behind
+# slower (benchmarks/HISTORY.md, 2026-11-23 evening): the surplus requests queue behind
 # the misses that matter.
 _MAX_RUN_LINES = 4
 
