@@ -168,6 +168,7 @@ SUITES = {
     "gpu": "a TD-MPC2-sized GPU training loop fed by mb.stream and DataLoader (needs CUDA)",
     "remote": "sampling a store on object storage (S3 on loopback) against local disk",
     "ray": "rows/s ingested from Ray actors, and the learner's sample latency meanwhile",
+    "pixels": "frame-stacked sampling of 84x84 frames against the same sample without a stack",
 }
 
 
