@@ -17,7 +17,7 @@ against another checkout to compare (``PYTHONPATH=OTHER python
 benchmarks/bench_readers.py``: the harness comes from this tree's tests, the
 library from ``PYTHONPATH``).
 
-    python benchmarks/bench_readers.py --seconds 60 --readers 4 --kills 20
+    python benchmarks/bench_readers.py --laps 200 --batches 2000 --readers 4 --kills 20
 """
 
 from __future__ import annotations
@@ -35,9 +35,10 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE.parent / "tests"))  # conftest
+sys.path.insert(0, str(HERE.parent / "tests" / "guarantees"))  # test_readers
 from _common import count, header, median_time, table  # noqa: E402
-from test_readers import _write_forever, run_race, seed_store  # noqa: E402
+from test_readers import WRITTEN, _write_forever, run_race, seed_store  # noqa: E402
 
 import mmbuffer as mb  # noqa: E402
 from mmbuffer._ledger.verify import verify  # noqa: E402
@@ -48,7 +49,10 @@ def kill_runs(path: Path, kills: int) -> dict[str, int]:
     rng = np.random.default_rng(0)
     failed = opened = 0
     for trial in range(kills):
-        proc = ctx.Process(target=_write_forever, args=(str(path), trial))
+        with mb.open(path, mode="r") as ro:
+            streams = ro.num_streams
+        state = ctx.Array("q", WRITTEN + streams, lock=False)  # the writer's commits, shown to the test's parent
+        proc = ctx.Process(target=_write_forever, args=(str(path), trial, state))
         proc.start()
         time.sleep(2.0 + rng.random())
         os.kill(proc.pid, signal.SIGKILL)
@@ -89,7 +93,8 @@ def recheck_cost(path: Path, rows: int, reps: int) -> list[dict[str, object]]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seconds", type=float, default=60.0, help="length of the reader/writer run")
+    p.add_argument("--laps", type=int, default=200, help="laps of every lane the writer makes in the race (0: skip it)")
+    p.add_argument("--batches", type=int, default=2000, help="batches each reader draws in the race")
     p.add_argument("--readers", type=int, default=4, help="reader processes")
     p.add_argument("--kills", type=int, default=20, help="writer kills in the crash run")
     p.add_argument("--rows", type=lambda t: 0 if t == "0" else count(t), default=2_000_000, help="store size for the re-check cost (0: skip; 2e6 notation accepted)")
@@ -97,11 +102,12 @@ def main() -> None:
     header(f"Readers against a live writer (mmbuffer from {Path(mb.__file__).parent})")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for priorities in (True, False) if args.seconds else ():
+        for priorities in (True, False) if args.laps else ():
             path = Path(tmp) / f"s{int(priorities)}"
             seed_store(path, 256, priorities)
-            r = run_race(path, args.seconds, args.readers)
-            rows.append({"priorities": priorities, "seconds": args.seconds, "readers": args.readers, **r})
+            t0 = time.perf_counter()
+            r = run_race(path, args.laps, args.batches, args.readers)
+            rows.append({"priorities": priorities, "seconds": round(time.perf_counter() - t0, 1), "readers": args.readers, **r})
         table(rows)
         if args.kills:
             path = Path(tmp) / "k"
