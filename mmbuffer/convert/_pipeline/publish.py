@@ -99,13 +99,11 @@ def copy(
     >>> mb.open(d + "/zst", mode="r").get(np.arange(5))["x"].tolist()
     [0.0, 1.0, 2.0, 3.0, 4.0]
     """
+    options = dict(compression=compression, chunk_rows=chunk_rows, overwrite=overwrite, progress=progress, verify=verify,
+                   capacity=capacity, num_streams=num_streams, priorities=priorities)
     if is_url(src) or is_url(dst):  # object storage: published / fetched here
-        return copy_url(src, dst, compression=compression, chunk_rows=chunk_rows, overwrite=overwrite,
-                        progress=progress, verify=verify, capacity=capacity, num_streams=num_streams,
-                        priorities=priorities)
-    return copy_local(src, dst, compression=compression, chunk_rows=chunk_rows, overwrite=overwrite,
-                      progress=progress, verify=verify, capacity=capacity, num_streams=num_streams,
-                      priorities=priorities)
+        return copy_url(src, dst, **options)
+    return copy_local(src, dst, **options)
 
 
 def publish(src: Any, url: str, *, compression: str | None = "zstd", storage_options: Mapping[str, Any] | None = None,
