@@ -99,8 +99,8 @@ def copy(
     >>> mb.open(d + "/zst", mode="r").get(np.arange(5))["x"].tolist()
     [0.0, 1.0, 2.0, 3.0, 4.0]
     """
-    options: dict[str, Any] = dict(compression=compression, chunk_rows=chunk_rows, overwrite=overwrite, progress=progress, verify=verify,
-                   capacity=capacity, num_streams=num_streams, priorities=priorities)
+    options: dict[str, Any] = dict(compression=compression, chunk_rows=chunk_rows, overwrite=overwrite, progress=progress,
+                                   verify=verify, capacity=capacity, num_streams=num_streams, priorities=priorities)
     if is_url(src) or is_url(dst):  # object storage: published / fetched here
         return copy_url(src, dst, **options)
     return copy_local(src, dst, **options)
