@@ -126,10 +126,13 @@ def test_d4rl_keeps_episodes_flags_and_final_obs(tmp_path, cartpole):
     assert summary["episodes"] == len(cartpole)
     assert summary["open_episode_rows"] == 0 and summary["nan_rewards"] == 0
     assert summary["next_obs_mismatch_rows"] == 0
-    assert set(summary["checksums"]) == {"obs", "action", "reward", "terminated", "truncated"}
+    # lossless by default: infos/* are kept as columns, next observations derived (all agree)
+    assert set(summary["checksums"]) == {"obs", "action", "reward", "terminated", "truncated", "infos/step"}
     assert_same_episodes(store_episodes(tmp_path / "store"), cartpole)
-    with mb.open(str(tmp_path / "store"), mode="r") as buf:
-        assert "infos/step" not in buf.columns
+    with mb.open(str(tmp_path / "store"), mode="r") as buf, h5py.File(src) as f:
+        assert buf.next_keys == ("obs",) and "next/obs" not in buf.columns
+        assert buf.attrs["next_obs"] == {"source": "derived", "mode": "auto"}
+        np.testing.assert_array_equal(buf.read_range("infos/step", 0, len(buf)), f["infos/step"][()])
         assert buf.attrs["source_format"] == "d4rl"
         assert buf.attrs["source_metadata"]["algorithm"] == "random"
         assert buf.attrs["final_obs_source"] == "next"
@@ -137,11 +140,11 @@ def test_d4rl_keeps_episodes_flags_and_final_obs(tmp_path, cartpole):
     assert not (tmp_path / "store.partial").exists()
 
 
-def test_d4rl_keep_infos_and_no_next_observations(tmp_path, cartpole):
+def test_d4rl_infos_and_no_next_observations(tmp_path, cartpole):
     src = tmp_path / "c.hdf5"
     write_d4rl(src, cartpole, next_obs=False)
     with pytest.warns(ConversionWarning, match="stored as zeros"):
-        convert_d4rl(src, tmp_path / "s", keep_infos=True, progress=False)
+        convert_d4rl(src, tmp_path / "s", progress=False)
     with mb.open(str(tmp_path / "s"), mode="r") as buf:
         assert buf.columns["infos/step"].dtype == "int64"
         assert buf.attrs["final_obs_source"] == "zeros"
@@ -149,6 +152,90 @@ def test_d4rl_keep_infos_and_no_next_observations(tmp_path, cartpole):
         last = buf.get(starts + lengths - 1, keys=["next_obs", "infos/step"])
         assert torch.all(last["next_obs"] == 0)
         assert last["infos/step"].tolist() == [len(e["reward"]) - 1 for e in cartpole]
+
+
+def _with_dropped_frames(src: Path, rows: list[int]) -> np.ndarray:
+    """Make next_observations[row] differ from observations[row + 1] (a dropped frame) at ``rows``."""
+    with h5py.File(src, "a") as f:
+        nxt = f["next_observations"][()]
+        nxt[rows] += 0.5
+        f["next_observations"][...] = nxt
+    return nxt
+
+
+@pytest.mark.parametrize("scan_bytes", [None, 1])
+def test_d4rl_next_observations_that_differ_are_kept_by_default(tmp_path, cartpole, monkeypatch, scan_bytes):
+    """A file whose next_observations differ from the following row inside an episode keeps
+    them: the store holds the file's next observations (an explicit next/obs column), never
+    derived ones that differ from the file. (scan_bytes=1: the comparison reads one row at a
+    time, so every row is compared across a slice boundary.)"""
+    if scan_bytes:
+        monkeypatch.setattr("mmbuffer.convert._pipeline.flat.SCAN_BYTES", scan_bytes)
+    src = tmp_path / "c.hdf5"
+    write_d4rl(src, cartpole)
+    # rows inside the first and second episodes (not their last rows)
+    rows = [2, 5, len(cartpole[0]["reward"]) + 1]
+    nxt = _with_dropped_frames(src, rows)
+    with pytest.warns(ConversionWarning, match=r"3 rows have a next observation.*first rows \[2, 5, \d+\].*"
+                                                r"kept as the explicit column.*derive_next=True"):
+        s = convert_d4rl(src, tmp_path / "s", progress=False, chunk_rows=7)
+    assert s["verified"] and s["next_obs_mismatch_rows"] == 3 and "next/obs" in s["checksums"]
+    with mb.open(str(tmp_path / "s"), mode="r") as buf:
+        assert buf.next_keys == () and "next/obs" in buf.columns
+        assert buf.attrs["next_obs"]["source"] == "explicit"
+        assert buf.attrs["next_obs"]["mismatch_rows"] == 3 and buf.attrs["next_obs"]["first_rows"] == rows
+        with pytest.raises(mb.errors.InvalidArgumentError, match="next_obs"):
+            buf.get(torch.arange(3), keys=["next_obs"])  # no derived next_obs that would differ from the file
+    got = read_all(tmp_path / "s")
+    np.testing.assert_array_equal(got["next/obs"], nxt)  # the file's values, every row
+    assert not np.array_equal(got["next/obs"][rows], got["obs"][[r + 1 for r in rows]])
+
+
+def test_d4rl_derive_next_is_the_explicit_opt_in(tmp_path, cartpole):
+    src = tmp_path / "c.hdf5"
+    write_d4rl(src, cartpole)
+    rows = [2, 5]
+    _with_dropped_frames(src, rows)
+    with pytest.warns(ConversionWarning, match="derive_next=True: 2 rows"):
+        s = convert_d4rl(src, tmp_path / "s", derive_next=True, progress=False)
+    assert s["next_obs_mismatch_rows"] == 2 and "next/obs" not in s["checksums"]
+    got = read_all(tmp_path / "s")
+    assert "next/obs" not in got
+    np.testing.assert_array_equal(got["next_obs"][rows], got["obs"][[r + 1 for r in rows]])  # derived, as asked
+    with pytest.raises(ConversionError, match="derive_next=True and keep_next_obs=True"):
+        convert_d4rl(src, tmp_path / "t", derive_next=True, keep_next_obs=True, progress=False)
+    assert not (tmp_path / "t").exists()
+    # keep_next_obs keeps the column even when nothing differs
+    write_d4rl(tmp_path / "ok.hdf5", cartpole)
+    s = convert_d4rl(tmp_path / "ok.hdf5", tmp_path / "k", keep_next_obs=True, progress=False)
+    assert s["next_obs_mismatch_rows"] == 0 and "next/obs" in s["checksums"]
+
+
+def test_d4rl_drop_infos_and_the_deprecated_keep_infos(tmp_path, cartpole):
+    src = tmp_path / "c.hdf5"
+    write_d4rl(src, cartpole)
+    s = convert_d4rl(src, tmp_path / "d", drop_infos=True, progress=False)
+    assert "infos/step" not in s["checksums"] and s["dropped_keys"] == ["infos/step"]
+    s = convert_d4rl(src, tmp_path / "f", keep_infos=False, progress=False)  # the old default, asked for
+    assert "infos/step" not in s["checksums"] and s["dropped_keys"] == ["infos/step"]
+    s = convert_d4rl(src, tmp_path / "k", keep_infos=True, progress=False)  # the default now
+    assert "infos/step" in s["checksums"] and "dropped_keys" not in s
+    with pytest.raises(ConversionError, match="keep_infos=True and drop_infos=True"):
+        convert_d4rl(src, tmp_path / "x", keep_infos=True, drop_infos=True, progress=False)
+
+
+def test_d4rl_non_numeric_dataset_is_refused_by_name_unless_dropped(tmp_path, cartpole):
+    src = tmp_path / "c.hdf5"
+    write_d4rl(src, cartpole)
+    n = sum(len(e["reward"]) for e in cartpole)
+    with h5py.File(src, "a") as f:
+        f["infos/label"] = np.array([b"x"] * n, dtype="S1")
+    with pytest.raises(ConversionError, match=rf"\[infos/label\]: expected a numeric array .* of {n} rows, got "
+                                              r"dtype \|S1.*drop_unsupported=True.*drop_infos=True"):
+        convert_d4rl(src, tmp_path / "s", progress=False)
+    assert not (tmp_path / "s").exists()
+    s = convert_d4rl(src, tmp_path / "s", drop_unsupported=True, progress=False)
+    assert s["dropped_keys"] == ["infos/label"] and "infos/step" in s["checksums"]
 
 
 def test_d4rl_unflagged_final_episode_is_kept_as_truncated(tmp_path, cartpole):
@@ -396,6 +483,30 @@ def test_command_line_convert_export_copy(tmp_path, cartpole, capsys):
         assert buf.compression == "zstd" and buf.num_episodes == len(cartpole)
 
 
+def test_command_line_is_lossless_by_default_and_names_the_opt_ins(tmp_path, cartpole, capsys):
+    from mmbuffer._cli.main import main
+
+    src = tmp_path / "c.hdf5"
+    write_d4rl(src, cartpole)
+    nxt = _with_dropped_frames(src, [3])
+    assert main(["convert", "d4rl", str(src), str(tmp_path / "a"), "--no-progress", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert {"next/obs", "infos/step"} <= set(summary["checksums"]) and summary["next_obs_mismatch_rows"] == 1
+    assert any("kept as the explicit column" in w and "--derive-next" in w for w in summary["warnings"])
+    np.testing.assert_array_equal(read_all(tmp_path / "a")["next/obs"], nxt)
+    assert main(["convert", "d4rl", str(src), str(tmp_path / "b"), "--derive-next", "--drop-infos",
+                 "--no-progress", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert not {"next/obs", "infos/step"} & set(summary["checksums"]) and summary["dropped_keys"] == ["infos/step"]
+    assert main(["convert", "lerobot", str(src), str(tmp_path / "c"), "--derive-next"]) == 2
+    assert "--derive-next: not an option of format 'lerobot' (only d4rl, npz, torchrl, tianshou)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["convert", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("--drop-infos", "--drop-unsupported", "--derive-next", "--keep-next-obs"):
+        assert flag in text
+
+
 # -- exports and copies ------------------------------------------------------------------------
 def test_store_export_d4rl_convert_gives_identical_data(tmp_path, cartpole):
     src = tmp_path / "c.hdf5"
@@ -418,6 +529,30 @@ def test_store_export_d4rl_convert_gives_identical_data(tmp_path, cartpole):
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
     with h5py.File(tmp_path / "back.hdf5") as f:
         assert json.loads(f["metadata/mmbuffer_attrs"][()])["source_format"] == "d4rl"
+
+
+@pytest.mark.parametrize("open_tail", [False, True])
+def test_d4rl_with_differing_next_observations_round_trips_byte_for_byte(tmp_path, cartpole, open_tail):
+    """convert -> export gives the file back, byte for byte, for every dataset it holds:
+    the file's own next_observations (which differ from the following row at 3 rows),
+    infos, flags (an unflagged last row included)."""
+    src = tmp_path / "c.hdf5"
+    write_d4rl(src, cartpole, open_tail=open_tail)
+    _with_dropped_frames(src, [1, 4, 9])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = convert_d4rl(src, tmp_path / "a", progress=False)
+    assert any("kept as the explicit column" in str(w.message) for w in caught)
+    out = export_d4rl(tmp_path / "a", tmp_path / "back.hdf5", progress=False)
+    assert out["verified"] and out["rows"] == first["rows"]
+    with h5py.File(src) as f, h5py.File(tmp_path / "back.hdf5") as g:
+        data = ["observations", "next_observations", "actions", "rewards", "terminals", "timeouts", "infos/step"]
+        assert set(g) == set(f) and set(g["infos"]) == set(f["infos"]) == {"step"}  # nothing left out
+        for key in data:
+            assert g[key].dtype == f[key].dtype and g[key].shape == f[key].shape, key
+            assert g[key][()].tobytes() == f[key][()].tobytes(), key
+        for key in ("algorithm", "seed"):
+            assert g[f"metadata/{key}"][()] == f[f"metadata/{key}"][()]
 
 
 @pytest.mark.parametrize("compression", ["zstd", None])
@@ -641,22 +776,34 @@ def test_torchrl_layout_read_without_torchrl_including_a_wrapped_ring(tmp_path):
               "next/terminated": term, "next/truncated": trunc, "next/done": term | trunc,
               "index": np.arange(cap, dtype=np.int64)}
     _memmap_dump(tmp_path / "rb", leaves, cap, cursor=5, write_count=17)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        s = convert_torchrl(tmp_path / "rb", tmp_path / "s", chunk_rows=5, progress=False)
-    messages = " ".join(str(w.message) for w in caught if w.category is ConversionWarning)
-    assert "wrapped" in messages and "next observation that differs" in messages
     order = np.r_[5:12, 0:5]
-    rows = read_all(tmp_path / "s")
-    assert set(rows) == {"obs", "action", "reward", "terminated", "truncated", "next_obs"}
-    np.testing.assert_array_equal(rows["obs"], obs[order])
-    np.testing.assert_array_equal(rows["reward"], leaves["next/reward"][order, 0])
-    np.testing.assert_array_equal(rows["terminated"], term[order, 0])
     ends = np.flatnonzero((term | trunc)[order, 0])
-    np.testing.assert_array_equal(rows["next_obs"][ends], nxt[order][ends])
-    # the ring stops inside an episode: closed as truncated, final observation next/observation
-    assert s["episodes"] == 4 and s["open_episode_rows"] == 0 and rows["truncated"][-1]
-    np.testing.assert_array_equal(rows["next_obs"][-1], nxt[order][-1])
+    # next/observation is random: it differs from the following row inside episodes
+    inner = [r for r in range(cap - 1) if r not in ends]
+    for derive in (False, True):
+        dst = tmp_path / f"s{derive}"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            s = convert_torchrl(tmp_path / "rb", dst, chunk_rows=5, derive_next=derive, progress=False)
+        messages = " ".join(str(w.message) for w in caught if w.category is ConversionWarning)
+        assert "wrapped" in messages and "next observation that differs" in messages
+        assert s["next_obs_mismatch_rows"] == len(inner)
+        rows = read_all(dst)
+        np.testing.assert_array_equal(rows["obs"], obs[order])
+        np.testing.assert_array_equal(rows["reward"], leaves["next/reward"][order, 0])
+        np.testing.assert_array_equal(rows["terminated"], term[order, 0])
+        np.testing.assert_array_equal(rows["index"], leaves["index"][order])  # every leaf is kept
+        if not derive:  # lossless: the dump's next observations, every row; the ring's last episode stays open
+            assert set(rows) == {"obs", "action", "reward", "terminated", "truncated", "index", "next/obs"}
+            np.testing.assert_array_equal(rows["next/obs"], nxt[order])
+            assert s["episodes"] == 3 and s["open_episode_rows"] == cap - 1 - ends[-1] and not rows["truncated"][-1]
+            continue
+        assert set(rows) == {"obs", "action", "reward", "terminated", "truncated", "index", "next_obs"}
+        np.testing.assert_array_equal(rows["next_obs"][ends], nxt[order][ends])
+        np.testing.assert_array_equal(rows["next_obs"][inner], obs[order][[r + 1 for r in inner]])  # derived, as asked
+        # the ring stops inside an episode: closed as truncated, final observation next/observation
+        assert s["episodes"] == 4 and s["open_episode_rows"] == 0 and rows["truncated"][-1]
+        np.testing.assert_array_equal(rows["next_obs"][-1], nxt[order][-1])
 
 
 def test_torchrl_dumps_written_by_torchrl(tmp_path):

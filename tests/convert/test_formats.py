@@ -403,11 +403,18 @@ def test_tianshou_buffers_in_age_order(tmp_path, n_envs, steps_per_env, size):
     envs = rollout(n_envs, steps_per_env)
     evil = tmp_path / "pwned"
     write_tianshou(tmp_path / "buf.hdf5", envs, size, str(evil))
+    # lossless by default: the pickled info/note cannot be stored, so it is refused by name...
+    with pytest.raises(ConversionError, match=r"\[_meta/info/note\]: expected a numeric array.*pickled data is "
+                                              r"never loaded.*drop_unsupported=True"):
+        convert("tianshou", tmp_path / "buf.hdf5", tmp_path / "s", progress=False)
+    assert not (tmp_path / "s").exists()
+    # ... and left out when asked; the numeric infos are kept by default
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConversionWarning)
-        s = convert("tianshou", tmp_path / "buf.hdf5", tmp_path / "s", keep_infos=True, chunk_rows=33,
+        s = convert("tianshou", tmp_path / "buf.hdf5", tmp_path / "s", drop_unsupported=True, chunk_rows=33,
                     progress=False)
-    assert s["verified"] and not evil.exists()
+    assert s["verified"] and not evil.exists() and s["dropped_keys"] == ["_meta/info/note"]
+    assert s["next_obs_mismatch_rows"] == 0
     kept = [_kept(e, min(steps_per_env, size)) for e in envs]
     want = {k: np.concatenate([e[k] for e in kept]) for k in kept[0]}
     with mb.open(tmp_path / "s", mode="r") as buf:
@@ -424,6 +431,9 @@ def test_tianshou_buffers_in_age_order(tmp_path, n_envs, steps_per_env, size):
         assert got["truncated"].numpy()[ends].astype(bool).__or__(got["terminated"].numpy()[ends]).all()
         inner = np.setdiff1d(np.arange(s["rows"]), ends)
         assert np.array_equal(got["truncated"].numpy()[inner], want["truncated"][inner])
+        # the forced flags are recorded: the source's flags can be told apart from the store's
+        forced = [int(e) for e in ends if not (want["terminated"][e] or want["truncated"][e])]
+        assert buf.attrs["tianshou"]["forced_truncation_rows"] == forced and len(forced) == s.get("forced_truncations", 0)
         # final observations are the obs_next of each episode's last row
         done = np.flatnonzero(got["terminated"].numpy() | got["truncated"].numpy())
         starts, lengths = buf.episodes()

@@ -14,7 +14,7 @@ Layout read (Minari 0.4/0.5)::
 
 Row ``t`` of episode ``i`` becomes one store row (``obs``, ``action``, ``reward``,
 ``terminated``, ``truncated``); observation ``T`` (the T+1-th) is the episode's
-final observation. With ``keep_infos``, an info leaf of T+1 rows (the reset info,
+final observation. An info leaf of T+1 rows (the reset info,
 then the info of each step, as Minari records them) is kept whole like the
 observations: ``infos/<name>`` row ``t`` is the info returned with observation
 ``t`` (row 0: the reset info), ``next_infos/<name>`` the info of step ``t``, and
@@ -27,6 +27,19 @@ Minari episode; counted as ``forced_truncations``, with a warning).
 ``metadata.json`` goes into ``attrs["minari"]`` (spaces and env spec as the JSON
 strings Minari wrote). Episodes are read one at a time (an Arrow episode whole,
 an HDF5 episode in row slices), so memory stays at about one chunk.
+
+**Lossless by default.** What a dataset holds that the store cannot derive:
+observations (T+1 per episode: T rows and the final observation), actions,
+rewards and both flags, kept exactly; ``infos``: kept (``drop_infos=True``,
+``--drop-infos``, leaves them out). An info leaf the store cannot hold as a
+column (not numeric, a length other than T or T+1, missing from or shaped
+differently in some episode, or T+1 rows in one episode and T in another) is
+refused with :class:`~mmbuffer.errors.ConversionError` naming the leaf and the
+episode, unless ``drop_unsupported=True`` (``--drop-unsupported``) accepts
+leaving those leaves out (listed in the summary's ``dropped_keys``). An
+episode whose last step has neither flag is a complete Minari episode ended by
+the collector: it gets ``truncated=True`` (counted, see above). An Arrow
+dataset pads every column with nulls to T+1 rows: the padding is not data.
 """
 
 from __future__ import annotations
@@ -110,16 +123,24 @@ class MinariReader(Reader):
     ----------
     path
         The dataset directory (``.../<dataset_id>``, holding ``data/``) or its ``data/``.
+    drop_infos
+        Leave ``infos`` out. By default numeric ``infos`` leaves are kept as
+        ``infos/<name>`` columns, reset info included (a T+1-row leaf is
+        next-derived, like ``obs``: see the module docstring).
+    drop_unsupported
+        Leave out the info leaves a store cannot hold instead of refusing them.
     keep_infos
-        Keep numeric ``infos`` leaves as ``infos/<name>`` columns, reset info
-        included (a T+1-row leaf is next-derived, like ``obs``: see the module
-        docstring).
+        Deprecated: ``True`` is the default, ``False`` is ``drop_infos=True``.
     """
 
     format = "minari"
 
-    def __init__(self, path: str | os.PathLike[str], *, keep_infos: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, drop_infos: bool = False, drop_unsupported: bool = False,
+                 keep_infos: bool | None = None) -> None:
+        from .d4rl import infos_option
+
         super().__init__(resolve_dataset(path))
+        keep = not infos_option(self, keep_infos, drop_infos)
         p = self.path
         expect(p, ("directory",), "a Minari dataset directory (holding data/metadata.json)")
         data = p / "data" if (p / "data" / "metadata.json").is_file() else p
@@ -133,7 +154,8 @@ class MinariReader(Reader):
         except (OSError, json.JSONDecodeError) as exc:
             raise self._error(f"unreadable metadata.json ({exc})", "metadata.json") from exc
         self._data = data
-        self._keep_infos = keep_infos
+        self._keep_infos = keep
+        self._drop_unsupported = drop_unsupported
         self.data_format = self.metadata.get("data_format", "hdf5")
         self._obs_space = parse_space(self.metadata, "observation_space")
         self._act_space = parse_space(self.metadata, "action_space")
@@ -159,6 +181,20 @@ class MinariReader(Reader):
     # -- common ----------------------------------------------------------------------------
     def _attrs(self) -> dict[str, Any]:
         return {"source_format": "minari", "minari": jsonable(self.metadata)}
+
+    def _refuse_or_drop(self, leaves: dict[str, str]) -> None:
+        """Info leaves a store cannot hold (leaf -> why): refused, unless ``drop_unsupported``."""
+        if not leaves:
+            return
+        if not self._drop_unsupported:
+            col, why = next(iter(sorted(leaves.items())))
+            more = f" (and {len(leaves) - 1} more: {sorted(leaves)[1:9]})" if len(leaves) > 1 else ""
+            raise self._error(
+                f"info leaf {col!r} cannot be stored as a column: {why}{more}; drop_unsupported=True "
+                "(--drop-unsupported) converts without such leaves, drop_infos=True (--drop-infos) without any infos",
+                col,
+            )
+        self.stats["dropped_keys"] = sorted(set(self.stats.get("dropped_keys", [])) | set(leaves))
 
     def _check_totals(self, steps: int, episodes: int) -> None:
         for key, got in (("total_steps", steps), ("total_episodes", episodes)):
@@ -203,7 +239,7 @@ class MinariReader(Reader):
         columns: dict[str, tuple[tuple[int, ...], str]] = {}
         self._lengths: list[int] = []
         first = True
-        dropped: set[str] = set()
+        dropped: dict[str, str] = {}
         info_whole: dict[str, bool] = {}
         for name in self._episodes:
             g = self._h5[name]
@@ -218,7 +254,7 @@ class MinariReader(Reader):
                 want = t + 1 if col.startswith("obs") else t
                 if col.startswith("infos/"):
                     if rows not in (t, t + 1):
-                        dropped.add(col)
+                        dropped.setdefault(col, f"{name}: {rows} rows, expected {t} or {t + 1} ({t} steps)")
                         continue
                 elif rows != want:
                     raise self._error(
@@ -226,22 +262,27 @@ class MinariReader(Reader):
                     )
                 shape, dtype = self._leaf_schema(col, ds)
                 if col.startswith("infos/") and np.dtype(dtype).kind not in "biuf":
-                    dropped.add(col)
+                    dropped.setdefault(col, f"{name}: dtype {ds.dtype}, not numeric")
                     continue
                 if col.startswith("infos/"):
                     whole = rows == t + 1  # reset info + one per step: next-derived, like obs
                     if first:
                         info_whole[col] = whole
                     elif info_whole.get(col) != whole:
-                        dropped.add(col)
+                        dropped.setdefault(col, f"{name}: {rows} rows ({t} steps), where the first episode's "
+                                                f"had {'T+1' if info_whole.get(col) else 'T'}")
                         continue
                 if first:
                     columns[col] = (shape, dtype)
                 elif col not in columns:
                     if not col.startswith("infos/"):
                         raise self._error(f"column {col!r} is not in episode 0", name)
-                    dropped.add(col)
+                    dropped.setdefault(col, f"{name}: present, but not in the first episode")
                 elif columns[col] != (shape, dtype):
+                    if col.startswith("infos/") and self._drop_unsupported:
+                        dropped.setdefault(col, f"{name}: shape/dtype {shape} {dtype}, the first episode's "
+                                                f"{columns[col]}")
+                        continue
                     raise self._error(
                         f"shape/dtype {shape} {dtype} differ from the first episode's {columns[col]}",
                         f"{name}/{col}",
@@ -250,15 +291,14 @@ class MinariReader(Reader):
                 missing = [c for c in columns if c not in leaves]
                 info_missing = [c for c in missing if c.startswith("infos/")]
                 for c in info_missing:
-                    dropped.add(c)
+                    dropped.setdefault(c, f"{name}: missing")
                     columns.pop(c)
                 if len(missing) > len(info_missing):
                     raise self._error(f"missing {sorted(set(missing) - set(info_missing))}", name)
             first = False
         for c in dropped:
             columns.pop(c, None)
-        if dropped:
-            self._warn(f"info leaves not kept (non-numeric or not one per step): {sorted(dropped)}")
+        self._refuse_or_drop(dropped)
         self._cols = columns
         self._check_totals(sum(self._lengths), len(self._episodes))
         next_keys = tuple(c for c in columns if c == "obs" or c.startswith("obs/") or info_whole.get(c))
@@ -287,6 +327,8 @@ class MinariReader(Reader):
         if ds.dtype.kind in "OV" or h5py_vlen(ds):
             if space is not None and self._jpeg and is_image(space):
                 return tuple(space["shape"]), "|u1"
+            if col.startswith("infos/"):
+                return (), ds.dtype.str  # refused or dropped by the caller, by name
             raise self._error(f"unsupported non-numeric data (dtype {ds.dtype})", col)
         if ds.dtype.kind not in "biuf":
             if col.startswith("infos/"):
@@ -377,7 +419,13 @@ class MinariReader(Reader):
             arr = table.column(key).combine_chunks()
             out[col] = arr.fill_null(null_fill(arr)).to_numpy(zero_copy_only=False)
         if self._keep_infos and "infos" in table.column_names:
-            arrow_info_leaves(table.column("infos").combine_chunks(), "infos", out, n)
+            unsupported: dict[str, str] = {}
+            arrow_info_leaves(table.column("infos").combine_chunks(), "infos", out, n, unsupported)
+            for col, arr in list(out.items()):
+                if col.startswith("infos/") and arr.dtype.kind not in "biuf":
+                    unsupported[col] = f"dtype {arr.dtype}"
+                    del out[col]
+            self._refuse_or_drop({c: f"{d.name}: Arrow type {why}, not numeric" for c, why in unsupported.items()})
         return out
 
     def _scan_arrow(self) -> Schema:
@@ -397,8 +445,6 @@ class MinariReader(Reader):
                 if not columns:
                     for col, arr in data.items():
                         if col in ("terminated", "truncated"):
-                            continue
-                        if col.startswith("infos/") and arr.dtype.kind not in "biuf":
                             continue
                         shape = tuple(arr.shape[1:])
                         columns[col] = (shape, np.dtype(arr.dtype).newbyteorder("=").str)
@@ -458,7 +504,9 @@ def convert_minari(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
     *,
-    keep_infos: bool = False,
+    drop_infos: bool = False,
+    drop_unsupported: bool = False,
+    keep_infos: bool | None = None,
     overwrite: bool = False,
     compression: str | None = None,
     chunk_rows: int | None = None,
@@ -480,7 +528,8 @@ def convert_minari(
     ------
     ConversionError
         Not a Minari dataset, a missing key, observations not ``T+1`` rows, totals
-        that disagree with ``metadata.json``.
+        that disagree with ``metadata.json``, an info leaf a store cannot hold
+        (unless ``drop_unsupported``).
     StoreExistsError
         ``dst`` exists and ``overwrite`` is false.
 
@@ -492,7 +541,7 @@ def convert_minari(
     from .._pipeline.dest import check_destination
 
     check_destination(dst, overwrite)
-    reader = MinariReader(src, keep_infos=keep_infos)
+    reader = MinariReader(src, drop_infos=drop_infos, drop_unsupported=drop_unsupported, keep_infos=keep_infos)
     return write_store(
         reader, dst, overwrite=overwrite, compression=compression, chunk_rows=chunk_rows,
         progress=progress, verify=verify, capacity=capacity, num_streams=num_streams, priorities=priorities,

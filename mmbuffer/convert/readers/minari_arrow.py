@@ -68,13 +68,17 @@ def null_fill(arr: Any) -> Any:
     return pa.scalar(False if pa.types.is_boolean(typ) else 0, type=typ)
 
 
-def arrow_info_leaves(arr: Any, col: str, out: dict[str, np.ndarray], n: int) -> None:
-    """Put the numeric leaves of the Arrow ``infos`` column ``arr`` into ``out`` as ``col/...``."""
+def arrow_info_leaves(arr: Any, col: str, out: dict[str, np.ndarray], n: int,
+                      unsupported: dict[str, str] | None = None) -> None:
+    """Put the numeric leaves of the Arrow ``infos`` column ``arr`` into ``out`` as ``col/...``.
+
+    Leaves of any other type are named in ``unsupported`` (leaf -> Arrow type), never silently left out.
+    """
     import pyarrow as pa
 
     if pa.types.is_struct(arr.type):
         for i, field in enumerate(arr.type):
-            arrow_info_leaves(arr.field(i), f"{col}/{field.name}", out, n)
+            arrow_info_leaves(arr.field(i), f"{col}/{field.name}", out, n, unsupported)
             if f"{col}/{field.name}" in out and field.metadata and b"shape" in field.metadata:
                 shape = tuple(int(s) for s in field.metadata[b"shape"].split(b",") if s)
                 out[f"{col}/{field.name}"] = out[f"{col}/{field.name}"].reshape(-1, *shape)
@@ -84,3 +88,5 @@ def arrow_info_leaves(arr: Any, col: str, out: dict[str, np.ndarray], n: int) ->
         out[col] = flat.reshape(len(arr), arr.type.list_size)
     elif pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type) or pa.types.is_boolean(arr.type):
         out[col] = arr.fill_null(null_fill(arr)).to_numpy(zero_copy_only=False)
+    elif unsupported is not None:
+        unsupported[col] = str(arr.type)

@@ -16,11 +16,26 @@ flags (``("next", "done")`` alone -> ``terminated``, with a warning); every root
 key that also exists under ``next`` is next-derived and its final observation
 is ``("next", key)`` at the episode's last row; other keys are kept as columns
 named by their path (``collector/traj_ids``, ``next/<key>`` for next-only keys);
-``index`` is dropped. Trailing ``[.., 1]`` dims of reward and flags are squeezed.
+``index`` included). Trailing ``[.., 1]`` dims of reward and flags are squeezed.
 Where ``("collector", "traj_ids")`` changes with no flag set, the row before is
-marked truncated (counted as ``forced_truncations``); a last episode with no
+marked truncated (counted as ``forced_truncations``; the source's flags stay
+recoverable from the kept ``collector/traj_ids`` column); a last episode with no
 flag is closed as truncated with ``("next", key)`` as final observation (see
 :mod:`._flat`).
+
+**Lossless by default.** What a dump holds that the store cannot derive:
+``("next", key)`` values that differ from the following row's ``key`` inside
+an episode (a trajectory boundary of ``collector/traj_ids`` counts as an end):
+kept as an explicit ``next/<col>`` column, as for D4RL
+(:mod:`~mmbuffer.convert.readers.d4rl`; ``derive_next=True`` derives anyway,
+``keep_next_obs=True`` always keeps the column); every other leaf: kept as a
+column. Not stored, because the store derives them: ``("next", "done")``
+beside ``terminated``/``truncated`` (their ``or``) and the root-level flags
+(a collector's copy of the previous row's ``next`` flags). A dump with only
+``("next", "done")`` does not say which ends were truncations: they are stored
+as ``terminated`` (warning). A leaf listed in ``meta.json`` with no
+``.memmap`` file holds no data (warning). ``prefetch.pkl`` and the sampler's
+state are pickles and never read.
 
 TD-MPC2 ``.pt`` files: ``tdmpc2.py``.
 """
@@ -37,7 +52,7 @@ import numpy as np
 
 from ...errors import MMBufferError
 from ...schema import PriorityConfig
-from .._pipeline.flat import FileArray, FlatReader, RolledArray
+from .._pipeline.flat import FileArray, FlatReader, RolledArray, next_mode
 from .._pipeline.reader import Chunk, Reader, reader_error
 from .._pipeline.write import write_store
 from .tdmpc2 import TORCH_DTYPES, TDMPC2Reader
@@ -67,8 +82,10 @@ def _np_dtype(reader: Reader, s: str, key: str) -> np.dtype:
 class TorchRLReader(FlatReader):
     """Read a TorchRL replay buffer directory written by ``ReplayBuffer.dumps``."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, derive_next: bool = False,
+                 keep_next_obs: bool = False) -> None:
         Reader.__init__(self, path)
+        self._mode = next_mode(derive_next, keep_next_obs, str(self.path))
         try:
             self._open()
         except MMBufferError:
@@ -125,10 +142,9 @@ class TorchRLReader(FlatReader):
                         "keys": ["/".join(k) for k in leaves]},
         }
         notes = self.notes
-        traj = args.pop("traj_ids", None)
-        super().__init__(self.path, fmt="torchrl", attrs=attrs, squeeze=("reward",), **args)
+        self._traj = args.pop("traj_ids", None)
+        super().__init__(self.path, fmt="torchrl", attrs=attrs, squeeze=("reward",), next_mode=self._mode, **args)
         self.notes = notes + self.notes
-        self._traj = traj
         for msg in self._pending:
             self._warn(msg)
 
@@ -174,7 +190,7 @@ class TorchRLReader(FlatReader):
         next_arrays: dict[str, Any] = {}
         next_keys: list[str] = []
         for key, arr in root.items():
-            if key in (("index",),) or (len(key) == 1 and key[0] in _FLAG_NAMES):
+            if len(key) == 1 and key[0] in _FLAG_NAMES:
                 continue
             name = name_of(key)
             columns[name] = arr
@@ -216,6 +232,15 @@ class TorchRLReader(FlatReader):
             keys=keys,
             traj_ids=root.get(("collector", "traj_ids")),
         )
+
+    def _extra_ends(self, a: int, b: int) -> np.ndarray | None:
+        """Rows ``a..b`` after which ``collector/traj_ids`` changes (the rows :meth:`chunks` truncates)."""
+        if self._traj is None or b <= a:
+            return None
+        ids = np.asarray(self._traj[a : min(self._n, b + 1)]).reshape(-1)
+        out = np.zeros(b - a, bool)
+        out[: len(ids) - 1] = ids[1:] != ids[:-1]
+        return out
 
     def chunks(self, chunk_rows: int) -> Iterator[Chunk]:
         traj = self._traj
@@ -269,11 +294,16 @@ class TorchRLReader(FlatReader):
 # -- TD-MPC2 ------------------------------------------------------------------------------------
 
 
-def open_torchrl(path: str | os.PathLike[str]) -> Reader:
-    """A reader for ``path``: a ``dumps()`` directory, or a TD-MPC2 ``.pt`` file."""
+def open_torchrl(path: str | os.PathLike[str], *, derive_next: bool = False, keep_next_obs: bool = False) -> Reader:
+    """A reader for ``path``: a ``dumps()`` directory, or a TD-MPC2 ``.pt`` file.
+
+    ``derive_next`` and ``keep_next_obs`` are :class:`TorchRLReader`'s; a TD-MPC2
+    file has no separate next observations (each episode's ``L`` observations
+    are its rows and its final observation), so they change nothing there.
+    """
     p = Path(path)
     if p.is_dir():
-        return TorchRLReader(p)
+        return TorchRLReader(p, derive_next=derive_next, keep_next_obs=keep_next_obs)
     if p.is_file():
         return TDMPC2Reader(p)
     from ...errors import ConversionError
@@ -285,6 +315,8 @@ def convert_torchrl(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
     *,
+    derive_next: bool = False,
+    keep_next_obs: bool = False,
     overwrite: bool = False,
     compression: str | None = None,
     chunk_rows: int | None = None,
@@ -299,6 +331,8 @@ def convert_torchrl(
     The directory is read from its JSON metadata and raw ``.memmap`` files (no
     torchrl needed, no pickle read); ``.pt`` files are loaded memory-mapped with
     ``weights_only=True`` and only tensordict's container classes allowed.
+    Lossless by default (see :mod:`mmbuffer.convert.readers.torchrl`):
+    ``derive_next=True`` accepts deriving next values that differ from the dump's.
 
     Raises
     ------
@@ -311,7 +345,7 @@ def convert_torchrl(
     from .._pipeline.dest import check_destination
 
     check_destination(dst, overwrite)
-    reader = open_torchrl(src)
+    reader = open_torchrl(src, derive_next=derive_next, keep_next_obs=keep_next_obs)
     return write_store(
         reader, dst, overwrite=overwrite, compression=compression, chunk_rows=chunk_rows,
         progress=progress, verify=verify, capacity=capacity, num_streams=num_streams, priorities=priorities,
