@@ -429,10 +429,18 @@ def test_verification_compares_episodes_after_reopening(tmp_path, cartpole, monk
 
 
 # -- npz ----------------------------------------------------------------------------------------
-def test_npz_and_npy_directory_match_d4rl(tmp_path, cartpole):
+@pytest.mark.parametrize("dropped_frames", [False, True])
+def test_npz_and_npy_directory_match_d4rl(tmp_path, cartpole, dropped_frames):
+    """The same arrays as .npz (stored and compressed members) or .npy files give the D4RL
+    store; with next observations that differ, every reader keeps them (next/obs)."""
     src = tmp_path / "c.hdf5"
     write_d4rl(src, cartpole)
-    ref = convert_d4rl(src, tmp_path / "ref", keep_infos=True, progress=False)
+    if dropped_frames:
+        _with_dropped_frames(src, [2, 40])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConversionWarning)  # asserted on below
+        ref = convert_d4rl(src, tmp_path / "ref", progress=False)
+    assert ("next/obs" in ref["checksums"]) == dropped_frames and "infos/step" in ref["checksums"]
     with h5py.File(src, "r") as f:
         arrays = {k: f[k][()] for k in ("observations", "actions", "rewards", "terminals", "timeouts",
                                         "next_observations")}
@@ -444,7 +452,11 @@ def test_npz_and_npy_directory_match_d4rl(tmp_path, cartpole):
     for k, v in arrays.items():
         np.save(d / f"{k}.npy", v)
     for i, path in enumerate([tmp_path / "plain.npz", tmp_path / "small.npz", d]):
-        s = convert_npz(path, tmp_path / f"s{i}", keep_infos=True, chunk_rows=50, progress=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            s = convert_npz(path, tmp_path / f"s{i}", chunk_rows=50, progress=False)
+        assert any("kept as the explicit column" in str(w.message) for w in caught) == dropped_frames
+        assert s["next_obs_mismatch_rows"] == (2 if dropped_frames else 0)
         assert s["checksums"] == ref["checksums"], path
         assert s["final_obs_checksums"] == ref["final_obs_checksums"]
         assert s["episodes"] == ref["episodes"]
@@ -804,6 +816,30 @@ def test_torchrl_layout_read_without_torchrl_including_a_wrapped_ring(tmp_path):
         # the ring stops inside an episode: closed as truncated, final observation next/observation
         assert s["episodes"] == 4 and s["open_episode_rows"] == 0 and rows["truncated"][-1]
         np.testing.assert_array_equal(rows["next_obs"][-1], nxt[order][-1])
+
+
+def test_torchrl_trajectory_changes_end_episodes_in_the_next_observation_check(tmp_path):
+    """Where collector/traj_ids changes with no flag, the next observation is the trajectory's
+    last, not the following row's: not a difference (nothing to keep), the store derives."""
+    n, cut = 10, 4  # trajectory 0 is rows 0..4 (cut with no flag), trajectory 1 rows 5..9
+    rng = np.random.default_rng(1)
+    states = rng.random((n + 2, 3), dtype=np.float32)
+    obs = np.concatenate([states[:5], states[6:11]])
+    nxt = np.concatenate([states[1:6], states[7:12]])  # row 4: trajectory 0's final state
+    term = np.zeros((n, 1), bool)
+    term[-1] = True
+    leaves = {"observation": obs, "action": rng.random((n, 1), dtype=np.float32),
+              "collector/traj_ids": np.repeat(np.arange(2, dtype=np.int64), 5),
+              "next/observation": nxt, "next/reward": rng.random((n, 1), dtype=np.float32),
+              "next/terminated": term, "next/truncated": np.zeros((n, 1), bool)}
+    _memmap_dump(tmp_path / "rb", leaves, n, cursor=0, write_count=n)
+    with pytest.warns(ConversionWarning, match="traj_ids changes where no flag is set"):
+        s = convert_torchrl(tmp_path / "rb", tmp_path / "s", progress=False)
+    assert s["next_obs_mismatch_rows"] == 0 and s["forced_truncations"] == 1 and s["episodes"] == 2
+    rows = read_all(tmp_path / "s")
+    assert "next/obs" not in rows and rows["truncated"][cut]
+    np.testing.assert_array_equal(rows["next_obs"], nxt)  # the dump's next observations, every row
+    np.testing.assert_array_equal(rows["collector/traj_ids"], leaves["collector/traj_ids"])
 
 
 def test_torchrl_dumps_written_by_torchrl(tmp_path):

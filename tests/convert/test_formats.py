@@ -676,6 +676,48 @@ def test_minari_dataset_id_and_reset_info(tmp_path, monkeypatch, data_format):
         convert("minari", "cartpole/missing-v3", tmp_path / "s3", progress=False)
 
 
+def _h5_datasets(group, prefix=""):
+    out = {}
+    for k, v in group.items():
+        out.update(_h5_datasets(v, f"{prefix}{k}/") if isinstance(v, h5py.Group) else {f"{prefix}{k}": v[()]})
+    return out
+
+
+def test_minari_convert_export_is_byte_equal_by_default(tmp_path, monkeypatch):
+    """convert -> export gives every episode's datasets back byte for byte (observations,
+    actions, rewards, flags and the infos, kept by default, reset info included)."""
+    collect_minari(tmp_path, monkeypatch, "cartpole/random-v0", 4)
+    s = convert("minari", "cartpole/random-v0", tmp_path / "s", progress=False)
+    assert "infos/t" in s["checksums"] and "dropped_keys" not in s
+    out = tmp_path / "minari" / "cartpole" / "back-v0"
+    export("minari", tmp_path / "s", out, dataset_id="cartpole/back-v0", progress=False)
+    src = tmp_path / "minari" / "cartpole" / "random-v0" / "data" / "main_data.hdf5"
+    with h5py.File(src) as f, h5py.File(out / "data" / "main_data.hdf5") as g:
+        assert sorted(f) == sorted(g) and len(f) == 4
+        for ep in f:
+            a, b = _h5_datasets(f[ep]), _h5_datasets(g[ep])
+            assert sorted(a) == sorted(b) and {"infos/t", "infos/x", "observations"} <= set(a), ep
+            for key in a:
+                assert a[key].dtype == b[key].dtype and a[key].shape == b[key].shape, (ep, key)
+                assert a[key].tobytes() == b[key].tobytes(), (ep, key)
+
+
+def test_minari_info_leaf_a_store_cannot_hold_is_refused_by_name(tmp_path, monkeypatch):
+    collect_minari(tmp_path, monkeypatch, "cartpole/random-v0", 3)
+    src = tmp_path / "minari" / "cartpole" / "random-v0" / "data" / "main_data.hdf5"
+    with h5py.File(src, "a") as f:
+        t = f["episode_1/rewards"].shape[0]
+        f["episode_1/infos/label"] = np.array([b"abc"] * (t + 1))  # text, in one episode only
+    with pytest.raises(ConversionError, match=r"\[infos/label\]: info leaf 'infos/label' cannot be stored as a "
+                                              r"column: episode_1: dtype \|S3, not numeric.*drop_unsupported=True"):
+        convert("minari", "cartpole/random-v0", tmp_path / "s", progress=False)
+    assert not (tmp_path / "s").exists()
+    s = convert("minari", "cartpole/random-v0", tmp_path / "s", drop_unsupported=True, progress=False)
+    assert s["dropped_keys"] == ["infos/label"] and {"infos/t", "infos/x"} <= set(s["checksums"])
+    s = convert("minari", "cartpole/random-v0", tmp_path / "d", drop_infos=True, progress=False)
+    assert not any(k.startswith("infos/") for k in s["checksums"])
+
+
 def test_minari_infos_survive_export(tmp_path, monkeypatch):
     collect_minari(tmp_path, monkeypatch, "cartpole/random-v0", 3)
     convert("minari", "cartpole/random-v0", tmp_path / "s", keep_infos=True, progress=False)

@@ -370,6 +370,8 @@ class FlatReader(Reader):
             steps["truncated"] = trunc
             done = term | trunc
             ends = np.flatnonzero(done)
+            extra = self._extra_ends(a, b) if self._next else None
+            cut = done if extra is None else done | extra  # episode ends for the next-observation check
             final: dict[str, np.ndarray] = {}
             for k in self._next_keys:
                 shape, dtype = self._schema.columns[k]
@@ -378,7 +380,7 @@ class FlatReader(Reader):
                     final[k] = nxt[ends]
                     obs = steps[k]
                     # inside an episode, next_obs[t] should be obs[t + 1]
-                    inner = ~done[:-1]
+                    inner = ~cut[:-1]
                     if inner.any():
                         diff = _rows_differ(nxt[:-1][inner], obs[1:][inner])
                         mismatches += int(diff.sum())
@@ -387,7 +389,7 @@ class FlatReader(Reader):
                     prev_next[k] = nxt[-1:]
                 else:
                     final[k] = np.zeros((len(ends), *shape), dtype)
-            prev_end = bool(done[-1]) if len(done) else prev_end
+            prev_end = bool(cut[-1]) if len(cut) else prev_end
             yield Chunk(steps, final)
         if self._next:
             self.stats["next_obs_mismatch_rows"] = mismatches
