@@ -101,6 +101,9 @@ READER_FLAGS: dict[str, tuple[str, str]] = {
                                       "next observations differ (those rows' are lost; by default the source's "
                                       "are kept as an explicit next/obs column)")),
     "keep_next_obs": ("--keep-next-obs", "always store the source's next observations as an explicit next/obs column"),
+    "drop_reset_values": ("--drop-reset-values", ("leave out values in TD-MPC2 reset rows (row 0 of each "
+                                                  "episode, NaN in TD-MPC2's own files) instead of refusing them")),
+    "drop_past_ends": ("--drop-past-ends", "leave out rows past the last episode end instead of refusing them"),
     "skip_visual": ("--skip-visual", "leave video/image features out instead of refusing them"),
     "keep_infos": ("--keep-infos", "deprecated, changes nothing: infos are kept by default"),
 }

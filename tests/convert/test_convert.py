@@ -912,6 +912,36 @@ def test_tdmpc2_plain_dict_file_and_refused_pickles(tmp_path):
         convert_torchrl(tmp_path / "noep.pt", tmp_path / "s3", progress=False)
 
 
+def test_tdmpc2_values_the_store_has_no_place_for_are_refused_by_name(tmp_path):
+    d = _tdmpc2(E=4, L=5)
+    d["action"][2, 0] = 0.5  # a reset-row action: TD-MPC2 writes NaN there
+    torch.save(d, tmp_path / "a.pt")
+    with pytest.raises(ConversionError, match=r"\[action\]: expected the reset row \(row 0\) of every episode to "
+                                              r"hold NaN.*episodes \[2\].*drop_reset_values=True"):
+        convert_torchrl(tmp_path / "a.pt", tmp_path / "s", progress=False)
+    assert not (tmp_path / "s").exists()
+    s = convert("tdmpc2", tmp_path / "a.pt", tmp_path / "s", drop_reset_values=True, progress=False)
+    assert s["reset_values_dropped"] == 1
+    check_tdmpc2(tmp_path / "s", d)
+    # a task that changes inside an episode, a truncated flag the store would not derive
+    d = _tdmpc2(E=3, L=4)
+    d["task"] = torch.zeros(3, 4, dtype=torch.int64)
+    d["task"][1, 3] = 7
+    torch.save(d, tmp_path / "t.pt")
+    with pytest.raises(ConversionError, match=r"\[task\]: expected one value per episode.*episodes \[1\]"):
+        convert_torchrl(tmp_path / "t.pt", tmp_path / "t", progress=False)
+    d = _tdmpc2(E=3, L=4)
+    d["truncated"] = torch.zeros(3, 4, dtype=torch.bool)
+    d["truncated"][:, -1] = True
+    torch.save(d, tmp_path / "ok.pt")
+    convert_torchrl(tmp_path / "ok.pt", tmp_path / "ok", progress=False)  # the flags the store derives
+    d["truncated"][0, 2] = True
+    torch.save(d, tmp_path / "tr.pt")
+    with pytest.raises(ConversionError, match=r"\[truncated\]: expected truncated set exactly at each "
+                                              r"episode's last step.*episodes \[0\]"):
+        convert_torchrl(tmp_path / "tr.pt", tmp_path / "tr", progress=False)
+
+
 class Exploit:
     """Unpickling this would run code (creating ``marker``)."""
 

@@ -229,6 +229,9 @@ def dp_group(path: Path, *, zarr_format: int = 2, lengths=(10, 15, 25), store=No
 @pytest.mark.parametrize("zarr_format", [2, 3])
 def test_diffusion_policy_convert_and_round_trip(tmp_path, zarr_format):
     data = dp_group(tmp_path / "pusht.zarr", zarr_format=zarr_format)
+    src = zarr.open_group(str(tmp_path / "pusht.zarr"), mode="a")
+    src.attrs["robot"] = "ur5"
+    src.create_array("meta/episode_seed", data=np.array([3, 1, 4], "int32"))  # a per-episode value
     s = convert("diffusion_policy", tmp_path / "pusht.zarr", tmp_path / "s", chunk_rows=9, progress=False)
     assert (s["rows"], s["episodes"], s["verified"]) == (50, 3, True)
     with mb.open(tmp_path / "s", mode="r") as buf:
@@ -242,9 +245,12 @@ def test_diffusion_policy_convert_and_round_trip(tmp_path, zarr_format):
     assert e["verified"] and e["rows"] == 50
     back = zarr.open_group(str(tmp_path / "back.zarr"), mode="r")
     assert back.metadata.zarr_format == zarr_format
-    assert back["meta/episode_ends"][:].tolist() == [10, 25, 50]
-    for k, v in data.items():
-        assert np.array_equal(back[f"data/{k}"][:], v)
+    # byte for byte, everything the source held (the flags the export adds are the store's)
+    assert sorted(back["data"].keys()) == sorted([*data, "terminated", "truncated"])
+    assert sorted(back["meta"].keys()) == sorted(src["meta"].keys()) and back.attrs["robot"] == "ur5"
+    for key in [*(f"data/{k}" for k in data), "meta/episode_ends", "meta/episode_seed"]:
+        a, b = src[key][...], back[key][...]
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), key
     s2 = convert("diffusion_policy", tmp_path / "back.zarr", tmp_path / "s2", progress=False)
     assert s2["checksums"] == s["checksums"]
 
@@ -267,6 +273,25 @@ def test_diffusion_policy_zip_store_and_exported_flags(tmp_path):
         got = buf.get(np.arange(10))
         assert got["terminated"].nonzero().flatten().tolist() == [2, 6]
         assert got["truncated"].nonzero().flatten().tolist() == [9]
+    del data
+
+
+def test_diffusion_policy_rows_past_the_last_end_are_refused_by_name(tmp_path):
+    data = dp_group(tmp_path / "g.zarr", lengths=(10, 15))
+    root = zarr.open_group(str(tmp_path / "g.zarr"), mode="a")
+    root["meta/episode_ends"][...] = np.array([10, 20])  # rows 20..24: an episode never closed
+    with pytest.raises(ConversionError, match=r"\[data/action\]: expected 20 rows \(meta/episode_ends\[-1\]\), got "
+                                              r"25: rows \[20, 25\) belong to no episode.*drop_past_ends=True"):
+        convert("diffusion_policy", tmp_path / "g.zarr", tmp_path / "s", progress=False)
+    assert not (tmp_path / "s").exists()
+    s = convert("diffusion_policy", tmp_path / "g.zarr", tmp_path / "s", drop_past_ends=True, progress=False)
+    assert s["rows"] == 20 and s["dropped_rows_past_ends"]["data/action"] == 5
+    root.create_array("meta/big", data=np.zeros(5000))
+    with pytest.raises(ConversionError, match=r"\[meta/big\]: cannot be kept.*drop_unsupported=True"):
+        convert("diffusion_policy", tmp_path / "g.zarr", tmp_path / "t", drop_past_ends=True, progress=False)
+    s = convert("diffusion_policy", tmp_path / "g.zarr", tmp_path / "t", drop_past_ends=True, drop_unsupported=True,
+                progress=False)
+    assert s["dropped_keys"] == ["meta/big"]
     del data
 
 
@@ -574,6 +599,29 @@ def test_lerobot_v3_tabular_features(tmp_path, chunk_rows):
         assert got["terminated"].nonzero().flatten().tolist() == ends[::2].tolist()
         assert got["truncated"].nonzero().flatten().tolist() == ends[1::2].tolist()
         assert buf.attrs["lerobot"]["fps"] == 10
+        assert buf.attrs["lerobot"]["tasks"] == {"0": "push the block"}  # meta/tasks.parquet, kept
+
+
+def test_lerobot_text_features_and_inner_done_are_refused_by_name(tmp_path):
+    write_lerobot(tmp_path / "t", [5, 6], files=1)
+    info_path = tmp_path / "t" / "meta" / "info.json"
+    info = json.loads(info_path.read_text())
+    info["features"]["language_instruction"] = {"dtype": "string", "shape": [1], "names": None}
+    info_path.write_text(json.dumps(info))
+    with pytest.raises(ConversionError, match=r"\[language_instruction\]: string features \['language_instruction'\] "
+                                              r"cannot be stored.*drop_unsupported=True"):
+        convert("lerobot", tmp_path / "t", tmp_path / "s", progress=False)
+    s = convert("lerobot", tmp_path / "t", tmp_path / "s", drop_unsupported=True, progress=False)
+    assert s["dropped_keys"] == ["language_instruction"] and s["rows"] == 11
+    cols = write_lerobot(tmp_path / "d", [5, 6], files=1)
+    done = cols["next.done"].copy()
+    done[2] = True  # inside episode 0: the store's flags could not say it
+    path = tmp_path / "d" / "data" / "chunk-000" / "file-000.parquet"
+    table = pq.read_table(path)
+    pq.write_table(table.set_column(table.column_names.index("next.done"), "next.done", pa.array(done)), path)
+    with pytest.raises(ConversionError, match=r"\[next.done\]: expected next.done only on an episode's last frame.*"
+                                              r"frames \[2\]"):
+        convert("lerobot", tmp_path / "d", tmp_path / "s2", progress=False)
 
 
 def test_lerobot_video_refused_unless_skipped(tmp_path):

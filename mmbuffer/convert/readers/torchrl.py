@@ -294,18 +294,20 @@ class TorchRLReader(FlatReader):
 # -- TD-MPC2 ------------------------------------------------------------------------------------
 
 
-def open_torchrl(path: str | os.PathLike[str], *, derive_next: bool = False, keep_next_obs: bool = False) -> Reader:
+def open_torchrl(path: str | os.PathLike[str], *, derive_next: bool = False, keep_next_obs: bool = False,
+                 drop_reset_values: bool = False) -> Reader:
     """A reader for ``path``: a ``dumps()`` directory, or a TD-MPC2 ``.pt`` file.
 
     ``derive_next`` and ``keep_next_obs`` are :class:`TorchRLReader`'s; a TD-MPC2
     file has no separate next observations (each episode's ``L`` observations
     are its rows and its final observation), so they change nothing there.
+    ``drop_reset_values`` is :class:`TDMPC2Reader`'s (a dump has no reset row).
     """
     p = Path(path)
     if p.is_dir():
         return TorchRLReader(p, derive_next=derive_next, keep_next_obs=keep_next_obs)
     if p.is_file():
-        return TDMPC2Reader(p)
+        return TDMPC2Reader(p, drop_reset_values=drop_reset_values)
     from ...errors import ConversionError
 
     raise ConversionError(f"{p}: no such file or directory (expected a TorchRL dumps() directory or a .pt file)")
@@ -317,6 +319,7 @@ def convert_torchrl(
     *,
     derive_next: bool = False,
     keep_next_obs: bool = False,
+    drop_reset_values: bool = False,
     overwrite: bool = False,
     compression: str | None = None,
     chunk_rows: int | None = None,
@@ -332,7 +335,9 @@ def convert_torchrl(
     torchrl needed, no pickle read); ``.pt`` files are loaded memory-mapped with
     ``weights_only=True`` and only tensordict's container classes allowed.
     Lossless by default (see :mod:`mmbuffer.convert.readers.torchrl`):
-    ``derive_next=True`` accepts deriving next values that differ from the dump's.
+    ``derive_next=True`` accepts deriving next values that differ from the dump's;
+    ``drop_reset_values=True`` leaving out values in a TD-MPC2 file's reset rows
+    (see :mod:`mmbuffer.convert.readers.tdmpc2`).
 
     Raises
     ------
@@ -345,7 +350,8 @@ def convert_torchrl(
     from .._pipeline.dest import check_destination
 
     check_destination(dst, overwrite)
-    reader = open_torchrl(src, derive_next=derive_next, keep_next_obs=keep_next_obs)
+    reader = open_torchrl(src, derive_next=derive_next, keep_next_obs=keep_next_obs,
+                          drop_reset_values=drop_reset_values)
     return write_store(
         reader, dst, overwrite=overwrite, compression=compression, chunk_rows=chunk_rows,
         progress=progress, verify=verify, capacity=capacity, num_streams=num_streams, priorities=priorities,
