@@ -842,6 +842,27 @@ def test_torchrl_trajectory_changes_end_episodes_in_the_next_observation_check(t
     np.testing.assert_array_equal(rows["collector/traj_ids"], leaves["collector/traj_ids"])
 
 
+def test_torchrl_and_tdmpc2_entries_a_store_cannot_hold_are_refused_by_name(tmp_path):
+    n = 6
+    leaves = {"observation": np.zeros((n, 2), np.float32), "action": np.zeros((n, 1), np.float32),
+              "next/observation": np.zeros((n, 2), np.float32), "next/reward": np.zeros((n, 1), np.float32),
+              "next/terminated": np.arange(n)[:, None] == n - 1, "next/truncated": np.zeros((n, 1), bool)}
+    _memmap_dump(tmp_path / "rb", leaves, n, cursor=0, write_count=n)
+    meta = json.loads((tmp_path / "rb" / "storage" / "meta.json").read_text())
+    meta["label"] = {"type": "NonTensorData"}  # an entry with no tensors
+    (tmp_path / "rb" / "storage" / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ConversionError, match=r"\[label\]: a NonTensorData entry with no tensors.*drop_unsupported=True"):
+        convert_torchrl(tmp_path / "rb", tmp_path / "s", progress=False)
+    s = convert("torchrl", tmp_path / "rb", tmp_path / "s", drop_unsupported=True, progress=False)
+    assert s["dropped_keys"] == ["label"] and s["rows"] == n
+    d = {**_tdmpc2(E=2, L=3), "note": "collected by hand"}
+    torch.save(d, tmp_path / "n.pt")
+    with pytest.raises(ConversionError, match=r"\[note\]: expected tensors, got other values at \['note'\]"):
+        convert_torchrl(tmp_path / "n.pt", tmp_path / "t", progress=False)
+    s = convert("tdmpc2", tmp_path / "n.pt", tmp_path / "t", drop_unsupported=True, progress=False)
+    assert s["dropped_keys"] == ["note"]
+
+
 def test_torchrl_dumps_written_by_torchrl(tmp_path):
     pytest.importorskip("torchrl")
     from tensordict import TensorDict

@@ -766,6 +766,21 @@ def test_minari_info_leaf_a_store_cannot_hold_is_refused_by_name(tmp_path, monke
     assert not any(k.startswith("infos/") for k in s["checksums"])
 
 
+def test_minari_episode_without_an_end_flag_is_recorded(tmp_path, monkeypatch):
+    collect_minari(tmp_path, monkeypatch, "cartpole/random-v0", 3)
+    src = tmp_path / "minari" / "cartpole" / "random-v0" / "data" / "main_data.hdf5"
+    with h5py.File(src, "a") as f:  # episode 1 stops with neither flag
+        for key in ("terminations", "truncations"):
+            flags = f[f"episode_1/{key}"][()]
+            flags[-1] = False
+            f[f"episode_1/{key}"][...] = flags
+    with pytest.warns(ConversionWarning, match="episode 1 ends with neither terminated nor truncated"):
+        s = convert("minari", "cartpole/random-v0", tmp_path / "s", progress=False)
+    assert s["forced_truncations"] == 1 and s["forced_truncation_episodes"] == [1]
+    with mb.open(tmp_path / "s", mode="r") as buf:  # the source's flags stay recoverable
+        assert buf.attrs["convert"]["stats"]["forced_truncation_episodes"] == [1]
+
+
 def test_minari_infos_survive_export(tmp_path, monkeypatch):
     collect_minari(tmp_path, monkeypatch, "cartpole/random-v0", 3)
     convert("minari", "cartpole/random-v0", tmp_path / "s", keep_infos=True, progress=False)

@@ -23,7 +23,8 @@ of T rows is row for row. Dict and Tuple spaces become one column per leaf:
 ``obs/pixels``, ``obs/_index_0`` (HDF5 names kept, so the export can rebuild
 the group). JPEG-encoded image leaves are decoded (needs Pillow). An episode
 whose last step has neither flag gets ``truncated=True`` there (it is a complete
-Minari episode; counted as ``forced_truncations``, with a warning).
+Minari episode; counted as ``forced_truncations``, with a warning; the episode
+ids, up to 1024, in ``attrs["convert"]["stats"]["forced_truncation_episodes"]``).
 ``metadata.json`` goes into ``attrs["minari"]`` (spaces and env spec as the JSON
 strings Minari wrote). Episodes are read one at a time (an Arrow episode whole,
 an HDF5 episode in row slices), so memory stays at about one chunk.
@@ -206,6 +207,9 @@ class MinariReader(Reader):
         if len(term) and not (term[-1] or trunc[-1]):
             trunc[-1] = True
             self.stats["forced_truncations"] = self.stats.get("forced_truncations", 0) + 1
+            eps = self.stats.setdefault("forced_truncation_episodes", [])
+            if len(eps) < 1024:  # the source's flags stay recoverable (attrs["convert"]["stats"])
+                eps.append(int(ep))
             if self.stats["forced_truncations"] == 1:
                 self._warn(
                     f"episode {ep} ends with neither terminated nor truncated: marked truncated "

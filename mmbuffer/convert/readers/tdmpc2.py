@@ -23,7 +23,9 @@ accepts leaving them out (counted as ``reset_values_dropped``). ``episode`` or
 ``task`` changing inside an episode is refused likewise (one value per
 episode is kept: that of the episode's rows). A ``truncated`` or ``done`` key
 is compared with the flags the store derives (truncated at each episode's last
-step unless terminated) and refused where they disagree.
+step unless terminated) and refused where they disagree. A value that is not a
+tensor (a string, a number in a plain dict) is refused by name unless
+``drop_unsupported=True``.
 """
 
 from __future__ import annotations
@@ -111,7 +113,8 @@ def is_torch_zip(path: Path) -> bool:
         return False
 
 
-def _td_leaves(td: Any, prefix: str, out: dict[str, Any]) -> None:
+def _td_leaves(td: Any, prefix: str, out: dict[str, Any], other: list[str]) -> None:
+    """The tensors of ``td`` into ``out`` by path; the names of anything else into ``other``."""
     import torch
 
     keys = list(td.keys())
@@ -121,7 +124,9 @@ def _td_leaves(td: Any, prefix: str, out: dict[str, Any]) -> None:
         if isinstance(v, torch.Tensor):
             out[name] = v
         elif hasattr(v, "keys"):
-            _td_leaves(v, name, out)
+            _td_leaves(v, name, out, other)
+        else:
+            other.append(name)
 
 
 class TDMPC2Reader(Reader):
@@ -129,7 +134,8 @@ class TDMPC2Reader(Reader):
 
     format = "tdmpc2"
 
-    def __init__(self, path: str | os.PathLike[str], *, drop_reset_values: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, drop_reset_values: bool = False,
+                 drop_unsupported: bool = False) -> None:
         import torch
 
         super().__init__(path)
@@ -142,7 +148,13 @@ class TDMPC2Reader(Reader):
         if not hasattr(td, "keys"):
             raise self._error(f"not a TD-MPC2 dataset: expected a TensorDict or dict, got {type(td).__name__}")
         leaves: dict[str, torch.Tensor] = {}
-        _td_leaves(td, "", leaves)
+        other: list[str] = []
+        _td_leaves(td, "", leaves, other)
+        if other and not drop_unsupported:
+            raise self._error(f"expected tensors, got other values at {other[:8]}: a store cannot hold them; "
+                              "drop_unsupported=True (--drop-unsupported) converts without them", other[0])
+        if other:
+            self.stats["dropped_keys"] = other
         for key in ("obs", "action", "reward", "episode"):
             if not any(k == key or k.startswith(key + "/") for k in leaves):
                 raise self._error(

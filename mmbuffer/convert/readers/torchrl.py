@@ -33,9 +33,10 @@ column. Not stored, because the store derives them: ``("next", "done")``
 beside ``terminated``/``truncated`` (their ``or``) and the root-level flags
 (a collector's copy of the previous row's ``next`` flags). A dump with only
 ``("next", "done")`` does not say which ends were truncations: they are stored
-as ``terminated`` (warning). A leaf listed in ``meta.json`` with no
-``.memmap`` file holds no data (warning). ``prefetch.pkl`` and the sampler's
-state are pickles and never read.
+as ``terminated`` (warning). An entry with no array a store could hold (a
+non-tensor entry, a leaf listed in ``meta.json`` with no ``.memmap`` file) is
+refused by name unless ``drop_unsupported=True`` (``--drop-unsupported``).
+``prefetch.pkl`` and the sampler's state are pickles and never read.
 
 TD-MPC2 ``.pt`` files: ``tdmpc2.py``.
 """
@@ -83,9 +84,10 @@ class TorchRLReader(FlatReader):
     """Read a TorchRL replay buffer directory written by ``ReplayBuffer.dumps``."""
 
     def __init__(self, path: str | os.PathLike[str], *, derive_next: bool = False,
-                 keep_next_obs: bool = False) -> None:
+                 keep_next_obs: bool = False, drop_unsupported: bool = False) -> None:
         Reader.__init__(self, path)
         self._mode = next_mode(derive_next, keep_next_obs, str(self.path))
+        self._drop_unsupported, self._dropped = drop_unsupported, list[str]()
         try:
             self._open()
         except MMBufferError:
@@ -145,6 +147,8 @@ class TorchRLReader(FlatReader):
         self._traj = args.pop("traj_ids", None)
         super().__init__(self.path, fmt="torchrl", attrs=attrs, squeeze=("reward",), next_mode=self._mode, **args)
         self.notes = notes + self.notes
+        if self._dropped:  # only as asked (drop_unsupported): listed in the summary
+            self.stats["dropped_keys"] = self._dropped
         for msg in self._pending:
             self._warn(msg)
 
@@ -164,18 +168,28 @@ class TorchRLReader(FlatReader):
                 continue
             if not isinstance(md, dict):
                 continue
+            name = "/".join((*prefix, key))
             if "type" in md and "shape" not in md:
                 sub = d / key
                 if sub.is_dir():
                     self._walk_td(sub, (*prefix, key), out)
+                else:  # a non-tensor entry (NonTensorData...): no array a store could hold
+                    self._unsupported(name, f"a {md['type']} entry with no tensors")
                 continue
             if md.get("is_nested"):
-                raise self._error("nested (jagged) tensors are not supported", "/".join((*prefix, key)))
+                raise self._error("nested (jagged) tensors are not supported", name)
             file = d / f"{key}.memmap"
             if not file.is_file():
-                self._pending.append(f"{'/'.join((*prefix, key))}: no {file.name}, left out")
+                self._unsupported(name, f"listed in meta.json with no {file.name}")
                 continue
             out[(*prefix, key)] = (file, tuple(md["shape"]), _np_dtype(self, md["dtype"], "/".join((*prefix, key))))
+
+    def _unsupported(self, name: str, why: str) -> None:
+        """A leaf a store cannot hold: refused by name, unless ``drop_unsupported`` (then listed)."""
+        if not self._drop_unsupported:
+            raise self._error(f"{why}: a store cannot hold it; drop_unsupported=True (--drop-unsupported) "
+                              "converts without it", name)
+        self._dropped.append(name)
 
     def _map_keys(self, arrays: dict[tuple[str, ...], Any]) -> dict[str, Any]:
         def name_of(key: tuple[str, ...]) -> str:
@@ -295,19 +309,21 @@ class TorchRLReader(FlatReader):
 
 
 def open_torchrl(path: str | os.PathLike[str], *, derive_next: bool = False, keep_next_obs: bool = False,
-                 drop_reset_values: bool = False) -> Reader:
+                 drop_reset_values: bool = False, drop_unsupported: bool = False) -> Reader:
     """A reader for ``path``: a ``dumps()`` directory, or a TD-MPC2 ``.pt`` file.
 
     ``derive_next`` and ``keep_next_obs`` are :class:`TorchRLReader`'s; a TD-MPC2
     file has no separate next observations (each episode's ``L`` observations
     are its rows and its final observation), so they change nothing there.
-    ``drop_reset_values`` is :class:`TDMPC2Reader`'s (a dump has no reset row).
+    ``drop_reset_values`` is :class:`TDMPC2Reader`'s (a dump has no reset row);
+    ``drop_unsupported`` both readers'.
     """
     p = Path(path)
     if p.is_dir():
-        return TorchRLReader(p, derive_next=derive_next, keep_next_obs=keep_next_obs)
+        return TorchRLReader(p, derive_next=derive_next, keep_next_obs=keep_next_obs,
+                             drop_unsupported=drop_unsupported)
     if p.is_file():
-        return TDMPC2Reader(p, drop_reset_values=drop_reset_values)
+        return TDMPC2Reader(p, drop_reset_values=drop_reset_values, drop_unsupported=drop_unsupported)
     from ...errors import ConversionError
 
     raise ConversionError(f"{p}: no such file or directory (expected a TorchRL dumps() directory or a .pt file)")
@@ -320,6 +336,7 @@ def convert_torchrl(
     derive_next: bool = False,
     keep_next_obs: bool = False,
     drop_reset_values: bool = False,
+    drop_unsupported: bool = False,
     overwrite: bool = False,
     compression: str | None = None,
     chunk_rows: int | None = None,
@@ -351,7 +368,7 @@ def convert_torchrl(
 
     check_destination(dst, overwrite)
     reader = open_torchrl(src, derive_next=derive_next, keep_next_obs=keep_next_obs,
-                          drop_reset_values=drop_reset_values)
+                          drop_reset_values=drop_reset_values, drop_unsupported=drop_unsupported)
     return write_store(
         reader, dst, overwrite=overwrite, compression=compression, chunk_rows=chunk_rows,
         progress=progress, verify=verify, capacity=capacity, num_streams=num_streams, priorities=priorities,
