@@ -469,6 +469,23 @@ def test_tianshou_buffers_in_age_order(tmp_path, n_envs, steps_per_env, size):
     assert "infos/note" not in s["columns"]
 
 
+def test_tianshou_obs_next_that_differs_is_kept(tmp_path):
+    envs = rollout(1, 60)
+    env = envs[0]
+    inner = int(np.flatnonzero(~(env["terminated"] | env["truncated"]))[3])
+    env["obs_next"][inner] += 1.0  # not the following row's obs (a reset inside an episode, a dropped frame)
+    write_tianshou(tmp_path / "b.hdf5", envs, 100, str(tmp_path / "pwned"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        s = convert("tianshou", tmp_path / "b.hdf5", tmp_path / "s", drop_unsupported=True, progress=False)
+    assert any("1 rows have a next observation" in str(w.message) and f"first rows [{inner}]" in str(w.message)
+               for w in caught)
+    assert s["next_obs_mismatch_rows"] == 1
+    with mb.open(tmp_path / "s", mode="r") as buf:
+        assert buf.next_keys == () and buf.attrs["next_obs"]["first_rows"] == [inner]
+        assert np.array_equal(buf.read_range("next/obs", 0, 60), env["obs_next"])  # every row, as the buffer holds it
+
+
 def test_tianshou_bad_input(tmp_path):
     envs = rollout(2, 30)
     write_tianshou(tmp_path / "v.hdf5", envs, 50, str(tmp_path / "pwned"))
