@@ -783,6 +783,28 @@ def test_minari_info_leaf_a_store_cannot_hold_is_refused_by_name(tmp_path, monke
     assert not any(k.startswith("infos/") for k in s["checksums"])
 
 
+def test_minari_arrow_missing_values_are_refused_not_filled(tmp_path, monkeypatch):
+    pa_ipc = pytest.importorskip("pyarrow.ipc")
+    collect_minari(tmp_path, monkeypatch, "cartpole/random-v0", 2, "arrow")
+    part = tmp_path / "minari" / "cartpole" / "random-v0" / "data" / "1" / "part-0.arrow"
+    with pa_ipc.open_file(part) as f:
+        table = f.read_all()
+    infos = table.column("infos").combine_chunks()
+    t = infos.field("t").to_numpy(zero_copy_only=False).astype("int64")
+    mask = np.zeros(len(t), bool)
+    mask[0] = True  # the reset info lacks "t": Arrow stores a null there
+    fields = [pa.array(t, mask=mask) if name == "t" else infos.field(i) for i, name in enumerate(infos.type.names)]
+    table = table.set_column(table.column_names.index("infos"), "infos",
+                             pa.StructArray.from_arrays(fields, names=infos.type.names))
+    with pa_ipc.new_file(part, table.schema) as w:
+        w.write_table(table)
+    with pytest.raises(ConversionError, match=r"\[infos/t\]: info leaf 'infos/t' cannot be stored as a column: 1: "
+                                              r"missing \(null\) values at rows \[0\].*drop_unsupported=True"):
+        convert("minari", "cartpole/random-v0", tmp_path / "s", progress=False)
+    s = convert("minari", "cartpole/random-v0", tmp_path / "s", drop_unsupported=True, progress=False)
+    assert s["dropped_keys"] == ["infos/t"] and "infos/x" in s["checksums"]
+
+
 def test_minari_episode_without_an_end_flag_is_recorded(tmp_path, monkeypatch):
     collect_minari(tmp_path, monkeypatch, "cartpole/random-v0", 3)
     src = tmp_path / "minari" / "cartpole" / "random-v0" / "data" / "main_data.hdf5"

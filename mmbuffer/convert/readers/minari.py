@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 
 from ...schema import PriorityConfig
-from .minari_arrow import arrow_info_leaves, arrow_leaves, null_fill
+from .minari_arrow import arrow_info_leaves, arrow_leaves, null_fill, null_rows
 from .minari_spaces import decode_jpeg, is_image, parse_space, space_leaves
 from .._pipeline.reader import Chunk, ChunkAssembler, Reader, Schema, jsonable
 from .._pipeline.sniff import expect
@@ -400,36 +400,77 @@ class MinariReader(Reader):
         dirs.sort()
         return dirs
 
-    def _arrow_table(self, d: Path) -> Any:
+    def _arrow_table(self, d: Path, columns: list[str] | None = None) -> Any:
         try:
             import pyarrow.dataset as pds
         except ImportError as exc:
             raise self._error(f"data_format {self.data_format!r} needs pyarrow (pip install pyarrow)") from exc
         ds = pds.dataset(str(d), format=self.data_format, ignore_prefixes=["_", ".", "metadata.json"])
-        return ds.to_table()
+        if columns is not None:
+            columns = [c for c in columns if c in ds.schema.names]
+        return ds.to_table(columns=columns)
+
+    def _arrow_infos(self) -> None:
+        """Read every episode's ``infos`` column (only it) before writing: the leaves a store cannot
+        hold (not numeric, missing values, not in every episode) are refused or, with
+        ``drop_unsupported``, left out of every episode (:attr:`_dropped_leaves`)."""
+        why: dict[str, str] = {}
+        first: set[str] | None = None
+        for _, d in self._dirs:
+            table = self._arrow_table(d, ["infos"])
+            leaves: dict[str, np.ndarray] = {}
+            if "infos" in table.column_names:
+                unsupported: dict[str, str] = {}
+                arrow_info_leaves(table.column("infos").combine_chunks(), "infos", leaves, table.num_rows, unsupported)
+                for col, arr in leaves.items():
+                    if arr.dtype.kind not in "biuf":
+                        unsupported[col] = f"dtype {arr.dtype}, not numeric"
+                for col, reason in unsupported.items():
+                    why.setdefault(col, f"{d.name}: {reason}")
+            names = set(leaves) | set(why)
+            if first is None:
+                first = names
+            for col in sorted(names ^ first):
+                why.setdefault(col, f"{d.name}: " + ("not in the first episode" if col in names else "missing"))
+        self._refuse_or_drop(why)
+        self._dropped_leaves = set(why)
 
     def _arrow_episode(self, d: Path) -> dict[str, np.ndarray]:
         table = self._arrow_table(d)
         n = table.num_rows
         out: dict[str, np.ndarray] = {}
+        nulls: dict[str, np.ndarray] = {}
         for key, col in (("observations", "obs"), ("actions", "action")):
             if key not in table.column_names:
                 raise self._error(f"missing key {key!r}", f"{d.name}/{key}")
             space = self._obs_space if key == "observations" else self._act_space
-            arrow_leaves(table.column(key).combine_chunks(), space, col, out, self, jpeg=self._jpeg)
+            arrow_leaves(table.column(key).combine_chunks(), space, col, out, self, jpeg=self._jpeg, nulls=nulls)
         for key, col in (("rewards", "reward"), ("terminations", "terminated"), ("truncations", "truncated")):
             if key not in table.column_names:
                 raise self._error(f"missing key {key!r}", f"{d.name}/{key}")
             arr = table.column(key).combine_chunks()
+            if arr.null_count:
+                nulls[col] = null_rows(arr)
             out[col] = arr.fill_null(null_fill(arr)).to_numpy(zero_copy_only=False)
+        for col, rows in nulls.items():  # only the padding row T of a step column may be null
+            obs = col == "obs" or col.startswith("obs/")
+            bad = rows if obs else rows[rows != n - 1]
+            if len(bad):
+                where = "" if obs else f" before the padding row {n - 1}"
+                raise self._error(f"expected no missing (null) values{where}, got nulls at rows {bad[:8].tolist()} "
+                                  "(they cannot be stored, and filling them would change the data)", f"{d.name}/{col}")
         if self._keep_infos and "infos" in table.column_names:
             unsupported: dict[str, str] = {}
             arrow_info_leaves(table.column("infos").combine_chunks(), "infos", out, n, unsupported)
             for col, arr in list(out.items()):
                 if col.startswith("infos/") and arr.dtype.kind not in "biuf":
-                    unsupported[col] = f"dtype {arr.dtype}"
-                    del out[col]
-            self._refuse_or_drop({c: f"{d.name}: Arrow type {why}, not numeric" for c, why in unsupported.items()})
+                    unsupported[col] = f"dtype {arr.dtype}, not numeric"
+            for col in self._dropped_leaves:  # found by _arrow_infos, left out of every episode as asked
+                out.pop(col, None)
+                unsupported.pop(col, None)
+            if unsupported:  # _arrow_infos read them all: only if the files changed since
+                col, why = next(iter(unsupported.items()))
+                raise self._error(f"info leaf {col!r} cannot be stored as a column: {d.name}: {why}", col)
         return out
 
     def _scan_arrow(self) -> Schema:
@@ -437,6 +478,9 @@ class MinariReader(Reader):
         if not self._dirs:
             raise self._error(f"data_format is {self.data_format} but data/ holds no episode directories")
         self._lengths = []
+        self._dropped_leaves = set[str]()
+        if self._keep_infos:
+            self._arrow_infos()
         columns: dict[str, tuple[tuple[int, ...], str]] = {}
         for ep, d in self._dirs:
             meta_file = d / "metadata.json"
