@@ -28,7 +28,11 @@ is), with ``attrs["next_obs"]`` and the summary's ``next_obs_mismatch_rows``
 saying why. ``next_mode="derive"`` (``derive_next=True``) derives anyway: the
 rows that differ then answer the following row's observation, not the source's
 (the loss is opted into and counted); ``next_mode="explicit"``
-(``keep_next_obs=True``) always keeps the explicit column.
+(``keep_next_obs=True``) always keeps the explicit column. The comparison
+reads the observations and next observations once more before the write
+(2M rows of 17 float32 observations, 272 MB from the page cache: 0.3 s, where
+the whole conversion takes 1.5-2 s); ``derive_next=True`` skips it (the rows
+that differ are still counted during the write).
 Arrays are read in row slices only, so any object with ``shape``, ``dtype`` and
 ``__getitem__(slice)`` works (``h5py.Dataset``, :class:`FileArray`, numpy arrays).
 """
