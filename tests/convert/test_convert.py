@@ -191,6 +191,35 @@ def test_d4rl_next_observations_that_differ_are_kept_by_default(tmp_path, cartpo
     assert not np.array_equal(got["next/obs"][rows], got["obs"][[r + 1 for r in rows]])
 
 
+@pytest.mark.parametrize("derive", [False, True])
+def test_d4rl_dict_observations_count_a_row_once_and_round_trip(tmp_path, derive):
+    """observations/<leaf> groups: a row whose leaves both differ counts once; kept, every
+    leaf comes back byte for byte from the export."""
+    n, rng = 12, np.random.default_rng(0)
+    src = tmp_path / "d.hdf5"
+    with h5py.File(src, "w") as f:
+        for leaf, dim in (("pos", 3), ("vel", 2)):
+            states = rng.random((n + 1, dim), dtype=np.float32)
+            nxt = states[1:].copy()
+            nxt[4] += 1  # both leaves differ at row 4
+            f[f"observations/{leaf}"], f[f"next_observations/{leaf}"] = states[:-1], nxt
+        f["actions"] = rng.random((n, 1), dtype=np.float32)
+        f["rewards"] = np.ones(n, np.float32)
+        f["terminals"] = np.arange(n) == n - 1
+        f["timeouts"] = np.zeros(n, bool)
+    with pytest.warns(ConversionWarning, match="derive_next=True: 1 rows" if derive else "1 rows have a next"):
+        s = convert_d4rl(src, tmp_path / "s", derive_next=derive, progress=False)
+    assert s["next_obs_mismatch_rows"] == 1
+    if derive:
+        assert not any(k.startswith("next/") for k in s["checksums"])
+        return
+    assert {"next/obs/pos", "next/obs/vel"} <= set(s["checksums"])
+    export_d4rl(tmp_path / "s", tmp_path / "back.hdf5", progress=False)
+    with h5py.File(src) as f, h5py.File(tmp_path / "back.hdf5") as g:
+        for key in ("observations/pos", "observations/vel", "next_observations/pos", "next_observations/vel"):
+            assert g[key][()].tobytes() == f[key][()].tobytes() and g[key].dtype == f[key].dtype, key
+
+
 def test_d4rl_derive_next_is_the_explicit_opt_in(tmp_path, cartpole):
     src = tmp_path / "c.hdf5"
     write_d4rl(src, cartpole)

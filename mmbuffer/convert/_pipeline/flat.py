@@ -377,6 +377,8 @@ class FlatReader(Reader):
             extra = self._extra_ends(a, b) if self._next else None
             cut = done if extra is None else done | extra  # episode ends for the next-observation check
             final: dict[str, np.ndarray] = {}
+            differs = np.zeros(b - a, bool)  # a row counts once, however many columns differ
+            carry = False
             for k in self._next_keys:
                 shape, dtype = self._schema.columns[k]
                 if k in self._next:
@@ -386,13 +388,13 @@ class FlatReader(Reader):
                     # inside an episode, next_obs[t] should be obs[t + 1]
                     inner = ~cut[:-1]
                     if inner.any():
-                        diff = _rows_differ(nxt[:-1][inner], obs[1:][inner])
-                        mismatches += int(diff.sum())
+                        differs[:-1][inner] |= _rows_differ(nxt[:-1][inner], obs[1:][inner])
                     if k in prev_next and not prev_end:
-                        mismatches += int(_rows_differ(prev_next[k], obs[:1]).sum())
+                        carry |= bool(_rows_differ(prev_next[k], obs[:1])[0])
                     prev_next[k] = nxt[-1:]
                 else:
                     final[k] = np.zeros((len(ends), *shape), dtype)
+            mismatches += int(differs.sum()) + int(carry)
             prev_end = bool(cut[-1]) if len(cut) else prev_end
             yield Chunk(steps, final)
         if self._next:

@@ -113,7 +113,8 @@ class D4RLWriter(ExportWriter):
     def open(self) -> None:
         buf = self.buf = self.opened.open()
         self.where = getattr(buf, "path", self.store)
-        missing = [k for k in ("obs", "action", "reward") if k not in buf.columns]
+        missing = [k for k in ("obs", "action", "reward")
+                   if k not in buf.columns and not any(c.startswith(k + "/") for c in buf.columns)]
         if missing:
             raise ConversionError(
                 f"{self.where}: expected columns obs, action and reward for a D4RL file "
