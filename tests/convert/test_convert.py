@@ -833,18 +833,25 @@ def test_torchrl_layout_read_without_torchrl_including_a_wrapped_ring(tmp_path):
         np.testing.assert_array_equal(rows["obs"], obs[order])
         np.testing.assert_array_equal(rows["reward"], leaves["next/reward"][order, 0])
         np.testing.assert_array_equal(rows["terminated"], term[order, 0])
-        np.testing.assert_array_equal(rows["index"], leaves["index"][order])  # every leaf is kept
+        assert "index" not in rows  # each row's storage slot (as TorchRL writes it): derived from its position
         if not derive:  # lossless: the dump's next observations, every row; the ring's last episode stays open
-            assert set(rows) == {"obs", "action", "reward", "terminated", "truncated", "index", "next/obs"}
+            assert set(rows) == {"obs", "action", "reward", "terminated", "truncated", "next/obs"}
             np.testing.assert_array_equal(rows["next/obs"], nxt[order])
             assert s["episodes"] == 3 and s["open_episode_rows"] == cap - 1 - ends[-1] and not rows["truncated"][-1]
             continue
-        assert set(rows) == {"obs", "action", "reward", "terminated", "truncated", "index", "next_obs"}
+        assert set(rows) == {"obs", "action", "reward", "terminated", "truncated", "next_obs"}
         np.testing.assert_array_equal(rows["next_obs"][ends], nxt[order][ends])
         np.testing.assert_array_equal(rows["next_obs"][inner], obs[order][[r + 1 for r in inner]])  # derived, as asked
         # the ring stops inside an episode: closed as truncated, final observation next/observation
         assert s["episodes"] == 4 and s["open_episode_rows"] == 0 and rows["truncated"][-1]
         np.testing.assert_array_equal(rows["next_obs"][-1], nxt[order][-1])
+    # an index that is not the storage slot is data of its own: kept
+    other = np.arange(cap, dtype=np.int64)[::-1].copy()
+    other.tofile(tmp_path / "rb" / "storage" / "index.memmap")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConversionWarning)
+        convert_torchrl(tmp_path / "rb", tmp_path / "idx", progress=False)
+    np.testing.assert_array_equal(read_all(tmp_path / "idx")["index"], other[order])
 
 
 def test_torchrl_trajectory_changes_end_episodes_in_the_next_observation_check(tmp_path):

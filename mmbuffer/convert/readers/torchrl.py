@@ -15,8 +15,9 @@ writer's cursor). Keys map as ``observation -> obs``, ``action``,
 flags (``("next", "done")`` alone -> ``terminated``, with a warning); every root
 key that also exists under ``next`` is next-derived and its final observation
 is ``("next", key)`` at the episode's last row; other keys are kept as columns
-named by their path (``collector/traj_ids``, ``next/<key>`` for next-only keys);
-``index`` included). Trailing ``[.., 1]`` dims of reward and flags are squeezed.
+named by their path (``collector/traj_ids``, ``next/<key>`` for next-only keys;
+``index`` too, unless it is each row's storage slot, as ``TensorDictReplayBuffer``
+writes it: derived from the row's position then, and not stored). Trailing ``[.., 1]`` dims of reward and flags are squeezed.
 Where ``("collector", "traj_ids")`` changes with no flag set, the row before is
 marked truncated (counted as ``forced_truncations``; the source's flags stay
 recoverable from the kept ``collector/traj_ids`` column); a last episode with no
@@ -137,12 +138,15 @@ class TorchRLReader(FlatReader):
             arr = FileArray(file, 0, shape, dtype)
             arrays[key] = RolledArray(arr, shift, length)
         self._files = arrays
-        args = self._map_keys(arrays)
+        slot_index = ("index",) in arrays and _is_slot_index(arrays[("index",)], shift, cap)
+        args = self._map_keys({k: v for k, v in arrays.items() if not (slot_index and k == ("index",))})
         attrs = {
             "source_format": "torchrl",
             "torchrl": {"len": length, "capacity": cap, "write_count": write_count, "cursor": cursor,
                         "keys": ["/".join(k) for k in leaves]},
         }
+        if slot_index:
+            attrs["torchrl"]["index"] = "the storage slot of each row: derived, not stored"
         notes = self.notes
         self._traj = args.pop("traj_ids", None)
         super().__init__(self.path, fmt="torchrl", attrs=attrs, squeeze=("reward",), next_mode=self._mode, **args)
@@ -303,6 +307,19 @@ class TorchRLReader(FlatReader):
     def close(self) -> None:
         for arr in getattr(self, "_files", {}).values():
             arr.base.close()
+
+
+def _is_slot_index(arr: RolledArray, shift: int, cap: int) -> bool:
+    """Whether ``arr`` (the dump's ``index`` leaf, rows in write order) holds each row's storage
+    slot, as ``TensorDictReplayBuffer`` writes it: then the row's position says it, nothing is lost."""
+    if arr.shape[1:] not in ((), (1,)) or np.dtype(arr.dtype).kind not in "iu":
+        return False
+    step = 1 << 20
+    for a in range(0, arr.shape[0], step):
+        b = min(arr.shape[0], a + step)
+        if not np.array_equal(np.asarray(arr[a:b]).reshape(b - a), (shift + np.arange(a, b)) % cap):
+            return False
+    return True
 
 
 # -- TD-MPC2 ------------------------------------------------------------------------------------
