@@ -140,7 +140,7 @@ class TorchRLReader(FlatReader):
         self._files = arrays
         slot_index = ("index",) in arrays and _is_slot_index(arrays[("index",)], shift, cap)
         args = self._map_keys({k: v for k, v in arrays.items() if not (slot_index and k == ("index",))})
-        attrs = {
+        attrs: dict[str, Any] = {
             "source_format": "torchrl",
             "torchrl": {"len": length, "capacity": cap, "write_count": write_count, "cursor": cursor,
                         "keys": ["/".join(k) for k in leaves]},
