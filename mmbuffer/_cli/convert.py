@@ -91,22 +91,33 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
+#: The converters' own boolean options (registry ``Format.options``) and their flags. Converters
+#: are lossless by default: each option that loses something is an explicit opt-in.
+READER_FLAGS: dict[str, tuple[str, str]] = {
+    "drop_infos": ("--drop-infos", "leave infos/* out (kept as columns by default)"),
+    "drop_unsupported": ("--drop-unsupported", ("leave out source keys a store cannot hold (non-numeric, "
+                                                "ragged) instead of refusing them by name")),
+    "derive_next": ("--derive-next", ("derive next observations from the following row even where the source's "
+                                      "next observations differ (those rows' are lost; by default the source's "
+                                      "are kept as an explicit next/obs column)")),
+    "keep_next_obs": ("--keep-next-obs", "always store the source's next observations as an explicit next/obs column"),
+    "drop_reset_values": ("--drop-reset-values", ("leave out values in TD-MPC2 reset rows (row 0 of each "
+                                                  "episode, NaN in TD-MPC2's own files) instead of refusing them")),
+    "drop_past_ends": ("--drop-past-ends", "leave out rows past the last episode end instead of refusing them"),
+    "skip_visual": ("--skip-visual", "leave video/image features out instead of refusing them"),
+    "keep_infos": ("--keep-infos", "deprecated, changes nothing: infos are kept by default"),
+}
+
+
 def _add_convert_options(p: argparse.ArgumentParser, fmt: str | None) -> None:
     _common(p)
     p.add_argument("--compression", type=_compression, default=None,
                    help="zstd | lz4 (compressed archive) | none (default: raw, memory-mapped, for training)")
     _layout(p, copy=False)
-    with_infos, with_next = takes("keep_infos", READERS), takes("keep_next_obs", READERS)
-    if fmt is None or fmt in with_infos:
-        p.add_argument("--keep-infos", action="store_true",
-                       help=f"keep infos/* as columns ({', '.join(with_infos)})")
-    with_visual = takes("skip_visual", READERS)
-    if fmt is None or fmt in with_visual:
-        p.add_argument("--skip-visual", action="store_true",
-                       help=f"leave video/image features out instead of refusing them ({', '.join(with_visual)})")
-    if fmt is None or fmt in with_next:
-        p.add_argument("--keep-next-obs", action="store_true",
-                       help=f"store next_observations as an explicit next/obs column ({', '.join(with_next)})")
+    for option, (flag, text) in READER_FLAGS.items():
+        formats = takes(option, READERS)
+        if formats and (fmt is None or fmt in formats):
+            p.add_argument(flag, dest=option, action="store_true", help=f"{text} ({', '.join(formats)})")
 
 
 def _format_help(table: dict[str, Format]) -> str:
@@ -148,18 +159,11 @@ def _run_convert(args: argparse.Namespace) -> int:
         progress=args.progress, verify=args.verify, capacity=args.capacity, num_streams=args.num_streams,
         priorities=args.priorities,
     )
-    if getattr(args, "keep_infos", False):
-        if fmt not in (with_infos := takes("keep_infos", READERS)):
-            raise _invalid(f"--keep-infos: not an option of format {fmt!r} (only {', '.join(with_infos)})")
-        options["keep_infos"] = True
-    if getattr(args, "keep_next_obs", False):
-        if fmt not in (with_next := takes("keep_next_obs", READERS)):
-            raise _invalid(f"--keep-next-obs: not an option of format {fmt!r} (only {', '.join(with_next)})")
-        options["keep_next_obs"] = True
-    if getattr(args, "skip_visual", False):
-        if fmt not in (with_visual := takes("skip_visual", READERS)):
-            raise _invalid(f"--skip-visual: not an option of format {fmt!r} (only {', '.join(with_visual)})")
-        options["skip_visual"] = True
+    for option, (flag, _) in READER_FLAGS.items():
+        if getattr(args, option, False):
+            if fmt not in (formats := takes(option, READERS)):
+                raise _invalid(f"{flag}: not an option of format {fmt!r} (only {', '.join(formats)})")
+            options[option] = True
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConversionWarning)  # the summary lists them
         summary = convert(fmt, args.src, args.dst, **options)
@@ -210,9 +214,14 @@ npz layout (one row per transition, N rows; a .npz archive, or a directory of
   terminals          [N]       nonzero: the episode ended (terminated)
   timeouts           [N]       nonzero: the episode was cut (truncated)
   next_observations  [N, ...]  optional: gives each episode's final observation
-  infos/<name>       [N, ...]  optional, kept with --keep-infos
+  infos/<name>       [N, ...]  optional, kept as columns (--drop-infos leaves them out)
   metadata/<name>              optional, small arrays kept in the store's attrs
 Episodes end at rows where terminals or timeouts is set.
+
+Lossless by default: next_observations that differ from the following row
+inside an episode are kept as an explicit next/obs column (--derive-next
+derives them instead), infos are kept, and a key the store cannot hold is
+refused by name (--drop-unsupported leaves it out).
 
 minari SRC may be a dataset directory or a dataset id (namespace/name-vN),
 looked up in $MINARI_DATASETS_PATH (default ~/.minari/datasets); nothing is

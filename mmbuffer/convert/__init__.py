@@ -10,6 +10,14 @@ source in order as chunks ``(steps, final_obs)`` and a :class:`Schema`, and
 * keeps episode boundaries and the terminated/truncated distinction exactly
   (a source that stops inside an episode, with next observations, gets
   ``truncated`` on its last row, recorded in ``attrs["tail_truncated_row"]``),
+* is lossless by default: what the source holds and the store cannot derive
+  is kept (``infos/*`` as columns; next observations that differ from the
+  following row as an explicit ``next/<col>`` column) or refused with
+  :class:`~mmbuffer.errors.ConversionError` naming the key, the rows and the
+  option that accepts the loss (``derive_next``, ``drop_infos``,
+  ``drop_unsupported``, ``drop_past_ends``, ``drop_reset_values``,
+  ``skip_visual``); a warning never stands in for a refusal, and each reader's
+  module docstring lists what its format holds and what becomes of it,
 * refuses what it cannot convert (a required key that is not numeric, a file
   of another format: "expected ..., found an HDF5 file") with
   :class:`~mmbuffer.errors.ConversionError`, never drops it silently,
@@ -151,7 +159,8 @@ def convert(
     ``torchrl``/``tdmpc2``, ``diffusion_policy``, ``lerobot``, ``tianshou``);
     ``options`` are those of the format's converter (``overwrite``,
     ``compression``, ``chunk_rows``, ``progress``, ``verify``, ``capacity``,
-    ``num_streams``, ``priorities``, ``keep_infos``...). Returns the summary dict.
+    ``num_streams``, ``priorities``, and the format's own: ``derive_next``,
+    ``drop_infos``... as the registry lists them). Returns the summary dict.
 
     >>> import tempfile, numpy as np, mmbuffer as mb
     >>> d = tempfile.mkdtemp()

@@ -12,9 +12,14 @@ command line's ``--help`` stays free of torch).
 >>> list(READERS), list(WRITERS)
 (['d4rl', 'minari', 'npz', 'torchrl', 'tdmpc2', 'diffusion_policy', 'lerobot', 'tianshou'], ['d4rl', 'minari', 'diffusion_policy'])
 >>> READERS["npz"].options
-('keep_infos', 'keep_next_obs')
->>> takes("keep_infos", READERS)
+('drop_infos', 'drop_unsupported', 'derive_next', 'keep_next_obs', 'keep_infos')
+>>> takes("drop_infos", READERS)
 ('d4rl', 'minari', 'npz', 'tianshou')
+
+Converters are lossless by default: every option here that loses something
+(``drop_*``, ``derive_next``, ``skip_visual``) is an explicit opt-in, and what it
+accepts is refused, by name, without it. ``keep_infos`` is deprecated (infos are
+kept by default).
 """
 
 from __future__ import annotations
@@ -51,20 +56,26 @@ class Format:
         return fn
 
 
+#: The options of the flat readers (D4RL keys, npz, Tianshou): see :class:`~mmbuffer.convert.D4RLReader`.
+_FLAT = ("drop_infos", "drop_unsupported", "derive_next", "keep_next_obs", "keep_infos")
+
 #: ``convert`` formats (sources read into a new store), in the order the CLI lists them.
 READERS: dict[str, Format] = {f.name: f for f in (
-    Format("d4rl", ".readers.d4rl", "convert_d4rl", "a D4RL HDF5 file", ("keep_infos", "keep_next_obs")),
-    Format("minari", ".readers.minari", "convert_minari", "a Minari dataset directory (HDF5 or Arrow)", ("keep_infos",)),
-    Format("npz", ".readers.npz", "convert_npz", "a .npz archive or a directory of .npy files",
-           ("keep_infos", "keep_next_obs")),
-    Format("torchrl", ".readers.torchrl", "convert_torchrl", "a TorchRL dumps() directory or a TD-MPC2 .pt file"),
-    Format("tdmpc2", ".readers.torchrl", "convert_torchrl", "a TD-MPC2 .pt file (the same reader as torchrl)"),
+    Format("d4rl", ".readers.d4rl", "convert_d4rl", "a D4RL HDF5 file", _FLAT),
+    Format("minari", ".readers.minari", "convert_minari", "a Minari dataset directory (HDF5 or Arrow)",
+           ("drop_infos", "drop_unsupported", "keep_infos")),
+    Format("npz", ".readers.npz", "convert_npz", "a .npz archive or a directory of .npy files", _FLAT),
+    Format("torchrl", ".readers.torchrl", "convert_torchrl", "a TorchRL dumps() directory or a TD-MPC2 .pt file",
+           ("derive_next", "keep_next_obs", "drop_unsupported", "drop_reset_values")),
+    Format("tdmpc2", ".readers.torchrl", "convert_torchrl", "a TD-MPC2 .pt file (the same reader as torchrl)",
+           ("drop_reset_values", "drop_unsupported")),
     Format("diffusion_policy", ".readers.diffusion", "convert_diffusion_policy",
-           "a Diffusion Policy / UMI Zarr group (data/<key>, meta/episode_ends; .zarr or .zarr.zip)"),
+           "a Diffusion Policy / UMI Zarr group (data/<key>, meta/episode_ends; .zarr or .zarr.zip)",
+           ("drop_past_ends", "drop_unsupported")),
     Format("lerobot", ".readers.lerobot", "convert_lerobot",
-           "a LeRobot v3 dataset directory (meta/info.json, data/ parquet files)", ("skip_visual",)),
+           "a LeRobot v3 dataset directory (meta/info.json, data/ parquet files)", ("skip_visual", "drop_unsupported")),
     Format("tianshou", ".readers.tianshou", "convert_tianshou",
-           "a Tianshou ReplayBuffer/VectorReplayBuffer save_hdf5 file", ("keep_infos",)),
+           "a Tianshou ReplayBuffer/VectorReplayBuffer save_hdf5 file", _FLAT),
 )}
 
 #: ``export`` formats (a store written out), in the order the CLI lists them.

@@ -126,10 +126,13 @@ def test_d4rl_keeps_episodes_flags_and_final_obs(tmp_path, cartpole):
     assert summary["episodes"] == len(cartpole)
     assert summary["open_episode_rows"] == 0 and summary["nan_rewards"] == 0
     assert summary["next_obs_mismatch_rows"] == 0
-    assert set(summary["checksums"]) == {"obs", "action", "reward", "terminated", "truncated"}
+    # lossless by default: infos/* are kept as columns, next observations derived (all agree)
+    assert set(summary["checksums"]) == {"obs", "action", "reward", "terminated", "truncated", "infos/step"}
     assert_same_episodes(store_episodes(tmp_path / "store"), cartpole)
-    with mb.open(str(tmp_path / "store"), mode="r") as buf:
-        assert "infos/step" not in buf.columns
+    with mb.open(str(tmp_path / "store"), mode="r") as buf, h5py.File(src) as f:
+        assert buf.next_keys == ("obs",) and "next/obs" not in buf.columns
+        assert buf.attrs["next_obs"] == {"source": "derived", "mode": "auto"}
+        np.testing.assert_array_equal(buf.read_range("infos/step", 0, len(buf)), f["infos/step"][()])
         assert buf.attrs["source_format"] == "d4rl"
         assert buf.attrs["source_metadata"]["algorithm"] == "random"
         assert buf.attrs["final_obs_source"] == "next"
@@ -137,11 +140,11 @@ def test_d4rl_keeps_episodes_flags_and_final_obs(tmp_path, cartpole):
     assert not (tmp_path / "store.partial").exists()
 
 
-def test_d4rl_keep_infos_and_no_next_observations(tmp_path, cartpole):
+def test_d4rl_infos_and_no_next_observations(tmp_path, cartpole):
     src = tmp_path / "c.hdf5"
     write_d4rl(src, cartpole, next_obs=False)
     with pytest.warns(ConversionWarning, match="stored as zeros"):
-        convert_d4rl(src, tmp_path / "s", keep_infos=True, progress=False)
+        convert_d4rl(src, tmp_path / "s", progress=False)
     with mb.open(str(tmp_path / "s"), mode="r") as buf:
         assert buf.columns["infos/step"].dtype == "int64"
         assert buf.attrs["final_obs_source"] == "zeros"
@@ -149,6 +152,119 @@ def test_d4rl_keep_infos_and_no_next_observations(tmp_path, cartpole):
         last = buf.get(starts + lengths - 1, keys=["next_obs", "infos/step"])
         assert torch.all(last["next_obs"] == 0)
         assert last["infos/step"].tolist() == [len(e["reward"]) - 1 for e in cartpole]
+
+
+def _with_dropped_frames(src: Path, rows: list[int]) -> np.ndarray:
+    """Make next_observations[row] differ from observations[row + 1] (a dropped frame) at ``rows``."""
+    with h5py.File(src, "a") as f:
+        nxt = f["next_observations"][()]
+        nxt[rows] += 0.5
+        f["next_observations"][...] = nxt
+    return nxt
+
+
+@pytest.mark.parametrize("scan_bytes", [None, 1])
+def test_d4rl_next_observations_that_differ_are_kept_by_default(tmp_path, cartpole, monkeypatch, scan_bytes):
+    """A file whose next_observations differ from the following row inside an episode keeps
+    them: the store holds the file's next observations (an explicit next/obs column), never
+    derived ones that differ from the file. (scan_bytes=1: the comparison reads one row at a
+    time, so every row is compared across a slice boundary.)"""
+    if scan_bytes:
+        monkeypatch.setattr("mmbuffer.convert._pipeline.flat.SCAN_BYTES", scan_bytes)
+    src = tmp_path / "c.hdf5"
+    write_d4rl(src, cartpole)
+    # rows inside the first and second episodes (not their last rows)
+    rows = [2, 5, len(cartpole[0]["reward"]) + 1]
+    nxt = _with_dropped_frames(src, rows)
+    with pytest.warns(ConversionWarning, match=r"3 rows have a next observation.*first rows \[2, 5, \d+\].*"
+                                                r"kept as the explicit column.*derive_next=True"):
+        s = convert_d4rl(src, tmp_path / "s", progress=False, chunk_rows=7)
+    assert s["verified"] and s["next_obs_mismatch_rows"] == 3 and "next/obs" in s["checksums"]
+    with mb.open(str(tmp_path / "s"), mode="r") as buf:
+        assert buf.next_keys == () and "next/obs" in buf.columns
+        assert buf.attrs["next_obs"]["source"] == "explicit"
+        assert buf.attrs["next_obs"]["mismatch_rows"] == 3 and buf.attrs["next_obs"]["first_rows"] == rows
+        with pytest.raises(mb.errors.InvalidArgumentError, match="next_obs"):
+            buf.get(torch.arange(3), keys=["next_obs"])  # no derived next_obs that would differ from the file
+    got = read_all(tmp_path / "s")
+    np.testing.assert_array_equal(got["next/obs"], nxt)  # the file's values, every row
+    assert not np.array_equal(got["next/obs"][rows], got["obs"][[r + 1 for r in rows]])
+
+
+@pytest.mark.parametrize("derive", [False, True])
+def test_d4rl_dict_observations_count_a_row_once_and_round_trip(tmp_path, derive):
+    """observations/<leaf> groups: a row whose leaves both differ counts once; kept, every
+    leaf comes back byte for byte from the export."""
+    n, rng = 12, np.random.default_rng(0)
+    src = tmp_path / "d.hdf5"
+    with h5py.File(src, "w") as f:
+        for leaf, dim in (("pos", 3), ("vel", 2)):
+            states = rng.random((n + 1, dim), dtype=np.float32)
+            nxt = states[1:].copy()
+            nxt[4] += 1  # both leaves differ at row 4
+            f[f"observations/{leaf}"], f[f"next_observations/{leaf}"] = states[:-1], nxt
+        f["actions"] = rng.random((n, 1), dtype=np.float32)
+        f["rewards"] = np.ones(n, np.float32)
+        f["terminals"] = np.arange(n) == n - 1
+        f["timeouts"] = np.zeros(n, bool)
+    with pytest.warns(ConversionWarning, match="derive_next=True: 1 rows" if derive else "1 rows have a next"):
+        s = convert_d4rl(src, tmp_path / "s", derive_next=derive, progress=False)
+    assert s["next_obs_mismatch_rows"] == 1
+    if derive:
+        assert not any(k.startswith("next/") for k in s["checksums"])
+        return
+    assert {"next/obs/pos", "next/obs/vel"} <= set(s["checksums"])
+    export_d4rl(tmp_path / "s", tmp_path / "back.hdf5", progress=False)
+    with h5py.File(src) as f, h5py.File(tmp_path / "back.hdf5") as g:
+        for key in ("observations/pos", "observations/vel", "next_observations/pos", "next_observations/vel"):
+            assert g[key][()].tobytes() == f[key][()].tobytes() and g[key].dtype == f[key].dtype, key
+
+
+def test_d4rl_derive_next_is_the_explicit_opt_in(tmp_path, cartpole):
+    src = tmp_path / "c.hdf5"
+    write_d4rl(src, cartpole)
+    rows = [2, 5]
+    _with_dropped_frames(src, rows)
+    with pytest.warns(ConversionWarning, match="derive_next=True: 2 rows"):
+        s = convert_d4rl(src, tmp_path / "s", derive_next=True, progress=False)
+    assert s["next_obs_mismatch_rows"] == 2 and "next/obs" not in s["checksums"]
+    got = read_all(tmp_path / "s")
+    assert "next/obs" not in got
+    np.testing.assert_array_equal(got["next_obs"][rows], got["obs"][[r + 1 for r in rows]])  # derived, as asked
+    with pytest.raises(ConversionError, match="derive_next=True and keep_next_obs=True"):
+        convert_d4rl(src, tmp_path / "t", derive_next=True, keep_next_obs=True, progress=False)
+    assert not (tmp_path / "t").exists()
+    # keep_next_obs keeps the column even when nothing differs
+    write_d4rl(tmp_path / "ok.hdf5", cartpole)
+    s = convert_d4rl(tmp_path / "ok.hdf5", tmp_path / "k", keep_next_obs=True, progress=False)
+    assert s["next_obs_mismatch_rows"] == 0 and "next/obs" in s["checksums"]
+
+
+def test_d4rl_drop_infos_and_the_deprecated_keep_infos(tmp_path, cartpole):
+    src = tmp_path / "c.hdf5"
+    write_d4rl(src, cartpole)
+    s = convert_d4rl(src, tmp_path / "d", drop_infos=True, progress=False)
+    assert "infos/step" not in s["checksums"] and s["dropped_keys"] == ["infos/step"]
+    s = convert_d4rl(src, tmp_path / "f", keep_infos=False, progress=False)  # the old default, asked for
+    assert "infos/step" not in s["checksums"] and s["dropped_keys"] == ["infos/step"]
+    s = convert_d4rl(src, tmp_path / "k", keep_infos=True, progress=False)  # the default now
+    assert "infos/step" in s["checksums"] and "dropped_keys" not in s
+    with pytest.raises(ConversionError, match="keep_infos=True and drop_infos=True"):
+        convert_d4rl(src, tmp_path / "x", keep_infos=True, drop_infos=True, progress=False)
+
+
+def test_d4rl_non_numeric_dataset_is_refused_by_name_unless_dropped(tmp_path, cartpole):
+    src = tmp_path / "c.hdf5"
+    write_d4rl(src, cartpole)
+    n = sum(len(e["reward"]) for e in cartpole)
+    with h5py.File(src, "a") as f:
+        f["infos/label"] = np.array([b"x"] * n, dtype="S1")
+    with pytest.raises(ConversionError, match=rf"\[infos/label\]: expected a numeric array .* of {n} rows, got "
+                                              r"dtype \|S1.*drop_unsupported=True.*drop_infos=True"):
+        convert_d4rl(src, tmp_path / "s", progress=False)
+    assert not (tmp_path / "s").exists()
+    s = convert_d4rl(src, tmp_path / "s", drop_unsupported=True, progress=False)
+    assert s["dropped_keys"] == ["infos/label"] and "infos/step" in s["checksums"]
 
 
 def test_d4rl_unflagged_final_episode_is_kept_as_truncated(tmp_path, cartpole):
@@ -342,10 +458,18 @@ def test_verification_compares_episodes_after_reopening(tmp_path, cartpole, monk
 
 
 # -- npz ----------------------------------------------------------------------------------------
-def test_npz_and_npy_directory_match_d4rl(tmp_path, cartpole):
+@pytest.mark.parametrize("dropped_frames", [False, True])
+def test_npz_and_npy_directory_match_d4rl(tmp_path, cartpole, dropped_frames):
+    """The same arrays as .npz (stored and compressed members) or .npy files give the D4RL
+    store; with next observations that differ, every reader keeps them (next/obs)."""
     src = tmp_path / "c.hdf5"
     write_d4rl(src, cartpole)
-    ref = convert_d4rl(src, tmp_path / "ref", keep_infos=True, progress=False)
+    if dropped_frames:
+        _with_dropped_frames(src, [2, 40])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConversionWarning)  # asserted on below
+        ref = convert_d4rl(src, tmp_path / "ref", progress=False)
+    assert ("next/obs" in ref["checksums"]) == dropped_frames and "infos/step" in ref["checksums"]
     with h5py.File(src, "r") as f:
         arrays = {k: f[k][()] for k in ("observations", "actions", "rewards", "terminals", "timeouts",
                                         "next_observations")}
@@ -357,7 +481,11 @@ def test_npz_and_npy_directory_match_d4rl(tmp_path, cartpole):
     for k, v in arrays.items():
         np.save(d / f"{k}.npy", v)
     for i, path in enumerate([tmp_path / "plain.npz", tmp_path / "small.npz", d]):
-        s = convert_npz(path, tmp_path / f"s{i}", keep_infos=True, chunk_rows=50, progress=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            s = convert_npz(path, tmp_path / f"s{i}", chunk_rows=50, progress=False)
+        assert any("kept as the explicit column" in str(w.message) for w in caught) == dropped_frames
+        assert s["next_obs_mismatch_rows"] == (2 if dropped_frames else 0)
         assert s["checksums"] == ref["checksums"], path
         assert s["final_obs_checksums"] == ref["final_obs_checksums"]
         assert s["episodes"] == ref["episodes"]
@@ -396,6 +524,30 @@ def test_command_line_convert_export_copy(tmp_path, cartpole, capsys):
         assert buf.compression == "zstd" and buf.num_episodes == len(cartpole)
 
 
+def test_command_line_is_lossless_by_default_and_names_the_opt_ins(tmp_path, cartpole, capsys):
+    from mmbuffer._cli.main import main
+
+    src = tmp_path / "c.hdf5"
+    write_d4rl(src, cartpole)
+    nxt = _with_dropped_frames(src, [3])
+    assert main(["convert", "d4rl", str(src), str(tmp_path / "a"), "--no-progress", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert {"next/obs", "infos/step"} <= set(summary["checksums"]) and summary["next_obs_mismatch_rows"] == 1
+    assert any("kept as the explicit column" in w and "--derive-next" in w for w in summary["warnings"])
+    np.testing.assert_array_equal(read_all(tmp_path / "a")["next/obs"], nxt)
+    assert main(["convert", "d4rl", str(src), str(tmp_path / "b"), "--derive-next", "--drop-infos",
+                 "--no-progress", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert not {"next/obs", "infos/step"} & set(summary["checksums"]) and summary["dropped_keys"] == ["infos/step"]
+    assert main(["convert", "lerobot", str(src), str(tmp_path / "c"), "--derive-next"]) == 2
+    assert "--derive-next: not an option of format 'lerobot' (only d4rl, npz, torchrl, tianshou)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["convert", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("--drop-infos", "--drop-unsupported", "--derive-next", "--keep-next-obs"):
+        assert flag in text
+
+
 # -- exports and copies ------------------------------------------------------------------------
 def test_store_export_d4rl_convert_gives_identical_data(tmp_path, cartpole):
     src = tmp_path / "c.hdf5"
@@ -418,6 +570,30 @@ def test_store_export_d4rl_convert_gives_identical_data(tmp_path, cartpole):
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
     with h5py.File(tmp_path / "back.hdf5") as f:
         assert json.loads(f["metadata/mmbuffer_attrs"][()])["source_format"] == "d4rl"
+
+
+@pytest.mark.parametrize("open_tail", [False, True])
+def test_d4rl_with_differing_next_observations_round_trips_byte_for_byte(tmp_path, cartpole, open_tail):
+    """convert -> export gives the file back, byte for byte, for every dataset it holds:
+    the file's own next_observations (which differ from the following row at 3 rows),
+    infos, flags (an unflagged last row included)."""
+    src = tmp_path / "c.hdf5"
+    write_d4rl(src, cartpole, open_tail=open_tail)
+    _with_dropped_frames(src, [1, 4, 9])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = convert_d4rl(src, tmp_path / "a", progress=False)
+    assert any("kept as the explicit column" in str(w.message) for w in caught)
+    out = export_d4rl(tmp_path / "a", tmp_path / "back.hdf5", progress=False)
+    assert out["verified"] and out["rows"] == first["rows"]
+    with h5py.File(src) as f, h5py.File(tmp_path / "back.hdf5") as g:
+        data = ["observations", "next_observations", "actions", "rewards", "terminals", "timeouts", "infos/step"]
+        assert set(g) == set(f) and set(g["infos"]) == set(f["infos"]) == {"step"}  # nothing left out
+        for key in data:
+            assert g[key].dtype == f[key].dtype and g[key].shape == f[key].shape, key
+            assert g[key][()].tobytes() == f[key][()].tobytes(), key
+        for key in ("algorithm", "seed"):
+            assert g[f"metadata/{key}"][()] == f[f"metadata/{key}"][()]
 
 
 @pytest.mark.parametrize("compression", ["zstd", None])
@@ -641,22 +817,86 @@ def test_torchrl_layout_read_without_torchrl_including_a_wrapped_ring(tmp_path):
               "next/terminated": term, "next/truncated": trunc, "next/done": term | trunc,
               "index": np.arange(cap, dtype=np.int64)}
     _memmap_dump(tmp_path / "rb", leaves, cap, cursor=5, write_count=17)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        s = convert_torchrl(tmp_path / "rb", tmp_path / "s", chunk_rows=5, progress=False)
-    messages = " ".join(str(w.message) for w in caught if w.category is ConversionWarning)
-    assert "wrapped" in messages and "next observation that differs" in messages
     order = np.r_[5:12, 0:5]
-    rows = read_all(tmp_path / "s")
-    assert set(rows) == {"obs", "action", "reward", "terminated", "truncated", "next_obs"}
-    np.testing.assert_array_equal(rows["obs"], obs[order])
-    np.testing.assert_array_equal(rows["reward"], leaves["next/reward"][order, 0])
-    np.testing.assert_array_equal(rows["terminated"], term[order, 0])
     ends = np.flatnonzero((term | trunc)[order, 0])
-    np.testing.assert_array_equal(rows["next_obs"][ends], nxt[order][ends])
-    # the ring stops inside an episode: closed as truncated, final observation next/observation
-    assert s["episodes"] == 4 and s["open_episode_rows"] == 0 and rows["truncated"][-1]
-    np.testing.assert_array_equal(rows["next_obs"][-1], nxt[order][-1])
+    # next/observation is random: it differs from the following row inside episodes
+    inner = [r for r in range(cap - 1) if r not in ends]
+    for derive in (False, True):
+        dst = tmp_path / f"s{derive}"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            s = convert_torchrl(tmp_path / "rb", dst, chunk_rows=5, derive_next=derive, progress=False)
+        messages = " ".join(str(w.message) for w in caught if w.category is ConversionWarning)
+        assert "wrapped" in messages and "next observation that differs" in messages
+        assert s["next_obs_mismatch_rows"] == len(inner)
+        rows = read_all(dst)
+        np.testing.assert_array_equal(rows["obs"], obs[order])
+        np.testing.assert_array_equal(rows["reward"], leaves["next/reward"][order, 0])
+        np.testing.assert_array_equal(rows["terminated"], term[order, 0])
+        assert "index" not in rows  # each row's storage slot (as TorchRL writes it): derived from its position
+        if not derive:  # lossless: the dump's next observations, every row; the ring's last episode stays open
+            assert set(rows) == {"obs", "action", "reward", "terminated", "truncated", "next/obs"}
+            np.testing.assert_array_equal(rows["next/obs"], nxt[order])
+            assert s["episodes"] == 3 and s["open_episode_rows"] == cap - 1 - ends[-1] and not rows["truncated"][-1]
+            continue
+        assert set(rows) == {"obs", "action", "reward", "terminated", "truncated", "next_obs"}
+        np.testing.assert_array_equal(rows["next_obs"][ends], nxt[order][ends])
+        np.testing.assert_array_equal(rows["next_obs"][inner], obs[order][[r + 1 for r in inner]])  # derived, as asked
+        # the ring stops inside an episode: closed as truncated, final observation next/observation
+        assert s["episodes"] == 4 and s["open_episode_rows"] == 0 and rows["truncated"][-1]
+        np.testing.assert_array_equal(rows["next_obs"][-1], nxt[order][-1])
+    # an index that is not the storage slot is data of its own: kept
+    other = np.arange(cap, dtype=np.int64)[::-1].copy()
+    other.tofile(tmp_path / "rb" / "storage" / "index.memmap")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConversionWarning)
+        convert_torchrl(tmp_path / "rb", tmp_path / "idx", progress=False)
+    np.testing.assert_array_equal(read_all(tmp_path / "idx")["index"], other[order])
+
+
+def test_torchrl_trajectory_changes_end_episodes_in_the_next_observation_check(tmp_path):
+    """Where collector/traj_ids changes with no flag, the next observation is the trajectory's
+    last, not the following row's: not a difference (nothing to keep), the store derives."""
+    n, cut = 10, 4  # trajectory 0 is rows 0..4 (cut with no flag), trajectory 1 rows 5..9
+    rng = np.random.default_rng(1)
+    states = rng.random((n + 2, 3), dtype=np.float32)
+    obs = np.concatenate([states[:5], states[6:11]])
+    nxt = np.concatenate([states[1:6], states[7:12]])  # row 4: trajectory 0's final state
+    term = np.zeros((n, 1), bool)
+    term[-1] = True
+    leaves = {"observation": obs, "action": rng.random((n, 1), dtype=np.float32),
+              "collector/traj_ids": np.repeat(np.arange(2, dtype=np.int64), 5),
+              "next/observation": nxt, "next/reward": rng.random((n, 1), dtype=np.float32),
+              "next/terminated": term, "next/truncated": np.zeros((n, 1), bool)}
+    _memmap_dump(tmp_path / "rb", leaves, n, cursor=0, write_count=n)
+    with pytest.warns(ConversionWarning, match="traj_ids changes where no flag is set"):
+        s = convert_torchrl(tmp_path / "rb", tmp_path / "s", progress=False)
+    assert s["next_obs_mismatch_rows"] == 0 and s["forced_truncations"] == 1 and s["episodes"] == 2
+    rows = read_all(tmp_path / "s")
+    assert "next/obs" not in rows and rows["truncated"][cut]
+    np.testing.assert_array_equal(rows["next_obs"], nxt)  # the dump's next observations, every row
+    np.testing.assert_array_equal(rows["collector/traj_ids"], leaves["collector/traj_ids"])
+
+
+def test_torchrl_and_tdmpc2_entries_a_store_cannot_hold_are_refused_by_name(tmp_path):
+    n = 6
+    leaves = {"observation": np.zeros((n, 2), np.float32), "action": np.zeros((n, 1), np.float32),
+              "next/observation": np.zeros((n, 2), np.float32), "next/reward": np.zeros((n, 1), np.float32),
+              "next/terminated": np.arange(n)[:, None] == n - 1, "next/truncated": np.zeros((n, 1), bool)}
+    _memmap_dump(tmp_path / "rb", leaves, n, cursor=0, write_count=n)
+    meta = json.loads((tmp_path / "rb" / "storage" / "meta.json").read_text())
+    meta["label"] = {"type": "NonTensorData"}  # an entry with no tensors
+    (tmp_path / "rb" / "storage" / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ConversionError, match=r"\[label\]: a NonTensorData entry with no tensors.*drop_unsupported=True"):
+        convert_torchrl(tmp_path / "rb", tmp_path / "s", progress=False)
+    s = convert("torchrl", tmp_path / "rb", tmp_path / "s", drop_unsupported=True, progress=False)
+    assert s["dropped_keys"] == ["label"] and s["rows"] == n
+    d = {**_tdmpc2(E=2, L=3), "note": "collected by hand"}
+    torch.save(d, tmp_path / "n.pt")
+    with pytest.raises(ConversionError, match=r"\[note\]: expected tensors, got other values at \['note'\]"):
+        convert_torchrl(tmp_path / "n.pt", tmp_path / "t", progress=False)
+    s = convert("tdmpc2", tmp_path / "n.pt", tmp_path / "t", drop_unsupported=True, progress=False)
+    assert s["dropped_keys"] == ["note"]
 
 
 def test_torchrl_dumps_written_by_torchrl(tmp_path):
@@ -727,6 +967,36 @@ def test_tdmpc2_plain_dict_file_and_refused_pickles(tmp_path):
     torch.save({"obs": d["obs"]}, tmp_path / "noep.pt")
     with pytest.raises(ConversionError, match="missing key 'action'"):
         convert_torchrl(tmp_path / "noep.pt", tmp_path / "s3", progress=False)
+
+
+def test_tdmpc2_values_the_store_has_no_place_for_are_refused_by_name(tmp_path):
+    d = _tdmpc2(E=4, L=5)
+    d["action"][2, 0] = 0.5  # a reset-row action: TD-MPC2 writes NaN there
+    torch.save(d, tmp_path / "a.pt")
+    with pytest.raises(ConversionError, match=r"\[action\]: expected the reset row \(row 0\) of every episode to "
+                                              r"hold NaN.*episodes \[2\].*drop_reset_values=True"):
+        convert_torchrl(tmp_path / "a.pt", tmp_path / "s", progress=False)
+    assert not (tmp_path / "s").exists()
+    s = convert("tdmpc2", tmp_path / "a.pt", tmp_path / "s", drop_reset_values=True, progress=False)
+    assert s["reset_values_dropped"] == 1
+    check_tdmpc2(tmp_path / "s", d)
+    # a task that changes inside an episode, a truncated flag the store would not derive
+    d = _tdmpc2(E=3, L=4)
+    d["task"] = torch.zeros(3, 4, dtype=torch.int64)
+    d["task"][1, 3] = 7
+    torch.save(d, tmp_path / "t.pt")
+    with pytest.raises(ConversionError, match=r"\[task\]: expected one value per episode.*episodes \[1\]"):
+        convert_torchrl(tmp_path / "t.pt", tmp_path / "t", progress=False)
+    d = _tdmpc2(E=3, L=4)
+    d["truncated"] = torch.zeros(3, 4, dtype=torch.bool)
+    d["truncated"][:, -1] = True
+    torch.save(d, tmp_path / "ok.pt")
+    convert_torchrl(tmp_path / "ok.pt", tmp_path / "ok", progress=False)  # the flags the store derives
+    d["truncated"][0, 2] = True
+    torch.save(d, tmp_path / "tr.pt")
+    with pytest.raises(ConversionError, match=r"\[truncated\]: expected truncated set exactly at each "
+                                              r"episode's last step.*episodes \[0\]"):
+        convert_torchrl(tmp_path / "tr.pt", tmp_path / "tr", progress=False)
 
 
 class Exploit:

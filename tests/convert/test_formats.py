@@ -229,6 +229,9 @@ def dp_group(path: Path, *, zarr_format: int = 2, lengths=(10, 15, 25), store=No
 @pytest.mark.parametrize("zarr_format", [2, 3])
 def test_diffusion_policy_convert_and_round_trip(tmp_path, zarr_format):
     data = dp_group(tmp_path / "pusht.zarr", zarr_format=zarr_format)
+    src = zarr.open_group(str(tmp_path / "pusht.zarr"), mode="a")
+    src.attrs["robot"] = "ur5"
+    src.create_array("meta/episode_seed", data=np.array([3, 1, 4], "int32"))  # a per-episode value
     s = convert("diffusion_policy", tmp_path / "pusht.zarr", tmp_path / "s", chunk_rows=9, progress=False)
     assert (s["rows"], s["episodes"], s["verified"]) == (50, 3, True)
     with mb.open(tmp_path / "s", mode="r") as buf:
@@ -242,9 +245,12 @@ def test_diffusion_policy_convert_and_round_trip(tmp_path, zarr_format):
     assert e["verified"] and e["rows"] == 50
     back = zarr.open_group(str(tmp_path / "back.zarr"), mode="r")
     assert back.metadata.zarr_format == zarr_format
-    assert back["meta/episode_ends"][:].tolist() == [10, 25, 50]
-    for k, v in data.items():
-        assert np.array_equal(back[f"data/{k}"][:], v)
+    # byte for byte, everything the source held (the flags the export adds are the store's)
+    assert sorted(back["data"].keys()) == sorted([*data, "terminated", "truncated"])
+    assert sorted(back["meta"].keys()) == sorted(src["meta"].keys()) and back.attrs["robot"] == "ur5"
+    for key in [*(f"data/{k}" for k in data), "meta/episode_ends", "meta/episode_seed"]:
+        a, b = src[key][...], back[key][...]
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), key
     s2 = convert("diffusion_policy", tmp_path / "back.zarr", tmp_path / "s2", progress=False)
     assert s2["checksums"] == s["checksums"]
 
@@ -267,6 +273,25 @@ def test_diffusion_policy_zip_store_and_exported_flags(tmp_path):
         got = buf.get(np.arange(10))
         assert got["terminated"].nonzero().flatten().tolist() == [2, 6]
         assert got["truncated"].nonzero().flatten().tolist() == [9]
+    del data
+
+
+def test_diffusion_policy_rows_past_the_last_end_are_refused_by_name(tmp_path):
+    data = dp_group(tmp_path / "g.zarr", lengths=(10, 15))
+    root = zarr.open_group(str(tmp_path / "g.zarr"), mode="a")
+    root["meta/episode_ends"][...] = np.array([10, 20])  # rows 20..24: an episode never closed
+    with pytest.raises(ConversionError, match=r"\[data/action\]: expected 20 rows \(meta/episode_ends\[-1\]\), got "
+                                              r"25: rows \[20, 25\) belong to no episode.*drop_past_ends=True"):
+        convert("diffusion_policy", tmp_path / "g.zarr", tmp_path / "s", progress=False)
+    assert not (tmp_path / "s").exists()
+    s = convert("diffusion_policy", tmp_path / "g.zarr", tmp_path / "s", drop_past_ends=True, progress=False)
+    assert s["rows"] == 20 and s["dropped_rows_past_ends"]["data/action"] == 5
+    root.create_array("meta/big", data=np.zeros(5000))
+    with pytest.raises(ConversionError, match=r"\[meta/big\]: cannot be kept.*drop_unsupported=True"):
+        convert("diffusion_policy", tmp_path / "g.zarr", tmp_path / "t", drop_past_ends=True, progress=False)
+    s = convert("diffusion_policy", tmp_path / "g.zarr", tmp_path / "t", drop_past_ends=True, drop_unsupported=True,
+                progress=False)
+    assert s["dropped_keys"] == ["meta/big"]
     del data
 
 
@@ -403,11 +428,18 @@ def test_tianshou_buffers_in_age_order(tmp_path, n_envs, steps_per_env, size):
     envs = rollout(n_envs, steps_per_env)
     evil = tmp_path / "pwned"
     write_tianshou(tmp_path / "buf.hdf5", envs, size, str(evil))
+    # lossless by default: the pickled info/note cannot be stored, so it is refused by name...
+    with pytest.raises(ConversionError, match=r"\[_meta/info/note\]: expected a numeric array.*pickled data is "
+                                              r"never loaded.*drop_unsupported=True"):
+        convert("tianshou", tmp_path / "buf.hdf5", tmp_path / "s", progress=False)
+    assert not (tmp_path / "s").exists()
+    # ... and left out when asked; the numeric infos are kept by default
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConversionWarning)
-        s = convert("tianshou", tmp_path / "buf.hdf5", tmp_path / "s", keep_infos=True, chunk_rows=33,
+        s = convert("tianshou", tmp_path / "buf.hdf5", tmp_path / "s", drop_unsupported=True, chunk_rows=33,
                     progress=False)
-    assert s["verified"] and not evil.exists()
+    assert s["verified"] and not evil.exists() and s["dropped_keys"] == ["_meta/info/note"]
+    assert s["next_obs_mismatch_rows"] == 0
     kept = [_kept(e, min(steps_per_env, size)) for e in envs]
     want = {k: np.concatenate([e[k] for e in kept]) for k in kept[0]}
     with mb.open(tmp_path / "s", mode="r") as buf:
@@ -424,6 +456,9 @@ def test_tianshou_buffers_in_age_order(tmp_path, n_envs, steps_per_env, size):
         assert got["truncated"].numpy()[ends].astype(bool).__or__(got["terminated"].numpy()[ends]).all()
         inner = np.setdiff1d(np.arange(s["rows"]), ends)
         assert np.array_equal(got["truncated"].numpy()[inner], want["truncated"][inner])
+        # the forced flags are recorded: the source's flags can be told apart from the store's
+        forced = [int(e) for e in ends if not (want["terminated"][e] or want["truncated"][e])]
+        assert buf.attrs["tianshou"]["forced_truncation_rows"] == forced and len(forced) == s.get("forced_truncations", 0)
         # final observations are the obs_next of each episode's last row
         done = np.flatnonzero(got["terminated"].numpy() | got["truncated"].numpy())
         starts, lengths = buf.episodes()
@@ -432,6 +467,23 @@ def test_tianshou_buffers_in_age_order(tmp_path, n_envs, steps_per_env, size):
         nxt = buf.get(done, keys=["next_obs"])["next_obs"].numpy()
         assert np.array_equal(nxt, want["obs_next"][done])
     assert "infos/note" not in s["columns"]
+
+
+def test_tianshou_obs_next_that_differs_is_kept(tmp_path):
+    envs = rollout(1, 60)
+    env = envs[0]
+    inner = int(np.flatnonzero(~(env["terminated"] | env["truncated"]))[3])
+    env["obs_next"][inner] += 1.0  # not the following row's obs (a reset inside an episode, a dropped frame)
+    write_tianshou(tmp_path / "b.hdf5", envs, 100, str(tmp_path / "pwned"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        s = convert("tianshou", tmp_path / "b.hdf5", tmp_path / "s", drop_unsupported=True, progress=False)
+    assert any("1 rows have a next observation" in str(w.message) and f"first rows [{inner}]" in str(w.message)
+               for w in caught)
+    assert s["next_obs_mismatch_rows"] == 1
+    with mb.open(tmp_path / "s", mode="r") as buf:
+        assert buf.next_keys == () and buf.attrs["next_obs"]["first_rows"] == [inner]
+        assert np.array_equal(buf.read_range("next/obs", 0, 60), env["obs_next"])  # every row, as the buffer holds it
 
 
 def test_tianshou_bad_input(tmp_path):
@@ -564,6 +616,29 @@ def test_lerobot_v3_tabular_features(tmp_path, chunk_rows):
         assert got["terminated"].nonzero().flatten().tolist() == ends[::2].tolist()
         assert got["truncated"].nonzero().flatten().tolist() == ends[1::2].tolist()
         assert buf.attrs["lerobot"]["fps"] == 10
+        assert buf.attrs["lerobot"]["tasks"] == {"0": "push the block"}  # meta/tasks.parquet, kept
+
+
+def test_lerobot_text_features_and_inner_done_are_refused_by_name(tmp_path):
+    write_lerobot(tmp_path / "t", [5, 6], files=1)
+    info_path = tmp_path / "t" / "meta" / "info.json"
+    info = json.loads(info_path.read_text())
+    info["features"]["language_instruction"] = {"dtype": "string", "shape": [1], "names": None}
+    info_path.write_text(json.dumps(info))
+    with pytest.raises(ConversionError, match=r"\[language_instruction\]: string features \['language_instruction'\] "
+                                              r"cannot be stored.*drop_unsupported=True"):
+        convert("lerobot", tmp_path / "t", tmp_path / "s", progress=False)
+    s = convert("lerobot", tmp_path / "t", tmp_path / "s", drop_unsupported=True, progress=False)
+    assert s["dropped_keys"] == ["language_instruction"] and s["rows"] == 11
+    cols = write_lerobot(tmp_path / "d", [5, 6], files=1)
+    done = cols["next.done"].copy()
+    done[2] = True  # inside episode 0: the store's flags could not say it
+    path = tmp_path / "d" / "data" / "chunk-000" / "file-000.parquet"
+    table = pq.read_table(path)
+    pq.write_table(table.set_column(table.column_names.index("next.done"), "next.done", pa.array(done)), path)
+    with pytest.raises(ConversionError, match=r"\[next.done\]: expected next.done only on an episode's last frame.*"
+                                              r"frames \[2\]"):
+        convert("lerobot", tmp_path / "d", tmp_path / "s2", progress=False)
 
 
 def test_lerobot_video_refused_unless_skipped(tmp_path):
@@ -664,6 +739,85 @@ def test_minari_dataset_id_and_reset_info(tmp_path, monkeypatch, data_format):
             assert np.array_equal(got["infos/x"].numpy(), ep.infos["x"][:-1])
     with pytest.raises(ConversionError, match=r"cartpole/missing-v3: expected a Minari dataset .* nothing is downloaded"):
         convert("minari", "cartpole/missing-v3", tmp_path / "s3", progress=False)
+
+
+def _h5_datasets(group, prefix=""):
+    out = {}
+    for k, v in group.items():
+        out.update(_h5_datasets(v, f"{prefix}{k}/") if isinstance(v, h5py.Group) else {f"{prefix}{k}": v[()]})
+    return out
+
+
+def test_minari_convert_export_is_byte_equal_by_default(tmp_path, monkeypatch):
+    """convert -> export gives every episode's datasets back byte for byte (observations,
+    actions, rewards, flags and the infos, kept by default, reset info included)."""
+    collect_minari(tmp_path, monkeypatch, "cartpole/random-v0", 4)
+    s = convert("minari", "cartpole/random-v0", tmp_path / "s", progress=False)
+    assert "infos/t" in s["checksums"] and "dropped_keys" not in s
+    out = tmp_path / "minari" / "cartpole" / "back-v0"
+    export("minari", tmp_path / "s", out, dataset_id="cartpole/back-v0", progress=False)
+    src = tmp_path / "minari" / "cartpole" / "random-v0" / "data" / "main_data.hdf5"
+    with h5py.File(src) as f, h5py.File(out / "data" / "main_data.hdf5") as g:
+        assert sorted(f) == sorted(g) and len(f) == 4
+        for ep in f:
+            a, b = _h5_datasets(f[ep]), _h5_datasets(g[ep])
+            assert sorted(a) == sorted(b) and {"infos/t", "infos/x", "observations"} <= set(a), ep
+            for key in a:
+                assert a[key].dtype == b[key].dtype and a[key].shape == b[key].shape, (ep, key)
+                assert a[key].tobytes() == b[key].tobytes(), (ep, key)
+
+
+def test_minari_info_leaf_a_store_cannot_hold_is_refused_by_name(tmp_path, monkeypatch):
+    collect_minari(tmp_path, monkeypatch, "cartpole/random-v0", 3)
+    src = tmp_path / "minari" / "cartpole" / "random-v0" / "data" / "main_data.hdf5"
+    with h5py.File(src, "a") as f:
+        t = f["episode_1/rewards"].shape[0]
+        f["episode_1/infos/label"] = np.array([b"abc"] * (t + 1))  # text, in one episode only
+    with pytest.raises(ConversionError, match=r"\[infos/label\]: info leaf 'infos/label' cannot be stored as a "
+                                              r"column: episode_1: dtype \|S3, not numeric.*drop_unsupported=True"):
+        convert("minari", "cartpole/random-v0", tmp_path / "s", progress=False)
+    assert not (tmp_path / "s").exists()
+    s = convert("minari", "cartpole/random-v0", tmp_path / "s", drop_unsupported=True, progress=False)
+    assert s["dropped_keys"] == ["infos/label"] and {"infos/t", "infos/x"} <= set(s["checksums"])
+    s = convert("minari", "cartpole/random-v0", tmp_path / "d", drop_infos=True, progress=False)
+    assert not any(k.startswith("infos/") for k in s["checksums"])
+
+
+def test_minari_arrow_missing_values_are_refused_not_filled(tmp_path, monkeypatch):
+    pa_ipc = pytest.importorskip("pyarrow.ipc")
+    collect_minari(tmp_path, monkeypatch, "cartpole/random-v0", 2, "arrow")
+    part = tmp_path / "minari" / "cartpole" / "random-v0" / "data" / "1" / "part-0.arrow"
+    with pa_ipc.open_file(part) as f:
+        table = f.read_all()
+    infos = table.column("infos").combine_chunks()
+    t = infos.field("t").to_numpy(zero_copy_only=False).astype("int64")
+    mask = np.zeros(len(t), bool)
+    mask[0] = True  # the reset info lacks "t": Arrow stores a null there
+    fields = [pa.array(t, mask=mask) if name == "t" else infos.field(i) for i, name in enumerate(infos.type.names)]
+    table = table.set_column(table.column_names.index("infos"), "infos",
+                             pa.StructArray.from_arrays(fields, names=infos.type.names))
+    with pa_ipc.new_file(part, table.schema) as w:
+        w.write_table(table)
+    with pytest.raises(ConversionError, match=r"\[infos/t\]: info leaf 'infos/t' cannot be stored as a column: 1: "
+                                              r"missing \(null\) values at rows \[0\].*drop_unsupported=True"):
+        convert("minari", "cartpole/random-v0", tmp_path / "s", progress=False)
+    s = convert("minari", "cartpole/random-v0", tmp_path / "s", drop_unsupported=True, progress=False)
+    assert s["dropped_keys"] == ["infos/t"] and "infos/x" in s["checksums"]
+
+
+def test_minari_episode_without_an_end_flag_is_recorded(tmp_path, monkeypatch):
+    collect_minari(tmp_path, monkeypatch, "cartpole/random-v0", 3)
+    src = tmp_path / "minari" / "cartpole" / "random-v0" / "data" / "main_data.hdf5"
+    with h5py.File(src, "a") as f:  # episode 1 stops with neither flag
+        for key in ("terminations", "truncations"):
+            flags = f[f"episode_1/{key}"][()]
+            flags[-1] = False
+            f[f"episode_1/{key}"][...] = flags
+    with pytest.warns(ConversionWarning, match="episode 1 ends with neither terminated nor truncated"):
+        s = convert("minari", "cartpole/random-v0", tmp_path / "s", progress=False)
+    assert s["forced_truncations"] == 1 and s["forced_truncation_episodes"] == [1]
+    with mb.open(tmp_path / "s", mode="r") as buf:  # the source's flags stay recoverable
+        assert buf.attrs["convert"]["stats"]["forced_truncation_episodes"] == [1]
 
 
 def test_minari_infos_survive_export(tmp_path, monkeypatch):

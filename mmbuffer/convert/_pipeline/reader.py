@@ -100,7 +100,7 @@ class Reader(ABC):
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self.notes: list[str] = []
-        self.stats: dict[str, int] = {}
+        self.stats: dict[str, Any] = {}
 
     @property
     @abstractmethod

@@ -292,6 +292,7 @@ class StoreWriter(Writer):
                 "checksums": {k: crc_hex(v) for k, v in tally.crc.items()},
                 "final_obs_checksums": {k: crc_hex(v) for k, v in tally.final_crc.items()},
                 "notes": list(reader.notes),
+                "stats": dict(reader.stats),  # what the reader counted, dropped or changed, as asked
             }
         _set_attrs(buf, attrs)
         buf.commit()

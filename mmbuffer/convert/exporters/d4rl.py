@@ -59,7 +59,9 @@ def export_d4rl(
     ``terminated -> terminals``, ``truncated -> timeouts``, ``next_obs ->
     next_observations`` (see ``next_observations``), other columns under their
     own path (``infos/qpos``, ``next/obs -> next_observations`` for a store
-    converted with ``keep_next_obs``); ``attrs`` as JSON in
+    that keeps a file's next observations explicitly: converted from a file
+    whose next observations differ from the following row, or with
+    ``keep_next_obs``); ``attrs`` as JSON in
     ``metadata/mmbuffer_attrs`` plus ``attrs["source_metadata"]`` entries as
     ``metadata/<key>``.
 
@@ -111,7 +113,8 @@ class D4RLWriter(ExportWriter):
     def open(self) -> None:
         buf = self.buf = self.opened.open()
         self.where = getattr(buf, "path", self.store)
-        missing = [k for k in ("obs", "action", "reward") if k not in buf.columns]
+        missing = [k for k in ("obs", "action", "reward")
+                   if k not in buf.columns and not any(c.startswith(k + "/") for c in buf.columns)]
         if missing:
             raise ConversionError(
                 f"{self.where}: expected columns obs, action and reward for a D4RL file "
@@ -198,7 +201,7 @@ class D4RLWriter(ExportWriter):
         self.opened.close()
 
     def verify(self, partial: Path) -> None:
-        reader = D4RLReader(partial, keep_infos=True, keep_next_obs=self.explicit_next)
+        reader = D4RLReader(partial, keep_next_obs=self.explicit_next)
         check_reader(reader, self.summary, self.crc, self.final_crc, partial)
 
 

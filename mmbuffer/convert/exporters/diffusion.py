@@ -125,6 +125,20 @@ class DiffusionPolicyWriter(ExportWriter):
         else:
             self._write_group(partial, rows_per, keys, zarr)
 
+    def _source_meta(self, root: Any, rows: int, episodes: int) -> None:
+        """A store converted from Diffusion Policy and unchanged since: the source group's other
+        ``meta/<key>`` arrays and root attributes back (kept in ``attrs["diffusion_policy"]``)."""
+        attrs = self.buf.attrs
+        src, done = attrs.get("diffusion_policy"), attrs.get("convert") or {}
+        if not isinstance(src, dict) or done.get("rows") != rows or done.get("episodes") != episodes:
+            return
+        if isinstance(src.get("attrs"), dict):
+            root.attrs.update({k: v for k, v in src["attrs"].items() if k != "mmbuffer_attrs"})
+        for name, m in (src.get("meta") or {}).items():
+            if name != "episode_ends" and isinstance(m, dict) and {"dtype", "shape", "values"} <= set(m):
+                value = np.asarray(m["values"], dtype=np.dtype(m["dtype"])).reshape(m["shape"])
+                root.create_array(f"meta/{name}", data=value, chunks=tuple(max(1, d) for d in value.shape) or None)
+
     def _write_group(self, where: Path, rows_per: int, keys: list[str], zarr: Any) -> None:
         buf, plan, notes = self.buf, self.plan, self.notes
         n = plan.rows
@@ -149,6 +163,7 @@ class DiffusionPolicyWriter(ExportWriter):
                 bar.update(m)
         ends = np.cumsum(plan.lengths).astype(np.int64)
         root.create_array("meta/episode_ends", data=ends, chunks=(max(1, len(ends)),))
+        self._source_meta(root, n, len(ends))
         self.crc = crc
         self.summary = {
             "format": "diffusion_policy",

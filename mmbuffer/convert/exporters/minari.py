@@ -204,7 +204,7 @@ class MinariWriter(ExportWriter):
         self.opened.close()
 
     def verify(self, partial: Path) -> None:
-        check_reader(MinariReader(partial, keep_infos=True), self.summary, self.crc, self.final_crc, partial)
+        check_reader(MinariReader(partial), self.summary, self.crc, self.final_crc, partial)
 
 
 def _minari_version() -> str:

@@ -8,7 +8,7 @@ Layout read (``d4rl.qlearning_dataset`` conventions)::
     terminals          [N]  episode ended by the MDP        -> ``terminated``
     timeouts           [N]  episode cut by a time limit      -> ``truncated``
     next_observations  [N, *obs]        optional: final observation of each episode
-    infos/*            [N, ...]         optional: ``infos/<name>`` columns with keep_infos=True
+    infos/*            [N, ...]         optional: ``infos/<name>`` columns (unless drop_infos=True)
     metadata/*                          optional: small values, into ``attrs["source_metadata"]``
 
 Store columns: ``obs``, ``action``, ``reward`` (+ ``infos/*``, + any other
@@ -21,8 +21,34 @@ every row: with ``next_observations`` the episode is closed as truncated there
 (``attrs["tail_truncated_row"]``; :func:`~mmbuffer.convert.export_d4rl` writes
 the row back unflagged), without them it stays open (warning). A required key
 (``observations, actions, rewards, terminals, timeouts``, and
-``next_observations`` when present) that is not numeric is an error; other
-non-numeric datasets are left out with a warning.
+``next_observations`` when present) that is not numeric is an error.
+
+**Lossless by default.** What the file holds that the store cannot derive, and
+what happens to it:
+
+* ``next_observations`` that differ from the following row's observation
+  inside an episode (dropped frames, resets, sticky timeouts): the store would
+  derive a different ``next_obs``, so the whole column is kept as an explicit
+  ``next/obs`` column (obs is then not next-derived; ``attrs["next_obs"]``
+  names the count and the first rows). ``derive_next=True`` (``--derive-next``)
+  derives anyway and loses those rows' next observations;
+  ``keep_next_obs=True`` keeps the column even when nothing differs. Where
+  every row agrees, nothing is lost by deriving and nothing is stored twice.
+* ``infos/*``: kept as ``infos/<name>`` columns; ``drop_infos=True``
+  (``--drop-infos``) leaves them out (listed in the summary's ``dropped_keys``).
+* other numeric ``[N, ...]`` datasets: kept under their own name.
+* a non-numeric dataset (strings, compound types): a store holds numeric
+  columns only, so it is refused (:class:`~mmbuffer.errors.ConversionError`
+  naming the key) unless ``drop_unsupported=True`` (``--drop-unsupported``)
+  accepts leaving it out.
+* ``metadata/*`` and the file's attributes: into ``attrs["source_metadata"]`` /
+  ``attrs["source_attrs"]`` as JSON; a value of more than 4096 elements (a
+  policy's weights, in D4RL's mujoco files) is not replay data and would bloat
+  the manifest rewritten at every commit: it is recorded by shape and dtype
+  only, and named in the summary's ``metadata_omitted`` and in
+  ``attrs["source_metadata_omitted"]``.
+* the flags of the last row when the file stops inside an episode: see above
+  (recorded, and written back by the export).
 """
 
 from __future__ import annotations
@@ -34,8 +60,8 @@ from typing import Any
 import numpy as np
 
 from ...schema import PriorityConfig
-from .._pipeline.flat import ArrayLike, FlatReader
-from .._pipeline.reader import Reader, jsonable, reader_error, reader_warn
+from .._pipeline.flat import ArrayLike, FlatReader, next_mode
+from .._pipeline.reader import Reader, jsonable, reader_error
 from .._pipeline.sniff import HDF5, expect
 from .._pipeline.write import write_store
 
@@ -66,14 +92,34 @@ def _numeric(ds: Any) -> bool:
     return np.dtype(ds.dtype).kind in "biuf"
 
 
+def infos_option(reader: Reader | str, keep_infos: bool | None, drop_infos: bool) -> bool:
+    """Whether ``infos`` are dropped, from ``drop_infos`` and the deprecated ``keep_infos``.
+
+    ``keep_infos=True`` is the default now (accepted, changes nothing);
+    ``keep_infos=False`` asks for the old default, dropping them, like ``drop_infos=True``.
+    """
+    from ...errors import ConversionError
+
+    if keep_infos and drop_infos:
+        where = reader if isinstance(reader, str) else reader.path
+        raise ConversionError(f"{where}: keep_infos=True and drop_infos=True contradict each other "
+                              "(infos are kept by default; drop_infos=True drops them)")
+    return bool(drop_infos or keep_infos is False)
+
+
 def flat_columns(
     reader: Reader,
     arrays: Mapping[str, ArrayLike],
     *,
-    keep_infos: bool,
-    keep_next_obs: bool,
+    drop_infos: bool,
+    drop_unsupported: bool,
 ) -> dict[str, Any]:
-    """Map D4RL keys (``a/b`` paths) to FlatReader arguments; shared with the npz reader."""
+    """Map D4RL keys (``a/b`` paths) to FlatReader arguments; shared with the npz reader.
+
+    ``infos/*`` are kept as columns unless ``drop_infos``; a dataset that is not
+    numeric (outside the required keys, which are always refused) is refused
+    unless ``drop_unsupported`` (or ``drop_infos`` for an ``infos/*`` one).
+    """
     from ...errors import ConversionError
 
     tops = {k.split("/", 1)[0] for k in arrays}
@@ -100,11 +146,19 @@ def flat_columns(
                 raise reader_error(reader, "expected a dataset, got a group", key)
             flags[_FLAG_KEYS[top]] = arr
             keys[_FLAG_KEYS[top]] = key
+        if top == "infos" and drop_infos:
+            dropped.append(key)
+            continue
         if not _numeric(arr):
-            if top in _REQUIRED:  # never dropped: the store would silently lack it
+            if top in _REQUIRED or not drop_unsupported:  # never dropped unless asked
+                accept = "" if top in _REQUIRED else (
+                    " (a store holds numeric columns only; drop_unsupported=True (--drop-unsupported) "
+                    "converts without it" + (", drop_infos=True (--drop-infos) without any infos/*" if top == "infos"
+                                            else "") + ")")
                 raise reader_error(
                     reader,
-                    f"expected a numeric array (bool, int, uint or float), got dtype {np.dtype(arr.dtype)}", key
+                    f"expected a numeric array (bool, int, uint or float) of {arr.shape[0] if arr.shape else 0} "
+                    f"rows, got dtype {np.dtype(arr.dtype)}{accept}", key
                 )
             dropped.append(key)
             continue
@@ -116,26 +170,16 @@ def flat_columns(
                 obs_cols.append(name)
         elif top == "next_observations":
             name = "obs" + (f"/{rest}" if rest else "")
-            if keep_next_obs:
-                columns["next/" + name] = arr
-                keys["next/" + name] = key
-            else:
-                next_arrays[name] = arr
-                keys[f"next_{name}"] = key
+            next_arrays[name] = arr
+            keys[f"next_{name}"] = key
             continue
-        elif top == "infos":
-            if not keep_infos:
-                continue
-            name = key
         else:
             name = key
         columns[name] = arr
         keys[name] = key
-    if dropped:
-        reader_warn(reader, f"skipped non-numeric datasets {dropped}")
-    next_keys: tuple[str, ...] = ()
-    if not keep_next_obs:
-        next_keys = tuple(obs_cols)
+    if dropped:  # only as asked (drop_infos / drop_unsupported): listed in the summary
+        reader.stats["dropped_keys"] = dropped
+    next_keys = tuple(obs_cols)
     return dict(
         columns=columns,
         terminated=flags["terminated"],
@@ -153,16 +197,24 @@ class D4RLReader(FlatReader):
     ----------
     path
         The ``.hdf5`` / ``.h5`` file.
-    keep_infos
-        Keep ``infos/*`` datasets as ``infos/<name>`` columns.
+    drop_infos
+        Leave ``infos/*`` datasets out (kept as ``infos/<name>`` columns by default).
+    drop_unsupported
+        Leave out datasets a store cannot hold (not numeric) instead of refusing them.
+    derive_next
+        Derive next observations from the following row even where
+        ``next_observations`` disagrees with it (those rows' next observations
+        are lost; by default they are kept, see the module docstring).
     keep_next_obs
-        Store ``next_observations`` as an explicit ``next/obs`` column instead of
-        deriving next observations from the following row (for datasets whose
-        next observations disagree with the following row).
+        Always store ``next_observations`` as an explicit ``next/obs`` column.
+    keep_infos
+        Deprecated: infos are kept by default. ``True`` changes nothing,
+        ``False`` is ``drop_infos=True``.
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], *, keep_infos: bool = False, keep_next_obs: bool = False
+        self, path: str | os.PathLike[str], *, drop_infos: bool = False, drop_unsupported: bool = False,
+        derive_next: bool = False, keep_next_obs: bool = False, keep_infos: bool | None = None,
     ) -> None:
         import h5py
 
@@ -178,16 +230,20 @@ class D4RLReader(FlatReader):
             arrays: dict[str, Any] = {}
             for name in self._file:
                 arrays.update(_leaves(self._file[name], name))
-            args = flat_columns(self, arrays, keep_infos=keep_infos, keep_next_obs=keep_next_obs)
-            attrs: dict[str, Any] = {
-                "source_format": "d4rl",
-                "source_metadata": _metadata(self._file),
-            }
+            mode = next_mode(derive_next, keep_next_obs, str(self.path))
+            args = flat_columns(self, arrays, drop_infos=infos_option(self, keep_infos, drop_infos),
+                                drop_unsupported=drop_unsupported)
+            attrs: dict[str, Any] = {"source_format": "d4rl"}
+            omitted: dict[str, Any] = {}
+            attrs["source_metadata"] = _metadata(self._file, omitted)
+            if omitted:
+                attrs["source_metadata_omitted"] = omitted
+                self.stats["metadata_omitted"] = sorted(omitted)
             if self._file.attrs:
                 attrs["source_attrs"] = jsonable(dict(self._file.attrs))
-            notes = self.notes
-            super().__init__(path, fmt="d4rl", attrs=attrs, **args)
-            self.notes = notes + self.notes
+            notes, stats = self.notes, self.stats
+            super().__init__(path, fmt="d4rl", attrs=attrs, next_mode=mode, **args)
+            self.notes, self.stats = notes + self.notes, {**stats, **self.stats}
         except BaseException:
             self._file.close()
             raise
@@ -198,7 +254,7 @@ class D4RLReader(FlatReader):
             f.close()
 
 
-def _metadata(f: Any) -> dict[str, Any]:
+def _metadata(f: Any, omitted: dict[str, Any]) -> dict[str, Any]:
     import h5py
 
     out: dict[str, Any] = {}
@@ -206,11 +262,16 @@ def _metadata(f: Any) -> dict[str, Any]:
     if meta is None:
         return out
     if isinstance(meta, h5py.Dataset):
-        return {"metadata": jsonable(meta[()])} if meta.size <= 4096 else {}
+        if meta.size > 4096:
+            omitted["metadata"] = {"shape": list(meta.shape), "dtype": str(meta.dtype)}
+            return {}
+        return {"metadata": jsonable(meta[()])}
     for key, node in _leaves(meta, "").items():
         key = key.lstrip("/")
         if node.size <= 4096:
             out[key] = jsonable(node[()])
+        else:  # recorded by shape and dtype (see the module docstring)
+            omitted[key] = {"shape": list(node.shape), "dtype": str(node.dtype)}
     if meta.attrs:
         out.update({f"@{k}": jsonable(v) for k, v in meta.attrs.items()})
     return out
@@ -220,8 +281,11 @@ def convert_d4rl(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
     *,
-    keep_infos: bool = False,
+    drop_infos: bool = False,
+    drop_unsupported: bool = False,
+    derive_next: bool = False,
     keep_next_obs: bool = False,
+    keep_infos: bool | None = None,
     overwrite: bool = False,
     compression: str | None = None,
     chunk_rows: int | None = None,
@@ -236,12 +300,17 @@ def convert_d4rl(
     Streams the file in row chunks (memory stays at a few chunks whatever the
     file size), keeps ``terminals`` as ``terminated`` and ``timeouts`` as
     ``truncated``, and verifies the result (see :func:`mmbuffer.convert.write_store`
-    for the options and the returned summary).
+    for the options and the returned summary). Lossless by default: ``infos/*``
+    are kept as columns, and ``next_observations`` that differ from the following
+    row are kept as an explicit ``next/obs`` column (see the module docstring);
+    ``drop_infos``, ``drop_unsupported`` and ``derive_next`` accept a loss
+    explicitly (the options of :class:`D4RLReader`).
 
     Raises
     ------
     ConversionError
-        Not an HDF5 file, a required key missing, arrays of different lengths.
+        Not an HDF5 file, a required key missing, arrays of different lengths, a
+        non-numeric dataset (unless ``drop_unsupported``).
     StoreExistsError
         ``dst`` exists and ``overwrite`` is false.
 
@@ -264,7 +333,8 @@ def convert_d4rl(
     from .._pipeline.dest import check_destination
 
     check_destination(dst, overwrite)
-    reader = D4RLReader(src, keep_infos=keep_infos, keep_next_obs=keep_next_obs)
+    reader = D4RLReader(src, drop_infos=drop_infos, drop_unsupported=drop_unsupported, derive_next=derive_next,
+                        keep_next_obs=keep_next_obs, keep_infos=keep_infos)
     return write_store(
         reader, dst, overwrite=overwrite, compression=compression, chunk_rows=chunk_rows,
         progress=progress, verify=verify, capacity=capacity, num_streams=num_streams, priorities=priorities,

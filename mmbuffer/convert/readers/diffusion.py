@@ -15,8 +15,20 @@ unless the group also holds ``data/terminated`` and ``data/truncated`` (what
 :func:`~mmbuffer.convert.export_diffusion_policy` writes), whose flags are then
 used, and must set a flag exactly at the episode ends. There is no
 observation after an episode's last step, so the store has no next-derived
-columns. Rows past ``episode_ends[-1]`` (arrays grown ahead) are left out, with a
-warning.
+columns.
+
+**Lossless by default.** What the group holds that the store cannot derive:
+every ``data/<key>`` row inside an episode (kept, row for row; a non-numeric
+array is refused); rows past ``episode_ends[-1]`` (arrays grown ahead of the
+episodes, or an episode never closed): no episode holds them, so they are
+refused, naming the key and the rows, unless ``drop_past_ends=True``
+(``--drop-past-ends``) accepts leaving them out; other ``meta/<key>`` arrays
+(per-episode values) of up to 4096 elements: kept in
+``attrs["diffusion_policy"]["meta"]`` (values, dtype, shape), larger ones and
+entries of the root besides ``data`` and ``meta``: refused unless
+``drop_unsupported=True`` (``--drop-unsupported``); the root's attributes:
+kept in ``attrs["diffusion_policy"]["attrs"]``. Chunking and compression are
+the source's encoding, not data.
 
 Untrusted input: only fixed-size numeric or bool arrays are read, every codec
 must be a known compression or byte codec (a ``pickle``, JSON or object
@@ -120,7 +132,8 @@ class DiffusionPolicyReader(Reader):
 
     format = "diffusion_policy"
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, drop_past_ends: bool = False,
+                 drop_unsupported: bool = False) -> None:
         super().__init__(path)
         root = self._root = open_zarr_group(self, self.path)
         for name in ("data", "meta"):
@@ -144,13 +157,23 @@ class DiffusionPolicyReader(Reader):
         if not self._arrays:
             raise self._error("expected at least one array in data/, got none", "data")
         n = int(ends[-1])
+        past: dict[str, int] = {}
         for key, arr in self._arrays.items():
             if arr.ndim < 1 or int(arr.shape[0]) < n:
                 raise self._error(f"expected at least {n} rows (meta/episode_ends[-1]), got shape {arr.shape}",
                                   f"data/{key}")
             if int(arr.shape[0]) > n:
-                self._warn(f"data/{key} holds {arr.shape[0]} rows, the episodes {n}: rows past "
-                           f"{n} are left out")
+                past[key] = int(arr.shape[0])
+        if past and not drop_past_ends:
+            key, rows = next(iter(past.items()))
+            raise self._error(f"expected {n} rows (meta/episode_ends[-1]), got {rows}: rows [{n}, {rows}) belong "
+                              f"to no episode{f' (also in {sorted(past)[1:9]})' if len(past) > 1 else ''}; "
+                              "drop_past_ends=True (--drop-past-ends) converts without them", f"data/{key}")
+        if past:
+            self.stats["dropped_rows_past_ends"] = {f"data/{k}": rows - n for k, rows in past.items()}
+        meta, dropped = self._meta(root, drop_unsupported)
+        if dropped:
+            self.stats["dropped_keys"] = dropped
         self._ends = ends
         self._n = n
         flags = [k for k in FLAG_KEYS if k in self._arrays]
@@ -160,12 +183,37 @@ class DiffusionPolicyReader(Reader):
                 raise self._error(f"expected one flag per row, got shape {self._flags[k].shape}", f"data/{k}")
         columns = {k: (tuple(int(s) for s in a.shape[1:]), np.dtype(a.dtype).newbyteorder("=").str)
                    for k, a in self._arrays.items()}
-        attrs = {"source_format": "diffusion_policy",
-                 "diffusion_policy": {"zarr_format": int(root.metadata.zarr_format),
-                                      "flags": "data/terminated, data/truncated" if self._flags
-                                      else "truncated at each episode end",
-                                      "attrs": jsonable(dict(root.attrs))}}
+        attrs: dict[str, Any] = {"source_format": "diffusion_policy",
+                                 "diffusion_policy": {"zarr_format": int(root.metadata.zarr_format),
+                                                      "flags": "data/terminated, data/truncated" if self._flags
+                                                      else "truncated at each episode end",
+                                                      "attrs": jsonable(dict(root.attrs))}}
+        if meta:
+            attrs["diffusion_policy"]["meta"] = meta
         self._schema = Schema(columns, (), n, attrs, len(ends))
+
+    def _meta(self, root: Any, drop_unsupported: bool) -> tuple[dict[str, Any], list[str]]:
+        """``meta/<key>`` arrays besides ``episode_ends`` as attributes; what cannot be kept, refused or named."""
+        kept: dict[str, Any] = {}
+        refused: dict[str, str] = {}
+        for name in sorted(root.keys()):
+            if name not in ("data", "meta"):
+                refused[name] = "an entry besides data/ and meta/"
+        for name in sorted(root["meta"].keys()):
+            if name == "episode_ends":
+                continue
+            node = root["meta"][name]
+            if _is_group(node) or int(np.prod(node.shape, dtype=np.int64)) > 4096:
+                refused[f"meta/{name}"] = "a group" if _is_group(node) else f"shape {node.shape}, over 4096 values"
+                continue
+            self._check_array(f"meta/{name}", node)
+            kept[name] = {"dtype": str(node.dtype), "shape": list(node.shape), "values": jsonable(node[...])}
+        if refused and not drop_unsupported:
+            key, why = next(iter(refused.items()))
+            more = f" (and {sorted(refused)[1:9]})" if len(refused) > 1 else ""
+            raise self._error(f"cannot be kept in a store ({why}){more}; drop_unsupported=True "
+                              "(--drop-unsupported) converts without it", key)
+        return kept, sorted(refused)
 
     def _check_array(self, key: str, arr: Any) -> None:
         dtype = np.dtype(arr.dtype)
@@ -241,6 +289,8 @@ def convert_diffusion_policy(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
     *,
+    drop_past_ends: bool = False,
+    drop_unsupported: bool = False,
     overwrite: bool = False,
     compression: str | None = None,
     chunk_rows: int | None = None,
@@ -253,13 +303,18 @@ def convert_diffusion_policy(
     """Convert a Diffusion Policy / UMI Zarr replay buffer into a new store at ``dst``.
 
     Options and the returned summary are those of :func:`~mmbuffer.convert.write_store`.
+    Lossless by default (see :mod:`mmbuffer.convert.readers.diffusion`):
+    ``drop_past_ends`` and ``drop_unsupported`` accept leaving out what a store
+    cannot hold.
 
     Raises
     ------
     ConversionError
         Not a Zarr group with ``data/`` and ``meta/episode_ends``, ends that are not
         strictly increasing, arrays shorter than the episodes, a non-numeric array
-        or an unsafe codec.
+        or an unsafe codec; rows past the last episode end (unless
+        ``drop_past_ends``), meta arrays or entries a store cannot hold (unless
+        ``drop_unsupported``).
     StoreExistsError
         ``dst`` exists and ``overwrite`` is false.
 
@@ -278,7 +333,8 @@ def convert_diffusion_policy(
     from .._pipeline.dest import check_destination
 
     check_destination(dst, overwrite)
-    reader = DiffusionPolicyReader(Path(src).expanduser())
+    reader = DiffusionPolicyReader(Path(src).expanduser(), drop_past_ends=drop_past_ends,
+                                   drop_unsupported=drop_unsupported)
     return write_store(
         reader, dst, overwrite=overwrite, compression=compression, chunk_rows=chunk_rows,
         progress=progress, verify=verify, capacity=capacity, num_streams=num_streams, priorities=priorities,

@@ -5,7 +5,7 @@ Layout read (``lerobot/datasets/utils.py``, ``CODEBASE_VERSION = "v3.0"``)::
     meta/info.json        codebase_version "v3.x", fps, total_episodes, total_frames,
                           features: key -> {dtype, shape, names}
     meta/episodes/chunk-XXX/file-YYY.parquet   one row per episode: episode_index, length, ...
-    meta/tasks.parquet    task strings (kept out: text)
+    meta/tasks.parquet    task strings (kept in attrs["lerobot"]["tasks"])
     data/chunk-XXX/file-YYY.parquet            one row per frame, in order: every feature
                           (timestamp, frame_index, episode_index, index, task_index included)
     videos/<key>/chunk-XXX/file-YYY.mp4        features of dtype "video"
@@ -17,11 +17,20 @@ their own name (``action``, ``timestamp``, ``frame_index``, ``index``,
 of equal ``episode_index``; an episode's last frame is ``terminated`` when its
 ``next.done`` is set, else ``truncated`` (the recording stops there).
 LeRobot stores no observation after an episode's last frame, so the store has
-no next-derived columns. ``string`` features are left out (warning). Video
-and image features cannot be decoded here: they are refused with
-:class:`~mmbuffer.errors.ConversionError` naming them, unless
-``skip_visual=True`` leaves them out (warning). Episode lengths and totals
-must agree with ``meta/`` (``info.json``, ``meta/episodes``).
+no next-derived columns. Episode lengths and totals must agree with ``meta/``
+(``info.json``, ``meta/episodes``).
+
+**Lossless by default.** What the dataset holds that the store cannot derive:
+every numeric feature (kept, frame for frame); ``next.done`` (kept as the
+flags: it may be set only on an episode's last frame, a frame inside an
+episode with it set is refused); the task strings of ``meta/tasks.parquet``
+(kept in ``attrs["lerobot"]["tasks"]``, ``task_index -> task``); ``info.json``
+(in ``attrs["lerobot"]``). ``string`` features cannot be columns: refused,
+naming them, unless ``drop_unsupported=True`` (``--drop-unsupported``) leaves
+them out. Video and image features cannot be decoded here: they are refused
+with :class:`~mmbuffer.errors.ConversionError` naming them, unless
+``skip_visual=True`` leaves them out (warning). The per-episode statistics of
+``meta/episodes`` are computed from the frames, not data of their own.
 
 Files are found by their fixed names (``data/chunk-*/file-*.parquet``), never
 through the path templates in ``info.json`` (untrusted); symbolic links are
@@ -70,11 +79,15 @@ class LeRobotReader(Reader):
         The dataset root (holding ``meta/info.json`` and ``data/``).
     skip_visual
         Leave video and image features out instead of refusing the dataset.
+    drop_unsupported
+        Leave ``string`` features out instead of refusing the dataset.
     """
 
     format = "lerobot"
 
-    def __init__(self, path: str | os.PathLike[str], *, skip_visual: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, skip_visual: bool = False,
+                 drop_unsupported: bool = False) -> None:
+        self._drop_unsupported = drop_unsupported
         super().__init__(path)
         root = self.path
         expect(root, ("directory",), "a LeRobot dataset directory (holding meta/info.json)")
@@ -148,8 +161,12 @@ class LeRobotReader(Reader):
                 visual[0])
         if visual:
             self._warn(f"video/image features left out (skip_visual): {visual}")
+        if text and not self._drop_unsupported:
+            raise self._error(f"string features {text} cannot be stored as columns (a store holds numbers); "
+                              "drop_unsupported=True (--drop-unsupported) converts the other features without them",
+                              text[0])
         if text:
-            self._warn(f"text features left out: {text}")
+            self.stats["dropped_keys"] = text
         if "episode_index" not in kept:
             raise self._error("expected an 'episode_index' feature", "meta/info.json")
         return kept
@@ -199,7 +216,28 @@ class LeRobotReader(Reader):
             raise self._error("two features map to the same column name", "meta/info.json")
         attrs = {"source_format": "lerobot", "lerobot": jsonable({k: v for k, v in self.info.items()
                                                                  if k not in ("data_path", "video_path")})}
+        tasks = self._tasks()
+        if tasks is not None:
+            attrs["lerobot"]["tasks"] = tasks
         return Schema(columns, (), int(self._lengths.sum()), attrs, len(self._lengths))
+
+    def _tasks(self) -> dict[str, str] | None:
+        """``meta/tasks.parquet`` as ``{task_index: task}`` (the task is the pandas index, or a ``task`` column)."""
+        import pyarrow.parquet as pq
+
+        path = self.path / "meta" / "tasks.parquet"
+        if not path.is_file() or path.is_symlink():
+            return None
+        try:
+            table = pq.read_table(path)
+        except Exception as exc:  # pyarrow's errors
+            raise self._error(f"expected a parquet file ({exc})", "meta/tasks.parquet") from exc
+        names = [n for n in table.column_names if n != "task_index"]
+        text = next((n for n in ("task", "__index_level_0__", *names) if n in table.column_names), None)
+        if "task_index" not in table.column_names or text is None:
+            raise self._error(f"expected columns task_index and task, got {table.column_names}", "meta/tasks.parquet")
+        index = table.column("task_index").to_pylist()
+        return {str(i): str(t) for i, t in zip(index, table.column(text).to_pylist())}
 
     @property
     def schema(self) -> Schema:
@@ -259,6 +297,7 @@ class LeRobotReader(Reader):
         ends = np.cumsum(self._lengths)
         total = int(ends[-1])
         row = 0
+        inner_done: list[int] = []  # frames inside an episode with next.done set (the first 8)
         for where, batch in self._batches(chunk_rows):
             n = batch.num_rows
             if n == 0:
@@ -277,11 +316,19 @@ class LeRobotReader(Reader):
             done = np.zeros(n, bool)
             inside = ends[(ends > row) & (ends <= row + n)] - 1 - row
             done[inside] = True
-            term = done & (data[self._done_key].reshape(n) != 0) if self._done_key else np.zeros(n, bool)
+            if self._done_key:
+                flag = data[self._done_key].reshape(n) != 0
+                inner_done.extend((np.flatnonzero(flag & ~done) + row)[: 8 - len(inner_done)].tolist())
+                term = done & flag
+            else:
+                term = np.zeros(n, bool)
             steps = {_column_name(k): v for k, v in data.items() if k != self._done_key}
             steps["terminated"], steps["truncated"] = term, done & ~term
             row += n
             yield Chunk(steps, {})
+        if inner_done:  # after every frame's episode_index is checked: a wrong length explains more
+            raise self._error(f"expected next.done only on an episode's last frame (the store's flags end "
+                              f"episodes there), got it on frames {inner_done}", self._done_key)
 
 
 def _is_list(t: Any) -> bool:
@@ -295,6 +342,7 @@ def convert_lerobot(
     dst: str | os.PathLike[str],
     *,
     skip_visual: bool = False,
+    drop_unsupported: bool = False,
     overwrite: bool = False,
     compression: str | None = None,
     chunk_rows: int | None = None,
@@ -307,13 +355,16 @@ def convert_lerobot(
     """Convert a LeRobot v3 dataset directory into a new store at ``dst`` (needs ``pyarrow``).
 
     Options and the returned summary are those of :func:`~mmbuffer.convert.write_store`;
-    ``skip_visual`` leaves video and image features out instead of refusing them.
+    ``skip_visual`` leaves video and image features out instead of refusing them,
+    ``drop_unsupported`` ``string`` features.
 
     Raises
     ------
     ConversionError
         Not a LeRobot v3 dataset, a video/image feature (unless ``skip_visual``),
-        episode lengths or totals that disagree with ``meta/``, missing values.
+        a ``string`` feature (unless ``drop_unsupported``), episode lengths or
+        totals that disagree with ``meta/``, missing values, ``next.done`` inside
+        an episode.
     StoreExistsError
         ``dst`` exists and ``overwrite`` is false.
     """
@@ -326,7 +377,7 @@ def convert_lerobot(
         from ...errors import ConversionError
 
         raise ConversionError(f"{src}: reading LeRobot datasets needs pyarrow (pip install pyarrow)") from exc
-    reader = LeRobotReader(Path(src).expanduser(), skip_visual=skip_visual)
+    reader = LeRobotReader(Path(src).expanduser(), skip_visual=skip_visual, drop_unsupported=drop_unsupported)
     return write_store(
         reader, dst, overwrite=overwrite, compression=compression, chunk_rows=chunk_rows,
         progress=progress, verify=verify, capacity=capacity, num_streams=num_streams, priorities=priorities,

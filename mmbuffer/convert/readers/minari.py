@@ -14,7 +14,7 @@ Layout read (Minari 0.4/0.5)::
 
 Row ``t`` of episode ``i`` becomes one store row (``obs``, ``action``, ``reward``,
 ``terminated``, ``truncated``); observation ``T`` (the T+1-th) is the episode's
-final observation. With ``keep_infos``, an info leaf of T+1 rows (the reset info,
+final observation. An info leaf of T+1 rows (the reset info,
 then the info of each step, as Minari records them) is kept whole like the
 observations: ``infos/<name>`` row ``t`` is the info returned with observation
 ``t`` (row 0: the reset info), ``next_infos/<name>`` the info of step ``t``, and
@@ -23,10 +23,24 @@ of T rows is row for row. Dict and Tuple spaces become one column per leaf:
 ``obs/pixels``, ``obs/_index_0`` (HDF5 names kept, so the export can rebuild
 the group). JPEG-encoded image leaves are decoded (needs Pillow). An episode
 whose last step has neither flag gets ``truncated=True`` there (it is a complete
-Minari episode; counted as ``forced_truncations``, with a warning).
+Minari episode; counted as ``forced_truncations``, with a warning; the episode
+ids, up to 1024, in ``attrs["convert"]["stats"]["forced_truncation_episodes"]``).
 ``metadata.json`` goes into ``attrs["minari"]`` (spaces and env spec as the JSON
 strings Minari wrote). Episodes are read one at a time (an Arrow episode whole,
 an HDF5 episode in row slices), so memory stays at about one chunk.
+
+**Lossless by default.** What a dataset holds that the store cannot derive:
+observations (T+1 per episode: T rows and the final observation), actions,
+rewards and both flags, kept exactly; ``infos``: kept (``drop_infos=True``,
+``--drop-infos``, leaves them out). An info leaf the store cannot hold as a
+column (not numeric, a length other than T or T+1, missing from or shaped
+differently in some episode, or T+1 rows in one episode and T in another) is
+refused with :class:`~mmbuffer.errors.ConversionError` naming the leaf and the
+episode, unless ``drop_unsupported=True`` (``--drop-unsupported``) accepts
+leaving those leaves out (listed in the summary's ``dropped_keys``). An
+episode whose last step has neither flag is a complete Minari episode ended by
+the collector: it gets ``truncated=True`` (counted, see above). An Arrow
+dataset pads every column with nulls to T+1 rows: the padding is not data.
 """
 
 from __future__ import annotations
@@ -41,7 +55,7 @@ from typing import Any
 import numpy as np
 
 from ...schema import PriorityConfig
-from .minari_arrow import arrow_info_leaves, arrow_leaves, null_fill
+from .minari_arrow import arrow_info_leaves, arrow_leaves, null_fill, null_rows
 from .minari_spaces import decode_jpeg, is_image, parse_space, space_leaves
 from .._pipeline.reader import Chunk, ChunkAssembler, Reader, Schema, jsonable
 from .._pipeline.sniff import expect
@@ -110,16 +124,24 @@ class MinariReader(Reader):
     ----------
     path
         The dataset directory (``.../<dataset_id>``, holding ``data/``) or its ``data/``.
+    drop_infos
+        Leave ``infos`` out. By default numeric ``infos`` leaves are kept as
+        ``infos/<name>`` columns, reset info included (a T+1-row leaf is
+        next-derived, like ``obs``: see the module docstring).
+    drop_unsupported
+        Leave out the info leaves a store cannot hold instead of refusing them.
     keep_infos
-        Keep numeric ``infos`` leaves as ``infos/<name>`` columns, reset info
-        included (a T+1-row leaf is next-derived, like ``obs``: see the module
-        docstring).
+        Deprecated: ``True`` is the default, ``False`` is ``drop_infos=True``.
     """
 
     format = "minari"
 
-    def __init__(self, path: str | os.PathLike[str], *, keep_infos: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, drop_infos: bool = False, drop_unsupported: bool = False,
+                 keep_infos: bool | None = None) -> None:
+        from .d4rl import infos_option
+
         super().__init__(resolve_dataset(path))
+        keep = not infos_option(self, keep_infos, drop_infos)
         p = self.path
         expect(p, ("directory",), "a Minari dataset directory (holding data/metadata.json)")
         data = p / "data" if (p / "data" / "metadata.json").is_file() else p
@@ -133,7 +155,8 @@ class MinariReader(Reader):
         except (OSError, json.JSONDecodeError) as exc:
             raise self._error(f"unreadable metadata.json ({exc})", "metadata.json") from exc
         self._data = data
-        self._keep_infos = keep_infos
+        self._keep_infos = keep
+        self._drop_unsupported = drop_unsupported
         self.data_format = self.metadata.get("data_format", "hdf5")
         self._obs_space = parse_space(self.metadata, "observation_space")
         self._act_space = parse_space(self.metadata, "action_space")
@@ -160,6 +183,20 @@ class MinariReader(Reader):
     def _attrs(self) -> dict[str, Any]:
         return {"source_format": "minari", "minari": jsonable(self.metadata)}
 
+    def _refuse_or_drop(self, leaves: dict[str, str]) -> None:
+        """Info leaves a store cannot hold (leaf -> why): refused, unless ``drop_unsupported``."""
+        if not leaves:
+            return
+        if not self._drop_unsupported:
+            col, why = next(iter(sorted(leaves.items())))
+            more = f" (and {len(leaves) - 1} more: {sorted(leaves)[1:9]})" if len(leaves) > 1 else ""
+            raise self._error(
+                f"info leaf {col!r} cannot be stored as a column: {why}{more}; drop_unsupported=True "
+                "(--drop-unsupported) converts without such leaves, drop_infos=True (--drop-infos) without any infos",
+                col,
+            )
+        self.stats["dropped_keys"] = sorted(set(self.stats.get("dropped_keys", [])) | set(leaves))
+
     def _check_totals(self, steps: int, episodes: int) -> None:
         for key, got in (("total_steps", steps), ("total_episodes", episodes)):
             want = self.metadata.get(key)
@@ -170,6 +207,9 @@ class MinariReader(Reader):
         if len(term) and not (term[-1] or trunc[-1]):
             trunc[-1] = True
             self.stats["forced_truncations"] = self.stats.get("forced_truncations", 0) + 1
+            eps = self.stats.setdefault("forced_truncation_episodes", [])
+            if len(eps) < 1024:  # the source's flags stay recoverable (attrs["convert"]["stats"])
+                eps.append(int(ep))
             if self.stats["forced_truncations"] == 1:
                 self._warn(
                     f"episode {ep} ends with neither terminated nor truncated: marked truncated "
@@ -203,7 +243,7 @@ class MinariReader(Reader):
         columns: dict[str, tuple[tuple[int, ...], str]] = {}
         self._lengths: list[int] = []
         first = True
-        dropped: set[str] = set()
+        dropped: dict[str, str] = {}
         info_whole: dict[str, bool] = {}
         for name in self._episodes:
             g = self._h5[name]
@@ -218,7 +258,7 @@ class MinariReader(Reader):
                 want = t + 1 if col.startswith("obs") else t
                 if col.startswith("infos/"):
                     if rows not in (t, t + 1):
-                        dropped.add(col)
+                        dropped.setdefault(col, f"{name}: {rows} rows, expected {t} or {t + 1} ({t} steps)")
                         continue
                 elif rows != want:
                     raise self._error(
@@ -226,22 +266,27 @@ class MinariReader(Reader):
                     )
                 shape, dtype = self._leaf_schema(col, ds)
                 if col.startswith("infos/") and np.dtype(dtype).kind not in "biuf":
-                    dropped.add(col)
+                    dropped.setdefault(col, f"{name}: dtype {ds.dtype}, not numeric")
                     continue
                 if col.startswith("infos/"):
                     whole = rows == t + 1  # reset info + one per step: next-derived, like obs
                     if first:
                         info_whole[col] = whole
                     elif info_whole.get(col) != whole:
-                        dropped.add(col)
+                        dropped.setdefault(col, f"{name}: {rows} rows ({t} steps), where the first episode's "
+                                                f"had {'T+1' if info_whole.get(col) else 'T'}")
                         continue
                 if first:
                     columns[col] = (shape, dtype)
                 elif col not in columns:
                     if not col.startswith("infos/"):
                         raise self._error(f"column {col!r} is not in episode 0", name)
-                    dropped.add(col)
+                    dropped.setdefault(col, f"{name}: present, but not in the first episode")
                 elif columns[col] != (shape, dtype):
+                    if col.startswith("infos/") and self._drop_unsupported:
+                        dropped.setdefault(col, f"{name}: shape/dtype {shape} {dtype}, the first episode's "
+                                                f"{columns[col]}")
+                        continue
                     raise self._error(
                         f"shape/dtype {shape} {dtype} differ from the first episode's {columns[col]}",
                         f"{name}/{col}",
@@ -250,15 +295,14 @@ class MinariReader(Reader):
                 missing = [c for c in columns if c not in leaves]
                 info_missing = [c for c in missing if c.startswith("infos/")]
                 for c in info_missing:
-                    dropped.add(c)
+                    dropped.setdefault(c, f"{name}: missing")
                     columns.pop(c)
                 if len(missing) > len(info_missing):
                     raise self._error(f"missing {sorted(set(missing) - set(info_missing))}", name)
             first = False
         for c in dropped:
             columns.pop(c, None)
-        if dropped:
-            self._warn(f"info leaves not kept (non-numeric or not one per step): {sorted(dropped)}")
+        self._refuse_or_drop(dropped)
         self._cols = columns
         self._check_totals(sum(self._lengths), len(self._episodes))
         next_keys = tuple(c for c in columns if c == "obs" or c.startswith("obs/") or info_whole.get(c))
@@ -287,6 +331,8 @@ class MinariReader(Reader):
         if ds.dtype.kind in "OV" or h5py_vlen(ds):
             if space is not None and self._jpeg and is_image(space):
                 return tuple(space["shape"]), "|u1"
+            if col.startswith("infos/"):
+                return (), ds.dtype.str  # refused or dropped by the caller, by name
             raise self._error(f"unsupported non-numeric data (dtype {ds.dtype})", col)
         if ds.dtype.kind not in "biuf":
             if col.startswith("infos/"):
@@ -354,30 +400,77 @@ class MinariReader(Reader):
         dirs.sort()
         return dirs
 
-    def _arrow_table(self, d: Path) -> Any:
+    def _arrow_table(self, d: Path, columns: list[str] | None = None) -> Any:
         try:
             import pyarrow.dataset as pds
         except ImportError as exc:
             raise self._error(f"data_format {self.data_format!r} needs pyarrow (pip install pyarrow)") from exc
         ds = pds.dataset(str(d), format=self.data_format, ignore_prefixes=["_", ".", "metadata.json"])
-        return ds.to_table()
+        if columns is not None:
+            columns = [c for c in columns if c in ds.schema.names]
+        return ds.to_table(columns=columns)
+
+    def _arrow_infos(self) -> None:
+        """Read every episode's ``infos`` column (only it) before writing: the leaves a store cannot
+        hold (not numeric, missing values, not in every episode) are refused or, with
+        ``drop_unsupported``, left out of every episode (:attr:`_dropped_leaves`)."""
+        why: dict[str, str] = {}
+        first: set[str] | None = None
+        for _, d in self._dirs:
+            table = self._arrow_table(d, ["infos"])
+            leaves: dict[str, np.ndarray] = {}
+            if "infos" in table.column_names:
+                unsupported: dict[str, str] = {}
+                arrow_info_leaves(table.column("infos").combine_chunks(), "infos", leaves, table.num_rows, unsupported)
+                for col, arr in leaves.items():
+                    if arr.dtype.kind not in "biuf":
+                        unsupported[col] = f"dtype {arr.dtype}, not numeric"
+                for col, reason in unsupported.items():
+                    why.setdefault(col, f"{d.name}: {reason}")
+            names = set(leaves) | set(why)
+            if first is None:
+                first = names
+            for col in sorted(names ^ first):
+                why.setdefault(col, f"{d.name}: " + ("not in the first episode" if col in names else "missing"))
+        self._refuse_or_drop(why)
+        self._dropped_leaves = set(why)
 
     def _arrow_episode(self, d: Path) -> dict[str, np.ndarray]:
         table = self._arrow_table(d)
         n = table.num_rows
         out: dict[str, np.ndarray] = {}
+        nulls: dict[str, np.ndarray] = {}
         for key, col in (("observations", "obs"), ("actions", "action")):
             if key not in table.column_names:
                 raise self._error(f"missing key {key!r}", f"{d.name}/{key}")
             space = self._obs_space if key == "observations" else self._act_space
-            arrow_leaves(table.column(key).combine_chunks(), space, col, out, self, jpeg=self._jpeg)
+            arrow_leaves(table.column(key).combine_chunks(), space, col, out, self, jpeg=self._jpeg, nulls=nulls)
         for key, col in (("rewards", "reward"), ("terminations", "terminated"), ("truncations", "truncated")):
             if key not in table.column_names:
                 raise self._error(f"missing key {key!r}", f"{d.name}/{key}")
             arr = table.column(key).combine_chunks()
+            if arr.null_count:
+                nulls[col] = null_rows(arr)
             out[col] = arr.fill_null(null_fill(arr)).to_numpy(zero_copy_only=False)
+        for col, rows in nulls.items():  # only the padding row T of a step column may be null
+            obs = col == "obs" or col.startswith("obs/")
+            bad = rows if obs else rows[rows != n - 1]
+            if len(bad):
+                where = "" if obs else f" before the padding row {n - 1}"
+                raise self._error(f"expected no missing (null) values{where}, got nulls at rows {bad[:8].tolist()} "
+                                  "(they cannot be stored, and filling them would change the data)", f"{d.name}/{col}")
         if self._keep_infos and "infos" in table.column_names:
-            arrow_info_leaves(table.column("infos").combine_chunks(), "infos", out, n)
+            unsupported: dict[str, str] = {}
+            arrow_info_leaves(table.column("infos").combine_chunks(), "infos", out, n, unsupported)
+            for col, arr in list(out.items()):
+                if col.startswith("infos/") and arr.dtype.kind not in "biuf":
+                    unsupported[col] = f"dtype {arr.dtype}, not numeric"
+            for col in self._dropped_leaves:  # found by _arrow_infos, left out of every episode as asked
+                out.pop(col, None)
+                unsupported.pop(col, None)
+            if unsupported:  # _arrow_infos read them all: only if the files changed since
+                col, why = next(iter(unsupported.items()))
+                raise self._error(f"info leaf {col!r} cannot be stored as a column: {d.name}: {why}", col)
         return out
 
     def _scan_arrow(self) -> Schema:
@@ -385,6 +478,9 @@ class MinariReader(Reader):
         if not self._dirs:
             raise self._error(f"data_format is {self.data_format} but data/ holds no episode directories")
         self._lengths = []
+        self._dropped_leaves = set[str]()
+        if self._keep_infos:
+            self._arrow_infos()
         columns: dict[str, tuple[tuple[int, ...], str]] = {}
         for ep, d in self._dirs:
             meta_file = d / "metadata.json"
@@ -397,8 +493,6 @@ class MinariReader(Reader):
                 if not columns:
                     for col, arr in data.items():
                         if col in ("terminated", "truncated"):
-                            continue
-                        if col.startswith("infos/") and arr.dtype.kind not in "biuf":
                             continue
                         shape = tuple(arr.shape[1:])
                         columns[col] = (shape, np.dtype(arr.dtype).newbyteorder("=").str)
@@ -458,7 +552,9 @@ def convert_minari(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
     *,
-    keep_infos: bool = False,
+    drop_infos: bool = False,
+    drop_unsupported: bool = False,
+    keep_infos: bool | None = None,
     overwrite: bool = False,
     compression: str | None = None,
     chunk_rows: int | None = None,
@@ -480,7 +576,8 @@ def convert_minari(
     ------
     ConversionError
         Not a Minari dataset, a missing key, observations not ``T+1`` rows, totals
-        that disagree with ``metadata.json``.
+        that disagree with ``metadata.json``, an info leaf a store cannot hold
+        (unless ``drop_unsupported``).
     StoreExistsError
         ``dst`` exists and ``overwrite`` is false.
 
@@ -492,7 +589,7 @@ def convert_minari(
     from .._pipeline.dest import check_destination
 
     check_destination(dst, overwrite)
-    reader = MinariReader(src, keep_infos=keep_infos)
+    reader = MinariReader(src, drop_infos=drop_infos, drop_unsupported=drop_unsupported, keep_infos=keep_infos)
     return write_store(
         reader, dst, overwrite=overwrite, compression=compression, chunk_rows=chunk_rows,
         progress=progress, verify=verify, capacity=capacity, num_streams=num_streams, priorities=priorities,

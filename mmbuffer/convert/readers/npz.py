@@ -10,6 +10,15 @@ and an object array is refused. Arrays are streamed: ``.npy`` files and members
 stored uncompressed in an ``.npz`` are read with ``pread`` at their data offset;
 members compressed with ``np.savez_compressed`` are decompressed sequentially,
 one chunk at a time.
+
+**Lossless by default**, as :mod:`mmbuffer.convert.readers.d4rl` (the same
+rules): ``next_observations`` that differ from the following row are kept as an
+explicit ``next/obs`` column (``derive_next=True`` derives anyway), ``infos/*``
+are kept as columns (``drop_infos=True`` leaves them out), a non-numeric array
+(a ``str`` array; object arrays are always refused, they need pickle) is
+refused unless ``drop_unsupported=True``, and ``metadata/*`` values of more
+than 4096 elements are recorded by shape and dtype only
+(``attrs["source_metadata_omitted"]``).
 """
 
 from __future__ import annotations
@@ -22,8 +31,8 @@ from typing import IO, Any
 import numpy as np
 
 from ...schema import PriorityConfig
-from .d4rl import flat_columns
-from .._pipeline.flat import FileArray, FlatReader
+from .d4rl import flat_columns, infos_option
+from .._pipeline.flat import FileArray, FlatReader, next_mode
 from .._pipeline.reader import Reader, jsonable
 from .._pipeline.sniff import ZIP, expect
 from .._pipeline.write import write_store
@@ -171,12 +180,13 @@ class NpzReader(FlatReader):
     ----------
     path
         ``file.npz`` or a directory holding ``observations.npy``, ``actions.npy``...
-    keep_infos, keep_next_obs
+    drop_infos, drop_unsupported, derive_next, keep_next_obs, keep_infos
         As for :class:`~mmbuffer.convert.D4RLReader`.
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], *, keep_infos: bool = False, keep_next_obs: bool = False
+        self, path: str | os.PathLike[str], *, drop_infos: bool = False, drop_unsupported: bool = False,
+        derive_next: bool = False, keep_next_obs: bool = False, keep_infos: bool | None = None,
     ) -> None:
         from ...errors import ConversionError
 
@@ -187,22 +197,29 @@ class NpzReader(FlatReader):
         else:
             arrays = _open_npz(p, self)
         self._arrays = arrays
-        meta = {}
+        meta, omitted = {}, {}
         for key, arr in arrays.items():
             if key.startswith("metadata/") or key == "metadata":
+                name = key.partition("/")[2] or key
                 if int(np.prod(arr.shape, dtype=np.int64)) <= 4096:
                     value = arr[()] if not arr.shape else arr[0 : arr.shape[0]]
-                    meta[key.partition("/")[2] or key] = jsonable(value)
+                    meta[name] = jsonable(value)
+                else:  # recorded by shape and dtype (see the module docstring)
+                    omitted[name] = {"shape": list(arr.shape), "dtype": str(arr.dtype)}
         data = {k: v for k, v in arrays.items() if k.split("/", 1)[0] != "metadata"}
         for k, v in data.items():
             if not v.shape:
                 raise ConversionError(f"{p} [{k}]: expected an array with one row per step, got a scalar")
-        args = flat_columns(self, data, keep_infos=keep_infos, keep_next_obs=keep_next_obs)
-        notes = self.notes
-        super().__init__(
-            path, fmt="npz", attrs={"source_format": "npz", "source_metadata": meta}, **args
-        )
-        self.notes = notes + self.notes
+        mode = next_mode(derive_next, keep_next_obs, str(p))
+        args = flat_columns(self, data, drop_infos=infos_option(self, keep_infos, drop_infos),
+                            drop_unsupported=drop_unsupported)
+        attrs: dict[str, Any] = {"source_format": "npz", "source_metadata": meta}
+        if omitted:
+            attrs["source_metadata_omitted"] = omitted
+            self.stats["metadata_omitted"] = sorted(omitted)
+        notes, stats = self.notes, self.stats
+        super().__init__(path, fmt="npz", attrs=attrs, next_mode=mode, **args)
+        self.notes, self.stats = notes + self.notes, {**stats, **self.stats}
 
     def close(self) -> None:
         for arr in getattr(self, "_arrays", {}).values():
@@ -213,8 +230,11 @@ def convert_npz(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
     *,
-    keep_infos: bool = False,
+    drop_infos: bool = False,
+    drop_unsupported: bool = False,
+    derive_next: bool = False,
     keep_next_obs: bool = False,
+    keep_infos: bool | None = None,
     overwrite: bool = False,
     compression: str | None = None,
     chunk_rows: int | None = None,
@@ -239,7 +259,8 @@ def convert_npz(
     from .._pipeline.dest import check_destination
 
     check_destination(dst, overwrite)
-    reader = NpzReader(src, keep_infos=keep_infos, keep_next_obs=keep_next_obs)
+    reader = NpzReader(src, drop_infos=drop_infos, drop_unsupported=drop_unsupported, derive_next=derive_next,
+                       keep_next_obs=keep_next_obs, keep_infos=keep_infos)
     return write_store(
         reader, dst, overwrite=overwrite, compression=compression, chunk_rows=chunk_rows,
         progress=progress, verify=verify, capacity=capacity, num_streams=num_streams, priorities=priorities,

@@ -9,6 +9,23 @@ store rows ``(obs[t], action[t+1], reward[t+1])`` with final observation
 so). Loaded only with ``torch.load(weights_only=True, mmap=True)`` and an
 allow-list of tensordict's own container classes; anything else in the pickle
 is refused. Episodes are converted a chunk at a time from the memory map.
+
+**Lossless by default.** What the file holds that the store cannot derive,
+and what happens to it: the observations (all ``L``: ``L - 1`` rows and the
+final observation), every step's action, reward and other values (rows ``1..L-1``)
+and ``episode``/``task`` (one value per episode) are kept. Row 0 of the step
+columns is the reset row, which TD-MPC2 fills with NaN: it has no place in the
+store, so a row-0 value that is not NaN (not 0/False for an integer or bool
+column; ``terminated``: not False) is refused with
+:class:`~mmbuffer.errors.ConversionError` naming the key and the episodes,
+unless ``drop_reset_values=True`` (``--drop-reset-values``)
+accepts leaving them out (counted as ``reset_values_dropped``). ``episode`` or
+``task`` changing inside an episode is refused likewise (one value per
+episode is kept: that of the episode's rows). A ``truncated`` or ``done`` key
+is compared with the flags the store derives (truncated at each episode's last
+step unless terminated) and refused where they disagree. A value that is not a
+tensor (a string, a number in a plain dict) is refused by name unless
+``drop_unsupported=True``.
 """
 
 from __future__ import annotations
@@ -96,7 +113,8 @@ def is_torch_zip(path: Path) -> bool:
         return False
 
 
-def _td_leaves(td: Any, prefix: str, out: dict[str, Any]) -> None:
+def _td_leaves(td: Any, prefix: str, out: dict[str, Any], other: list[str]) -> None:
+    """The tensors of ``td`` into ``out`` by path; the names of anything else into ``other``."""
     import torch
 
     keys = list(td.keys())
@@ -106,7 +124,9 @@ def _td_leaves(td: Any, prefix: str, out: dict[str, Any]) -> None:
         if isinstance(v, torch.Tensor):
             out[name] = v
         elif hasattr(v, "keys"):
-            _td_leaves(v, name, out)
+            _td_leaves(v, name, out, other)
+        else:
+            other.append(name)
 
 
 class TDMPC2Reader(Reader):
@@ -114,10 +134,12 @@ class TDMPC2Reader(Reader):
 
     format = "tdmpc2"
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, drop_reset_values: bool = False,
+                 drop_unsupported: bool = False) -> None:
         import torch
 
         super().__init__(path)
+        self._drop_reset = drop_reset_values
         expected = "a TD-MPC2 .pt file (torch.save) or a TorchRL dumps() directory"
         if expect(self.path, (ZIP, PICKLE), expected) == ZIP and not is_torch_zip(self.path):
             raise self._error(f"expected {expected}, found a zip archive that torch.save did not write "
@@ -126,7 +148,13 @@ class TDMPC2Reader(Reader):
         if not hasattr(td, "keys"):
             raise self._error(f"not a TD-MPC2 dataset: expected a TensorDict or dict, got {type(td).__name__}")
         leaves: dict[str, torch.Tensor] = {}
-        _td_leaves(td, "", leaves)
+        other: list[str] = []
+        _td_leaves(td, "", leaves, other)
+        if other and not drop_unsupported:
+            raise self._error(f"expected tensors, got other values at {other[:8]}: a store cannot hold them; "
+                              "drop_unsupported=True (--drop-unsupported) converts without them", other[0])
+        if other:
+            self.stats["dropped_keys"] = other
         for key in ("obs", "action", "reward", "episode"):
             if not any(k == key or k.startswith(key + "/") for k in leaves):
                 raise self._error(
@@ -166,14 +194,19 @@ class TDMPC2Reader(Reader):
         steps_per = self._L - 1
         eps_per = max(1, chunk_rows // steps_per)
         obs_cols = self._schema.next_keys
-        nan_first = 0
+        dropped = 0
         for e0 in range(0, self._E, eps_per):
             e1 = min(self._E, e0 + eps_per)
             k = e1 - e0
             block = {name: t[e0:e1].numpy() for name, t in self._leaves.items()}
-            ep = block["episode"]
-            if (ep != ep[:, :1]).any():
-                raise self._error("the 'episode' key changes inside an episode row", "episode")
+            for name in ("episode", "task"):
+                if name in block:
+                    arr = block[name].reshape(k, self._L, -1)
+                    bad = np.flatnonzero((arr != arr[:, :1]).any(axis=(1, 2)))
+                    if len(bad):
+                        raise self._error(f"expected one value per episode, got values that change inside "
+                                          f"episodes {(bad + e0)[:8].tolist()} (one value per episode is kept)",
+                                          name)
             steps: dict[str, np.ndarray] = {}
             for name in self._schema.columns:
                 arr = block[name]
@@ -181,11 +214,11 @@ class TDMPC2Reader(Reader):
                     rows = arr[:, :-1]
                 else:
                     rows = arr[:, 1:]
-                    if name == "action" and arr.dtype.kind == "f":
-                        nan_first += int(np.isnan(arr[:, 0]).reshape(k, -1).all(axis=1).sum())
+                    dropped += self._reset_values(name, arr[:, 0], e0)
                 rows = rows.reshape(k * steps_per, *self._schema.columns[name][0])
                 steps[name] = rows
             if self._term_key:
+                dropped += self._reset_values(self._term_key, block[self._term_key][:, 0], e0)
                 term = as_flag(block[self._term_key][:, 1:].reshape(k * steps_per, -1))
             else:
                 term = np.zeros(k * steps_per, bool)
@@ -194,12 +227,38 @@ class TDMPC2Reader(Reader):
                 raise self._error("a terminated flag before the last step of an episode", "terminated")
             trunc = np.zeros((k, steps_per), bool)
             trunc[:, -1] = ~term2[:, -1]
+            for key, want in (("truncated", trunc), ("done", term2 | trunc)):
+                if key in block and key != self._term_key:
+                    dropped += self._reset_values(key, block[key][:, 0], e0)
+                    got = as_flag(block[key][:, 1:].reshape(k * steps_per, -1)).reshape(k, steps_per)
+                    bad = np.flatnonzero((got != want).any(axis=1))
+                    if len(bad):
+                        raise self._error(
+                            f"expected {key} set exactly at each episode's last step ({'unless terminated' if key == 'truncated' else 'terminated or truncated'}: "
+                            f"the flags the store derives), got other values in episodes {(bad + e0)[:8].tolist()}",
+                            key)
             steps["terminated"] = term
             steps["truncated"] = trunc.reshape(-1)
             final = {c: block[c][:, -1] for c in obs_cols}
             yield Chunk(steps, final)
-        if nan_first != self._E:
-            self._warn(
-                f"{self._E - nan_first} of {self._E} episodes do not start with a NaN action: "
-                "is this really TD-MPC2's layout (row t = obs_t and the action that led to it)?"
-            )
+        if dropped:
+            self.stats["reset_values_dropped"] = dropped
+
+    def _reset_values(self, name: str, first: np.ndarray, e0: int) -> int:
+        """Row 0 (the reset row) of a step column: refused unless it holds nothing (NaN, 0, False).
+
+        Returns the number of episodes whose reset value is left out (``drop_reset_values``).
+        """
+        first = first.reshape(len(first), -1)
+        held = ~np.isnan(first) if first.dtype.kind == "f" else first != 0
+        bad = np.flatnonzero(held.any(axis=1))
+        if not len(bad):
+            return 0
+        if not self._drop_reset:
+            what = "NaN" if first.dtype.kind == "f" else "0/False"
+            raise self._error(
+                f"expected the reset row (row 0) of every episode to hold {what} (TD-MPC2 fills it so), got "
+                f"values in episodes {(bad + e0)[:8].tolist()} ({len(bad)} in these {len(first)}): the store "
+                "has no place for them; drop_reset_values=True (--drop-reset-values) converts "
+                "without them", name)
+        return len(bad)

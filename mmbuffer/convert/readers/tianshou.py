@@ -19,12 +19,24 @@ row. Sub-buffers are read one after the other (``num_streams`` deals the
 episodes to streams, see :mod:`._lanes`). ``obs -> obs`` (next-derived; each
 episode's final observation is its last ``obs_next``, zeros when the buffer was
 made with ``ignore_obs_next``), ``act -> action``, ``rew -> reward``,
-``terminated``, ``truncated``; with ``keep_infos`` also numeric ``info/<key>``
-and ``policy/<key>`` leaves as ``infos/<key>`` and ``policy/<key>``. A
-sub-buffer whose latest episode is unfinished gets ``truncated=True`` on its
-latest row (the data stops there; counted in ``forced_truncations``); the
-oldest episode of a wrapped ring starts mid-episode (its first rows were
-overwritten by Tianshou) and is kept as it is.
+``terminated``, ``truncated``; ``info/<key>`` and ``policy/<key>`` leaves as
+``infos/<key>`` and ``policy/<key>``, any other key of the Batch under its own
+name. A sub-buffer whose latest episode is unfinished gets ``truncated=True``
+on its latest row (the data stops there; counted in ``forced_truncations``,
+the rows in ``attrs["tianshou"]["forced_truncation_rows"]``); the oldest
+episode of a wrapped ring starts mid-episode (its first rows were overwritten
+by Tianshou) and is kept as it is.
+
+**Lossless by default.** What the buffer holds that the store cannot derive:
+``obs_next`` where it differs from the following row inside an episode (a
+buffer filled by hand, or reset observations): kept as an explicit
+``next/obs`` column, as for D4RL (:mod:`~mmbuffer.convert.readers.d4rl`;
+``derive_next=True`` derives anyway); ``info`` and ``policy`` leaves: kept
+(``drop_infos=True`` leaves them out); a leaf that is not a numeric array (an
+object, a string): refused naming it, unless ``drop_unsupported=True``
+(``drop_infos=True`` for one under ``info``/``policy``). ``done`` is
+``terminated | truncated`` in Tianshou and is not stored. Rows outside each
+sub-buffer's live range are not data.
 
 Nothing is ever unpickled: only datasets whose ``__data_type__`` is
 ``ndarray`` or ``Tensor`` and whose dtype is numeric are read; a required key
@@ -40,10 +52,11 @@ from typing import Any
 import numpy as np
 
 from ...schema import PriorityConfig
-from .._pipeline.flat import FlatReader
+from .._pipeline.flat import FlatReader, next_mode
 from .._pipeline.reader import Reader, as_flag
 from .._pipeline.sniff import HDF5, expect
 from .._pipeline.write import write_store
+from .d4rl import infos_option
 
 __all__ = ["TianshouReader", "convert_tianshou"]
 
@@ -102,11 +115,18 @@ class TianshouReader(FlatReader):
     ----------
     path
         The ``.hdf5`` file.
+    drop_infos
+        Leave ``info/<key>`` and ``policy/<key>`` leaves out (kept by default).
+    drop_unsupported
+        Leave out leaves that are not numeric arrays instead of refusing them.
+    derive_next, keep_next_obs
+        As for :class:`~mmbuffer.convert.D4RLReader` (``obs_next``).
     keep_infos
-        Keep numeric ``info/<key>`` and ``policy/<key>`` leaves as columns.
+        Deprecated: ``True`` is the default, ``False`` is ``drop_infos=True``.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, keep_infos: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, drop_infos: bool = False, drop_unsupported: bool = False,
+                 derive_next: bool = False, keep_next_obs: bool = False, keep_infos: bool | None = None) -> None:
         import h5py
 
         Reader.__init__(self, path)
@@ -123,11 +143,17 @@ class TianshouReader(FlatReader):
         maxsize = self._int_attr(f, "maxsize")
         segs = self._segments(f, maxsize)
         leaves: dict[str, Any] = {}
-        self._leaves(meta, "", leaves, keep_infos)
+        mode = next_mode(derive_next, keep_next_obs, str(p))
+        self._drop_infos, self._drop_unsupported = infos_option(self, keep_infos, drop_infos), drop_unsupported
+        self._dropped: list[str] = []
+        self._unsupported: list[Exception] = []
+        self._leaves(meta, "", leaves)
         for key in (*_REQUIRED, "terminated", "truncated"):
             if key not in leaves and not any(k.startswith(key + "/") for k in leaves):
                 raise self._error(f"expected a numeric dataset {key!r} in _meta (stored as an ndarray), "
                                   f"got {sorted(leaves)[:8]}", f"_meta/{key}")
+        if self._unsupported:
+            raise self._unsupported[0]
         for key, ds in leaves.items():
             if not ds.shape or int(ds.shape[0]) != maxsize:
                 raise self._error(f"expected {maxsize} rows (maxsize), got shape {ds.shape}", f"_meta/{key}")
@@ -152,10 +178,15 @@ class TianshouReader(FlatReader):
         obs_keys = tuple(k for k in columns if k == "obs" or k.startswith("obs/"))
         attrs = {"source_format": "tianshou",
                  "tianshou": {"maxsize": maxsize, "sub_buffers": len(segs),
-                              "rows": [s[1] for s in segs], "forced_truncations": len(forced)}}
+                              "rows": [s[1] for s in segs], "forced_truncations": len(forced),
+                              "forced_truncation_rows": [int(r) for r in forced]}}
+        notes, dropped = self.notes, self._dropped
         super().__init__(p, fmt="tianshou", columns=columns, terminated=term, truncated=_Closed(trunc, forced),
                          next_arrays={k: v for k, v in nxt.items() if k in columns}, next_keys=obs_keys,
-                         keys=keys, attrs=attrs)
+                         keys=keys, attrs=attrs, next_mode=mode)
+        self.notes = notes + self.notes
+        if dropped:  # only as asked (drop_infos / drop_unsupported): listed in the summary
+            self.stats["dropped_keys"] = dropped
         if len(forced):
             self.stats["forced_truncations"] = len(forced)
             self._warn(f"{len(forced)} sub-buffer(s) end inside an episode: their latest row is marked truncated")
@@ -201,7 +232,7 @@ class TianshouReader(FlatReader):
                               f"ring is full), got _size {size}, _insertion_idx {at}, maxsize {maxsize}", "_size")
         return [(0, size, max(maxsize, 1), at if size == maxsize else 0)]
 
-    def _leaves(self, g: Any, prefix: str, out: dict[str, Any], keep_infos: bool) -> None:
+    def _leaves(self, g: Any, prefix: str, out: dict[str, Any]) -> None:
         import h5py
 
         for name in g:
@@ -209,19 +240,30 @@ class TianshouReader(FlatReader):
             key = f"{prefix}{name}"
             top = key.split("/", 1)[0]
             optional = top not in (*_REQUIRED, "terminated", "truncated", "obs_next")
-            if optional and (not keep_infos or top not in ("info", "policy")):
+            if top == "done":
+                continue  # terminated | truncated in Tianshou
+            if self._drop_infos and top in ("info", "policy"):
+                self._dropped.append(f"_meta/{key}")
                 continue
             if isinstance(node, h5py.Group):
-                self._leaves(node, key + "/", out, keep_infos)
+                self._leaves(node, key + "/", out)
                 continue
             kind = node.attrs.get("__data_type__", "ndarray")
             kind = kind.decode() if isinstance(kind, bytes) else str(kind)
             if kind not in ("ndarray", "Tensor") or node.dtype.kind not in "biuf":
-                if optional:
-                    self.notes.append(f"_meta/{key}: not a numeric array ({kind}, {node.dtype}): left out")
+                if optional and self._drop_unsupported:
+                    self._dropped.append(f"_meta/{key}")
                     continue
-                raise self._error(f"expected a numeric array, got {kind} of dtype {node.dtype} (pickled "
-                                  "data is never loaded)", f"_meta/{key}")
+                accept = ("" if not optional else " (a store holds numeric columns only; drop_unsupported=True "
+                          "(--drop-unsupported) converts without it" + (", drop_infos=True (--drop-infos) without "
+                          "info/policy" if top in ("info", "policy") else "") + ")")
+                rows = node.shape[0] if node.shape else 0
+                error = self._error(f"expected a numeric array of {rows} rows, got {kind} of dtype {node.dtype} "
+                                    f"(pickled data is never loaded){accept}", f"_meta/{key}")
+                if not optional:
+                    raise error
+                self._unsupported.append(error)  # raised once the required keys are checked
+                continue
             out[key] = node
 
     def close(self) -> None:
@@ -235,7 +277,11 @@ def convert_tianshou(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
     *,
-    keep_infos: bool = False,
+    drop_infos: bool = False,
+    drop_unsupported: bool = False,
+    derive_next: bool = False,
+    keep_next_obs: bool = False,
+    keep_infos: bool | None = None,
     overwrite: bool = False,
     compression: str | None = None,
     chunk_rows: int | None = None,
@@ -262,7 +308,8 @@ def convert_tianshou(
     from .._pipeline.dest import check_destination
 
     check_destination(dst, overwrite)
-    reader = TianshouReader(Path(src).expanduser(), keep_infos=keep_infos)
+    reader = TianshouReader(Path(src).expanduser(), drop_infos=drop_infos, drop_unsupported=drop_unsupported,
+                            derive_next=derive_next, keep_next_obs=keep_next_obs, keep_infos=keep_infos)
     return write_store(
         reader, dst, overwrite=overwrite, compression=compression, chunk_rows=chunk_rows,
         progress=progress, verify=verify, capacity=capacity, num_streams=num_streams, priorities=priorities,

@@ -15,12 +15,29 @@ writer's cursor). Keys map as ``observation -> obs``, ``action``,
 flags (``("next", "done")`` alone -> ``terminated``, with a warning); every root
 key that also exists under ``next`` is next-derived and its final observation
 is ``("next", key)`` at the episode's last row; other keys are kept as columns
-named by their path (``collector/traj_ids``, ``next/<key>`` for next-only keys);
-``index`` is dropped. Trailing ``[.., 1]`` dims of reward and flags are squeezed.
+named by their path (``collector/traj_ids``, ``next/<key>`` for next-only keys;
+``index`` too, unless it is each row's storage slot, as ``TensorDictReplayBuffer``
+writes it: derived from the row's position then, and not stored). Trailing ``[.., 1]`` dims of reward and flags are squeezed.
 Where ``("collector", "traj_ids")`` changes with no flag set, the row before is
-marked truncated (counted as ``forced_truncations``); a last episode with no
+marked truncated (counted as ``forced_truncations``; the source's flags stay
+recoverable from the kept ``collector/traj_ids`` column); a last episode with no
 flag is closed as truncated with ``("next", key)`` as final observation (see
 :mod:`._flat`).
+
+**Lossless by default.** What a dump holds that the store cannot derive:
+``("next", key)`` values that differ from the following row's ``key`` inside
+an episode (a trajectory boundary of ``collector/traj_ids`` counts as an end):
+kept as an explicit ``next/<col>`` column, as for D4RL
+(:mod:`~mmbuffer.convert.readers.d4rl`; ``derive_next=True`` derives anyway,
+``keep_next_obs=True`` always keeps the column); every other leaf: kept as a
+column. Not stored, because the store derives them: ``("next", "done")``
+beside ``terminated``/``truncated`` (their ``or``) and the root-level flags
+(a collector's copy of the previous row's ``next`` flags). A dump with only
+``("next", "done")`` does not say which ends were truncations: they are stored
+as ``terminated`` (warning). An entry with no array a store could hold (a
+non-tensor entry, a leaf listed in ``meta.json`` with no ``.memmap`` file) is
+refused by name unless ``drop_unsupported=True`` (``--drop-unsupported``).
+``prefetch.pkl`` and the sampler's state are pickles and never read.
 
 TD-MPC2 ``.pt`` files: ``tdmpc2.py``.
 """
@@ -37,7 +54,7 @@ import numpy as np
 
 from ...errors import MMBufferError
 from ...schema import PriorityConfig
-from .._pipeline.flat import FileArray, FlatReader, RolledArray
+from .._pipeline.flat import FileArray, FlatReader, RolledArray, next_mode
 from .._pipeline.reader import Chunk, Reader, reader_error
 from .._pipeline.write import write_store
 from .tdmpc2 import TORCH_DTYPES, TDMPC2Reader
@@ -67,8 +84,11 @@ def _np_dtype(reader: Reader, s: str, key: str) -> np.dtype:
 class TorchRLReader(FlatReader):
     """Read a TorchRL replay buffer directory written by ``ReplayBuffer.dumps``."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, derive_next: bool = False,
+                 keep_next_obs: bool = False, drop_unsupported: bool = False) -> None:
         Reader.__init__(self, path)
+        self._mode = next_mode(derive_next, keep_next_obs, str(self.path))
+        self._drop_unsupported, self._dropped = drop_unsupported, list[str]()
         try:
             self._open()
         except MMBufferError:
@@ -118,17 +138,21 @@ class TorchRLReader(FlatReader):
             arr = FileArray(file, 0, shape, dtype)
             arrays[key] = RolledArray(arr, shift, length)
         self._files = arrays
-        args = self._map_keys(arrays)
-        attrs = {
+        slot_index = ("index",) in arrays and _is_slot_index(arrays[("index",)], shift, cap)
+        args = self._map_keys({k: v for k, v in arrays.items() if not (slot_index and k == ("index",))})
+        attrs: dict[str, Any] = {
             "source_format": "torchrl",
             "torchrl": {"len": length, "capacity": cap, "write_count": write_count, "cursor": cursor,
                         "keys": ["/".join(k) for k in leaves]},
         }
+        if slot_index:
+            attrs["torchrl"]["index"] = "the storage slot of each row: derived, not stored"
         notes = self.notes
-        traj = args.pop("traj_ids", None)
-        super().__init__(self.path, fmt="torchrl", attrs=attrs, squeeze=("reward",), **args)
+        self._traj = args.pop("traj_ids", None)
+        super().__init__(self.path, fmt="torchrl", attrs=attrs, squeeze=("reward",), next_mode=self._mode, **args)
         self.notes = notes + self.notes
-        self._traj = traj
+        if self._dropped:  # only as asked (drop_unsupported): listed in the summary
+            self.stats["dropped_keys"] = self._dropped
         for msg in self._pending:
             self._warn(msg)
 
@@ -148,18 +172,28 @@ class TorchRLReader(FlatReader):
                 continue
             if not isinstance(md, dict):
                 continue
+            name = "/".join((*prefix, key))
             if "type" in md and "shape" not in md:
                 sub = d / key
                 if sub.is_dir():
                     self._walk_td(sub, (*prefix, key), out)
+                else:  # a non-tensor entry (NonTensorData...): no array a store could hold
+                    self._unsupported(name, f"a {md['type']} entry with no tensors")
                 continue
             if md.get("is_nested"):
-                raise self._error("nested (jagged) tensors are not supported", "/".join((*prefix, key)))
+                raise self._error("nested (jagged) tensors are not supported", name)
             file = d / f"{key}.memmap"
             if not file.is_file():
-                self._pending.append(f"{'/'.join((*prefix, key))}: no {file.name}, left out")
+                self._unsupported(name, f"listed in meta.json with no {file.name}")
                 continue
             out[(*prefix, key)] = (file, tuple(md["shape"]), _np_dtype(self, md["dtype"], "/".join((*prefix, key))))
+
+    def _unsupported(self, name: str, why: str) -> None:
+        """A leaf a store cannot hold: refused by name, unless ``drop_unsupported`` (then listed)."""
+        if not self._drop_unsupported:
+            raise self._error(f"{why}: a store cannot hold it; drop_unsupported=True (--drop-unsupported) "
+                              "converts without it", name)
+        self._dropped.append(name)
 
     def _map_keys(self, arrays: dict[tuple[str, ...], Any]) -> dict[str, Any]:
         def name_of(key: tuple[str, ...]) -> str:
@@ -174,7 +208,7 @@ class TorchRLReader(FlatReader):
         next_arrays: dict[str, Any] = {}
         next_keys: list[str] = []
         for key, arr in root.items():
-            if key in (("index",),) or (len(key) == 1 and key[0] in _FLAG_NAMES):
+            if len(key) == 1 and key[0] in _FLAG_NAMES:
                 continue
             name = name_of(key)
             columns[name] = arr
@@ -216,6 +250,15 @@ class TorchRLReader(FlatReader):
             keys=keys,
             traj_ids=root.get(("collector", "traj_ids")),
         )
+
+    def _extra_ends(self, a: int, b: int) -> np.ndarray | None:
+        """Rows ``a..b`` after which ``collector/traj_ids`` changes (the rows :meth:`chunks` truncates)."""
+        if self._traj is None or b <= a:
+            return None
+        ids = np.asarray(self._traj[a : min(self._n, b + 1)]).reshape(-1)
+        out = np.zeros(b - a, bool)
+        out[: len(ids) - 1] = ids[1:] != ids[:-1]
+        return out
 
     def chunks(self, chunk_rows: int) -> Iterator[Chunk]:
         traj = self._traj
@@ -266,16 +309,38 @@ class TorchRLReader(FlatReader):
             arr.base.close()
 
 
+def _is_slot_index(arr: RolledArray, shift: int, cap: int) -> bool:
+    """Whether ``arr`` (the dump's ``index`` leaf, rows in write order) holds each row's storage
+    slot, as ``TensorDictReplayBuffer`` writes it: then the row's position says it, nothing is lost."""
+    if arr.shape[1:] not in ((), (1,)) or np.dtype(arr.dtype).kind not in "iu":
+        return False
+    step = 1 << 20
+    for a in range(0, arr.shape[0], step):
+        b = min(arr.shape[0], a + step)
+        if not np.array_equal(np.asarray(arr[a:b]).reshape(b - a), (shift + np.arange(a, b)) % cap):
+            return False
+    return True
+
+
 # -- TD-MPC2 ------------------------------------------------------------------------------------
 
 
-def open_torchrl(path: str | os.PathLike[str]) -> Reader:
-    """A reader for ``path``: a ``dumps()`` directory, or a TD-MPC2 ``.pt`` file."""
+def open_torchrl(path: str | os.PathLike[str], *, derive_next: bool = False, keep_next_obs: bool = False,
+                 drop_reset_values: bool = False, drop_unsupported: bool = False) -> Reader:
+    """A reader for ``path``: a ``dumps()`` directory, or a TD-MPC2 ``.pt`` file.
+
+    ``derive_next`` and ``keep_next_obs`` are :class:`TorchRLReader`'s; a TD-MPC2
+    file has no separate next observations (each episode's ``L`` observations
+    are its rows and its final observation), so they change nothing there.
+    ``drop_reset_values`` is :class:`TDMPC2Reader`'s (a dump has no reset row);
+    ``drop_unsupported`` both readers'.
+    """
     p = Path(path)
     if p.is_dir():
-        return TorchRLReader(p)
+        return TorchRLReader(p, derive_next=derive_next, keep_next_obs=keep_next_obs,
+                             drop_unsupported=drop_unsupported)
     if p.is_file():
-        return TDMPC2Reader(p)
+        return TDMPC2Reader(p, drop_reset_values=drop_reset_values, drop_unsupported=drop_unsupported)
     from ...errors import ConversionError
 
     raise ConversionError(f"{p}: no such file or directory (expected a TorchRL dumps() directory or a .pt file)")
@@ -285,6 +350,10 @@ def convert_torchrl(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
     *,
+    derive_next: bool = False,
+    keep_next_obs: bool = False,
+    drop_reset_values: bool = False,
+    drop_unsupported: bool = False,
     overwrite: bool = False,
     compression: str | None = None,
     chunk_rows: int | None = None,
@@ -299,6 +368,10 @@ def convert_torchrl(
     The directory is read from its JSON metadata and raw ``.memmap`` files (no
     torchrl needed, no pickle read); ``.pt`` files are loaded memory-mapped with
     ``weights_only=True`` and only tensordict's container classes allowed.
+    Lossless by default (see :mod:`mmbuffer.convert.readers.torchrl`):
+    ``derive_next=True`` accepts deriving next values that differ from the dump's;
+    ``drop_reset_values=True`` leaving out values in a TD-MPC2 file's reset rows
+    (see :mod:`mmbuffer.convert.readers.tdmpc2`).
 
     Raises
     ------
@@ -311,7 +384,8 @@ def convert_torchrl(
     from .._pipeline.dest import check_destination
 
     check_destination(dst, overwrite)
-    reader = open_torchrl(src)
+    reader = open_torchrl(src, derive_next=derive_next, keep_next_obs=keep_next_obs,
+                          drop_reset_values=drop_reset_values, drop_unsupported=drop_unsupported)
     return write_store(
         reader, dst, overwrite=overwrite, compression=compression, chunk_rows=chunk_rows,
         progress=progress, verify=verify, capacity=capacity, num_streams=num_streams, priorities=priorities,
