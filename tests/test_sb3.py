@@ -1,0 +1,391 @@
+"""mmbuffer.sb3: SB3's replay buffers on disk, checked against SB3's own buffers."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import time
+from copy import deepcopy
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sb3 = pytest.importorskip("stable_baselines3")
+gym = pytest.importorskip("gymnasium")
+
+from gymnasium import spaces  # noqa: E402
+from stable_baselines3 import DQN, SAC  # noqa: E402
+from stable_baselines3.common import buffers as sb3_buffers  # noqa: E402
+from stable_baselines3.common.type_aliases import DictReplayBufferSamples, ReplayBufferSamples  # noqa: E402
+from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize  # noqa: E402
+
+import mmbuffer as mb  # noqa: E402
+import mmbuffer.sb3  # noqa: E402
+from mmbuffer import errors  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- transitions as SB3's off-policy loop produces them --------------------------------
+def vec_steps(obs_space, action_space, n_envs, steps, seed=0, broken_every=0, max_len=12):
+    """``steps`` calls' worth of ``add`` arguments for ``n_envs`` envs: random episode
+    lengths, terminations and timeouts (``TimeLimit.truncated``), ``next_obs`` the true
+    final observation at an episode end, the next ``obs`` a reset observation there
+    (the following one otherwise); with ``broken_every``, an env's ``obs`` now and
+    then is not the previous ``next_obs`` though nothing ended (a user's own add)."""
+    rng = np.random.default_rng(seed)
+    obs_space.seed(seed)
+    action_space.seed(seed)
+
+    def one_obs():
+        return obs_space.sample()
+
+    def stack(items):
+        if isinstance(obs_space, spaces.Dict):
+            return {k: np.stack([o[k] for o in items]) for k in obs_space.spaces}
+        return np.stack(items)
+
+    current = [one_obs() for _ in range(n_envs)]
+    left = rng.integers(1, max_len, size=n_envs)
+    out = []
+    for t in range(steps):
+        nxt, done, infos = [], np.zeros(n_envs, bool), []
+        new_current = []
+        for e in range(n_envs):
+            following = one_obs()
+            left[e] -= 1
+            info = {}
+            if left[e] == 0:
+                done[e] = True
+                if rng.random() < 0.4:
+                    info["TimeLimit.truncated"] = True
+                left[e] = rng.integers(1, max_len)
+                new_current.append(one_obs())  # the reset observation
+            elif broken_every and rng.random() < 1 / broken_every:
+                new_current.append(one_obs())  # not the next_obs given: a chain break
+            else:
+                new_current.append(following)
+            nxt.append(following)
+            infos.append(info)
+        actions = np.stack([action_space.sample() for _ in range(n_envs)])
+        rewards = rng.standard_normal(n_envs).astype(np.float32)
+        out.append((deepcopy(stack(current)), stack(nxt), actions, rewards, done, infos))
+        current = new_current
+    return out
+
+
+def same_samples(a, b):
+    assert type(a) is type(b)
+    for field, x, y in zip(a._fields, a, b):
+        if x is None:  # discounts (n-step buffers only)
+            assert y is None, field
+            continue
+        if isinstance(x, dict):
+            assert x.keys() == y.keys(), field
+            pairs = [(f"{field}.{k}", x[k], y[k]) for k in x]
+        else:
+            pairs = [(field, x, y)]
+        for name, u, v in pairs:
+            assert u.dtype == v.dtype, (name, u.dtype, v.dtype)
+            assert u.shape == v.shape, (name, u.shape, v.shape)
+            assert u.device == v.device, name
+            assert torch.equal(u, v), name
+
+
+def compare_all(theirs, mine, seed, env=None):
+    """Every slot below size(), several times over, with the same env draws."""
+    assert mine.size() == theirs.size() and mine.pos == theirs.pos and mine.full == theirs.full
+    inds = np.tile(np.arange(theirs.size()), 4)
+    np.random.seed(seed)
+    a = theirs._get_samples(inds, env=env)
+    np.random.seed(seed)
+    b = mine._get_samples(inds, env=env)
+    same_samples(a, b)
+    np.random.seed(seed)
+    a = theirs.sample(64, env=env)
+    np.random.seed(seed)
+    b = mine.sample(64, env=env)
+    same_samples(a, b)
+
+
+SPACES = {
+    "box-discrete": (spaces.Box(-5, 5, (3,), np.float32), spaces.Discrete(4)),
+    "pixels-box64": (spaces.Box(0, 255, (2, 4, 4), np.uint8), spaces.Box(-1, 1, (2,), np.float64)),
+    "discrete-obs": (spaces.Discrete(7), spaces.MultiDiscrete([3, 2])),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SPACES))
+@pytest.mark.parametrize("n_envs", [1, 2])
+@pytest.mark.parametrize("timeouts", [True, False])
+def test_samples_equal_sb3(tmp_path, name, n_envs, timeouts):
+    obs_space, action_space = SPACES[name]
+    size = 17 * n_envs  # 17 slots per env: the ring wraps; episodes up to 29 steps are cut at the lane
+    theirs = sb3_buffers.ReplayBuffer(size, obs_space, action_space, device="cpu", n_envs=n_envs,
+                                      handle_timeout_termination=timeouts)
+    mine = mmbuffer.sb3.ReplayBuffer(size, obs_space, action_space, device="cpu", n_envs=n_envs,
+                                     handle_timeout_termination=timeouts, path=tmp_path / "r", commit_every=7)
+    assert isinstance(mine, sb3_buffers.ReplayBuffer)
+    steps = vec_steps(obs_space, action_space, n_envs, 90, seed=n_envs, broken_every=25, max_len=30)
+    for t, args in enumerate(steps):
+        theirs.add(*deepcopy(args))
+        mine.add(*args)
+        compare_all(theirs, mine, seed=t)
+    mine.close()  # held rows written as episode ends: the same samples after reopening
+    compare_all(theirs, mine, seed=99)
+    again = mmbuffer.sb3.ReplayBuffer(size, obs_space, action_space, device="cpu", n_envs=n_envs,
+                                      handle_timeout_termination=timeouts, path=tmp_path / "r")
+    compare_all(theirs, again, seed=100)
+    again.close()
+
+
+def test_dict_samples_equal_sb3(tmp_path):
+    obs_space = spaces.Dict({"image": spaces.Box(0, 255, (3, 3), np.uint8), "vec": spaces.Box(-1, 1, (2,), np.float32)})
+    action_space = spaces.Box(-1, 1, (2,), np.float32)
+    theirs = sb3_buffers.DictReplayBuffer(26, obs_space, action_space, device="cpu", n_envs=2)
+    mine = mmbuffer.sb3.DictReplayBuffer(26, obs_space, action_space, device="cpu", n_envs=2, path=tmp_path / "d")
+    assert isinstance(mine, sb3_buffers.DictReplayBuffer)
+    for t, args in enumerate(vec_steps(obs_space, action_space, 2, 40, seed=3, broken_every=7)):
+        theirs.add(*deepcopy(args))
+        mine.add(*args)
+        compare_all(theirs, mine, seed=t)
+    assert isinstance(mine.sample(8), DictReplayBufferSamples)
+    mine.close()
+
+
+def test_vecnormalize_at_sampling(tmp_path):
+    venv = VecNormalize(DummyVecEnv([lambda: gym.make("Pendulum-v1")]), gamma=0.9)
+    venv.obs_rms.mean, venv.obs_rms.var = np.array([0.5, -0.5, 1.0]), np.array([2.0, 3.0, 0.5])
+    venv.ret_rms.var = np.array(4.0)
+    obs_space, action_space = venv.observation_space, venv.action_space
+    theirs = sb3_buffers.ReplayBuffer(40, obs_space, action_space, device="cpu")
+    mine = mmbuffer.sb3.ReplayBuffer(40, obs_space, action_space, device="cpu", path=tmp_path / "n")
+    for args in vec_steps(obs_space, action_space, 1, 30):
+        theirs.add(*deepcopy(args))
+        mine.add(*args)
+    compare_all(theirs, mine, seed=1, env=venv)
+    mine.close()
+
+
+def test_timeouts_and_dones_values(tmp_path):
+    """Hand-made: next obs across an episode end and a timeout, dones = done * (1 - timeout)."""
+    box = spaces.Box(-100, 100, (1,), np.float32)
+    rb = mmbuffer.sb3.ReplayBuffer(20, box, spaces.Discrete(2), device="cpu", path=tmp_path / "t")
+    o = lambda v: np.array([[v]], np.float32)  # noqa: E731
+    rb.add(o(0), o(1), np.array([0]), np.array([1.0]), np.array([False]), [{}])
+    rb.add(o(1), o(2), np.array([1]), np.array([2.0]), np.array([True]), [{}])  # terminated, final obs 2
+    rb.add(o(10), o(11), np.array([0]), np.array([3.0]), np.array([True]), [{"TimeLimit.truncated": True}])
+    rb.add(o(20), o(21), np.array([1]), np.array([4.0]), np.array([False]), [{}])
+    s = rb._get_samples(np.arange(4), env_indices=np.zeros(4, np.int64))
+    assert s.observations[:, 0].tolist() == [0, 1, 10, 20]
+    assert s.next_observations[:, 0].tolist() == [1, 2, 11, 21]
+    assert s.dones[:, 0].tolist() == [0, 1, 0, 0]
+    assert s.rewards.shape == (4, 1) and s.rewards.dtype == torch.float32 and s.dones.dtype == torch.float32
+    rb.close()
+    store = mb.open(tmp_path / "t", mode="r")  # the episode structure on disk
+    assert store.read("terminated", np.arange(4)).tolist() == [False, True, False, False]
+    assert store.read("truncated", np.arange(4)).tolist() == [False, False, True, True]  # the held row: closed
+    store.close()
+
+
+# -- pickling, resuming -------------------------------------------------------------------
+def small_dqn(path, **kw):
+    return DQN("MlpPolicy", gym.make("CartPole-v1"), buffer_size=500, learning_starts=50, batch_size=16,
+               policy_kwargs={"net_arch": [16]}, seed=0, replay_buffer_class=mmbuffer.sb3.ReplayBuffer,
+               replay_buffer_kwargs={"path": str(path), **kw})
+
+
+def test_save_load_replay_buffer(tmp_path):
+    """SB3's test_save_load_replay_buffer pattern, in one process."""
+    pkl = tmp_path / "logs" / "replay_buffer.pkl"
+    pkl.parent.mkdir(parents=True)
+    model = small_dqn(tmp_path / "replay")
+    model.learn(150)
+    model.save_replay_buffer(pkl)
+    assert pkl.stat().st_size < 20_000  # the path and the cursor, not the data
+    old = deepcopy(model.replay_buffer)
+    del model.replay_buffer
+    with pytest.raises(AttributeError):
+        model.replay_buffer  # noqa: B018
+    model.load_replay_buffer(pkl)
+    rb = model.replay_buffer
+    steps = model.num_timesteps  # 152: DQN collects 4 steps between trainings
+    assert isinstance(rb, mmbuffer.sb3.ReplayBuffer) and rb.size() == old.size() == steps
+    np.random.seed(0)
+    a = old.sample(100)
+    np.random.seed(0)
+    same_samples(a, rb.sample(100))
+    old.close()
+    model.train(gradient_steps=1, batch_size=16)
+    model.learn(60, reset_num_timesteps=False)  # the loaded buffer writes on
+    assert rb.size() == model.num_timesteps > steps
+    steps = model.num_timesteps
+    # into a new model, as after a restart
+    rb.close()
+    model2 = small_dqn(tmp_path / "other")
+    model2.load_replay_buffer(pkl)
+    assert model2.replay_buffer.size() == steps and model2.replay_buffer.path == rb.path
+    model2.learn(20)
+    assert model2.replay_buffer.size() == steps + model2.num_timesteps
+    model2.replay_buffer.close()
+
+
+def test_pickled_buffer_keeps_working_and_lock(tmp_path):
+    """After save_replay_buffer the saving model trains on (it reopens the store);
+    a second writer of the same store is refused with LockedError."""
+    model = small_dqn(tmp_path / "replay")
+    model.learn(80)
+    blob = pickle.dumps(model.replay_buffer)
+    model.learn(20, reset_num_timesteps=False)
+    assert model.replay_buffer.size() == model.num_timesteps > 80
+    copy = pickle.loads(blob)
+    with pytest.raises(errors.LockedError):
+        copy.add(*vec_steps(copy.observation_space, copy.action_space, 1, 1)[0])
+    model.replay_buffer.close()
+    with pytest.raises(errors.CorruptStoreError):  # the store moved on: the copy's cursor is stale
+        copy.add(*vec_steps(copy.observation_space, copy.action_space, 1, 1)[0])
+
+
+def test_resume_from_path(tmp_path):
+    model = small_dqn(tmp_path / "replay")
+    model.learn(120)
+    steps = model.num_timesteps
+    np.random.seed(5)
+    before = model.replay_buffer.sample(50)
+    model.replay_buffer.close()
+    again = small_dqn(tmp_path / "replay")  # a new process passes the same path
+    assert again.replay_buffer.size() == steps and again.replay_buffer.pos == steps
+    np.random.seed(5)
+    same_samples(before, again.replay_buffer.sample(50))
+    again.replay_buffer.close()
+    with pytest.raises(errors.SchemaError):  # another env's store
+        SAC("MlpPolicy", gym.make("Pendulum-v1"), buffer_size=500, replay_buffer_class=mmbuffer.sb3.ReplayBuffer,
+            replay_buffer_kwargs={"path": str(tmp_path / "replay")})
+    with pytest.raises(errors.SchemaError):  # another buffer size
+        DQN("MlpPolicy", gym.make("CartPole-v1"), buffer_size=400, replay_buffer_class=mmbuffer.sb3.ReplayBuffer,
+            replay_buffer_kwargs={"path": str(tmp_path / "replay")})
+
+
+CRASH = """
+import os, sys, numpy as np
+from gymnasium import spaces
+import mmbuffer.sb3
+rb = mmbuffer.sb3.ReplayBuffer(10000, spaces.Box(-1e6, 1e6, (2,), np.float32), spaces.Discrete(2), device="cpu",
+                               path=sys.argv[1], commit_every=100, commit_seconds=1e6)
+for t in range(250):
+    o = np.full((1, 2), t, np.float32)
+    rb.add(o, o + 1, np.array([0]), np.array([1.0]), np.array([t % 40 == 39]), [{}])
+os._exit(0)  # no close: a crash
+"""
+
+
+def test_crash_loses_at_most_commit_every(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-c", CRASH, str(tmp_path / "c")], check=True, env=env, timeout=120)
+    rb = mmbuffer.sb3.ReplayBuffer(10000, spaces.Box(-1e6, 1e6, (2,), np.float32), spaces.Discrete(2), device="cpu",
+                                   path=tmp_path / "c")
+    assert rb.size() == 200  # the commits at 100 and 200 steps
+    s = rb._get_samples(np.arange(200), env_indices=np.zeros(200, np.int64))
+    assert torch.equal(s.next_observations, s.observations + 1)
+    assert s.dones[:, 0].tolist() == [float(t % 40 == 39) for t in range(200)]
+    rb.close()
+
+
+# -- refusals ---------------------------------------------------------------------------
+def test_typed_refusals(tmp_path):
+    box, act = spaces.Box(-1, 1, (2,), np.float32), spaces.Discrete(2)
+    with pytest.raises(errors.InvalidArgumentError, match="frame_stack.*stacked sampling"):
+        mmbuffer.sb3.ReplayBuffer(10, box, act, path=tmp_path / "a", frame_stack=4)
+    with pytest.raises(errors.InvalidArgumentError, match="codec"):
+        mmbuffer.sb3.ReplayBuffer(10, box, act, path=tmp_path / "a", codec="zstd")
+    with pytest.raises(errors.InvalidArgumentError, match="path"):
+        mmbuffer.sb3.ReplayBuffer(10, box, act)
+    with pytest.raises(errors.InvalidArgumentError, match="commit_every"):
+        mmbuffer.sb3.ReplayBuffer(10, box, act, path=tmp_path / "a", commit_every=0)
+    with pytest.raises(errors.InvalidArgumentError, match="observation_space"):
+        mmbuffer.sb3.DictReplayBuffer(10, box, act, path=tmp_path / "a")
+    rb = mmbuffer.sb3.ReplayBuffer(10, box, act, device="cpu", path=tmp_path / "a")
+    with pytest.raises(errors.InvalidArgumentError, match="reset"):
+        rb.reset()
+    assert not (tmp_path / "a").exists()  # nothing added, nothing created
+
+
+# -- real trainings -----------------------------------------------------------------------
+def params(policy):
+    return [p.detach().clone() for p in policy.parameters()]
+
+
+def test_dqn_cartpole_trains(tmp_path):
+    t0 = time.perf_counter()
+    model = DQN("MlpPolicy", gym.make("CartPole-v1"), buffer_size=1000, learning_starts=100, batch_size=32,
+                train_freq=4, target_update_interval=50, policy_kwargs={"net_arch": [32]}, seed=1,
+                replay_buffer_class=mmbuffer.sb3.ReplayBuffer, replay_buffer_kwargs={"path": str(tmp_path / "dqn")})
+    before = params(model.policy.q_net)
+    model.learn(400)
+    rb = model.replay_buffer
+    assert rb.size() == model.num_timesteps == 400 and model._n_updates > 0
+    assert "train/loss" in model.logger.name_to_value or model._n_updates >= 70
+    assert any(not torch.equal(a, b) for a, b in zip(before, params(model.policy.q_net)))
+    rb.close()
+    store = mb.open(tmp_path / "dqn", mode="r")
+    assert int(store.view().written[0]) == 400
+    store.close()
+    assert time.perf_counter() - t0 < 60
+
+
+def test_sac_pendulum_two_envs_trains(tmp_path):
+    from stable_baselines3.common.env_util import make_vec_env
+
+    env = make_vec_env("Pendulum-v1", n_envs=2, seed=0)
+    model = SAC("MlpPolicy", env, buffer_size=1000, learning_starts=100, batch_size=32,
+                policy_kwargs={"net_arch": [32]}, seed=0,
+                replay_buffer_class=mmbuffer.sb3.ReplayBuffer, replay_buffer_kwargs={"path": str(tmp_path / "sac")})
+    before = params(model.policy.actor)
+    model.learn(300)  # 150 steps of 2 envs
+    rb = model.replay_buffer
+    assert rb.n_envs == 2 and rb.size() == 150 and model._n_updates > 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, params(model.policy.actor)))
+    s = rb.sample(32)
+    assert isinstance(s, ReplayBufferSamples) and s.observations.shape == (32, 3) and s.actions.dtype == torch.float32
+    rb.close()
+
+
+class QuarterFrames(gym.ObservationWrapper):
+    """Grayscale ALE frames subsampled 4x in numpy (SB3's AtariWrapper needs OpenCV)."""
+
+    def __init__(self, env):
+        super().__init__(env)
+        h, w = env.observation_space.shape
+        self.observation_space = spaces.Box(0, 255, ((h + 3) // 4, (w + 3) // 4, 1), np.uint8)
+
+    def observation(self, obs):
+        return obs[::4, ::4, None]
+
+
+def test_dqn_cnn_on_ale_pong_trains(tmp_path):
+    ale_py = pytest.importorskip("ale_py")
+    from stable_baselines3.common.vec_env import VecFrameStack
+
+    gym.register_envs(ale_py)
+    env = VecFrameStack(DummyVecEnv([lambda: QuarterFrames(gym.make("ALE/Pong-v5", obs_type="grayscale",
+                                                                     max_episode_steps=120))]), 4)
+    model = DQN("CnnPolicy", env, buffer_size=2000, learning_starts=150, batch_size=16, train_freq=8, seed=0,
+                policy_kwargs={"features_extractor_kwargs": {"features_dim": 64}},
+                replay_buffer_class=mmbuffer.sb3.ReplayBuffer, replay_buffer_kwargs={"path": str(tmp_path / "pong")})
+    before = params(model.policy.q_net)
+    model.learn(304)  # two episodes end (timeouts): final observations stored, not the reset ones
+    rb = model.replay_buffer
+    assert rb.size() == 304 and model._n_updates > 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, params(model.policy.q_net)))
+    s = rb._get_samples(np.arange(304), env_indices=np.zeros(304, np.int64))
+    assert s.observations.dtype == torch.uint8 and s.observations.shape == (304, 4, 53, 40)
+    # inside an episode, next obs is the following obs (the newest of its 4 frames is new)
+    ends = np.flatnonzero(rb._lanes.reader().read("truncated", np.arange(304)))
+    inside = np.setdiff1d(np.arange(303), ends)
+    assert torch.equal(s.next_observations[inside], s.observations[inside + 1])
+    assert torch.equal(s.next_observations[inside, :3], s.observations[inside, 1:])  # the frame stack shifts
+    rb.close()
