@@ -389,3 +389,98 @@ def test_dqn_cnn_on_ale_pong_trains(tmp_path):
     assert torch.equal(s.next_observations[inside], s.observations[inside + 1])
     assert torch.equal(s.next_observations[inside, :3], s.observations[inside, 1:])  # the frame stack shifts
     rb.close()
+
+
+# -- prioritized replay -------------------------------------------------------------------
+def per_buffer(path, **kw):
+    box = spaces.Box(-1e6, 1e6, (2,), np.float32)
+    return mmbuffer.sb3.PrioritizedReplayBuffer(64, box, spaces.Discrete(2), device="cpu", path=path, **kw)
+
+
+def fill(rb, steps):
+    for t in range(steps):
+        o = np.full((1, 2), t, np.float32)
+        rb.add(o, o + 1, np.array([t % 2]), np.array([t], np.float32), np.array([t % 10 == 9]), [{}])
+
+
+def test_prioritized_draws_and_weights(tmp_path):
+    torch.manual_seed(0)
+    rb = per_buffer(tmp_path / "p", alpha=0.6, beta=0.4)
+    fill(rb, 60)
+    seen = set()
+    for _ in range(200):  # every stored row once: the newest step is held in memory, and the
+        if len(seen) == 58:  # store's open last row (58) waits for its next observation
+            break
+        s = rb.sample(64)
+        assert isinstance(s, mmbuffer.sb3.PrioritizedReplayBufferSamples)
+        assert s.weights.shape == (64, 1) and s.weights.dtype == torch.float32 and s.indices.dtype == torch.int64
+        # the samples are the rows' transitions: obs t, next obs t + 1, reward t
+        assert torch.equal(s.next_observations, s.observations + 1)
+        assert torch.equal(s.rewards[:, 0], s.observations[:, 0])
+        rb.update_priorities(s.indices, (1 + s.indices % 4).reshape(-1, 1).float())
+        seen |= set(s.indices.tolist())
+    assert seen == set(range(58))
+    counts = torch.zeros(4)
+    for _ in range(100):
+        s = rb.sample(512)
+        counts += torch.bincount(s.indices % 4, minlength=4)
+        w = {int(i % 4): float(x) for i, x in zip(s.indices, s.weights[:, 0])}
+    ratio = float(counts[3] / counts[0])  # priority 4 against 1: (4 / 1) ** 0.6 = 2.30
+    assert abs(ratio - 4**0.6) < 0.15 * 4**0.6, ratio
+    assert abs(w[0] - 1.0) < 1e-4 and abs(w[3] - (4**0.6) ** -0.4) < 1e-3, w
+    rb.close()
+
+
+def test_prioritized_pickle_and_layout(tmp_path):
+    rb = per_buffer(tmp_path / "p", alpha=0.5, beta=0.3)
+    fill(rb, 30)
+    rb.beta = 0.7  # annealed
+    copy = pickle.loads(pickle.dumps(rb))
+    assert copy.beta == 0.7 and copy.size() == 30
+    rb.close()
+    with pytest.raises(errors.SchemaError, match="priorities"):  # a store with priorities is not a plain buffer's
+        mmbuffer.sb3.ReplayBuffer(64, spaces.Box(-1e6, 1e6, (2,), np.float32), spaces.Discrete(2), path=tmp_path / "p")
+    with pytest.raises(errors.InvalidArgumentError, match="beta"):
+        per_buffer(tmp_path / "q", beta=2.0)
+    copy.close()
+
+
+def test_prioritized_dqn_feeds_td_errors_back(tmp_path):
+    model = mmbuffer.sb3.PrioritizedDQN(
+        "MlpPolicy", gym.make("CartPole-v1"), buffer_size=1000, learning_starts=100, batch_size=32, train_freq=4,
+        policy_kwargs={"net_arch": [32]}, seed=0, replay_buffer_class=mmbuffer.sb3.PrioritizedReplayBuffer,
+        replay_buffer_kwargs={"path": str(tmp_path / "per")},
+    )
+    model.learn(400)
+    rb = model.replay_buffer
+    assert rb.size() == 400 and model._n_updates > 0
+    leaves = rb._lanes.writer().leaf_priorities(np.arange(398))
+    cap = 1e4**0.6
+    assert (leaves < cap * 0.999).sum() > 100  # sampled rows now carry their TD errors
+    assert leaves.max() < cap  # new rows took the live maximum, not the cap, once the first rows were drawn
+    rb.close()
+    plain = mmbuffer.sb3.PrioritizedDQN("MlpPolicy", gym.make("CartPole-v1"), buffer_size=1000, learning_starts=10,
+                                        replay_buffer_class=mmbuffer.sb3.ReplayBuffer,
+                                        replay_buffer_kwargs={"path": str(tmp_path / "plain")})
+    with pytest.raises(errors.InvalidArgumentError, match="PrioritizedReplayBuffer"):
+        plain.learn(20)
+    plain.replay_buffer.close()
+
+
+def test_optimize_memory_usage_accepted_and_truncation(tmp_path):
+    """optimize_memory_usage with handle_timeout_termination (SB3 refuses the pair, SB3#934):
+    accepted; SB3's _setup_learn then marks the newest step done, as SB3 does."""
+    model = DQN("MlpPolicy", gym.make("CartPole-v1"), buffer_size=500, learning_starts=50, seed=0,
+                optimize_memory_usage=True, policy_kwargs={"net_arch": [16]},
+                replay_buffer_class=mmbuffer.sb3.ReplayBuffer, replay_buffer_kwargs={"path": str(tmp_path / "o")})
+    model.learn(60)
+    rb = model.replay_buffer
+    assert rb.optimize_memory_usage and rb.handle_timeout_termination
+    newest = rb.pos - 1
+    with pytest.warns(UserWarning, match="truncated"):
+        model.learn(8)  # reset_num_timesteps=True: SB3 sets replay_buffer.dones[pos - 1] = True
+    s = rb._get_samples(np.array([newest]), env_indices=np.array([0]))
+    assert s.dones.tolist() == [[1.0]]
+    with pytest.raises(errors.InvalidArgumentError, match="dones"):
+        rb.dones[0] = True
+    rb.close()

@@ -40,6 +40,9 @@ process may also just pass the same ``path``: an existing store is reopened,
 checked against the spaces and sizes (``SchemaError`` if they differ), and
 training resumes at its cursor.
 
+Prioritized replay: ``PrioritizedReplayBuffer`` with ``PrioritizedDQN`` (SB3's DQN
+feeding TD errors back), see :mod:`mmbuffer.sb3.prioritized`.
+
 Not yet: ``frame_stack`` (needs the core's stacked sampling) and ``codec``
 (per-column codecs) are refused with ``InvalidArgumentError`` unless None.
 
@@ -55,6 +58,7 @@ Not yet: ``frame_stack`` (needs the core's stacked sampling) and ``codec``
 >>> model.replay_buffer.close()
 """
 
+from .prioritized import PrioritizedDQN, PrioritizedReplayBuffer, PrioritizedReplayBufferSamples
 from .replay import DictReplayBuffer, ReplayBuffer
 
-__all__ = ["DictReplayBuffer", "ReplayBuffer"]
+__all__ = ["DictReplayBuffer", "PrioritizedDQN", "PrioritizedReplayBuffer", "PrioritizedReplayBufferSamples", "ReplayBuffer"]

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from .. import errors
+from ..schema import PriorityConfig
 from .rows import Lanes
 
 try:
@@ -120,9 +121,20 @@ class _OnDisk:
         self._lanes = Lanes(
             Path(path).absolute(), columns, tuple(self._obs_columns()), buffer_size=self.buffer_size, n_envs=self.n_envs,
             commit_every=commit_every, commit_seconds=commit_seconds, layout={"kind": type(self).__name__},
+            priorities=self._priority_config(),
         )
+        # what __setstate__ calls __init__ with (path absolute: a pickle may be loaded elsewhere)
+        self._init_kwargs: dict[str, Any] = {
+            "buffer_size": buffer_size, "observation_space": observation_space, "action_space": action_space,
+            "device": str(self.device), "n_envs": self.n_envs, "optimize_memory_usage": self.optimize_memory_usage,
+            "handle_timeout_termination": self.handle_timeout_termination, "path": str(self._lanes.path),
+            "commit_every": self._lanes.commit_every, "commit_seconds": self._lanes.commit_seconds,
+        }
         self._cursor()
         self._finalizer = weakref.finalize(self, self._lanes.close)
+
+    def _priority_config(self) -> PriorityConfig | None:
+        return None  # PrioritizedReplayBuffer: its PriorityConfig
 
     def _cursor(self) -> None:
         adds = self._lanes.adds
@@ -172,14 +184,17 @@ class _OnDisk:
         batch_inds = np.random.randint(0, upper_bound, size=batch_size)
         return self._get_samples(batch_inds, env=env)
 
-    def _get_samples(self, batch_inds: np.ndarray, env: VecNormalize | None = None, env_indices: np.ndarray | None = None) -> Any:
+    def _get_samples(
+        self, batch_inds: np.ndarray, env: VecNormalize | None = None, env_indices: np.ndarray | None = None,
+        held: bool = True,
+    ) -> Any:
         """SB3's ``_get_samples``: ``env_indices`` drawn with ``np.random`` as SB3 draws
-        them when not given."""
+        them when not given (``held=False``: the store's rows only, see ``Lanes.gather``)."""
         if env_indices is None:
             env_indices = np.random.randint(0, high=self.n_envs, size=(len(batch_inds),))
         obs_cols = list(self._obs_columns())
         keys = [*obs_cols, *(f"next_{c}" for c in obs_cols), "action", "reward", "done", "timeout"]
-        got = self._lanes.gather(np.asarray(env_indices), np.asarray(batch_inds), keys)
+        got = self._lanes.gather(np.asarray(env_indices), np.asarray(batch_inds), keys, held=held)
         dones = (got["done"] * (1 - got["timeout"])).reshape(-1, 1)
         rewards = got["reward"].reshape(-1, 1)
         if env is not None:
@@ -226,40 +241,16 @@ class _OnDisk:
         )
 
     def __getstate__(self) -> dict[str, Any]:
-        """Commit and close the store; the state is its path and cursor (bytes, not GB).
-        This buffer reopens the store when it is used again."""
+        """Commit and close the store; the state is its path, the cursor and the
+        constructor's arguments (kilobytes, not the data). This buffer reopens the
+        store when it is used again."""
         self._lanes.close()
-        lanes = self._lanes
-        return {
-            "path": str(lanes.path),
-            "adds": lanes.adds,
-            "observation_space": self.observation_space,
-            "action_space": self.action_space,
-            "buffer_size": self.buffer_size,
-            "n_envs": self.n_envs,
-            "device": str(self.device),
-            "optimize_memory_usage": self.optimize_memory_usage,
-            "handle_timeout_termination": self.handle_timeout_termination,
-            "commit_every": lanes.commit_every,
-            "commit_seconds": lanes.commit_seconds,
-        }
+        return {"init": dict(self._init_kwargs), "adds": self._lanes.adds}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Reopen the store ``state`` names (lazily: reading at the first sample, the
         writer lock at the first add), checked against the state's layout."""
-        _OnDisk.__init__(
-            self,
-            state["buffer_size"] * state["n_envs"],
-            state["observation_space"],
-            state["action_space"],
-            device=state["device"],
-            n_envs=state["n_envs"],
-            optimize_memory_usage=state["optimize_memory_usage"],
-            handle_timeout_termination=state["handle_timeout_termination"],
-            path=state["path"],
-            commit_every=state["commit_every"],
-            commit_seconds=state["commit_seconds"],
-        )
+        type(self).__init__(self, **state["init"])
         if self._lanes.adds < state["adds"]:
             raise errors.CorruptStoreError(
                 f"{self.path}: expected at least {state['adds']} steps per env (the pickled cursor), "

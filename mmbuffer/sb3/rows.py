@@ -52,6 +52,7 @@ from .. import errors
 from ..buffer import Buffer
 from ..opening import create as create_buffer
 from ..opening import open as open_buffer
+from ..schema import PriorityConfig
 
 __all__ = ["ATTR", "Lanes"]
 
@@ -80,6 +81,7 @@ class Lanes:
         commit_every: int = 1000,
         commit_seconds: float = 30.0,
         layout: Mapping[str, Any] | None = None,
+        priorities: PriorityConfig | None = None,
     ) -> None:
         self.path = Path(path)
         self.columns = {k: (tuple(s), str(np.dtype(d))) for k, (s, d) in columns.items()}
@@ -90,6 +92,7 @@ class Lanes:
             raise errors.InvalidArgumentError(f"commit_seconds: expected a positive number of seconds, got {commit_seconds!r}")
         self.commit_seconds = float(commit_seconds)
         self.layout = {"buffer_size": self.buffer_size, "n_envs": self.n_envs, **(layout or {})}
+        self.priorities = priorities
         self._buf: Buffer | None = None
         self._held: dict[str, np.ndarray] | None = None  # column -> [n_envs, ...]: the newest step
         self._held_next: dict[str, np.ndarray] = {}  # obs column -> [n_envs, ...]: its next_obs
@@ -109,6 +112,8 @@ class Lanes:
         }
         if have != self.columns or tuple(sorted(buf.next_keys)) != tuple(sorted(self.obs_columns)):
             raise errors.SchemaError(f"{self.path}: expected columns {self.columns}, got {have} (another env or action space?)")
+        if buf.priorities != self.priorities:
+            raise errors.SchemaError(f"{self.path}: expected priorities {self.priorities}, got {buf.priorities}")
         stored = buf.attrs.get(ATTR)
         if stored != self.layout:
             raise errors.SchemaError(f"{self.path}: expected a store with {ATTR} layout {self.layout}, got {stored}")
@@ -125,7 +130,7 @@ class Lanes:
         if not self.path.exists():
             self._buf = create_buffer(
                 self.path, self.columns, self.buffer_size * self.n_envs, num_streams=self.n_envs,
-                next_keys=self.obs_columns, attrs={ATTR: self.layout},
+                next_keys=self.obs_columns, attrs={ATTR: self.layout}, priorities=self.priorities,
             )
             return self._buf
         try:
@@ -220,25 +225,26 @@ class Lanes:
         self._release()
 
     # -- reading -------------------------------------------------------------------------
-    def gather(self, envs: np.ndarray, slots: np.ndarray, keys: Sequence[str]) -> dict[str, np.ndarray]:
+    def gather(self, envs: np.ndarray, slots: np.ndarray, keys: Sequence[str], held: bool = True) -> dict[str, np.ndarray]:
         """Rows at SB3 slots ``(slots, envs)`` as ``{key: numpy [B, ...]}`` (keys: columns
-        and ``next_<obs column>``), held rows and the open rows' ``next_obs`` from memory."""
+        and ``next_<obs column>``), held rows and the open rows' ``next_obs`` from memory
+        (``held=False``: the store's rows as they are, for rows a store sampler drew)."""
         envs, slots = np.asarray(envs, dtype=np.int64), np.asarray(slots, dtype=np.int64)
         rows = envs * self.buffer_size + slots
         out = {k: v.numpy() for k, v in self.reader().get(rows, keys).items()}
-        if self._held is None or self.adds == 0:
+        if self._held is None or self.adds == 0 or not held:
             return out
-        held, n = self._held, self.buffer_size
+        rows_held, n = self._held, self.buffer_size
         if self.adds >= 2:  # the lanes' last stored rows, continuing into the held rows
             m = (slots == (self.adds - 2) % n) & (self._open_len[envs] > 0)
             if m.any():
                 for c in self.obs_columns:
                     if f"next_{c}" in out:
-                        out[f"next_{c}"][m] = held[c][envs[m]]
+                        out[f"next_{c}"][m] = rows_held[c][envs[m]]
         m = slots == (self.adds - 1) % n  # the held rows themselves
         if m.any():
             for k in out:
-                src = self._held_next[k[5:]] if k.startswith("next_") else held[k]
+                src = self._held_next[k[5:]] if k.startswith("next_") else rows_held[k]
                 out[k][m] = src[envs[m]]
         return out
 
