@@ -484,3 +484,29 @@ def test_optimize_memory_usage_accepted_and_truncation(tmp_path):
     with pytest.raises(errors.InvalidArgumentError, match="dones"):
         rb.dones[0] = True
     rb.close()
+
+
+def test_float64_observations_chain(tmp_path):
+    """An env giving float64 for a float32 space: compared as stored, no spurious episode ends."""
+    box = spaces.Box(-1, 1, (2,), np.float32)
+    rb = mmbuffer.sb3.ReplayBuffer(50, box, spaces.Discrete(2), device="cpu", path=tmp_path / "f")
+    obs = np.random.default_rng(0).random((11, 1, 2))  # float64
+    for t in range(10):
+        rb.add(obs[t], obs[t + 1], np.array([0]), np.array([0.0]), np.array([False]), [{}])
+    rb.close()
+    store = mb.open(tmp_path / "f", mode="r")
+    assert store.read("truncated", np.arange(10)).tolist() == [False] * 9 + [True]  # only the held row, closed
+    store.close()
+    s = rb._get_samples(np.arange(10), env_indices=np.zeros(10, np.int64))
+    assert s.observations.dtype == torch.float32
+    assert torch.equal(s.next_observations, torch.from_numpy(obs[1:, 0].astype(np.float32)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_samples_on_cuda(tmp_path):
+    box = spaces.Box(-1, 1, (2,), np.float32)
+    rb = mmbuffer.sb3.ReplayBuffer(50, box, spaces.Discrete(2), device="cuda", path=tmp_path / "g")
+    fill(rb, 20)
+    s = rb.sample(8)
+    assert all(t.device.type == "cuda" for t in s[:5])
+    rb.close()

@@ -170,13 +170,14 @@ class Lanes:
         """One step of every env: ``row`` column -> ``[n_envs, ...]`` (``done``,
         ``timeout`` included), ``next_obs`` obs column -> ``[n_envs, ...]``."""
         self.writer()
+        row = {c: np.asarray(row[c], dtype=self.columns[c][1]) for c in self.columns}  # compared as stored
         if self._held is not None:
             for e in range(self.n_envs):
                 chained = not self._held["done"][e] and all(
                     np.array_equal(row[c][e], self._held_next[c][e]) for c in self.obs_columns
                 )
                 self._write(e, chained)
-        self._held = {c: np.array(row[c], dtype=self.columns[c][1], copy=True) for c in self.columns}
+        self._held = {c: np.array(row[c], copy=True) for c in self.columns}
         self._held_next = {c: np.array(next_obs[c], dtype=self.columns[c][1], copy=True) for c in self.obs_columns}
         self.adds += 1
         self._since += 1
