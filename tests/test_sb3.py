@@ -122,13 +122,15 @@ SPACES = {
 @pytest.mark.parametrize("name", sorted(SPACES))
 @pytest.mark.parametrize("n_envs", [1, 2])
 @pytest.mark.parametrize("timeouts", [True, False])
-def test_samples_equal_sb3(tmp_path, name, n_envs, timeouts):
+@pytest.mark.parametrize("hold,commit_every", [(64, 7), (5, 1000), (2, 11)])
+def test_samples_equal_sb3(tmp_path, name, n_envs, timeouts, hold, commit_every):
     obs_space, action_space = SPACES[name]
     size = 17 * n_envs  # 17 slots per env: the ring wraps; episodes up to 29 steps are cut at the lane
     theirs = sb3_buffers.ReplayBuffer(size, obs_space, action_space, device="cpu", n_envs=n_envs,
                                       handle_timeout_termination=timeouts)
-    mine = mmbuffer.sb3.ReplayBuffer(size, obs_space, action_space, device="cpu", n_envs=n_envs,
-                                     handle_timeout_termination=timeouts, path=tmp_path / "r", commit_every=7)
+    cls = type("Hold", (mmbuffer.sb3.ReplayBuffer,), {"_hold_steps": hold})
+    mine = cls(size, obs_space, action_space, device="cpu", n_envs=n_envs,
+               handle_timeout_termination=timeouts, path=tmp_path / "r", commit_every=commit_every)
     assert isinstance(mine, sb3_buffers.ReplayBuffer)
     steps = vec_steps(obs_space, action_space, n_envs, 90, seed=n_envs, broken_every=25, max_len=30)
     for t, args in enumerate(steps):
@@ -137,10 +139,23 @@ def test_samples_equal_sb3(tmp_path, name, n_envs, timeouts):
         compare_all(theirs, mine, seed=t)
     mine.close()  # held rows written as episode ends: the same samples after reopening
     compare_all(theirs, mine, seed=99)
-    again = mmbuffer.sb3.ReplayBuffer(size, obs_space, action_space, device="cpu", n_envs=n_envs,
-                                      handle_timeout_termination=timeouts, path=tmp_path / "r")
+    again = cls(size, obs_space, action_space, device="cpu", n_envs=n_envs,
+                handle_timeout_termination=timeouts, path=tmp_path / "r")
     compare_all(theirs, again, seed=100)
     again.close()
+
+
+@pytest.mark.parametrize("n_envs", [1, 3])
+def test_one_slot_per_env_equal_sb3(tmp_path, n_envs):
+    obs_space, action_space = SPACES["box-discrete"]
+    theirs = sb3_buffers.ReplayBuffer(n_envs, obs_space, action_space, device="cpu", n_envs=n_envs)
+    mine = mmbuffer.sb3.ReplayBuffer(n_envs, obs_space, action_space, device="cpu", n_envs=n_envs, path=tmp_path / "o")
+    for t, args in enumerate(vec_steps(obs_space, action_space, n_envs, 12, seed=4, broken_every=3)):
+        theirs.add(*deepcopy(args))
+        mine.add(*args)
+        compare_all(theirs, mine, seed=t)
+    mine.close()
+    compare_all(theirs, mine, seed=50)
 
 
 def test_dict_samples_equal_sb3(tmp_path):

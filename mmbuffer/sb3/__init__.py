@@ -21,14 +21,17 @@ dtype, float64 cast to float32), ``reward``, ``done`` and ``timeout``
 samples' ``dones = done * (1 - timeout)``). Observations are stored once:
 ``next_obs`` is the following row's ``obs`` inside an episode and a stored final
 observation at its end (SB3's ``_store_transition`` puts the true terminal
-observation in ``next_obs``). The newest step of each env is held in memory
-until the next ``add`` shows whether its episode goes on; sampling reads it
-from there, so every added step samples with its ``next_obs``. In RAM: that one
-step per env (``optimize_memory_usage`` is accepted and changes nothing).
+observation in ``next_obs``). The newest steps of each env (63 at most) are
+held in memory and written as one block; the newest stays until the next
+``add`` shows whether its episode goes on. Sampling reads held steps from
+memory, so every added step samples with its ``next_obs``. In RAM: those steps
+only (``optimize_memory_usage`` is accepted and changes nothing).
 
 Commits. SB3 never commits, so ``add`` commits every ``commit_every`` steps
-(default 1000, at most a lane) or ``commit_seconds`` (default 30 s); a crash
-loses at most the steps since the last commit. ``close()`` commits and releases
+(default 10,000, at most a lane) or ``commit_seconds`` (default 30 s); a crash
+loses at most the steps since the last commit. A commit syncs the rows written
+since the last one to disk (msync per column and env): more frequent commits
+cost more per step. ``close()`` commits and releases
 the store's writer lock.
 
 Resuming. ``model.save_replay_buffer(file)`` pickles only the path, the cursor and

@@ -75,6 +75,8 @@ class PrioritizedReplayBuffer(ReplayBuffer):
     ``beta`` (0.4), ``eps`` (1e-6), ``max_priority`` (1e4): see ``mb.PriorityConfig``.
     """
 
+    _hold_steps = 2  # steps reach the store (and its sampler) one add after they are added
+
     def __init__(self, *args: Any, alpha: float = 0.6, beta: float = 0.4, eps: float = 1e-6,
                  max_priority: float = 1e4, **kwargs: Any) -> None:
         self._config = PriorityConfig(alpha=alpha, eps=eps, max_priority=max_priority)

@@ -42,7 +42,7 @@ except ImportError as exc:  # pragma: no cover - the extra is installed where te
 
 __all__ = ["DictReplayBuffer", "ReplayBuffer"]
 
-COMMIT_EVERY = 1000
+COMMIT_EVERY = 10_000
 COMMIT_SECONDS = 30.0
 
 
@@ -64,6 +64,8 @@ class _OnDisk:
     optimize_memory_usage: bool
     handle_timeout_termination: bool
     _lanes: Lanes
+    #: steps per env held in memory before they are written as one block (``Lanes``)
+    _hold_steps = 64
 
     def __init__(
         self,
@@ -121,7 +123,7 @@ class _OnDisk:
         self._lanes = Lanes(
             Path(path).absolute(), columns, tuple(self._obs_columns()), buffer_size=self.buffer_size, n_envs=self.n_envs,
             commit_every=commit_every, commit_seconds=commit_seconds, layout={"kind": type(self).__name__},
-            priorities=self._priority_config(),
+            priorities=self._priority_config(), block=self._hold_steps,
         )
         # what __setstate__ calls __init__ with (path absolute: a pickle may be loaded elsewhere)
         self._init_kwargs: dict[str, Any] = {
@@ -279,7 +281,7 @@ class ReplayBuffer(_OnDisk, sb3_buffers.ReplayBuffer):  # type: ignore[misc]
     keyword SB3's algorithms pass through ``replay_buffer_kwargs``).
 
     Keywords: ``path`` (required; an existing store is reopened and resumed),
-    ``commit_every`` (steps, default 1000, at most a lane) and ``commit_seconds``
+    ``commit_every`` (steps, default 10,000, at most a lane) and ``commit_seconds``
     (default 30): ``add`` commits when either is reached; ``frame_stack`` and
     ``codec`` must be None for now.
     """

@@ -7,18 +7,20 @@ ring position is its cursor modulo the lane, as SB3's ``pos``).
 
 Observations are stored once. ``next_<obs>`` of a row is the following row's
 observation inside an episode and the stored final observation at an episode's
-end. SB3's ``add`` gives ``next_obs`` with every step, so the newest step of each
-env is *held* in memory until the next ``add`` tells whether the chain goes on
-(the new ``obs`` equals the held ``next_obs`` and the step was not ``done``: the
-row is written as a continuing row) or breaks (``done``, or an ``obs`` that is
-not the held ``next_obs``: written as an episode end with ``next_obs`` as its
-final observation). The store's own last row of a continuing episode has no
-following row yet; its ``next_obs`` is the held row's ``obs``. ``gather`` patches
-both from memory, so every added transition samples with its ``next_obs``, as in
-SB3. ``commit`` first writes the held rows as episode ends (truncated), so a
-committed store never has an open episode and a crash loses only the rows
-since the last commit. An episode is also cut (truncated) before it would
-outgrow its lane (mmbuffer keeps episodes whole in a lane; SB3 does not care).
+end. SB3's ``add`` gives ``next_obs`` with every step, so the newest steps of
+each env are *held* in memory (``block - 1`` at most, 63 by default) and written
+as one ``extend`` per env when the block fills; the newest stays held until the
+next ``add`` tells whether the chain goes on. A step continues its episode when
+it is not ``done`` and the next step's ``obs`` equals its ``next_obs``; otherwise
+(``done``, or an ``obs`` that is not the given ``next_obs``) it is written as an
+episode end with ``next_obs`` as its final observation. The store's own last row
+of a continuing episode has no following row yet; its ``next_obs`` is the
+oldest held step's ``obs``. ``gather`` patches both from memory, so every added
+transition samples with its ``next_obs``, as in SB3. ``commit`` first writes the
+held steps, the newest as an episode end (truncated), so a committed store
+never has an open episode and a crash loses only the steps since the last
+commit. An episode is also cut (truncated) before it would outgrow its lane
+(mmbuffer keeps episodes whole in a lane; SB3 does not care).
 
 SB3's own ``done`` and ``TimeLimit.truncated`` are stored as columns ``done``
 and ``timeout`` (float32, as SB3 keeps them), so the samples' ``dones`` are
@@ -78,10 +80,11 @@ class Lanes:
         *,
         buffer_size: int,
         n_envs: int,
-        commit_every: int = 1000,
+        commit_every: int = 10_000,
         commit_seconds: float = 30.0,
         layout: Mapping[str, Any] | None = None,
         priorities: PriorityConfig | None = None,
+        block: int = 64,
     ) -> None:
         self.path = Path(path)
         self.columns = {k: (tuple(s), str(np.dtype(d))) for k, (s, d) in columns.items()}
@@ -94,8 +97,11 @@ class Lanes:
         self.layout = {"buffer_size": self.buffer_size, "n_envs": self.n_envs, **(layout or {})}
         self.priorities = priorities
         self._buf: Buffer | None = None
-        self._held: dict[str, np.ndarray] | None = None  # column -> [n_envs, ...]: the newest step
-        self._held_next: dict[str, np.ndarray] = {}  # obs column -> [n_envs, ...]: its next_obs
+        # the newest steps, held in memory: column -> [block, n_envs, ...], obs column -> its next_obs
+        self.block = max(2, min(_positive("block", block), self.buffer_size))
+        self._pend: dict[str, np.ndarray] = {}
+        self._pend_next: dict[str, np.ndarray] = {}
+        self._h = 0  # steps held (per env)
         self._open_len = np.zeros(self.n_envs, dtype=np.int64)  # rows of each lane's open episode
         self._since = 0  # adds since the last commit
         self._last_commit = time.monotonic()
@@ -141,7 +147,7 @@ class Lanes:
                 f"{self.path}: only one replay buffer can add to a store"
             ) from None
         try:
-            if self._check(buf) != self.adds - (self._held is not None):
+            if self._check(buf) != self.adds - self._h:
                 raise errors.CorruptStoreError(
                     f"{self.path}: expected {self.adds} steps per env (this buffer's cursor), got "
                     f"{int(buf.view().written[0])}: another buffer wrote to the store meanwhile"
@@ -166,87 +172,123 @@ class Lanes:
             buf.close()
 
     # -- writing -------------------------------------------------------------------------
+    @property
+    def pending(self) -> int:
+        """Steps per env held in memory, not yet in the store."""
+        return self._h
+
     def add(self, row: Mapping[str, np.ndarray], next_obs: Mapping[str, np.ndarray]) -> None:
         """One step of every env: ``row`` column -> ``[n_envs, ...]`` (``done``,
         ``timeout`` included), ``next_obs`` obs column -> ``[n_envs, ...]``."""
         self.writer()
-        row = {c: np.asarray(row[c], dtype=self.columns[c][1]) for c in self.columns}  # compared as stored
-        if self._held is not None:
-            for e in range(self.n_envs):
-                chained = not self._held["done"][e] and all(
-                    np.array_equal(row[c][e], self._held_next[c][e]) for c in self.obs_columns
-                )
-                self._write(e, chained)
-        self._held = {c: np.array(row[c], copy=True) for c in self.columns}
-        self._held_next = {c: np.array(next_obs[c], dtype=self.columns[c][1], copy=True) for c in self.obs_columns}
+        self._allocate()
+        h = self._h
+        for c in self.columns:
+            self._pend[c][h] = row[c]  # cast to the stored dtype: compared as stored
+        for c in self.obs_columns:
+            self._pend_next[c][h] = next_obs[c]
+        self._h += 1
         self.adds += 1
+        if self._h == self.block:
+            self._write(self._h - 1)  # the newest step stays held: its episode may go on
         self._since += 1
         if self._since >= min(self.commit_every, self.buffer_size) or time.monotonic() - self._last_commit >= self.commit_seconds:
             self.commit()
 
-    def _write(self, e: int, chained: bool) -> None:
-        """Write env ``e``'s held row to its lane: continuing when ``chained`` (and its
-        episode fits the lane), else as an episode end with its ``next_obs`` as final."""
-        assert self._held is not None and self._buf is not None
-        held = self._held
-        ended = not chained or self._open_len[e] + 1 >= self.buffer_size
-        steps = {c: held[c][e : e + 1] for c in self.columns}
-        terminated = ended and bool(held["done"][e]) and not held["timeout"][e]
-        steps["terminated"], steps["truncated"] = np.array([terminated]), np.array([ended and not terminated])
-        final = {c: self._held_next[c][e : e + 1] for c in self.obs_columns} if ended else None
-        self._buf.extend(steps, stream=e, final_obs=final)
-        self._open_len[e] = 0 if ended else self._open_len[e] + 1
+    def _allocate(self) -> None:
+        if not self._pend:
+            shape = (self.block, self.n_envs)
+            self._pend = {c: np.zeros(shape + s, dtype=d) for c, (s, d) in self.columns.items()}
+            self._pend_next = {c: np.zeros(shape + self.columns[c][0], dtype=self.columns[c][1]) for c in self.obs_columns}
+
+    def _write(self, m: int) -> None:
+        """Write the oldest ``m`` held steps of every env (one ``extend`` per env): a
+        step continues its episode when it is not done and the next held step's
+        ``obs`` is its ``next_obs`` (and the episode fits the lane), else it ends
+        there with its ``next_obs`` as final observation. The rest move to the front."""
+        assert self._buf is not None
+        if m <= 0:
+            return
+        pend, nxt, h = self._pend, self._pend_next, self._h
+        chained = np.zeros((m, self.n_envs), dtype=bool)  # the last written step of a flush ends
+        k = min(m, h - 1)
+        if k > 0:
+            chained[:k] = pend["done"][:k] == 0
+            for c in self.obs_columns:
+                same = pend[c][1 : k + 1] == nxt[c][:k]
+                chained[:k] &= same.reshape(k, self.n_envs, -1).all(axis=2)
+        for e in range(self.n_envs):
+            ended = ~chained[:, e]
+            length = int(self._open_len[e])
+            for i in range(m):  # an episode never outgrows its lane (commits, every lane at most, end them first)
+                length += 1
+                if ended[i] or length >= self.buffer_size:
+                    ended[i], length = True, 0
+            self._open_len[e] = length
+            terminated = ended & (pend["done"][:m, e] != 0) & (pend["timeout"][:m, e] == 0)
+            for a in range(0, m, self.buffer_size):  # a block is at most a lane (buffer_size 1: 2 steps)
+                b = min(a + self.buffer_size, m)
+                steps = {c: pend[c][a:b, e] for c in self.columns}
+                steps["terminated"], steps["truncated"] = terminated[a:b], ended[a:b] & ~terminated[a:b]
+                end = ended[a:b]
+                final = {c: nxt[c][a:b, e][end] for c in self.obs_columns} if end.any() else None
+                self._buf.extend(steps, stream=e, final_obs=final)
+        for arrays in (pend, nxt):
+            for held in arrays.values():
+                held[: h - m] = held[m:h]
+        self._h = h - m
 
     def set_held_done(self, value: float) -> None:
         """Set ``done`` of the newest step of every env (SB3's ``dones[pos - 1] = True``)."""
-        if self._held is None:
+        if self._h == 0:
             raise errors.InvalidArgumentError("dones: expected a newest step held in memory to mark done, got none")
-        self._held["done"][:] = value
+        self._pend["done"][self._h - 1] = value
 
     def flush(self) -> None:
-        """Write the held rows as episode ends (their ``next_obs`` as final observation)."""
-        if self._held is not None:
+        """Write every held step; the newest ends its episode (its ``next_obs`` as final)."""
+        if self._h:
             self.writer()
-            for e in range(self.n_envs):
-                self._write(e, False)
-            self._held, self._held_next = None, {}
+            self._write(self._h)
 
     def commit(self) -> int:
         """``flush``, then commit the store; return its generation (0: nothing written yet)."""
         self._since, self._last_commit = 0, time.monotonic()
-        if self._held is None and (self._buf is None or self._buf.mode != "a"):
+        if self._h == 0 and (self._buf is None or self._buf.mode != "a"):
             return 0 if self._buf is None else self._buf.generation
         self.flush()
         return self.writer().commit()
 
     def close(self) -> None:
         """``commit`` (when writing) and release the store; using the object again reopens it."""
-        if self._held is not None or (self._buf is not None and self._buf.mode == "a"):
+        if self._h or (self._buf is not None and self._buf.mode == "a"):
             self.commit()
         self._release()
 
     # -- reading -------------------------------------------------------------------------
     def gather(self, envs: np.ndarray, slots: np.ndarray, keys: Sequence[str], held: bool = True) -> dict[str, np.ndarray]:
         """Rows at SB3 slots ``(slots, envs)`` as ``{key: numpy [B, ...]}`` (keys: columns
-        and ``next_<obs column>``), held rows and the open rows' ``next_obs`` from memory
+        and ``next_<obs column>``), held steps and the open rows' ``next_obs`` from memory
         (``held=False``: the store's rows as they are, for rows a store sampler drew)."""
         envs, slots = np.asarray(envs, dtype=np.int64), np.asarray(slots, dtype=np.int64)
         rows = envs * self.buffer_size + slots
         out = {k: v.numpy() for k, v in self.reader().get(rows, keys).items()}
-        if self._held is None or self.adds == 0 or not held:
+        h, n = self._h, self.buffer_size
+        if h == 0 or not held:
             return out
-        rows_held, n = self._held, self.buffer_size
-        if self.adds >= 2:  # the lanes' last stored rows, continuing into the held rows
-            m = (slots == (self.adds - 2) % n) & (self._open_len[envs] > 0)
+        pend, nxt = self._pend, self._pend_next
+        last = self.adds - h - 1  # the lanes' last stored step, continuing into the held ones if open
+        if last >= 0:
+            m = (slots == last % n) & (self._open_len[envs] > 0)
             if m.any():
                 for c in self.obs_columns:
                     if f"next_{c}" in out:
-                        out[f"next_{c}"][m] = rows_held[c][envs[m]]
-        m = slots == (self.adds - 1) % n  # the held rows themselves
+                        out[f"next_{c}"][m] = pend[c][0, envs[m]]
+        j = h - 1 - (self.adds - 1 - slots) % n  # the newest held step at each slot, if any
+        m = j >= 0
         if m.any():
             for k in out:
-                src = self._held_next[k[5:]] if k.startswith("next_") else rows_held[k]
-                out[k][m] = src[envs[m]]
+                src = nxt[k[5:]] if k.startswith("next_") else pend[k]
+                out[k][m] = src[j[m], envs[m]]
         return out
 
 
