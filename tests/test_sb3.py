@@ -525,3 +525,47 @@ def test_samples_on_cuda(tmp_path):
     s = rb.sample(8)
     assert all(t.device.type == "cuda" for t in s[:5])
     rb.close()
+
+
+@pytest.mark.parametrize("algo", ["TD3", "DDPG"])
+def test_td3_ddpg_pendulum_train(tmp_path, algo):
+    cls = getattr(sb3, algo)
+    model = cls("MlpPolicy", gym.make("Pendulum-v1"), buffer_size=1000, learning_starts=100, batch_size=32,
+                policy_kwargs={"net_arch": [32]}, seed=0, train_freq=8, gradient_steps=2,
+                replay_buffer_class=mmbuffer.sb3.ReplayBuffer, replay_buffer_kwargs={"path": str(tmp_path / algo)})
+    before = params(model.policy.actor)
+    model.learn(200)
+    assert model.replay_buffer.size() == 200 and model._n_updates > 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, params(model.policy.actor)))
+    model.replay_buffer.close()
+
+
+class DictObs(gym.ObservationWrapper):
+    """Pendulum's observation as a Dict: angle part and velocity part."""
+
+    def __init__(self, env):
+        super().__init__(env)
+        self.observation_space = spaces.Dict({
+            "angle": spaces.Box(-1, 1, (2,), np.float32),
+            "velocity": spaces.Box(-8, 8, (1,), np.float32),
+        })
+
+    def observation(self, obs):
+        return {"angle": obs[:2].astype(np.float32), "velocity": obs[2:].astype(np.float32)}
+
+
+def test_sac_dict_observations_trains(tmp_path):
+    model = SAC("MultiInputPolicy", DictObs(gym.make("Pendulum-v1")), buffer_size=1000, learning_starts=100,
+                batch_size=32, policy_kwargs={"net_arch": [32]}, seed=0, train_freq=8, gradient_steps=2,
+                replay_buffer_class=mmbuffer.sb3.DictReplayBuffer, replay_buffer_kwargs={"path": str(tmp_path / "d")})
+    model.learn(224)  # one episode of 200 ends (a timeout): its final observation is stored
+    rb = model.replay_buffer
+    assert rb.size() == 224 and model._n_updates > 0
+    s = rb._get_samples(np.arange(224), env_indices=np.zeros(224, np.int64))
+    assert isinstance(s, DictReplayBufferSamples) and s.observations["angle"].shape == (224, 2)
+    assert s.dones.sum() == 0  # the timeout is no termination
+    inside = np.setdiff1d(np.arange(223), [199])
+    for k in ("angle", "velocity"):
+        assert torch.equal(s.next_observations[k][inside], s.observations[k][inside + 1])
+    assert not torch.equal(s.next_observations["angle"][199], s.observations["angle"][200])  # reset, not final
+    rb.close()
