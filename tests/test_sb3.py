@@ -265,6 +265,15 @@ def test_pickled_buffer_keeps_working_and_lock(tmp_path):
         copy.add(*vec_steps(copy.observation_space, copy.action_space, 1, 1)[0])
 
 
+def test_pickle_of_a_missing_store(tmp_path):
+    model = small_dqn(tmp_path / "replay")
+    model.learn(60)
+    blob = pickle.dumps(model.replay_buffer)
+    (tmp_path / "replay").rename(tmp_path / "moved")
+    with pytest.raises(errors.StoreNotFoundError):
+        pickle.loads(blob)
+
+
 def test_resume_from_path(tmp_path):
     model = small_dqn(tmp_path / "replay")
     model.learn(120)
@@ -569,3 +578,21 @@ def test_sac_dict_observations_trains(tmp_path):
         assert torch.equal(s.next_observations[k][inside], s.observations[k][inside + 1])
     assert not torch.equal(s.next_observations["angle"][199], s.observations["angle"][200])  # reset, not final
     rb.close()
+
+
+@pytest.mark.parametrize("algo,env_id", [("DQN", "CartPole-v1"), ("SAC", "Pendulum-v1")])
+def test_training_bit_identical_to_sb3_buffer(tmp_path, algo, env_id):
+    """Same seed, SB3's buffer or the drop-in: the same draws (np.random), the same
+    samples, so the same trained weights, bit for bit."""
+    cls = getattr(sb3, algo)
+
+    def train(**kw):
+        model = cls("MlpPolicy", gym.make(env_id), buffer_size=300, learning_starts=100, batch_size=32,
+                    policy_kwargs={"net_arch": [32]}, seed=3, train_freq=4, **kw)
+        model.learn(500)  # the ring wraps
+        return params(model.policy), model
+
+    theirs, _ = train()
+    mine, model = train(replay_buffer_class=mmbuffer.sb3.ReplayBuffer, replay_buffer_kwargs={"path": str(tmp_path / "r")})
+    assert model._n_updates > 50 and all(torch.equal(a, b) for a, b in zip(theirs, mine))
+    model.replay_buffer.close()

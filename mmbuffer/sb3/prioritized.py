@@ -14,9 +14,10 @@ still trains on it (uniformly weighted, priorities never updated), and
 
 Draws come from the store's priority tree (``torch``'s global generator, which
 SB3's ``set_random_seed`` seeds), so they cover the rows the store can sample:
-every added step except the newest one or two of each env (held in memory, or
-the store's open last row), and not the remaining rows of an episode whose
-first rows the ring overwrote. A new row gets the largest live priority, capped
+every added step except the newest one or two of each env (the newest is held
+in memory, the store's open last row waits for its next observation), and not
+the remaining rows of an episode whose first rows the ring overwrote (mmbuffer
+evicts whole episodes). A new row gets the largest live priority, capped
 at ``max_priority ** alpha`` (default ``max_priority=1e4``, well above Huber TD
 errors, so the cap does not bind on them). ``beta`` is an attribute; anneal it
 with a callback if wanted.

@@ -253,6 +253,8 @@ class _OnDisk:
         """Reopen the store ``state`` names (lazily: reading at the first sample, the
         writer lock at the first add), checked against the state's layout."""
         type(self).__init__(self, **state["init"])
+        if state["adds"] and not self.path.exists():
+            raise errors.StoreNotFoundError(f"{self.path}: expected the store this pickled buffer names, found nothing")
         if self._lanes.adds < state["adds"]:
             raise errors.CorruptStoreError(
                 f"{self.path}: expected at least {state['adds']} steps per env (the pickled cursor), "
