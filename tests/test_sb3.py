@@ -265,6 +265,37 @@ def test_pickled_buffer_keeps_working_and_lock(tmp_path):
         copy.add(*vec_steps(copy.observation_space, copy.action_space, 1, 1)[0])
 
 
+SAVER = """
+import sys, numpy as np, gymnasium as gym
+from stable_baselines3 import DQN
+import mmbuffer.sb3
+model = DQN("MlpPolicy", gym.make("CartPole-v1"), buffer_size=500, learning_starts=50, batch_size=16,
+            policy_kwargs={"net_arch": [16]}, seed=0, replay_buffer_class=mmbuffer.sb3.ReplayBuffer,
+            replay_buffer_kwargs={"path": sys.argv[1]})
+model.learn(150)
+model.save_replay_buffer(sys.argv[2])
+np.random.seed(7)
+np.save(sys.argv[3], model.replay_buffer.sample(64).next_observations.numpy())
+print(model.num_timesteps)
+"""
+
+
+def test_load_replay_buffer_in_a_new_process(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", SAVER, str(tmp_path / "replay"), str(tmp_path / "rb.pkl"),
+                          str(tmp_path / "s.npy")], check=True, env=env, timeout=300, capture_output=True, text=True)
+    steps = int(out.stdout.split()[-1])
+    model = small_dqn(tmp_path / "fresh")
+    model.load_replay_buffer(tmp_path / "rb.pkl")
+    rb = model.replay_buffer
+    assert rb.size() == steps and rb.pos == steps
+    np.random.seed(7)
+    assert np.array_equal(rb.sample(64).next_observations.numpy(), np.load(tmp_path / "s.npy"))
+    model.learn(40, reset_num_timesteps=False)  # the new model's own count starts at 0
+    assert rb.size() == steps + model.num_timesteps
+    rb.close()
+
+
 def test_pickle_of_a_missing_store(tmp_path):
     model = small_dqn(tmp_path / "replay")
     model.learn(60)

@@ -122,8 +122,8 @@ class _OnDisk:
         })
         self._lanes = Lanes(
             Path(path).absolute(), columns, tuple(self._obs_columns()), buffer_size=self.buffer_size, n_envs=self.n_envs,
-            commit_every=commit_every, commit_seconds=commit_seconds, layout={"kind": type(self).__name__},
-            priorities=self._priority_config(), block=self._hold_steps,
+            commit_every=commit_every, commit_seconds=commit_seconds, priorities=self._priority_config(),
+            block=self._hold_steps,
         )
         # what __setstate__ calls __init__ with (path absolute: a pickle may be loaded elsewhere)
         self._init_kwargs: dict[str, Any] = {

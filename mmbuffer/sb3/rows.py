@@ -64,7 +64,8 @@ ATTR = "sb3"
 
 class Lanes:
     """``n_envs`` lanes of ``buffer_size`` rows in the store at ``path`` (created at
-    the first ``add`` if missing), with the newest step of each env held in memory.
+    the first ``add`` if missing), with the newest steps of each env held in memory
+    (``block - 1`` at most; ``block`` is at least 2 and at most ``buffer_size``).
 
     The store is opened lazily: for writing at the first ``add`` (taking the
     store's writer lock), for reading at the first ``gather`` when nothing writes
