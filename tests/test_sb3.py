@@ -105,6 +105,12 @@ def compare_all(theirs, mine, seed, env=None):
     np.random.seed(seed)
     b = mine._get_samples(inds, env=env)
     same_samples(a, b)
+    for name in ("observations", "next_observations", "actions", "rewards", "dones", "timeouts"):
+        x, y = getattr(theirs, name), getattr(mine, name)  # SB3's arrays; the drop-in's views of the store
+        pairs = [(x[k], y[k]) for k in x] if isinstance(x, dict) else [(x, y)]
+        for u, v in pairs:
+            assert v.shape == u.shape and v.dtype == u.dtype, name
+            assert np.array_equal(np.asarray(v), u), name
     np.random.seed(seed)
     a = theirs.sample(64, env=env)
     np.random.seed(seed)
@@ -230,22 +236,28 @@ def test_save_load_replay_buffer(tmp_path):
     rb = model.replay_buffer
     steps = model.num_timesteps  # 152: DQN collects 4 steps between trainings
     assert isinstance(rb, mmbuffer.sb3.ReplayBuffer) and rb.size() == old.size() == steps
+    for name in ("observations", "next_observations", "actions", "rewards", "dones", "timeouts"):
+        assert np.allclose(getattr(old, name), getattr(rb, name)), name  # SB3's own check, on the views
     np.random.seed(0)
     a = old.sample(100)
     np.random.seed(0)
     same_samples(a, rb.sample(100))
     old.close()
+    # SB3's test extends the loaded buffer with the old arrays (BaseBuffer.extend: add per slot)
+    n = rb.buffer_size
+    rb.extend(old.observations, old.next_observations, old.actions, old.rewards, old.dones, [[{}]] * n)
+    assert rb.size() == n and rb.full
     model.train(gradient_steps=1, batch_size=16)
     model.learn(60, reset_num_timesteps=False)  # the loaded buffer writes on
-    assert rb.size() == model.num_timesteps > steps
-    steps = model.num_timesteps
+    adds = n + model.num_timesteps  # steps added: the extend's and both learns'
+    assert rb.size() == n and rb.pos == adds % n
     # into a new model, as after a restart
     rb.close()
     model2 = small_dqn(tmp_path / "other")
     model2.load_replay_buffer(pkl)
-    assert model2.replay_buffer.size() == steps and model2.replay_buffer.path == rb.path
+    assert model2.replay_buffer.pos == adds % n and model2.replay_buffer.path == rb.path
     model2.learn(20)
-    assert model2.replay_buffer.size() == steps + model2.num_timesteps
+    assert model2.replay_buffer.pos == (adds + 20) % n
     model2.replay_buffer.close()
 
 
@@ -536,8 +548,10 @@ def test_optimize_memory_usage_accepted_and_truncation(tmp_path):
         model.learn(8)  # reset_num_timesteps=True: SB3 sets replay_buffer.dones[pos - 1] = True
     s = rb._get_samples(np.array([newest]), env_indices=np.array([0]))
     assert s.dones.tolist() == [[1.0]]
-    with pytest.raises(errors.InvalidArgumentError, match="dones"):
+    with pytest.raises(errors.InvalidArgumentError, match="done"):
         rb.dones[0] = True
+    with pytest.raises(errors.InvalidArgumentError, match="reward"):
+        rb.rewards[newest] = 1.0
     rb.close()
 
 

@@ -25,7 +25,9 @@ observation in ``next_obs``). The newest steps of each env (63 at most) are
 held in memory and written as one block; the newest stays until the next
 ``add`` shows whether its episode goes on. Sampling reads held steps from
 memory, so every added step samples with its ``next_obs``. In RAM: those steps
-only (``optimize_memory_usage`` is accepted and changes nothing).
+only (``optimize_memory_usage`` is accepted and changes nothing). SB3's arrays
+(``observations``, ``next_observations``, ``actions``, ``rewards``, ``dones``,
+``timeouts``) are read-only views of the store (:mod:`mmbuffer.sb3.views`).
 
 Commits. SB3 never commits, so ``add`` commits every ``commit_every`` steps
 (default 10,000, at most a lane) or ``commit_seconds`` (default 30 s); a crash

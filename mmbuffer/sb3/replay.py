@@ -29,6 +29,7 @@ import torch
 from .. import errors
 from ..schema import PriorityConfig
 from .rows import Lanes
+from .views import ColumnView
 
 try:
     from gymnasium import spaces
@@ -148,11 +149,32 @@ class _OnDisk:
         """The store directory."""
         return self._lanes.path
 
+    # SB3's arrays, as read-only views of the store (views.py): for code that inspects them
     @property
-    def dones(self) -> _NewestDones:
-        """Only ``dones[pos - 1] = True`` (what SB3's ``_setup_learn`` does with
-        ``optimize_memory_usage``): marks the newest step of every env done."""
-        return _NewestDones(self)
+    def observations(self) -> Any:
+        return self._obs_views("")
+
+    @property
+    def next_observations(self) -> Any:
+        return self._obs_views("next_")
+
+    @property
+    def actions(self) -> ColumnView:
+        return ColumnView(self._lanes, "action", (self.action_dim,), self._action_dtype)
+
+    @property
+    def rewards(self) -> ColumnView:
+        return ColumnView(self._lanes, "reward", (), np.float32)
+
+    @property
+    def dones(self) -> ColumnView:
+        """Also takes ``dones[pos - 1] = True`` (SB3's ``_setup_learn`` with
+        ``optimize_memory_usage``): the newest step of every env is marked done."""
+        return ColumnView(self._lanes, "done", (), np.float32)
+
+    @property
+    def timeouts(self) -> ColumnView:
+        return ColumnView(self._lanes, "timeout", (), np.float32)
 
     def add(
         self,
@@ -222,6 +244,9 @@ class _OnDisk:
     def _obs_value(self, got: dict[str, np.ndarray], prefix: str) -> Any:
         return got[f"{prefix}obs"]
 
+    def _obs_views(self, prefix: str) -> Any:
+        return ColumnView(self._lanes, f"{prefix}obs", tuple(self.obs_shape), self.observation_space.dtype)
+
     def _samples(self, obs: Any, actions: np.ndarray, next_obs: Any, dones: np.ndarray, rewards: np.ndarray) -> Any:
         t = self._torch
         return ReplayBufferSamples(t(obs), t(actions), t(next_obs), t(dones), t(rewards))
@@ -262,23 +287,7 @@ class _OnDisk:
             )
 
 
-class _NewestDones:
-    """``buffer.dones``: accepts ``dones[(pos - 1) % buffer_size] = value`` only."""
-
-    def __init__(self, owner: _OnDisk) -> None:
-        self._owner = owner
-
-    def __setitem__(self, index: Any, value: Any) -> None:
-        owner = self._owner
-        newest = (owner.pos - 1) % owner.buffer_size
-        if not isinstance(index, (int, np.integer)) or int(index) != newest:
-            raise errors.InvalidArgumentError(
-                f"dones: expected only the newest slot {newest} to be set (SB3's trajectory truncation), got {index!r}"
-            )
-        owner._lanes.set_held_done(float(np.max(value)))
-
-
-class ReplayBuffer(_OnDisk, sb3_buffers.ReplayBuffer):  # type: ignore[misc]
+class ReplayBuffer(_OnDisk, sb3_buffers.ReplayBuffer):  # type: ignore[misc, override]
     """SB3's ``ReplayBuffer`` kept in an mmbuffer store at ``path`` (the one extra
     keyword SB3's algorithms pass through ``replay_buffer_kwargs``).
 
@@ -289,7 +298,7 @@ class ReplayBuffer(_OnDisk, sb3_buffers.ReplayBuffer):  # type: ignore[misc]
     """
 
 
-class DictReplayBuffer(_OnDisk, sb3_buffers.DictReplayBuffer):  # type: ignore[misc]
+class DictReplayBuffer(_OnDisk, sb3_buffers.DictReplayBuffer):  # type: ignore[misc, override]
     """SB3's ``DictReplayBuffer`` kept in an mmbuffer store: one column
     ``obs.<key>`` per observation key (keywords as :class:`ReplayBuffer`)."""
 
@@ -304,6 +313,11 @@ class DictReplayBuffer(_OnDisk, sb3_buffers.DictReplayBuffer):  # type: ignore[m
 
     def _obs_value(self, got: dict[str, np.ndarray], prefix: str) -> Any:
         return {k: got[f"{prefix}obs.{k}"] for k in self.obs_shape}
+
+    def _obs_views(self, prefix: str) -> Any:
+        space = self.observation_space
+        assert isinstance(space, spaces.Dict)
+        return {k: ColumnView(self._lanes, f"{prefix}obs.{k}", tuple(shape), space[k].dtype) for k, shape in self.obs_shape.items()}
 
     def _samples(self, obs: Any, actions: np.ndarray, next_obs: Any, dones: np.ndarray, rewards: np.ndarray) -> Any:
         t = self._torch
