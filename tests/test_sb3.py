@@ -641,3 +641,23 @@ def test_training_bit_identical_to_sb3_buffer(tmp_path, algo, env_id):
     mine, model = train(replay_buffer_class=mmbuffer.sb3.ReplayBuffer, replay_buffer_kwargs={"path": str(tmp_path / "r")})
     assert model._n_updates > 50 and all(torch.equal(a, b) for a, b in zip(theirs, mine))
     model.replay_buffer.close()
+
+
+def test_commits_on_its_own(tmp_path):
+    """add commits every commit_every steps or commit_seconds: a reader sees the steps."""
+    box = spaces.Box(-1e6, 1e6, (2,), np.float32)
+    rb = mmbuffer.sb3.ReplayBuffer(100, box, spaces.Discrete(2), device="cpu", path=tmp_path / "c",
+                                   commit_every=10, commit_seconds=0.3)
+    fill(rb, 9)
+    reader = mb.open(tmp_path / "c", mode="r")  # beside the writer
+    assert int(reader.view().written[0]) == 0  # nothing committed yet (the store's first commit is empty)
+    fill(rb, 1)  # the 10th step: a commit, held steps written
+    reader.refresh()
+    assert int(reader.view().written[0]) == 10 and rb._lanes.pending == 0
+    fill(rb, 1)
+    time.sleep(0.35)
+    fill(rb, 1)  # commit_seconds passed
+    reader.refresh()
+    assert int(reader.view().written[0]) == 12
+    reader.close()
+    rb.close()
