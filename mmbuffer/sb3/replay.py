@@ -52,7 +52,7 @@ class _OnDisk:
     algorithms call, ``add``, ``sample``, ``_get_samples``, pickling, ``close``."""
 
     # set by the SB3 base classes' __init__, which is never called: every attribute
-    # SB3's algorithms read is set in _setup
+    # SB3's algorithms read is set by __init__ below
     buffer_size: int
     observation_space: spaces.Space[Any]
     action_space: spaces.Space[Any]
