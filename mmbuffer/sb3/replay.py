@@ -1,0 +1,330 @@
+"""``ReplayBuffer`` / ``DictReplayBuffer``: SB3's replay buffers over an mmbuffer
+store (see :mod:`mmbuffer.sb3` for the rules; the store side is ``rows.py``).
+
+>>> import tempfile, numpy as np
+>>> from gymnasium import spaces
+>>> rb = ReplayBuffer(100, spaces.Box(-1, 1, (3,)), spaces.Discrete(2), device="cpu",
+...                   path=tempfile.mkdtemp() + "/replay")
+>>> for t in range(5):
+...     rb.add(np.full((1, 3), t / 10, np.float32), np.full((1, 3), (t + 1) / 10, np.float32),
+...            np.array([1]), np.array([1.0]), np.array([t == 4]), [{}])
+>>> rb.size(), rb.pos
+(5, 5)
+>>> s = rb._get_samples(np.array([3, 4]), env_indices=np.array([0, 0]))
+>>> s.next_observations[:, 0].tolist(), s.dones.tolist(), s.actions.dtype
+([0.4000000059604645, 0.5], [[0.0], [1.0]], torch.int64)
+>>> rb.close()
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import errors
+from ..schema import PriorityConfig
+from .rows import Lanes
+from .views import ColumnView
+
+try:
+    from gymnasium import spaces
+    from stable_baselines3.common import buffers as sb3_buffers
+    from stable_baselines3.common.preprocessing import get_action_dim, get_obs_shape
+    from stable_baselines3.common.type_aliases import DictReplayBufferSamples, ReplayBufferSamples
+    from stable_baselines3.common.utils import get_device
+    from stable_baselines3.common.vec_env import VecNormalize
+except ImportError as exc:  # pragma: no cover - the extra is installed where tests run
+    raise ImportError(f"mmbuffer.sb3: expected stable-baselines3 installed (pip install 'mmbuffer[sb3]'), got {exc}") from exc
+
+__all__ = ["DictReplayBuffer", "ReplayBuffer"]
+
+COMMIT_EVERY = 10_000
+COMMIT_SECONDS = 30.0
+
+
+class _OnDisk:
+    """What ``ReplayBuffer`` and ``DictReplayBuffer`` share: the constructor SB3's
+    algorithms call, ``add``, ``sample``, ``_get_samples``, pickling, ``close``."""
+
+    # set by the SB3 base classes' __init__, which is never called: every attribute
+    # SB3's algorithms read is set by __init__ below
+    buffer_size: int
+    observation_space: spaces.Space[Any]
+    action_space: spaces.Space[Any]
+    obs_shape: Any
+    action_dim: int
+    pos: int
+    full: bool
+    device: torch.device
+    n_envs: int
+    optimize_memory_usage: bool
+    handle_timeout_termination: bool
+    _lanes: Lanes
+    #: steps per env held in memory before they are written as one block (``Lanes``)
+    _hold_steps = 64
+
+    def __init__(
+        self,
+        buffer_size: int,
+        observation_space: spaces.Space[Any],
+        action_space: spaces.Space[Any],
+        device: torch.device | str = "auto",
+        n_envs: int = 1,
+        optimize_memory_usage: bool = False,
+        handle_timeout_termination: bool = True,
+        *,
+        path: str | os.PathLike[str] | None = None,
+        commit_every: int = COMMIT_EVERY,
+        commit_seconds: float = COMMIT_SECONDS,
+        frame_stack: int | None = None,
+        codec: Any = None,
+    ) -> None:
+        # SB3's __init__ is not called: it allocates every array in RAM
+        if path is None:
+            raise errors.InvalidArgumentError(
+                'path: expected the store directory, replay_buffer_kwargs={"path": "runs/replay"}, got None'
+            )
+        if frame_stack is not None:
+            raise errors.InvalidArgumentError(
+                f"frame_stack: expected None, got {frame_stack!r}: frame-stacked replay arrives with the core's "
+                "stacked sampling (buf.sample(n, stack=...)); until then store the stacked observations (frame_stack=None)"
+            )
+        if codec is not None:
+            raise errors.InvalidArgumentError(
+                f"codec: expected None, got {codec!r}: per-column codecs arrive with the core's codecs; "
+                "until then the store keeps raw, memory-mapped columns"
+            )
+        if isinstance(n_envs, bool) or not isinstance(n_envs, (int, np.integer)) or n_envs < 1:
+            raise errors.InvalidArgumentError(f"n_envs: expected a positive integer, got {n_envs!r}")
+        if isinstance(buffer_size, bool) or not isinstance(buffer_size, (int, np.integer)) or buffer_size < 1:
+            raise errors.InvalidArgumentError(f"buffer_size: expected a positive integer, got {buffer_size!r}")
+        self.observation_space, self.action_space = observation_space, action_space
+        self.obs_shape = get_obs_shape(observation_space)
+        self.action_dim = get_action_dim(action_space)
+        self.n_envs = int(n_envs)
+        self.buffer_size = max(int(buffer_size) // self.n_envs, 1)  # per env, as SB3
+        self.device = get_device(device)
+        # observations are stored once, next_obs derived: SB3#934's conflict does not arise
+        self.optimize_memory_usage = bool(optimize_memory_usage)
+        self.handle_timeout_termination = bool(handle_timeout_termination)
+        action_dtype = np.float32 if action_space.dtype == np.float64 else action_space.dtype  # SB3's _maybe_cast_dtype
+        self._action_dtype = np.dtype(action_dtype)
+        columns = {c: (shape, str(np.dtype(dtype))) for c, (shape, dtype) in self._obs_columns().items()}
+        columns.update({
+            "action": ((self.action_dim,), str(self._action_dtype)),
+            "reward": ((), "float32"),
+            "done": ((), "float32"),
+            "timeout": ((), "float32"),
+        })
+        self._lanes = Lanes(
+            Path(path).absolute(), columns, tuple(self._obs_columns()), buffer_size=self.buffer_size, n_envs=self.n_envs,
+            commit_every=commit_every, commit_seconds=commit_seconds, priorities=self._priority_config(),
+            block=self._hold_steps,
+        )
+        # what __setstate__ calls __init__ with (path absolute: a pickle may be loaded elsewhere)
+        self._init_kwargs: dict[str, Any] = {
+            "buffer_size": buffer_size, "observation_space": observation_space, "action_space": action_space,
+            "device": str(self.device), "n_envs": self.n_envs, "optimize_memory_usage": self.optimize_memory_usage,
+            "handle_timeout_termination": self.handle_timeout_termination, "path": str(self._lanes.path),
+            "commit_every": self._lanes.commit_every, "commit_seconds": self._lanes.commit_seconds,
+        }
+        self._cursor()
+        self._finalizer = weakref.finalize(self, self._lanes.close)
+
+    def _priority_config(self) -> PriorityConfig | None:
+        return None  # PrioritizedReplayBuffer: its PriorityConfig
+
+    def _cursor(self) -> None:
+        adds = self._lanes.adds
+        self.pos, self.full = adds % self.buffer_size, adds >= self.buffer_size
+
+    # -- what SB3 calls ------------------------------------------------------------------
+    @property
+    def path(self) -> Path:
+        """The store directory."""
+        return self._lanes.path
+
+    # SB3's arrays, as read-only views of the store (views.py): for code that inspects them
+    @property
+    def observations(self) -> Any:
+        return self._obs_views("")
+
+    @property
+    def next_observations(self) -> Any:
+        return self._obs_views("next_")
+
+    @property
+    def actions(self) -> ColumnView:
+        return ColumnView(self._lanes, "action", (self.action_dim,), self._action_dtype)
+
+    @property
+    def rewards(self) -> ColumnView:
+        return ColumnView(self._lanes, "reward", (), np.float32)
+
+    @property
+    def dones(self) -> ColumnView:
+        """Also takes ``dones[pos - 1] = True`` (SB3's ``_setup_learn`` with
+        ``optimize_memory_usage``): the newest step of every env is marked done."""
+        return ColumnView(self._lanes, "done", (), np.float32)
+
+    @property
+    def timeouts(self) -> ColumnView:
+        return ColumnView(self._lanes, "timeout", (), np.float32)
+
+    def add(
+        self,
+        obs: Any,
+        next_obs: Any,
+        action: np.ndarray,
+        reward: np.ndarray,
+        done: np.ndarray,
+        infos: list[dict[str, Any]],
+    ) -> None:
+        """One step of every env, as SB3's ``add`` (``next_obs`` the true final
+        observation at an episode end, as SB3's ``_store_transition`` gives it)."""
+        n = self.n_envs
+        row = self._obs_row(obs)
+        row.update({
+            "action": np.asarray(action).reshape((n, self.action_dim)).astype(self._action_dtype, copy=False),
+            "reward": np.asarray(reward, dtype=np.float32).reshape(n),
+            "done": np.asarray(done, dtype=np.float32).reshape(n),
+            "timeout": np.zeros(n, dtype=np.float32),
+        })
+        if self.handle_timeout_termination:
+            row["timeout"] = np.array([info.get("TimeLimit.truncated", False) for info in infos], dtype=np.float32)
+        self._lanes.add(row, self._obs_row(next_obs))
+        self._cursor()
+
+    def sample(self, batch_size: int, env: VecNormalize | None = None) -> Any:
+        """``batch_size`` transitions drawn as SB3 draws them (``np.random``): a slot
+        below ``size()``, then an env; every slot samples, ``optimize_memory_usage``
+        or not (the next observations are all kept)."""
+        upper_bound = self.buffer_size if self.full else self.pos
+        batch_inds = np.random.randint(0, upper_bound, size=batch_size)
+        return self._get_samples(batch_inds, env=env)
+
+    def _get_samples(
+        self, batch_inds: np.ndarray, env: VecNormalize | None = None, env_indices: np.ndarray | None = None,
+        held: bool = True,
+    ) -> Any:
+        """SB3's ``_get_samples``: ``env_indices`` drawn with ``np.random`` as SB3 draws
+        them when not given (``held=False``: the store's rows only, see ``Lanes.gather``)."""
+        if env_indices is None:
+            env_indices = np.random.randint(0, high=self.n_envs, size=(len(batch_inds),))
+        obs_cols = list(self._obs_columns())
+        keys = [*obs_cols, *(f"next_{c}" for c in obs_cols), "action", "reward", "done", "timeout"]
+        got = self._lanes.gather(np.asarray(env_indices), np.asarray(batch_inds), keys, held=held)
+        dones = (got["done"] * (1 - got["timeout"])).reshape(-1, 1)
+        rewards = got["reward"].reshape(-1, 1)
+        if env is not None:
+            rewards = env.normalize_reward(rewards).astype(np.float32)
+        obs = self._normalize(self._obs_value(got, ""), env)
+        next_obs = self._normalize(self._obs_value(got, "next_"), env)
+        return self._samples(obs, got["action"], next_obs, dones, rewards)
+
+    def _torch(self, array: np.ndarray) -> torch.Tensor:
+        return torch.as_tensor(array, device=self.device)
+
+    @staticmethod
+    def _normalize(obs: Any, env: VecNormalize | None) -> Any:
+        return obs if env is None else env.normalize_obs(obs)
+
+    # -- per observation kind (overridden by DictReplayBuffer) ----------------------------
+    def _obs_columns(self) -> dict[str, tuple[tuple[int, ...], Any]]:
+        return {"obs": (tuple(self.obs_shape), self.observation_space.dtype)}
+
+    def _obs_row(self, obs: Any) -> dict[str, np.ndarray]:
+        return {"obs": np.asarray(obs).reshape((self.n_envs, *self.obs_shape))}
+
+    def _obs_value(self, got: dict[str, np.ndarray], prefix: str) -> Any:
+        return got[f"{prefix}obs"]
+
+    def _obs_views(self, prefix: str) -> Any:
+        return ColumnView(self._lanes, f"{prefix}obs", tuple(self.obs_shape), self.observation_space.dtype)
+
+    def _samples(self, obs: Any, actions: np.ndarray, next_obs: Any, dones: np.ndarray, rewards: np.ndarray) -> Any:
+        t = self._torch
+        return ReplayBufferSamples(t(obs), t(actions), t(next_obs), t(dones), t(rewards))
+
+    # -- the store -----------------------------------------------------------------------
+    def commit(self) -> int:
+        """Write the held steps and commit the store (``add`` does it every
+        ``commit_every`` steps or ``commit_seconds``); return the generation."""
+        return self._lanes.commit()
+
+    def close(self) -> None:
+        """Commit and release the store (its writer lock); using the buffer again reopens it."""
+        self._lanes.close()
+
+    def reset(self) -> None:
+        """Refused: the store keeps what was added (SB3's ``reset`` only moves ``pos``)."""
+        raise errors.InvalidArgumentError(
+            f"reset: expected no call, got one: the store at {self.path} keeps its rows; use a new path for an empty buffer"
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Commit and close the store; the state is its path, the cursor and the
+        constructor's arguments (kilobytes, not the data). This buffer reopens the
+        store when it is used again."""
+        self._lanes.close()
+        return {"init": dict(self._init_kwargs), "adds": self._lanes.adds}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Reopen the store ``state`` names (lazily: reading at the first sample, the
+        writer lock at the first add), checked against the state's layout."""
+        type(self).__init__(self, **state["init"])
+        if state["adds"] and not self.path.exists():
+            raise errors.StoreNotFoundError(f"{self.path}: expected the store this pickled buffer names, found nothing")
+        if self._lanes.adds < state["adds"]:
+            raise errors.CorruptStoreError(
+                f"{self.path}: expected at least {state['adds']} steps per env (the pickled cursor), "
+                f"got {self._lanes.adds}: the store is older than the pickle"
+            )
+
+
+class ReplayBuffer(_OnDisk, sb3_buffers.ReplayBuffer):  # type: ignore[misc, override]
+    """SB3's ``ReplayBuffer`` kept in an mmbuffer store at ``path`` (the one extra
+    keyword SB3's algorithms pass through ``replay_buffer_kwargs``).
+
+    Keywords: ``path`` (required; an existing store is reopened and resumed),
+    ``commit_every`` (steps, default 10,000, at most a lane) and ``commit_seconds``
+    (default 30): ``add`` commits when either is reached; ``frame_stack`` and
+    ``codec`` must be None for now.
+    """
+
+
+class DictReplayBuffer(_OnDisk, sb3_buffers.DictReplayBuffer):  # type: ignore[misc, override]
+    """SB3's ``DictReplayBuffer`` kept in an mmbuffer store: one column
+    ``obs.<key>`` per observation key (keywords as :class:`ReplayBuffer`)."""
+
+    def _obs_columns(self) -> dict[str, tuple[tuple[int, ...], Any]]:
+        space = self.observation_space
+        if not isinstance(space, spaces.Dict):
+            raise errors.InvalidArgumentError(f"observation_space: expected a gymnasium Dict space, got {space!r}")
+        return {f"obs.{k}": (tuple(shape), space[k].dtype) for k, shape in self.obs_shape.items()}
+
+    def _obs_row(self, obs: Any) -> dict[str, np.ndarray]:
+        return {f"obs.{k}": np.asarray(obs[k]).reshape((self.n_envs, *shape)) for k, shape in self.obs_shape.items()}
+
+    def _obs_value(self, got: dict[str, np.ndarray], prefix: str) -> Any:
+        return {k: got[f"{prefix}obs.{k}"] for k in self.obs_shape}
+
+    def _obs_views(self, prefix: str) -> Any:
+        space = self.observation_space
+        assert isinstance(space, spaces.Dict)
+        return {k: ColumnView(self._lanes, f"{prefix}obs.{k}", tuple(shape), space[k].dtype) for k, shape in self.obs_shape.items()}
+
+    def _samples(self, obs: Any, actions: np.ndarray, next_obs: Any, dones: np.ndarray, rewards: np.ndarray) -> Any:
+        t = self._torch
+        return DictReplayBufferSamples(
+            observations={k: t(v) for k, v in obs.items()},
+            actions=t(actions),
+            next_observations={k: t(v) for k, v in next_obs.items()},
+            dones=t(dones),
+            rewards=t(rewards),
+        )

@@ -1,0 +1,299 @@
+"""``Lanes``: the store side of the SB3 drop-in, with no SB3 import.
+
+An SB3 replay buffer of ``buffer_size`` slots per env and ``n_envs`` envs is an
+mmbuffer store of ``n_envs`` streams, each a lane of ``buffer_size`` rows:
+SB3's slot ``(pos, env)`` is global row ``env * buffer_size + pos`` (a lane's
+ring position is its cursor modulo the lane, as SB3's ``pos``).
+
+Observations are stored once. ``next_<obs>`` of a row is the following row's
+observation inside an episode and the stored final observation at an episode's
+end. SB3's ``add`` gives ``next_obs`` with every step, so the newest steps of
+each env are *held* in memory (``block - 1`` at most, 63 by default) and written
+as one ``extend`` per env when the block fills; the newest stays held until the
+next ``add`` tells whether the chain goes on. A step continues its episode when
+it is not ``done`` and the next step's ``obs`` equals its ``next_obs``; otherwise
+(``done``, or an ``obs`` that is not the given ``next_obs``) it is written as an
+episode end with ``next_obs`` as its final observation. The store's own last row
+of a continuing episode has no following row yet; its ``next_obs`` is the
+oldest held step's ``obs``. ``gather`` patches both from memory, so every added
+transition samples with its ``next_obs``, as in SB3. ``commit`` first writes the
+held steps, the newest as an episode end (truncated), so a committed store
+never has an open episode and a crash loses only the steps since the last
+commit. An episode is also cut (truncated) before it would outgrow its lane
+(mmbuffer keeps episodes whole in a lane; SB3 does not care).
+
+SB3's own ``done`` and ``TimeLimit.truncated`` are stored as columns ``done``
+and ``timeout`` (float32, as SB3 keeps them), so the samples' ``dones`` are
+bit-identical to SB3's whatever the episode cuts above.
+
+>>> import tempfile, numpy as np
+>>> cols = {"obs": ((2,), "float32"), "action": ((1,), "int64"), "reward": ((), "float32"),
+...         "done": ((), "float32"), "timeout": ((), "float32")}
+>>> lanes = Lanes(tempfile.mkdtemp() + "/r", cols, ("obs",), buffer_size=8, n_envs=1)
+>>> for t in range(3):
+...     row = {"obs": np.full((1, 2), t, np.float32), "action": np.zeros((1, 1), np.int64),
+...            "reward": np.ones(1, np.float32), "done": np.zeros(1, np.float32),
+...            "timeout": np.zeros(1, np.float32)}
+...     lanes.add(row, {"obs": np.full((1, 2), t + 1, np.float32)})
+>>> lanes.gather(np.zeros(3, np.int64), np.arange(3), ["next_obs"])["next_obs"][:, 0].tolist()
+[1.0, 2.0, 3.0]
+>>> lanes.close()
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import errors
+from ..buffer import Buffer
+from ..opening import create as create_buffer
+from ..opening import open as open_buffer
+from ..schema import PriorityConfig
+
+__all__ = ["ATTR", "Lanes"]
+
+#: the store attribute that records the SB3 layout (checked when a store is reopened)
+ATTR = "sb3"
+
+
+class Lanes:
+    """``n_envs`` lanes of ``buffer_size`` rows in the store at ``path`` (created at
+    the first ``add`` if missing), with the newest steps of each env held in memory
+    (``block - 1`` at most; ``block`` is at least 2 and at most ``buffer_size``).
+
+    The store is opened lazily: for writing at the first ``add`` (taking the
+    store's writer lock), for reading at the first ``gather`` when nothing writes
+    in this object. ``close`` commits and releases it; the object opens it again
+    when used again (``__getstate__`` of the SB3 classes relies on that).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        columns: Mapping[str, tuple[tuple[int, ...], str]],
+        obs_columns: Sequence[str],
+        *,
+        buffer_size: int,
+        n_envs: int,
+        commit_every: int = 10_000,
+        commit_seconds: float = 30.0,
+        layout: Mapping[str, Any] | None = None,
+        priorities: PriorityConfig | None = None,
+        block: int = 64,
+    ) -> None:
+        self.path = Path(path)
+        self.columns = {k: (tuple(s), str(np.dtype(d))) for k, (s, d) in columns.items()}
+        self.obs_columns = tuple(obs_columns)
+        self.buffer_size, self.n_envs = int(buffer_size), int(n_envs)
+        self.commit_every = _positive("commit_every", commit_every)
+        if isinstance(commit_seconds, bool) or not isinstance(commit_seconds, (int, float)) or not commit_seconds > 0:
+            raise errors.InvalidArgumentError(f"commit_seconds: expected a positive number of seconds, got {commit_seconds!r}")
+        self.commit_seconds = float(commit_seconds)
+        self.layout = {"buffer_size": self.buffer_size, "n_envs": self.n_envs, **(layout or {})}
+        self.priorities = priorities
+        self._buf: Buffer | None = None
+        # the newest steps, held in memory: column -> [block, n_envs, ...], obs column -> its next_obs
+        self.block = max(2, min(_positive("block", block), self.buffer_size))
+        self._pend: dict[str, np.ndarray] = {}
+        self._pend_next: dict[str, np.ndarray] = {}
+        self._h = 0  # steps held (per env)
+        self._open_len = np.zeros(self.n_envs, dtype=np.int64)  # rows of each lane's open episode
+        self._since = 0  # adds since the last commit
+        self._last_commit = time.monotonic()
+        self.adds = 0  # steps added per env, over the store's life
+        if self.path.exists():
+            with open_buffer(self.path, mode="r") as buf:
+                self.adds = self._check(buf)
+
+    # -- the store -----------------------------------------------------------------------
+    def _check(self, buf: Buffer) -> int:
+        """Refuse a store of another layout; return its steps per env."""
+        have = {
+            k: (tuple(c.shape), str(np.dtype(c.dtype))) for k, c in buf.columns.items() if k not in ("terminated", "truncated")
+        }
+        if have != self.columns or tuple(sorted(buf.next_keys)) != tuple(sorted(self.obs_columns)):
+            raise errors.SchemaError(f"{self.path}: expected columns {self.columns}, got {have} (another env or action space?)")
+        if buf.priorities != self.priorities:
+            raise errors.SchemaError(f"{self.path}: expected priorities {self.priorities}, got {buf.priorities}")
+        stored = buf.attrs.get(ATTR)
+        if stored != self.layout:
+            raise errors.SchemaError(f"{self.path}: expected a store with {ATTR} layout {self.layout}, got {stored}")
+        written = buf.view().written
+        if len(set(int(w) for w in written)) != 1:
+            raise errors.CorruptStoreError(f"{self.path}: expected the same rows in every env's lane, got {written.tolist()}")
+        return int(written[0])
+
+    def writer(self) -> Buffer:
+        """The store opened for writing (created when missing)."""
+        if self._buf is not None and self._buf.mode == "a":
+            return self._buf
+        self._release()
+        if not self.path.exists():
+            self._buf = create_buffer(
+                self.path, self.columns, self.buffer_size * self.n_envs, num_streams=self.n_envs,
+                next_keys=self.obs_columns, attrs={ATTR: self.layout}, priorities=self.priorities,
+            )
+            return self._buf
+        try:
+            buf = open_buffer(self.path, mode="a")
+        except errors.LockedError as exc:
+            raise errors.LockedError(
+                f"{exc}; another mmbuffer.sb3 buffer (say the one load_replay_buffer made) writes "
+                f"{self.path}: only one replay buffer can add to a store"
+            ) from None
+        try:
+            if self._check(buf) != self.adds - self._h:
+                raise errors.CorruptStoreError(
+                    f"{self.path}: expected {self.adds} steps per env (this buffer's cursor), got "
+                    f"{int(buf.view().written[0])}: another buffer wrote to the store meanwhile"
+                )
+        except BaseException:
+            buf.close()
+            raise
+        self._buf = buf
+        return buf
+
+    def reader(self) -> Buffer:
+        """The store as this object has it open, or opened for reading."""
+        if self._buf is None:
+            if not self.path.exists():
+                raise errors.EmptyBufferError(f"{self.path}: expected a store, got none yet (the first add creates it)")
+            self._buf = open_buffer(self.path, mode="r")
+        return self._buf
+
+    def _release(self) -> None:
+        if self._buf is not None:
+            buf, self._buf = self._buf, None
+            buf.close()
+
+    # -- writing -------------------------------------------------------------------------
+    @property
+    def pending(self) -> int:
+        """Steps per env held in memory, not yet in the store."""
+        return self._h
+
+    def add(self, row: Mapping[str, np.ndarray], next_obs: Mapping[str, np.ndarray]) -> None:
+        """One step of every env: ``row`` column -> ``[n_envs, ...]`` (``done``,
+        ``timeout`` included), ``next_obs`` obs column -> ``[n_envs, ...]``."""
+        self.writer()
+        self._allocate()
+        h = self._h
+        for c in self.columns:
+            self._pend[c][h] = row[c]  # cast to the stored dtype: compared as stored
+        for c in self.obs_columns:
+            self._pend_next[c][h] = next_obs[c]
+        self._h += 1
+        self.adds += 1
+        if self._h == self.block:
+            self._write(self._h - 1)  # the newest step stays held: its episode may go on
+        self._since += 1
+        if self._since >= min(self.commit_every, self.buffer_size) or time.monotonic() - self._last_commit >= self.commit_seconds:
+            self.commit()
+
+    def _allocate(self) -> None:
+        if not self._pend:
+            shape = (self.block, self.n_envs)
+            self._pend = {c: np.zeros(shape + s, dtype=d) for c, (s, d) in self.columns.items()}
+            self._pend_next = {c: np.zeros(shape + self.columns[c][0], dtype=self.columns[c][1]) for c in self.obs_columns}
+
+    def _write(self, m: int) -> None:
+        """Write the oldest ``m`` held steps of every env (one ``extend`` per env): a
+        step continues its episode when it is not done and the next held step's
+        ``obs`` is its ``next_obs`` (and the episode fits the lane), else it ends
+        there with its ``next_obs`` as final observation. The rest move to the front."""
+        assert self._buf is not None
+        if m <= 0:
+            return
+        pend, nxt, h = self._pend, self._pend_next, self._h
+        chained = np.zeros((m, self.n_envs), dtype=bool)  # the last written step of a flush ends
+        k = min(m, h - 1)
+        if k > 0:
+            chained[:k] = pend["done"][:k] == 0
+            for c in self.obs_columns:
+                same = pend[c][1 : k + 1] == nxt[c][:k]
+                chained[:k] &= same.reshape(k, self.n_envs, -1).all(axis=2)
+        for e in range(self.n_envs):
+            ended = ~chained[:, e]
+            length = int(self._open_len[e])
+            for i in range(m):  # an episode never outgrows its lane (commits, every lane at most, end them first)
+                length += 1
+                if ended[i] or length >= self.buffer_size:
+                    ended[i], length = True, 0
+            self._open_len[e] = length
+            terminated = ended & (pend["done"][:m, e] != 0) & (pend["timeout"][:m, e] == 0)
+            for a in range(0, m, self.buffer_size):  # a block is at most a lane (buffer_size 1: 2 steps)
+                b = min(a + self.buffer_size, m)
+                steps = {c: pend[c][a:b, e] for c in self.columns}
+                steps["terminated"], steps["truncated"] = terminated[a:b], ended[a:b] & ~terminated[a:b]
+                end = ended[a:b]
+                final = {c: nxt[c][a:b, e][end] for c in self.obs_columns} if end.any() else None
+                self._buf.extend(steps, stream=e, final_obs=final)
+        for arrays in (pend, nxt):
+            for held in arrays.values():
+                held[: h - m] = held[m:h]
+        self._h = h - m
+
+    def set_held_done(self, value: float) -> None:
+        """Set ``done`` of the newest step of every env (SB3's ``dones[pos - 1] = True``)."""
+        if self._h == 0:
+            raise errors.InvalidArgumentError("dones: expected a newest step held in memory to mark done, got none")
+        self._pend["done"][self._h - 1] = value
+
+    def flush(self) -> None:
+        """Write every held step; the newest ends its episode (its ``next_obs`` as final)."""
+        if self._h:
+            self.writer()
+            self._write(self._h)
+
+    def commit(self) -> int:
+        """``flush``, then commit the store; return its generation (0: nothing written yet)."""
+        self._since, self._last_commit = 0, time.monotonic()
+        if self._h == 0 and (self._buf is None or self._buf.mode != "a"):
+            return 0 if self._buf is None else self._buf.generation
+        self.flush()
+        return self.writer().commit()
+
+    def close(self) -> None:
+        """``commit`` (when writing) and release the store; using the object again reopens it."""
+        if self._h or (self._buf is not None and self._buf.mode == "a"):
+            self.commit()
+        self._release()
+
+    # -- reading -------------------------------------------------------------------------
+    def gather(self, envs: np.ndarray, slots: np.ndarray, keys: Sequence[str], held: bool = True) -> dict[str, np.ndarray]:
+        """Rows at SB3 slots ``(slots, envs)`` as ``{key: numpy [B, ...]}`` (keys: columns
+        and ``next_<obs column>``), held steps and the open rows' ``next_obs`` from memory
+        (``held=False``: the store's rows as they are, for rows a store sampler drew)."""
+        envs, slots = np.asarray(envs, dtype=np.int64), np.asarray(slots, dtype=np.int64)
+        rows = envs * self.buffer_size + slots
+        out = {k: v.numpy() for k, v in self.reader().get(rows, keys).items()}
+        h, n = self._h, self.buffer_size
+        if h == 0 or not held:
+            return out
+        pend, nxt = self._pend, self._pend_next
+        last = self.adds - h - 1  # the lanes' last stored step, continuing into the held ones if open
+        if last >= 0:
+            m = (slots == last % n) & (self._open_len[envs] > 0)
+            if m.any():
+                for c in self.obs_columns:
+                    if f"next_{c}" in out:
+                        out[f"next_{c}"][m] = pend[c][0, envs[m]]
+        j = h - 1 - (self.adds - 1 - slots) % n  # the newest held step at each slot, if any
+        m = j >= 0
+        if m.any():
+            for k in out:
+                src = nxt[k[5:]] if k.startswith("next_") else pend[k]
+                out[k][m] = src[j[m], envs[m]]
+        return out
+
+
+def _positive(what: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise errors.InvalidArgumentError(f"{what}: expected a positive integer, got {value!r}")
+    return int(value)

@@ -1,0 +1,663 @@
+"""mmbuffer.sb3: SB3's replay buffers on disk, checked against SB3's own buffers."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import time
+from copy import deepcopy
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sb3 = pytest.importorskip("stable_baselines3")
+gym = pytest.importorskip("gymnasium")
+
+from gymnasium import spaces  # noqa: E402
+from stable_baselines3 import DQN, SAC  # noqa: E402
+from stable_baselines3.common import buffers as sb3_buffers  # noqa: E402
+from stable_baselines3.common.type_aliases import DictReplayBufferSamples, ReplayBufferSamples  # noqa: E402
+from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize  # noqa: E402
+
+import mmbuffer as mb  # noqa: E402
+import mmbuffer.sb3  # noqa: E402
+from mmbuffer import errors  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- transitions as SB3's off-policy loop produces them --------------------------------
+def vec_steps(obs_space, action_space, n_envs, steps, seed=0, broken_every=0, max_len=12):
+    """``steps`` calls' worth of ``add`` arguments for ``n_envs`` envs: random episode
+    lengths, terminations and timeouts (``TimeLimit.truncated``), ``next_obs`` the true
+    final observation at an episode end, the next ``obs`` a reset observation there
+    (the following one otherwise); with ``broken_every``, an env's ``obs`` now and
+    then is not the previous ``next_obs`` though nothing ended (a user's own add)."""
+    rng = np.random.default_rng(seed)
+    obs_space.seed(seed)
+    action_space.seed(seed)
+
+    def one_obs():
+        return obs_space.sample()
+
+    def stack(items):
+        if isinstance(obs_space, spaces.Dict):
+            return {k: np.stack([o[k] for o in items]) for k in obs_space.spaces}
+        return np.stack(items)
+
+    current = [one_obs() for _ in range(n_envs)]
+    left = rng.integers(1, max_len, size=n_envs)
+    out = []
+    for t in range(steps):
+        nxt, done, infos = [], np.zeros(n_envs, bool), []
+        new_current = []
+        for e in range(n_envs):
+            following = one_obs()
+            left[e] -= 1
+            info = {}
+            if left[e] == 0:
+                done[e] = True
+                if rng.random() < 0.4:
+                    info["TimeLimit.truncated"] = True
+                left[e] = rng.integers(1, max_len)
+                new_current.append(one_obs())  # the reset observation
+            elif broken_every and rng.random() < 1 / broken_every:
+                new_current.append(one_obs())  # not the next_obs given: a chain break
+            else:
+                new_current.append(following)
+            nxt.append(following)
+            infos.append(info)
+        actions = np.stack([action_space.sample() for _ in range(n_envs)])
+        rewards = rng.standard_normal(n_envs).astype(np.float32)
+        out.append((deepcopy(stack(current)), stack(nxt), actions, rewards, done, infos))
+        current = new_current
+    return out
+
+
+def same_samples(a, b):
+    assert type(a) is type(b)
+    for field, x, y in zip(a._fields, a, b):
+        if x is None:  # discounts (n-step buffers only)
+            assert y is None, field
+            continue
+        if isinstance(x, dict):
+            assert x.keys() == y.keys(), field
+            pairs = [(f"{field}.{k}", x[k], y[k]) for k in x]
+        else:
+            pairs = [(field, x, y)]
+        for name, u, v in pairs:
+            assert u.dtype == v.dtype, (name, u.dtype, v.dtype)
+            assert u.shape == v.shape, (name, u.shape, v.shape)
+            assert u.device == v.device, name
+            assert torch.equal(u, v), name
+
+
+def compare_all(theirs, mine, seed, env=None):
+    """Every slot below size(), several times over, with the same env draws."""
+    assert mine.size() == theirs.size() and mine.pos == theirs.pos and mine.full == theirs.full
+    inds = np.tile(np.arange(theirs.size()), 4)
+    np.random.seed(seed)
+    a = theirs._get_samples(inds, env=env)
+    np.random.seed(seed)
+    b = mine._get_samples(inds, env=env)
+    same_samples(a, b)
+    for name in ("observations", "next_observations", "actions", "rewards", "dones", "timeouts"):
+        x, y = getattr(theirs, name), getattr(mine, name)  # SB3's arrays; the drop-in's views of the store
+        pairs = [(x[k], y[k]) for k in x] if isinstance(x, dict) else [(x, y)]
+        for u, v in pairs:
+            assert v.shape == u.shape and v.dtype == u.dtype, name
+            assert np.array_equal(np.asarray(v), u), name
+    np.random.seed(seed)
+    a = theirs.sample(64, env=env)
+    np.random.seed(seed)
+    b = mine.sample(64, env=env)
+    same_samples(a, b)
+
+
+SPACES = {
+    "box-discrete": (spaces.Box(-5, 5, (3,), np.float32), spaces.Discrete(4)),
+    "pixels-box64": (spaces.Box(0, 255, (2, 4, 4), np.uint8), spaces.Box(-1, 1, (2,), np.float64)),
+    "discrete-obs": (spaces.Discrete(7), spaces.MultiDiscrete([3, 2])),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SPACES))
+@pytest.mark.parametrize("n_envs", [1, 2])
+@pytest.mark.parametrize("timeouts", [True, False])
+@pytest.mark.parametrize("hold,commit_every", [(64, 7), (5, 1000), (2, 11)])
+def test_samples_equal_sb3(tmp_path, name, n_envs, timeouts, hold, commit_every):
+    obs_space, action_space = SPACES[name]
+    size = 17 * n_envs  # 17 slots per env: the ring wraps; episodes up to 29 steps are cut at the lane
+    theirs = sb3_buffers.ReplayBuffer(size, obs_space, action_space, device="cpu", n_envs=n_envs,
+                                      handle_timeout_termination=timeouts)
+    cls = type("Hold", (mmbuffer.sb3.ReplayBuffer,), {"_hold_steps": hold})
+    mine = cls(size, obs_space, action_space, device="cpu", n_envs=n_envs,
+               handle_timeout_termination=timeouts, path=tmp_path / "r", commit_every=commit_every)
+    assert isinstance(mine, sb3_buffers.ReplayBuffer)
+    steps = vec_steps(obs_space, action_space, n_envs, 90, seed=n_envs, broken_every=25, max_len=30)
+    for t, args in enumerate(steps):
+        theirs.add(*deepcopy(args))
+        mine.add(*args)
+        compare_all(theirs, mine, seed=t)
+    mine.close()  # held rows written as episode ends: the same samples after reopening
+    compare_all(theirs, mine, seed=99)
+    again = cls(size, obs_space, action_space, device="cpu", n_envs=n_envs,
+                handle_timeout_termination=timeouts, path=tmp_path / "r")
+    compare_all(theirs, again, seed=100)
+    again.close()
+
+
+@pytest.mark.parametrize("n_envs", [1, 3])
+def test_one_slot_per_env_equal_sb3(tmp_path, n_envs):
+    obs_space, action_space = SPACES["box-discrete"]
+    theirs = sb3_buffers.ReplayBuffer(n_envs, obs_space, action_space, device="cpu", n_envs=n_envs)
+    mine = mmbuffer.sb3.ReplayBuffer(n_envs, obs_space, action_space, device="cpu", n_envs=n_envs, path=tmp_path / "o")
+    for t, args in enumerate(vec_steps(obs_space, action_space, n_envs, 12, seed=4, broken_every=3)):
+        theirs.add(*deepcopy(args))
+        mine.add(*args)
+        compare_all(theirs, mine, seed=t)
+    mine.close()
+    compare_all(theirs, mine, seed=50)
+
+
+def test_dict_samples_equal_sb3(tmp_path):
+    obs_space = spaces.Dict({"image": spaces.Box(0, 255, (3, 3), np.uint8), "vec": spaces.Box(-1, 1, (2,), np.float32)})
+    action_space = spaces.Box(-1, 1, (2,), np.float32)
+    theirs = sb3_buffers.DictReplayBuffer(26, obs_space, action_space, device="cpu", n_envs=2)
+    mine = mmbuffer.sb3.DictReplayBuffer(26, obs_space, action_space, device="cpu", n_envs=2, path=tmp_path / "d")
+    assert isinstance(mine, sb3_buffers.DictReplayBuffer)
+    for t, args in enumerate(vec_steps(obs_space, action_space, 2, 40, seed=3, broken_every=7)):
+        theirs.add(*deepcopy(args))
+        mine.add(*args)
+        compare_all(theirs, mine, seed=t)
+    assert isinstance(mine.sample(8), DictReplayBufferSamples)
+    mine.close()
+
+
+def test_vecnormalize_at_sampling(tmp_path):
+    venv = VecNormalize(DummyVecEnv([lambda: gym.make("Pendulum-v1")]), gamma=0.9)
+    venv.obs_rms.mean, venv.obs_rms.var = np.array([0.5, -0.5, 1.0]), np.array([2.0, 3.0, 0.5])
+    venv.ret_rms.var = np.array(4.0)
+    obs_space, action_space = venv.observation_space, venv.action_space
+    theirs = sb3_buffers.ReplayBuffer(40, obs_space, action_space, device="cpu")
+    mine = mmbuffer.sb3.ReplayBuffer(40, obs_space, action_space, device="cpu", path=tmp_path / "n")
+    for args in vec_steps(obs_space, action_space, 1, 30):
+        theirs.add(*deepcopy(args))
+        mine.add(*args)
+    compare_all(theirs, mine, seed=1, env=venv)
+    mine.close()
+
+
+def test_timeouts_and_dones_values(tmp_path):
+    """Hand-made: next obs across an episode end and a timeout, dones = done * (1 - timeout)."""
+    box = spaces.Box(-100, 100, (1,), np.float32)
+    rb = mmbuffer.sb3.ReplayBuffer(20, box, spaces.Discrete(2), device="cpu", path=tmp_path / "t")
+    o = lambda v: np.array([[v]], np.float32)  # noqa: E731
+    rb.add(o(0), o(1), np.array([0]), np.array([1.0]), np.array([False]), [{}])
+    rb.add(o(1), o(2), np.array([1]), np.array([2.0]), np.array([True]), [{}])  # terminated, final obs 2
+    rb.add(o(10), o(11), np.array([0]), np.array([3.0]), np.array([True]), [{"TimeLimit.truncated": True}])
+    rb.add(o(20), o(21), np.array([1]), np.array([4.0]), np.array([False]), [{}])
+    s = rb._get_samples(np.arange(4), env_indices=np.zeros(4, np.int64))
+    assert s.observations[:, 0].tolist() == [0, 1, 10, 20]
+    assert s.next_observations[:, 0].tolist() == [1, 2, 11, 21]
+    assert s.dones[:, 0].tolist() == [0, 1, 0, 0]
+    assert s.rewards.shape == (4, 1) and s.rewards.dtype == torch.float32 and s.dones.dtype == torch.float32
+    rb.close()
+    store = mb.open(tmp_path / "t", mode="r")  # the episode structure on disk
+    assert store.read("terminated", np.arange(4)).tolist() == [False, True, False, False]
+    assert store.read("truncated", np.arange(4)).tolist() == [False, False, True, True]  # the held row: closed
+    store.close()
+
+
+# -- pickling, resuming -------------------------------------------------------------------
+def small_dqn(path, **kw):
+    return DQN("MlpPolicy", gym.make("CartPole-v1"), buffer_size=500, learning_starts=50, batch_size=16,
+               policy_kwargs={"net_arch": [16]}, seed=0, replay_buffer_class=mmbuffer.sb3.ReplayBuffer,
+               replay_buffer_kwargs={"path": str(path), **kw})
+
+
+def test_save_load_replay_buffer(tmp_path):
+    """SB3's test_save_load_replay_buffer pattern, in one process."""
+    pkl = tmp_path / "logs" / "replay_buffer.pkl"
+    pkl.parent.mkdir(parents=True)
+    model = small_dqn(tmp_path / "replay")
+    model.learn(150)
+    model.save_replay_buffer(pkl)
+    assert pkl.stat().st_size < 20_000  # the path and the cursor, not the data
+    old = deepcopy(model.replay_buffer)
+    del model.replay_buffer
+    with pytest.raises(AttributeError):
+        model.replay_buffer  # noqa: B018
+    model.load_replay_buffer(pkl)
+    rb = model.replay_buffer
+    steps = model.num_timesteps  # 152: DQN collects 4 steps between trainings
+    assert isinstance(rb, mmbuffer.sb3.ReplayBuffer) and rb.size() == old.size() == steps
+    for name in ("observations", "next_observations", "actions", "rewards", "dones", "timeouts"):
+        assert np.allclose(getattr(old, name), getattr(rb, name)), name  # SB3's own check, on the views
+    np.random.seed(0)
+    a = old.sample(100)
+    np.random.seed(0)
+    same_samples(a, rb.sample(100))
+    old.close()
+    # SB3's test extends the loaded buffer with the old arrays (BaseBuffer.extend: add per slot)
+    n = rb.buffer_size
+    rb.extend(old.observations, old.next_observations, old.actions, old.rewards, old.dones, [[{}]] * n)
+    assert rb.size() == n and rb.full
+    model.train(gradient_steps=1, batch_size=16)
+    model.learn(60, reset_num_timesteps=False)  # the loaded buffer writes on
+    adds = n + model.num_timesteps  # steps added: the extend's and both learns'
+    assert rb.size() == n and rb.pos == adds % n
+    # into a new model, as after a restart
+    rb.close()
+    model2 = small_dqn(tmp_path / "other")
+    model2.load_replay_buffer(pkl)
+    assert model2.replay_buffer.pos == adds % n and model2.replay_buffer.path == rb.path
+    model2.learn(20)
+    assert model2.replay_buffer.pos == (adds + 20) % n
+    model2.replay_buffer.close()
+
+
+def test_pickled_buffer_keeps_working_and_lock(tmp_path):
+    """After save_replay_buffer the saving model trains on (it reopens the store);
+    a second writer of the same store is refused with LockedError."""
+    model = small_dqn(tmp_path / "replay")
+    model.learn(80)
+    blob = pickle.dumps(model.replay_buffer)
+    model.learn(20, reset_num_timesteps=False)
+    assert model.replay_buffer.size() == model.num_timesteps > 80
+    copy = pickle.loads(blob)
+    with pytest.raises(errors.LockedError):
+        copy.add(*vec_steps(copy.observation_space, copy.action_space, 1, 1)[0])
+    model.replay_buffer.close()
+    with pytest.raises(errors.CorruptStoreError):  # the store moved on: the copy's cursor is stale
+        copy.add(*vec_steps(copy.observation_space, copy.action_space, 1, 1)[0])
+
+
+SAVER = """
+import sys, numpy as np, gymnasium as gym
+from stable_baselines3 import DQN
+import mmbuffer.sb3
+model = DQN("MlpPolicy", gym.make("CartPole-v1"), buffer_size=500, learning_starts=50, batch_size=16,
+            policy_kwargs={"net_arch": [16]}, seed=0, replay_buffer_class=mmbuffer.sb3.ReplayBuffer,
+            replay_buffer_kwargs={"path": sys.argv[1]})
+model.learn(150)
+model.save_replay_buffer(sys.argv[2])
+np.random.seed(7)
+np.save(sys.argv[3], model.replay_buffer.sample(64).next_observations.numpy())
+print(model.num_timesteps)
+"""
+
+
+def test_load_replay_buffer_in_a_new_process(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", SAVER, str(tmp_path / "replay"), str(tmp_path / "rb.pkl"),
+                          str(tmp_path / "s.npy")], check=True, env=env, timeout=300, capture_output=True, text=True)
+    steps = int(out.stdout.split()[-1])
+    model = small_dqn(tmp_path / "fresh")
+    model.load_replay_buffer(tmp_path / "rb.pkl")
+    rb = model.replay_buffer
+    assert rb.size() == steps and rb.pos == steps
+    np.random.seed(7)
+    assert np.array_equal(rb.sample(64).next_observations.numpy(), np.load(tmp_path / "s.npy"))
+    model.learn(40, reset_num_timesteps=False)  # the new model's own count starts at 0
+    assert rb.size() == steps + model.num_timesteps
+    rb.close()
+
+
+def test_pickle_of_a_missing_store(tmp_path):
+    model = small_dqn(tmp_path / "replay")
+    model.learn(60)
+    blob = pickle.dumps(model.replay_buffer)
+    (tmp_path / "replay").rename(tmp_path / "moved")
+    with pytest.raises(errors.StoreNotFoundError):
+        pickle.loads(blob)
+
+
+def test_resume_from_path(tmp_path):
+    model = small_dqn(tmp_path / "replay")
+    model.learn(120)
+    steps = model.num_timesteps
+    np.random.seed(5)
+    before = model.replay_buffer.sample(50)
+    model.replay_buffer.close()
+    again = small_dqn(tmp_path / "replay")  # a new process passes the same path
+    assert again.replay_buffer.size() == steps and again.replay_buffer.pos == steps
+    np.random.seed(5)
+    same_samples(before, again.replay_buffer.sample(50))
+    again.replay_buffer.close()
+    with pytest.raises(errors.SchemaError):  # another env's store
+        SAC("MlpPolicy", gym.make("Pendulum-v1"), buffer_size=500, replay_buffer_class=mmbuffer.sb3.ReplayBuffer,
+            replay_buffer_kwargs={"path": str(tmp_path / "replay")})
+    with pytest.raises(errors.SchemaError):  # another buffer size
+        DQN("MlpPolicy", gym.make("CartPole-v1"), buffer_size=400, replay_buffer_class=mmbuffer.sb3.ReplayBuffer,
+            replay_buffer_kwargs={"path": str(tmp_path / "replay")})
+
+
+CRASH = """
+import os, sys, numpy as np
+from gymnasium import spaces
+import mmbuffer.sb3
+rb = mmbuffer.sb3.ReplayBuffer(10000, spaces.Box(-1e6, 1e6, (2,), np.float32), spaces.Discrete(2), device="cpu",
+                               path=sys.argv[1], commit_every=100, commit_seconds=1e6)
+for t in range(250):
+    o = np.full((1, 2), t, np.float32)
+    rb.add(o, o + 1, np.array([0]), np.array([1.0]), np.array([t % 40 == 39]), [{}])
+os._exit(0)  # no close: a crash
+"""
+
+
+def test_crash_loses_at_most_commit_every(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-c", CRASH, str(tmp_path / "c")], check=True, env=env, timeout=120)
+    rb = mmbuffer.sb3.ReplayBuffer(10000, spaces.Box(-1e6, 1e6, (2,), np.float32), spaces.Discrete(2), device="cpu",
+                                   path=tmp_path / "c")
+    assert rb.size() == 200  # the commits at 100 and 200 steps
+    s = rb._get_samples(np.arange(200), env_indices=np.zeros(200, np.int64))
+    assert torch.equal(s.next_observations, s.observations + 1)
+    assert s.dones[:, 0].tolist() == [float(t % 40 == 39) for t in range(200)]
+    rb.close()
+
+
+# -- refusals ---------------------------------------------------------------------------
+def test_typed_refusals(tmp_path):
+    box, act = spaces.Box(-1, 1, (2,), np.float32), spaces.Discrete(2)
+    with pytest.raises(errors.InvalidArgumentError, match="frame_stack.*stacked sampling"):
+        mmbuffer.sb3.ReplayBuffer(10, box, act, path=tmp_path / "a", frame_stack=4)
+    with pytest.raises(errors.InvalidArgumentError, match="codec"):
+        mmbuffer.sb3.ReplayBuffer(10, box, act, path=tmp_path / "a", codec="zstd")
+    with pytest.raises(errors.InvalidArgumentError, match="path"):
+        mmbuffer.sb3.ReplayBuffer(10, box, act)
+    with pytest.raises(errors.InvalidArgumentError, match="commit_every"):
+        mmbuffer.sb3.ReplayBuffer(10, box, act, path=tmp_path / "a", commit_every=0)
+    with pytest.raises(errors.InvalidArgumentError, match="observation_space"):
+        mmbuffer.sb3.DictReplayBuffer(10, box, act, path=tmp_path / "a")
+    rb = mmbuffer.sb3.ReplayBuffer(10, box, act, device="cpu", path=tmp_path / "a")
+    with pytest.raises(errors.InvalidArgumentError, match="reset"):
+        rb.reset()
+    assert not (tmp_path / "a").exists()  # nothing added, nothing created
+
+
+# -- real trainings -----------------------------------------------------------------------
+def params(policy):
+    return [p.detach().clone() for p in policy.parameters()]
+
+
+def test_dqn_cartpole_trains(tmp_path):
+    t0 = time.perf_counter()
+    model = DQN("MlpPolicy", gym.make("CartPole-v1"), buffer_size=1000, learning_starts=100, batch_size=32,
+                train_freq=4, target_update_interval=50, policy_kwargs={"net_arch": [32]}, seed=1,
+                replay_buffer_class=mmbuffer.sb3.ReplayBuffer, replay_buffer_kwargs={"path": str(tmp_path / "dqn")})
+    before = params(model.policy.q_net)
+    model.learn(400)
+    rb = model.replay_buffer
+    assert rb.size() == model.num_timesteps == 400 and model._n_updates > 0
+    assert "train/loss" in model.logger.name_to_value or model._n_updates >= 70
+    assert any(not torch.equal(a, b) for a, b in zip(before, params(model.policy.q_net)))
+    rb.close()
+    store = mb.open(tmp_path / "dqn", mode="r")
+    assert int(store.view().written[0]) == 400
+    store.close()
+    assert time.perf_counter() - t0 < 60
+
+
+def test_sac_pendulum_two_envs_trains(tmp_path):
+    from stable_baselines3.common.env_util import make_vec_env
+
+    env = make_vec_env("Pendulum-v1", n_envs=2, seed=0)
+    model = SAC("MlpPolicy", env, buffer_size=1000, learning_starts=100, batch_size=32,
+                policy_kwargs={"net_arch": [32]}, seed=0,
+                replay_buffer_class=mmbuffer.sb3.ReplayBuffer, replay_buffer_kwargs={"path": str(tmp_path / "sac")})
+    before = params(model.policy.actor)
+    model.learn(300)  # 150 steps of 2 envs
+    rb = model.replay_buffer
+    assert rb.n_envs == 2 and rb.size() == 150 and model._n_updates > 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, params(model.policy.actor)))
+    s = rb.sample(32)
+    assert isinstance(s, ReplayBufferSamples) and s.observations.shape == (32, 3) and s.actions.dtype == torch.float32
+    rb.close()
+
+
+class QuarterFrames(gym.ObservationWrapper):
+    """Grayscale ALE frames subsampled 4x in numpy (SB3's AtariWrapper needs OpenCV)."""
+
+    def __init__(self, env):
+        super().__init__(env)
+        h, w = env.observation_space.shape
+        self.observation_space = spaces.Box(0, 255, ((h + 3) // 4, (w + 3) // 4, 1), np.uint8)
+
+    def observation(self, obs):
+        return obs[::4, ::4, None]
+
+
+def test_dqn_cnn_on_ale_pong_trains(tmp_path):
+    ale_py = pytest.importorskip("ale_py")
+    from stable_baselines3.common.vec_env import VecFrameStack
+
+    gym.register_envs(ale_py)
+    env = VecFrameStack(DummyVecEnv([lambda: QuarterFrames(gym.make("ALE/Pong-v5", obs_type="grayscale",
+                                                                     max_episode_steps=120))]), 4)
+    model = DQN("CnnPolicy", env, buffer_size=2000, learning_starts=150, batch_size=16, train_freq=8, seed=0,
+                policy_kwargs={"features_extractor_kwargs": {"features_dim": 64}},
+                replay_buffer_class=mmbuffer.sb3.ReplayBuffer, replay_buffer_kwargs={"path": str(tmp_path / "pong")})
+    before = params(model.policy.q_net)
+    model.learn(304)  # two episodes end (timeouts): final observations stored, not the reset ones
+    rb = model.replay_buffer
+    assert rb.size() == 304 and model._n_updates > 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, params(model.policy.q_net)))
+    s = rb._get_samples(np.arange(304), env_indices=np.zeros(304, np.int64))
+    assert s.observations.dtype == torch.uint8 and s.observations.shape == (304, 4, 53, 40)
+    # inside an episode, next obs is the following obs (the newest of its 4 frames is new)
+    ends = np.flatnonzero(rb._lanes.reader().read("truncated", np.arange(304)))
+    inside = np.setdiff1d(np.arange(303), ends)
+    assert torch.equal(s.next_observations[inside], s.observations[inside + 1])
+    assert torch.equal(s.next_observations[inside, :3], s.observations[inside, 1:])  # the frame stack shifts
+    rb.close()
+
+
+# -- prioritized replay -------------------------------------------------------------------
+def per_buffer(path, **kw):
+    box = spaces.Box(-1e6, 1e6, (2,), np.float32)
+    return mmbuffer.sb3.PrioritizedReplayBuffer(64, box, spaces.Discrete(2), device="cpu", path=path, **kw)
+
+
+def fill(rb, steps):
+    for t in range(steps):
+        o = np.full((1, 2), t, np.float32)
+        rb.add(o, o + 1, np.array([t % 2]), np.array([t], np.float32), np.array([t % 10 == 9]), [{}])
+
+
+def test_prioritized_draws_and_weights(tmp_path):
+    torch.manual_seed(0)
+    rb = per_buffer(tmp_path / "p", alpha=0.6, beta=0.4)
+    fill(rb, 60)
+    seen = set()
+    for _ in range(200):  # every stored row once: the newest step is held in memory, and the
+        if len(seen) == 58:  # store's open last row (58) waits for its next observation
+            break
+        s = rb.sample(64)
+        assert isinstance(s, mmbuffer.sb3.PrioritizedReplayBufferSamples)
+        assert s.weights.shape == (64, 1) and s.weights.dtype == torch.float32 and s.indices.dtype == torch.int64
+        # the samples are the rows' transitions: obs t, next obs t + 1, reward t
+        assert torch.equal(s.next_observations, s.observations + 1)
+        assert torch.equal(s.rewards[:, 0], s.observations[:, 0])
+        rb.update_priorities(s.indices, (1 + s.indices % 4).reshape(-1, 1).float())
+        seen |= set(s.indices.tolist())
+    assert seen == set(range(58))
+    counts = torch.zeros(4)
+    for _ in range(100):
+        s = rb.sample(512)
+        counts += torch.bincount(s.indices % 4, minlength=4)
+        w = {int(i % 4): float(x) for i, x in zip(s.indices, s.weights[:, 0])}
+    ratio = float(counts[3] / counts[0])  # priority 4 against 1: (4 / 1) ** 0.6 = 2.30
+    assert abs(ratio - 4**0.6) < 0.15 * 4**0.6, ratio
+    assert abs(w[0] - 1.0) < 1e-4 and abs(w[3] - (4**0.6) ** -0.4) < 1e-3, w
+    rb.close()
+
+
+def test_prioritized_pickle_and_layout(tmp_path):
+    rb = per_buffer(tmp_path / "p", alpha=0.5, beta=0.3)
+    fill(rb, 30)
+    rb.beta = 0.7  # annealed
+    copy = pickle.loads(pickle.dumps(rb))
+    assert copy.beta == 0.7 and copy.size() == 30
+    rb.close()
+    with pytest.raises(errors.SchemaError, match="priorities"):  # a store with priorities is not a plain buffer's
+        mmbuffer.sb3.ReplayBuffer(64, spaces.Box(-1e6, 1e6, (2,), np.float32), spaces.Discrete(2), path=tmp_path / "p")
+    with pytest.raises(errors.InvalidArgumentError, match="beta"):
+        per_buffer(tmp_path / "q", beta=2.0)
+    copy.close()
+
+
+def test_prioritized_dqn_feeds_td_errors_back(tmp_path):
+    model = mmbuffer.sb3.PrioritizedDQN(
+        "MlpPolicy", gym.make("CartPole-v1"), buffer_size=1000, learning_starts=100, batch_size=32, train_freq=4,
+        policy_kwargs={"net_arch": [32]}, seed=0, replay_buffer_class=mmbuffer.sb3.PrioritizedReplayBuffer,
+        replay_buffer_kwargs={"path": str(tmp_path / "per")},
+    )
+    model.learn(400)
+    rb = model.replay_buffer
+    assert rb.size() == 400 and model._n_updates > 0
+    leaves = rb._lanes.writer().leaf_priorities(np.arange(398))
+    cap = 1e4**0.6
+    assert (leaves < cap * 0.999).sum() > 100  # sampled rows now carry their TD errors
+    assert leaves.max() < cap  # new rows took the live maximum, not the cap, once the first rows were drawn
+    rb.close()
+    plain = mmbuffer.sb3.PrioritizedDQN("MlpPolicy", gym.make("CartPole-v1"), buffer_size=1000, learning_starts=10,
+                                        replay_buffer_class=mmbuffer.sb3.ReplayBuffer,
+                                        replay_buffer_kwargs={"path": str(tmp_path / "plain")})
+    with pytest.raises(errors.InvalidArgumentError, match="PrioritizedReplayBuffer"):
+        plain.learn(20)
+    plain.replay_buffer.close()
+
+
+def test_optimize_memory_usage_accepted_and_truncation(tmp_path):
+    """optimize_memory_usage with handle_timeout_termination (SB3 refuses the pair, SB3#934):
+    accepted; SB3's _setup_learn then marks the newest step done, as SB3 does."""
+    model = DQN("MlpPolicy", gym.make("CartPole-v1"), buffer_size=500, learning_starts=50, seed=0,
+                optimize_memory_usage=True, policy_kwargs={"net_arch": [16]},
+                replay_buffer_class=mmbuffer.sb3.ReplayBuffer, replay_buffer_kwargs={"path": str(tmp_path / "o")})
+    model.learn(60)
+    rb = model.replay_buffer
+    assert rb.optimize_memory_usage and rb.handle_timeout_termination
+    newest = rb.pos - 1
+    with pytest.warns(UserWarning, match="truncated"):
+        model.learn(8)  # reset_num_timesteps=True: SB3 sets replay_buffer.dones[pos - 1] = True
+    s = rb._get_samples(np.array([newest]), env_indices=np.array([0]))
+    assert s.dones.tolist() == [[1.0]]
+    with pytest.raises(errors.InvalidArgumentError, match="done"):
+        rb.dones[0] = True
+    with pytest.raises(errors.InvalidArgumentError, match="reward"):
+        rb.rewards[newest] = 1.0
+    rb.close()
+
+
+def test_float64_observations_chain(tmp_path):
+    """An env giving float64 for a float32 space: compared as stored, no spurious episode ends."""
+    box = spaces.Box(-1, 1, (2,), np.float32)
+    rb = mmbuffer.sb3.ReplayBuffer(50, box, spaces.Discrete(2), device="cpu", path=tmp_path / "f")
+    obs = np.random.default_rng(0).random((11, 1, 2))  # float64
+    for t in range(10):
+        rb.add(obs[t], obs[t + 1], np.array([0]), np.array([0.0]), np.array([False]), [{}])
+    rb.close()
+    store = mb.open(tmp_path / "f", mode="r")
+    assert store.read("truncated", np.arange(10)).tolist() == [False] * 9 + [True]  # only the held row, closed
+    store.close()
+    s = rb._get_samples(np.arange(10), env_indices=np.zeros(10, np.int64))
+    assert s.observations.dtype == torch.float32
+    assert torch.equal(s.next_observations, torch.from_numpy(obs[1:, 0].astype(np.float32)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_samples_on_cuda(tmp_path):
+    box = spaces.Box(-1, 1, (2,), np.float32)
+    rb = mmbuffer.sb3.ReplayBuffer(50, box, spaces.Discrete(2), device="cuda", path=tmp_path / "g")
+    fill(rb, 20)
+    s = rb.sample(8)
+    assert all(t.device.type == "cuda" for t in s[:5])
+    rb.close()
+
+
+@pytest.mark.parametrize("algo", ["TD3", "DDPG"])
+def test_td3_ddpg_pendulum_train(tmp_path, algo):
+    cls = getattr(sb3, algo)
+    model = cls("MlpPolicy", gym.make("Pendulum-v1"), buffer_size=1000, learning_starts=100, batch_size=32,
+                policy_kwargs={"net_arch": [32]}, seed=0, train_freq=8, gradient_steps=2,
+                replay_buffer_class=mmbuffer.sb3.ReplayBuffer, replay_buffer_kwargs={"path": str(tmp_path / algo)})
+    before = params(model.policy.actor)
+    model.learn(200)
+    assert model.replay_buffer.size() == 200 and model._n_updates > 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, params(model.policy.actor)))
+    model.replay_buffer.close()
+
+
+class DictObs(gym.ObservationWrapper):
+    """Pendulum's observation as a Dict: angle part and velocity part."""
+
+    def __init__(self, env):
+        super().__init__(env)
+        self.observation_space = spaces.Dict({
+            "angle": spaces.Box(-1, 1, (2,), np.float32),
+            "velocity": spaces.Box(-8, 8, (1,), np.float32),
+        })
+
+    def observation(self, obs):
+        return {"angle": obs[:2].astype(np.float32), "velocity": obs[2:].astype(np.float32)}
+
+
+def test_sac_dict_observations_trains(tmp_path):
+    model = SAC("MultiInputPolicy", DictObs(gym.make("Pendulum-v1")), buffer_size=1000, learning_starts=100,
+                batch_size=32, policy_kwargs={"net_arch": [32]}, seed=0, train_freq=8, gradient_steps=2,
+                replay_buffer_class=mmbuffer.sb3.DictReplayBuffer, replay_buffer_kwargs={"path": str(tmp_path / "d")})
+    model.learn(224)  # one episode of 200 ends (a timeout): its final observation is stored
+    rb = model.replay_buffer
+    assert rb.size() == 224 and model._n_updates > 0
+    s = rb._get_samples(np.arange(224), env_indices=np.zeros(224, np.int64))
+    assert isinstance(s, DictReplayBufferSamples) and s.observations["angle"].shape == (224, 2)
+    assert s.dones.sum() == 0  # the timeout is no termination
+    inside = np.setdiff1d(np.arange(223), [199])
+    for k in ("angle", "velocity"):
+        assert torch.equal(s.next_observations[k][inside], s.observations[k][inside + 1])
+    assert not torch.equal(s.next_observations["angle"][199], s.observations["angle"][200])  # reset, not final
+    rb.close()
+
+
+@pytest.mark.parametrize("algo,env_id", [("DQN", "CartPole-v1"), ("SAC", "Pendulum-v1")])
+def test_training_bit_identical_to_sb3_buffer(tmp_path, algo, env_id):
+    """Same seed, SB3's buffer or the drop-in: the same draws (np.random), the same
+    samples, so the same trained weights, bit for bit."""
+    cls = getattr(sb3, algo)
+
+    def train(**kw):
+        model = cls("MlpPolicy", gym.make(env_id), buffer_size=300, learning_starts=100, batch_size=32,
+                    policy_kwargs={"net_arch": [32]}, seed=3, train_freq=4, **kw)
+        model.learn(500)  # the ring wraps
+        return params(model.policy), model
+
+    theirs, _ = train()
+    mine, model = train(replay_buffer_class=mmbuffer.sb3.ReplayBuffer, replay_buffer_kwargs={"path": str(tmp_path / "r")})
+    assert model._n_updates > 50 and all(torch.equal(a, b) for a, b in zip(theirs, mine))
+    model.replay_buffer.close()
+
+
+def test_commits_on_its_own(tmp_path):
+    """add commits every commit_every steps or commit_seconds: a reader sees the steps."""
+    box = spaces.Box(-1e6, 1e6, (2,), np.float32)
+    rb = mmbuffer.sb3.ReplayBuffer(100, box, spaces.Discrete(2), device="cpu", path=tmp_path / "c",
+                                   commit_every=10, commit_seconds=0.3)
+    fill(rb, 9)
+    reader = mb.open(tmp_path / "c", mode="r")  # beside the writer
+    assert int(reader.view().written[0]) == 0  # nothing committed yet (the store's first commit is empty)
+    fill(rb, 1)  # the 10th step: a commit, held steps written
+    reader.refresh()
+    assert int(reader.view().written[0]) == 10 and rb._lanes.pending == 0
+    fill(rb, 1)
+    time.sleep(0.35)
+    fill(rb, 1)  # commit_seconds passed
+    reader.refresh()
+    assert int(reader.view().written[0]) == 12
+    reader.close()
+    rb.close()
