@@ -27,7 +27,7 @@ import mmbuffer as mb  # noqa: E402
 import mmbuffer.sb3  # noqa: E402
 from mmbuffer import errors  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository: the package for child processes
 
 
 # -- transitions as SB3's off-policy loop produces them --------------------------------
