@@ -32,10 +32,13 @@ it; more leading dims are flattened into ``E``) gives environment ``e`` to strea
 stream whose trajectory has its first id, or takes a free stream (with
 ``num_streams=E`` every environment keeps its own stream). A trajectory cut
 before its end, with no stream to continue it, ends as truncated there.
-Each stream's last row is held back until the next batch tells whether its
-episode goes on (its ``("next", obs)`` is then the final observation of a
-truncation); ``commit`` writes held rows as truncated, so every commit ends with
-no open episode and a reopened store never glues a new episode onto an old one.
+Every row is stored, and sampleable, when ``extend`` returns, with its index. A
+stream's open episode ends provisionally at its last row: truncated, with that
+row's ``("next", obs)`` as final observation; when the next batch continues the
+episode, that end is undone (``mmbuffer._ledger.reopen``) and the episode goes on
+(unless it would outgrow a lane: then it stays ended there, truncated).
+``commit`` makes the provisional ends truncations, so a reopened store never glues
+a new episode onto an old one; ``len(rb) <= capacity`` always.
 
 Sampling. ``sample(batch_size)`` (default: the preset ``batch_size``) returns a
 TensorDict of ``batch_size`` transitions with ``"index"`` (global row ids for
@@ -62,8 +65,8 @@ the store path, generation, batch size and generator state (no data);
 ...              "done": (torch.arange(T) == 4)[:, None], "terminated": (torch.arange(T) == 4)[:, None]}}, [T])
 >>> rb = ReplayBuffer(tempfile.mkdtemp() + "/rb", capacity=100, batch_size=4)
 >>> index = rb.extend(td)
->>> len(rb), index[-1].item()   # the last row is held until the next batch
-(10, -1)
+>>> len(rb), index[-1].item()   # every row stored, the open episode's last one too
+(10, 9)
 >>> s = rb.sample()
 >>> bool((s["next", "observation"] == s["observation"] + 1).all()), tuple(s["next", "done"].shape)
 (True, (4, 1))

@@ -193,8 +193,11 @@ def read_batch(
     return values, term | trunc, trunc, None if traj is None else traj.reshape(shape)
 
 
-def to_tensordict(b: Batch, keymap: KeyMap, spec: samplers.Sampler, *, flatten: bool) -> Any:
-    """A sampled batch in TorchRL's layout (see :mod:`mmbuffer.torchrl`)."""
+def to_tensordict(
+    b: Batch, keymap: KeyMap, spec: samplers.Sampler, *, flatten: bool, open_rows: np.ndarray | None = None
+) -> Any:
+    """A sampled batch in TorchRL's layout (see :mod:`mmbuffer.torchrl`); ``open_rows``:
+    rows whose episode end is provisional (not truncated for TorchRL: the episode goes on)."""
     from tensordict import TensorDict
 
     shape = tuple(b.indices.shape)
@@ -204,6 +207,8 @@ def to_tensordict(b: Batch, keymap: KeyMap, spec: samplers.Sampler, *, flatten: 
     for name in keymap.derived:
         out.set(("next", *keymap.columns[name]), b.data[f"next_{name}"])
     term, trunc = b.data["terminated"], b.data["truncated"]
+    if open_rows is not None and open_rows.size and not spec.slices:
+        trunc = trunc & ~torch.from_numpy(np.isin(b.indices.numpy(), open_rows))
     if spec.slices:  # as SliceSampler marks them: each window ends truncated
         trunc = trunc.clone()
         last = (b.mask.sum(1) - 1) if b.mask is not None else torch.full((shape[0],), shape[1] - 1)

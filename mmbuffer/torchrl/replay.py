@@ -17,6 +17,7 @@ from ..buffer import Buffer
 from .._read.gather import Batch
 from ..opening import create as create_buffer
 from ..opening import open as open_buffer
+from .._ledger.reopen import reopen_last_episode
 from ..schema import PriorityConfig
 from .keys import ATTR, PRIORITY, WEIGHT_KEY, Columns, Key, KeyMap, infer, read_batch, to_tensordict
 from .streams import Held, Segment, plan as plan_streams, segments as stream_segments
@@ -126,12 +127,8 @@ class ReplayBuffer:
         self._sampler = sampler
 
     def __len__(self) -> int:
-        """Rows extended that the store still holds (live episodes, open ones whole)
-        plus the rows held back (one per stream at most)."""
-        if self._buf is None:
-            return 0
-        view = self._buf.view()
-        return int(sum(int(view.written[s]) - lv.first_start for s, lv in enumerate(view.lanes))) + len(self._held)
+        """Rows extended that the store still holds (at most ``capacity``)."""
+        return 0 if self._buf is None else len(self._buf)
 
     def _attach(self, buf: Buffer) -> None:
         try:
@@ -160,7 +157,8 @@ class ReplayBuffer:
 
     def extend(self, data: Any) -> torch.Tensor:
         """Append a collector's TensorDict (``[T]`` or ``[E, T]``) and return the global
-        row of each of its rows (shape ``data.batch_size``; -1 for rows held back).
+        row of each of its rows (shape ``data.batch_size``); every row is sampleable
+        when it returns.
 
         Raises ``SchemaError`` (keys, shapes, dtypes differ from the store's),
         ``InvalidArgumentError`` or ``CapacityError`` (a stream given more rows than
@@ -195,8 +193,8 @@ class ReplayBuffer:
         added = np.zeros_like(self._uncommitted)
         np.add.at(added, [seg.piece.stream for seg in segments], [len(seg.end) for seg in segments])
         if (self._uncommitted + added > lane).any():
-            # commit first (held rows end as truncated), before the store would commit on
-            # its own with an episode open; then plan again without held rows
+            # commit first (provisional ends become truncations), before the store would
+            # commit on its own with an episode open; then plan again
             self.commit()
             segments = planned()
         return self._write(segments, tuple(td.batch_size), ends.shape)
@@ -220,14 +218,18 @@ class ReplayBuffer:
         self._attach(buf)
 
     def _write(self, segments: list[Segment], lead: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
-        """Write planned segments; return the global row of each batch row (-1: held)."""
+        """Write planned segments; return the global row of each batch row."""
         assert self._buf is not None and self._layout is not None
         buf, layout = self._buf, self._layout
         index = np.full(shape, -1, dtype=np.int64)
-        cursor = buf.view().written.copy()  # rows written per stream, advanced here
-        for seg in segments:
-            p, stream, n = seg.piece, seg.piece.stream, len(seg.end)
-            if n:
+        with buf.lock:  # a prefetching thread never sees an episode reopened and not yet continued
+            cursor = buf.view().written.copy()  # rows written per stream, advanced here
+            for seg in segments:
+                p, stream, n = seg.piece, seg.piece.stream, len(seg.end)
+                if seg.reopen and not reopen_last_episode(buf, stream):
+                    raise errors.CorruptStoreError(  # pragma: no cover - only other code writing the store
+                        f"{self.path}: stream {stream}: expected its provisional episode end to undo, got none"
+                    )
                 start = int(cursor[stream])
                 cursor[stream] += n
                 steps = {c: seg.rows[c] for c in layout.columns}
@@ -238,26 +240,16 @@ class ReplayBuffer:
                 written = buf.layout.rows(stream, start + np.arange(n))
                 if PRIORITY in seg.rows:
                     buf.update_priorities(written, seg.rows[PRIORITY])
-                mine = written[seg.lead_in :]
-                index[p.env, p.start : p.start + len(mine)] = mine
-            self._held.pop(stream, None)
-            if seg.after is not None:
-                self._held[stream] = seg.after
+                index[p.env, p.start : p.stop] = written
+                self._held.pop(stream, None)
+                if seg.after is not None:
+                    self._held[stream] = seg.after
         return torch.from_numpy(index.reshape(lead))
 
     def commit(self) -> int:
-        """Write the held rows as truncated episode ends, then ``buffer.commit()``."""
+        """``buffer.commit()``: the streams' provisional episode ends become truncations
+        (a reopened store never glues a new episode onto an old one)."""
         buf = self.buffer
-        layout = self._layout
-        assert layout is not None
-        for stream, h in sorted(self._held.items()):
-            steps = {c: h.values[c] for c in layout.columns}
-            steps["terminated"], steps["truncated"] = np.zeros(1, bool), np.ones(1, bool)
-            final = {c: h.values[f"next_{c}"] for c in layout.derived} if layout.derived else None
-            start = int(buf.view().written[stream])
-            buf.extend(steps, stream=stream, final_obs=final)
-            if PRIORITY in h.values:
-                buf.update_priorities(buf.layout.rows(stream, np.array([start])), h.values[PRIORITY])
         self._held.clear()
         self._uncommitted[:] = 0
         return buf.commit()
@@ -294,8 +286,10 @@ class ReplayBuffer:
                     f"batch_size: expected a multiple of slice_len={length} (rows, as TorchRL's SliceSampler counts), got {size}"
                 )
             items = size // length
-        b = buf.sample(items, self.generator, sampler=spec)
-        out = to_tensordict(b, layout, spec, flatten=self.flatten_slices)
+        with buf.lock:
+            b = buf.sample(items, self.generator, sampler=spec)
+            open_rows = self._open_rows()
+        out = to_tensordict(b, layout, spec, flatten=self.flatten_slices, open_rows=open_rows)
         index = out.get("index")
         self._remember(index, b.written_at)
         if return_info:
@@ -304,6 +298,15 @@ class ReplayBuffer:
                 info[WEIGHT_KEY] = out.get(WEIGHT_KEY)
             return out, info
         return out
+
+    def _open_rows(self) -> np.ndarray:
+        """The global rows whose episode end is provisional (each open stream's last row)."""
+        if not self._held or self._buf is None:
+            return np.zeros(0, dtype=np.int64)
+        written = self._buf.view().written
+        streams = np.fromiter(self._held, dtype=np.int64)
+        rows: np.ndarray = self._buf.layout.rows(streams, written[streams] - 1)
+        return rows
 
     # -- priorities ----------------------------------------------------------------------
     def update_priority(self, index: Any, priority: Any) -> None:
