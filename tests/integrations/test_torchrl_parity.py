@@ -100,3 +100,58 @@ def test_update_priority_of_what_extend_returned(tmp_path):
     np.testing.assert_allclose(rb.buffer.leaf_priorities(index), np.arange(1.0, 7.0))
     assert rb.buffer.num_episodes == 1 and rb.buffer.episodes()[1].tolist() == [10]
     assert torch.equal(more, torch.arange(6, 10))
+
+
+class _Tree:
+    """A numpy stand-in for TorchRL's C++ segment trees (they need torch 2.14.1 here),
+    so TorchRL's own ``PrioritizedSampler`` runs: the same calls, summed or min'ed in numpy."""
+
+    def __init__(self, capacity, reduce):
+        self.reduce, self.v = reduce, np.full(capacity, 0.0 if reduce is np.sum else np.inf)
+
+    def __getitem__(self, index):
+        return torch.as_tensor(self.v[np.asarray(index)])
+
+    def __setitem__(self, index, value):
+        self.v[np.asarray(index)] = np.asarray(value)
+
+    def query(self, left, right):
+        return float(self.reduce(self.v[left:right]))
+
+    def scan_lower_bound(self, mass):
+        return torch.as_tensor(np.searchsorted(np.cumsum(self.v), np.asarray(mass), side="right"))
+
+
+@pytest.fixture
+def torchrl_prioritized(monkeypatch):
+    """TorchRL's ``PrioritizedSampler`` with :class:`_Tree` for its trees."""
+    from torchrl.data.replay_buffers.samplers import prioritized
+
+    for name, reduce in [("SumSegmentTreeFp32", np.sum), ("SumSegmentTreeFp64", np.sum),
+                         ("MinSegmentTreeFp32", np.min), ("MinSegmentTreeFp64", np.min)]:
+        monkeypatch.setattr(prioritized, name, lambda cap, reduce=reduce: _Tree(cap, reduce))
+    return prioritized.PrioritizedSampler
+
+
+def test_a_new_row_gets_the_running_max_priority_as_torchrl(tmp_path, torchrl_prioritized):
+    from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+
+    alpha, n = 0.6, 40_000
+    errors = torch.arange(2.0, 12.0)  # TD errors above 1: the max, 11, is row 9's
+    ref = TensorDictReplayBuffer(storage=LazyTensorStorage(100), batch_size=n,
+                                 sampler=torchrl_prioritized(100, alpha=alpha, beta=0.4, eps=1e-8))
+    rb = ReplayBuffer(tmp_path / "rb", capacity=100, batch_size=n, sampler=mb.samplers.Prioritized(beta=0.4),
+                      priorities=mb.PriorityConfig(alpha=alpha, eps=1e-8), generator=torch.Generator().manual_seed(0))
+    np.random.seed(0)  # TorchRL's sampler draws with np.random
+    for buffer in (ref, rb):
+        index = buffer.extend(_steps(10, ends=[9]))
+        buffer.update_priority(index, errors)
+        new = int(buffer.extend(_steps(1, ends=[0], start=10))[0])
+        assert new == 10
+    # the new row's stored priority is the max row's, (11 + eps) ** alpha, in both
+    want = (11.0 + 1e-8) ** alpha
+    assert float(ref.sampler._sum_tree[10]) == pytest.approx(want, rel=1e-6)
+    np.testing.assert_allclose(rb.buffer.leaf_priorities([9, 10]), [want, want], rtol=1e-6)
+    for buffer in (ref, rb):  # and it is drawn about as often as the max row
+        counts = torch.bincount(buffer.sample()["index"].reshape(-1), minlength=11)
+        assert 0.85 < counts[10] / counts[9] < 1.15, counts
