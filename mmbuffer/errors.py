@@ -28,6 +28,7 @@ __all__ = [
     "DiskFullError",
     "InvalidPriorityError",
     "NoValidSliceError",
+    "RowNotLiveError",
     "ConversionError",
 ]
 
@@ -93,6 +94,10 @@ class InvalidPriorityError(MMBufferError, ValueError):
 class NoValidSliceError(MMBufferError, LookupError, RuntimeError):
     """No live episode is long enough for the requested slice length (also a
     ``RuntimeError``, as TorchRL's ``SliceSampler`` raises there)."""
+
+
+class RowNotLiveError(MMBufferError, IndexError):
+    """An index names a row that holds no live data (never written, or evicted)."""
 
 
 class ConversionError(MMBufferError, ValueError):

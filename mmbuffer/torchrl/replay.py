@@ -5,8 +5,10 @@ planning in ``streams.py``, the writes and reads here."""
 from __future__ import annotations
 
 import os
+import shutil
 import weakref
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, Self
 
 import numpy as np
@@ -19,6 +21,9 @@ from ..opening import create as create_buffer
 from ..opening import open as open_buffer
 from .._ledger.reopen import reopen_last_episode
 from ..schema import PriorityConfig
+from . import checkpoint
+from . import access
+from .access import Prefetch, as_tensordict as _as_tensordict, compose, positive as _positive, tensordict as _tensordict
 from .keys import ATTR, PRIORITY, WEIGHT_KEY, Columns, Key, KeyMap, infer, read_batch, to_tensordict
 from .streams import Held, Segment, plan as plan_streams, segments as stream_segments
 
@@ -55,6 +60,17 @@ class ReplayBuffer:
         A ``torch.Generator`` for sampling (the same state gives the same batch).
     compression
         ``None`` (raw, memory-mapped) or ``"zstd"`` / ``"lz4"`` for a created store.
+    transform
+        A torchrl ``Transform``, a callable TensorDict -> TensorDict, or a list of
+        them, applied to what ``sample`` and ``rb[...]`` return (as TorchRL's).
+    prefetch
+        Batches drawn ahead in threads (as TorchRL's; needs ``batch_size``).
+    mode
+        ``"a"``: the writer (one process); ``"r"``: a reader of a store that exists
+        (a learner process), which follows the writer's commits: ``sample``,
+        ``rb[...]`` and ``len`` see the last commit. Writes (``extend``,
+        ``update_priority``, ``empty``) are ``ReadOnlyError`` there. A pickled
+        buffer unpickles as a reader.
     """
 
     def __init__(
@@ -70,8 +86,14 @@ class ReplayBuffer:
         flatten_slices: bool = True,
         generator: torch.Generator | None = None,
         compression: str | None = None,
+        transform: Any = None,
+        prefetch: int | None = None,
+        mode: str = "a",
     ) -> None:
         _tensordict()  # the extra must be installed
+        if mode not in ("a", "r"):
+            raise errors.InvalidArgumentError(f"mode: expected 'a' (the writer) or 'r' (a reader), got {mode!r}")
+        self.mode = mode
         self.path = Path(path)
         self._sampler = sampler if sampler is not None else samplers.Uniform()
         if not isinstance(self._sampler, samplers.Sampler):
@@ -91,8 +113,14 @@ class ReplayBuffer:
         self._uncommitted: np.ndarray = np.zeros(0, dtype=np.int64)
         self._dangling: set[int] = set()
         self._sampled: dict[int, tuple[weakref.ref[torch.Tensor], np.ndarray | None]] = {}
-        if self.path.exists():
-            self._attach(open_buffer(self.path))
+        self._transform: Any = None if transform is None else compose(transform)
+        depth = _positive("prefetch", prefetch)
+        if depth is not None and self._batch_size is None:
+            raise errors.InvalidArgumentError("batch_size: expected one set at construction with prefetch, got None")
+        self._prefetch = None if depth is None else Prefetch(depth)
+        self._dirty = False  # extended or reprioritized since the last commit
+        if self.path.exists() or mode == "r":
+            self._attach(open_buffer(self.path, mode=mode))
 
     def __repr__(self) -> str:
         return (
@@ -107,6 +135,8 @@ class ReplayBuffer:
         for a store that existed)."""
         if self._buf is None:
             raise errors.EmptyBufferError(f"buffer: expected a store at {self.path}, got none yet (it is created by the first extend)")
+        if self.mode == "r":
+            self._buf.refresh()  # a reader follows the writer's commits
         return self._buf
 
     @property
@@ -128,7 +158,7 @@ class ReplayBuffer:
 
     def __len__(self) -> int:
         """Rows extended that the store still holds (at most ``capacity``)."""
-        return 0 if self._buf is None else len(self._buf)
+        return 0 if self._buf is None else len(self.buffer)
 
     def _attach(self, buf: Buffer) -> None:
         try:
@@ -165,6 +195,8 @@ class ReplayBuffer:
         its lane holds) before anything is written.
         """
         td = _as_tensordict(data)
+        if self.mode == "r":
+            raise errors.ReadOnlyError(f"extend: the buffer at {self.path} is opened with mode='r' (a reader)")
         if td.batch_dims == 0:
             raise errors.InvalidArgumentError("data: expected a TensorDict with batch dims [T] or [E, T], got [] (use add)")
         if td.numel() == 0:
@@ -244,23 +276,52 @@ class ReplayBuffer:
                 self._held.pop(stream, None)
                 if seg.after is not None:
                     self._held[stream] = seg.after
+        self._dirty = True
         return torch.from_numpy(index.reshape(lead))
 
     def commit(self) -> int:
         """``buffer.commit()``: the streams' provisional episode ends become truncations
         (a reopened store never glues a new episode onto an old one)."""
         buf = self.buffer
-        self._held.clear()
-        self._uncommitted[:] = 0
-        return buf.commit()
+        with buf.lock:
+            self._held.clear()
+            self._uncommitted[:] = 0
+            self._dirty = False
+            return buf.commit()
+
+    def _commit_changes(self) -> int:
+        """Commit if this buffer extended or reprioritized since the last commit; the generation."""
+        return self.commit() if self._dirty else self.buffer.generation
 
     def close(self) -> None:
-        """``commit`` and release the store (the object is unusable afterwards)."""
+        """Commit what changed and release the store (the object is unusable afterwards)."""
+        if self._prefetch is not None:
+            self._prefetch.close()
+            self._prefetch = None
         if self._buf is not None:
-            if self._buf.mode == "a":
+            if self._buf.mode == "a" and self._dirty:
                 self.commit()
             self._buf.close()
             self._buf = None
+
+    def empty(self) -> None:
+        """Remove every row, as TorchRL's ``empty``: the store is deleted; the next
+        ``extend`` creates it anew with the same capacity, streams, compression and
+        priorities (its schema from that batch)."""
+        if self._buf is None:
+            return
+        buf = self._buf
+        buf._writing("empty")  # noqa: SLF001 - a reader refuses, with ReadOnlyError
+        self._capacity, self._num_streams = buf.capacity, buf.num_streams
+        self._priorities, self._compression = buf.priorities, buf.compression
+        depth = None if self._prefetch is None else self._prefetch.depth
+        self.close()
+        shutil.rmtree(self.path)
+        self._layout = None
+        self._held.clear()
+        self._sampled.clear()
+        self._dangling = set()
+        self._prefetch = None if depth is None else Prefetch(depth)
 
     def __enter__(self) -> Self:
         return self
@@ -271,11 +332,26 @@ class ReplayBuffer:
     # -- sampling ------------------------------------------------------------------------
     def sample(self, batch_size: int | None = None, return_info: bool = False) -> Any:
         """A TensorDict of ``batch_size`` rows (default: the preset ``batch_size``) in
-        TorchRL's layout; ``(td, info)`` with ``return_info=True`` (info: ``index``,
-        and ``priority_weight`` when prioritized)."""
+        TorchRL's layout, the transforms applied; ``(td, info)`` with
+        ``return_info=True`` (info: ``index``, and ``priority_weight`` when
+        prioritized). With ``prefetch=k`` a default-size batch comes from the
+        ``k`` drawn ahead in threads."""
         size = _positive("batch_size", batch_size) or self._batch_size
         if size is None:
             raise errors.InvalidArgumentError("batch_size: expected a number here or at construction, got None for both")
+        if self._prefetch is not None and batch_size is None:
+            out, written = self._prefetch.next(lambda: self._draw(size))
+        else:
+            out, written = self._draw(size)
+        index = out.get("index")
+        self._remember(index, written)
+        info = {"index": index}
+        if WEIGHT_KEY in out.keys():
+            info[WEIGHT_KEY] = out.get(WEIGHT_KEY)
+        out = self._transformed(out)
+        return (out, info) if return_info else out
+
+    def _draw(self, size: int) -> tuple[Any, np.ndarray | None]:
         buf, layout, spec = self.buffer, self._layout, self._sampler
         assert layout is not None
         items = size
@@ -289,15 +365,55 @@ class ReplayBuffer:
         with buf.lock:
             b = buf.sample(items, self.generator, sampler=spec)
             open_rows = self._open_rows()
-        out = to_tensordict(b, layout, spec, flatten=self.flatten_slices, open_rows=open_rows)
-        index = out.get("index")
-        self._remember(index, b.written_at)
-        if return_info:
-            info = {"index": index}
-            if WEIGHT_KEY in out.keys():
-                info[WEIGHT_KEY] = out.get(WEIGHT_KEY)
-            return out, info
-        return out
+        return to_tensordict(b, layout, spec, flatten=self.flatten_slices, open_rows=open_rows), b.written_at
+
+    def __getitem__(self, index: Any) -> Any:
+        """Rows as a TensorDict, transforms applied, as TorchRL's ``rb[index]``
+        (``access.getitem``): row ids (an int gives a TensorDict without batch
+        dims), a slice or negative int of the live rows, or a key of every live row."""
+        return access.getitem(self, index)
+
+    def __iter__(self) -> Iterator[Any]:
+        """``sample()`` batch after batch, as TorchRL iterates a buffer (endless: an
+        mmbuffer sampler never runs out)."""
+        if self._batch_size is None:
+            raise errors.InvalidArgumentError("batch_size: expected one set at construction to iterate, got None")
+        while True:
+            yield self.sample()
+
+    # -- transforms ----------------------------------------------------------------------
+    @property
+    def transform(self) -> Any:
+        """TorchRL's ``Compose`` applied to what ``sample`` and ``rb[...]`` return."""
+        if self._transform is None:
+            self._transform = compose(None)
+        return self._transform
+
+    def append_transform(self, transform: Any, *, invert: bool = False) -> Self:
+        """Apply ``transform`` (a torchrl ``Transform`` or a callable TensorDict ->
+        TensorDict) last to sampled data, as TorchRL's ``append_transform``.
+        ``invert=True`` (applied on writing) is refused with ``InvalidArgumentError``."""
+        self._no_invert(invert)
+        self.transform.append(compose(transform)[0])
+        return self
+
+    def insert_transform(self, index: int, transform: Any, *, invert: bool = False) -> Self:
+        """Apply ``transform`` at position ``index`` of the transforms, as TorchRL's."""
+        self._no_invert(invert)
+        self.transform.insert(index, compose(transform)[0])
+        return self
+
+    @staticmethod
+    def _no_invert(invert: bool) -> None:
+        if invert:
+            raise errors.InvalidArgumentError(
+                "invert: expected False (transforms apply to sampled data; transform a batch before extend), got True"
+            )
+
+    def _transformed(self, data: Any) -> Any:
+        if self._transform is None or not len(self._transform):
+            return data
+        return self._transform(data)
 
     def _open_rows(self) -> np.ndarray:
         """The global rows whose episode end is provisional (each open stream's last row)."""
@@ -325,6 +441,7 @@ class ReplayBuffer:
         written = entry[1] if entry is not None and entry[0]() is index else None
         target: Any = Batch({}, idx, torch.ones(0), None, written) if written is not None else idx
         buf.update_priorities(target, pri.to(torch.float64).cpu())
+        self._dirty = True
 
     def update_tensordict_priority(self, data: Any) -> None:
         """``update_priority(data["index"], data[priority_key])`` (a loss, say
@@ -341,78 +458,36 @@ class ReplayBuffer:
                 self._sampled.pop(next(iter(self._sampled)))
         self._sampled[id(index)] = (weakref.ref(index), written)
 
-    # -- checkpoints ---------------------------------------------------------------------
+    # -- checkpoints and processes (checkpoint.py) ------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Commit, then the state that reopens this buffer: store path and generation,
-        batch size, generator state (no data: the store holds it)."""
-        generation = self.commit()
-        return {
-            "path": str(self.path),
-            "generation": generation,
-            "batch_size": self._batch_size,
-            "generator": None if self.generator is None else self.generator.get_state(),
-        }
+        """Commit what changed; the state that names this store at this commit (path,
+        generation, cursors), batch size and generator state (no data)."""
+        return checkpoint.state_dict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Reopen the store ``state`` names (refused if older than ``state``'s commit)."""
-        try:
-            path, generation = Path(state["path"]), int(state["generation"])
-        except (KeyError, TypeError, ValueError):
-            raise errors.InvalidArgumentError(f"state: expected a dict from state_dict(), got {state!r}") from None
-        self._reopen(path)
-        assert self._buf is not None
-        if self._buf.generation < generation:
-            raise errors.CorruptStoreError(
-                f"{path}: expected a store at commit {generation} or later (the state's), got commit {self._buf.generation}"
-            )
-        self._batch_size = state.get("batch_size", self._batch_size)
-        if state.get("generator") is not None:
-            self.generator = self.generator or torch.Generator()
-            self.generator.set_state(state["generator"])
+        """Go back to ``state``: its store at its commit, or a typed refusal when that
+        store changed since (``checkpoint.load_state_dict``); never the current data
+        silently."""
+        checkpoint.load_state_dict(self, state)
 
     def dumps(self, path: str | os.PathLike[str]) -> None:
-        """Commit; copy the store to ``path`` unless ``path`` is the store itself."""
-        self.commit()
-        if Path(path).resolve() != self.path.resolve():
-            from ..convert import copy
-
-            copy(self.buffer, path, progress=False)
+        """Commit what changed; copy the store to ``path`` unless ``path`` is the store."""
+        checkpoint.dumps(self, path)
 
     def loads(self, path: str | os.PathLike[str]) -> None:
         """Make the store at ``path`` (from ``dumps``) this buffer's store."""
-        self._reopen(Path(path))
+        checkpoint.reopen(self, Path(path))
 
     save = dump = dumps
     load = loads
 
-    def _reopen(self, path: Path) -> None:
-        if not path.exists():
-            raise errors.StoreNotFoundError(f"path: expected a store at {path}, found nothing")
-        self.close()
-        self.path = path
-        self._held.clear()
-        self._attach(open_buffer(path))
+    def share(self, shared: bool = True) -> Self:
+        """TorchRL's ``share``: nothing to do, the store on disk is shared already;
+        a pickled buffer opens it read-only in the process that unpickles it."""
+        return self
 
+    def __getstate__(self) -> dict[str, Any]:
+        return checkpoint.getstate(self)
 
-def _tensordict() -> Any:
-    try:
-        import tensordict
-    except ImportError:  # pragma: no cover - the extra is installed where tests run
-        raise errors.InvalidArgumentError(
-            "mmbuffer.torchrl: expected tensordict installed (pip install 'mmbuffer[torchrl]'), got an ImportError"
-        ) from None
-    return tensordict
-
-
-def _as_tensordict(data: Any) -> Any:
-    if not isinstance(data, _tensordict().TensorDictBase):
-        raise errors.InvalidArgumentError(f"data: expected a TensorDict, got {type(data).__name__}")
-    return data
-
-
-def _positive(what: str, value: int | None) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise errors.InvalidArgumentError(f"{what}: expected a positive integer, got {value!r}")
-    return int(value)
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        checkpoint.setstate(self, state)

@@ -155,3 +155,129 @@ def test_a_new_row_gets_the_running_max_priority_as_torchrl(tmp_path, torchrl_pr
     for buffer in (ref, rb):  # and it is drawn about as often as the max row
         counts = torch.bincount(buffer.sample()["index"].reshape(-1), minlength=11)
         assert 0.85 < counts[10] / counts[9] < 1.15, counts
+
+
+def _both(tmp_path, capacity=10, batch_size=4, **kw):
+    """TorchRL's buffer and the drop-in, the same options, the same steps extended."""
+    ref = _torchrl(capacity, batch_size, **kw)
+    rb = ReplayBuffer(tmp_path / "rb", capacity=capacity, batch_size=batch_size, **kw)
+    return ref, rb
+
+
+def _same(a, b):
+    assert set(a.keys(include_nested=True, leaves_only=True)) == set(b.keys(include_nested=True, leaves_only=True))
+    assert a.batch_size == b.batch_size
+    for k, v in a.items(include_nested=True, leaves_only=True):
+        assert torch.equal(v, b[k]), k
+
+
+def test_rows_by_index_slice_and_key_as_torchrl(tmp_path):
+    ref, rb = _both(tmp_path)
+    for buffer in (ref, rb):
+        buffer.extend(_steps(4, ends=[1]))
+        buffer.extend(_steps(3, start=4))  # its last episode open
+    for index in [3, 6, -1, -7, slice(None), slice(2, 5), slice(1, None, 2), [0, 6, 2], torch.tensor([5, 1])]:
+        _same(ref[index], rb[index])
+    torch.testing.assert_close(rb["observation"], ref["observation"])
+    torch.testing.assert_close(rb["next", "observation"], ref["next", "observation"])
+    for index in [7, -8, [1, 9]]:  # past the rows written: an IndexError in both
+        for buffer in (ref, rb):
+            with pytest.raises(IndexError):
+                buffer[index]
+    with pytest.raises(mb.errors.RowNotLiveError, match="expected live rows"):
+        rb[[1, 9]]
+    for buffer in (ref, rb):  # once the ring wraps, positions are the ring's
+        buffer.extend(_steps(6, start=7, ends=[5]))
+    assert len(rb) <= len(ref) == 10
+    for index in [slice(None), 2, [0, 9]]:
+        if len(rb) == 10:
+            _same(ref[index], rb[index])
+
+
+def test_empty_iterate_transform_and_prefetch_as_torchrl(tmp_path):
+    from torchrl.envs.transforms import RewardScaling
+
+    ref, rb = _both(tmp_path, capacity=20, prefetch=2)
+    for buffer in (ref, rb):
+        buffer.extend(_steps(6, ends=[5]))
+        batch = next(iter(buffer))
+        assert batch.batch_size == (4,) and len(buffer.sample()) == 4
+        buffer.append_transform(RewardScaling(loc=1.0, scale=2.0, in_keys=[("next", "reward")]))
+        buffer.append_transform(lambda td: td.set("double", td["observation"] * 2))
+        s = buffer.sample()
+        assert (s["next", "reward"] == 3.0).all() and torch.equal(s["double"], s["observation"] * 2)
+        assert (buffer[0]["next", "reward"] == 3.0).all()
+        buffer.empty()
+        assert len(buffer) == 0
+        buffer.extend(_steps(5, ends=[4], start=100))
+        assert len(buffer) == 5 and (buffer[:]["observation"] >= 100).all()
+    # batches drawn ahead before empty() are dropped (TorchRL's queue still returns them)
+    assert all((rb.sample()["observation"] >= 100).all() for _ in range(3))
+    rb.empty()
+    with pytest.raises(RuntimeError):
+        rb.sample()
+    with pytest.raises(mb.errors.InvalidArgumentError, match="invert"):
+        rb.append_transform(lambda td: td, invert=True)
+    with pytest.raises(mb.errors.InvalidArgumentError, match="batch_size.*prefetch"):
+        ReplayBuffer(tmp_path / "x", capacity=10, prefetch=2)
+    rb.close()
+
+
+def _learner(rb):
+    """A learner process: what it samples and sees from the pickled buffer it was handed."""
+    s = rb.sample()
+    return type(rb).__name__, rb.mode, len(rb), s.batch_size, s["observation"][:, 0].tolist()
+
+
+def test_a_reader_of_the_same_class_follows_commits_and_pickles_to_other_processes(tmp_path):
+    import multiprocessing
+    import pickle
+
+    ref, rb = _both(tmp_path, capacity=100, batch_size=8, sampler=None)
+    for buffer in (ref, rb):
+        buffer.extend(_steps(10, ends=[9]))
+    rb.commit()
+    reader = ReplayBuffer(tmp_path / "rb", mode="r", batch_size=8)  # while the writer lives: no LockedError
+    assert len(reader) == len(ref) == 10
+    s, r = reader.sample(), ref.sample()
+    assert set(s.keys(True, True)) == set(r.keys(True, True)) and s.batch_size == r.batch_size
+    rb.extend(_steps(5, ends=[4], start=10))
+    assert len(reader) == 10  # the writer's rows are seen at its commits
+    rb.commit()
+    assert len(reader) == 15 and reader[14]["observation"][0] == 14.0
+    with pytest.raises(mb.errors.ReadOnlyError):
+        reader.extend(_steps(2, ends=[1]))
+    with pytest.raises(mb.errors.ReadOnlyError):
+        reader.empty()
+    # pickling: TorchRL's buffer carries its data; the drop-in its path, and opens it read-only
+    ref2, rb2 = pickle.loads(pickle.dumps(ref)), pickle.loads(pickle.dumps(rb.share()))
+    assert len(ref2) == len(ref) and len(rb2) == len(rb) == 15 and rb2.mode == "r"
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        name, mode, n, shape, obs = pool.apply(_learner, (rb,))
+    assert (name, mode, n, shape) == ("ReplayBuffer", "r", 15, (8,)) and set(obs) <= set(range(15))
+    reader.close()
+    rb2.close()
+    with pytest.raises(mb.errors.StoreNotFoundError):
+        ReplayBuffer(tmp_path / "nothing", mode="r")
+
+
+def test_state_dict_restores_its_state_or_refuses_as_documented(tmp_path):
+    ref, rb = _both(tmp_path, capacity=100, batch_size=8)
+    rb.generator = torch.Generator().manual_seed(0)
+    for buffer in (ref, rb):
+        buffer.extend(_steps(10, ends=[9]))
+    ref_state, state = ref.state_dict(), rb.state_dict()
+    for buffer in (ref, rb):
+        buffer.extend(_steps(10, ends=[9], start=10))
+    ref.load_state_dict(ref_state)
+    assert len(ref) == 10  # TorchRL's state holds its data: the state at 10 rows
+    with pytest.raises(mb.errors.InvalidArgumentError, match="data the state describes is gone"):
+        rb.load_state_dict(state)  # the store moved on: refused, never the 20 rows as the state
+    assert len(rb) == 20
+    # unchanged since: the state comes back exactly (the same draws)
+    state = rb.state_dict()
+    expected = rb.sample()
+    rb.close()
+    again = ReplayBuffer(tmp_path / "rb")
+    again.load_state_dict(state)
+    assert len(again) == 20 and (again.sample() == expected).all()
