@@ -129,22 +129,21 @@ def infer(td: Any, priority_key: Key) -> tuple[KeyMap, Columns]:
         name = "reward" if key == ("reward",) and "reward" not in columns else "next/" + "/".join(key)
         columns[name] = ("next", *key)
     next_flags = tuple(f for f in FLAGS if (f,) in nxt)
-    if not {"done", "terminated"} & set(next_flags):
-        raise errors.SchemaError(
-            f"data: expected ('next', 'terminated') or ('next', 'done') (episode ends), got keys {sorted(leaves)}"
-        )
-    flag = nxt[("terminated",) if "terminated" in next_flags else ("done",)]
-    keymap = KeyMap(columns, tuple(derived), next_flags, tuple(f for f in FLAGS if (f,) in root), tuple(flag.shape[lead:]))
+    flags = [nxt[(f,)] for f in ("terminated", "done", "truncated") if f in next_flags]
+    fshape = tuple(flags[0].shape[lead:]) if flags else (1,)
+    keymap = KeyMap(columns, tuple(derived), next_flags, tuple(f for f in FLAGS if (f,) in root), fshape)
     spec = {name: (tuple(leaves[k].shape[lead:]), str(leaves[k].dtype).removeprefix("torch.")) for name, k in columns.items()}
     return keymap, spec
 
 
 def read_batch(
-    td: Any, keymap: KeyMap, buf: Buffer, priority_key: Key
+    td: Any, keymap: KeyMap, buf: Buffer, priority_key: Key, traj_key: Key = ("collector", "traj_ids")
 ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray | None]:
     """Columns (and ``next_<col>``, priorities) of a ``[*E, T]`` batch as ``[E, T, ...]``
     arrays (views where the tensors allow), episode ends and truncations ``[E, T]``,
-    trajectory ids ``[E, T]`` or None. Every key, shape and dtype is checked here."""
+    trajectory ids ``[E, T]`` (``traj_key``) or None. Every key, shape and dtype is
+    checked here. Data with no ``("next", "done" | "terminated")`` ends an episode
+    where its trajectory id changes, else at every row (truncated)."""
     lead = tuple(td.batch_size)
     shape = (int(np.prod(lead[:-1])), lead[-1])
     found = {as_key(k) for k in td.keys(include_nested=True, leaves_only=True)}
@@ -183,14 +182,19 @@ def read_batch(
         if get((f,)).any():
             raise errors.InvalidArgumentError(f"data[{f!r}]: expected False (a step never starts from an ended state), got True")
     flag = {f: get(("next", f)).reshape(shape).astype(bool) for f in keymap.next_flags}
+    traj = values.get(keymap.name_of(traj_key) or "")
+    traj = None if traj is None else traj.reshape(shape)
     term = flag.get("terminated", flag.get("done", np.zeros(shape, bool)))
     trunc = flag.get("truncated", np.zeros(shape, bool))
     if "done" in flag:
         trunc = trunc | (flag["done"] & ~term)
+    if "done" not in flag and "terminated" not in flag:  # no episode flags
+        trunc = np.ones(shape, bool)
+        if traj is not None:  # the last row stays open: the next batch may go on with its id
+            trunc[:, :-1], trunc[:, -1] = traj[:, 1:] != traj[:, :-1], False
     if priority_key in found and buf.priorities is not None:
         values[PRIORITY] = get(priority_key).reshape(shape + (-1,)).max(-1)
-    traj = values.get(keymap.name_of(("collector", "traj_ids")) or "")
-    return values, term | trunc, trunc, None if traj is None else traj.reshape(shape)
+    return values, term | trunc, trunc, traj
 
 
 def to_tensordict(

@@ -4,6 +4,7 @@ planning in ``streams.py``, the writes and reads here."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import weakref
@@ -25,6 +26,7 @@ from . import checkpoint
 from . import access
 from .access import Prefetch, as_tensordict as _as_tensordict, compose, positive as _positive, tensordict as _tensordict
 from .keys import ATTR, PRIORITY, WEIGHT_KEY, Columns, Key, KeyMap, infer, read_batch, to_tensordict
+from .translate import check_store, translate
 from .streams import Held, Segment, plan as plan_streams, segments as stream_segments
 
 __all__ = ["ReplayBuffer"]
@@ -46,7 +48,9 @@ class ReplayBuffer:
         The default of ``sample`` (rows, for slice samplers).
     sampler
         An ``mb.samplers`` spec: ``Uniform()`` (default), ``Prioritized(beta)``,
-        ``Slices(L)``, ``PrioritizedSlices(L, beta)``.
+        ``Slices(L)``, ``PrioritizedSlices(L, beta)``, or a TorchRL sampler object
+        (``RandomSampler``, ``PrioritizedSampler``, ``SliceSampler``, ... translated:
+        ``translate.py``).
     num_streams
         Streams of a store created from ``[T]`` batches (default 1; ``[E, T]`` batches give ``E``).
     priorities
@@ -79,7 +83,7 @@ class ReplayBuffer:
         *,
         capacity: int | None = None,
         batch_size: int | None = None,
-        sampler: samplers.Sampler | None = None,
+        sampler: Any = None,
         num_streams: int | None = None,
         priorities: PriorityConfig | None = None,
         priority_key: str | Key = "td_error",
@@ -95,14 +99,13 @@ class ReplayBuffer:
             raise errors.InvalidArgumentError(f"mode: expected 'a' (the writer) or 'r' (a reader), got {mode!r}")
         self.mode = mode
         self.path = Path(path)
-        self._sampler = sampler if sampler is not None else samplers.Uniform()
-        if not isinstance(self._sampler, samplers.Sampler):
-            raise errors.InvalidArgumentError(f"sampler: expected an mb.samplers spec, got {sampler!r}")
+        self._translated = translate(sampler if sampler is not None else samplers.Uniform())
+        self._sampler = self._translated.spec
         self._batch_size = _positive("batch_size", batch_size)
         self._capacity = _positive("capacity", capacity)
         self._num_streams = _positive("num_streams", num_streams)
         prioritized = self._sampler.prioritized
-        self._priorities = priorities if priorities is not None else (PriorityConfig() if prioritized else None)
+        self._priorities = priorities or self._translated.priorities or (PriorityConfig() if prioritized else None)
         self.priority_key: Key = (priority_key,) if isinstance(priority_key, str) else tuple(priority_key)
         self.flatten_slices = bool(flatten_slices)
         self.generator = generator
@@ -147,18 +150,20 @@ class ReplayBuffer:
     def sampler(self) -> samplers.Sampler:
         return self._sampler
 
-    def set_sampler(self, sampler: samplers.Sampler) -> None:
-        """Sample with ``sampler`` from now on (TorchRL's name for it)."""
-        if not isinstance(sampler, samplers.Sampler):
-            raise errors.InvalidArgumentError(f"sampler: expected an mb.samplers spec, got {sampler!r}")
-        prioritized = sampler.prioritized
-        if prioritized and self._buf is not None and self._buf.priorities is None:
-            raise errors.InvalidArgumentError(f"sampler: {sampler!r} needs priorities; the store at {self.path} has none")
-        self._sampler = sampler
+    def set_sampler(self, sampler: Any) -> None:
+        """Sample with ``sampler`` (a spec or a TorchRL sampler object) from now on."""
+        t = translate(sampler)
+        if self._buf is not None:
+            check_store(t, self._buf)
+        self._translated, self._sampler = t, t.spec
 
     def __len__(self) -> int:
         """Rows extended that the store still holds (at most ``capacity``)."""
         return 0 if self._buf is None else len(self.buffer)
+
+    @property
+    def _traj_key(self) -> Key:
+        return self._translated.traj_key or ("collector", "traj_ids")
 
     def _attach(self, buf: Buffer) -> None:
         try:
@@ -166,10 +171,7 @@ class ReplayBuffer:
                 raise errors.SchemaError(
                     f"capacity: expected the store's {buf.capacity} at {buf.path}, got {self._capacity}"
                 )
-            if self._sampler.prioritized and buf.priorities is None:
-                raise errors.InvalidArgumentError(
-                    f"sampler: {self._sampler!r} needs priorities; the store at {buf.path} has none"
-                )
+            check_store(self._translated, buf)
             layout = KeyMap.from_store(buf)
         except BaseException:
             buf.close()
@@ -212,7 +214,7 @@ class ReplayBuffer:
             self._create(layout, columns, n_streams)
         assert self._buf is not None and self._layout is not None
         buf = self._buf
-        values, ends, truncated, traj = read_batch(td, self._layout, buf, self.priority_key)
+        values, ends, truncated, traj = read_batch(td, self._layout, buf, self.priority_key, self._traj_key)
         lane = buf.capacity // buf.num_streams
 
         def planned() -> list[Segment]:
@@ -354,7 +356,11 @@ class ReplayBuffer:
     def _draw(self, size: int) -> tuple[Any, np.ndarray | None]:
         buf, layout, spec = self.buffer, self._layout, self._sampler
         assert layout is not None
-        items = size
+        items, num = size, self._translated.num_slices
+        if num is not None:  # TorchRL's num_slices: the windows' length follows the batch size
+            if size % num:
+                raise errors.InvalidArgumentError(f"batch_size: expected a multiple of num_slices={num}, got {size}")
+            spec = dataclasses.replace(spec, slice_len=size // num)  # type: ignore[type-var]
         if spec.slice_len is not None:
             length = spec.slice_len
             if size % length:

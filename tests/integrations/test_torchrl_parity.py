@@ -110,7 +110,7 @@ class _Tree:
         self.reduce, self.v = reduce, np.full(capacity, 0.0 if reduce is np.sum else np.inf)
 
     def __getitem__(self, index):
-        return torch.as_tensor(self.v[np.asarray(index)])
+        return self.v[np.asarray(index)]
 
     def __setitem__(self, index, value):
         self.v[np.asarray(index)] = np.asarray(value)
@@ -194,10 +194,10 @@ def test_rows_by_index_slice_and_key_as_torchrl(tmp_path):
             _same(ref[index], rb[index])
 
 
-def test_empty_iterate_transform_and_prefetch_as_torchrl(tmp_path):
+def test_empty_iterate_and_transform_as_torchrl(tmp_path):
     from torchrl.envs.transforms import RewardScaling
 
-    ref, rb = _both(tmp_path, capacity=20, prefetch=2)
+    ref, rb = _both(tmp_path, capacity=20)
     for buffer in (ref, rb):
         buffer.extend(_steps(6, ends=[5]))
         batch = next(iter(buffer))
@@ -209,15 +209,26 @@ def test_empty_iterate_transform_and_prefetch_as_torchrl(tmp_path):
         assert (buffer[0]["next", "reward"] == 3.0).all()
         buffer.empty()
         assert len(buffer) == 0
+        with pytest.raises(RuntimeError):
+            buffer.sample()
         buffer.extend(_steps(5, ends=[4], start=100))
-        assert len(buffer) == 5 and (buffer[:]["observation"] >= 100).all()
-    # batches drawn ahead before empty() are dropped (TorchRL's queue still returns them)
-    assert all((rb.sample()["observation"] >= 100).all() for _ in range(3))
-    rb.empty()
-    with pytest.raises(RuntimeError):
-        rb.sample()
+        assert len(buffer) == 5 and (buffer.sample()["observation"] >= 100).all()
     with pytest.raises(mb.errors.InvalidArgumentError, match="invert"):
         rb.append_transform(lambda td: td, invert=True)
+    rb.close()
+
+
+def test_prefetch_as_torchrl(tmp_path):
+    ref, rb = _both(tmp_path, capacity=20, prefetch=2)
+    for buffer in (ref, rb):
+        buffer.extend(_steps(6, ends=[5]))
+        for _ in range(3):  # batches drawn ahead, of the preset size, of the rows there
+            s = buffer.sample()
+            assert s.batch_size == (4,) and set(s["index"].tolist()) <= set(range(6))
+    # batches drawn ahead before empty() are dropped (TorchRL's queue still returns them)
+    rb.empty()
+    rb.extend(_steps(5, ends=[4], start=100))
+    assert all((rb.sample()["observation"] >= 100).all() for _ in range(3))
     with pytest.raises(mb.errors.InvalidArgumentError, match="batch_size.*prefetch"):
         ReplayBuffer(tmp_path / "x", capacity=10, prefetch=2)
     rb.close()
@@ -281,3 +292,103 @@ def test_state_dict_restores_its_state_or_refuses_as_documented(tmp_path):
     again = ReplayBuffer(tmp_path / "rb")
     again.load_state_dict(state)
     assert len(again) == 20 and (again.sample() == expected).all()
+
+
+def _trajectories(T=40, length=10):
+    """A [T] batch of episodes of ``length`` steps with ("collector", "traj_ids")."""
+    td = _steps(T, ends=list(range(length - 1, T, length)))
+    td["collector", "traj_ids"] = torch.arange(T) // length
+    return td
+
+
+def test_torchrl_sampler_objects_are_translated(tmp_path, torchrl_prioritized):
+    from torchrl.data import (PrioritizedSliceSampler, RandomSampler, SamplerWithoutReplacement, SliceSampler,
+                              SliceSamplerWithoutReplacement)
+
+    cases = [
+        (lambda: RandomSampler(), mb.samplers.Uniform(), 8),
+        (lambda: SliceSampler(num_slices=4, traj_key=("collector", "traj_ids")), None, 32),
+        (lambda: SliceSampler(slice_len=4, end_key=("next", "done"), strict_length=False, pad_output=True), None, 32),
+        (lambda: SamplerWithoutReplacement(), mb.samplers.Epoch(name="torchrl"), 8),
+        (lambda: SliceSamplerWithoutReplacement(slice_len=5), mb.samplers.Epoch(5, name="torchrl"), 10),
+        (lambda: torchrl_prioritized(100, alpha=0.7, beta=0.5, eps=1e-6), mb.samplers.Prioritized(beta=0.5), 8),
+        (lambda: PrioritizedSliceSampler(100, alpha=0.7, beta=0.5, slice_len=5), None, 10),
+    ]
+    for i, (make, spec, size) in enumerate(cases):
+        ref = _torchrl(100, size, sampler=make())
+        rb = ReplayBuffer(tmp_path / str(i), capacity=100, batch_size=size, sampler=make(),
+                          generator=torch.Generator().manual_seed(0))
+        if spec is not None:
+            assert rb.sampler == spec
+        for buffer in (ref, rb):
+            buffer.extend(_trajectories())
+        s, r = rb.sample(), ref.sample()
+        mask = {("collector", "mask")}  # TorchRL adds it only to batches that were padded; the drop-in always
+        assert s.batch_size == r.batch_size and set(s.keys(True, True)) - mask == set(r.keys(True, True)) - mask
+        if rb.sampler.slices:  # windows of consecutive steps of one trajectory, as TorchRL's
+            n = 4 if i == 1 else size // rb.sampler.slice_len
+            for w in (s.reshape(n, -1), r.reshape(n, -1)):
+                real = w.get(("collector", "mask"), torch.ones(w.shape, dtype=torch.bool))
+                ids = w["collector", "traj_ids"]
+                assert (ids[real] == ids[:, :1].expand_as(ids)[real]).all()
+    assert rb.buffer.priorities.alpha == 0.7  # the PrioritizedSampler's alpha made the store
+    # without replacement: an epoch gives every transition once, in both
+    ref = _torchrl(100, 10, sampler=SamplerWithoutReplacement())
+    rb = ReplayBuffer(tmp_path / "epoch", capacity=100, batch_size=10, sampler=SamplerWithoutReplacement())
+    for buffer in (ref, rb):
+        buffer.extend(_trajectories())
+        seen = torch.cat([buffer.sample()["index"] for _ in range(4)])
+        assert sorted(seen.tolist()) == list(range(40))
+
+
+def test_torchrl_sampler_arguments_that_are_not_translated_are_refused(tmp_path, torchrl_prioritized):
+    from torchrl.data import SamplerWithoutReplacement, SliceSampler
+    from torchrl.data.replay_buffers.samplers import StalenessAwareSampler
+
+    refused = [
+        (SliceSampler(slice_len=4, span=True), "span"),
+        (SliceSampler(slice_len=4, end_key=("next", "terminated")), "end_key"),
+        (SliceSampler(slice_len=4, truncated_key=None), "truncated_key"),
+        (SamplerWithoutReplacement(shuffle=False), "shuffle"),
+        (SamplerWithoutReplacement(drop_last=True), "drop_last"),
+        (torchrl_prioritized(100, alpha=0.7, beta=0.5, reduction="mean"), "reduction"),
+        (StalenessAwareSampler(), "StalenessAwareSampler"),
+    ]
+    for sampler, name in refused:
+        with pytest.raises(mb.errors.InvalidArgumentError, match=name):
+            ReplayBuffer(tmp_path / "rb", capacity=10, sampler=sampler)
+    rb = ReplayBuffer(tmp_path / "rb", capacity=100, sampler=torchrl_prioritized(100, alpha=0.7, beta=0.5))
+    rb.extend(_steps(3, ends=[2]))
+    rb.close()
+    with pytest.raises(mb.errors.InvalidArgumentError, match="alpha=0.5.*expected the store's alpha=0.7"):
+        ReplayBuffer(tmp_path / "rb", sampler=torchrl_prioritized(100, alpha=0.5, beta=0.5))
+    rb = ReplayBuffer(tmp_path / "rb", batch_size=30, sampler=SliceSampler(num_slices=4))
+    with pytest.raises(mb.errors.InvalidArgumentError, match="multiple of num_slices=4"):
+        rb.sample()
+
+
+def test_plain_tensordicts_without_episode_keys(tmp_path):
+    from torchrl.data import SliceSampler
+
+    T = 12
+    plain = tensordict.TensorDict({"obs": torch.arange(T * 3.0).reshape(T, 3), "action": torch.arange(T)}, [T])
+    ref, rb = _both(tmp_path, capacity=20, batch_size=6)
+    for buffer in (ref, rb):
+        buffer.extend(plain)
+    assert len(rb) == len(ref) == T and rb.buffer.num_episodes == T  # every row its own episode
+    _same(ref[:], rb[:])
+    s, r = rb.sample(), ref.sample()
+    assert set(s.keys(True, True)) == set(r.keys(True, True)) and s.batch_size == r.batch_size
+    for buffer in (ref, rb):  # the ring wraps row by row: len stays at the capacity, as TorchRL's
+        buffer.extend(plain)
+    assert len(rb) == len(ref) == 20
+    # told otherwise: a trajectory key makes episodes of the rows that share it
+    episodic = plain.clone()
+    episodic["episode"] = torch.arange(T) // 4
+    ref = _torchrl(20, 8, sampler=SliceSampler(slice_len=4, traj_key="episode"))
+    rb = ReplayBuffer(tmp_path / "ep", capacity=20, batch_size=8, sampler=SliceSampler(slice_len=4, traj_key="episode"))
+    for buffer in (ref, rb):
+        buffer.extend(episodic)
+        w = buffer.sample().reshape(2, 4)
+        assert (w["episode"] == w["episode"][:, :1]).all() and (w["action"].diff(dim=1) == 1).all()
+    assert rb.buffer.episodes()[1].tolist() == [4, 4, 4]  # the last one ended provisionally
