@@ -50,11 +50,17 @@ TorchRL's ``SliceSampler``: ``batch_size // L`` windows returned flat ``[B * L]`
 ``("next", "done")`` set at each window's last step as ``SliceSampler`` sets them,
 and ``("collector", "mask")`` when ``strict=False`` (padded windows).
 
-Checkpoints. The store is the checkpoint: ``state_dict()`` commits and returns
-the store path, generation, batch size and generator state (no data);
-``load_state_dict`` reopens that store (refused if it is older than the state);
-``dumps(path)`` commits and copies the store to ``path`` (nothing more when
-``path`` is the store); ``loads(path)`` makes the store at ``path`` this buffer's.
+TorchRL's other ways in: its sampler objects are translated to specs
+(``translate.py``); ``transform=``, ``append_transform``, ``prefetch=``,
+``rb[i]``, ``rb[a:b]``, iteration and ``empty()`` as TorchRL's (``access.py``).
+
+Checkpoints and processes (``checkpoint.py``). The store is the checkpoint:
+``state_dict()`` commits what changed and names the store at that commit (path,
+generation, cursors) with the batch size and generator state (no data);
+``load_state_dict`` restores exactly that, or refuses with a typed error once the
+store has moved on; ``dumps(path)`` copies the store, ``loads(path)`` opens a copy.
+``ReplayBuffer(path, mode="r")`` is a reader of the same class (a learner
+process), following the writer's commits; a pickled buffer unpickles as one.
 
 >>> import pytest; td_mod = pytest.importorskip("tensordict")
 >>> import tempfile, torch
