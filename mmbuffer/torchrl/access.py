@@ -5,7 +5,7 @@ on the way out, and prefetching of the next batches in a thread."""
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +35,39 @@ def getitem(rb: ReplayBuffer, index: Any) -> Any:
     b = Batch(data, torch.from_numpy(rows), torch.ones(len(rows)))
     out = to_tensordict(b, layout, samplers.Uniform(), flatten=False, open_rows=open_rows)
     return rb._transformed(out[0] if single else out)
+
+
+def iterate(rb: ReplayBuffer) -> Iterator[Any]:
+    """``rb.sample()`` batch after batch; with an ``Epoch`` spec (TorchRL's samplers
+    without replacement) up to the end of the epoch under way, the last batch
+    holding what is left of it (as TorchRL's last, short one)."""
+    size = rb.batch_size
+    if size is None:
+        raise errors.InvalidArgumentError("batch_size: expected one set at construction to iterate, got None")
+    spec = rb.sampler
+    if not isinstance(spec, samplers.Epoch):
+        while True:
+            yield rb.sample()
+    per_item = spec.slice_len or 1
+    if rb._translated.num_slices is not None:
+        per_item = size // rb._translated.num_slices
+    epoch = None
+    while True:
+        cursor = rb.buffer._sampler_state.epochs.get(spec.name)  # noqa: SLF001 - the spec's position
+        n = size
+        if cursor is not None and cursor.state.num_items >= 0:
+            st = cursor.state
+            left = st.num_items - st.position
+            if epoch is None:
+                epoch = st.epoch + 1 if left <= 0 else st.epoch
+            if 0 < left < size // per_item:
+                n = left * per_item
+        yield rb.sample(n if n != size else None)
+        st = rb.buffer._sampler_state.epochs[spec.name].state  # noqa: SLF001
+        if epoch is None:
+            epoch = st.epoch
+        if st.epoch > epoch or st.position >= st.num_items:
+            return
 
 
 def live_rows(buf: Buffer) -> np.ndarray:

@@ -380,12 +380,9 @@ class ReplayBuffer:
         return access.getitem(self, index)
 
     def __iter__(self) -> Iterator[Any]:
-        """``sample()`` batch after batch, as TorchRL iterates a buffer (endless: an
-        mmbuffer sampler never runs out)."""
-        if self._batch_size is None:
-            raise errors.InvalidArgumentError("batch_size: expected one set at construction to iterate, got None")
-        while True:
-            yield self.sample()
+        """``sample()`` batch after batch, as TorchRL iterates a buffer: endless, or,
+        without replacement (an ``Epoch`` spec), to the end of the epoch (``access.iterate``)."""
+        return access.iterate(self)
 
     # -- transforms ----------------------------------------------------------------------
     @property

@@ -392,3 +392,19 @@ def test_plain_tensordicts_without_episode_keys(tmp_path):
         w = buffer.sample().reshape(2, 4)
         assert (w["episode"] == w["episode"][:, :1]).all() and (w["action"].diff(dim=1) == 1).all()
     assert rb.buffer.episodes()[1].tolist() == [4, 4, 4]  # the last one ended provisionally
+
+
+def test_iterating_without_replacement_ends_with_the_epoch_as_torchrl(tmp_path):
+    from torchrl.data import SamplerWithoutReplacement
+
+    ref = _torchrl(20, 4, sampler=SamplerWithoutReplacement())
+    rb = ReplayBuffer(tmp_path / "rb", capacity=20, batch_size=4, sampler=SamplerWithoutReplacement())
+    for buffer in (ref, rb):
+        buffer.extend(_steps(10))
+        for _ in range(2):  # each pass: every row once, the last batch short
+            batches = [b["index"].tolist() for b in buffer]
+            assert [len(b) for b in batches] == [4, 4, 2]
+            assert sorted(sum(batches, [])) == list(range(10))
+    rb.set_sampler(mb.samplers.Uniform())  # with replacement: endless, as TorchRL's RandomSampler
+    it = iter(rb)
+    assert all(next(it).batch_size == (4,) for _ in range(20))
