@@ -10,12 +10,14 @@ whose first observation is the one stored as final (``mmbuffer.torchrl``).
 Only an uncommitted end is undone: a reader (or a reopen after a crash) may hold
 the slot of a committed one, and readers never see the uncommitted rows whose flag
 changes here. Lives apart from ``writer.py``: it changes the same state (the
-``truncated`` flag of one row, the lane's ``ep_tail``) under the same lock.
+``truncated`` flag of one row, the lane's ``ep_tail``) under the same lock; the
+slice counts samplers keep notice the changed end themselves
+(``samplers/_draw.py: SliceCounts.sync``).
 
 >>> import tempfile, numpy as np, mmbuffer as mb
 >>> buf = mb.create(tempfile.mkdtemp() + "/r", {"obs": ((), "float32")}, capacity=8)
 >>> buf.extend({"obs": np.arange(3), "truncated": [False, False, True]}, final_obs={"obs": [3.0]})
->>> buf.num_episodes, reopen_last_episode(buf, 0), buf.num_episodes
+>>> buf.num_episodes, reopen_last_episode(buf.store, 0), buf.num_episodes
 (1, True, 0)
 >>> buf.extend({"obs": [3.0], "terminated": [True]}, final_obs={"obs": [4.0]})
 >>> buf.episodes()[1].tolist(), buf.get(np.arange(4), ["next_obs"])["next_obs"].tolist()
@@ -25,27 +27,25 @@ changes here. Lives apart from ``writer.py``: it changes the same state (the
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .. import errors
 from . import index
-
-if TYPE_CHECKING:
-    from ..buffer import Buffer
+from .store import Store
 
 __all__ = ["reopen_last_episode"]
 
 
-def reopen_last_episode(buf: Buffer, lane: int) -> bool:
+def reopen_last_episode(store: Store, lane: int) -> bool:
     """Undo the end of ``lane``'s newest episode if it ends at the lane's last row,
     as truncated, after the last commit; return whether it was undone (nothing
     changes otherwise). The row's ``truncated`` flag is cleared and the lane's
     episode count goes back by one, so the next ``extend`` of the lane continues
     that episode (its stale ``final/<col>`` row is never read again).
-    Raises ``ReadOnlyError`` on a reader."""
-    writer = buf._writing("reopen")  # noqa: SLF001 - the facade's writer, as its own methods take it
-    store = writer.store
+    Raises ``ReadOnlyError`` on a store opened with ``mode="r"``."""
+    if store.mode != "a":
+        raise errors.ReadOnlyError(f"reopen: store {store.path} is opened with mode='r'")
     with store.lock:
         st, was = store.lanes[lane], store.committed[lane]
         if st.ep_tail <= max(st.ep_head, was.ep_tail):
@@ -56,5 +56,4 @@ def reopen_last_episode(buf: Buffer, lane: int) -> bool:
             return False
         store.column("truncated").write_at(row, np.zeros(1, dtype=bool))
         store.ledger = store.ledger.with_lane(lane, replace(st, ep_tail=st.ep_tail - 1))
-        buf._sampler_state.forget_episodes(lane, st.ep_tail - 1)  # noqa: SLF001 - counts derived from the index
     return True

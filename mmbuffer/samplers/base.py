@@ -53,18 +53,6 @@ class SamplerState:
         self.slice_counts.clear()
         self.recent.clear()
 
-    def forget_episodes(self, lane: int, tail: int) -> None:
-        """Forget what was derived from ``lane``'s episodes with sequence numbers
-        ``tail`` and later (their ends were undone: ``_ledger.reopen``)."""
-        for counts in self.slice_counts.values():
-            lc = counts.lanes.get(lane)
-            if lc is not None and lc.upto > tail:
-                if tail >= lc.base:
-                    lc.size = tail - lc.base + 1
-                else:
-                    del counts.lanes[lane]
-        self.recent.clear()
-
 
 class Sampler(abc.ABC):
     """Base of every sampler spec. Subclasses are ``@dataclass(frozen=True)``."""

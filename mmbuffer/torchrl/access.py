@@ -5,9 +5,11 @@ on the way out, and prefetching of the next batches in a thread."""
 from __future__ import annotations
 
 import collections
+import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -15,55 +17,52 @@ import torch
 from .. import errors, samplers
 from .._read.gather import Batch
 from ..buffer import Buffer
-from .keys import to_tensordict
-
-if TYPE_CHECKING:
-    from .replay import ReplayBuffer
+from ..samplers.epoch import EpochCursor, EpochState
+from .keys import KeyMap, to_tensordict
 
 
-def getitem(rb: ReplayBuffer, index: Any) -> Any:
-    """``rb[index]`` (see :func:`select_rows`); a key (``rb["observation"]``, a
-    nested key as a tuple) is that key of every live row, as TorchRL's."""
-    if isinstance(index, str) or (isinstance(index, tuple) and index and all(isinstance(k, str) for k in index)):
-        return rb[:][index]
-    buf, layout = rb.buffer, rb._layout
-    assert layout is not None
-    with buf.lock:
-        rows, single = select_rows(buf, index)
-        data = buf.get(rows)
-        open_rows = rb._open_rows()
-    b = Batch(data, torch.from_numpy(rows), torch.ones(len(rows)))
+
+def is_key(index: Any) -> bool:
+    """Whether ``rb[index]`` names a key (``"observation"``, ``("next", "reward")``)."""
+    return isinstance(index, str) or (isinstance(index, tuple) and bool(index) and all(isinstance(k, str) for k in index))
+
+
+def rows(buf: Buffer, layout: KeyMap, index: Any, open_rows: np.ndarray) -> Any:
+    """``rb[index]`` before the transforms (see :func:`select_rows`) in TorchRL's
+    layout; ``open_rows``: rows whose episode end is provisional."""
+    picked, single = select_rows(buf, index)
+    b = Batch(buf.get(picked), torch.from_numpy(picked), torch.ones(len(picked)))
     out = to_tensordict(b, layout, samplers.Uniform(), flatten=False, open_rows=open_rows)
-    return rb._transformed(out[0] if single else out)
+    return out[0] if single else out
 
 
-def iterate(rb: ReplayBuffer) -> Iterator[Any]:
-    """``rb.sample()`` batch after batch; with an ``Epoch`` spec (TorchRL's samplers
+def iterate(sample: Callable[[int | None], Any], size: int, spec: samplers.Sampler, root: Path) -> Iterator[Any]:
+    """``sample(None)`` batch after batch; with an ``Epoch`` spec (TorchRL's samplers
     without replacement) up to the end of the epoch under way, the last batch
-    holding what is left of it (as TorchRL's last, short one)."""
-    size = rb.batch_size
-    if size is None:
-        raise errors.InvalidArgumentError("batch_size: expected one set at construction to iterate, got None")
-    spec = rb.sampler
+    holding what is left of it (as TorchRL's last, short one). ``root``: the store,
+    where the epoch's position is saved after each batch."""
     if not isinstance(spec, samplers.Epoch):
         while True:
-            yield rb.sample()
+            yield sample(None)
     per_item = spec.slice_len or 1
-    if rb._translated.num_slices is not None:
-        per_item = size // rb._translated.num_slices
-    epoch = None
+
+    def position() -> EpochState | None:
+        st = EpochCursor(root, spec.name, seed=spec.seed, slice_len=spec.slice_len, shard=spec.shard).state
+        return st if st.num_items >= 0 else None
+
+    st, epoch = position(), None
     while True:
-        cursor = rb.buffer._sampler_state.epochs.get(spec.name)  # noqa: SLF001 - the spec's position
         n = size
-        if cursor is not None and cursor.state.num_items >= 0:
-            st = cursor.state
+        if st is not None:
             left = st.num_items - st.position
             if epoch is None:
                 epoch = st.epoch + 1 if left <= 0 else st.epoch
             if 0 < left < size // per_item:
                 n = left * per_item
-        yield rb.sample(n if n != size else None)
-        st = rb.buffer._sampler_state.epochs[spec.name].state  # noqa: SLF001
+        yield sample(n if n != size else None)
+        st = position()
+        if st is None:  # the epoch ended with this batch; the next starts at the next draw
+            return
         if epoch is None:
             epoch = st.epoch
         if st.epoch > epoch or st.position >= st.num_items:
@@ -111,25 +110,46 @@ def select_rows(buf: Buffer, index: Any) -> tuple[np.ndarray, bool]:
     return rows, single
 
 
-def compose(transform: Any) -> Any:
-    """TorchRL's ``Compose`` of ``transform``: a ``Transform``, a callable taking and
-    returning a TensorDict, or a list of them (TorchRL itself must be installed)."""
-    try:
-        from torchrl.envs.transforms import Compose, Transform
-        from torchrl.envs.transforms.transforms import _CallableTransform
-    except ImportError:  # pragma: no cover - torchrl is installed where tests run
-        raise errors.InvalidArgumentError(
-            f"transform: expected torchrl installed to apply {transform!r}, got an ImportError"
-        ) from None
-    items = transform if isinstance(transform, (list, tuple)) else [] if transform is None else [transform]
-    out = []
+def transforms(transform: Any) -> list[Callable[[Any], Any]]:
+    """``transform`` as a list of callables TensorDict -> TensorDict, applied in
+    order (a torchrl ``Transform`` is one: calling it is its forward)."""
+    items = list(transform) if isinstance(transform, (list, tuple)) else [] if transform is None else [transform]
     for t in items:
-        if not isinstance(t, Transform):
-            if not callable(t):
-                raise errors.InvalidArgumentError(f"transform: expected a torchrl Transform or a callable, got {t!r}")
-            t = _CallableTransform(t)
-        out.append(t)
-    return Compose(*out)
+        if not callable(t):
+            raise errors.InvalidArgumentError(f"transform: expected a torchrl Transform or a callable, got {t!r}")
+    return items
+
+
+def last_rows(buf: Buffer | None, streams: list[int]) -> np.ndarray:
+    """The global row of the last row written to each of ``streams``."""
+    if buf is None or not streams:
+        return np.zeros(0, dtype=np.int64)
+    lanes = np.asarray(streams, dtype=np.int64)
+    out: np.ndarray = buf.layout.rows(lanes, buf.view().written[lanes] - 1)
+    return out
+
+
+class Sampled:
+    """The lane cursors of the last 256 batches ``sample`` returned, by the identity of
+    their ``"index"`` tensor (``update_priority`` then skips rows rewritten since)."""
+
+    def __init__(self, size: int = 256) -> None:
+        self.size = size
+        self._seen: dict[int, tuple[weakref.ref[torch.Tensor], np.ndarray | None]] = {}
+
+    def remember(self, index: torch.Tensor, written: np.ndarray | None) -> None:
+        if len(self._seen) >= self.size:
+            self._seen = {k: v for k, v in self._seen.items() if v[0]() is not None}
+            while len(self._seen) >= self.size:
+                self._seen.pop(next(iter(self._seen)))
+        self._seen[id(index)] = (weakref.ref(index), written)
+
+    def written_at(self, index: Any) -> np.ndarray | None:
+        entry = self._seen.get(id(index))
+        return entry[1] if entry is not None and entry[0]() is index else None
+
+    def clear(self) -> None:
+        self._seen.clear()
 
 
 class Prefetch:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import weakref
 from pathlib import Path
 from collections.abc import Iterator
 from typing import Any, Self
@@ -22,16 +21,14 @@ from ..opening import create as create_buffer
 from ..opening import open as open_buffer
 from .._ledger.reopen import reopen_last_episode
 from ..schema import PriorityConfig
-from . import checkpoint
-from . import access
-from .access import Prefetch, as_tensordict as _as_tensordict, compose, positive as _positive, tensordict as _tensordict
+import mmbuffer.torchrl.access as access  # modules, not "from .": that names the package
+import mmbuffer.torchrl.checkpoint as checkpoint
+from .access import Prefetch, as_tensordict as _as_tensordict, positive as _positive, tensordict as _tensordict
 from .keys import ATTR, PRIORITY, WEIGHT_KEY, Columns, Key, KeyMap, infer, read_batch, to_tensordict
 from .translate import check_store, translate
 from .streams import Held, Segment, plan as plan_streams, segments as stream_segments
 
 __all__ = ["ReplayBuffer"]
-
-_REMEMBERED = 256
 
 
 class ReplayBuffer:
@@ -70,11 +67,9 @@ class ReplayBuffer:
     prefetch
         Batches drawn ahead in threads (as TorchRL's; needs ``batch_size``).
     mode
-        ``"a"``: the writer (one process); ``"r"``: a reader of a store that exists
-        (a learner process), which follows the writer's commits: ``sample``,
-        ``rb[...]`` and ``len`` see the last commit. Writes (``extend``,
-        ``update_priority``, ``empty``) are ``ReadOnlyError`` there. A pickled
-        buffer unpickles as a reader.
+        ``"a"``: the writer (one process); ``"r"``: a reader of a store that exists (a
+        learner process) that follows the writer's commits; writes are ``ReadOnlyError``
+        there. A pickled buffer unpickles as a reader.
     """
 
     def __init__(
@@ -99,9 +94,9 @@ class ReplayBuffer:
             raise errors.InvalidArgumentError(f"mode: expected 'a' (the writer) or 'r' (a reader), got {mode!r}")
         self.mode = mode
         self.path = Path(path)
-        self._translated = translate(sampler if sampler is not None else samplers.Uniform())
-        self._sampler = self._translated.spec
         self._batch_size = _positive("batch_size", batch_size)
+        self._translated = translate(sampler if sampler is not None else samplers.Uniform(), self._batch_size)
+        self._sampler = self._translated.spec
         self._capacity = _positive("capacity", capacity)
         self._num_streams = _positive("num_streams", num_streams)
         prioritized = self._sampler.prioritized
@@ -115,8 +110,8 @@ class ReplayBuffer:
         self._held: dict[int, Held] = {}
         self._uncommitted: np.ndarray = np.zeros(0, dtype=np.int64)
         self._dangling: set[int] = set()
-        self._sampled: dict[int, tuple[weakref.ref[torch.Tensor], np.ndarray | None]] = {}
-        self._transform: Any = None if transform is None else compose(transform)
+        self._sampled = access.Sampled()  # lane cursors of recent batches, for update_priority
+        self.transforms = access.transforms(transform)  # applied in order to what is read
         depth = _positive("prefetch", prefetch)
         if depth is not None and self._batch_size is None:
             raise errors.InvalidArgumentError("batch_size: expected one set at construction with prefetch, got None")
@@ -152,7 +147,7 @@ class ReplayBuffer:
 
     def set_sampler(self, sampler: Any) -> None:
         """Sample with ``sampler`` (a spec or a TorchRL sampler object) from now on."""
-        t = translate(sampler)
+        t = translate(sampler, self._batch_size)
         if self._buf is not None:
             check_store(t, self._buf)
         self._translated, self._sampler = t, t.spec
@@ -260,7 +255,7 @@ class ReplayBuffer:
             cursor = buf.view().written.copy()  # rows written per stream, advanced here
             for seg in segments:
                 p, stream, n = seg.piece, seg.piece.stream, len(seg.end)
-                if seg.reopen and not reopen_last_episode(buf, stream):
+                if seg.reopen and not reopen_last_episode(buf.store, stream):
                     raise errors.CorruptStoreError(  # pragma: no cover - only other code writing the store
                         f"{self.path}: stream {stream}: expected its provisional episode end to undo, got none"
                     )
@@ -313,7 +308,8 @@ class ReplayBuffer:
         if self._buf is None:
             return
         buf = self._buf
-        buf._writing("empty")  # noqa: SLF001 - a reader refuses, with ReadOnlyError
+        if buf.mode != "a":
+            raise errors.ReadOnlyError(f"empty: the buffer at {self.path} is opened with mode='r' (a reader)")
         self._capacity, self._num_streams = buf.capacity, buf.num_streams
         self._priorities, self._compression = buf.priorities, buf.compression
         depth = None if self._prefetch is None else self._prefetch.depth
@@ -346,7 +342,7 @@ class ReplayBuffer:
         else:
             out, written = self._draw(size)
         index = out.get("index")
-        self._remember(index, written)
+        self._sampled.remember(index, written)
         info = {"index": index}
         if WEIGHT_KEY in out.keys():
             info[WEIGHT_KEY] = out.get(WEIGHT_KEY)
@@ -375,57 +371,45 @@ class ReplayBuffer:
 
     def __getitem__(self, index: Any) -> Any:
         """Rows as a TensorDict, transforms applied, as TorchRL's ``rb[index]``
-        (``access.getitem``): row ids (an int gives a TensorDict without batch
-        dims), a slice or negative int of the live rows, or a key of every live row."""
-        return access.getitem(self, index)
+        (``access.rows``): row ids (an int gives a TensorDict without batch dims), a
+        slice or negative int of the live rows, or a key of every live row."""
+        if access.is_key(index):
+            return self[:][index]
+        buf, layout = self.buffer, self._layout
+        assert layout is not None
+        with buf.lock:
+            out = access.rows(buf, layout, index, self._open_rows())
+        return self._transformed(out)
 
     def __iter__(self) -> Iterator[Any]:
         """``sample()`` batch after batch, as TorchRL iterates a buffer: endless, or,
         without replacement (an ``Epoch`` spec), to the end of the epoch (``access.iterate``)."""
-        return access.iterate(self)
+        if self._batch_size is None:
+            raise errors.InvalidArgumentError("batch_size: expected one set at construction to iterate, got None")
+        return access.iterate(self.sample, self._batch_size, self._sampler, self.path)
 
     # -- transforms ----------------------------------------------------------------------
-    @property
-    def transform(self) -> Any:
-        """TorchRL's ``Compose`` applied to what ``sample`` and ``rb[...]`` return."""
-        if self._transform is None:
-            self._transform = compose(None)
-        return self._transform
-
     def append_transform(self, transform: Any, *, invert: bool = False) -> Self:
         """Apply ``transform`` (a torchrl ``Transform`` or a callable TensorDict ->
-        TensorDict) last to sampled data, as TorchRL's ``append_transform``.
-        ``invert=True`` (applied on writing) is refused with ``InvalidArgumentError``."""
-        self._no_invert(invert)
-        self.transform.append(compose(transform)[0])
-        return self
+        TensorDict) last to what ``sample`` and ``rb[...]`` return, as TorchRL's;
+        ``invert=True`` (on writing) is ``InvalidArgumentError``: transform the batch."""
+        return self.insert_transform(len(self.transforms), transform, invert=invert)
 
     def insert_transform(self, index: int, transform: Any, *, invert: bool = False) -> Self:
-        """Apply ``transform`` at position ``index`` of the transforms, as TorchRL's."""
-        self._no_invert(invert)
-        self.transform.insert(index, compose(transform)[0])
+        """Apply ``transform`` at position ``index`` of :attr:`transforms`, as TorchRL's."""
+        if invert:
+            raise errors.InvalidArgumentError("invert: expected False (transforms apply to sampled data), got True")
+        self.transforms[index:index] = access.transforms(transform)
         return self
 
-    @staticmethod
-    def _no_invert(invert: bool) -> None:
-        if invert:
-            raise errors.InvalidArgumentError(
-                "invert: expected False (transforms apply to sampled data; transform a batch before extend), got True"
-            )
-
     def _transformed(self, data: Any) -> Any:
-        if self._transform is None or not len(self._transform):
-            return data
-        return self._transform(data)
+        for t in self.transforms:
+            data = t(data)
+        return data
 
     def _open_rows(self) -> np.ndarray:
         """The global rows whose episode end is provisional (each open stream's last row)."""
-        if not self._held or self._buf is None:
-            return np.zeros(0, dtype=np.int64)
-        written = self._buf.view().written
-        streams = np.fromiter(self._held, dtype=np.int64)
-        rows: np.ndarray = self._buf.layout.rows(streams, written[streams] - 1)
-        return rows
+        return access.last_rows(self._buf, list(self._held))
 
     # -- priorities ----------------------------------------------------------------------
     def update_priority(self, index: Any, priority: Any) -> None:
@@ -440,8 +424,7 @@ class ReplayBuffer:
         pri = torch.as_tensor(priority).detach()
         while pri.ndim > idx.ndim and pri.shape[-1] == 1:
             pri = pri.squeeze(-1)
-        entry = self._sampled.get(id(index))
-        written = entry[1] if entry is not None and entry[0]() is index else None
+        written = self._sampled.written_at(index)
         target: Any = Batch({}, idx, torch.ones(0), None, written) if written is not None else idx
         buf.update_priorities(target, pri.to(torch.float64).cpu())
         self._dirty = True
@@ -454,35 +437,44 @@ class ReplayBuffer:
             return
         self.update_priority(td.get("index"), td.get(self.priority_key))
 
-    def _remember(self, index: torch.Tensor, written: np.ndarray | None) -> None:
-        if len(self._sampled) >= _REMEMBERED:
-            self._sampled = {k: v for k, v in self._sampled.items() if v[0]() is not None}
-            while len(self._sampled) >= _REMEMBERED:
-                self._sampled.pop(next(iter(self._sampled)))
-        self._sampled[id(index)] = (weakref.ref(index), written)
-
     # -- checkpoints and processes (checkpoint.py) ------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Commit what changed; the state that names this store at this commit (path,
         generation, cursors), batch size and generator state (no data)."""
-        return checkpoint.state_dict(self)
+        self._commit_changes()
+        return checkpoint.state_dict(self.buffer, self._batch_size, self.generator)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Go back to ``state``: its store at its commit, or a typed refusal when that
-        store changed since (``checkpoint.load_state_dict``); never the current data
-        silently."""
-        checkpoint.load_state_dict(self, state)
+        store changed since (``checkpoint.check``); never the current data silently."""
+        want = checkpoint.parse(state)
+        if self._buf is None or self.path.resolve() != want.path.resolve():
+            self._reopen(want.path)
+        checkpoint.check(self.buffer, want)
+        self._batch_size = want.batch_size or self._batch_size
+        if want.generator is not None:
+            self.generator = self.generator or torch.Generator()
+            self.generator.set_state(want.generator)
 
     def dumps(self, path: str | os.PathLike[str]) -> None:
         """Commit what changed; copy the store to ``path`` unless ``path`` is the store."""
-        checkpoint.dumps(self, path)
+        self._commit_changes()
+        checkpoint.copy_store(self.buffer, path)
 
     def loads(self, path: str | os.PathLike[str]) -> None:
         """Make the store at ``path`` (from ``dumps``) this buffer's store."""
-        checkpoint.reopen(self, Path(path))
+        self._reopen(Path(path))
 
     save = dump = dumps
     load = loads
+
+    def _reopen(self, path: Path) -> None:
+        if not path.exists():
+            raise errors.StoreNotFoundError(f"path: expected a store at {path}, found nothing")
+        self.close()
+        self.path = path
+        self._held.clear()
+        self._attach(open_buffer(path, mode=self.mode))
 
     def share(self, shared: bool = True) -> Self:
         """TorchRL's ``share``: nothing to do, the store on disk is shared already;
@@ -490,7 +482,16 @@ class ReplayBuffer:
         return self
 
     def __getstate__(self) -> dict[str, Any]:
-        return checkpoint.getstate(self)
+        """The path and the settings, never the data nor the writer's lock."""
+        return {"path": str(self.path), "batch_size": self._batch_size, "sampler": self._sampler,
+                "priority_key": self.priority_key, "flatten_slices": self.flatten_slices, "transform": self.transforms,
+                "generator": None if self.generator is None else self.generator.get_state(),
+                "prefetch": None if self._prefetch is None else self._prefetch.depth}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        checkpoint.setstate(self, state)
+        """Open the store read-only (``mode="r"``) with the pickled settings."""
+        generator, rng = None, state.pop("generator")
+        if rng is not None:
+            generator = torch.Generator()
+            generator.set_state(rng)
+        self.__init__(state.pop("path"), mode="r", generator=generator, **state)  # type: ignore[misc]

@@ -71,8 +71,9 @@ def _refuse(sampler: Any, name: str, expected: str, got: Any) -> None:
     )
 
 
-def translate(sampler: Any) -> Translated:
-    """The spec of a TorchRL sampler object (see the module docstring)."""
+def translate(sampler: Any, batch_size: int | None = None) -> Translated:
+    """The spec of a TorchRL sampler object (see the module docstring); ``batch_size``:
+    the buffer's preset one."""
     if isinstance(sampler, samplers.Sampler):
         return Translated(sampler)
     try:
@@ -87,9 +88,9 @@ def translate(sampler: Any) -> Translated:
     if isinstance(sampler, trs.SliceSampler) and type(sampler) in (
         trs.SliceSampler, trs.PrioritizedSliceSampler, trs.SliceSamplerWithoutReplacement
     ):
-        return _slices(trs, sampler)
+        return _slices(trs, sampler, batch_size)
     if type(sampler) is trs.PrioritizedSampler:
-        return Translated(samplers.Prioritized(beta=float(sampler._beta)), priorities=_priorities(sampler))
+        return Translated(samplers.Prioritized(beta=float(sampler.beta)), priorities=_priorities(sampler))
     raise errors.InvalidArgumentError(
         f"sampler: expected an mb.samplers spec or one of TorchRL's RandomSampler, PrioritizedSampler, SliceSampler, "
         f"PrioritizedSliceSampler, SamplerWithoutReplacement, SliceSamplerWithoutReplacement, got {type(sampler).__name__}"
@@ -99,7 +100,7 @@ def translate(sampler: Any) -> Translated:
 def _priorities(sampler: Any) -> PriorityConfig:
     if getattr(sampler, "reduction", "max") != "max":
         _refuse(sampler, "reduction", "'max'", sampler.reduction)
-    return PriorityConfig(alpha=float(sampler._alpha), eps=float(sampler._eps))
+    return PriorityConfig(alpha=float(sampler.alpha), eps=float(vars(sampler)["_eps"]))  # TorchRL has no public eps
 
 
 def _without_replacement(sampler: Any) -> None:
@@ -109,12 +110,12 @@ def _without_replacement(sampler: Any) -> None:
         _refuse(sampler, "shuffle", "True", False)
 
 
-def _slices(trs: Any, sampler: Any) -> Translated:
+def _slices(trs: Any, sampler: Any, batch_size: int | None) -> Translated:
     if sampler.span not in (False, (False, False), (0, 0)):
         _refuse(sampler, "span", "False", sampler.span)
     if getattr(sampler, "fragmented", False):
         _refuse(sampler, "fragmented", "False", True)
-    if "static-stop-and-length" in getattr(sampler, "_cache", {}):  # ends= or trajectories= given
+    if "static-stop-and-length" in vars(sampler).get("_cache", {}):  # ends= or trajectories= given
         _refuse(sampler, "ends/trajectories", "None (the store knows its episodes)", "tensors")
     if getattr(sampler, "end_keys", None) is not None:
         _refuse(sampler, "end_keys", "None", sampler.end_keys)
@@ -133,8 +134,12 @@ def _slices(trs: Any, sampler: Any) -> Translated:
         _without_replacement(sampler)
         if not strict:
             _refuse(sampler, "strict_length", "True (an epoch of strict windows)", False)
-        return Translated(samplers.Epoch(L, name="torchrl"), num, None, traj)
+        if num is not None:  # an epoch's windows have one length: fixed by the preset batch size
+            if not batch_size or batch_size % num:
+                _refuse(sampler, "num_slices", f"a divisor of the buffer's batch_size, {batch_size}", num)
+            L = batch_size // num
+        return Translated(samplers.Epoch(L, name="torchrl"), None, None, traj)
     if isinstance(sampler, trs.PrioritizedSliceSampler):
-        spec: samplers.Sampler = samplers.PrioritizedSlices(L, beta=float(sampler._beta), strict=strict)
+        spec: samplers.Sampler = samplers.PrioritizedSlices(L, beta=float(sampler.beta), strict=strict)
         return Translated(spec, num, _priorities(sampler), traj)
     return Translated(samplers.Slices(L, strict=strict, weighting="episodes"), num, None, traj)
