@@ -117,6 +117,12 @@ def transforms(transform: Any) -> list[Callable[[Any], Any]]:
     for t in items:
         if not callable(t):
             raise errors.InvalidArgumentError(f"transform: expected a torchrl Transform or a callable, got {t!r}")
+        name = type(t).__name__
+        if getattr(t, "in_keys_inv", None) or any(c.__name__ == "MultiStepTransform" for c in type(t).__mro__):
+            raise errors.InvalidArgumentError(
+                f"transform: expected a transform of sampled data, got {name}, which changes data on its way in "
+                "(TorchRL applies its inverse at extend; apply it to the batch before extend)"
+            )
     return items
 
 

@@ -215,6 +215,10 @@ def test_empty_iterate_and_transform_as_torchrl(tmp_path):
         assert len(buffer) == 5 and (buffer.sample()["observation"] >= 100).all()
     with pytest.raises(mb.errors.InvalidArgumentError, match="invert"):
         rb.append_transform(lambda td: td, invert=True)
+    from torchrl.envs.transforms import MultiStepTransform
+
+    with pytest.raises(mb.errors.InvalidArgumentError, match="MultiStepTransform, which changes data on its way in"):
+        rb.append_transform(MultiStepTransform(n_steps=3, gamma=0.99))  # n-step: refused, not applied to samples
     rb.close()
 
 
