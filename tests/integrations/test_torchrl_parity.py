@@ -412,3 +412,21 @@ def test_iterating_without_replacement_ends_with_the_epoch_as_torchrl(tmp_path):
     rb.set_sampler(mb.samplers.Uniform())  # with replacement: endless, as TorchRL's RandomSampler
     it = iter(rb)
     assert all(next(it).batch_size == (4,) for _ in range(20))
+
+
+def test_an_extend_that_fails_after_reopening_an_episode_leaves_it_continuable(tmp_path, monkeypatch):
+    rb = ReplayBuffer(tmp_path / "rb", capacity=100, batch_size=16)
+    rb.extend(_steps(4))  # open: its last row ends provisionally
+    buf = rb.buffer
+    real = buf.extend
+
+    def full(*args, **kwargs):
+        raise mb.errors.DiskFullError(28, "no space left (simulated)")
+
+    monkeypatch.setattr(buf, "extend", full)
+    with pytest.raises(mb.errors.DiskFullError):
+        rb.extend(_steps(3, start=4))  # the end was undone, then the write failed
+    monkeypatch.setattr(buf, "extend", real)
+    index = rb.extend(_steps(3, start=4, ends=[2]))  # space again: the same batch goes on
+    assert index.tolist() == [4, 5, 6] and buf.episodes()[1].tolist() == [7]
+    assert buf.get(np.arange(7))["next_obs"][:, 0].tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
