@@ -430,3 +430,22 @@ def test_an_extend_that_fails_after_reopening_an_episode_leaves_it_continuable(t
     index = rb.extend(_steps(3, start=4, ends=[2]))  # space again: the same batch goes on
     assert index.tolist() == [4, 5, 6] and buf.episodes()[1].tolist() == [7]
     assert buf.get(np.arange(7))["next_obs"][:, 0].tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
+
+
+def test_a_reader_refuses_writes_and_sees_commits_end_open_episodes(tmp_path):
+    rb = ReplayBuffer(tmp_path / "rb", capacity=100, batch_size=4, sampler=mb.samplers.Prioritized())
+    index = rb.extend(_steps(5))  # an open episode
+    assert not rb[int(index[-1])]["next", "truncated"].any()  # provisional: not truncated, as TorchRL
+    rb.commit()  # documented: a commit ends it, truncated, for the writer and every reader
+    reader = ReplayBuffer(tmp_path / "rb", mode="r", batch_size=4, sampler=mb.samplers.Prioritized())
+    for buffer in (rb, reader):
+        assert buffer[int(index[-1])]["next", "truncated"].all() and len(buffer) == 5
+    s = reader.sample()
+    with pytest.raises(mb.errors.ReadOnlyError):
+        reader.update_priority(s["index"], torch.ones(4))
+    with pytest.raises(mb.errors.ReadOnlyError):
+        reader.commit()
+    more = rb.extend(_steps(3, start=5, ends=[2]))  # the writer goes on: a new episode after the commit
+    assert more.tolist() == [5, 6, 7] and rb.buffer.episodes()[1].tolist() == [5, 3]
+    reader.close()
+    rb.close()
