@@ -25,7 +25,7 @@ import mmbuffer.torchrl.access as access  # modules, not "from .": that names th
 import mmbuffer.torchrl.checkpoint as checkpoint
 from .access import Prefetch, as_tensordict as _as_tensordict, positive as _positive, tensordict as _tensordict
 from .keys import ATTR, PRIORITY, WEIGHT_KEY, Columns, Key, KeyMap, infer, read_batch, to_tensordict
-from .translate import check_store, translate
+from .translate import check_store, storage_path, translate
 from .streams import Held, Segment, plan as plan_streams, segments as stream_segments
 
 __all__ = ["ReplayBuffer"]
@@ -40,7 +40,9 @@ class ReplayBuffer:
         The store directory: reopened when it exists, else created at the first ``extend``.
     capacity
         Rows over all streams (rounded down to a multiple of the stream count);
-        needed to create the store.
+        needed to create the store. ``storage=LazyMemmapStorage(N, scratch_dir=...)``
+        (or ``LazyTensorStorage(N)``) says the same: ``N`` rows, at ``scratch_dir``
+        unless ``path`` is given.
     batch_size
         The default of ``sample`` (rows, for slice samplers).
     sampler
@@ -74,9 +76,10 @@ class ReplayBuffer:
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        path: str | os.PathLike[str] | None = None,
         *,
         capacity: int | None = None,
+        storage: Any = None,
         batch_size: int | None = None,
         sampler: Any = None,
         num_streams: int | None = None,
@@ -93,7 +96,8 @@ class ReplayBuffer:
         if mode not in ("a", "r"):
             raise errors.InvalidArgumentError(f"mode: expected 'a' (the writer) or 'r' (a reader), got {mode!r}")
         self.mode = mode
-        self.path = Path(path)
+        where, capacity = storage_path(storage, path, capacity)
+        self.path = Path(where)
         self._batch_size = _positive("batch_size", batch_size)
         self._translated = translate(sampler if sampler is not None else samplers.Uniform(), self._batch_size)
         self._sampler = self._translated.spec

@@ -143,3 +143,28 @@ def _slices(trs: Any, sampler: Any, batch_size: int | None) -> Translated:
         spec: samplers.Sampler = samplers.PrioritizedSlices(L, beta=float(sampler.beta), strict=strict)
         return Translated(spec, num, _priorities(sampler), traj)
     return Translated(samplers.Slices(L, strict=strict, weighting="episodes"), num, None, traj)
+
+
+def storage_path(storage: Any, path: Any, capacity: int | None) -> tuple[Any, int | None]:
+    """``storage=`` (TorchRL's ``LazyMemmapStorage(N, scratch_dir=...)`` or
+    ``LazyTensorStorage(N)``) as the store's path and capacity: ``N`` rows, kept
+    at ``scratch_dir`` unless ``path`` is given. Other storages, more than one
+    storage dimension, or no path at all are refused, naming the argument."""
+    if storage is None:
+        return path, capacity
+    kind = type(storage).__name__
+    if kind not in ("LazyMemmapStorage", "LazyTensorStorage"):
+        raise errors.InvalidArgumentError(
+            f"storage: expected TorchRL's LazyMemmapStorage or LazyTensorStorage (the store replaces it), got {kind}"
+        )
+    if getattr(storage, "ndim", 1) != 1:
+        raise errors.InvalidArgumentError(f"storage: expected ndim=1 (rows; [E, T] batches go to streams), got ndim={storage.ndim}")
+    size = int(storage.max_size)
+    if capacity is not None and capacity != size:
+        raise errors.InvalidArgumentError(f"capacity: expected storage's max_size {size} or None, got {capacity}")
+    where = path if path is not None else getattr(storage, "scratch_dir", None)
+    if where is None:
+        raise errors.InvalidArgumentError(
+            f"path: expected the store's directory (or {kind}(..., scratch_dir=...)), got None"
+        )
+    return where, size

@@ -449,3 +449,23 @@ def test_a_reader_refuses_writes_and_sees_commits_end_open_episodes(tmp_path):
     assert more.tolist() == [5, 6, 7] and rb.buffer.episodes()[1].tolist() == [5, 3]
     reader.close()
     rb.close()
+
+
+def test_storage_argument_as_torchrl_users_write_it(tmp_path):
+    from torchrl.data import LazyMemmapStorage, LazyTensorStorage, ListStorage, TensorDictReplayBuffer
+
+    ref = TensorDictReplayBuffer(storage=LazyMemmapStorage(50, scratch_dir=tmp_path / "theirs"), batch_size=4)
+    rb = ReplayBuffer(storage=LazyMemmapStorage(50, scratch_dir=tmp_path / "ours"), batch_size=4)  # the class alone changes
+    for buffer in (ref, rb):
+        buffer.extend(_steps(8, ends=[7]))
+        assert len(buffer) == 8 and buffer.sample().batch_size == (4,)
+    assert rb.path == tmp_path / "ours" and rb.buffer.capacity == 50
+    rb.close()
+    assert len(ReplayBuffer(tmp_path / "ours")) == 8  # kept on disk: reopened by its path
+    with pytest.raises(mb.errors.InvalidArgumentError, match="storage: .*got ListStorage"):
+        ReplayBuffer(storage=ListStorage(10))
+    with pytest.raises(mb.errors.InvalidArgumentError, match="path: expected the store's directory"):
+        ReplayBuffer(storage=LazyTensorStorage(10))
+    with pytest.raises(mb.errors.InvalidArgumentError, match="capacity: expected storage's max_size 10"):
+        ReplayBuffer(tmp_path / "x", storage=LazyTensorStorage(10), capacity=20)
+    assert ReplayBuffer(tmp_path / "y", storage=LazyTensorStorage(10)).path == tmp_path / "y"
