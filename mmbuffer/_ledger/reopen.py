@@ -19,6 +19,10 @@ slice counts samplers keep notice the changed end themselves
 >>> buf.extend({"obs": np.arange(3), "truncated": [False, False, True]}, final_obs={"obs": [3.0]})
 >>> buf.num_episodes, reopen_last_episode(buf.store, 0), buf.num_episodes
 (1, True, 0)
+>>> end_open_episode(buf.store, 0), buf.episodes()[1].tolist()  # and back: its final observation is kept
+(True, [3])
+>>> reopen_last_episode(buf.store, 0)
+True
 >>> buf.extend({"obs": [3.0], "terminated": [True]}, final_obs={"obs": [4.0]})
 >>> buf.episodes()[1].tolist(), buf.get(np.arange(4), ["next_obs"])["next_obs"].tolist()
 ([4], [1.0, 2.0, 3.0, 4.0])
@@ -34,7 +38,7 @@ from .. import errors
 from . import index
 from .store import Store
 
-__all__ = ["reopen_last_episode"]
+__all__ = ["end_open_episode", "reopen_last_episode"]
 
 
 def reopen_last_episode(store: Store, lane: int) -> bool:
@@ -56,4 +60,26 @@ def reopen_last_episode(store: Store, lane: int) -> bool:
             return False
         store.column("truncated").write_at(row, np.zeros(1, dtype=bool))
         store.ledger = store.ledger.with_lane(lane, replace(st, ep_tail=st.ep_tail - 1))
+    return True
+
+
+def end_open_episode(store: Store, lane: int) -> bool:
+    """End ``lane``'s open episode at the lane's last row, as truncated, with the
+    ``final/<col>`` rows already there as its final observation: the inverse of
+    :func:`reopen_last_episode`, for a writer that wrote that final observation
+    before (``mmbuffer.torchrl`` keeps episodes open across its commits this way).
+    Returns whether an episode was ended (False: no open episode). The end is
+    uncommitted; the row's flag is written through at once, so a commit of the end
+    never reaches the disk before it."""
+    if store.mode != "a":
+        raise errors.ReadOnlyError(f"end_open_episode: store {store.path} is opened with mode='r'")
+    with store.lock:
+        st = store.lanes[lane]
+        if st.written <= st.open_start(store.ends, lane, store.lane_size):
+            return False
+        row = store.layout.rows(lane, np.array([st.written - 1], dtype=np.int64))
+        store.column("truncated").write_at(row, np.ones(1, dtype=bool))
+        store.array("columns/truncated").flush(int(row[0]), int(row[0]) + 1)
+        store.ends[index.slots(lane, store.lane_size, np.array([st.ep_tail]))] = st.written
+        store.ledger = store.ledger.with_lane(lane, replace(st, ep_tail=st.ep_tail + 1))
     return True

@@ -37,8 +37,11 @@ stream's open episode ends provisionally at its last row: truncated, with that
 row's ``("next", obs)`` as final observation; when the next batch continues the
 episode, that end is undone (``mmbuffer._ledger.reopen``) and the episode goes on
 (unless it would outgrow a lane: then it stays ended there, truncated).
-``commit`` makes the provisional ends truncations, so a reopened store never glues
-a new episode onto an old one; ``len(rb) <= capacity`` always.
+``commit`` keeps open episodes open (readers see them up to their last row but
+one); ``close``, ``state_dict`` and ``dumps`` make the provisional ends
+truncations, so a reopened store never glues a new episode onto an old one (after
+a crash, the next writer ends the episodes a commit kept open, with their stored
+final observations); ``len(rb) <= capacity`` always.
 
 Sampling. ``sample(batch_size)`` (default: the preset ``batch_size``) returns a
 TensorDict of ``batch_size`` transitions with ``"index"`` (global row ids for

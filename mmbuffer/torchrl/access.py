@@ -71,9 +71,10 @@ def iterate(sample: Callable[[int | None], Any], size: int, spec: samplers.Sampl
 
 def live_rows(buf: Buffer) -> np.ndarray:
     """Every live row's global id, ascending (TorchRL's storage positions with one
-    stream: ``0 .. len - 1``, or the whole ring once it is full)."""
+    stream: ``0 .. len - 1``, or the whole ring once it is full), but the last row of
+    an open episode (its next observation is not known yet: a reader's view)."""
     view = buf.view()
-    parts = [buf.layout.rows(lane, np.arange(lv.first_start, int(view.written[lane]), dtype=np.int64))
+    parts = [buf.layout.rows(lane, np.arange(lv.first_start, lv.visible_end, dtype=np.int64))
              for lane, lv in enumerate(view.lanes)]
     return np.sort(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64)
 
@@ -102,7 +103,8 @@ def select_rows(buf: Buffer, index: Any) -> tuple[np.ndarray, bool]:
     lane = np.clip(rows, 0, buf.capacity - 1) // buf.lane_size
     absolute = buf.layout.absolute(np.clip(rows, 0, buf.capacity - 1), view.written)
     first = np.array([lv.first_start for lv in view.lanes], dtype=np.int64)[lane]
-    bad = (rows < 0) | (rows >= buf.capacity) | (absolute < first) | (absolute >= view.written[lane])
+    end = np.array([lv.visible_end for lv in view.lanes], dtype=np.int64)[lane]  # not an open episode's last row
+    bad = (rows < 0) | (rows >= buf.capacity) | (absolute < first) | (absolute >= end)
     if bad.any():
         raise errors.RowNotLiveError(
             f"index: expected live rows of the store at {buf.path} ({len(buf)} live), got {rows[bad][:5].tolist()}"

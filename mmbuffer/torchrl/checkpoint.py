@@ -82,3 +82,13 @@ def copy_store(buf: Buffer, path: str | os.PathLike[str]) -> None:
         from ..convert import copy
 
         copy(buf, path, progress=False)
+
+
+def unpickled(state: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments that reopen a pickled buffer (``ReplayBuffer.__getstate__``)."""
+    state = dict(state)
+    rng = state.pop("generator", None)
+    if rng is not None:
+        state["generator"] = torch.Generator()
+        state["generator"].set_state(rng)
+    return state

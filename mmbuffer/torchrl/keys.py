@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,10 +18,13 @@ import torch
 from .. import errors, samplers
 from ..buffer import Buffer
 from .._read.gather import Batch
+from ..opening import create as create_buffer
+from ..schema import PriorityConfig
 
 WEIGHT_KEY = "priority_weight"  # TorchRL's PrioritizedSampler info key, read by its losses
 FLAGS = ("done", "terminated", "truncated")
 ATTR = "torchrl_layout"
+OPEN_ATTR = "torchrl_open"  # streams whose open episode's final observation is stored: written
 PRIORITY = "__priority__"  # the priority values carried with a batch's rows (never a column)
 
 Key = tuple[str, ...]
@@ -232,3 +236,18 @@ def to_tensordict(
         out = out.reshape(-1)
         out.set("index", out.get("index")[:, None])  # [B * L, 1], as SliceSampler returns it
     return out
+
+
+def create_store(
+    path: Path, keymap: KeyMap, columns: Columns, num_streams: int, capacity: int | None, *,
+    compression: str | None, priorities: PriorityConfig | None,
+) -> Buffer:
+    """The store of a first batch: ``capacity`` rows (rounded down to a multiple of
+    ``num_streams``), the key map kept in its ``attrs``."""
+    if capacity is None:
+        raise errors.InvalidArgumentError(f"capacity: expected the row capacity of the new store at {path}, got None")
+    rows = capacity // num_streams * num_streams
+    if rows == 0:
+        raise errors.InvalidArgumentError(f"capacity: expected at least num_streams={num_streams} rows, got {capacity}")
+    return create_buffer(path, columns, rows, num_streams=num_streams, compression=compression, priorities=priorities,
+                         next_keys=keymap.derived, attrs={ATTR: keymap.to_json()})

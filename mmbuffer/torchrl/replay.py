@@ -17,14 +17,13 @@ import torch
 from .. import errors, samplers
 from ..buffer import Buffer
 from .._read.gather import Batch
-from ..opening import create as create_buffer
 from ..opening import open as open_buffer
-from .._ledger.reopen import reopen_last_episode
+from .._ledger.reopen import end_open_episode, reopen_last_episode
 from ..schema import PriorityConfig
 import mmbuffer.torchrl.access as access  # modules, not "from .": that names the package
 import mmbuffer.torchrl.checkpoint as checkpoint
 from .access import Prefetch, as_tensordict as _as_tensordict, positive as _positive, tensordict as _tensordict
-from .keys import ATTR, PRIORITY, WEIGHT_KEY, Columns, Key, KeyMap, infer, read_batch, to_tensordict
+from .keys import OPEN_ATTR, PRIORITY, WEIGHT_KEY, Columns, Key, KeyMap, create_store, infer, read_batch, to_tensordict
 from .translate import check_store, storage_path, translate
 from .streams import Held, Segment, plan as plan_streams, segments as stream_segments
 
@@ -46,10 +45,8 @@ class ReplayBuffer:
     batch_size
         The default of ``sample`` (rows, for slice samplers).
     sampler
-        An ``mb.samplers`` spec: ``Uniform()`` (default), ``Prioritized(beta)``,
-        ``Slices(L)``, ``PrioritizedSlices(L, beta)``, or a TorchRL sampler object
-        (``RandomSampler``, ``PrioritizedSampler``, ``SliceSampler``, ... translated:
-        ``translate.py``).
+        An ``mb.samplers`` spec (default ``Uniform()``) or a TorchRL sampler object
+        (``RandomSampler``, ``PrioritizedSampler``, ``SliceSampler``, ...: ``translate.py``).
     num_streams
         Streams of a store created from ``[T]`` batches (default 1; ``[E, T]`` batches give ``E``).
     priorities
@@ -63,11 +60,9 @@ class ReplayBuffer:
         A ``torch.Generator`` for sampling (the same state gives the same batch).
     compression
         ``None`` (raw, memory-mapped) or ``"zstd"`` / ``"lz4"`` for a created store.
-    transform
-        A torchrl ``Transform``, a callable TensorDict -> TensorDict, or a list of
-        them, applied to what ``sample`` and ``rb[...]`` return (as TorchRL's).
-    prefetch
-        Batches drawn ahead in threads (as TorchRL's; needs ``batch_size``).
+    transform, prefetch
+        As TorchRL's: transforms (torchrl ``Transform`` or callables) applied to what
+        ``sample`` and ``rb[...]`` return; batches drawn ahead in threads.
     mode
         ``"a"``: the writer (one process); ``"r"``: a reader of a store that exists (a
         learner process) that follows the writer's commits; writes are ``ReadOnlyError``
@@ -178,8 +173,14 @@ class ReplayBuffer:
         self._buf, self._layout = buf, layout
         self._uncommitted = np.zeros(buf.num_streams, dtype=np.int64)
         view = buf.view()
-        # streams whose last episode is open (written by other code): nothing can close it
+        # streams whose last episode is open: kept open by a commit of this class (its final
+        # observation is stored: ended here), or written by other code (nothing can close it)
+        kept = buf.attrs.get(OPEN_ATTR) or {}
         self._dangling = {s for s, lv in enumerate(view.lanes) if int(view.written[s]) > lv.open_start}
+        if buf.mode == "a":
+            for s in [s for s in self._dangling if kept.get(str(s)) == int(view.written[s])]:
+                self._dirty = end_open_episode(buf.store, s) or self._dirty
+                self._dangling.discard(s)
 
     # -- writing -------------------------------------------------------------------------
     def add(self, data: Any) -> int:
@@ -233,22 +234,8 @@ class ReplayBuffer:
         return self._write(segments, tuple(td.batch_size), ends.shape)
 
     def _create(self, layout: KeyMap, columns: Columns, num_streams: int) -> None:
-        if self._capacity is None:
-            raise errors.InvalidArgumentError(f"capacity: expected the row capacity of the new store at {self.path}, got None")
-        capacity = self._capacity // num_streams * num_streams
-        if capacity == 0:
-            raise errors.InvalidArgumentError(f"capacity: expected at least num_streams={num_streams} rows, got {self._capacity}")
-        buf = create_buffer(
-            self.path,
-            columns,
-            capacity,
-            num_streams=num_streams,
-            compression=self._compression,
-            priorities=self._priorities,
-            next_keys=layout.derived,
-            attrs={ATTR: layout.to_json()},
-        )
-        self._attach(buf)
+        self._attach(create_store(self.path, layout, columns, num_streams, self._capacity,
+                                  compression=self._compression, priorities=self._priorities))
 
     def _write(self, segments: list[Segment], lead: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
         """Write planned segments; return the global row of each batch row."""
@@ -279,18 +266,35 @@ class ReplayBuffer:
         return torch.from_numpy(index.reshape(lead))
 
     def commit(self) -> int:
-        """``buffer.commit()``: the streams' provisional episode ends become truncations
-        (a reopened store never glues a new episode onto an old one)."""
+        """Make every row durable and visible to readers (``buffer.commit()``); return the
+        generation. Open episodes stay open: their provisional ends are undone for the
+        commit and set again after it (``attrs["torchrl_open"]`` records them, so a
+        reopen after a crash ends them with the final observation already stored)."""
+        return self._commit(keep_open=True)
+
+    def _commit(self, *, keep_open: bool) -> int:
+        """Commit; ``keep_open=False``: the provisional ends become truncations (what
+        ``close``, ``state_dict`` and ``dumps`` keep: a store with no open episode)."""
         buf = self.buffer
         with buf.lock:
-            self._held.clear()
+            store, streams = buf.store, sorted(self._held) if keep_open else []
+            streams = [s for s in streams if reopen_last_episode(store, s)]
+            written = buf.view().written
+            if streams or buf.attrs.get(OPEN_ATTR):
+                buf.attrs = {**buf.attrs, OPEN_ATTR: {str(s): int(written[s]) for s in streams}}
+            generation = buf.commit()
+            for s in streams:
+                end_open_episode(store, s)
+            if not keep_open:
+                self._held.clear()
             self._uncommitted[:] = 0
-            self._dirty = False
-            return buf.commit()
+            self._dirty = bool(streams)  # the ends set again are not committed
+            return generation
 
     def _commit_changes(self) -> int:
-        """Commit if this buffer extended or reprioritized since the last commit; the generation."""
-        return self.commit() if self._dirty else self.buffer.generation
+        """Commit (ending open episodes) if this buffer extended or reprioritized since the
+        last commit; the generation."""
+        return self._commit(keep_open=False) if self._dirty else self.buffer.generation
 
     def close(self) -> None:
         """Commit what changed and release the store (the object is unusable afterwards)."""
@@ -299,7 +303,7 @@ class ReplayBuffer:
             self._prefetch = None
         if self._buf is not None:
             if self._buf.mode == "a" and self._dirty:
-                self.commit()
+                self._commit(keep_open=False)
             self._buf.close()
             self._buf = None
 
@@ -485,15 +489,11 @@ class ReplayBuffer:
 
     def __getstate__(self) -> dict[str, Any]:
         """The path and the settings, never the data nor the writer's lock."""
-        return {"path": str(self.path), "batch_size": self._batch_size, "sampler": self._sampler,
+        depth = None if self._prefetch is None else self._prefetch.depth
+        return {"path": str(self.path), "batch_size": self._batch_size, "sampler": self._sampler, "prefetch": depth,
                 "priority_key": self.priority_key, "flatten_slices": self.flatten_slices, "transform": self.transforms,
-                "generator": None if self.generator is None else self.generator.get_state(),
-                "prefetch": None if self._prefetch is None else self._prefetch.depth}
+                "generator": None if self.generator is None else self.generator.get_state()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Open the store read-only (``mode="r"``) with the pickled settings."""
-        generator, rng = None, state.pop("generator")
-        if rng is not None:
-            generator = torch.Generator()
-            generator.set_state(rng)
-        self.__init__(state.pop("path"), mode="r", generator=generator, **state)  # type: ignore[misc]
+        self.__init__(mode="r", **checkpoint.unpickled(state))  # type: ignore[misc]

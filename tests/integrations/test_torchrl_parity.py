@@ -432,23 +432,54 @@ def test_an_extend_that_fails_after_reopening_an_episode_leaves_it_continuable(t
     assert buf.get(np.arange(7))["next_obs"][:, 0].tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
 
 
-def test_a_reader_refuses_writes_and_sees_commits_end_open_episodes(tmp_path):
+def _commit_and_die(path):
+    """A writer process that commits with an episode open, then dies without closing."""
+    import os
+
+    rb = ReplayBuffer(path, capacity=100, batch_size=4)
+    rb.extend(_steps(5))
+    rb.commit()
+    os._exit(0)
+
+
+def test_commits_keep_episodes_open_and_readers_refuse_writes(tmp_path):
+    import multiprocessing
+
     rb = ReplayBuffer(tmp_path / "rb", capacity=100, batch_size=4, sampler=mb.samplers.Prioritized())
     index = rb.extend(_steps(5))  # an open episode
-    assert not rb[int(index[-1])]["next", "truncated"].any()  # provisional: not truncated, as TorchRL
-    rb.commit()  # documented: a commit ends it, truncated, for the writer and every reader
+    rb.commit()  # a reader sees the rows; the episode stays open
     reader = ReplayBuffer(tmp_path / "rb", mode="r", batch_size=4, sampler=mb.samplers.Prioritized())
-    for buffer in (rb, reader):
-        assert buffer[int(index[-1])]["next", "truncated"].all() and len(buffer) == 5
+    assert len(reader) == 4 and reader.buffer.num_episodes == 0  # its last row: when the episode goes on
+    assert not rb[int(index[-1])]["next", "truncated"].any()  # the writer: sampleable, not truncated
+    with pytest.raises(mb.errors.RowNotLiveError):  # a reader: its next observation is not known yet
+        reader[int(index[-1])]
+    assert reader[:].batch_size == (4,) and set(reader.sample(64)["index"].tolist()) == {0, 1, 2, 3}
     s = reader.sample()
     with pytest.raises(mb.errors.ReadOnlyError):
         reader.update_priority(s["index"], torch.ones(4))
     with pytest.raises(mb.errors.ReadOnlyError):
         reader.commit()
-    more = rb.extend(_steps(3, start=5, ends=[2]))  # the writer goes on: a new episode after the commit
-    assert more.tolist() == [5, 6, 7] and rb.buffer.episodes()[1].tolist() == [5, 3]
+    more = rb.extend(_steps(3, start=5, ends=[2]))  # the episode goes on across the commit
+    rb.commit()
+    assert more.tolist() == [5, 6, 7] and reader.buffer.episodes()[1].tolist() == [8]
+    assert not reader[:]["next", "truncated"].any() and reader[:]["next", "terminated"][-1].all()
+    torch.testing.assert_close(reader[:]["next", "observation"], reader[:]["observation"] + 1)
+    rb.extend(_steps(2, start=8))
+    rb.state_dict()  # a checkpoint ends open episodes, truncated: the state has none
+    assert rb.buffer.episodes()[1].tolist() == [8, 2] and rb[9]["next", "truncated"].all()
     reader.close()
     rb.close()
+    # a writer that dies after such a commit: the next one ends the open episode, with its
+    # stored final observation, and goes on in a new one
+    ctx = multiprocessing.get_context("spawn")
+    p = ctx.Process(target=_commit_and_die, args=(tmp_path / "crash",))
+    p.start()
+    p.join()
+    again = ReplayBuffer(tmp_path / "crash", batch_size=4)
+    assert again.buffer.episodes()[1].tolist() == [5] and again[4]["next", "observation"][0] == 5.0
+    assert again.extend(_steps(2, start=100, ends=[1])).tolist() == [5, 6]
+    assert again.buffer.episodes()[1].tolist() == [5, 2]
+    again.close()
 
 
 def test_storage_argument_as_torchrl_users_write_it(tmp_path):
