@@ -132,8 +132,8 @@ def last_rows(buf: Buffer | None, streams: list[int]) -> np.ndarray:
     """The global row of the last row written to each of ``streams``."""
     if buf is None or not streams:
         return np.zeros(0, dtype=np.int64)
-    lanes = np.asarray(streams, dtype=np.int64)
-    out: np.ndarray = buf.layout.rows(lanes, buf.view().written[lanes] - 1)
+    lanes = buf.store.lanes  # the writer's cursors (no view built: this runs with every sample)
+    out: np.ndarray = buf.layout.rows(np.asarray(streams), np.array([lanes[s].written - 1 for s in streams]))
     return out
 
 
