@@ -20,8 +20,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::F
 
 
 def _steps(T, ends=(), start=0, lead=()):
-    """A synthetic ``[*lead, T]`` collector batch: observation ``start + t`` (3 floats),
-    next observation ``start + t + 1``; ``("next", "done"/"terminated")`` at ``ends``."""
+    """A ``[*lead, T]`` collector batch: observation ``start + t`` (3 floats), next one ``start + t + 1``."""
     shape = (*lead, T)
     obs = (start + torch.arange(T + 1, dtype=torch.float32)).expand(*lead, T + 1)[..., None].expand(*lead, T + 1, 3)
     end = torch.zeros(shape, dtype=torch.bool)
@@ -54,10 +53,9 @@ def test_empty_buffer_sample_raises_a_runtime_error_as_torchrl(tmp_path):
     ref.extend(_steps(3, ends=[2]))
     rb.extend(_steps(3, ends=[2]))
     rb.set_sampler(mb.samplers.Slices(5))
-    with pytest.raises(RuntimeError):
-        ref.sample()
-    with pytest.raises(RuntimeError):
-        rb.sample(10)
+    for draw in (ref.sample, lambda: rb.sample(10)):
+        with pytest.raises(RuntimeError):
+            draw()
     with pytest.raises(mb.errors.NoValidSliceError):
         rb.sample(10)
 
@@ -238,8 +236,7 @@ def test_prefetch_as_torchrl(tmp_path):
     rb.close()
 
 
-def _learner(rb):
-    """A learner process: what it samples and sees from the pickled buffer it was handed."""
+def _learner(rb):  # a learner process: what it sees of the pickled buffer it was handed
     s = rb.sample()
     return type(rb).__name__, rb.mode, len(rb), s.batch_size, s["observation"][:, 0].tolist()
 
@@ -432,8 +429,7 @@ def test_an_extend_that_fails_after_reopening_an_episode_leaves_it_continuable(t
     assert buf.get(np.arange(7))["next_obs"][:, 0].tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
 
 
-def _commit_and_die(path):
-    """A writer process that commits with an episode open, then dies without closing."""
+def _commit_and_die(path):  # a writer process that commits with an episode open, then dies
     import os
 
     rb = ReplayBuffer(path, capacity=100, batch_size=4)
