@@ -28,6 +28,7 @@ __all__ = [
     "DiskFullError",
     "InvalidPriorityError",
     "NoValidSliceError",
+    "RowNotLiveError",
     "ConversionError",
 ]
 
@@ -68,8 +69,9 @@ class CorruptStoreError(MMBufferError, OSError):
     """A file of the store is truncated, missing or disagrees with the manifest."""
 
 
-class EmptyBufferError(MMBufferError, LookupError):
-    """Sampling was asked of a store with nothing to sample."""
+class EmptyBufferError(MMBufferError, LookupError, RuntimeError):
+    """Sampling was asked of a store with nothing to sample (also a ``RuntimeError``:
+    what TorchRL raises there, so a TorchRL user's ``except RuntimeError`` catches it)."""
 
 
 class CapacityError(MMBufferError, ValueError):
@@ -89,8 +91,13 @@ class InvalidPriorityError(MMBufferError, ValueError):
     """A priority is NaN, infinite or negative, or priorities are not enabled."""
 
 
-class NoValidSliceError(MMBufferError, LookupError):
-    """No live episode is long enough for the requested slice length."""
+class NoValidSliceError(MMBufferError, LookupError, RuntimeError):
+    """No live episode is long enough for the requested slice length (also a
+    ``RuntimeError``, as TorchRL's ``SliceSampler`` raises there)."""
+
+
+class RowNotLiveError(MMBufferError, IndexError):
+    """An index names a row that holds no live data (never written, or evicted)."""
 
 
 class ConversionError(MMBufferError, ValueError):

@@ -26,16 +26,18 @@ class PriorityConfig:
     """Prioritized replay settings (Schaul et al. 2016).
 
     A row's stored priority is ``(p + eps) ** alpha``. A new row gets the largest
-    priority live in the buffer, capped at ``max_priority ** alpha``, and exactly
-    that cap when the buffer holds no positive priority.
+    priority live in the buffer (TorchRL's and the PER paper's running max), and 1
+    when the buffer holds no positive priority. ``max_priority`` only guards
+    against overflow (a new row's stored priority is at most ``max_priority **
+    alpha``): its default, 1e6, does not bind on ordinary TD errors.
 
     >>> PriorityConfig(alpha=0.6).max_priority
-    1.0
+    1000000.0
     """
 
     alpha: float = 0.6
     eps: float = 1e-6
-    max_priority: float = 1.0
+    max_priority: float = 1e6
 
     def to_json(self) -> dict[str, float]:
         return {"alpha": self.alpha, "eps": self.eps, "max_priority": self.max_priority}

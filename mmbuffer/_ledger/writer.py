@@ -296,11 +296,11 @@ class Writer:
         assert self._tree is not None and cfg is not None
         cap = cfg.max_priority**cfg.alpha
         live = tree.max_live(self._tree)
-        return float(min(live, cap)) if live > 0 else float(cap)
+        return float(min(live, cap)) if live > 0 else float(min(1.0, cap))
 
     def default_priority(self) -> float:
         """The stored priority a new row gets now: the largest live one, at most
-        ``max_priority ** alpha`` (that cap when nothing is live)."""
+        ``max_priority ** alpha`` (1 when nothing is live, as TorchRL)."""
         with self._lock:
             return self._default_priority()
 

@@ -97,6 +97,7 @@ class _LaneCounts:
     base: int = 0  # episode sequence number of cum[0]
     store: np.ndarray = field(default_factory=lambda: np.zeros(1024, dtype=np.int64))
     size: int = 1
+    last_end: int = -1  # the end of episode upto - 1 when it was counted
 
     @property
     def cum(self) -> np.ndarray:
@@ -151,12 +152,17 @@ class SliceCounts:
         lc = self.lanes.get(lane)
         if lc is None or lv.ep_head < lc.base or lv.ep_head > lc.upto or lv.ep_tail < lc.upto:
             lc = self.lanes[lane] = _LaneCounts(base=lv.ep_head)
+        newest = lc.upto - 1  # the newest episode counted: a writer may have undone its end and
+        # set it again later (_ledger/reopen.py): then it is counted anew
+        if lv.ep_head <= newest and int(index.ends_at(view.ends, lane, view.lane_size, np.array(newest))) != lc.last_end:
+            lc.size -= 1
         if lv.ep_tail > lc.upto:
             state = index.Lane(int(view.written[lane]), lv.ep_head, lv.ep_tail, lv.first_start)
             lo = lc.upto
             starts = index.episode_starts(view.ends, lane, view.lane_size, state, lo, lv.ep_tail)
             ends = index.episode_ends(view.ends, lane, view.lane_size, lo, lv.ep_tail)
             lc.append(np.cumsum(self.weight(ends - starts)) + lc.cum[-1])
+            lc.last_end = int(ends[-1])
         drop = lv.ep_head - lc.base
         if drop > 1024 and drop * 2 > lc.size:  # amortized O(1) trimming
             lc.drop_front(drop)

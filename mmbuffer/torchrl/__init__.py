@@ -32,10 +32,16 @@ it; more leading dims are flattened into ``E``) gives environment ``e`` to strea
 stream whose trajectory has its first id, or takes a free stream (with
 ``num_streams=E`` every environment keeps its own stream). A trajectory cut
 before its end, with no stream to continue it, ends as truncated there.
-Each stream's last row is held back until the next batch tells whether its
-episode goes on (its ``("next", obs)`` is then the final observation of a
-truncation); ``commit`` writes held rows as truncated, so every commit ends with
-no open episode and a reopened store never glues a new episode onto an old one.
+Every row is stored, and sampleable, when ``extend`` returns, with its index. A
+stream's open episode ends provisionally at its last row: truncated, with that
+row's ``("next", obs)`` as final observation; when the next batch continues the
+episode, that end is undone (``mmbuffer._ledger.reopen``) and the episode goes on
+(unless it would outgrow a lane: then it stays ended there, truncated).
+``commit`` keeps open episodes open (readers see them up to their last row but
+one); ``close``, ``state_dict`` and ``dumps`` make the provisional ends
+truncations, so a reopened store never glues a new episode onto an old one (after
+a crash, the next writer ends the episodes a commit kept open, with their stored
+final observations); ``len(rb) <= capacity`` always.
 
 Sampling. ``sample(batch_size)`` (default: the preset ``batch_size``) returns a
 TensorDict of ``batch_size`` transitions with ``"index"`` (global row ids for
@@ -47,11 +53,17 @@ TorchRL's ``SliceSampler``: ``batch_size // L`` windows returned flat ``[B * L]`
 ``("next", "done")`` set at each window's last step as ``SliceSampler`` sets them,
 and ``("collector", "mask")`` when ``strict=False`` (padded windows).
 
-Checkpoints. The store is the checkpoint: ``state_dict()`` commits and returns
-the store path, generation, batch size and generator state (no data);
-``load_state_dict`` reopens that store (refused if it is older than the state);
-``dumps(path)`` commits and copies the store to ``path`` (nothing more when
-``path`` is the store); ``loads(path)`` makes the store at ``path`` this buffer's.
+TorchRL's other ways in: its sampler objects are translated to specs
+(``translate.py``); ``transform=``, ``append_transform``, ``prefetch=``,
+``rb[i]``, ``rb[a:b]``, iteration and ``empty()`` as TorchRL's (``access.py``).
+
+Checkpoints and processes (``checkpoint.py``). The store is the checkpoint:
+``state_dict()`` commits what changed and names the store at that commit (path,
+generation, cursors) with the batch size and generator state (no data);
+``load_state_dict`` restores exactly that, or refuses with a typed error once the
+store has moved on; ``dumps(path)`` copies the store, ``loads(path)`` opens a copy.
+``ReplayBuffer(path, mode="r")`` is a reader of the same class (a learner
+process), following the writer's commits; a pickled buffer unpickles as one.
 
 >>> import pytest; td_mod = pytest.importorskip("tensordict")
 >>> import tempfile, torch
@@ -62,8 +74,8 @@ the store path, generation, batch size and generator state (no data);
 ...              "done": (torch.arange(T) == 4)[:, None], "terminated": (torch.arange(T) == 4)[:, None]}}, [T])
 >>> rb = ReplayBuffer(tempfile.mkdtemp() + "/rb", capacity=100, batch_size=4)
 >>> index = rb.extend(td)
->>> len(rb), index[-1].item()   # the last row is held until the next batch
-(10, -1)
+>>> len(rb), index[-1].item()   # every row stored, the open episode's last one too
+(10, 9)
 >>> s = rb.sample()
 >>> bool((s["next", "observation"] == s["observation"] + 1).all()), tuple(s["next", "done"].shape)
 (True, (4, 1))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,10 +18,13 @@ import torch
 from .. import errors, samplers
 from ..buffer import Buffer
 from .._read.gather import Batch
+from ..opening import create as create_buffer
+from ..schema import PriorityConfig
 
 WEIGHT_KEY = "priority_weight"  # TorchRL's PrioritizedSampler info key, read by its losses
 FLAGS = ("done", "terminated", "truncated")
 ATTR = "torchrl_layout"
+OPEN_ATTR = "torchrl_open"  # streams whose open episode's final observation is stored: written
 PRIORITY = "__priority__"  # the priority values carried with a batch's rows (never a column)
 
 Key = tuple[str, ...]
@@ -129,22 +133,21 @@ def infer(td: Any, priority_key: Key) -> tuple[KeyMap, Columns]:
         name = "reward" if key == ("reward",) and "reward" not in columns else "next/" + "/".join(key)
         columns[name] = ("next", *key)
     next_flags = tuple(f for f in FLAGS if (f,) in nxt)
-    if not {"done", "terminated"} & set(next_flags):
-        raise errors.SchemaError(
-            f"data: expected ('next', 'terminated') or ('next', 'done') (episode ends), got keys {sorted(leaves)}"
-        )
-    flag = nxt[("terminated",) if "terminated" in next_flags else ("done",)]
-    keymap = KeyMap(columns, tuple(derived), next_flags, tuple(f for f in FLAGS if (f,) in root), tuple(flag.shape[lead:]))
+    flags = [nxt[(f,)] for f in ("terminated", "done", "truncated") if f in next_flags]
+    fshape = tuple(flags[0].shape[lead:]) if flags else (1,)
+    keymap = KeyMap(columns, tuple(derived), next_flags, tuple(f for f in FLAGS if (f,) in root), fshape)
     spec = {name: (tuple(leaves[k].shape[lead:]), str(leaves[k].dtype).removeprefix("torch.")) for name, k in columns.items()}
     return keymap, spec
 
 
 def read_batch(
-    td: Any, keymap: KeyMap, buf: Buffer, priority_key: Key
+    td: Any, keymap: KeyMap, buf: Buffer, priority_key: Key, traj_key: Key = ("collector", "traj_ids")
 ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray | None]:
     """Columns (and ``next_<col>``, priorities) of a ``[*E, T]`` batch as ``[E, T, ...]``
     arrays (views where the tensors allow), episode ends and truncations ``[E, T]``,
-    trajectory ids ``[E, T]`` or None. Every key, shape and dtype is checked here."""
+    trajectory ids ``[E, T]`` (``traj_key``) or None. Every key, shape and dtype is
+    checked here. Data with no ``("next", "done" | "terminated")`` ends an episode
+    where its trajectory id changes, else at every row (truncated)."""
     lead = tuple(td.batch_size)
     shape = (int(np.prod(lead[:-1])), lead[-1])
     found = {as_key(k) for k in td.keys(include_nested=True, leaves_only=True)}
@@ -183,18 +186,26 @@ def read_batch(
         if get((f,)).any():
             raise errors.InvalidArgumentError(f"data[{f!r}]: expected False (a step never starts from an ended state), got True")
     flag = {f: get(("next", f)).reshape(shape).astype(bool) for f in keymap.next_flags}
+    traj = values.get(keymap.name_of(traj_key) or "")
+    traj = None if traj is None else traj.reshape(shape)
     term = flag.get("terminated", flag.get("done", np.zeros(shape, bool)))
     trunc = flag.get("truncated", np.zeros(shape, bool))
     if "done" in flag:
         trunc = trunc | (flag["done"] & ~term)
+    if "done" not in flag and "terminated" not in flag:  # no episode flags
+        trunc = np.ones(shape, bool)
+        if traj is not None:  # the last row stays open: the next batch may go on with its id
+            trunc[:, :-1], trunc[:, -1] = traj[:, 1:] != traj[:, :-1], False
     if priority_key in found and buf.priorities is not None:
         values[PRIORITY] = get(priority_key).reshape(shape + (-1,)).max(-1)
-    traj = values.get(keymap.name_of(("collector", "traj_ids")) or "")
-    return values, term | trunc, trunc, None if traj is None else traj.reshape(shape)
+    return values, term | trunc, trunc, traj
 
 
-def to_tensordict(b: Batch, keymap: KeyMap, spec: samplers.Sampler, *, flatten: bool) -> Any:
-    """A sampled batch in TorchRL's layout (see :mod:`mmbuffer.torchrl`)."""
+def to_tensordict(
+    b: Batch, keymap: KeyMap, spec: samplers.Sampler, *, flatten: bool, open_rows: np.ndarray | None = None
+) -> Any:
+    """A sampled batch in TorchRL's layout (see :mod:`mmbuffer.torchrl`); ``open_rows``:
+    rows whose episode end is provisional (not truncated for TorchRL: the episode goes on)."""
     from tensordict import TensorDict
 
     shape = tuple(b.indices.shape)
@@ -204,6 +215,9 @@ def to_tensordict(b: Batch, keymap: KeyMap, spec: samplers.Sampler, *, flatten: 
     for name in keymap.derived:
         out.set(("next", *keymap.columns[name]), b.data[f"next_{name}"])
     term, trunc = b.data["terminated"], b.data["truncated"]
+    if open_rows is not None and open_rows.size and not spec.slices:
+        provisional = (b.indices.numpy()[..., None] == open_rows).any(-1)  # a few open rows: no sort
+        trunc = trunc & ~torch.from_numpy(provisional)
     if spec.slices:  # as SliceSampler marks them: each window ends truncated
         trunc = trunc.clone()
         last = (b.mask.sum(1) - 1) if b.mask is not None else torch.full((shape[0],), shape[1] - 1)
@@ -223,3 +237,18 @@ def to_tensordict(b: Batch, keymap: KeyMap, spec: samplers.Sampler, *, flatten: 
         out = out.reshape(-1)
         out.set("index", out.get("index")[:, None])  # [B * L, 1], as SliceSampler returns it
     return out
+
+
+def create_store(
+    path: Path, keymap: KeyMap, columns: Columns, num_streams: int, capacity: int | None, *,
+    compression: str | None, priorities: PriorityConfig | None,
+) -> Buffer:
+    """The store of a first batch: ``capacity`` rows (rounded down to a multiple of
+    ``num_streams``), the key map kept in its ``attrs``."""
+    if capacity is None:
+        raise errors.InvalidArgumentError(f"capacity: expected the row capacity of the new store at {path}, got None")
+    rows = capacity // num_streams * num_streams
+    if rows == 0:
+        raise errors.InvalidArgumentError(f"capacity: expected at least num_streams={num_streams} rows, got {capacity}")
+    return create_buffer(path, columns, rows, num_streams=num_streams, compression=compression, priorities=priorities,
+                         next_keys=keymap.derived, attrs={ATTR: keymap.to_json()})

@@ -4,9 +4,11 @@ planning in ``streams.py``, the writes and reads here."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import weakref
+import shutil
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, Self
 
 import numpy as np
@@ -15,15 +17,17 @@ import torch
 from .. import errors, samplers
 from ..buffer import Buffer
 from .._read.gather import Batch
-from ..opening import create as create_buffer
 from ..opening import open as open_buffer
+from .._ledger.reopen import end_open_episode, reopen_last_episode
 from ..schema import PriorityConfig
-from .keys import ATTR, PRIORITY, WEIGHT_KEY, Columns, Key, KeyMap, infer, read_batch, to_tensordict
+import mmbuffer.torchrl.access as access  # modules, not "from .": that names the package
+import mmbuffer.torchrl.checkpoint as checkpoint
+from .access import Prefetch, as_tensordict as _as_tensordict, positive as _positive, tensordict as _tensordict
+from .keys import OPEN_ATTR, PRIORITY, WEIGHT_KEY, Columns, Key, KeyMap, create_store, infer, read_batch, to_tensordict
+from .translate import check_store, storage_path, translate
 from .streams import Held, Segment, plan as plan_streams, segments as stream_segments
 
 __all__ = ["ReplayBuffer"]
-
-_REMEMBERED = 256
 
 
 class ReplayBuffer:
@@ -35,12 +39,14 @@ class ReplayBuffer:
         The store directory: reopened when it exists, else created at the first ``extend``.
     capacity
         Rows over all streams (rounded down to a multiple of the stream count);
-        needed to create the store.
+        needed to create the store. ``storage=LazyMemmapStorage(N, scratch_dir=...)``
+        (or ``LazyTensorStorage(N)``) says the same: ``N`` rows, at ``scratch_dir``
+        unless ``path`` is given.
     batch_size
         The default of ``sample`` (rows, for slice samplers).
     sampler
-        An ``mb.samplers`` spec: ``Uniform()`` (default), ``Prioritized(beta)``,
-        ``Slices(L)``, ``PrioritizedSlices(L, beta)``.
+        An ``mb.samplers`` spec (default ``Uniform()``) or a TorchRL sampler object
+        (``RandomSampler``, ``PrioritizedSampler``, ``SliceSampler``, ...: ``translate.py``).
     num_streams
         Streams of a store created from ``[T]`` batches (default 1; ``[E, T]`` batches give ``E``).
     priorities
@@ -54,32 +60,46 @@ class ReplayBuffer:
         A ``torch.Generator`` for sampling (the same state gives the same batch).
     compression
         ``None`` (raw, memory-mapped) or ``"zstd"`` / ``"lz4"`` for a created store.
+    transform, prefetch
+        As TorchRL's: transforms (torchrl ``Transform`` or callables) applied to what
+        ``sample`` and ``rb[...]`` return; batches drawn ahead in threads.
+    mode
+        ``"a"``: the writer (one process); ``"r"``: a reader of a store that exists (a
+        learner process) that follows the writer's commits; writes are ``ReadOnlyError``
+        there. A pickled buffer unpickles as a reader.
     """
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        path: str | os.PathLike[str] | None = None,
         *,
         capacity: int | None = None,
+        storage: Any = None,
         batch_size: int | None = None,
-        sampler: samplers.Sampler | None = None,
+        sampler: Any = None,
         num_streams: int | None = None,
         priorities: PriorityConfig | None = None,
         priority_key: str | Key = "td_error",
         flatten_slices: bool = True,
         generator: torch.Generator | None = None,
         compression: str | None = None,
+        transform: Any = None,
+        prefetch: int | None = None,
+        mode: str = "a",
     ) -> None:
         _tensordict()  # the extra must be installed
-        self.path = Path(path)
-        self._sampler = sampler if sampler is not None else samplers.Uniform()
-        if not isinstance(self._sampler, samplers.Sampler):
-            raise errors.InvalidArgumentError(f"sampler: expected an mb.samplers spec, got {sampler!r}")
+        if mode not in ("a", "r"):
+            raise errors.InvalidArgumentError(f"mode: expected 'a' (the writer) or 'r' (a reader), got {mode!r}")
+        self.mode = mode
+        where, capacity = storage_path(storage, path, capacity)
+        self.path = Path(where)
         self._batch_size = _positive("batch_size", batch_size)
+        self._translated = translate(sampler if sampler is not None else samplers.Uniform(), self._batch_size)
+        self._sampler = self._translated.spec
         self._capacity = _positive("capacity", capacity)
         self._num_streams = _positive("num_streams", num_streams)
         prioritized = self._sampler.prioritized
-        self._priorities = priorities if priorities is not None else (PriorityConfig() if prioritized else None)
+        self._priorities = priorities or self._translated.priorities or (PriorityConfig() if prioritized else None)
         self.priority_key: Key = (priority_key,) if isinstance(priority_key, str) else tuple(priority_key)
         self.flatten_slices = bool(flatten_slices)
         self.generator = generator
@@ -89,9 +109,15 @@ class ReplayBuffer:
         self._held: dict[int, Held] = {}
         self._uncommitted: np.ndarray = np.zeros(0, dtype=np.int64)
         self._dangling: set[int] = set()
-        self._sampled: dict[int, tuple[weakref.ref[torch.Tensor], np.ndarray | None]] = {}
-        if self.path.exists():
-            self._attach(open_buffer(self.path))
+        self._sampled = access.Sampled()  # lane cursors of recent batches, for update_priority
+        self.transforms = access.transforms(transform)  # applied in order to what is read
+        depth = _positive("prefetch", prefetch)
+        if depth is not None and self._batch_size is None:
+            raise errors.InvalidArgumentError("batch_size: expected one set at construction with prefetch, got None")
+        self._prefetch = None if depth is None else Prefetch(depth)
+        self._dirty = False  # extended or reprioritized since the last commit
+        if self.path.exists() or mode == "r":
+            self._attach(open_buffer(self.path, mode=mode))
 
     def __repr__(self) -> str:
         return (
@@ -106,6 +132,8 @@ class ReplayBuffer:
         for a store that existed)."""
         if self._buf is None:
             raise errors.EmptyBufferError(f"buffer: expected a store at {self.path}, got none yet (it is created by the first extend)")
+        if self.mode == "r":
+            self._buf.refresh()  # a reader follows the writer's commits
         return self._buf
 
     @property
@@ -116,22 +144,20 @@ class ReplayBuffer:
     def sampler(self) -> samplers.Sampler:
         return self._sampler
 
-    def set_sampler(self, sampler: samplers.Sampler) -> None:
-        """Sample with ``sampler`` from now on (TorchRL's name for it)."""
-        if not isinstance(sampler, samplers.Sampler):
-            raise errors.InvalidArgumentError(f"sampler: expected an mb.samplers spec, got {sampler!r}")
-        prioritized = sampler.prioritized
-        if prioritized and self._buf is not None and self._buf.priorities is None:
-            raise errors.InvalidArgumentError(f"sampler: {sampler!r} needs priorities; the store at {self.path} has none")
-        self._sampler = sampler
+    def set_sampler(self, sampler: Any) -> None:
+        """Sample with ``sampler`` (a spec or a TorchRL sampler object) from now on."""
+        t = translate(sampler, self._batch_size)
+        if self._buf is not None:
+            check_store(t, self._buf)
+        self._translated, self._sampler = t, t.spec
 
     def __len__(self) -> int:
-        """Rows extended that the store still holds (live episodes, open ones whole)
-        plus the rows held back (one per stream at most)."""
-        if self._buf is None:
-            return 0
-        view = self._buf.view()
-        return int(sum(int(view.written[s]) - lv.first_start for s, lv in enumerate(view.lanes))) + len(self._held)
+        """Rows extended that the store still holds (at most ``capacity``)."""
+        return 0 if self._buf is None else len(self.buffer)
+
+    @property
+    def _traj_key(self) -> Key:
+        return self._translated.traj_key or ("collector", "traj_ids")
 
     def _attach(self, buf: Buffer) -> None:
         try:
@@ -139,10 +165,7 @@ class ReplayBuffer:
                 raise errors.SchemaError(
                     f"capacity: expected the store's {buf.capacity} at {buf.path}, got {self._capacity}"
                 )
-            if self._sampler.prioritized and buf.priorities is None:
-                raise errors.InvalidArgumentError(
-                    f"sampler: {self._sampler!r} needs priorities; the store at {buf.path} has none"
-                )
+            check_store(self._translated, buf)
             layout = KeyMap.from_store(buf)
         except BaseException:
             buf.close()
@@ -150,8 +173,14 @@ class ReplayBuffer:
         self._buf, self._layout = buf, layout
         self._uncommitted = np.zeros(buf.num_streams, dtype=np.int64)
         view = buf.view()
-        # streams whose last episode is open (written by other code): nothing can close it
+        # streams whose last episode is open: kept open by a commit of this class (its final
+        # observation is stored: ended here), or written by other code (nothing can close it)
+        kept = buf.attrs.get(OPEN_ATTR) or {}
         self._dangling = {s for s, lv in enumerate(view.lanes) if int(view.written[s]) > lv.open_start}
+        if buf.mode == "a":
+            for s in [s for s in self._dangling if kept.get(str(s)) == int(view.written[s])]:
+                self._dirty = end_open_episode(buf.store, s) or self._dirty
+                self._dangling.discard(s)
 
     # -- writing -------------------------------------------------------------------------
     def add(self, data: Any) -> int:
@@ -160,13 +189,16 @@ class ReplayBuffer:
 
     def extend(self, data: Any) -> torch.Tensor:
         """Append a collector's TensorDict (``[T]`` or ``[E, T]``) and return the global
-        row of each of its rows (shape ``data.batch_size``; -1 for rows held back).
+        row of each of its rows (shape ``data.batch_size``); every row is sampleable
+        when it returns.
 
         Raises ``SchemaError`` (keys, shapes, dtypes differ from the store's),
         ``InvalidArgumentError`` or ``CapacityError`` (a stream given more rows than
         its lane holds) before anything is written.
         """
         td = _as_tensordict(data)
+        if self.mode == "r":
+            raise errors.ReadOnlyError(f"extend: the buffer at {self.path} is opened with mode='r' (a reader)")
         if td.batch_dims == 0:
             raise errors.InvalidArgumentError("data: expected a TensorDict with batch dims [T] or [E, T], got [] (use add)")
         if td.numel() == 0:
@@ -182,7 +214,7 @@ class ReplayBuffer:
             self._create(layout, columns, n_streams)
         assert self._buf is not None and self._layout is not None
         buf = self._buf
-        values, ends, truncated, traj = read_batch(td, self._layout, buf, self.priority_key)
+        values, ends, truncated, traj = read_batch(td, self._layout, buf, self.priority_key, self._traj_key)
         lane = buf.capacity // buf.num_streams
 
         def planned() -> list[Segment]:
@@ -195,39 +227,27 @@ class ReplayBuffer:
         added = np.zeros_like(self._uncommitted)
         np.add.at(added, [seg.piece.stream for seg in segments], [len(seg.end) for seg in segments])
         if (self._uncommitted + added > lane).any():
-            # commit first (held rows end as truncated), before the store would commit on
-            # its own with an episode open; then plan again without held rows
+            # commit first (provisional ends become truncations), before the store would
+            # commit on its own with an episode open; then plan again
             self.commit()
             segments = planned()
         return self._write(segments, tuple(td.batch_size), ends.shape)
 
     def _create(self, layout: KeyMap, columns: Columns, num_streams: int) -> None:
-        if self._capacity is None:
-            raise errors.InvalidArgumentError(f"capacity: expected the row capacity of the new store at {self.path}, got None")
-        capacity = self._capacity // num_streams * num_streams
-        if capacity == 0:
-            raise errors.InvalidArgumentError(f"capacity: expected at least num_streams={num_streams} rows, got {self._capacity}")
-        buf = create_buffer(
-            self.path,
-            columns,
-            capacity,
-            num_streams=num_streams,
-            compression=self._compression,
-            priorities=self._priorities,
-            next_keys=layout.derived,
-            attrs={ATTR: layout.to_json()},
-        )
-        self._attach(buf)
+        self._attach(create_store(self.path, layout, columns, num_streams, self._capacity,
+                                  compression=self._compression, priorities=self._priorities))
 
     def _write(self, segments: list[Segment], lead: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
-        """Write planned segments; return the global row of each batch row (-1: held)."""
+        """Write planned segments; return the global row of each batch row."""
         assert self._buf is not None and self._layout is not None
         buf, layout = self._buf, self._layout
         index = np.full(shape, -1, dtype=np.int64)
-        cursor = buf.view().written.copy()  # rows written per stream, advanced here
-        for seg in segments:
-            p, stream, n = seg.piece, seg.piece.stream, len(seg.end)
-            if n:
+        with buf.lock:  # a prefetching thread never sees an episode reopened and not yet continued
+            cursor = buf.view().written.copy()  # rows written per stream, advanced here
+            for seg in segments:
+                p, stream, n = seg.piece, seg.piece.stream, len(seg.end)
+                if seg.reopen:  # False: the end is undone already (an extend that failed after it)
+                    reopen_last_episode(buf.store, stream)
                 start = int(cursor[stream])
                 cursor[stream] += n
                 steps = {c: seg.rows[c] for c in layout.columns}
@@ -238,37 +258,74 @@ class ReplayBuffer:
                 written = buf.layout.rows(stream, start + np.arange(n))
                 if PRIORITY in seg.rows:
                     buf.update_priorities(written, seg.rows[PRIORITY])
-                mine = written[seg.lead_in :]
-                index[p.env, p.start : p.start + len(mine)] = mine
-            self._held.pop(stream, None)
-            if seg.after is not None:
-                self._held[stream] = seg.after
+                index[p.env, p.start : p.stop] = written
+                self._held.pop(stream, None)
+                if seg.after is not None:
+                    self._held[stream] = seg.after
+        self._dirty = True
         return torch.from_numpy(index.reshape(lead))
 
     def commit(self) -> int:
-        """Write the held rows as truncated episode ends, then ``buffer.commit()``."""
+        """Make every row durable and visible to readers (``buffer.commit()``); return the
+        generation. Open episodes stay open: their provisional ends are undone for the
+        commit and set again after it (``attrs["torchrl_open"]`` records them, so a
+        reopen after a crash ends them with the final observation already stored)."""
+        return self._commit(keep_open=True)
+
+    def _commit(self, *, keep_open: bool) -> int:
+        """Commit; ``keep_open=False``: the provisional ends become truncations (what
+        ``close``, ``state_dict`` and ``dumps`` keep: a store with no open episode)."""
         buf = self.buffer
-        layout = self._layout
-        assert layout is not None
-        for stream, h in sorted(self._held.items()):
-            steps = {c: h.values[c] for c in layout.columns}
-            steps["terminated"], steps["truncated"] = np.zeros(1, bool), np.ones(1, bool)
-            final = {c: h.values[f"next_{c}"] for c in layout.derived} if layout.derived else None
-            start = int(buf.view().written[stream])
-            buf.extend(steps, stream=stream, final_obs=final)
-            if PRIORITY in h.values:
-                buf.update_priorities(buf.layout.rows(stream, np.array([start])), h.values[PRIORITY])
-        self._held.clear()
-        self._uncommitted[:] = 0
-        return buf.commit()
+        with buf.lock:
+            store, streams = buf.store, sorted(self._held) if keep_open else []
+            streams = [s for s in streams if reopen_last_episode(store, s)]
+            written = buf.view().written
+            if streams or buf.attrs.get(OPEN_ATTR):
+                buf.attrs = {**buf.attrs, OPEN_ATTR: {str(s): int(written[s]) for s in streams}}
+            generation = buf.commit()
+            for s in streams:
+                end_open_episode(store, s)
+            if not keep_open:
+                self._held.clear()
+            self._uncommitted[:] = 0
+            self._dirty = bool(streams)  # the ends set again are not committed
+            return generation
+
+    def _commit_changes(self) -> int:
+        """Commit (ending open episodes) if this buffer extended or reprioritized since the
+        last commit; the generation."""
+        return self._commit(keep_open=False) if self._dirty else self.buffer.generation
 
     def close(self) -> None:
-        """``commit`` and release the store (the object is unusable afterwards)."""
+        """Commit what changed and release the store (the object is unusable afterwards)."""
+        if self._prefetch is not None:
+            self._prefetch.close()
+            self._prefetch = None
         if self._buf is not None:
-            if self._buf.mode == "a":
-                self.commit()
+            if self._buf.mode == "a" and self._dirty:
+                self._commit(keep_open=False)
             self._buf.close()
             self._buf = None
+
+    def empty(self) -> None:
+        """Remove every row, as TorchRL's ``empty``: the store is deleted; the next
+        ``extend`` creates it anew with the same capacity, streams, compression and
+        priorities (its schema from that batch)."""
+        if self._buf is None:
+            return
+        buf = self._buf
+        if buf.mode != "a":
+            raise errors.ReadOnlyError(f"empty: the buffer at {self.path} is opened with mode='r' (a reader)")
+        self._capacity, self._num_streams = buf.capacity, buf.num_streams
+        self._priorities, self._compression = buf.priorities, buf.compression
+        depth = None if self._prefetch is None else self._prefetch.depth
+        self.close()
+        shutil.rmtree(self.path)
+        self._layout = None
+        self._held.clear()
+        self._sampled.clear()
+        self._dangling = set()
+        self._prefetch = None if depth is None else Prefetch(depth)
 
     def __enter__(self) -> Self:
         return self
@@ -279,14 +336,33 @@ class ReplayBuffer:
     # -- sampling ------------------------------------------------------------------------
     def sample(self, batch_size: int | None = None, return_info: bool = False) -> Any:
         """A TensorDict of ``batch_size`` rows (default: the preset ``batch_size``) in
-        TorchRL's layout; ``(td, info)`` with ``return_info=True`` (info: ``index``,
-        and ``priority_weight`` when prioritized)."""
+        TorchRL's layout, the transforms applied; ``(td, info)`` with
+        ``return_info=True`` (info: ``index``, and ``priority_weight`` when
+        prioritized). With ``prefetch=k`` a default-size batch comes from the
+        ``k`` drawn ahead in threads."""
         size = _positive("batch_size", batch_size) or self._batch_size
         if size is None:
             raise errors.InvalidArgumentError("batch_size: expected a number here or at construction, got None for both")
+        if self._prefetch is not None and batch_size is None:
+            out, written = self._prefetch.next(lambda: self._draw(size))
+        else:
+            out, written = self._draw(size)
+        index = out.get("index")
+        self._sampled.remember(index, written)
+        info = {"index": index}
+        if WEIGHT_KEY in out.keys():
+            info[WEIGHT_KEY] = out.get(WEIGHT_KEY)
+        out = self._transformed(out)
+        return (out, info) if return_info else out
+
+    def _draw(self, size: int) -> tuple[Any, np.ndarray | None]:
         buf, layout, spec = self.buffer, self._layout, self._sampler
         assert layout is not None
-        items = size
+        items, num = size, self._translated.num_slices
+        if num is not None:  # TorchRL's num_slices: the windows' length follows the batch size
+            if size % num:
+                raise errors.InvalidArgumentError(f"batch_size: expected a multiple of num_slices={num}, got {size}")
+            spec = dataclasses.replace(spec, slice_len=size // num)  # type: ignore[type-var]
         if spec.slice_len is not None:
             length = spec.slice_len
             if size % length:
@@ -294,16 +370,52 @@ class ReplayBuffer:
                     f"batch_size: expected a multiple of slice_len={length} (rows, as TorchRL's SliceSampler counts), got {size}"
                 )
             items = size // length
-        b = buf.sample(items, self.generator, sampler=spec)
-        out = to_tensordict(b, layout, spec, flatten=self.flatten_slices)
-        index = out.get("index")
-        self._remember(index, b.written_at)
-        if return_info:
-            info = {"index": index}
-            if WEIGHT_KEY in out.keys():
-                info[WEIGHT_KEY] = out.get(WEIGHT_KEY)
-            return out, info
-        return out
+        with buf.lock:
+            b = buf.sample(items, self.generator, sampler=spec)
+            open_rows = self._open_rows()
+        return to_tensordict(b, layout, spec, flatten=self.flatten_slices, open_rows=open_rows), b.written_at
+
+    def __getitem__(self, index: Any) -> Any:
+        """Rows as a TensorDict, transforms applied, as TorchRL's ``rb[index]``
+        (``access.rows``): row ids (an int gives a TensorDict without batch dims), a
+        slice or negative int of the live rows, or a key of every live row."""
+        if access.is_key(index):
+            return self[:][index]
+        buf, layout = self.buffer, self._layout
+        assert layout is not None
+        with buf.lock:
+            out = access.rows(buf, layout, index, self._open_rows())
+        return self._transformed(out)
+
+    def __iter__(self) -> Iterator[Any]:
+        """``sample()`` batch after batch, as TorchRL iterates a buffer: endless, or,
+        without replacement (an ``Epoch`` spec), to the end of the epoch (``access.iterate``)."""
+        if self._batch_size is None:
+            raise errors.InvalidArgumentError("batch_size: expected one set at construction to iterate, got None")
+        return access.iterate(self.sample, self._batch_size, self._sampler, self.path)
+
+    # -- transforms ----------------------------------------------------------------------
+    def append_transform(self, transform: Any, *, invert: bool = False) -> Self:
+        """Apply ``transform`` (a torchrl ``Transform`` or a callable TensorDict ->
+        TensorDict) last to what ``sample`` and ``rb[...]`` return, as TorchRL's;
+        ``invert=True`` (on writing) is ``InvalidArgumentError``: transform the batch."""
+        return self.insert_transform(len(self.transforms), transform, invert=invert)
+
+    def insert_transform(self, index: int, transform: Any, *, invert: bool = False) -> Self:
+        """Apply ``transform`` at position ``index`` of :attr:`transforms`, as TorchRL's."""
+        if invert:
+            raise errors.InvalidArgumentError("invert: expected False (transforms apply to sampled data), got True")
+        self.transforms[index:index] = access.transforms(transform)
+        return self
+
+    def _transformed(self, data: Any) -> Any:
+        for t in self.transforms:
+            data = t(data)
+        return data
+
+    def _open_rows(self) -> np.ndarray:
+        """The global rows whose episode end is provisional (each open stream's last row)."""
+        return access.last_rows(self._buf, list(self._held))
 
     # -- priorities ----------------------------------------------------------------------
     def update_priority(self, index: Any, priority: Any) -> None:
@@ -318,10 +430,10 @@ class ReplayBuffer:
         pri = torch.as_tensor(priority).detach()
         while pri.ndim > idx.ndim and pri.shape[-1] == 1:
             pri = pri.squeeze(-1)
-        entry = self._sampled.get(id(index))
-        written = entry[1] if entry is not None and entry[0]() is index else None
+        written = self._sampled.written_at(index)
         target: Any = Batch({}, idx, torch.ones(0), None, written) if written is not None else idx
         buf.update_priorities(target, pri.to(torch.float64).cpu())
+        self._dirty = True
 
     def update_tensordict_priority(self, data: Any) -> None:
         """``update_priority(data["index"], data[priority_key])`` (a loss, say
@@ -331,49 +443,29 @@ class ReplayBuffer:
             return
         self.update_priority(td.get("index"), td.get(self.priority_key))
 
-    def _remember(self, index: torch.Tensor, written: np.ndarray | None) -> None:
-        if len(self._sampled) >= _REMEMBERED:
-            self._sampled = {k: v for k, v in self._sampled.items() if v[0]() is not None}
-            while len(self._sampled) >= _REMEMBERED:
-                self._sampled.pop(next(iter(self._sampled)))
-        self._sampled[id(index)] = (weakref.ref(index), written)
-
-    # -- checkpoints ---------------------------------------------------------------------
+    # -- checkpoints and processes (checkpoint.py) ------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Commit, then the state that reopens this buffer: store path and generation,
-        batch size, generator state (no data: the store holds it)."""
-        generation = self.commit()
-        return {
-            "path": str(self.path),
-            "generation": generation,
-            "batch_size": self._batch_size,
-            "generator": None if self.generator is None else self.generator.get_state(),
-        }
+        """Commit what changed; the state that names this store at this commit (path,
+        generation, cursors), batch size and generator state (no data)."""
+        self._commit_changes()
+        return checkpoint.state_dict(self.buffer, self._batch_size, self.generator)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Reopen the store ``state`` names (refused if older than ``state``'s commit)."""
-        try:
-            path, generation = Path(state["path"]), int(state["generation"])
-        except (KeyError, TypeError, ValueError):
-            raise errors.InvalidArgumentError(f"state: expected a dict from state_dict(), got {state!r}") from None
-        self._reopen(path)
-        assert self._buf is not None
-        if self._buf.generation < generation:
-            raise errors.CorruptStoreError(
-                f"{path}: expected a store at commit {generation} or later (the state's), got commit {self._buf.generation}"
-            )
-        self._batch_size = state.get("batch_size", self._batch_size)
-        if state.get("generator") is not None:
+        """Go back to ``state``: its store at its commit, or a typed refusal when that
+        store changed since (``checkpoint.check``); never the current data silently."""
+        want = checkpoint.parse(state)
+        if self._buf is None or self.path.resolve() != want.path.resolve():
+            self._reopen(want.path)
+        checkpoint.check(self.buffer, want)
+        self._batch_size = want.batch_size or self._batch_size
+        if want.generator is not None:
             self.generator = self.generator or torch.Generator()
-            self.generator.set_state(state["generator"])
+            self.generator.set_state(want.generator)
 
     def dumps(self, path: str | os.PathLike[str]) -> None:
-        """Commit; copy the store to ``path`` unless ``path`` is the store itself."""
-        self.commit()
-        if Path(path).resolve() != self.path.resolve():
-            from ..convert import copy
-
-            copy(self.buffer, path, progress=False)
+        """Commit what changed; copy the store to ``path`` unless ``path`` is the store."""
+        self._commit_changes()
+        checkpoint.copy_store(self.buffer, path)
 
     def loads(self, path: str | os.PathLike[str]) -> None:
         """Make the store at ``path`` (from ``dumps``) this buffer's store."""
@@ -388,28 +480,20 @@ class ReplayBuffer:
         self.close()
         self.path = path
         self._held.clear()
-        self._attach(open_buffer(path))
+        self._attach(open_buffer(path, mode=self.mode))
 
+    def share(self, shared: bool = True) -> Self:
+        """TorchRL's ``share``: nothing to do, the store on disk is shared already;
+        a pickled buffer opens it read-only in the process that unpickles it."""
+        return self
 
-def _tensordict() -> Any:
-    try:
-        import tensordict
-    except ImportError:  # pragma: no cover - the extra is installed where tests run
-        raise errors.InvalidArgumentError(
-            "mmbuffer.torchrl: expected tensordict installed (pip install 'mmbuffer[torchrl]'), got an ImportError"
-        ) from None
-    return tensordict
+    def __getstate__(self) -> dict[str, Any]:
+        """The path and the settings, never the data nor the writer's lock."""
+        depth = None if self._prefetch is None else self._prefetch.depth
+        return {"path": str(self.path), "batch_size": self._batch_size, "sampler": self._sampler, "prefetch": depth,
+                "priority_key": self.priority_key, "flatten_slices": self.flatten_slices, "transform": self.transforms,
+                "generator": None if self.generator is None else self.generator.get_state()}
 
-
-def _as_tensordict(data: Any) -> Any:
-    if not isinstance(data, _tensordict().TensorDictBase):
-        raise errors.InvalidArgumentError(f"data: expected a TensorDict, got {type(data).__name__}")
-    return data
-
-
-def _positive(what: str, value: int | None) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise errors.InvalidArgumentError(f"{what}: expected a positive integer, got {value!r}")
-    return int(value)
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Open the store read-only (``mode="r"``) with the pickled settings."""
+        self.__init__(mode="r", **checkpoint.unpickled(state))  # type: ignore[misc]

@@ -1,6 +1,6 @@
-"""Which stream each part of a batch goes to, and the rows held back between batches
-(rules in :mod:`mmbuffer.torchrl`'s docstring). Pure functions over the held rows:
-nothing here writes."""
+"""Which stream each part of a batch goes to, and which streams' last episodes are
+ended provisionally between batches (rules in :mod:`mmbuffer.torchrl`'s docstring).
+Pure functions over that state: nothing here writes."""
 
 from __future__ import annotations
 
@@ -15,10 +15,12 @@ from .. import errors
 
 @dataclass(slots=True)
 class Held:
-    """A stream's last row, held until the next batch says whether its episode goes on."""
+    """A stream whose last episode ends provisionally (truncated at its last row, its
+    ``("next", ...)`` kept as final observation) until the next batch says whether it
+    goes on; then that end is undone (``_ledger.reopen``) and the episode continues."""
 
-    values: dict[str, np.ndarray]  # column, "next_<col>" (and priority) -> [1, ...]
     traj: int | None
+    length: int  # rows of the episode so far
 
 
 @dataclass(slots=True)
@@ -34,15 +36,16 @@ class Piece:
 
 @dataclass(slots=True)
 class Segment:
-    """What one piece writes: ``rows`` (the stream's held row first when ``lead_in``
-    is 1) with their episode ends, and the row held back after them."""
+    """What one piece writes: its ``rows`` with their episode ends (the last row ends
+    provisionally when its episode goes on: ``after``), and whether it first undoes
+    the provisional end of its stream (``reopen``)."""
 
     piece: Piece
     rows: dict[str, np.ndarray]
     end: np.ndarray
     trunc: np.ndarray
     after: Held | None
-    lead_in: int
+    reopen: bool
 
 
 def plan(ends: np.ndarray, traj: np.ndarray | None, num_streams: int, held: dict[int, Held]) -> list[Piece]:
@@ -68,8 +71,9 @@ def plan(ends: np.ndarray, traj: np.ndarray | None, num_streams: int, held: dict
         pieces += [Piece(e, a, b, e if direct else -1) for a, b in itertools.pairwise(bounds)]
     if direct:
         return pieces
-    # a piece continues the stream whose held row has its first trajectory id, else
-    # takes a stream with nothing held, else the one whose held row waited longest
+    # a piece continues the stream whose open (provisionally ended) episode has its
+    # first trajectory id, else takes a stream with none open, else the one whose
+    # open episode waited longest (that episode then ends, truncated, where it is)
     order = {s: i for i, s in enumerate(held)}
     free = [s for s in range(num_streams) if s not in held]
     owner = {h.traj: s for s, h in held.items() if h.traj is not None}
@@ -101,38 +105,40 @@ def segments(
     dangling: set[int],
     where: Path,
 ) -> list[Segment]:
-    """Per piece, in order: the rows to write to its stream (its held row first),
-    their flags, and the row to hold back after; every refusal is raised here,
-    before anything is written."""
+    """Per piece, in order: the rows to write to its stream, their flags (the last
+    row ends provisionally when its episode is open), and whether the stream's
+    provisional end is undone first (the episode goes on, and still fits a lane);
+    every refusal is raised here, before anything is written."""
     out = []
     held = dict(held)
     totals: dict[int, int] = {}
     for p in pieces:
         rows = {k: v[p.env, p.start : p.stop] for k, v in values.items()}
-        end = ends[p.env, p.start : p.stop]
-        trunc = truncated[p.env, p.start : p.stop]
+        end = ends[p.env, p.start : p.stop].copy()
+        trunc = truncated[p.env, p.start : p.stop].copy()
+        n = len(end)
         before = held.pop(p.stream, None)
-        if before is not None:
-            goes_on = p.continues or traj is None or before.traj == int(traj[p.env, p.start])
-            rows = {k: np.concatenate([before.values[k], v]) for k, v in rows.items()}
-            end = np.concatenate([[not goes_on], end])
-            trunc = np.concatenate([[not goes_on], trunc])
+        first = int(np.argmax(end)) + 1 if end.any() else n  # rows up to the first end
+        reopen = before is not None and (
+            (p.continues or traj is None or before.traj == int(traj[p.env, p.start])) and before.length + first <= lane_size
+        )
         after = None
         if not end[-1]:
-            after = Held({k: v[-1:].copy() for k, v in rows.items()}, None if traj is None else int(traj[p.env, p.stop - 1]))
-            rows = {k: v[:-1] for k, v in rows.items()}
-            end, trunc = end[:-1], trunc[:-1]
+            done = np.flatnonzero(end)
+            length = n - int(done[-1]) - 1 if done.size else n + (before.length if reopen and before is not None else 0)
+            after = Held(None if traj is None else int(traj[p.env, p.stop - 1]), length)
+            end[-1] = trunc[-1] = True  # provisional: undone if the episode goes on
             held[p.stream] = after
-        totals[p.stream] = totals.get(p.stream, 0) + len(end)
+        totals[p.stream] = totals.get(p.stream, 0) + n
         if totals[p.stream] > lane_size:
             raise errors.CapacityError(
                 f"data: expected at most a lane of {lane_size} rows per stream per extend, got {totals[p.stream]} "
                 f"for stream {p.stream} of the store at {where}"
             )
-        if len(end) and p.stream in dangling:
+        if n and p.stream in dangling:
             raise errors.SchemaError(
                 f"data: stream {p.stream} of the store at {where} ends in an open episode written by other code; "
                 "expected none (its next observation is unknown, so no new episode can follow it)"
             )
-        out.append(Segment(p, rows, end, trunc, after, 0 if before is None else 1))
+        out.append(Segment(p, rows, end, trunc, after, reopen))
     return out

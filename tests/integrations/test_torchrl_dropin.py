@@ -64,9 +64,11 @@ def test_collector_batches_go_one_env_per_stream(tmp_path, cartpole):
     frames = 0
     for td in batches:
         index = rb.extend(td)
+        assert index.shape == td.batch_size and len(rb) == frames + td.numel()
+        # every row is stored at once: stream e's rows follow one another
+        lane = rb.buffer.capacity // 2
+        assert torch.equal(index, torch.arange(2)[:, None] * lane + frames // 2 + torch.arange(td.shape[1]))
         frames += td.numel()
-        assert index.shape == td.batch_size and len(rb) == frames
-        assert (index[:, -1] == -1).all() == (~td["next", "done"][:, -1, 0]).all()  # held: last rows
     assert rb.buffer.num_streams == 2 and rb.buffer.capacity == 1000
     rb.commit()
     assert len(rb) == frames == len(rb.buffer)
@@ -420,9 +422,11 @@ def test_flag_rules_and_leading_dims(tmp_path):
 def test_add_one_step(tmp_path):
     rb = ReplayBuffer(tmp_path / "rb", capacity=100, batch_size=2)
     steps = _episode_td(3, [2])
-    assert rb.add(steps[0]) == -1  # held until the next step
-    assert rb.add(steps[1]) == -1 and rb.add(steps[2]) == 2  # the episode ends: nothing held
+    assert rb.add(steps[0]) == 0 and len(rb) == 1  # stored and sampleable at once
+    assert rb.sample(2)["next", "observation"].tolist() == [[1.0] * 3] * 2
+    assert rb.add(steps[1]) == 1 and rb.add(steps[2]) == 2  # one episode, continued twice
     assert len(rb) == 3 and rb.buffer.num_episodes == 1
+    assert rb.buffer.get(np.arange(3))["next_obs"][:, 0].tolist() == [1.0, 2.0, 3.0]
 
 
 def test_priority_key_in_extended_data_sets_priorities(tmp_path):

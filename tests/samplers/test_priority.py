@@ -93,7 +93,7 @@ def test_default_priority_follows_the_live_max(tmp_path):
     buf = make(tmp_path, capacity=10, alpha=alpha, eps=0.0, max_priority=100.0)
     leaves = lambda: buf.view().tree.leaves[:10].astype(float)  # noqa: E731
     buf.extend({"x": np.arange(2)})
-    np.testing.assert_allclose(leaves()[:2], 100.0**alpha)  # empty buffer: max_priority ** alpha
+    np.testing.assert_allclose(leaves()[:2], 1.0)  # empty buffer: 1, as TorchRL
     buf.update_priorities(torch.tensor([0, 1]), torch.tensor([4.0, 9.0]))
     buf.extend({"x": np.arange(2)})
     np.testing.assert_allclose(leaves()[2:4], 3.0)  # the live max (sqrt 9), not the historical 10
@@ -102,7 +102,7 @@ def test_default_priority_follows_the_live_max(tmp_path):
     np.testing.assert_allclose(leaves()[4], 2.0)  # the max was lowered: the next default follows (sqrt 4)
     buf.update_priorities(torch.tensor([0, 1, 2, 3, 4]), torch.zeros(5))
     buf.extend({"x": np.arange(1)})
-    np.testing.assert_allclose(leaves()[5], 10.0)  # all zero: max_priority ** alpha
+    np.testing.assert_allclose(leaves()[5], 1.0)  # all zero: 1
     buf.update_priorities(torch.tensor([5]), torch.tensor([10_000.0]))
     buf.extend({"x": np.arange(1)})
     np.testing.assert_allclose(leaves()[6], 10.0)  # capped by max_priority ** alpha
@@ -112,7 +112,7 @@ def test_default_priority_follows_the_live_max(tmp_path):
     buf.update_priorities(torch.arange(10), torch.tensor([1.0, 1, 1, 1, 1, 1, 1, 1, 1, 81.0]))
     buf.extend({"x": np.arange(1)})  # overwrites row 0, evicting the episode 0..9 (max at 9)
     assert leaves()[9] == 0 and buf.num_episodes == 0
-    np.testing.assert_allclose(leaves()[0], 10.0)  # nothing live holds a priority: the cap
+    np.testing.assert_allclose(leaves()[0], 1.0)  # nothing live holds a priority: 1
 
 
 def test_stale_updates_are_ignored(tmp_path):
