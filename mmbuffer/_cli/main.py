@@ -175,7 +175,7 @@ SUITES = {
 def _cmd_bench(args: argparse.Namespace) -> int:
     import runpy
 
-    root = Path(__file__).resolve().parent.parent / "benchmarks"
+    root = Path(__file__).resolve().parents[2] / "benchmarks"  # mmbuffer/_cli/main.py -> the source tree
     script = root / f"bench_{args.suite}.py"
     if not script.exists():
         print(f"mmbuffer: error: no benchmark {script} (benchmarks/ ships with the source tree)", file=sys.stderr)

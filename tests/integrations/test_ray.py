@@ -27,8 +27,8 @@ LEN = 40
 @pytest.fixture(scope="module")
 def cluster():
     # workers import this file's actors and the mmbuffer under test, not another install
-    here = Path(__file__).resolve().parents[1]  # tests/: conftest, s3server
-    paths = [str(here), str(Path(mb.__file__).parent.parent), os.environ.get("PYTHONPATH", "")]
+    here = Path(__file__).resolve().parent  # test_ray (the actors), and tests/ above it: conftest, s3server
+    paths = [str(here), str(here.parent), str(Path(mb.__file__).parent.parent), os.environ.get("PYTHONPATH", "")]
     ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}})
     yield
