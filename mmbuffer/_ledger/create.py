@@ -88,6 +88,7 @@ def create_store(
                 fmt.create_raw(tmp, f"priority/{name}", shape[0], tuple(shape[1:]), np.dtype(kind))
         (tmp / "sampler").mkdir()
         _files.atomic_write_json(tmp / fmt.MANIFEST, manifest.to_json())
+        _files.fsync_tree(tmp)  # zarr's metadata and the shard files are durable before the store appears
         try:
             _files.rename_noreplace(tmp, path)  # the store appears whole or not at all
         except FileExistsError:

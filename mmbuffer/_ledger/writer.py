@@ -305,8 +305,11 @@ class Writer:
             return self._default_priority()
 
     def _mark_tree_dirty(self) -> None:
+        """Create ``priority/DIRTY`` (durably: its directory is synced) before the tree
+        changes, whose pages the kernel may write back at any time."""
         if not self._tree_dirty:
             (self.path / "priority" / "DIRTY").touch()
+            _files.fsync_dir(self.path / "priority")
             self._tree_dirty = True
 
     # -- repair ------------------------------------------------------------------------------
