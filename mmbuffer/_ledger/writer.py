@@ -13,6 +13,10 @@ every committed episode whose first row lies below ``reserved - lane_size`` as
 evicted: they never sample a row the writer may be rewriting, and a kill at any
 instant leaves the last commit readable.
 
+Exit. A writer still open when the interpreter exits (normally, or after an
+uncaught exception) is closed as ``close()`` closes it: it commits (``closing.py``,
+which also says why no signal handler is installed).
+
 Commit protocol (docs/design.md): the rows written since the last commit are msync'ed,
 then the index and the tree, then ``manifest.json`` is replaced atomically.
 
@@ -36,7 +40,7 @@ import numpy as np
 
 from .._disk import files as _files, rawio as _rawio
 from .. import errors, tree
-from . import index, zarr_view
+from . import closing, index, zarr_view
 from .._disk import format as fmt
 from .._disk.checks import as_numpy, check_stream, row_ids, validate_final, validate_steps
 from .._disk.guards import acquire_lock, locked, locked_write, raise_typed
@@ -108,6 +112,7 @@ class Writer:
         except BaseException:  # the caller gets no writer: nothing else would release the lock
             self.release()
             raise
+        closing.register(self)  # closed at interpreter exit if still open (closing.py)
 
     # -- recovery ------------------------------------------------------------------------
     def _recover(self) -> None:
@@ -360,6 +365,11 @@ class Writer:
         fd, self._lock_fd = getattr(self, "_lock_fd", None), None
         if fd is not None:
             release_lock(fd)
+
+    @property
+    def is_open(self) -> bool:
+        """Whether this writer still holds the store's lock."""
+        return self._lock_fd is not None
 
     def check_writable(self, what: str) -> None:
         if self._lock_fd is None:
