@@ -17,6 +17,7 @@ from .. import errors, tree
 from .._disk import format as fmt
 from .._disk.checks import check_int, check_json, check_schema
 from .._disk.guards import raise_typed
+from . import progress
 from .manifest import Manifest
 from .index import Lane
 from ..schema import PriorityConfig
@@ -82,6 +83,7 @@ def create_store(
             fmt.create_raw(tmp, f"final/{name}", capacity, shape, dtype)
         fmt.create_raw(tmp, "index/ends", num_streams * 2 * lane_size, (), np.dtype(np.int64))
         fmt.create_raw(tmp, "index/reserved", num_streams, (), np.dtype(np.int64), allocate=True)
+        progress.create(tmp, num_streams)
         if priorities is not None:
             for name, (shape, kind) in tree.layout(capacity).items():
                 # sparse: zero bytes are an empty tree (mmbuffer.tree), so nothing is written

@@ -13,6 +13,16 @@ every committed episode whose first row lies below ``reserved - lane_size`` as
 evicted: they never sample a row the writer may be rewriting, and a kill at any
 instant leaves the last commit readable.
 
+Recovery. The reservation is durable but runs a window ahead; how far the overwrite
+really got is stored, before each ``extend``'s rows, in ``index/progress``, exact
+after a kill and ignored after a reboot (``progress.py``). A writer that reopens
+after a kill gives up only the committed episodes that start below ``progress -
+lane_size``: those the dead writer's uncommitted extends reached, so one extend's
+reach for a writer that commits after every extend; after a power cut, those below
+``reserved - lane_size``. Counters are checked on write as on open: an ``extend``
+that would take a lane's ``written`` past 2**62, or a commit its generation, is
+refused (``CapacityError``) before anything changes.
+
 Exit. A writer still open when the interpreter exits (normally, or after an
 uncaught exception) is closed as ``close()`` closes it: it commits (``closing.py``,
 which also says why no signal handler is installed).
@@ -40,12 +50,13 @@ import numpy as np
 
 from .._disk import files as _files, rawio as _rawio
 from .. import errors, tree
-from . import closing, index, zarr_view
+from . import closing, counters as _counters, index, progress, zarr_view
 from .._disk import format as fmt
 from .._disk.checks import as_numpy, check_stream, row_ids, validate_final, validate_steps
 from .._disk.guards import acquire_lock, locked, locked_write, raise_typed
 from ..config import config
 from .index import Lane
+from .manifest import MAX_COUNTER
 from .snapshot import Ledger
 from .store import Store, check_rows
 
@@ -107,7 +118,9 @@ class Writer:
         self.layout = store.layout
         self.lane_size = store.lane_size
         self._tree_dirty = False
+        self._record: np.ndarray | None = None
         try:
+            self._record_array, self._record = progress.open_record(self.path, store.num_streams)
             self._recover()
         except BaseException:  # the caller gets no writer: nothing else would release the lock
             self.release()
@@ -119,15 +132,25 @@ class Writer:
         """Drop what an interrupted writer may have left past the last commit.
 
         Committed episodes whose rows the dead writer may have overwritten (below
-        ``reserved - lane_size``) are evicted and that state is committed at once.
-        The reservation stays where the dead writer left it: a reader still holding
-        an older commit must keep away from the rows that writer may have rewritten,
-        and the reservation is the only record of how far that went.
+        ``limit - lane_size``, ``limit`` its progress after a kill, its reservation
+        after a reboot: ``progress.limits``) are evicted and that state is committed
+        at once. The reservation is lowered to that limit, never below: a reader
+        still holding an older commit must keep away from the rows that writer may
+        have rewritten. The episodes this keeps beyond what the open checked (those
+        between the two limits) are checked first.
         """
-        self._reserved_floor = np.array(self._reserved, dtype=np.int64)
+        assert self._record is not None
         before = self.store.ledger
+        limit = progress.limits(self._record, self._reserved, before.committed)
+        if limit != self._reserved.tolist():
+            where = str(self.path / fmt.MANIFEST)
+            _counters.check_lanes(self._ends, np.array(limit, dtype=np.int64), list(before.lanes), self.lane_size, where, writer=True)
+            self._reserved[:] = limit
+            _rawio.flush_rows(self._reserved, 0, len(self._reserved))
+        progress.start(self._record, limit)  # this writer's record, of this boot
+        self._reserved_floor = np.array(self._reserved, dtype=np.int64)
         kept = tuple(
-            index.drop_below(self._ends, lane, self.lane_size, st, int(self._reserved[lane]) - self.lane_size)
+            index.drop_below(self._ends, lane, self.lane_size, st, limit[lane] - self.lane_size)
             for lane, st in enumerate(before.lanes)
         )
         torn = kept != before.lanes
@@ -165,7 +188,12 @@ class Writer:
         index.check_fits(st, self._ends, lane, self.lane_size, done)
 
         new_written = st.written + rows
-        reserved = new_written + self._room_rows() if new_written > int(self._reserved[lane]) else None
+        if new_written > MAX_COUNTER:  # what an open would refuse is never written
+            raise errors.CapacityError(
+                f"extend: stream {lane}: expected at most {MAX_COUNTER} rows ever written to a stream "
+                f"(2**62), got {st.written} + {rows}"
+            )
+        reserved = min(new_written + self._room_rows(), MAX_COUNTER) if new_written > int(self._reserved[lane]) else None
         if reserved is not None:
             self._reserve_space(lane, st, reserved)  # a full disk refuses here, before any change
         if new_written > store.committed[lane].written + self.lane_size:
@@ -176,6 +204,8 @@ class Writer:
         if reserved is not None:
             self._reserved[lane] = reserved
             _rawio.flush_rows(self._reserved, lane, lane + 1)  # on disk before any row it covers
+        assert self._record is not None
+        self._record[2 + lane] = new_written  # in the page cache before any row it covers (progress.py)
         if self._tree is not None:
             self._mark_tree_dirty()  # before anything it marks is written
 
@@ -210,6 +240,8 @@ class Writer:
         self.check_writable("commit")
         store = self.store
         ledger = store.ledger
+        if ledger.generation >= MAX_COUNTER:
+            raise errors.CapacityError(f"commit: expected a generation below {MAX_COUNTER} (2**62), got {ledger.generation}")
         ends = store.array("index/ends")
         for lane, (was, now) in enumerate(zip(ledger.committed, ledger.lanes)):
             segs = self.layout.segments(lane, was.written, now.written)
@@ -359,12 +391,17 @@ class Writer:
         for lane, st in enumerate(self.store.committed):
             self._reserved[lane] = max(st.written, int(self._reserved_floor[lane]))
         _rawio.flush_rows(self._reserved, 0, len(self._reserved))
+        if self._record is not None:
+            self._record[2:] = self._reserved
 
     def release(self) -> None:
         """Release the lock without committing (the store recovers as after a crash)."""
         fd, self._lock_fd = getattr(self, "_lock_fd", None), None
         if fd is not None:
             release_lock(fd)
+        record = getattr(self, "_record_array", None)
+        if record is not None:
+            record.close()
 
     @property
     def is_open(self) -> bool:

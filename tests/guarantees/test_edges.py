@@ -193,7 +193,7 @@ import hashlib, json, os, sys
 from pathlib import Path
 import numpy as np
 import mmbuffer as mb
-sys.path.insert(0, sys.argv[3])
+sys.path[:0] = [sys.argv[3], str(Path(sys.argv[3]).parent)]  # this file's folder, and tests/ (conftest)
 from test_edges import _extend, _fill
 
 fs, path = Path(sys.argv[1]), Path(sys.argv[2])
@@ -254,7 +254,7 @@ def test_full_disk_extends_are_typed_errors_never_sigbus(small_fs):
     with mb.create(small_fs / "ring", COLUMNS, capacity=512, priorities=mb.PriorityConfig()) as ring:
         _extend(ring, 0, 300, 7)
         _extend(ring, 300, 300, 7)
-    out = _result(_run(FULL_DISK_WRITER, small_fs, path, Path(__file__).resolve().parents[1]))  # tests/: conftest
+    out = _result(_run(FULL_DISK_WRITER, small_fs, path, Path(__file__).resolve().parent))
     assert out["wrapped"] == "ok", out["wrapped"]  # a lane of rows into the allocated ring
     kind, message = out["wrapped_past_a_lane"]  # then extend commits first, and the manifest needs room
     assert kind == "DiskFullError" and "commit" in message and str(small_fs / "ring") in message
