@@ -6,7 +6,7 @@ wrapped. A child process then opens it, updates 100,000 priorities, extends 2,00
 rows, reports, and is SIGKILLed (the issue-22 scenario). Measured in a fresh
 process, with the store's pages dropped from the page cache first (each file
 fdatasync'ed, then ``POSIX_FADV_DONTNEED``: the store only, not the machine's cache):
-the time of ``mb.open`` (recovery included) and of the first
+the time of ``mb.open`` (recovery included, and the import of torch it triggers) and of the first
 ``sample(32, prioritized=True)``, and the committed rows still live against the rows
 the last commit held. ``--code DIR`` runs the writer, the kill and the reopen with
 the ``mmbuffer`` package found in ``DIR`` (a checkout of another commit: ``git archive
@@ -123,7 +123,7 @@ with mb.open(sys.argv[1], mode="r") as ro:
     return json.loads(run(code, script, path).stdout)
 
 
-def one(code: Path, rows: int, tmp: Path) -> dict[str, object]:
+def one(code: Path, rows: int, tmp: Path, warm: bool) -> dict[str, object]:
     path = tmp / f"s{abs(hash(str(code))) % 10_000}"
     t0 = time.perf_counter()
     run(code, FILL, path, rows)
@@ -134,12 +134,13 @@ def one(code: Path, rows: int, tmp: Path) -> dict[str, object]:
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     before = committed_rows(code, path)
-    drop_store_cache(path)
+    if not warm:
+        drop_store_cache(path)
     out = json.loads(run(code, REOPEN, path).stdout)
     extend_us = float(run(code, EXTEND).stdout) * 1e6
     lost = before["committed rows"] - out["live rows"]
     assert out["code"].startswith(str(code)), (out["code"], code)  # the code asked for ran
-    return {"code": str(code), "rows": rows, "fill s": round(fill_s, 1), **before,
+    return {"code": str(code), "rows": rows, "cache": "warm" if warm else "cold", "fill s": round(fill_s, 1), **before,
             "kept after reopen": out["live rows"], "committed rows lost": lost,
             "open s": round(out["open s"], 3), "first PER sample s": round(out["first prioritized sample s"], 3),
             "extend(1 row) us": round(extend_us, 2)}
@@ -149,11 +150,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=count, default=1_000_000, help="capacity (1e8 notation accepted)")
     p.add_argument("--code", type=Path, action="append", help="a folder holding the mmbuffer package (repeatable)")
+    p.add_argument("--warm", action="store_true", help="keep the store's pages cached (a kill and an open at once)")
     p.add_argument("--dir", type=Path, default=None, help="where to put the stores (default: a temporary folder)")
     args = p.parse_args()
     codes = [c.resolve() for c in (args.code or [Path(__file__).resolve().parents[1]])]
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        results = [one(code, args.rows, Path(tmp)) for code in codes]
+        results = [one(code, args.rows, Path(tmp), args.warm) for code in codes]
     header("bench_recovery")
     table(results)
 

@@ -17,6 +17,8 @@ tensorstore or xarray read it without mmbuffer. Nothing in it is a pickle::
       index/progress/      int64 [2 + num_streams]: boot id, then how far the writer
                            really wrote, per lane (``_ledger/progress.py``)
       priority/<level>/    priority tree arrays (``mmbuffer.tree``), when enabled
+      priority/touched/    uint8 [ceil(capacity / 64)]: the tree blocks the writer
+                           changed since its last commit (``_ledger/touched.py``)
       sampler/<name>.json  persisted sampler state (``samplers/epoch.py``)
       LOCK                 advisory lock file of the single writer (pid, host)
 
@@ -85,8 +87,8 @@ Version history
     dimensions (``dimension_names``, which xarray needs), and each commit refreshes
     the root group's ``"mmbuffer"`` attributes with the live rows and episodes
     (``zarr_view.py``, docs/format.md).
-    Since then, without a version change: ``index/progress`` (issue 22), which only
-    the writer reads; a writer that opens a store without it creates it (built
+    Since then, without a version change: ``index/progress`` and ``priority/touched``
+    (issue 22), which only the writer reads; a writer that opens a store without it creates it (built
     beside, renamed into place), and readers of any version ignore it.
 """
 

@@ -61,31 +61,47 @@ def create(root: Path, num_streams: int) -> None:
 
 def open_record(root: Path, num_streams: int) -> tuple[RawArray, np.ndarray]:
     """The writer's record of store ``root`` (created first if the store predates it)."""
-    expect = (2 + num_streams, (), np.dtype(np.int64))
-    if not _safe_io.lexists(root, f"{NAME}/zarr.json"):  # built beside, renamed into place
-        tmp = f"index/.progress-{secrets.token_hex(6)}"
+    arr, mapped, _ = open_or_add(root, NAME, 2 + num_streams, np.dtype(np.int64))
+    return arr, mapped
+
+
+def open_or_add(root: Path, name: str, rows: int, dtype: np.dtype) -> tuple[RawArray, np.ndarray, bool]:
+    """Open the writer's raw array ``name`` of store ``root`` (mapped, writable), and
+    say whether it was just added: a store made before it existed gets it first, all
+    blocks allocated (a store through the map then never meets a full disk), built
+    beside and renamed into place."""
+    expect = (rows, (), dtype)
+    added = not _safe_io.lexists(root, f"{name}/zarr.json")
+    if added:
+        parent, leaf = name.rsplit("/", 1)
+        tmp = f"{parent}/.{leaf}-{secrets.token_hex(6)}"
         try:
-            fmt.create_raw(root, f"{tmp}/progress", expect[0], (), expect[2], allocate=True)
+            fmt.create_raw(root, f"{tmp}/{leaf}", rows, (), dtype, allocate=True)
             _files.fsync_tree(root / tmp)
-            os.rename(root / tmp / "progress", root / NAME)
-            _files.fsync_dir(root / "index")
+            os.rename(root / tmp / leaf, root / name)
+            _files.fsync_dir(root / parent)
         finally:
             shutil.rmtree(root / tmp, ignore_errors=True)
-    arr = RawArray.open(root, NAME, writable=True, expect=expect)
+    arr = RawArray.open(root, name, writable=True, expect=expect)
     mapped = arr.mapped()
     assert mapped is not None
-    return arr, mapped
+    return arr, mapped, added
+
+
+def trusted(record: np.ndarray) -> bool:
+    """Whether ``record`` was written in this boot (its stores then survived any kill)."""
+    return tuple(int(v) for v in record[:2]) == boot_id() and boot_id() != (0, 0)
 
 
 def limits(record: np.ndarray, reserved: np.ndarray, committed: tuple[Lane, ...]) -> list[int]:
     """Per lane, the absolute row below which a dead writer may have written: the
     record's, when it is of this boot and within ``[committed written, reserved]``,
     else ``reserved``."""
-    trusted = tuple(int(v) for v in record[:2]) == boot_id() and boot_id() != (0, 0)
+    ok = trusted(record)
     out = []
     for lane, st in enumerate(committed):
         got, bound = int(record[2 + lane]), int(reserved[lane])
-        out.append(got if trusted and st.written <= got <= bound else bound)
+        out.append(got if ok and st.written <= got <= bound else bound)
     return out
 
 

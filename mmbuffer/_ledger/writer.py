@@ -50,7 +50,7 @@ import numpy as np
 
 from .._disk import files as _files, rawio as _rawio
 from .. import errors, tree
-from . import closing, counters as _counters, index, progress, zarr_view
+from . import closing, counters as _counters, index, progress, touched, zarr_view
 from .._disk import format as fmt
 from .._disk.checks import as_numpy, check_stream, row_ids, validate_final, validate_steps
 from .._disk.guards import acquire_lock, locked, locked_write, raise_typed
@@ -119,8 +119,13 @@ class Writer:
         self.lane_size = store.lane_size
         self._tree_dirty = False
         self._record: np.ndarray | None = None
+        self._marks: touched.Marks | None = None  # tree blocks changed since the commit (touched.py)
+        self._marks_added = False
         try:
             self._record_array, self._record = progress.open_record(self.path, store.num_streams)
+            if self._tree is not None:
+                self._marks_array, marks, self._marks_added = touched.open_marks(self.path, store.capacity)
+                self._marks = touched.Marks(marks)
             self._recover()
         except BaseException:  # the caller gets no writer: nothing else would release the lock
             self.release()
@@ -137,9 +142,12 @@ class Writer:
         at once. The reservation is lowered to that limit, never below: a reader
         still holding an older commit must keep away from the rows that writer may
         have rewritten. The episodes this keeps beyond what the open checked (those
-        between the two limits) are checked first.
+        between the two limits) are checked first. The tree is repaired in the blocks
+        marked since the commit (``touched.py``) when the marks are of this boot,
+        else rebuilt whole.
         """
         assert self._record is not None
+        same_boot = progress.trusted(self._record) and not self._marks_added  # before start() rewrites it
         before = self.store.ledger
         limit = progress.limits(self._record, self._reserved, before.committed)
         if limit != self._reserved.tolist():
@@ -155,12 +163,24 @@ class Writer:
         )
         torn = kept != before.lanes
         self.store.ledger = Ledger(kept, before.committed, before.generation)
-        if self._tree is not None and (torn or (self.path / "priority" / "DIRTY").exists()):
-            self._zero_invisible_priorities()
-            tree.rebuild(self._tree, spans=self.store.tree_spans())
+        if self._tree is not None and self._marks is not None and (torn or (self.path / "priority" / "DIRTY").exists()):
+            if same_boot:  # O(work since the commit): the given-up episodes and the marked blocks
+                self._mark_tree_dirty()
+                for lane, (was, now) in enumerate(zip(before.lanes, kept)):
+                    for a, b in self.layout.segments(lane, was.first_start, now.first_start):
+                        self._marks.range(a, b)
+                        tree.set_range(self._tree, a, b, 0.0)
+                touched.repair(self._tree, self._marks.marks, self.layout, kept)
+            else:  # after a reboot the marks may be stale: the whole tree, marked first
+                self._marks.all()
+                self._mark_tree_dirty()
+                self._zero_invisible_priorities()
+                tree.rebuild(self._tree, spans=self.store.tree_spans())
             self._tree_dirty = True
         if torn or self._tree_dirty:
             self.commit()
+            if self._marks is not None:
+                self._marks.clear_all()  # the dead writer's marks too, now that the tree is whole
 
     def _zero_invisible_priorities(self) -> None:
         """Give priority 0 to every row of a lane outside its live range."""
@@ -227,10 +247,13 @@ class Writer:
         if self._tree is not None:
             # overwritten and evicted rows leave the tree before the default is
             # taken, so a new row gets the max of what stays live
+            assert self._marks is not None
             for a, b in self.layout.segments(lane, max(0, new_written - rows - self.lane_size), dropped_end):
+                self._marks.range(a, b)
                 tree.set_range(self._tree, a, b, 0.0)
             default = self._default_priority()
             for a, b in segments:
+                self._marks.range(a, b)
                 tree.set_range(self._tree, a, b, default)
 
     @locked_write("commit")
@@ -259,6 +282,8 @@ class Writer:
         if self._tree is not None and self._tree_dirty:
             (self.path / "priority" / "DIRTY").unlink(missing_ok=True)
             self._tree_dirty = False
+            if self._marks is not None:
+                self._marks.clear()
         zarr_view.publish(self.path, self.layout, store.committed, store.generation)  # live rows for Zarr readers
         return store.generation
 
@@ -282,8 +307,9 @@ class Writer:
         idx, pri = self._checked_priorities("update_priorities", indices, priorities)
         keep = self._live_rows(idx, written_at)
         cfg = self.store.priorities
-        assert self._tree is not None and cfg is not None  # checked above
+        assert self._tree is not None and cfg is not None and self._marks is not None  # checked above
         self._mark_tree_dirty()
+        self._marks.rows(idx[keep])
         tree.update(self._tree, idx[keep], (pri[keep] + cfg.eps) ** cfg.alpha)
 
     @locked
@@ -292,8 +318,9 @@ class Writer:
         ``Buffer.set_leaf_priorities``)."""
         idx, val = self._checked_priorities("set_leaf_priorities", rows, values)
         keep = self._live_rows(idx, None)
-        assert self._tree is not None  # checked above
+        assert self._tree is not None and self._marks is not None  # checked above
         self._mark_tree_dirty()
+        self._marks.rows(idx[keep])
         tree.update(self._tree, idx[keep], val[keep])
 
     def _checked_priorities(self, what: str, indices: Any, priorities: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -362,7 +389,8 @@ class Writer:
         before = self.store.ledger
         self.store.ledger = Ledger(tuple(lanes), before.committed, before.generation)
         self.store.array("index/ends").flush(0, len(self._ends))  # commit flushes only new slots
-        if self._tree is not None:
+        if self._tree is not None and self._marks is not None:
+            self._marks.all()
             self._mark_tree_dirty()
             tree.rebuild(self._tree, spans=self.store.tree_spans())
         return self.commit()
@@ -399,9 +427,10 @@ class Writer:
         fd, self._lock_fd = getattr(self, "_lock_fd", None), None
         if fd is not None:
             release_lock(fd)
-        record = getattr(self, "_record_array", None)
-        if record is not None:
-            record.close()
+        for name in ("_record_array", "_marks_array"):
+            arr = getattr(self, name, None)
+            if arr is not None:
+                arr.close()
 
     @property
     def is_open(self) -> bool:
@@ -437,6 +466,8 @@ class Writer:
                 self.store.array(name).allocate(base + w, base + hi)
             for a, b in tree.node_rows(self._tree, base + w, base + hi) if self._tree is not None else ():
                 self.store.array("priority/nodes").allocate(a, b)
+            if self._tree is not None:  # the marks of those rows' blocks (touched.py)
+                self._marks_array.allocate((base + w) // tree.BLOCK, (base + hi - 1) // tree.BLOCK + 1)
         slots = 2 * self.lane_size
         if t < slots:
             self.store.array("index/ends").allocate(lane * slots + t, lane * slots + min(t + stop - w, slots))

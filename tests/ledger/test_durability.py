@@ -33,7 +33,7 @@ from mmbuffer._disk import files as _files
 from mmbuffer._disk import format as fmt
 
 EXEMPT = {"zarr.json", "manifest.json"}
-BY_DESIGN = ("LOCK", "index/progress/c/0")  # never synced, wherever they are (module docstring)
+BY_DESIGN = ("LOCK", "index/progress/c/0", "priority/touched/c/0")  # never synced, wherever they are (module docstring)
 
 
 def _fd_path(fd: int) -> str:

@@ -86,8 +86,23 @@ def _recovered_episodes(buf):
     return out
 
 
+def _check_tree(buf):
+    """The tree is exactly what a rebuild from the leaves makes, and its leaves are
+    positive on the live rows (complete and open episodes) and 0 elsewhere."""
+    from mmbuffer import tree
+
+    pt = buf.store.priority_tree
+    assert tree.check(pt) == 0.0
+    live = np.zeros(buf.capacity, bool)
+    for lane, lv in enumerate(buf.view().lanes):
+        for a, b in buf.layout.segments(lane, lv.first_start, int(buf.view().written[lane])):
+            live[a:b] = True
+    leaves = np.asarray(pt.leaves)
+    assert (leaves[live] > 0).all() and (leaves[~live] == 0).all()
+
+
 @pytest.mark.parametrize("kind", list(STORES))
-def test_sigkill_loses_only_what_the_last_extends_reached(tmp_path, kind):
+def test_sigkill_loses_only_what_the_last_extends_reached(tmp_path, kind, monkeypatch):
     """A live writer that has wrapped its ring (committing after every extend of each
     lane) is SIGKILLed at a random instant; the next writer keeps every committed
     episode whose rows the dead writer's last extends could not reach (it starts at or
@@ -96,8 +111,15 @@ def test_sigkill_loses_only_what_the_last_extends_reached(tmp_path, kind):
     committed, and against what the reservation window alone would have kept.
 
     Proves where its kills landed: all after the child wrapped every lane and
-    committed, most mid-write (an extend or commit begun since the last commit)."""
+    committed, most mid-write (an extend or commit begun since the last commit).
+    A prioritized store's tree is repaired in the blocks the dead writer marked
+    (``_ledger/touched.py``), never rebuilt whole, and is then exactly a rebuild's."""
+    from mmbuffer import tree
     from mmbuffer._ledger.verify import verify
+
+    rebuilds = []
+    real_rebuild = tree.rebuild
+    monkeypatch.setattr(tree, "rebuild", lambda *a, **k: (rebuilds.append(1), real_rebuild(*a, **k))[1])
 
     streams, lane_size, options = STORES[kind]
     path = tmp_path / "s"
@@ -142,6 +164,9 @@ def test_sigkill_loses_only_what_the_last_extends_reached(tmp_path, kind):
                 reach[int(s)] = max(reach[int(s)], int(w) + int(n))
         assert all(r - w <= 37 for r, (w, _) in zip(reach, episodes))  # one extend per lane past the commit
         with mb.open(path) as buf:  # the next writer recovers
+            assert rebuilds == [], "recovery rebuilt the whole tree"
+            if buf.priorities is not None:
+                _check_tree(buf)
             kept = _recovered_episodes(buf)
             assert buf.view().written.tolist() == [w for w, _ in episodes]  # the committed cursors
             assert verify(buf)["ok"]
@@ -206,3 +231,47 @@ def test_counters_are_checked_on_write_as_on_open(tmp_path):
         buf.close()  # its commit is refused as well; the lock is released all the same
     with mb.open(other, mode="r") as ro:
         assert ro.generation == MAX_COUNTER and ro.view().written.tolist() == [0]
+
+
+CRASH = textwrap.dedent(
+    """
+    import os, sys, numpy as np, mmbuffer as mb
+    buf = mb.open(sys.argv[1])
+    for k in range(9):  # past the lane of 5000: a commit before the last, then rows and priorities after it
+        rows = k * 600 + np.arange(600)
+        buf.extend({"x": rows * 10, "terminated": rows % 9 == 8}, final_obs={"x": rows[rows % 9 == 8] * 10 + 1})
+        buf.update_priorities(buf.sample(20), np.random.default_rng(k).random(20) + 0.5)
+    os._exit(0)  # a crash: no commit, no close
+    """
+)
+
+
+@pytest.mark.parametrize("reboot", [False, True])
+def test_a_killed_writers_tree_is_repaired_where_it_changed_or_rebuilt_after_a_reboot(tmp_path, monkeypatch, reboot):
+    """Killed between commits with rows and priorities changed since: the next writer
+    repairs the tree in the blocks marked since the commit (no whole rebuild); when the
+    marks are of another boot (simulated: the record's boot id changed, as a reboot
+    changes the kernel's), it rebuilds the whole tree. Either way the tree is then
+    exactly a rebuild's, with leaves on the live rows only."""
+    from mmbuffer import tree
+    from mmbuffer._ledger import progress
+
+    path = tmp_path / "s"
+    mb.create(path, {"x": ((), "int64")}, capacity=5000, next_keys=("x",), priorities=mb.PriorityConfig()).close()
+    subprocess.run([sys.executable, "-c", CRASH, str(path)], check=True, timeout=300)
+    assert (path / "priority" / "DIRTY").exists()  # the tree changed since the last commit
+    marks = np.fromfile(path / "priority" / "touched" / "c" / "0", dtype=np.uint8)[: -(-5000 // 64)]
+    assert 0 < marks.sum() < len(marks) or reboot  # some blocks marked, not all
+    if reboot:
+        record = np.memmap(path / "index" / "progress" / "c" / "0", dtype="<i8", mode="r+", shape=(3,))
+        record[:2] = np.array(progress.boot_id()) ^ 1
+        record.flush()
+        del record
+    rebuilds = []
+    real_rebuild = tree.rebuild
+    monkeypatch.setattr(tree, "rebuild", lambda *a, **k: (rebuilds.append(1), real_rebuild(*a, **k))[1])
+    with mb.open(path) as buf:
+        assert rebuilds == ([1] if reboot else [])
+        _check_tree(buf)
+        assert buf.view().written.tolist() == [4800]  # the rows after the last commit are gone
+        assert not np.asarray(np.fromfile(path / "priority" / "touched" / "c" / "0", dtype=np.uint8)[: len(marks)]).any()
