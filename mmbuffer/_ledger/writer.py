@@ -172,6 +172,7 @@ class Writer:
                         tree.set_range(self._tree, a, b, 0.0)
                 touched.repair(self._tree, self._marks.marks, self.layout, kept)
             else:  # after a reboot the marks may be stale: the whole tree, marked first
+                self._marks_array.allocate(0, len(self._marks.marks))  # no hole under the marks
                 self._marks.all()
                 self._mark_tree_dirty()
                 self._zero_invisible_priorities()
@@ -390,6 +391,7 @@ class Writer:
         self.store.ledger = Ledger(tuple(lanes), before.committed, before.generation)
         self.store.array("index/ends").flush(0, len(self._ends))  # commit flushes only new slots
         if self._tree is not None and self._marks is not None:
+            self._marks_array.allocate(0, len(self._marks.marks))  # a full disk refuses here, never a SIGBUS
             self._marks.all()
             self._mark_tree_dirty()
             tree.rebuild(self._tree, spans=self.store.tree_spans())
