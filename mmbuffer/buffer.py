@@ -344,7 +344,8 @@ class Buffer:
         If that commit fails (``DiskFullError``), the lock is released all the
         same: the rows extended since the last commit are lost, and the next
         writer recovers the store as after a crash. To keep them, free space and
-        call ``commit`` before ``close``.
+        call ``commit`` before ``close``. A writer still open at interpreter exit
+        is closed this way then (``mmbuffer/_ledger/closing.py``).
         """
         try:
             if self._writer is not None:

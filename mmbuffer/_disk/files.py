@@ -84,11 +84,38 @@ def atomic_write_json(path: Path, obj: Any, *, durable: bool = True) -> None:
 
 
 def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    """fsync directory ``path``: the names created, renamed or removed in it are durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_in(root: Path, rel: str) -> None:
+    """fsync file ``root/rel`` (opened without following links) if it exists: what
+    zarr-python wrote there is durable once its directories are synced too (a file
+    zarr removed, a chunk equal to the fill value, needs only those)."""
+    if _safe_io.lexists(root, rel):
+        fd = _safe_io.open_file(root, rel, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and directory under ``root`` (links are not followed), deepest
+    first, ``root`` last: a directory built in place (``create``) is durable before it
+    is renamed into view. O(files); sparse files cost only their written blocks."""
+    for dirpath, dirnames, filenames in os.walk(root, topdown=False):
+        for name in filenames:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(dirpath))
 
 
 def lock_owner() -> str:

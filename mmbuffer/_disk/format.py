@@ -14,7 +14,11 @@ tensorstore or xarray read it without mmbuffer. Nothing in it is a pickle::
                            episode ends (absolute, exclusive row counters)
       index/reserved/      int64 [num_streams]: rows the writer may have overwritten
                            past its last commit (see ``writer.py``)
+      index/progress/      int64 [2 + num_streams]: boot id, then how far the writer
+                           really wrote, per lane (``_ledger/progress.py``)
       priority/<level>/    priority tree arrays (``mmbuffer.tree``), when enabled
+      priority/touched/    uint8 [ceil(capacity / 64)]: the tree blocks the writer
+                           changed since its last commit (``_ledger/touched.py``)
       sampler/<name>.json  persisted sampler state (``samplers/epoch.py``)
       LOCK                 advisory lock file of the single writer (pid, host)
 
@@ -83,6 +87,9 @@ Version history
     dimensions (``dimension_names``, which xarray needs), and each commit refreshes
     the root group's ``"mmbuffer"`` attributes with the live rows and episodes
     (``zarr_view.py``, docs/format.md).
+    Since then, without a version change: ``index/progress`` and ``priority/touched``
+    (issue 22), which only the writer reads; a writer that opens a store without it creates it (built
+    beside, renamed into place), and readers of any version ignore it.
 """
 
 from __future__ import annotations

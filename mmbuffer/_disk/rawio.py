@@ -126,6 +126,11 @@ def flush_rows(mm: np.ndarray, start: int, stop: int) -> None:
     handle.flush(lo, hi - lo)
 
 
+def mmap_of(arr: np.ndarray) -> mmap.mmap | None:
+    """The ``mmap`` an array's memory belongs to, or None."""
+    return _mmap_of(arr)
+
+
 def _mmap_of(arr: np.ndarray) -> mmap.mmap | None:
     base: object = arr
     while base is not None:

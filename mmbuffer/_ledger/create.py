@@ -17,6 +17,7 @@ from .. import errors, tree
 from .._disk import format as fmt
 from .._disk.checks import check_int, check_json, check_schema
 from .._disk.guards import raise_typed
+from . import progress, touched
 from .manifest import Manifest
 from .index import Lane
 from ..schema import PriorityConfig
@@ -82,12 +83,15 @@ def create_store(
             fmt.create_raw(tmp, f"final/{name}", capacity, shape, dtype)
         fmt.create_raw(tmp, "index/ends", num_streams * 2 * lane_size, (), np.dtype(np.int64))
         fmt.create_raw(tmp, "index/reserved", num_streams, (), np.dtype(np.int64), allocate=True)
+        progress.create(tmp, num_streams)
         if priorities is not None:
             for name, (shape, kind) in tree.layout(capacity).items():
                 # sparse: zero bytes are an empty tree (mmbuffer.tree), so nothing is written
                 fmt.create_raw(tmp, f"priority/{name}", shape[0], tuple(shape[1:]), np.dtype(kind))
+            fmt.create_raw(tmp, touched.NAME, touched.nblocks(capacity), (), np.dtype(np.uint8))  # sparse
         (tmp / "sampler").mkdir()
         _files.atomic_write_json(tmp / fmt.MANIFEST, manifest.to_json())
+        _files.fsync_tree(tmp)  # zarr's metadata and the shard files are durable before the store appears
         try:
             _files.rename_noreplace(tmp, path)  # the store appears whole or not at all
         except FileExistsError:

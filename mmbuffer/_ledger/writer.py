@@ -13,6 +13,20 @@ every committed episode whose first row lies below ``reserved - lane_size`` as
 evicted: they never sample a row the writer may be rewriting, and a kill at any
 instant leaves the last commit readable.
 
+Recovery. The reservation is durable but runs a window ahead; how far the overwrite
+really got is stored, before each ``extend``'s rows, in ``index/progress``, exact
+after a kill and ignored after a reboot (``progress.py``). A writer that reopens
+after a kill gives up only the committed episodes that start below ``progress -
+lane_size``: those the dead writer's uncommitted extends reached, so one extend's
+reach for a writer that commits after every extend; after a power cut, those below
+``reserved - lane_size``. Counters are checked on write as on open: an ``extend``
+that would take a lane's ``written`` past 2**62, or a commit its generation, is
+refused (``CapacityError``) before anything changes.
+
+Exit. A writer still open when the interpreter exits (normally, or after an
+uncaught exception) is closed as ``close()`` closes it: it commits (``closing.py``,
+which also says why no signal handler is installed).
+
 Commit protocol (docs/design.md): the rows written since the last commit are msync'ed,
 then the index and the tree, then ``manifest.json`` is replaced atomically.
 
@@ -36,12 +50,13 @@ import numpy as np
 
 from .._disk import files as _files, rawio as _rawio
 from .. import errors, tree
-from . import index, zarr_view
+from . import closing, counters as _counters, index, progress, touched, zarr_view
 from .._disk import format as fmt
 from .._disk.checks import as_numpy, check_stream, row_ids, validate_final, validate_steps
 from .._disk.guards import acquire_lock, locked, locked_write, raise_typed
 from ..config import config
 from .index import Lane
+from .manifest import MAX_COUNTER
 from .snapshot import Ledger
 from .store import Store, check_rows
 
@@ -103,36 +118,70 @@ class Writer:
         self.layout = store.layout
         self.lane_size = store.lane_size
         self._tree_dirty = False
+        self._record: np.ndarray | None = None
+        self._marks: touched.Marks | None = None  # tree blocks changed since the commit (touched.py)
+        self._marks_added = False
         try:
+            self._record_array, self._record = progress.open_record(self.path, store.num_streams)
+            if self._tree is not None:
+                self._marks_array, marks, self._marks_added = touched.open_marks(self.path, store.capacity)
+                self._marks = touched.Marks(marks)
             self._recover()
         except BaseException:  # the caller gets no writer: nothing else would release the lock
             self.release()
             raise
+        closing.register(self)  # closed at interpreter exit if still open (closing.py)
 
     # -- recovery ------------------------------------------------------------------------
     def _recover(self) -> None:
         """Drop what an interrupted writer may have left past the last commit.
 
         Committed episodes whose rows the dead writer may have overwritten (below
-        ``reserved - lane_size``) are evicted and that state is committed at once.
-        The reservation stays where the dead writer left it: a reader still holding
-        an older commit must keep away from the rows that writer may have rewritten,
-        and the reservation is the only record of how far that went.
+        ``limit - lane_size``, ``limit`` its progress after a kill, its reservation
+        after a reboot: ``progress.limits``) are evicted and that state is committed
+        at once. The reservation is lowered to that limit, never below: a reader
+        still holding an older commit must keep away from the rows that writer may
+        have rewritten. The episodes this keeps beyond what the open checked (those
+        between the two limits) are checked first. The tree is repaired in the blocks
+        marked since the commit (``touched.py``) when the marks are of this boot,
+        else rebuilt whole.
         """
-        self._reserved_floor = np.array(self._reserved, dtype=np.int64)
+        assert self._record is not None
+        same_boot = progress.trusted(self._record) and not self._marks_added  # before start() rewrites it
         before = self.store.ledger
+        limit = progress.limits(self._record, self._reserved, before.committed)
+        if limit != self._reserved.tolist():
+            where = str(self.path / fmt.MANIFEST)
+            _counters.check_lanes(self._ends, np.array(limit, dtype=np.int64), list(before.lanes), self.lane_size, where, writer=True)
+            self._reserved[:] = limit
+            _rawio.flush_rows(self._reserved, 0, len(self._reserved))
+        progress.start(self._record, limit)  # this writer's record, of this boot
+        self._reserved_floor = np.array(self._reserved, dtype=np.int64)
         kept = tuple(
-            index.drop_below(self._ends, lane, self.lane_size, st, int(self._reserved[lane]) - self.lane_size)
+            index.drop_below(self._ends, lane, self.lane_size, st, limit[lane] - self.lane_size)
             for lane, st in enumerate(before.lanes)
         )
         torn = kept != before.lanes
         self.store.ledger = Ledger(kept, before.committed, before.generation)
-        if self._tree is not None and (torn or (self.path / "priority" / "DIRTY").exists()):
-            self._zero_invisible_priorities()
-            tree.rebuild(self._tree, spans=self.store.tree_spans())
+        if self._tree is not None and self._marks is not None and (torn or (self.path / "priority" / "DIRTY").exists()):
+            if same_boot:  # O(work since the commit): the given-up episodes and the marked blocks
+                self._mark_tree_dirty()
+                for lane, (was, now) in enumerate(zip(before.lanes, kept)):
+                    for a, b in self.layout.segments(lane, was.first_start, now.first_start):
+                        self._marks.range(a, b)
+                        tree.set_range(self._tree, a, b, 0.0)
+                touched.repair(self._tree, self._marks.marks, self.layout, kept)
+            else:  # after a reboot the marks may be stale: the whole tree, marked first
+                self._marks_array.allocate(0, len(self._marks.marks))  # no hole under the marks
+                self._marks.all()
+                self._mark_tree_dirty()
+                self._zero_invisible_priorities()
+                tree.rebuild(self._tree, spans=self.store.tree_spans())
             self._tree_dirty = True
         if torn or self._tree_dirty:
             self.commit()
+            if self._marks is not None:
+                self._marks.clear_all()  # the dead writer's marks too, now that the tree is whole
 
     def _zero_invisible_priorities(self) -> None:
         """Give priority 0 to every row of a lane outside its live range."""
@@ -160,7 +209,12 @@ class Writer:
         index.check_fits(st, self._ends, lane, self.lane_size, done)
 
         new_written = st.written + rows
-        reserved = new_written + self._room_rows() if new_written > int(self._reserved[lane]) else None
+        if new_written > MAX_COUNTER:  # what an open would refuse is never written
+            raise errors.CapacityError(
+                f"extend: stream {lane}: expected at most {MAX_COUNTER} rows ever written to a stream "
+                f"(2**62), got {st.written} + {rows}"
+            )
+        reserved = min(new_written + self._room_rows(), MAX_COUNTER) if new_written > int(self._reserved[lane]) else None
         if reserved is not None:
             self._reserve_space(lane, st, reserved)  # a full disk refuses here, before any change
         if new_written > store.committed[lane].written + self.lane_size:
@@ -171,6 +225,8 @@ class Writer:
         if reserved is not None:
             self._reserved[lane] = reserved
             _rawio.flush_rows(self._reserved, lane, lane + 1)  # on disk before any row it covers
+        assert self._record is not None
+        self._record[2 + lane] = new_written  # in the page cache before any row it covers (progress.py)
         if self._tree is not None:
             self._mark_tree_dirty()  # before anything it marks is written
 
@@ -192,10 +248,13 @@ class Writer:
         if self._tree is not None:
             # overwritten and evicted rows leave the tree before the default is
             # taken, so a new row gets the max of what stays live
+            assert self._marks is not None
             for a, b in self.layout.segments(lane, max(0, new_written - rows - self.lane_size), dropped_end):
+                self._marks.range(a, b)
                 tree.set_range(self._tree, a, b, 0.0)
             default = self._default_priority()
             for a, b in segments:
+                self._marks.range(a, b)
                 tree.set_range(self._tree, a, b, default)
 
     @locked_write("commit")
@@ -205,6 +264,8 @@ class Writer:
         self.check_writable("commit")
         store = self.store
         ledger = store.ledger
+        if ledger.generation >= MAX_COUNTER:
+            raise errors.CapacityError(f"commit: expected a generation below {MAX_COUNTER} (2**62), got {ledger.generation}")
         ends = store.array("index/ends")
         for lane, (was, now) in enumerate(zip(ledger.committed, ledger.lanes)):
             segs = self.layout.segments(lane, was.written, now.written)
@@ -222,6 +283,8 @@ class Writer:
         if self._tree is not None and self._tree_dirty:
             (self.path / "priority" / "DIRTY").unlink(missing_ok=True)
             self._tree_dirty = False
+            if self._marks is not None:
+                self._marks.clear()
         zarr_view.publish(self.path, self.layout, store.committed, store.generation)  # live rows for Zarr readers
         return store.generation
 
@@ -245,8 +308,9 @@ class Writer:
         idx, pri = self._checked_priorities("update_priorities", indices, priorities)
         keep = self._live_rows(idx, written_at)
         cfg = self.store.priorities
-        assert self._tree is not None and cfg is not None  # checked above
+        assert self._tree is not None and cfg is not None and self._marks is not None  # checked above
         self._mark_tree_dirty()
+        self._marks.rows(idx[keep])
         tree.update(self._tree, idx[keep], (pri[keep] + cfg.eps) ** cfg.alpha)
 
     @locked
@@ -255,8 +319,9 @@ class Writer:
         ``Buffer.set_leaf_priorities``)."""
         idx, val = self._checked_priorities("set_leaf_priorities", rows, values)
         keep = self._live_rows(idx, None)
-        assert self._tree is not None  # checked above
+        assert self._tree is not None and self._marks is not None  # checked above
         self._mark_tree_dirty()
+        self._marks.rows(idx[keep])
         tree.update(self._tree, idx[keep], val[keep])
 
     def _checked_priorities(self, what: str, indices: Any, priorities: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -305,8 +370,11 @@ class Writer:
             return self._default_priority()
 
     def _mark_tree_dirty(self) -> None:
+        """Create ``priority/DIRTY`` (durably: its directory is synced) before the tree
+        changes, whose pages the kernel may write back at any time."""
         if not self._tree_dirty:
             (self.path / "priority" / "DIRTY").touch()
+            _files.fsync_dir(self.path / "priority")
             self._tree_dirty = True
 
     # -- repair ------------------------------------------------------------------------------
@@ -322,7 +390,9 @@ class Writer:
         before = self.store.ledger
         self.store.ledger = Ledger(tuple(lanes), before.committed, before.generation)
         self.store.array("index/ends").flush(0, len(self._ends))  # commit flushes only new slots
-        if self._tree is not None:
+        if self._tree is not None and self._marks is not None:
+            self._marks_array.allocate(0, len(self._marks.marks))  # a full disk refuses here, never a SIGBUS
+            self._marks.all()
             self._mark_tree_dirty()
             tree.rebuild(self._tree, spans=self.store.tree_spans())
         return self.commit()
@@ -351,12 +421,23 @@ class Writer:
         for lane, st in enumerate(self.store.committed):
             self._reserved[lane] = max(st.written, int(self._reserved_floor[lane]))
         _rawio.flush_rows(self._reserved, 0, len(self._reserved))
+        if self._record is not None:
+            self._record[2:] = self._reserved
 
     def release(self) -> None:
         """Release the lock without committing (the store recovers as after a crash)."""
         fd, self._lock_fd = getattr(self, "_lock_fd", None), None
         if fd is not None:
             release_lock(fd)
+        for name in ("_record_array", "_marks_array"):
+            arr = getattr(self, name, None)
+            if arr is not None:
+                arr.close()
+
+    @property
+    def is_open(self) -> bool:
+        """Whether this writer still holds the store's lock."""
+        return self._lock_fd is not None
 
     def check_writable(self, what: str) -> None:
         if self._lock_fd is None:
@@ -387,6 +468,8 @@ class Writer:
                 self.store.array(name).allocate(base + w, base + hi)
             for a, b in tree.node_rows(self._tree, base + w, base + hi) if self._tree is not None else ():
                 self.store.array("priority/nodes").allocate(a, b)
+            if self._tree is not None:  # the marks of those rows' blocks (touched.py)
+                self._marks_array.allocate((base + w) // tree.BLOCK, (base + hi - 1) // tree.BLOCK + 1)
         slots = 2 * self.lane_size
         if t < slots:
             self.store.array("index/ends").allocate(lane * slots + t, lane * slots + min(t + stop - w, slots))

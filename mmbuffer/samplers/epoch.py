@@ -191,7 +191,19 @@ class EpochCursor:
 
     def save(self) -> None:
         """Write the state; if it cannot be written, go back to the last state saved
-        (no batch is delivered or skipped) and raise a typed error."""
+        (no batch is delivered or skipped) and raise a typed error.
+
+        Not durable, by design: the position is saved at every batch, and an fsync
+        per batch would cost a disk flush each (milliseconds on a real disk). The file
+        is replaced atomically (a ``.partial`` renamed over it), so a killed process
+        leaves the last position saved: the page cache keeps it. Only a power cut
+        or an OS crash can lose it, and what it costs is bounded and typed, never
+        wrong data: the file then holds an earlier position (its items are delivered
+        again; none is skipped), or, on a filesystem that does not order a file's
+        data before its rename (XFS, ext4 ``data=writeback``), no valid state, which
+        resuming refuses with ``CorruptStoreError`` naming the file (remove it to
+        restart the epoch). The store's data and its commits are not involved:
+        nothing of a commit depends on this file."""
         if self.root is None or self.file is None:
             return
         try:

@@ -193,8 +193,7 @@ import hashlib, json, os, sys
 from pathlib import Path
 import numpy as np
 import mmbuffer as mb
-sys.path.insert(0, sys.argv[3])  # test_edges
-sys.path.insert(0, str(Path(sys.argv[3]).parent))  # tests/: the conftest test_edges imports
+sys.path[:0] = [sys.argv[3], str(Path(sys.argv[3]).parent)]  # this file's folder, and tests/ (conftest)
 from test_edges import _extend, _fill
 
 fs, path = Path(sys.argv[1]), Path(sys.argv[2])

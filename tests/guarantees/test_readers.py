@@ -426,12 +426,12 @@ def _extend_and_die(path: str, rows: int) -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 20, 100])
-def test_recovery_gives_up_at_most_the_dead_writers_rows_and_the_reservation_window(tmp_path, rows):
+def test_recovery_gives_up_only_the_dead_writers_reach(tmp_path, rows):
     """After a writer dies having written ``rows`` rows past its last commit, the next
-    writer keeps every committed episode that starts at or above ``reserved - lane_size``
-    with its data, and ``reserved`` is at most ``rows + lane_size * reserve_fraction``
-    past the commit: recovery gives up only episodes whose rows the dead writer may
-    have rewritten."""
+    writer keeps every committed episode that starts at or above ``committed + rows -
+    lane_size`` (the rows the dead writer reached, from ``index/progress``), with its
+    data, and drops exactly the others; the reservation (a window ahead, durable) is
+    lowered to that reach, never below."""
     from mmbuffer.config import config
 
     lane_size = 128
@@ -452,14 +452,19 @@ def test_recovery_gives_up_at_most_the_dead_writers_rows_and_the_reservation_win
     reserved = int(before.reservation()[0])
     ahead = max(1, int(lane_size * config.reserve_fraction))
     assert committed + rows <= reserved <= committed + rows + ahead
+    absolute = data[:, 3]  # each kept episode's first absolute row, from its encoding
+    keep = absolute >= committed + rows - lane_size
+    by_window = absolute >= reserved - lane_size  # what the reservation alone would keep
+    assert keep.sum() >= by_window.sum() and (rows > 1 or keep.sum() > by_window.sum())  # 1 row: the window cost more
     after = mb.open(tmp_path / "s")
     s2, n2 = (t.numpy() for t in after.episodes())
-    absolute = data[:, 3]  # each kept episode's first absolute row, from its encoding
-    keep = absolute >= reserved - lane_size
     assert keep.any() and (rows < 100 or not keep.all())  # the 100-row death does cost episodes
     assert np.array_equal(s2, starts[keep]) and np.array_equal(n2, lengths[keep])
     assert np.array_equal(after.get(s2)["obs"].numpy(), data[keep])
+    assert int(after.reservation()[0]) == committed + rows  # lowered to the reach
     after.close()
+    assert int(before.reservation()[0]) == committed + rows  # released at the cursor by the clean close
+    before.close()
 
 
 def _write_laps_and_die(path: str) -> None:

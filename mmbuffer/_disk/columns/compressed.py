@@ -5,6 +5,13 @@ than a mapped raw column (docs/design.md); ``mmbuffer copy`` turns them raw for 
 The metadata is checked like every array of a store (``_format.check_array_meta``),
 no link is followed inside the array (zarr opens files by path), and what zarr
 cannot open or decode is a ``CorruptStoreError``.
+
+Durability: zarr-python replaces a chunk file whole when rows in it are set (a
+``.partial`` file renamed over it: a kill leaves the old chunk or the new one), but
+fsyncs nothing. The array remembers the chunks written since they were last made
+durable, and :meth:`ZarrArray.flush` fsyncs those files and every directory from
+theirs up to the store root (zarr makes a directory per chunk coordinate), so a
+commit's manifest never names rows that a power cut can take back.
 """
 
 from __future__ import annotations
@@ -24,11 +31,14 @@ from .base import ColumnArray
 class ZarrArray(ColumnArray):
     """A compressed column of a store."""
 
-    def __init__(self, array: Any, where: Path) -> None:
+    def __init__(self, array: Any, where: Path, root: Path | None = None, name: str = "") -> None:
         self._array = array
         self._where = where
+        self._root, self._name = root, name  # the store and the array's path in it (flush)
         self.shape = tuple(array.shape)
         self.dtype = np.dtype(array.dtype)
+        self._chunk_rows = int(array.metadata.chunk_grid.chunk_shape[0])  # rows per stored file
+        self._dirty: set[int] = set()  # stored files written since the last flush
 
     @classmethod
     def open(cls, root: Path, name: str, *, writable: bool, expect: fmt.Expect | None = None) -> ZarrArray:
@@ -41,7 +51,7 @@ class ZarrArray(ColumnArray):
             array = zarr.open_array(str(root / name), mode="r+" if writable else "r")
         except Exception as exc:  # noqa: BLE001 - zarr's errors are untyped for us
             raise errors.CorruptStoreError(f"{meta}: zarr cannot open the array ({type(exc).__name__}: {exc})") from None
-        return cls(array, root / name)
+        return cls(array, root / name, root, name)
 
     def _decoded(self, read: Callable[[], Any]) -> np.ndarray:
         try:
@@ -67,12 +77,32 @@ class ZarrArray(ColumnArray):
     def write_range(self, start: int, values: np.ndarray) -> None:
         if self._array.read_only:
             self.refuse_write(self._where, "write_range")
+        if len(values):
+            self._dirty.update(range(start // self._chunk_rows, (start + len(values) - 1) // self._chunk_rows + 1))
         self._array[start : start + len(values)] = values
 
     def write_at(self, rows: np.ndarray, values: np.ndarray) -> None:
         if self._array.read_only:
             self.refuse_write(self._where, "write_at")
-        self._array.oindex[np.asarray(rows, dtype=np.int64)] = values
+        idx = np.asarray(rows, dtype=np.int64)
+        self._dirty.update(np.unique(idx // self._chunk_rows).tolist())
+        self._array.oindex[idx] = values
 
     def flush(self, start: int, stop: int) -> None:
-        """zarr-python writes each chunk file whole when it is set: nothing is pending."""
+        """fsync the chunk files written since the last flush that hold rows of
+        ``[start, stop)``, and their directories up to the store root (see the
+        module docstring); a file zarr removed (all fill value) needs only those."""
+        if self._root is None or stop <= start:
+            return
+        first, last = start // self._chunk_rows, (stop - 1) // self._chunk_rows
+        todo = sorted(c for c in self._dirty if first <= c <= last)
+        zeros = (0,) * (len(self.shape) - 1)
+        dirs: set[tuple[str, ...]] = set()
+        for c in todo:
+            key = self._array.metadata.encode_chunk_key((c, *zeros))
+            _files.fsync_in(self._root, f"{self._name}/{key}")
+            parts = f"{self._name}/{key}".split("/")[:-1]
+            dirs.update(tuple(parts[:k]) for k in range(len(parts) + 1))
+        for d in sorted(dirs, key=len, reverse=True):  # deepest first, the store root last
+            _files.fsync_dir(self._root.joinpath(*d))
+        self._dirty.difference_update(todo)
