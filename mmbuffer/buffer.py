@@ -432,7 +432,8 @@ class Buffer:
         n = check_int("n", n, 1)
         spec = self._route(samplers.resolve(sampler))
         spec.check(self)
-        return spec.plan(self, n, generator, self._sampler_state)(np.arange(n))
+        drawn = spec.plan(self, n, generator, self._sampler_state)(np.arange(n))
+        return samplers.Draw(*drawn[:3], drawn.written.copy())  # the caller's (the view's is read-only)
 
     def sample_indices(self, batch_size: int, generator: torch.Generator | None = None, *, prioritized: bool = False,
                        beta: float = 0.4) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
