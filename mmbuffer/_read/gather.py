@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import math
+import sys
 import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -77,9 +78,22 @@ class Batch:
         )
 
 
+_ALLOWED: weakref.WeakKeyDictionary[Store, tuple[str, ...]] = weakref.WeakKeyDictionary()
+
+
 def resolve_keys(store: Store, keys: Iterable[str] | None) -> list[str]:
     """Validate ``keys`` (default: every column and every ``next_<col>``)."""
-    allowed = [*store.columns, *(f"next_{k}" for k in store.next_keys)]
+    try:
+        found = _ALLOWED.get(store)  # a store's columns never change once it is open
+    except TypeError:  # not weakly referable: nothing kept
+        found = None
+    if found is None:
+        found = (*store.columns, *(f"next_{k}" for k in store.next_keys))
+        try:
+            _ALLOWED[store] = found
+        except TypeError:
+            pass
+    allowed = list(found)
     if keys is None:
         return allowed
     if isinstance(keys, str):
@@ -119,6 +133,8 @@ def gather(
             f"index: expected row ids in [0, {store.capacity}), got {int(flat[bad])} "
             f"(values from {flat.min()} to {flat.max()})"
         )
+    if out is None and plan.mapped:
+        return _gather_new(kernels, store, plan, flat, starts, rows.shape)
     targets = _targets(plan.keys, rows.shape, out)
     for own, after in plan.passes:
         if after is None:
@@ -154,6 +170,58 @@ class _Plan:
 
     keys: tuple[_Key, ...]
     passes: tuple[tuple[_Key | None, _Key | None], ...]
+    mapped: bool  # every key copied by the kernels (raw, mapped, with its ends for ``next_``)
+    # index shape -> where each key lies in a batch's one block of new memory (``_gather_new``)
+    blocks: dict[tuple[int, ...], _Block] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Block:
+    """The new memory of a batch of one index shape: ``nbytes`` in all; per key its
+    name, dtype, full shape, first byte and bytes."""
+
+    nbytes: int
+    keys: tuple[tuple[str, np.dtype, tuple[int, ...], int, int], ...]
+
+
+def _block(plan: _Plan, index_shape: tuple[int, ...]) -> _Block:
+    block = plan.blocks.get(index_shape)
+    if block is None:
+        keys, at = [], 0
+        for k in plan.keys:
+            shape = (*index_shape, *k.row_shape)
+            n = math.prod(shape) * k.dtype.itemsize
+            keys.append((k.name, k.dtype, shape, at, n))
+            at += -(-n // _ALIGN) * _ALIGN  # each key's memory starts on a cache line
+        if len(plan.blocks) >= _MAX_PLANS:
+            plan.blocks.clear()
+        block = plan.blocks[index_shape] = _Block(at, tuple(keys))
+    return block
+
+
+_SMALL = 1 << 16  # bytes: a batch below this takes ``_Recycler.small`` memory
+
+
+def _gather_new(
+    kernels: Any, store: Store, plan: _Plan, flat: np.ndarray, starts: np.ndarray, index_shape: tuple[int, ...]
+) -> dict[str, torch.Tensor]:
+    """``gather`` into new memory of keys the kernels copy (the common case, kept short:
+    a small batch's fixed cost is mostly Python)."""
+    layout = _block(plan, index_shape)
+    total = layout.nbytes
+    memory = _RECYCLER.small(total) if total < _SMALL else _RECYCLER.block(total)
+    at = {name: memory[a : a + n] for name, _, _, a, n in layout.keys}
+    for own, after in plan.passes:
+        if after is None:
+            assert own is not None and own.source is not None
+            if own.row_bytes:
+                kernels.copy_rows(own.source, flat, starts, own.row_bytes, at[own.name])
+        elif after.row_bytes:
+            assert after.source is not None and after.ends is not None
+            kernels.copy_rows_next(after.source, *after.ends, flat, starts, store.layout.lane_size, after.row_bytes,
+                                   at[after.name], None if own is None else at[own.name])
+    from_numpy, ndarray = torch.from_numpy, np.ndarray
+    return {name: from_numpy(ndarray(shape, dtype, memory, a)) for name, dtype, shape, a, _ in layout.keys}
 
 
 _MAX_PLANS = 64  # per store: distinct ``keys`` arguments seen
@@ -191,7 +259,8 @@ def _plan(store: Store, keys: Iterable[str] | None) -> _Plan:
             else:
                 passes.append((built[name], None))
                 done.add(name)
-        plan = plans[keys] = _Plan(tuple(built[n] for n in names), tuple(passes))
+        mapped = all(k.source is not None and (k.name == k.base or k.ends is not None) for k in built.values())
+        plan = plans[keys] = _Plan(tuple(built[n] for n in names), tuple(passes), mapped)
     return plan
 
 
@@ -305,6 +374,31 @@ class _Recycler:
         self._per_size = per_size
         self._sizes = sizes
         self._types: dict[int, Any] = {}
+        self._small: dict[int, collections.deque[np.ndarray]] = {}
+
+    def small(self, nbytes: int) -> np.ndarray:
+        """``nbytes`` writable bytes (uninitialized) for a small batch, without ``block``'s
+        lease and finalizer (3.5 us, a tenth of a small batch): one of the last
+        ``per_size`` blocks of this size that nothing references any more, read from
+        its reference count (each array and tensor carved from a block references it),
+        else a new one. A block is popped before it is looked at, so two threads never
+        both take it: the one that looks second sees the first one's reference."""
+        pool = self._small.get(nbytes)
+        if pool is None:
+            if len(self._small) >= self._sizes:
+                self._small = {}
+            pool = self._small.setdefault(nbytes, collections.deque(maxlen=self._per_size))
+        for _ in range(len(pool)):
+            try:
+                raw = pool.popleft()
+            except IndexError:
+                break
+            pool.append(raw)
+            if sys.getrefcount(raw) == 3:  # the pool's, ``raw`` and the argument: nobody else's
+                return raw
+        raw = np.empty(nbytes, np.uint8)
+        pool.append(raw)
+        return raw
 
     def block(self, nbytes: int) -> np.ndarray:
         """``nbytes`` writable bytes (uninitialized)."""

@@ -50,8 +50,12 @@ def read_checked(
     laps a lane faster than ``MAX_REREADS`` draws in a row can be read. ``stack``:
     frame stacks (``frames.py``); an item is then checked at its earliest frame.
     """
+    check = store.mode == "r" if recheck is None else recheck
+    if not check and stack is None:  # the writer's own read: nothing to re-check
+        drawn = draw(np.arange(size))
+        return gather(store, drawn[0], names, out), drawn
     (rows, weights, mask, written), data, first = _read(store, draw, np.arange(size), names, out, stack)
-    if store.mode == "r" if recheck is None else recheck:
+    if check:
         layout = store.layout
         cursors = written[layout.lane(first)]
         for _ in range(MAX_REREADS):

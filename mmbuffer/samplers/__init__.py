@@ -18,6 +18,8 @@ from .recent import Recent
 from .slices import Slices
 from .uniform import Uniform
 
+_UNIFORM = Uniform()  # a value: one serves every call
+
 __all__ = ["Draw", "Epoch", "SamplerState", "Prioritized", "PrioritizedSlices", "Recent", "Sampler", "Slices", "Uniform", "from_flags", "resolve"]
 
 
@@ -37,7 +39,7 @@ def from_flags(
     from .. import errors
 
     if slice_len is None:
-        return Prioritized(beta) if prioritized else Uniform()
+        return Prioritized(beta) if prioritized else _UNIFORM
     if prioritized:
         if weighting != "windows":
             raise errors.InvalidArgumentError(
