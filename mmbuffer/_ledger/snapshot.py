@@ -88,6 +88,7 @@ class View:
     tree: tree.PriorityTree | None = None
     #: derived per lane, once per view (uniform draws read them on every call):
     #: sampleable transitions ``visible_end - first_start``, their total, ``first_start``
+    #: (writable, as numba's dispatch types writable arrays fastest: never write them)
     transitions: np.ndarray = field(init=False, repr=False, compare=False)
     total_transitions: int = field(init=False, repr=False, compare=False)
     first_starts: np.ndarray = field(init=False, repr=False, compare=False)
@@ -95,7 +96,6 @@ class View:
     def __post_init__(self) -> None:
         counts = np.array([lv.visible_end - lv.first_start for lv in self.lanes], dtype=np.int64)
         first = np.array([lv.first_start for lv in self.lanes], dtype=np.int64)
-        counts.flags.writeable = first.flags.writeable = False
         object.__setattr__(self, "transitions", counts)
         object.__setattr__(self, "total_transitions", int(counts.sum()))
         object.__setattr__(self, "first_starts", first)

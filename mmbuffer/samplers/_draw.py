@@ -56,7 +56,7 @@ def _lane_of(counts: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]
 
 # -- uniform transitions ------------------------------------------------------------------
 def transition_counts(view: View) -> np.ndarray:
-    """Sampleable transitions per lane (read-only: the view's own)."""
+    """Sampleable transitions per lane (the view's own: never write it)."""
     return view.transitions
 
 
