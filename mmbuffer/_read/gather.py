@@ -120,8 +120,7 @@ def gather(
     consecutive rows (a slice) as one ``memcpy``, ``next_<col>`` in the same pass
     as ``<col>``. Compressed columns are read through their backend.
     """
-    from ..kernels import gather as kernels
-
+    kernels = _KERNELS or _kernels()
     plan = _plan(store, keys)
     rows = np.asarray(rows, dtype=np.int64)
     flat = np.ascontiguousarray(rows).reshape(-1)
@@ -143,6 +142,17 @@ def gather(
             _next_into(kernels, store, flat, starts, after, targets[after.name],
                        None if own is None else targets[own.name])
     return {key.name: targets[key.name].finish() for key in plan.keys}
+
+
+_KERNELS: Any = None  # kernels.gather, imported on first use (kernels/__init__.py says why)
+
+
+def _kernels() -> Any:
+    global _KERNELS
+    from ..kernels import gather as kernels
+
+    _KERNELS = kernels
+    return kernels
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -263,7 +273,7 @@ def _gather_small(kernels: Any, store: Store, plan: _Plan, layout: _Block, flat:
     small = plan.small  # referenced through the call: it keeps the arrays it gives by address
     memory = RECYCLER.small(layout.nbytes)
     bad = kernels.gather_small(small.addresses, small.sizes, small.row_bytes, layout.own_at, layout.next_at,
-                               store.layout.lane_size, flat, store.capacity, memory)
+                               store.lane_size, flat, store.capacity, memory)
     if bad >= 0:
         _bad_row(store, flat, bad)
     from_numpy, ndarray = torch.from_numpy, np.ndarray

@@ -10,6 +10,7 @@ the same specs. One file per sampler (``base.py`` holds the contract).
 PrioritizedSlices(slice_len=16, beta=0.4, strict=True)
 """
 
+from .. import errors
 from .._ledger.snapshot import Draw
 from .base import Sampler, SamplerState
 from .epoch import Epoch
@@ -36,8 +37,6 @@ def from_flags(
     >>> from_flags(16, prioritized=True)
     PrioritizedSlices(slice_len=16, beta=0.4, strict=True)
     """
-    from .. import errors
-
     if slice_len is None:
         return Prioritized(beta) if prioritized else _UNIFORM
     if prioritized:
@@ -68,8 +67,6 @@ def resolve(
     >>> resolve(Uniform())
     Uniform()
     """
-    from .. import errors
-
     flags = (slice_len, prioritized, beta, strict, weighting)
     if sampler is None:
         return from_flags(slice_len, prioritized=prioritized, beta=beta, strict=strict, weighting=weighting)

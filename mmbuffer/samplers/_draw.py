@@ -88,7 +88,8 @@ def uniform(view: View, batch_size: int, generator: torch.Generator | None = Non
 
 def _bits(size: int, generator: torch.Generator | None) -> np.ndarray:
     """The random integers ``_randint`` reduces modulo its bound."""
-    bits: np.ndarray = torch.randint(0, 2**62, (size,), generator=generator, dtype=torch.int64).numpy()
+    bits = np.empty(size, np.int64)  # ``torch.randint``'s numbers (it is ``random_`` on a new
+    torch.from_numpy(bits).random_(0, 2**62, generator=generator)  # tensor), 1 us sooner
     return bits
 
 
