@@ -67,6 +67,8 @@ def resolve(
     >>> resolve(Uniform())
     Uniform()
     """
+    if sampler is None and slice_len is None and prioritized is False:
+        return _UNIFORM  # what from_flags gives: ``sample``'s default, at every call
     flags = (slice_len, prioritized, beta, strict, weighting)
     if sampler is None:
         return from_flags(slice_len, prioritized=prioritized, beta=beta, strict=strict, weighting=weighting)
