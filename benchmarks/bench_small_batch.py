@@ -16,7 +16,7 @@ ended as truncated, its final observation stored), in three buffers:
 
 ``torch.set_num_threads(1)``. Every buffer draws from the global generators (numpy's
 for SB3, torch's for TorchRL and mmbuffer). The calls are interleaved round-robin
-(one call of each case per round, the order rotated every round) for ``--reps``
+(one call of each case per round, in a new random order every round) for ``--reps``
 rounds, and the table gives each case's median µs and its ratio to the faster of SB3
 and TorchRL at the same batch size (``<= 1``: mmbuffer is as fast).
 
@@ -110,16 +110,19 @@ def torchrl_buffer(data: dict[str, np.ndarray]) -> Callable[[int], object]:
 
 
 def interleaved(cases: dict[str, Callable[[], object]], reps: int, warmup: int = 200) -> dict[str, float]:
-    """Median µs of each case over ``reps`` rounds, one call of each per round (order rotated)."""
+    """Median µs of each case over ``reps`` rounds, one call of each per round, in a new
+    random order each round (a fixed rotation puts some case after the same neighbour
+    most of the time, which warms the caches it shares with it: the reader after the
+    writer, say)."""
     names = list(cases)
     for _ in range(warmup):
         for name in names:
             cases[name]()
     times: dict[str, list[float]] = {name: [] for name in names}
     clock = time.perf_counter_ns
-    for r in range(reps):
-        k = r % len(names)
-        for name in names[k:] + names[:k]:
+    order = np.random.default_rng(0)
+    for _ in range(reps):
+        for name in order.permutation(names).tolist():
             fn = cases[name]
             t0 = clock()
             fn()

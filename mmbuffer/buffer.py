@@ -44,7 +44,7 @@ from ._disk.columns import ColumnArray
 from ._read.gather import Batch, gather, resolve_keys
 from ._ledger.index import Lane
 from ._read import frames
-from ._read.batch import SampledBatches, read_batch
+from ._read.batch import SampledBatches, read_batch, read_spec
 from .samplers import Draw, Sampler
 from ._ledger.store import Column, Store, View, locked
 from ._ledger.writer import Writer, priority_shape, release_lock, take_lock
@@ -460,7 +460,7 @@ class Buffer:
         stacks = frames.check(stack, stack_pad, self._store.columns)
         spec = self._route(spec)
         spec.check(self)
-        return self.read_batch(spec.plan(self, n, generator, self._sampler_state), n, names, stack=stacks)
+        return self._remember(read_spec(self, spec, n, generator, self._sampler_state, names, stacks))
 
     # -- helpers -----------------------------------------------------------------------
     def read_batch(
@@ -486,7 +486,9 @@ class Buffer:
         workers: their gathers run beside each other and beside ``extend``).
         ``stack``: frame stacks (``mmbuffer._read.frames``).
         """
-        batch = read_batch(self._store, draw, size, names, out=out, recheck=bool(recheck), stack=stack)
+        return self._remember(read_batch(self._store, draw, size, names, out=out, recheck=bool(recheck), stack=stack))
+
+    def _remember(self, batch: Batch) -> Batch:
         if self.priorities is not None:
             with self.lock:  # stream workers read batches concurrently
                 self._sampled.remember(batch.indices, batch.written_at)
