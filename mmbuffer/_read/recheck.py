@@ -56,10 +56,12 @@ def read_checked(
         return gather(store, drawn[0], names, out), drawn
     (rows, weights, mask, written), data, first = _read(store, draw, np.arange(size), names, out, stack)
     if check:
+        from ..kernels import gather as kernels  # ``overwritten`` in one compiled pass
+
         layout = store.layout
         cursors = written[layout.lane(first)]
         for _ in range(MAX_REREADS):
-            bad = np.flatnonzero(overwritten(layout, first, cursors, store.reservation()))
+            bad = kernels.overwritten(first, cursors, store.reservation(), layout.lane_size)
             if bad.size == 0:
                 break
             (r, w, m, wr), fresh, f = _read(store, draw, bad, names, None, stack)

@@ -41,7 +41,7 @@ from numba.extending import intrinsic
 cgutils: Any = _cgutils  # numba's code generation helpers are untyped
 ir: Any = cgutils.ir  # llvmlite's IR builder, as numba imports it
 
-__all__ = ["address", "bytes_of", "copy_rows", "copy_rows_next", "gather_small", "runs"]
+__all__ = ["address", "bytes_of", "copy_rows", "copy_rows_next", "gather_small", "overwritten", "runs"]
 
 _LINE = 64  # bytes of a cache line
 _AHEAD_LINES = 64  # lines in flight ahead of the copy (about what a core keeps outstanding)
@@ -318,6 +318,33 @@ def gather_small(
     for small batches; runs of long slices are ``copy_rows``'s.
     """
     return int(_gather_small(addresses, sizes, row_bytes, own_at, next_at, lane_size, rows, nrows, out))
+
+
+@numba.njit(nogil=True, cache=True)
+def _overwritten(first: Any, cursors: Any, reserved: Any, lane_size: int, bad: Any) -> int:
+    n = first.shape[0]
+    if cursors.shape[0] != n or bad.shape[0] < n or lane_size <= 0:
+        raise ValueError("overwritten: arrays of inconsistent sizes")
+    count = 0
+    for i in range(n):
+        f, w = first[i], cursors[i]
+        lane = f // lane_size
+        if f < 0 or lane >= reserved.shape[0]:
+            raise ValueError("overwritten: a row outside the lanes")
+        if w - 1 - (w - 1 - f % lane_size) % lane_size < reserved[lane] - lane_size:
+            bad[count] = i
+            count += 1
+    return count
+
+
+def overwritten(first: np.ndarray, cursors: np.ndarray, reserved: np.ndarray, lane_size: int) -> np.ndarray:
+    """The positions of the items whose first row ``first`` (int64, drawn when its lane's
+    cursor was ``cursors``) the writer may have begun rewriting: its absolute row
+    (``Layout.absolute_at``) is below its lane's reservation ``reserved`` less a lane,
+    as ``mmbuffer._read.recheck.overwritten`` says, in one pass (a reader checks every
+    batch: the numpy expression costs ~7 us on a small one)."""
+    bad = np.empty(first.shape[0], np.int64)
+    return bad[: _overwritten(first, cursors, reserved, lane_size, bad)]
 
 
 def address(array: np.ndarray) -> tuple[int, int]:

@@ -315,9 +315,28 @@ def test_kernels_refuse_bad_rows_wrong_sizes_and_bad_runs(rng):
         kernels.bytes_of(src[:, ::2])
 
 
+def test_the_overwritten_kernel_matches_the_numpy_check(rng):
+    """``kernels.gather.overwritten`` (a reader's re-check, compiled) finds exactly the
+    items ``recheck.overwritten`` finds: lanes, cursors before and after a lap, rings
+    wrapped, reservations at, behind and ahead of the cursors."""
+    from mmbuffer._ledger.layout import Layout
+    from mmbuffer._read import recheck
+
+    for lanes, lane in ((1, 7), (3, 10), (4, 1000)):
+        layout = Layout(lanes * lane, lanes)
+        for _ in range(50):
+            first = rng.integers(0, lanes * lane, int(rng.integers(1, 40)))
+            cursors = rng.integers(0, 5 * lane, first.shape[0])
+            reserved = rng.integers(0, 6 * lane, lanes)
+            want = np.flatnonzero(recheck.overwritten(layout, first, cursors, reserved))
+            np.testing.assert_array_equal(kernels.overwritten(first, cursors, reserved, lane), want)
+    with pytest.raises(ValueError, match="outside the lanes"):
+        kernels.overwritten(np.array([30]), np.array([5]), np.array([9, 9]), 10)
+
+
 def test_kernels_release_the_gil():
     """Compiled with nogil (and cached), so a gather runs beside the training step."""
-    for kernel in (kernels._runs, kernels._copy_rows, kernels._copy_rows_next, kernels._gather_small):
+    for kernel in (kernels._runs, kernels._copy_rows, kernels._copy_rows_next, kernels._gather_small, kernels._overwritten):
         assert kernel.targetoptions["nogil"]
         assert type(kernel._cache).__name__ == "FunctionCache"  # cache=True (NullCache otherwise)
 
