@@ -15,7 +15,7 @@ ended as truncated, its final observation stored), in three buffers:
   of obs, action, reward, done and ("next", "obs").
 
 ``torch.set_num_threads(1)``. Every buffer draws from the global generators (numpy's
-for SB3, torch's for TorchRL and mmbuffer). The calls are interleaved round-robin
+for SB3, torch's for TorchRL and mmbuffer). The calls are interleaved
 (one call of each case per round, in a new random order every round) for ``--reps``
 rounds, and the table gives each case's median µs and its ratio to the faster of SB3
 and TorchRL at the same batch size (``<= 1``: mmbuffer is as fast).
