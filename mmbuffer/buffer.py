@@ -44,7 +44,7 @@ from ._disk.columns import ColumnArray
 from ._read.gather import Batch, gather, resolve_keys
 from ._ledger.index import Lane
 from ._read import frames
-from ._read.batch import SampledBatches, read_batch
+from ._read.batch import SampledBatches, read_batch, read_spec
 from .samplers import Draw, Sampler
 from ._ledger.store import Column, Store, View, locked
 from ._ledger.writer import Writer, priority_shape, release_lock, take_lock
@@ -433,7 +433,8 @@ class Buffer:
         n = check_int("n", n, 1)
         spec = self._route(samplers.resolve(sampler))
         spec.check(self)
-        return spec.plan(self, n, generator, self._sampler_state)(np.arange(n))
+        drawn = spec.plan(self, n, generator, self._sampler_state)(np.arange(n))
+        return samplers.Draw(*drawn[:3], drawn.written.copy())  # the caller's (the view's is read-only)
 
     def sample_indices(self, batch_size: int, generator: torch.Generator | None = None, *, prioritized: bool = False,
                        beta: float = 0.4) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -460,7 +461,7 @@ class Buffer:
         stacks = frames.check(stack, stack_pad, self._store.columns)
         spec = self._route(spec)
         spec.check(self)
-        return self.read_batch(spec.plan(self, n, generator, self._sampler_state), n, names, stack=stacks)
+        return self._remember(read_spec(self, spec, n, generator, self._sampler_state, names, stacks))
 
     # -- helpers -----------------------------------------------------------------------
     def read_batch(
@@ -486,7 +487,9 @@ class Buffer:
         workers: their gathers run beside each other and beside ``extend``).
         ``stack``: frame stacks (``mmbuffer._read.frames``).
         """
-        batch = read_batch(self._store, draw, size, names, out=out, recheck=bool(recheck), stack=stack)
+        return self._remember(read_batch(self._store, draw, size, names, out=out, recheck=bool(recheck), stack=stack))
+
+    def _remember(self, batch: Batch) -> Batch:
         if self.priorities is not None:
             with self.lock:  # stream workers read batches concurrently
                 self._sampled.remember(batch.indices, batch.written_at)

@@ -18,7 +18,7 @@ side needs of a store.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
@@ -86,6 +86,19 @@ class View:
     written: np.ndarray  # int64 [num_streams], rows ever written per lane
     generation: int
     tree: tree.PriorityTree | None = None
+    #: derived per lane, once per view (uniform draws read them on every call):
+    #: sampleable transitions ``visible_end - first_start``, their total, ``first_start``
+    #: (writable, as numba's dispatch types writable arrays fastest: never write them)
+    transitions: np.ndarray = field(init=False, repr=False, compare=False)
+    total_transitions: int = field(init=False, repr=False, compare=False)
+    first_starts: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        counts = np.array([lv.visible_end - lv.first_start for lv in self.lanes], dtype=np.int64)
+        first = np.array([lv.first_start for lv in self.lanes], dtype=np.int64)
+        object.__setattr__(self, "transitions", counts)
+        object.__setattr__(self, "total_transitions", int(counts.sum()))
+        object.__setattr__(self, "first_starts", first)
 
     @property
     def lane_size(self) -> int:

@@ -111,6 +111,7 @@ class Store:
             raise
         #: what is live, one frozen value: replaced whole by the writer and by refresh
         self.ledger = Ledger.of(tuple(manifest.lanes), manifest.generation)
+        self._last_view: tuple[Ledger, bytes, View] | None = None  # ``view``'s memo
 
     def _open_arrays(self, manifest: Manifest) -> None:
         """Open the arrays the checked manifest names, each against what it implies."""
@@ -188,18 +189,34 @@ class Store:
 
     @locked
     def view(self) -> View:
-        """The index as samplers may use it now (see the module docstring)."""
-        lanes = []
+        """The index as samplers may use it now (see the module docstring).
+
+        The same ``View`` object while it would be equal: it is a function of the
+        ledger (a frozen value, replaced whole whenever it or the episode ends it
+        reads change) and, in a reader, of the writer's reservation, read again at
+        every call. Its ``written`` array is read-only, as it is shared.
+        """
         ledger = self.ledger
+        reserved = self.reserved.tobytes() if self.mode == "r" else b""
+        last = self._last_view
+        if last is not None and last[0] is ledger and last[1] == reserved:
+            return last[2]
+        view = self._view(ledger, np.frombuffer(reserved, np.int64))
+        self._last_view = (ledger, reserved, view)
+        return view
+
+    def _view(self, ledger: Ledger, reserved: np.ndarray) -> View:
+        lanes = []
         written = np.empty(self.num_streams, dtype=np.int64)
         for lane in range(self.num_streams):
             st = ledger.lanes[lane]
             written[lane] = st.written
             if self.mode == "r":  # a reader keeps away from rows the writer may be rewriting
-                st = index.drop_below(self.ends, lane, self.lane_size, st, int(self.reserved[lane]) - self.lane_size)
+                st = index.drop_below(self.ends, lane, self.lane_size, st, int(reserved[lane]) - self.lane_size)
             open_start = st.open_start(self.ends, lane, self.lane_size)
             visible_end = st.written - (1 if self.next_keys and st.written > open_start else 0)
             lanes.append(LaneView(st.first_start, st.ep_head, st.ep_tail, open_start, visible_end))
+        written.flags.writeable = False
         return View(tuple(lanes), self.ends, self.layout, written, ledger.generation, self.priority_tree)
 
     def episode_bounds(self, view: View | None = None) -> tuple[np.ndarray, np.ndarray]:

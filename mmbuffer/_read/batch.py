@@ -12,17 +12,19 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
 
 from .._ledger.snapshot import Draw
 from .._ledger.store import Store
-from .gather import Batch
+from ..samplers import Sampler, SamplerState
+from .gather import Batch, gather
 from .frames import Stacks
 from .recheck import read_checked
 
-__all__ = ["SampledBatches", "read_batch"]
+__all__ = ["SampledBatches", "read_batch", "read_spec"]
 
 
 def read_batch(
@@ -43,10 +45,30 @@ def read_batch(
     stacks (``frames.py``).
     """
     if recheck:
-        data, (rows, weights, mask, written) = read_checked(store, draw, size, names, out=out, recheck=True, stack=stack)
+        data, drawn = read_checked(store, draw, size, names, out=out, recheck=True, stack=stack)
     else:
         with store.lock:
-            data, (rows, weights, mask, written) = read_checked(store, draw, size, names, out=out, stack=stack)
+            data, drawn = read_checked(store, draw, size, names, out=out, stack=stack)
+    return _batch(data, drawn)
+
+
+def read_spec(buf: Any, spec: Sampler, n: int, generator: torch.Generator | None, state: SamplerState,
+              names: list[str], stack: Stacks | None) -> Batch:
+    """``read_batch(buf.store, spec.plan(buf, n, generator, state), n, names, stack=stack)``:
+    ``n`` items of ``spec`` from ``buf`` (a ``Buffer``). The same, in fewer steps, where
+    the writer reads a spec without state and nothing is stacked (``sample``'s default:
+    its fixed cost is most of a small batch's): one ``indices`` call under the lock (what
+    the default ``plan`` draws), one gather, no re-check (the writer's reads take the lock)."""
+    store = buf.store
+    if stack is not None or store.mode != "a" or spec.stateful:
+        return read_batch(store, spec.plan(buf, n, generator, state), n, names, stack=stack)
+    with store.lock:
+        drawn = spec.indices(store.view(), n, generator, state)
+        return _batch(gather(store, drawn[0], names), drawn)
+
+
+def _batch(data: dict[str, torch.Tensor], drawn: Draw) -> Batch:
+    rows, weights, mask, written = drawn
     mask_t = None
     if mask is not None:
         mask_t = torch.from_numpy(mask)

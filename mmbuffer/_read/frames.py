@@ -57,7 +57,8 @@ from .. import errors
 from .._ledger import index
 from .._ledger.store import Store
 from ..samplers import Draw
-from .gather import gather, recycled
+from .gather import gather
+from .memory import recycled
 
 #: ``stack_pad`` values: repeat the episode's first frame, or zeros
 PADS = ("first", "zero")

@@ -18,19 +18,18 @@ block of memory, recycled once they are all gone (``_Recycler``).
 
 from __future__ import annotations
 
-import collections
-import ctypes
 import math
 import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
 
 from .. import errors
 from .._ledger.store import Store
+from .memory import RECYCLER, recycled
 
 
 @dataclass(slots=True)
@@ -77,9 +76,22 @@ class Batch:
         )
 
 
+_ALLOWED: weakref.WeakKeyDictionary[Store, tuple[str, ...]] = weakref.WeakKeyDictionary()
+
+
 def resolve_keys(store: Store, keys: Iterable[str] | None) -> list[str]:
     """Validate ``keys`` (default: every column and every ``next_<col>``)."""
-    allowed = [*store.columns, *(f"next_{k}" for k in store.next_keys)]
+    try:
+        found = _ALLOWED.get(store)  # a store's columns never change once it is open
+    except TypeError:  # not weakly referable: nothing kept
+        found = None
+    if found is None:
+        found = (*store.columns, *(f"next_{k}" for k in store.next_keys))
+        try:
+            _ALLOWED[store] = found
+        except TypeError:
+            pass
+    allowed = list(found)
     if keys is None:
         return allowed
     if isinstance(keys, str):
@@ -108,17 +120,19 @@ def gather(
     consecutive rows (a slice) as one ``memcpy``, ``next_<col>`` in the same pass
     as ``<col>``. Compressed columns are read through their backend.
     """
-    from ..kernels import gather as kernels
-
+    kernels = _KERNELS or _kernels()
     plan = _plan(store, keys)
     rows = np.asarray(rows, dtype=np.int64)
     flat = np.ascontiguousarray(rows).reshape(-1)
+    if out is None and plan.small is not None:
+        layout = _block(plan, rows.shape)
+        if layout.nbytes < _SMALL:
+            return _gather_small(kernels, store, plan, layout, flat)
     starts, bad = kernels.runs(flat, store.capacity)
     if bad >= 0:
-        raise errors.InvalidArgumentError(
-            f"index: expected row ids in [0, {store.capacity}), got {int(flat[bad])} "
-            f"(values from {flat.min()} to {flat.max()})"
-        )
+        _bad_row(store, flat, bad)
+    if out is None and plan.small is not None:
+        return _gather_new(kernels, store, plan, flat, starts, rows.shape)
     targets = _targets(plan.keys, rows.shape, out)
     for own, after in plan.passes:
         if after is None:
@@ -128,6 +142,17 @@ def gather(
             _next_into(kernels, store, flat, starts, after, targets[after.name],
                        None if own is None else targets[own.name])
     return {key.name: targets[key.name].finish() for key in plan.keys}
+
+
+_KERNELS: Any = None  # kernels.gather, imported on first use (kernels/__init__.py says why)
+
+
+def _kernels() -> Any:
+    global _KERNELS
+    from ..kernels import gather as kernels
+
+    _KERNELS = kernels
+    return kernels
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -154,6 +179,126 @@ class _Plan:
 
     keys: tuple[_Key, ...]
     passes: tuple[tuple[_Key | None, _Key | None], ...]
+    # every key copied by the kernels (raw, mapped, with its ends for ``next_``): its
+    # passes as ``kernels.gather_small`` takes them; else None
+    small: _Small | None
+    # index shape -> where each key lies in a batch's one block of new memory (``_gather_new``)
+    blocks: dict[tuple[int, ...], _Block] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Small:
+    """A plan's passes of rows of at least a byte as ``kernels.gather_small`` takes
+    them: the addresses and sizes of each pass's source and finals, then of the
+    episode-end flags (``arrays`` keeps them alive); each pass's row bytes and the
+    names it copies its rows and next rows to (None: not asked)."""
+
+    arrays: tuple[np.ndarray, ...]
+    addresses: np.ndarray
+    sizes: np.ndarray
+    row_bytes: np.ndarray
+    owns: tuple[str | None, ...]
+    afters: tuple[str | None, ...]
+
+
+def _small(kernels: Any, passes: tuple[tuple[_Key | None, _Key | None], ...]) -> _Small:
+    none = np.zeros(0, np.uint8)
+    flags = (none, none)
+    arrays: list[np.ndarray] = []
+    row_bytes, owns, afters = [], [], []
+    for own, after in passes:
+        key = after if after is not None else own
+        assert key is not None and key.source is not None
+        if not key.row_bytes:
+            continue
+        final = none
+        if after is not None:
+            assert after.ends is not None
+            final, flags = after.ends[0], (after.ends[1], after.ends[2])
+        arrays += [key.source, final]
+        row_bytes.append(key.row_bytes)
+        owns.append(None if own is None else own.name)
+        afters.append(None if after is None else after.name)
+    arrays += flags
+    where = np.array([kernels.address(a) for a in arrays], np.int64).reshape(-1, 2)
+    return _Small(tuple(arrays), where[:, 0].copy(), where[:, 1].copy(), np.array(row_bytes, np.int64),
+                  tuple(owns), tuple(afters))
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Block:
+    """The new memory of a batch of one index shape: ``nbytes`` in all; per key its
+    name, dtype, full shape, first byte and bytes; the first bytes of the rows and
+    next rows of each ``gather_small`` pass (-1: not asked)."""
+
+    nbytes: int
+    keys: tuple[tuple[str, np.dtype, tuple[int, ...], int, int], ...]
+    own_at: np.ndarray
+    next_at: np.ndarray
+
+
+def _block(plan: _Plan, index_shape: tuple[int, ...]) -> _Block:
+    block = plan.blocks.get(index_shape)
+    if block is None:
+        keys, at, first = [], 0, {}
+        for k in plan.keys:
+            shape = (*index_shape, *k.row_shape)
+            n = math.prod(shape) * k.dtype.itemsize
+            keys.append((k.name, k.dtype, shape, at, n))
+            first[k.name] = at
+            at += -(-n // _ALIGN) * _ALIGN  # each key's memory starts on a cache line
+        owns, afters = (plan.small.owns, plan.small.afters) if plan.small is not None else ((), ())
+        own_at = np.array([-1 if o is None else first[o] for o in owns], np.int64)
+        next_at = np.array([-1 if a is None else first[a] for a in afters], np.int64)
+        if len(plan.blocks) >= _MAX_PLANS:
+            plan.blocks.clear()
+        block = plan.blocks[index_shape] = _Block(at, tuple(keys), own_at, next_at)
+    return block
+
+
+_SMALL = 1 << 16  # bytes: a batch below this takes ``Recycler.small`` memory and ``gather_small``
+
+
+def _bad_row(store: Store, flat: np.ndarray, bad: int) -> None:
+    raise errors.InvalidArgumentError(
+        f"index: expected row ids in [0, {store.capacity}), got {int(flat[bad])} "
+        f"(values from {flat.min()} to {flat.max()})"
+    )
+
+
+def _gather_small(kernels: Any, store: Store, plan: _Plan, layout: _Block, flat: np.ndarray) -> dict[str, torch.Tensor]:
+    """``gather`` of a small batch into new memory: one kernel call for every key
+    (``kernels.gather_small``; a small batch's cost is mostly fixed)."""
+    assert plan.small is not None
+    small = plan.small  # referenced through the call: it keeps the arrays it gives by address
+    memory = RECYCLER.small(layout.nbytes)
+    bad = kernels.gather_small(small.addresses, small.sizes, small.row_bytes, layout.own_at, layout.next_at,
+                               store.lane_size, flat, store.capacity, memory)
+    if bad >= 0:
+        _bad_row(store, flat, bad)
+    from_numpy, ndarray = torch.from_numpy, np.ndarray
+    return {name: from_numpy(ndarray(shape, dtype, memory, a)) for name, dtype, shape, a, _ in layout.keys}
+
+
+def _gather_new(
+    kernels: Any, store: Store, plan: _Plan, flat: np.ndarray, starts: np.ndarray, index_shape: tuple[int, ...]
+) -> dict[str, torch.Tensor]:
+    """``gather`` into new memory of keys the kernels copy (the common case, kept short:
+    a small batch's fixed cost is mostly Python)."""
+    layout = _block(plan, index_shape)
+    memory = RECYCLER.block(layout.nbytes)
+    at = {name: memory[a : a + n] for name, _, _, a, n in layout.keys}
+    for own, after in plan.passes:
+        if after is None:
+            assert own is not None and own.source is not None
+            if own.row_bytes:
+                kernels.copy_rows(own.source, flat, starts, own.row_bytes, at[own.name])
+        elif after.row_bytes:
+            assert after.source is not None and after.ends is not None
+            kernels.copy_rows_next(after.source, *after.ends, flat, starts, store.layout.lane_size, after.row_bytes,
+                                   at[after.name], None if own is None else at[own.name])
+    from_numpy, ndarray = torch.from_numpy, np.ndarray
+    return {name: from_numpy(ndarray(shape, dtype, memory, a)) for name, dtype, shape, a, _ in layout.keys}
 
 
 _MAX_PLANS = 64  # per store: distinct ``keys`` arguments seen
@@ -191,7 +336,10 @@ def _plan(store: Store, keys: Iterable[str] | None) -> _Plan:
             else:
                 passes.append((built[name], None))
                 done.add(name)
-        plan = plans[keys] = _Plan(tuple(built[n] for n in names), tuple(passes))
+        from ..kernels import gather as kernels
+
+        mapped = all(k.source is not None and (k.name == k.base or k.ends is not None) for k in built.values())
+        plan = plans[keys] = _Plan(tuple(built[n] for n in names), tuple(passes), _small(kernels, tuple(passes)) if mapped else None)
     return plan
 
 
@@ -273,7 +421,7 @@ def _targets(keys: tuple[_Key, ...], index_shape: tuple[int, ...], out: Mapping[
     targets = {k.name: _Target((*index_shape, *k.row_shape), k, None if out is None else out.get(k.name)) for k in keys}
     sizes = [t.nbytes for t in targets.values()]
     spans = [-(-n // _ALIGN) * _ALIGN for n in sizes]  # each key's memory starts on a cache line
-    block = _RECYCLER.block(sum(spans)) if sum(spans) else np.empty(0, np.uint8)
+    block = RECYCLER.block(sum(spans)) if sum(spans) else np.empty(0, np.uint8)
     at = 0
     for t, n, span in zip(targets.values(), sizes, spans):
         if t.tensor is None:
@@ -283,64 +431,6 @@ def _targets(keys: tuple[_Key, ...], index_shape: tuple[int, ...], out: Mapping[
 
 
 _ALIGN = 64  # each key's memory starts on a cache line
-
-
-class _Recycler:
-    """Memory for new batches, taken back once every tensor of a batch is gone.
-
-    A batch of a few MB in fresh memory costs a page fault per 4 KiB on its
-    first write (``malloc`` maps large blocks anew, and ``free`` returns them to
-    the system): 0.5-0.8 ms for a 2.7 MB batch on the dev VM, more than the
-    copy itself. Each block is lent behind a ``ctypes`` array that every array
-    and tensor carved from it references (numpy keeps non-array bases in a
-    view's base chain), so its finalizer runs only when the last of them is
-    gone; the block then waits for the next batch of the same size. Finalizers
-    may run in any thread, so the free lists are deques (atomic append/pop) and
-    nothing here takes a lock. A caller that keeps its batches just gets new
-    blocks.
-    """
-
-    def __init__(self, *, per_size: int = 4, sizes: int = 8) -> None:
-        self._free: dict[int, collections.deque[np.ndarray]] = {}
-        self._per_size = per_size
-        self._sizes = sizes
-        self._types: dict[int, Any] = {}
-
-    def block(self, nbytes: int) -> np.ndarray:
-        """``nbytes`` writable bytes (uninitialized)."""
-        try:
-            raw = self._free[nbytes].pop()
-        except (KeyError, IndexError):
-            raw = np.empty(nbytes, np.uint8)
-        kind = self._types.get(nbytes)
-        if kind is None:
-            kind = self._types[nbytes] = ctypes.c_uint8 * nbytes
-            if len(self._types) > 4 * self._sizes:
-                self._types = {nbytes: kind}
-        lease: Any = kind.from_buffer(cast(Any, raw))
-        weakref.finalize(lease, self._give_back, raw).atexit = False
-        memory: np.ndarray = np.frombuffer(lease, np.uint8)
-        return memory
-
-    def _give_back(self, raw: np.ndarray) -> None:
-        free = self._free.get(raw.nbytes)
-        if free is None:
-            if len(self._free) >= self._sizes:
-                self._free = {}
-            free = self._free.setdefault(raw.nbytes, collections.deque(maxlen=self._per_size))
-        free.append(raw)
-
-
-_RECYCLER = _Recycler()
-
-
-def recycled(shape: tuple[int, ...], dtype: np.dtype) -> torch.Tensor:
-    """An uninitialized CPU tensor in memory recycled across batches (as a batch's
-    own tensors: a fresh block of a few MB page-faults per 4 KiB on its first write)."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes == 0:
-        return torch.from_numpy(np.empty(shape, dtype))
-    return torch.from_numpy(_RECYCLER.block(nbytes).view(dtype).reshape(shape))
 
 
 _TORCH_DTYPES: dict[np.dtype, torch.dtype] = {}

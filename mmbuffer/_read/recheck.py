@@ -50,12 +50,18 @@ def read_checked(
     laps a lane faster than ``MAX_REREADS`` draws in a row can be read. ``stack``:
     frame stacks (``frames.py``); an item is then checked at its earliest frame.
     """
+    check = store.mode == "r" if recheck is None else recheck
+    if not check and stack is None:  # the writer's own read: nothing to re-check
+        drawn = draw(np.arange(size))
+        return gather(store, drawn[0], names, out), drawn
     (rows, weights, mask, written), data, first = _read(store, draw, np.arange(size), names, out, stack)
-    if store.mode == "r" if recheck is None else recheck:
+    if check:
+        from ..kernels import gather as kernels  # ``overwritten`` in one compiled pass
+
         layout = store.layout
         cursors = written[layout.lane(first)]
         for _ in range(MAX_REREADS):
-            bad = np.flatnonzero(overwritten(layout, first, cursors, store.reservation()))
+            bad = kernels.overwritten(first, cursors, store.reservation(), layout.lane_size)
             if bad.size == 0:
                 break
             (r, w, m, wr), fresh, f = _read(store, draw, bad, names, None, stack)

@@ -41,7 +41,7 @@ from numba.extending import intrinsic
 cgutils: Any = _cgutils  # numba's code generation helpers are untyped
 ir: Any = cgutils.ir  # llvmlite's IR builder, as numba imports it
 
-__all__ = ["bytes_of", "copy_rows", "copy_rows_next", "runs"]
+__all__ = ["address", "bytes_of", "copy_rows", "copy_rows_next", "gather_small", "overwritten", "runs"]
 
 _LINE = 64  # bytes of a cache line
 _AHEAD_LINES = 64  # lines in flight ahead of the copy (about what a core keeps outstanding)
@@ -215,6 +215,142 @@ def _copy_rows_next(
                 first = q + 1 - lane_size
             _memcpy(out_next, p * row_bytes, src, first * row_bytes, (m - p) * row_bytes)
             p = m
+
+
+def _pointer_typing(typingctx: Any, address: Any) -> Any:
+    """The byte at ``address`` as a ``uint8*`` (for ``numba.carray``)."""
+    pointer: Any = types.CPointer  # untyped in numba's stubs
+    sig = pointer(types.uint8)(types.int64)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+
+    return sig, codegen
+
+
+_pointer: Any = intrinsic(_pointer_typing)
+_carray: Any = numba.carray  # type: ignore[attr-defined]  # numba's stubs do not export it
+_SMALL_AHEAD = 8  # rows prefetched ahead
+
+
+@numba.njit(nogil=True, cache=True)
+def _gather_small(
+    addresses: Any, sizes: Any, row_bytes: Any, own_at: Any, next_at: Any, lane_size: int, rows: Any, nrows: int, out: Any,
+) -> int:
+    n = rows.shape[0]
+    for i in range(n):
+        if rows[i] < 0 or rows[i] >= nrows:
+            return i
+    passes = row_bytes.shape[0]
+    if (addresses.shape[0] != 2 * passes + 2 or sizes.shape[0] != addresses.shape[0] or own_at.shape[0] != passes
+            or next_at.shape[0] != passes or lane_size <= 0 or nrows % lane_size != 0):
+        raise ValueError("gather_small: inconsistent arguments")
+    flags = False
+    for p in range(passes):
+        rb = row_bytes[p]
+        if rb <= 0 or sizes[2 * p] != nrows * rb:
+            raise ValueError("gather_small: a source of the wrong size")
+        for at in (own_at[p], next_at[p]):
+            if at != -1 and (at < 0 or at + n * rb > out.shape[0]):
+                raise ValueError("gather_small: out has the wrong size")
+        if next_at[p] != -1:
+            flags = True
+            if sizes[2 * p + 1] != nrows * rb:
+                raise ValueError("gather_small: a final array of the wrong size")
+    if flags and (sizes[2 * passes] != nrows or sizes[2 * passes + 1] != nrows):
+        raise ValueError("gather_small: flags of the wrong size")
+    terminated = _carray(_pointer(addresses[2 * passes]), sizes[2 * passes])
+    truncated = _carray(_pointer(addresses[2 * passes + 1]), sizes[2 * passes + 1])
+    for i in range(-_SMALL_AHEAD, n):
+        k = i + _SMALL_AHEAD
+        if k < n:  # the lines of row ``rows[k]`` (and of its next row) in every source
+            r = rows[k]
+            for p in range(passes):
+                rb = row_bytes[p]
+                src = _carray(_pointer(addresses[2 * p]), sizes[2 * p])
+                end = (r + (2 if next_at[p] != -1 else 1)) * rb - 1
+                x = r * rb
+                while x <= end:
+                    _prefetch(src, x)
+                    x += _LINE
+                _prefetch(src, end)
+            if flags:
+                _prefetch(terminated, r)
+                _prefetch(truncated, r)
+        if i < 0:
+            continue
+        r = rows[i]
+        last = flags and (terminated[r] != 0 or truncated[r] != 0)
+        following = r + 1 if (r + 1) % lane_size != 0 else r + 1 - lane_size
+        for p in range(passes):
+            rb = row_bytes[p]
+            src = _carray(_pointer(addresses[2 * p]), sizes[2 * p])
+            if own_at[p] != -1:
+                _memcpy(out, own_at[p] + i * rb, src, r * rb, rb)
+            if next_at[p] != -1:
+                if last:
+                    final = _carray(_pointer(addresses[2 * p + 1]), sizes[2 * p + 1])
+                    _memcpy(out, next_at[p] + i * rb, final, r * rb, rb)
+                else:
+                    _memcpy(out, next_at[p] + i * rb, src, following * rb, rb)
+    return -1
+
+
+def gather_small(
+    addresses: np.ndarray, sizes: np.ndarray, row_bytes: np.ndarray, own_at: np.ndarray, next_at: np.ndarray,
+    lane_size: int, rows: np.ndarray, nrows: int, out: np.ndarray,
+) -> int:
+    """Every key of a small batch in one call, row by row. Pass ``p`` copies rows
+    ``rows`` (int64, flat) of ``row_bytes[p]`` bytes of its source to byte
+    ``own_at[p]`` of ``out`` and their next values (as ``copy_rows_next``: the
+    following row of the lane, or the final row where a flag ends the episode) to
+    byte ``next_at[p]`` (-1: not wanted). The arrays are given by address and size
+    in bytes (``addresses``, ``sizes``: per pass its source and its finals, then the
+    terminated and truncated flags; see ``address``): the caller keeps them alive
+    through the call. Returns the position of the first row id outside ``[0,
+    nrows)`` (then nothing is copied), or -1; sizes that do not fit raise
+    ``ValueError``.
+
+    Where ``copy_rows`` pays a call per key and a ``runs`` split, this pays one call
+    (arrays by address: numba types a read-only array, a reader's map, ~15x slower
+    than a writable one at each call): a small batch's cost is mostly fixed
+    (``benchmarks/bench_small_batch.py``). Each row is copied alone, so it is meant
+    for small batches; runs of long slices are ``copy_rows``'s.
+    """
+    return int(_gather_small(addresses, sizes, row_bytes, own_at, next_at, lane_size, rows, nrows, out))
+
+
+@numba.njit(nogil=True, cache=True)
+def _overwritten(first: Any, cursors: Any, reserved: Any, lane_size: int, bad: Any) -> int:
+    n = first.shape[0]
+    if cursors.shape[0] != n or bad.shape[0] < n or lane_size <= 0:
+        raise ValueError("overwritten: arrays of inconsistent sizes")
+    count = 0
+    for i in range(n):
+        f, w = first[i], cursors[i]
+        lane = f // lane_size
+        if f < 0 or lane >= reserved.shape[0]:
+            raise ValueError("overwritten: a row outside the lanes")
+        if w - 1 - (w - 1 - f % lane_size) % lane_size < reserved[lane] - lane_size:
+            bad[count] = i
+            count += 1
+    return count
+
+
+def overwritten(first: np.ndarray, cursors: np.ndarray, reserved: np.ndarray, lane_size: int) -> np.ndarray:
+    """The positions of the items whose first row ``first`` (int64, drawn when its lane's
+    cursor was ``cursors``) the writer may have begun rewriting: its absolute row
+    (``Layout.absolute_at``) is below its lane's reservation ``reserved`` less a lane,
+    as ``mmbuffer._read.recheck.overwritten`` says, in one pass (a reader checks every
+    batch: the numpy expression costs ~7 us on a small one)."""
+    bad = np.empty(first.shape[0], np.int64)
+    return bad[: _overwritten(first, cursors, reserved, lane_size, bad)]
+
+
+def address(array: np.ndarray) -> tuple[int, int]:
+    """The address and size in bytes of a C-contiguous array (``gather_small``'s arguments)."""
+    flat = bytes_of(array)
+    return int(flat.ctypes.data), int(flat.shape[0])
 
 
 def bytes_of(array: np.ndarray) -> np.ndarray:

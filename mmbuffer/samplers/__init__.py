@@ -10,6 +10,7 @@ the same specs. One file per sampler (``base.py`` holds the contract).
 PrioritizedSlices(slice_len=16, beta=0.4, strict=True)
 """
 
+from .. import errors
 from .._ledger.snapshot import Draw
 from .base import Sampler, SamplerState
 from .epoch import Epoch
@@ -17,6 +18,8 @@ from .prioritized import Prioritized, PrioritizedSlices
 from .recent import Recent
 from .slices import Slices
 from .uniform import Uniform
+
+_UNIFORM = Uniform()  # a value: one serves every call
 
 __all__ = ["Draw", "Epoch", "SamplerState", "Prioritized", "PrioritizedSlices", "Recent", "Sampler", "Slices", "Uniform", "from_flags", "resolve"]
 
@@ -34,10 +37,8 @@ def from_flags(
     >>> from_flags(16, prioritized=True)
     PrioritizedSlices(slice_len=16, beta=0.4, strict=True)
     """
-    from .. import errors
-
     if slice_len is None:
-        return Prioritized(beta) if prioritized else Uniform()
+        return Prioritized(beta) if prioritized else _UNIFORM
     if prioritized:
         if weighting != "windows":
             raise errors.InvalidArgumentError(
@@ -66,8 +67,8 @@ def resolve(
     >>> resolve(Uniform())
     Uniform()
     """
-    from .. import errors
-
+    if sampler is None and slice_len is None and prioritized is False:
+        return _UNIFORM  # what from_flags gives: ``sample``'s default, at every call
     flags = (slice_len, prioritized, beta, strict, weighting)
     if sampler is None:
         return from_flags(slice_len, prioritized=prioritized, beta=beta, strict=strict, weighting=weighting)

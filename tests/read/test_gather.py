@@ -83,7 +83,7 @@ def assert_same(got, want):
 @pytest.mark.parametrize("compression", [None, "zstd"])
 def test_random_rows_of_every_dtype_match_the_reference(tmp_path, rng, compression):
     buf = fill(tmp_path / "s", rng, compression=compression)
-    for shape in [(40,), (5, 7), ()]:
+    for shape in [(40,), (5, 7), (), (700,)]:  # 700 rows: 76 KB, past the small batch's one kernel call
         rows = rng.integers(0, buf.capacity, shape)
         assert_same(gather(buf, rows, KEYS), reference(buf, rows, KEYS))
 
@@ -138,6 +138,16 @@ def test_rows_out_of_range_are_refused_and_change_no_out_buffer(tmp_path, rng):
         with pytest.raises(mb.errors.InvalidArgumentError, match=r"index: expected row ids in \[0, 48\)"):
             gather(buf, np.array(bad), ["obs"], out=out)
         assert (out["obs"] == 5.0).all()
+
+
+def test_rows_out_of_range_are_refused_in_small_and_large_batches(tmp_path, rng):
+    buf = fill(tmp_path / "s", rng)
+    for n in (3, 700):  # one kernel call for every key, and a call per key
+        rows = rng.integers(0, buf.capacity, n)
+        for bad in (buf.capacity, -1):
+            rows[n // 2] = bad
+            with pytest.raises(mb.errors.InvalidArgumentError, match=r"index: expected row ids in \[0, 48\)"):
+                gather(buf, rows, KEYS)
 
 
 def test_plans_are_kept_per_store_and_keys(tmp_path, rng):
@@ -206,6 +216,76 @@ def test_kernels_match_the_naive_copy(rng, row_shape, dtype):
         np.testing.assert_array_equal(nxt, naive_next(src, final, term | trunc, rows, lane))
 
 
+def small_args(passes, lane, n_rows, rows):
+    """``gather_small``'s arguments for ``passes`` of ``(src, final or None, own?, next?)``
+    over flags ``passes[0]``'s, and the ``out`` block and where each pass's outputs lie."""
+    arrays, row_bytes, own_at, next_at, at = [], [], [], [], 0
+    for src, final, own, nxt, _ in passes:
+        rb = src[0].nbytes
+        arrays += [src, final if final is not None else np.zeros(0, np.uint8)]
+        row_bytes.append(rb)
+        own_at.append(at if own else -1)
+        at += len(rows) * rb if own else 0
+        next_at.append(at if nxt else -1)
+        at += len(rows) * rb if nxt else 0
+    arrays += passes[0][4]
+    where = [kernels.address(a) for a in arrays]
+    return ([np.array([w[i] for w in where], np.int64) for i in (0, 1)]
+            + [np.array(v, np.int64) for v in (row_bytes, own_at, next_at)] + [lane, rows, n_rows, np.zeros(at, np.uint8)])
+
+
+def test_the_small_batch_kernel_matches_the_naive_copy(rng):
+    """Every key of a small batch in one call, row by row: rows, next rows (the lane's
+    following row, or the final row at an episode's end), rows that repeat, cross
+    lanes or wrap; every pass alone or with its next rows."""
+    lane, lanes = 13, 3
+    n = lane * lanes
+    term, trunc = rng.random(n) < 0.2, rng.random(n) < 0.1
+    flags = (term.view(np.uint8), trunc.view(np.uint8))
+    cols = [rng.integers(0, 100, (n, *shape)).astype(dtype) for shape, dtype in
+            [((), "bool"), ((3,), "float16"), ((7,), "uint8"), ((2, 3), "float64")]]
+    finals = [rng.integers(100, 200, c.shape).astype(c.dtype) for c in cols]
+    for size in (1, 6, 60):
+        rows = rng.integers(0, n, size)
+        rows[: min(size, 3)] = [lane - 1, lane, n - 1][: min(size, 3)]
+        passes = [(c, f, bool(rng.random() < 0.7), True, flags) for c, f in zip(cols, finals)]
+        passes.append((cols[2], None, True, False, flags))  # a pass without next rows
+        args = small_args(passes, lane, n, rows)
+        assert kernels.gather_small(*args) == -1
+        out, at = args[-1], 0
+        for src, final, own, nxt, _ in passes:
+            size_ = len(rows) * src[0].nbytes
+            if own:
+                np.testing.assert_array_equal(out[at : at + size_].view(src.dtype).reshape(-1, *src.shape[1:]), src[rows])
+                at += size_
+            if nxt:
+                got = out[at : at + size_].view(src.dtype).reshape(-1, *src.shape[1:])
+                np.testing.assert_array_equal(got, naive_next(src, final, term | trunc, rows, lane))
+                at += size_
+
+
+def test_the_small_batch_kernel_refuses_bad_rows_and_wrong_sizes(rng):
+    src = np.arange(40, dtype=np.int32).reshape(10, 4)
+    flags = (np.zeros(10, np.uint8), np.zeros(10, np.uint8))
+    args = small_args([(src, src, True, True, flags)], 5, 10, np.array([1, 10, 3]))
+    assert kernels.gather_small(*args) == 1 and not args[-1].any()  # nothing copied
+    args[6][1] = -1
+    assert kernels.gather_small(*args) == 1
+    args[6][1] = 2
+    assert kernels.gather_small(*args) == -1
+    for i, value, match in [(-1, np.zeros(95, np.uint8), "out has the wrong size"),
+                            (7, 20, "wrong size"),  # rows of another source
+                            (5, 3, "inconsistent"),  # a lane size that does not divide the rows
+                            (2, np.array([8], np.int64), "a source of the wrong size")]:
+        bad = list(args)
+        bad[i] = value
+        with pytest.raises(ValueError, match=match):
+            kernels.gather_small(*bad)
+    wrong = small_args([(src, src, True, True, (flags[0][:9], flags[1]))], 5, 10, np.array([1, 2, 3]))
+    with pytest.raises(ValueError, match="flags of the wrong size"):
+        kernels.gather_small(*wrong)
+
+
 def test_kernels_refuse_bad_rows_wrong_sizes_and_bad_runs(rng):
     src = np.arange(40, dtype=np.int32).reshape(10, 4)
     out = np.zeros((3, 4), np.int32)
@@ -235,9 +315,28 @@ def test_kernels_refuse_bad_rows_wrong_sizes_and_bad_runs(rng):
         kernels.bytes_of(src[:, ::2])
 
 
+def test_the_overwritten_kernel_matches_the_numpy_check(rng):
+    """``kernels.gather.overwritten`` (a reader's re-check, compiled) finds exactly the
+    items ``recheck.overwritten`` finds: lanes, cursors before and after a lap, rings
+    wrapped, reservations at, behind and ahead of the cursors."""
+    from mmbuffer._ledger.layout import Layout
+    from mmbuffer._read import recheck
+
+    for lanes, lane in ((1, 7), (3, 10), (4, 1000)):
+        layout = Layout(lanes * lane, lanes)
+        for _ in range(50):
+            first = rng.integers(0, lanes * lane, int(rng.integers(1, 40)))
+            cursors = rng.integers(0, 5 * lane, first.shape[0])
+            reserved = rng.integers(0, 6 * lane, lanes)
+            want = np.flatnonzero(recheck.overwritten(layout, first, cursors, reserved))
+            np.testing.assert_array_equal(kernels.overwritten(first, cursors, reserved, lane), want)
+    with pytest.raises(ValueError, match="outside the lanes"):
+        kernels.overwritten(np.array([30]), np.array([5]), np.array([9, 9]), 10)
+
+
 def test_kernels_release_the_gil():
     """Compiled with nogil (and cached), so a gather runs beside the training step."""
-    for kernel in (kernels._runs, kernels._copy_rows, kernels._copy_rows_next):
+    for kernel in (kernels._runs, kernels._copy_rows, kernels._copy_rows_next, kernels._gather_small, kernels._overwritten):
         assert kernel.targetoptions["nogil"]
         assert type(kernel._cache).__name__ == "FunctionCache"  # cache=True (NullCache otherwise)
 
