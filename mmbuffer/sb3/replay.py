@@ -327,8 +327,10 @@ class ReplayBuffer(_OnDisk, sb3_buffers.ReplayBuffer):  # type: ignore[misc, ove
 
     Keywords: ``path`` (required; an existing store is reopened and resumed),
     ``commit_every`` (steps, default 10,000, at most a lane) and ``commit_seconds``
-    (default 30): ``add`` commits when either is reached; ``frame_stack`` and
-    ``codec`` must be None for now.
+    (default 30): ``add`` commits when either is reached; ``frame_stack`` (``k`` of
+    the env's ``VecFrameStack``: one frame stored a step, stacks rebuilt at
+    sampling, see :mod:`mmbuffer.sb3.stacks`) with ``channels_order`` (None: as
+    ``VecFrameStack`` detects it); ``codec`` must be None for now.
     """
 
 

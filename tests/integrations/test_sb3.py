@@ -592,6 +592,33 @@ def test_dqn_cnn_on_ale_pong_trains(tmp_path):
     rb.close()
 
 
+@pytest.mark.parametrize("n_envs", [1, 2])
+def test_prioritized_frame_stack_samples(tmp_path, n_envs):
+    """PrioritizedReplayBuffer with frame_stack: the rows the priority tree draws come
+    back with the stacks VecFrameStack gave for them (ring wrapped)."""
+    frame, dtype, k, _ = FRAMES["gray-last"]
+    venv = stacked_env(frame, dtype, n_envs, k, seed=7)
+    steps = collect(venv, 60, seed=7)
+    rb = mmbuffer.sb3.PrioritizedReplayBuffer(17 * n_envs, venv.observation_space, venv.action_space, device="cpu",
+                                              n_envs=n_envs, path=tmp_path / "p", frame_stack=k, commit_every=9)
+    torch.manual_seed(0)
+    for args in steps:
+        rb.add(*args)
+    seen = set()
+    for _ in range(20):
+        s = rb.sample(64)
+        envs, at = rb._lanes.rows_steps(s.indices.numpy())
+        assert (at >= 60 - 17 - (k - 1)).all() and (at < 59).all()  # the store's rows, k - 1 older than SB3's ring
+        for i, (e, a) in enumerate(zip(envs, at)):
+            obs, nxt, action, reward, done, infos = steps[a]
+            assert np.array_equal(s.observations[i].numpy(), obs[e]) and np.array_equal(s.next_observations[i].numpy(), nxt[e])
+            assert s.rewards[i, 0] == reward[e] and s.actions[i, 0] == action[e, 0]
+            seen.add((int(e), int(a)))
+        rb.update_priorities(s.indices, torch.rand(64))
+    assert len(seen) > 17 * n_envs // 2
+    rb.close()
+
+
 def du_bytes(path):
     """Disk blocks allocated under ``path`` (``du``: sparse, never-written rows count nothing)."""
     return sum(f.stat().st_blocks * 512 for f in Path(path).rglob("*") if f.is_file())
@@ -627,12 +654,42 @@ def test_dqn_cnn_on_ale_pong_frame_stack_trains(tmp_path):
     starts = np.flatnonzero(timeouts)[:2] + 1  # a reset: zeros before the first frame
     assert not s.observations[starts, :3].any() and s.observations[starts, 3].any()
     assert not s.observations[0, :3].any()
+    copy = pickle.loads(pickle.dumps(rb))  # the path and the cursor; the copy rebuilds the same stacks
+    np.random.seed(3)
+    a = rb.sample(64)
+    np.random.seed(3)
+    same_samples(a, copy.sample(64))
+    copy.close()
     rb.close()
     store = mb.open(tmp_path / "pong", mode="r")
     assert tuple(store.columns["obs"].shape) == (1, 53, 40)  # one frame a step, not 4
     store.close()
     stacked = 304 * 2 * int(np.prod(rb.observation_space.shape))  # SB3's observations + next_observations
     assert du_bytes(tmp_path / "pong") < stacked / 2
+
+
+def test_dqn_frame_stack_training_bit_identical_to_sb3_buffer(tmp_path):
+    """DQN CnnPolicy on Pong with VecFrameStack(4), same seed: SB3's buffer of stacked
+    observations or the drop-in storing single frames train the same weights, bit for bit
+    (the ring wraps, episodes end by timeouts)."""
+    ale_py = pytest.importorskip("ale_py")
+    from stable_baselines3.common.vec_env import VecFrameStack
+
+    gym.register_envs(ale_py)
+
+    def train(**kw):
+        env = VecFrameStack(DummyVecEnv([lambda: QuarterFrames(gym.make("ALE/Pong-v5", obs_type="grayscale",
+                                                                         max_episode_steps=90))]), 4)
+        model = DQN("CnnPolicy", env, buffer_size=150, learning_starts=60, batch_size=16, train_freq=4, seed=2,
+                    policy_kwargs={"features_extractor_kwargs": {"features_dim": 32}}, **kw)
+        model.learn(240)
+        return params(model.policy), model
+
+    theirs, _ = train()
+    mine, model = train(replay_buffer_class=mmbuffer.sb3.ReplayBuffer,
+                        replay_buffer_kwargs={"path": str(tmp_path / "r"), "frame_stack": 4, "commit_every": 50})
+    assert model._n_updates > 30 and all(torch.equal(a, b) for a, b in zip(theirs, mine))
+    model.replay_buffer.close()
 
 
 # -- prioritized replay -------------------------------------------------------------------
