@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -68,22 +69,24 @@ def main() -> None:
                                      path=root / "replay", frame_stack=4)
     plain = mmbuffer.sb3.ReplayBuffer(n, venv.observation_space, venv.action_space, device="cpu", path=root / "plain")
     rng = np.random.default_rng(0)
-    obs, ends, t_add, t_plain = venv.reset(), 0, 0.0, 0.0
-    for _ in range(n):
+    obs: Any = venv.reset()
+    ends, spent = 0, [0.0, 0.0]
+    for t in range(n):
         actions = rng.integers(0, venv.action_space.n, size=1)  # type: ignore[attr-defined]
+        new_obs: Any
         new_obs, rewards, dones, infos = venv.step(actions)
         next_obs = new_obs.copy()
         if dones[0]:
             next_obs[0] = infos[0]["terminal_observation"]
             ends += 1
         theirs.add(obs, next_obs, actions.reshape(-1, 1), rewards, dones, infos)
-        t0 = time.perf_counter()
-        mine.add(obs, next_obs, actions.reshape(-1, 1), rewards, dones, infos)
-        t_add += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        plain.add(obs, next_obs, actions.reshape(-1, 1), rewards, dones, infos)
-        t_plain += time.perf_counter() - t0
+        timed: list[tuple[Any, int]] = [(mine, 0), (plain, 1)]
+        for buf, which in timed if t % 2 == 0 else timed[::-1]:  # alternated: neither always first
+            t0 = time.perf_counter()
+            buf.add(obs, next_obs, actions.reshape(-1, 1), rewards, dones, infos)
+            spent[which] += time.perf_counter() - t0
         obs = new_obs
+    t_add, t_plain = spent[0], spent[1]
     mine.close()
     plain.close()
     stored, stored_plain = du(root / "replay"), du(root / "plain")
@@ -98,7 +101,8 @@ def main() -> None:
     times: dict[tuple[str, int], list[float]] = {}
     for _ in range(args.reps):
         for bs in (32, 256):
-            for name, buf in (("sb3", theirs), ("mmbuffer", mine)):
+            pair: tuple[tuple[str, Any], ...] = (("sb3", theirs), ("mmbuffer", mine))
+            for name, buf in pair:
                 t0 = time.perf_counter()
                 buf.sample(bs)
                 times.setdefault((name, bs), []).append(time.perf_counter() - t0)

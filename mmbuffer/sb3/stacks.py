@@ -135,19 +135,21 @@ class FrameStack:
         (call ``commit_check`` only once the step is stored: ``check`` again before
         then re-checks against the same previous step)."""
         k = self.k
-        frames, nxt = self.split(obs), self.split(next_obs)
+        # contiguous copies ([n, k, *frame]): VecTransposeImage gives transposed views, and
+        # comparisons over strided frames cost several times more
+        frames, nxt = np.ascontiguousarray(self.split(obs)), np.ascontiguousarray(self.split(next_obs))
         n = frames.shape[0]
-        axes = tuple(range(2, frames.ndim))
+        flat, flat_next = frames.reshape(n, k, -1), nxt.reshape(n, k, -1)
         depth = np.zeros(n, np.int64)
         expected = np.zeros_like(frames[:, :-1])
         if self._prev is not None:
             p_frames, p_next, p_done, p_depth = self._prev
-            cont = ~p_done & (p_next == frames[:, -1]).reshape(n, -1).all(axis=1)
+            cont = ~p_done & (p_next.reshape(n, -1) == flat[:, -1]).all(axis=1)
             depth[cont] = np.minimum(p_depth[cont] + 1, k - 1)
             expected[cont] = p_frames[cont, 1:]
         else:
             cont = np.zeros(n, bool)
-        bad = (frames[:, :-1] != expected).any(axis=axes) if k > 1 else np.zeros((n, 0), bool)
+        bad = (flat[:, :-1] != expected.reshape(n, k - 1, flat.shape[2])).any(axis=2)
         for e in np.flatnonzero(bad.any(axis=1)):
             want = ("the previous step's newest frames (the step continues its episode: the previous step was not "
                     "done and its next_obs's newest frame is this obs's newest)") if cont[e] else (
@@ -158,7 +160,7 @@ class FrameStack:
                 f"differences at frames {np.flatnonzero(bad[e]).tolist()} of {k - 1}{_diff(expected[e], frames[e, :-1])}: "
                 "the store keeps the newest frame of each step and cannot rebuild this stack"
             )
-        bad = (frames[:, 1:] != nxt[:, :-1]).any(axis=axes) if k > 1 else np.zeros((n, 0), bool)
+        bad = (flat[:, 1:] != flat_next[:, :-1]).any(axis=2)
         for e in np.flatnonzero(bad.any(axis=1)):
             raise errors.InvalidArgumentError(
                 f"frame_stack: env {e} at step {step}: expected next_obs's older {k - 1} frames to be obs's newest "
