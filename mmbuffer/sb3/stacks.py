@@ -21,7 +21,9 @@ store episode at every commit and before an episode outgrows a lane, where
 continues its episode: not done, and its ``next_obs``'s newest frame is this
 ``obs``'s newest; zeros otherwise), and the older frames of ``next_obs`` must be
 ``obs``'s newest ``k - 1``; a mismatch raises ``InvalidArgumentError`` naming
-``frame_stack`` before anything is written.
+``frame_stack`` before anything is written. Older frames all zeros are always
+accepted as a new episode (depth 0: zeros are what the store rebuilds), also with
+no ``done`` before them (a fresh env after a resume).
 
 >>> import numpy as np
 >>> from gymnasium import spaces
@@ -150,6 +152,10 @@ class FrameStack:
         else:
             cont = np.zeros(n, bool)
         bad = (flat[:, :-1] != expected.reshape(n, k - 1, flat.shape[2])).any(axis=2)
+        # an episode that starts with no done before it (a fresh env after a resume whose
+        # reset frame equals the stored next frame): zeros are rebuilt exactly, depth 0
+        fresh = cont & bad.any(axis=1) & ~flat[:, :-1].reshape(n, -1).any(axis=1)
+        depth[fresh], bad[fresh] = 0, False
         for e in np.flatnonzero(bad.any(axis=1)):
             want = ("the previous step's newest frames (the step continues its episode: the previous step was not "
                     "done and its next_obs's newest frame is this obs's newest)") if cont[e] else (

@@ -337,6 +337,17 @@ def test_frame_stack_mismatch_is_refused(tmp_path):
     fresh[0, ..., 0] = 7  # a first step whose older frames are not zeros
     with pytest.raises(errors.InvalidArgumentError, match="zeros before the episode's first step"):
         rb2.add(fresh, nxt, *rest)
+    assert not steps[0][4][0]  # the first step does not end its episode
+    rb2.add(*steps[0])
+    frames = rb2._stack.split(steps[0][1])  # next_obs: its newest frame starts a new episode, no done between
+    restart = np.zeros_like(steps[0][1])
+    restart[0, ..., -1:] = frames[0, -1]
+    nxt = restart.copy()
+    nxt[0, ..., 2:3] = frames[0, -1]
+    rb2.add(restart, nxt, *steps[1][2:])  # accepted: zeros are what the store rebuilds (depth 0)
+    s = rb2._get_samples(np.arange(2), env_indices=np.zeros(2, np.int64))
+    assert np.array_equal(s.observations[1].numpy(), restart[0]) and np.array_equal(s.next_observations[1].numpy(), nxt[0])
+    rb2.close()
     with pytest.raises(errors.SchemaError):  # a stacked store is not a plain one
         mmbuffer.sb3.ReplayBuffer(50, venv.observation_space, venv.action_space, device="cpu", path=tmp_path / "m")
 
