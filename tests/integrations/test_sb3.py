@@ -307,6 +307,21 @@ def test_frame_stack_samples_equal_sb3(tmp_path, name, n_envs, hold, commit_ever
     store.close()
 
 
+@pytest.mark.parametrize("n_envs", [1, 3])
+def test_frame_stack_one_slot_per_env_equal_sb3(tmp_path, n_envs):
+    """buffer_size 1 per env, shorter than the stack: the lane keeps the k - 1 older frames."""
+    venv = stacked_env((6, 5, 1), np.uint8, n_envs, 4, seed=3, max_len=6)
+    theirs = sb3_buffers.ReplayBuffer(n_envs, venv.observation_space, venv.action_space, device="cpu", n_envs=n_envs)
+    mine = mmbuffer.sb3.ReplayBuffer(n_envs, venv.observation_space, venv.action_space, device="cpu", n_envs=n_envs,
+                                     path=tmp_path / "o", frame_stack=4)
+    for t, args in enumerate(collect(venv, 30, seed=3)):
+        theirs.add(*deepcopy(args))
+        mine.add(*args)
+        compare_all(theirs, mine, seed=t)
+    mine.close()
+    compare_all(theirs, mine, seed=50)
+
+
 def test_frame_stack_mismatch_is_refused(tmp_path):
     frame, dtype, k, _ = FRAMES["gray-last"]
     venv = stacked_env(frame, dtype, 1, k, seed=5, max_len=8)
