@@ -48,8 +48,21 @@ training resumes at its cursor.
 Prioritized replay: ``PrioritizedReplayBuffer`` with ``PrioritizedDQN`` (SB3's DQN
 feeding TD errors back), see :mod:`mmbuffer.sb3.prioritized`.
 
-Not yet: ``frame_stack`` (needs the core's stacked sampling) and ``codec``
-(per-column codecs) are refused with ``InvalidArgumentError`` unless None.
+Frame stacks. For an env wrapped in ``VecFrameStack(venv, k)`` (Atari:
+``DQN("CnnPolicy", VecFrameStack(venv, 4), ...)``), ``replay_buffer_kwargs=
+{"path": ..., "frame_stack": k}`` stores only the newest frame of each step (the
+``obs`` column is the single frame, plus a uint8 ``depth``) and rebuilds SB3's
+stacks at sampling, zeros before an episode's first step, bit-identical to SB3's
+buffer fed the same stacked transitions; the stack axis is found as
+``VecFrameStack`` finds it (``channels_order="first"``/``"last"`` when both
+axes fit; ``VecTransposeImage``'s channels-first stacks too). Every ``add``
+checks that the older frames of ``obs`` are what the store rebuilds and that
+``next_obs`` shifts the stack by one; a mismatch raises ``InvalidArgumentError``
+naming ``frame_stack``, before anything is written (:mod:`mmbuffer.sb3.stacks`).
+``DictReplayBuffer`` refuses ``frame_stack`` for now.
+
+Not yet: ``codec`` (per-column codecs) is refused with ``InvalidArgumentError``
+unless None.
 
 >>> import tempfile, gymnasium as gym
 >>> from stable_baselines3 import DQN

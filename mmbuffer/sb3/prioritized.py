@@ -100,7 +100,8 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         """``batch_size`` rows drawn with probability ``p_i / sum p`` and their
         importance weights ``(N P(i)) ** -beta / max``."""
         rows, weights, written = self._lanes.reader().sample_indices(batch_size, prioritized=True, beta=self.beta)
-        base = self._get_samples(rows % self.buffer_size, env=env, env_indices=rows // self.buffer_size, held=False)
+        envs, steps = self._lanes.rows_steps(rows)  # the store's rows as they are (none held)
+        base = self._transitions(self._lanes.gather_steps(envs, steps, self._keys(), held=False), env)
         indices = torch.from_numpy(rows)
         self._remember(indices, written)
         return PrioritizedReplayBufferSamples(

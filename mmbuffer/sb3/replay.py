@@ -29,6 +29,7 @@ import torch
 from .. import errors
 from ..schema import PriorityConfig
 from .rows import Lanes
+from .stacks import FrameStack
 from .views import ColumnView
 
 try:
@@ -82,6 +83,7 @@ class _OnDisk:
         commit_every: int = COMMIT_EVERY,
         commit_seconds: float = COMMIT_SECONDS,
         frame_stack: int | None = None,
+        channels_order: str | None = None,
         codec: Any = None,
     ) -> None:
         # SB3's __init__ is not called: it allocates every array in RAM
@@ -89,10 +91,9 @@ class _OnDisk:
             raise errors.InvalidArgumentError(
                 'path: expected the store directory, replay_buffer_kwargs={"path": "runs/replay"}, got None'
             )
-        if frame_stack is not None:
+        if frame_stack is None and channels_order is not None:
             raise errors.InvalidArgumentError(
-                f"frame_stack: expected None, got {frame_stack!r}: frame-stacked replay arrives with the core's "
-                "stacked sampling (buf.sample(n, stack=...)); until then store the stacked observations (frame_stack=None)"
+                f"channels_order: expected None without frame_stack (it names VecFrameStack's stack axis), got {channels_order!r}"
             )
         if codec is not None:
             raise errors.InvalidArgumentError(
@@ -112,6 +113,7 @@ class _OnDisk:
         # observations are stored once, next_obs derived: SB3#934's conflict does not arise
         self.optimize_memory_usage = bool(optimize_memory_usage)
         self.handle_timeout_termination = bool(handle_timeout_termination)
+        self._stack = None if frame_stack is None else self._frame_stack(frame_stack, channels_order)
         action_dtype = np.float32 if action_space.dtype == np.float64 else action_space.dtype  # SB3's _maybe_cast_dtype
         self._action_dtype = np.dtype(action_dtype)
         columns = {c: (shape, str(np.dtype(dtype))) for c, (shape, dtype) in self._obs_columns().items()}
@@ -121,10 +123,13 @@ class _OnDisk:
             "done": ((), "float32"),
             "timeout": ((), "float32"),
         })
+        if self._stack is not None:
+            columns["obs"] = (self._stack.frame_shape, str(self._stack.dtype))  # one frame a step
+            columns["depth"] = ((), "uint8")
         self._lanes = Lanes(
             Path(path).absolute(), columns, tuple(self._obs_columns()), buffer_size=self.buffer_size, n_envs=self.n_envs,
             commit_every=commit_every, commit_seconds=commit_seconds, priorities=self._priority_config(),
-            block=self._hold_steps,
+            block=self._hold_steps, stack=self._stack,
         )
         # what __setstate__ calls __init__ with (path absolute: a pickle may be loaded elsewhere)
         self._init_kwargs: dict[str, Any] = {
@@ -132,6 +137,7 @@ class _OnDisk:
             "device": str(self.device), "n_envs": self.n_envs, "optimize_memory_usage": self.optimize_memory_usage,
             "handle_timeout_termination": self.handle_timeout_termination, "path": str(self._lanes.path),
             "commit_every": self._lanes.commit_every, "commit_seconds": self._lanes.commit_seconds,
+            "frame_stack": frame_stack, "channels_order": channels_order,
         }
         self._cursor()
         self._finalizer = weakref.finalize(self, self._lanes.close)
@@ -197,8 +203,32 @@ class _OnDisk:
         })
         if self.handle_timeout_termination:
             row["timeout"] = np.array([info.get("TimeLimit.truncated", False) for info in infos], dtype=np.float32)
-        self._lanes.add(row, self._obs_row(next_obs))
+        next_row = self._obs_row(next_obs)
+        fs = self._stack
+        if fs is not None:  # store the newest frames, checked against the stacks the store rebuilds
+            if not fs.remembers and self._lanes.adds:
+                self._remember_newest()
+            dtype = self._lanes.columns["obs"][1]
+            row["obs"], next_row["obs"], row["depth"] = fs.check(
+                row["obs"].astype(dtype, copy=False), next_row["obs"].astype(dtype, copy=False), row["done"], self._lanes.adds
+            )
+        self._lanes.add(row, next_row)
+        if fs is not None:
+            fs.commit_check()
         self._cursor()
+
+    def _frame_stack(self, k: Any, channels_order: str | None) -> FrameStack:
+        return FrameStack.for_space(self.observation_space, k, channels_order)
+
+    def _remember_newest(self) -> None:
+        """Load the newest stored step of every env into the frame-stack check (a
+        reopened store: the next ``add`` is checked against it)."""
+        assert self._stack is not None
+        envs = np.arange(self.n_envs)
+        steps = np.full(self.n_envs, self._lanes.adds - 1)
+        got = self._lanes.gather_steps(envs, steps, ["obs", "next_obs", "done", "depth"])
+        fs = self._stack
+        fs.load(fs.split(got["obs"]), fs.split(got["next_obs"])[:, -1], got["done"] != 0, got["depth"])
 
     def sample(self, batch_size: int, env: VecNormalize | None = None) -> Any:
         """``batch_size`` transitions drawn as SB3 draws them (``np.random``): a slot
@@ -210,15 +240,19 @@ class _OnDisk:
 
     def _get_samples(
         self, batch_inds: np.ndarray, env: VecNormalize | None = None, env_indices: np.ndarray | None = None,
-        held: bool = True,
     ) -> Any:
         """SB3's ``_get_samples``: ``env_indices`` drawn with ``np.random`` as SB3 draws
-        them when not given (``held=False``: the store's rows only, see ``Lanes.gather``)."""
+        them when not given."""
         if env_indices is None:
             env_indices = np.random.randint(0, high=self.n_envs, size=(len(batch_inds),))
+        return self._transitions(self._lanes.gather(np.asarray(env_indices), np.asarray(batch_inds), self._keys()), env)
+
+    def _keys(self) -> list[str]:
         obs_cols = list(self._obs_columns())
-        keys = [*obs_cols, *(f"next_{c}" for c in obs_cols), "action", "reward", "done", "timeout"]
-        got = self._lanes.gather(np.asarray(env_indices), np.asarray(batch_inds), keys, held=held)
+        return [*obs_cols, *(f"next_{c}" for c in obs_cols), "action", "reward", "done", "timeout"]
+
+    def _transitions(self, got: dict[str, np.ndarray], env: VecNormalize | None) -> Any:
+        """SB3's samples of the gathered ``got`` (``_keys``)."""
         dones = (got["done"] * (1 - got["timeout"])).reshape(-1, 1)
         rewards = got["reward"].reshape(-1, 1)
         if env is not None:
@@ -293,14 +327,23 @@ class ReplayBuffer(_OnDisk, sb3_buffers.ReplayBuffer):  # type: ignore[misc, ove
 
     Keywords: ``path`` (required; an existing store is reopened and resumed),
     ``commit_every`` (steps, default 10,000, at most a lane) and ``commit_seconds``
-    (default 30): ``add`` commits when either is reached; ``frame_stack`` and
-    ``codec`` must be None for now.
+    (default 30): ``add`` commits when either is reached; ``frame_stack`` (``k`` of
+    the env's ``VecFrameStack``: one frame stored a step, stacks rebuilt at
+    sampling, see :mod:`mmbuffer.sb3.stacks`) with ``channels_order`` (None: as
+    ``VecFrameStack`` detects it); ``codec`` must be None for now.
     """
 
 
 class DictReplayBuffer(_OnDisk, sb3_buffers.DictReplayBuffer):  # type: ignore[misc, override]
     """SB3's ``DictReplayBuffer`` kept in an mmbuffer store: one column
-    ``obs.<key>`` per observation key (keywords as :class:`ReplayBuffer`)."""
+    ``obs.<key>`` per observation key (keywords as :class:`ReplayBuffer`;
+    ``frame_stack`` refused for now)."""
+
+    def _frame_stack(self, k: Any, channels_order: str | None) -> FrameStack:
+        raise errors.InvalidArgumentError(
+            f"frame_stack: expected None for a Dict observation space, got {k!r}: DictReplayBuffer stores "
+            "stacked Dict observations as given (frame_stack=None); single-frame storage is ReplayBuffer's"
+        )
 
     def _obs_columns(self) -> dict[str, tuple[tuple[int, ...], Any]]:
         space = self.observation_space

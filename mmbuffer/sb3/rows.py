@@ -3,7 +3,9 @@
 An SB3 replay buffer of ``buffer_size`` slots per env and ``n_envs`` envs is an
 mmbuffer store of ``n_envs`` streams, each a lane of ``buffer_size`` rows:
 SB3's slot ``(pos, env)`` is global row ``env * buffer_size + pos`` (a lane's
-ring position is its cursor modulo the lane, as SB3's ``pos``).
+ring position is its cursor modulo the lane, as SB3's ``pos``). With frame
+stacks of ``k`` (``stacks.py``) a lane has ``k - 1`` rows more, and step ``a``
+of an env (``a`` from 0) is row ``env * lane + a % lane``.
 
 Observations are stored once. ``next_<obs>`` of a row is the following row's
 observation inside an episode and the stored final observation at an episode's
@@ -46,7 +48,7 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -55,6 +57,9 @@ from ..buffer import Buffer
 from ..opening import create as create_buffer
 from ..opening import open as open_buffer
 from ..schema import PriorityConfig
+
+if TYPE_CHECKING:
+    from .stacks import FrameStack
 
 __all__ = ["ATTR", "Lanes"]
 
@@ -86,6 +91,7 @@ class Lanes:
         layout: Mapping[str, Any] | None = None,
         priorities: PriorityConfig | None = None,
         block: int = 64,
+        stack: FrameStack | None = None,
     ) -> None:
         self.path = Path(path)
         self.columns = {k: (tuple(s), str(np.dtype(d))) for k, (s, d) in columns.items()}
@@ -96,6 +102,12 @@ class Lanes:
             raise errors.InvalidArgumentError(f"commit_seconds: expected a positive number of seconds, got {commit_seconds!r}")
         self.commit_seconds = float(commit_seconds)
         self.layout = {"buffer_size": self.buffer_size, "n_envs": self.n_envs, **(layout or {})}
+        # frame stacks (stacks.py): the obs column holds single frames, and each lane keeps
+        # k - 1 rows more than SB3's ring so that the oldest slot still has its older frames
+        self.stack = stack
+        self.lane = self.buffer_size + (0 if stack is None else stack.k - 1)
+        if stack is not None:
+            self.layout.update(frame_stack=stack.k, channels_order=stack.order)
         self.priorities = priorities
         self._buf: Buffer | None = None
         # the newest steps, held in memory: column -> [block, n_envs, ...], obs column -> its next_obs
@@ -136,7 +148,7 @@ class Lanes:
         self._release()
         if not self.path.exists():
             self._buf = create_buffer(
-                self.path, self.columns, self.buffer_size * self.n_envs, num_streams=self.n_envs,
+                self.path, self.columns, self.lane * self.n_envs, num_streams=self.n_envs,
                 next_keys=self.obs_columns, attrs={ATTR: self.layout}, priorities=self.priorities,
             )
             return self._buf
@@ -266,31 +278,78 @@ class Lanes:
         self._release()
 
     # -- reading -------------------------------------------------------------------------
+    def steps_at(self, slots: np.ndarray) -> np.ndarray:
+        """The step (per env, from 0) now at each SB3 slot: the newest ``a < adds``
+        with ``a % buffer_size == slot`` (negative for slots not written yet)."""
+        return self.adds - 1 - (self.adds - 1 - np.asarray(slots, dtype=np.int64)) % self.buffer_size
+
     def gather(self, envs: np.ndarray, slots: np.ndarray, keys: Sequence[str], held: bool = True) -> dict[str, np.ndarray]:
         """Rows at SB3 slots ``(slots, envs)`` as ``{key: numpy [B, ...]}`` (keys: columns
         and ``next_<obs column>``), held steps and the open rows' ``next_obs`` from memory
-        (``held=False``: the store's rows as they are, for rows a store sampler drew)."""
-        envs, slots = np.asarray(envs, dtype=np.int64), np.asarray(slots, dtype=np.int64)
-        rows = envs * self.buffer_size + slots
-        out = {k: v.numpy() for k, v in self.reader().get(rows, keys).items()}
-        h, n = self._h, self.buffer_size
-        if h == 0 or not held:
-            return out
-        pend, nxt = self._pend, self._pend_next
-        last = self.adds - h - 1  # the lanes' last stored step, continuing into the held ones if open
-        if last >= 0:
-            m = (slots == last % n) & (self._open_len[envs] > 0)
-            if m.any():
-                for c in self.obs_columns:
-                    if f"next_{c}" in out:
-                        out[f"next_{c}"][m] = pend[c][0, envs[m]]
-        j = h - 1 - (self.adds - 1 - slots) % n  # the newest held step at each slot, if any
-        m = j >= 0
-        if m.any():
-            for k in out:
-                src = nxt[k[5:]] if k.startswith("next_") else pend[k]
-                out[k][m] = src[j[m], envs[m]]
+        (``held=False``: the store's rows as they are, for rows a store sampler drew).
+        With frame stacks, ``obs`` and ``next_obs`` are stacked as SB3's ``VecFrameStack``."""
+        return self.gather_steps(np.asarray(envs, dtype=np.int64), self.steps_at(slots), keys, held)
+
+    def gather_steps(self, envs: np.ndarray, steps: np.ndarray, keys: Sequence[str], held: bool = True) -> dict[str, np.ndarray]:
+        """``gather`` by step number (``steps_at``; a store row ``r`` is step
+        ``rows_steps(r)``) rather than SB3 slot."""
+        envs, steps = np.asarray(envs, dtype=np.int64), np.asarray(steps, dtype=np.int64)
+        fs = self.stack
+        if fs is None:
+            return self._raw(envs, steps, keys, held)
+        col = self.obs_columns[0]
+        stacked = [k for k in keys if k in (col, f"next_{col}")]
+        plain = [k for k in keys if k not in stacked]
+        if not stacked:
+            return self._raw(envs, steps, plain, held)
+        extra = [k for k in ("depth", f"next_{col}") if k not in plain]
+        out = self._raw(envs, steps, [*plain, *extra], held)
+        depth = out["depth"].astype(np.int64)
+        following = out[f"next_{col}"]
+        for k in extra:
+            del out[k]
+        want = steps[:, None] + np.arange(1 - fs.k, 1, dtype=np.int64)  # oldest first
+        low = (steps - depth)[:, None]
+        frames = self._raw(envs[:, None], np.maximum(want, low), [col], held)[col]
+        frames[want < low] = 0  # before the episode's first step: zeros, as VecFrameStack
+        if col in keys:
+            out[col] = fs.assemble(frames)
+        if f"next_{col}" in keys:
+            out[f"next_{col}"] = fs.assemble(np.concatenate([frames[:, 1:], following[:, None]], axis=1))
         return out
+
+    def rows_steps(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(envs, steps)`` of global store rows (rows the store holds now)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        envs, at = rows // self.lane, rows % self.lane
+        written = self.adds - self._h  # steps in the store, per env
+        return envs, written - 1 - (written - 1 - at) % self.lane
+
+    def _raw(self, envs: np.ndarray, steps: np.ndarray, keys: Sequence[str], held: bool) -> dict[str, np.ndarray]:
+        """The stored columns at ``(envs, steps)`` (broadcast, any shape), held steps
+        patched from memory unless ``held`` is False."""
+        envs, steps = np.broadcast_arrays(envs, steps)
+        shape = steps.shape
+        envs, steps = envs.reshape(-1), steps.reshape(-1)
+        rows = envs * self.lane + steps % self.lane
+        out = {k: v.numpy().reshape(len(rows), *v.shape[1:]) for k, v in self.reader().get(rows, keys).items()}
+        h = self._h
+        if h and held:
+            pend, nxt = self._pend, self._pend_next
+            last = self.adds - h - 1  # the lanes' last stored step, continuing into the held ones if open
+            if last >= 0:
+                m = (steps == last) & (self._open_len[envs] > 0)
+                if m.any():
+                    for c in self.obs_columns:
+                        if f"next_{c}" in out:
+                            out[f"next_{c}"][m] = pend[c][0, envs[m]]
+            j = steps - (self.adds - h)  # the held step, if any
+            m = j >= 0
+            if m.any():
+                for k in out:
+                    src = nxt[k[5:]] if k.startswith("next_") else pend[k]
+                    out[k][m] = src[j[m], envs[m]]
+        return {k: v.reshape(*shape, *v.shape[1:]) for k, v in out.items()}
 
 
 def _positive(what: str, value: Any) -> int:

@@ -213,6 +213,160 @@ def test_timeouts_and_dones_values(tmp_path):
     store.close()
 
 
+# -- frame stacks (VecFrameStack): one frame stored a step ---------------------------------
+class RandomFrames(gym.Env):
+    """Random frames, episodes of random lengths ending terminated or truncated (DummyVecEnv
+    sets TimeLimit.truncated and terminal_observation, VecFrameStack stacks both)."""
+
+    def __init__(self, shape, dtype, seed, max_len):
+        self.observation_space = (spaces.Box(0, 255, shape, np.uint8) if dtype == np.uint8
+                                  else spaces.Box(-5, 5, shape, np.float32))
+        self.action_space = spaces.Discrete(3)
+        self.rng, self.max_len, self.left = np.random.default_rng(seed), max_len, 0
+
+    def frame(self):
+        if self.observation_space.dtype == np.uint8:
+            return self.rng.integers(0, 256, self.observation_space.shape, dtype=np.uint8)
+        return self.rng.standard_normal(self.observation_space.shape).astype(np.float32)
+
+    def reset(self, *, seed=None, options=None):
+        self.left = int(self.rng.integers(1, self.max_len))
+        return self.frame(), {}
+
+    def step(self, action):
+        self.left -= 1
+        end = self.left == 0
+        term = bool(end and self.rng.random() < 0.5)
+        return self.frame(), float(self.rng.standard_normal()), term, bool(end and not term), {}
+
+
+def stacked_env(shape, dtype, n_envs, k, seed=0, max_len=24):
+    from stable_baselines3.common.vec_env import VecFrameStack
+
+    return VecFrameStack(DummyVecEnv([lambda e=e: RandomFrames(shape, dtype, seed * 10 + e, max_len) for e in range(n_envs)]), k)
+
+
+def collect(venv, steps, seed=0):
+    """``add`` arguments as SB3's ``collect_rollouts`` / ``_store_transition`` give them."""
+    rng = np.random.default_rng(seed)
+    obs, out = venv.reset(), []
+    for _ in range(steps):
+        actions = rng.integers(0, 3, size=venv.num_envs)
+        new_obs, rewards, dones, infos = venv.step(actions)
+        next_obs = new_obs.copy()
+        for i, done in enumerate(dones):
+            if done and infos[i].get("terminal_observation") is not None:
+                next_obs[i] = infos[i]["terminal_observation"]
+        out.append((obs.copy(), next_obs, actions.reshape(-1, 1), rewards.astype(np.float32), dones.copy(), deepcopy(infos)))
+        obs = new_obs.copy()
+    return out
+
+
+FRAMES = {  # single frame, dtype, k, the stack axis VecFrameStack picks
+    "gray-last": ((6, 5, 1), np.uint8, 4, "last"),
+    "rgb-last": ((6, 5, 3), np.uint8, 4, "last"),
+    "first": ((2, 6, 5), np.uint8, 3, "first"),
+    "vector": ((3,), np.float32, 4, "last"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FRAMES))
+@pytest.mark.parametrize("n_envs", [1, 2])
+@pytest.mark.parametrize("hold,commit_every", [(64, 7), (5, 1000), (2, 11)])
+def test_frame_stack_samples_equal_sb3(tmp_path, name, n_envs, hold, commit_every):
+    """VecFrameStack's stacked transitions into SB3's buffer and into the drop-in with
+    frame_stack=k (single frames stored): the same samples, observations and next
+    observations across episode ends, timeouts, commits, lane cuts and the wrapped ring."""
+    frame, dtype, k, order = FRAMES[name]
+    venv = stacked_env(frame, dtype, n_envs, k, seed=n_envs)
+    assert venv.stacked_obs.channels_first == (order == "first")
+    obs_space, action_space = venv.observation_space, venv.action_space
+    size = 17 * n_envs  # the ring wraps; episodes up to 23 steps are cut at the lane
+    theirs = sb3_buffers.ReplayBuffer(size, obs_space, action_space, device="cpu", n_envs=n_envs)
+    cls = type("Hold", (mmbuffer.sb3.ReplayBuffer,), {"_hold_steps": hold})
+    kw = dict(device="cpu", n_envs=n_envs, path=tmp_path / "r", frame_stack=k)
+    mine = cls(size, obs_space, action_space, commit_every=commit_every, **kw)
+    steps = collect(venv, 110, seed=n_envs)
+    assert sum(int(d.sum()) for *_, d, _ in steps) > 4 and any(i.get("TimeLimit.truncated") for *_, i in steps for i in i)
+    for t, args in enumerate(steps[:90]):
+        theirs.add(*deepcopy(args))
+        mine.add(*args)
+        compare_all(theirs, mine, seed=t)
+    mine.close()
+    compare_all(theirs, mine, seed=99)
+    again = cls(size, obs_space, action_space, **kw)  # reopened: the next adds are checked against the store
+    compare_all(theirs, again, seed=100)
+    for t, args in enumerate(steps[90:]):
+        theirs.add(*deepcopy(args))
+        again.add(*args)
+        compare_all(theirs, again, seed=200 + t)
+    again.close()
+    store = mb.open(tmp_path / "r", mode="r")
+    assert tuple(store.columns["obs"].shape) == frame  # one frame a step
+    assert store.capacity == (17 + k - 1) * n_envs  # k - 1 rows more per lane: the oldest slot's older frames
+    store.close()
+
+
+@pytest.mark.parametrize("n_envs", [1, 3])
+def test_frame_stack_one_slot_per_env_equal_sb3(tmp_path, n_envs):
+    """buffer_size 1 per env, shorter than the stack: the lane keeps the k - 1 older frames."""
+    venv = stacked_env((6, 5, 1), np.uint8, n_envs, 4, seed=3, max_len=6)
+    theirs = sb3_buffers.ReplayBuffer(n_envs, venv.observation_space, venv.action_space, device="cpu", n_envs=n_envs)
+    mine = mmbuffer.sb3.ReplayBuffer(n_envs, venv.observation_space, venv.action_space, device="cpu", n_envs=n_envs,
+                                     path=tmp_path / "o", frame_stack=4)
+    for t, args in enumerate(collect(venv, 30, seed=3)):
+        theirs.add(*deepcopy(args))
+        mine.add(*args)
+        compare_all(theirs, mine, seed=t)
+    mine.close()
+    compare_all(theirs, mine, seed=50)
+
+
+def test_frame_stack_mismatch_is_refused(tmp_path):
+    frame, dtype, k, _ = FRAMES["gray-last"]
+    venv = stacked_env(frame, dtype, 1, k, seed=5, max_len=8)
+    steps = collect(venv, 30, seed=5)
+    rb = mmbuffer.sb3.ReplayBuffer(50, venv.observation_space, venv.action_space, device="cpu",
+                                   path=tmp_path / "m", frame_stack=k)
+    for args in steps[:3]:
+        rb.add(*args)
+    obs, nxt, *rest = steps[3]
+    bad = obs.copy()
+    bad[0, 0, 0, 1] ^= 1  # an older frame that is not the previous step's
+    with pytest.raises(errors.InvalidArgumentError, match=r"frame_stack: env 0 at step 3: expected obs's older 3 frames"):
+        rb.add(bad, nxt, *rest)
+    bad_next = nxt.copy()
+    bad_next[0, 0, 0, 0] ^= 1  # next_obs does not shift the stack
+    with pytest.raises(errors.InvalidArgumentError, match="frame_stack.*next_obs"):
+        rb.add(obs, bad_next, *rest)
+    assert rb.size() == 3  # refused before anything was written
+    for args in steps[3:]:
+        rb.add(*args)  # the true steps still go on
+    first = next(t for t, (*_, d, _) in enumerate(steps) if d[0])  # a step after an episode end: zeros before
+    obs, nxt, *rest = steps[first + 1]
+    assert not obs[0, ..., :-1].any()
+    rb.close()
+    rb2 = mmbuffer.sb3.ReplayBuffer(50, venv.observation_space, venv.action_space, device="cpu",
+                                    path=tmp_path / "m2", frame_stack=k)
+    fresh = obs.copy()
+    fresh[0, ..., 0] = 7  # a first step whose older frames are not zeros
+    with pytest.raises(errors.InvalidArgumentError, match="zeros before the episode's first step"):
+        rb2.add(fresh, nxt, *rest)
+    assert not steps[0][4][0]  # the first step does not end its episode
+    rb2.add(*steps[0])
+    frames = rb2._stack.split(steps[0][1])  # next_obs: its newest frame starts a new episode, no done between
+    restart = np.zeros_like(steps[0][1])
+    restart[0, ..., -1:] = frames[0, -1]
+    nxt = restart.copy()
+    nxt[0, ..., 2:3] = frames[0, -1]
+    rb2.add(restart, nxt, *steps[1][2:])  # accepted: zeros are what the store rebuilds (depth 0)
+    s = rb2._get_samples(np.arange(2), env_indices=np.zeros(2, np.int64))
+    assert np.array_equal(s.observations[1].numpy(), restart[0]) and np.array_equal(s.next_observations[1].numpy(), nxt[0])
+    rb2.close()
+    with pytest.raises(errors.SchemaError):  # a stacked store is not a plain one
+        mmbuffer.sb3.ReplayBuffer(50, venv.observation_space, venv.action_space, device="cpu", path=tmp_path / "m")
+
+
 # -- pickling, resuming -------------------------------------------------------------------
 def small_dqn(path, **kw):
     return DQN("MlpPolicy", gym.make("CartPole-v1"), buffer_size=500, learning_starts=50, batch_size=16,
@@ -365,8 +519,14 @@ def test_crash_loses_at_most_commit_every(tmp_path):
 # -- refusals ---------------------------------------------------------------------------
 def test_typed_refusals(tmp_path):
     box, act = spaces.Box(-1, 1, (2,), np.float32), spaces.Discrete(2)
-    with pytest.raises(errors.InvalidArgumentError, match="frame_stack.*stacked sampling"):
-        mmbuffer.sb3.ReplayBuffer(10, box, act, path=tmp_path / "a", frame_stack=4)
+    with pytest.raises(errors.InvalidArgumentError, match="frame_stack.*VecFrameStack"):
+        mmbuffer.sb3.ReplayBuffer(10, box, act, path=tmp_path / "a", frame_stack=4)  # (2,) does not stack 4 frames
+    with pytest.raises(errors.InvalidArgumentError, match="frame_stack.*both"):  # (4, 8, 4): (1, 8, 4) or (4, 8, 1)
+        mmbuffer.sb3.ReplayBuffer(10, spaces.Box(0, 255, (4, 8, 4), np.uint8), act, path=tmp_path / "a", frame_stack=4)
+    with pytest.raises(errors.InvalidArgumentError, match="frame_stack.*Dict"):
+        mmbuffer.sb3.DictReplayBuffer(10, spaces.Dict({"x": box}), act, path=tmp_path / "a", frame_stack=1)
+    with pytest.raises(errors.InvalidArgumentError, match="channels_order"):
+        mmbuffer.sb3.ReplayBuffer(10, box, act, path=tmp_path / "a", channels_order="last")
     with pytest.raises(errors.InvalidArgumentError, match="codec"):
         mmbuffer.sb3.ReplayBuffer(10, box, act, path=tmp_path / "a", codec="zstd")
     with pytest.raises(errors.InvalidArgumentError, match="path"):
@@ -456,6 +616,106 @@ def test_dqn_cnn_on_ale_pong_trains(tmp_path):
     assert torch.equal(s.next_observations[inside], s.observations[inside + 1])
     assert torch.equal(s.next_observations[inside, :3], s.observations[inside, 1:])  # the frame stack shifts
     rb.close()
+
+
+@pytest.mark.parametrize("n_envs", [1, 2])
+def test_prioritized_frame_stack_samples(tmp_path, n_envs):
+    """PrioritizedReplayBuffer with frame_stack: the rows the priority tree draws come
+    back with the stacks VecFrameStack gave for them (ring wrapped)."""
+    frame, dtype, k, _ = FRAMES["gray-last"]
+    venv = stacked_env(frame, dtype, n_envs, k, seed=7)
+    steps = collect(venv, 60, seed=7)
+    rb = mmbuffer.sb3.PrioritizedReplayBuffer(17 * n_envs, venv.observation_space, venv.action_space, device="cpu",
+                                              n_envs=n_envs, path=tmp_path / "p", frame_stack=k, commit_every=9)
+    torch.manual_seed(0)
+    for args in steps:
+        rb.add(*args)
+    seen = set()
+    for _ in range(20):
+        s = rb.sample(64)
+        envs, at = rb._lanes.rows_steps(s.indices.numpy())
+        assert (at >= 60 - 17 - (k - 1)).all() and (at < 59).all()  # the store's rows, k - 1 older than SB3's ring
+        for i, (e, a) in enumerate(zip(envs, at)):
+            obs, nxt, action, reward, done, infos = steps[a]
+            assert np.array_equal(s.observations[i].numpy(), obs[e]) and np.array_equal(s.next_observations[i].numpy(), nxt[e])
+            assert s.rewards[i, 0] == reward[e] and s.actions[i, 0] == action[e, 0]
+            seen.add((int(e), int(a)))
+        rb.update_priorities(s.indices, torch.rand(64))
+    assert len(seen) > 17 * n_envs // 2
+    rb.close()
+
+
+def du_bytes(path):
+    """Disk blocks allocated under ``path`` (``du``: sparse, never-written rows count nothing)."""
+    return sum(f.stat().st_blocks * 512 for f in Path(path).rglob("*") if f.is_file())
+
+
+def test_dqn_cnn_on_ale_pong_frame_stack_trains(tmp_path):
+    """DQN CnnPolicy on ALE Pong with VecFrameStack(4) and frame_stack=4: the store holds
+    single frames, SB3's VecTransposeImage'd stacks are rebuilt, the model trains."""
+    ale_py = pytest.importorskip("ale_py")
+    from stable_baselines3.common.vec_env import VecFrameStack
+
+    gym.register_envs(ale_py)
+    env = VecFrameStack(DummyVecEnv([lambda: QuarterFrames(gym.make("ALE/Pong-v5", obs_type="grayscale",
+                                                                     max_episode_steps=120))]), 4)
+    model = DQN("CnnPolicy", env, buffer_size=2000, learning_starts=150, batch_size=16, train_freq=8, seed=0,
+                policy_kwargs={"features_extractor_kwargs": {"features_dim": 64}},
+                replay_buffer_class=mmbuffer.sb3.ReplayBuffer,
+                replay_buffer_kwargs={"path": str(tmp_path / "pong"), "frame_stack": 4})
+    before = params(model.policy.q_net)
+    model.learn(304)  # two episodes end (timeouts): their final frames stored, not the reset ones
+    rb = model.replay_buffer
+    assert rb.size() == 304 and model._n_updates > 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, params(model.policy.q_net)))
+    assert rb.observation_space.shape == (4, 53, 40)  # VecTransposeImage: stacked on the first axis
+    s = rb._get_samples(np.arange(304), env_indices=np.zeros(304, np.int64))
+    assert s.observations.dtype == torch.uint8 and s.observations.shape == (304, 4, 53, 40)
+    truncated = rb._lanes.reader().read("truncated", np.arange(304))
+    timeouts = rb._lanes.reader().read("timeout", np.arange(304))
+    assert timeouts.sum() == 2 and set(np.flatnonzero(timeouts)) <= set(np.flatnonzero(truncated))
+    inside = np.setdiff1d(np.arange(303), np.flatnonzero(timeouts))
+    assert torch.equal(s.next_observations[inside], s.observations[inside + 1])
+    assert torch.equal(s.next_observations[:, :3], s.observations[:, 1:])  # the stack shifts, episode ends too
+    starts = np.flatnonzero(timeouts)[:2] + 1  # a reset: zeros before the first frame
+    assert not s.observations[starts, :3].any() and s.observations[starts, 3].any()
+    assert not s.observations[0, :3].any()
+    copy = pickle.loads(pickle.dumps(rb))  # the path and the cursor; the copy rebuilds the same stacks
+    np.random.seed(3)
+    a = rb.sample(64)
+    np.random.seed(3)
+    same_samples(a, copy.sample(64))
+    copy.close()
+    rb.close()
+    store = mb.open(tmp_path / "pong", mode="r")
+    assert tuple(store.columns["obs"].shape) == (1, 53, 40)  # one frame a step, not 4
+    store.close()
+    stacked = 304 * 2 * int(np.prod(rb.observation_space.shape))  # SB3's observations + next_observations
+    assert du_bytes(tmp_path / "pong") < stacked / 2
+
+
+def test_dqn_frame_stack_training_bit_identical_to_sb3_buffer(tmp_path):
+    """DQN CnnPolicy on Pong with VecFrameStack(4), same seed: SB3's buffer of stacked
+    observations or the drop-in storing single frames train the same weights, bit for bit
+    (the ring wraps, episodes end by timeouts)."""
+    ale_py = pytest.importorskip("ale_py")
+    from stable_baselines3.common.vec_env import VecFrameStack
+
+    gym.register_envs(ale_py)
+
+    def train(**kw):
+        env = VecFrameStack(DummyVecEnv([lambda: QuarterFrames(gym.make("ALE/Pong-v5", obs_type="grayscale",
+                                                                         max_episode_steps=90))]), 4)
+        model = DQN("CnnPolicy", env, buffer_size=150, learning_starts=60, batch_size=16, train_freq=4, seed=2,
+                    policy_kwargs={"features_extractor_kwargs": {"features_dim": 32}}, **kw)
+        model.learn(240)
+        return params(model.policy), model
+
+    theirs, _ = train()
+    mine, model = train(replay_buffer_class=mmbuffer.sb3.ReplayBuffer,
+                        replay_buffer_kwargs={"path": str(tmp_path / "r"), "frame_stack": 4, "commit_every": 50})
+    assert model._n_updates > 30 and all(torch.equal(a, b) for a, b in zip(theirs, mine))
+    model.replay_buffer.close()
 
 
 # -- prioritized replay -------------------------------------------------------------------
