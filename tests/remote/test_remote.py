@@ -18,7 +18,7 @@ import mmbuffer as mb
 from mmbuffer._disk import format as fmt
 from mmbuffer import errors
 from s3server import moto_s3, new_bucket
-from test_columns import ROWS, ColumnTests
+from column_conformance import ROWS, ColumnTests
 
 pytest.importorskip("s3fs")
 from mmbuffer._disk.columns.remote import RemoteArray  # noqa: E402
