@@ -32,6 +32,7 @@ import os
 import sys
 import weakref
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Final, Protocol
 
 
@@ -53,21 +54,41 @@ class Writer(Protocol):
 
 EXIT_WAIT_S: Final = 10.0  # how long exit waits for a thread holding a writer's lock
 _open: weakref.WeakKeyDictionary[Writer, int] = weakref.WeakKeyDictionary()  # writer -> the pid that opened it
+#: owner -> (what to call before any writer closes, the pid that registered it)
+_first: weakref.WeakKeyDictionary[Any, tuple[Callable[[], None], int]] = weakref.WeakKeyDictionary()
 _registered = False
 
 
-def register(writer: Writer) -> None:
-    """Close ``writer`` at interpreter exit if it is still open then (weakly held)."""
+def _at_exit() -> None:
     global _registered
     if not _registered:
         atexit.register(close_open_writers)
         _registered = True
+
+
+def register(writer: Writer) -> None:
+    """Close ``writer`` at interpreter exit if it is still open then (weakly held)."""
+    _at_exit()
     _open[writer] = os.getpid()
+
+
+def close_first(owner: Any, close: Callable[[], None]) -> None:
+    """At interpreter exit, while ``owner`` lives, call ``close`` before any writer is
+    closed: an integration that holds steps in memory (``mmbuffer.sb3``) writes them
+    through its writer while it is still open. ``close`` must not refer to ``owner``."""
+    _at_exit()
+    _first[owner] = (close, os.getpid())
 
 
 def close_open_writers() -> None:
     """Close every registered writer of this process that is still open (the
-    ``atexit`` handler; never raises)."""
+    ``atexit`` handler; never raises), after the :func:`close_first` callbacks."""
+    for owner, (close, pid) in list(_first.items()):
+        if pid == os.getpid():
+            try:
+                close()
+            except BaseException as exc:  # noqa: BLE001 - exit goes on; say what happened
+                _say(f"closing {type(owner).__name__} at interpreter exit failed ({type(exc).__name__}: {exc})")
     for writer, pid in list(_open.items()):
         if pid == os.getpid():
             _close(writer)

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from .. import errors
+from .._ledger.closing import close_first
 from ..schema import PriorityConfig
 from .rows import Lanes
 from .stacks import FrameStack
@@ -140,7 +141,9 @@ class _OnDisk:
             "frame_stack": frame_stack, "channels_order": channels_order,
         }
         self._cursor()
-        self._finalizer = weakref.finalize(self, self._lanes.close)
+        self._finalizer = weakref.finalize(self, self._lanes.close)  # a buffer garbage-collected mid-run
+        self._finalizer.atexit = False  # at exit: before the core closes the writer (it holds steps in memory)
+        close_first(self, self._lanes.close)
 
     def _priority_config(self) -> PriorityConfig | None:
         return None  # PrioritizedReplayBuffer: its PriorityConfig

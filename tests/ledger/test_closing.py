@@ -100,3 +100,35 @@ def test_the_exit_registry_keeps_no_buffer_alive(tmp_path):
     assert all(w.path != path for w in closing._open)
     with mb.open(path) as again:  # the lock was released; the uncommitted rows were not committed
         assert len(again) == 0
+
+
+HOLDER = textwrap.dedent(
+    """
+    import sys, weakref, numpy as np, mmbuffer as mb
+    from mmbuffer._ledger.closing import close_first
+
+    class Holder:  # an integration that keeps steps in memory until it writes them (mmbuffer.sb3)
+        pass
+
+    buf = mb.open(sys.argv[1])
+    buf.extend({"x": np.arange(10), "terminated": np.arange(10) == 9}, final_obs={"x": np.array([100])})
+    held = {"x": np.arange(10, 15), "truncated": np.arange(5) == 4}
+    owner = Holder()
+    close_first(owner, lambda: buf.extend(held, final_obs={"x": np.array([200])}))
+    print("held", flush=True)
+    """
+)
+
+
+def test_close_first_callbacks_run_before_the_writers_close(tmp_path):
+    """At exit, what an integration registered with ``close_first`` runs while the writer
+    is still open: its held rows are extended, then committed by the writer's close (before
+    this existed, the writer was closed first and the late extend failed, ReadOnlyError)."""
+    path = tmp_path / "s"
+    mb.create(path, {"x": ((), "int64")}, capacity=100, next_keys=("x",)).close()
+    out = subprocess.run([sys.executable, "-c", HOLDER, str(path)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.split() == ["held"], out.stderr
+    assert "failed" not in out.stderr and "committed 15 extended rows" in out.stderr, out.stderr
+    with mb.open(path, mode="r") as ro:
+        assert len(ro) == 15 and ro.num_episodes == 2
+        assert ro.get(np.arange(15))["x"].tolist() == list(range(15))
