@@ -19,10 +19,12 @@ side needs of a store.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 
+from ..schema import PriorityConfig
 from .index import Lane
 from .layout import Layout
 
@@ -118,7 +120,14 @@ class Draw(NamedTuple):
 
 
 class ReadableStore(Protocol):
-    """What samplers, gathers and readers need of a store (``Store`` and ``Buffer`` are one)."""
+    """What a sampler spec reads of a store (``Store`` and ``Buffer`` are one): its view,
+    its directory (an epoch's state file) and whether it keeps priorities."""
+
+    @property
+    def path(self) -> Path: ...
+
+    @property
+    def priorities(self) -> PriorityConfig | None: ...
 
     @property
     def capacity(self) -> int: ...

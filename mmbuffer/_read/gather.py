@@ -29,7 +29,7 @@ import torch
 
 from .. import errors
 from .._ledger.store import Store
-from .memory import RECYCLER, recycled
+from .memory import RECYCLER
 
 
 @dataclass(slots=True)

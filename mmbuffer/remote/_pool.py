@@ -36,16 +36,14 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 from .. import errors
 from .._disk.columns.remote import RemoteArray
-from .._ledger.snapshot import Draw
+from .._ledger.snapshot import Draw, ReadableStore, View
 from ..samplers import Sampler, SamplerState
-from .._ledger.snapshot import View
 
 __all__ = ["ChunkPool", "PoolConfig", "PooledSampler"]
 
@@ -249,7 +247,7 @@ class PooledSampler(Sampler):
     def slices(self) -> bool:  # type: ignore[override]
         return self.inner.slices
 
-    def check(self, store: Any) -> None:
+    def check(self, store: ReadableStore) -> None:
         self.inner.check(store)
 
     def indices(self, snapshot: View, n: int, generator: torch.Generator | None, state: SamplerState) -> Draw:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from .. import errors
-from .._ledger.snapshot import Draw, View
+from .._ledger.snapshot import Draw, ReadableStore, View
 from ._draw import SliceCounts
 
 
@@ -72,12 +72,12 @@ class Sampler(abc.ABC):
     ) -> Draw:
         """``n`` items drawn from ``snapshot`` (see the module docstring)."""
 
-    def check(self, store: Any) -> None:
+    def check(self, store: ReadableStore) -> None:
         """Refuse, with a typed error, a store this sampler cannot draw from
         (called before drawing; the default accepts every store)."""
 
     def plan(
-        self, buf: Any, n: int, generator: torch.Generator | None, state: SamplerState
+        self, buf: ReadableStore, n: int, generator: torch.Generator | None, state: SamplerState
     ) -> Callable[[np.ndarray], Draw]:
         """The draws of one batch of ``n`` items from ``buf`` (a ``Buffer``):
         ``draw(positions)`` gives the items at those batch positions, drawn against
@@ -99,7 +99,7 @@ def tree_of(snapshot: View) -> Any:
     return snapshot.tree
 
 
-def require_priorities(store: Any) -> None:
+def require_priorities(store: ReadableStore | None) -> None:
     if getattr(store, "priorities", None) is None:
         raise errors.InvalidArgumentError(
             "prioritized: expected a store created with priorities=mb.PriorityConfig(...), got priorities=None"

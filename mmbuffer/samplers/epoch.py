@@ -27,7 +27,6 @@ import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -35,8 +34,7 @@ import torch
 from .._disk import format as fmt
 from .. import errors
 from .._disk.checks import check_int
-from .._ledger.snapshot import View
-from .._ledger.snapshot import Draw
+from .._ledger.snapshot import Draw, ReadableStore, View
 from .base import Sampler, SamplerState
 
 import mmbuffer.samplers._draw as sampling  # the algorithms (not "from .": that names the package)
@@ -268,7 +266,7 @@ class Epoch(Sampler):
             )
         return cur
 
-    def plan(self, buf: Any, n: int, generator: torch.Generator | None, state: SamplerState) -> Callable[[np.ndarray], Draw]:
+    def plan(self, buf: ReadableStore, n: int, generator: torch.Generator | None, state: SamplerState) -> Callable[[np.ndarray], Draw]:
         cur = self._cursor(Path(buf.path), state)
         ranks = cur.take(n, buf.view())
         cur.save()  # a failed save restores the position and raises: no item is skipped

@@ -15,14 +15,12 @@ are ``(N P(i))^-beta`` normalized by their maximum over live rows.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 import mmbuffer.samplers._draw as sampling  # the algorithms (not "from .": that names the package)
 from .._disk.checks import check_int
-from .._ledger.snapshot import View
-from .._ledger.snapshot import Draw
+from .._ledger.snapshot import Draw, ReadableStore, View
 from .base import Sampler, SamplerState, check_beta, require_priorities, tree_of
 
 
@@ -36,7 +34,7 @@ class Prioritized(Sampler):
     def __post_init__(self) -> None:
         object.__setattr__(self, "beta", check_beta(self.beta))
 
-    def check(self, store: Any) -> None:
+    def check(self, store: ReadableStore) -> None:
         require_priorities(store)
 
     def indices(self, snapshot: View, n: int, generator: torch.Generator | None, state: SamplerState) -> Draw:
@@ -62,7 +60,7 @@ class PrioritizedSlices(Sampler):
         object.__setattr__(self, "beta", check_beta(self.beta))
         object.__setattr__(self, "strict", bool(self.strict))
 
-    def check(self, store: Any) -> None:
+    def check(self, store: ReadableStore) -> None:
         require_priorities(store)
 
     def indices(self, snapshot: View, n: int, generator: torch.Generator | None, state: SamplerState) -> Draw:

@@ -17,7 +17,6 @@ True
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import numpy as np
 import torch
@@ -25,8 +24,7 @@ import torch
 from .. import errors
 from .._ledger import index
 from .._disk.checks import check_int
-from .._ledger.snapshot import View
-from .._ledger.snapshot import Draw
+from .._ledger.snapshot import Draw, ReadableStore, View
 from .base import Sampler, SamplerState
 from .uniform import Uniform
 
@@ -50,7 +48,7 @@ class Recent(Sampler):
     def slices(self) -> bool:  # type: ignore[override]
         return self.sampler.slices
 
-    def check(self, store: Any) -> None:
+    def check(self, store: ReadableStore) -> None:
         self.sampler.check(store)
 
     def indices(self, snapshot: View, n: int, generator: torch.Generator | None, state: SamplerState) -> Draw:

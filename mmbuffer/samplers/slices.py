@@ -17,8 +17,7 @@ import torch
 from .. import errors
 import mmbuffer.samplers._draw as sampling  # the algorithms (not "from .": that names the package)
 from .._disk.checks import check_int
-from .._ledger.snapshot import View
-from .._ledger.snapshot import Draw
+from .._ledger.snapshot import Draw, View
 from .base import Sampler, SamplerState, ones
 
 WEIGHTINGS = ("windows", "episodes")

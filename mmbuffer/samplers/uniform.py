@@ -14,8 +14,7 @@ from dataclasses import dataclass
 import torch
 
 import mmbuffer.samplers._draw as sampling  # the algorithms (not "from .": that names the package)
-from .._ledger.snapshot import View
-from .._ledger.snapshot import Draw
+from .._ledger.snapshot import Draw, View
 from .base import Sampler, SamplerState, ones
 
 
