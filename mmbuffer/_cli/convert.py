@@ -114,6 +114,10 @@ def _add_convert_options(p: argparse.ArgumentParser, fmt: str | None) -> None:
     p.add_argument("--compression", type=_compression, default=None,
                    help="zstd | lz4 (compressed archive) | none (default: raw, memory-mapped, for training)")
     _layout(p, copy=False)
+    if (with_codec := takes("codec", READERS)) and (fmt is None or fmt in with_codec):
+        p.add_argument("--codec", default=None, metavar="NAME",
+                       help=f"codec of the image columns decoded from video (an mb.Column codec such as zstd; "
+                            f"default: raw, lossless) ({', '.join(with_codec)})")
     for option, (flag, text) in READER_FLAGS.items():
         formats = takes(option, READERS)
         if formats and (fmt is None or fmt in formats):
@@ -164,6 +168,10 @@ def _run_convert(args: argparse.Namespace) -> int:
             if fmt not in (formats := takes(option, READERS)):
                 raise _invalid(f"{flag}: not an option of format {fmt!r} (only {', '.join(formats)})")
             options[option] = True
+    if getattr(args, "codec", None) is not None:
+        if fmt not in (formats := takes("codec", READERS)):
+            raise _invalid(f"--codec: not an option of format {fmt!r} (only {', '.join(formats)})")
+        options["codec"] = args.codec
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConversionWarning)  # the summary lists them
         summary = convert(fmt, args.src, args.dst, **options)

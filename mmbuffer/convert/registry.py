@@ -73,7 +73,8 @@ READERS: dict[str, Format] = {f.name: f for f in (
            "a Diffusion Policy / UMI Zarr group (data/<key>, meta/episode_ends; .zarr or .zarr.zip)",
            ("drop_past_ends", "drop_unsupported")),
     Format("lerobot", ".readers.lerobot", "convert_lerobot",
-           "a LeRobot v3 dataset directory (meta/info.json, data/ parquet files)", ("skip_visual", "drop_unsupported")),
+           "a LeRobot v3 dataset directory (meta/info.json, data/ parquet files, videos/ decoded with PyAV)",
+           ("skip_visual", "drop_unsupported", "codec")),
     Format("tianshou", ".readers.tianshou", "convert_tianshou",
            "a Tianshou ReplayBuffer/VectorReplayBuffer save_hdf5 file", _FLAT),
 )}

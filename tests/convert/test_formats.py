@@ -641,9 +641,12 @@ def test_lerobot_text_features_and_inner_done_are_refused_by_name(tmp_path):
         convert("lerobot", tmp_path / "d", tmp_path / "s2", progress=False)
 
 
-def test_lerobot_video_refused_unless_skipped(tmp_path):
+def test_lerobot_video_without_its_episode_metadata_refused_unless_skipped(tmp_path):
+    # a video feature whose meta/episodes has no videos/<key>/... columns (decoding: test_lerobot_video.py)
     write_lerobot(tmp_path / "aloha", [5, 6], video=True, files=1)
-    with pytest.raises(ConversionError, match=r"observation.images.top.*skip_visual"):
+    with pytest.raises(ConversionError, match=r"\[meta/episodes/chunk-000/file-000.parquet\]: expected columns "
+                                              r"episode_index and videos/observation.images.top/chunk_index.*missing "
+                                              r"\['videos/observation.images.top/chunk_index'"):
         convert("lerobot", tmp_path / "aloha", tmp_path / "s", progress=False)
     assert not (tmp_path / "s").exists()
     with pytest.warns(ConversionWarning, match="video/image features left out"):
