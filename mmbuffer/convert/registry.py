@@ -16,9 +16,9 @@ command line's ``--help`` stays free of torch).
 >>> takes("drop_infos", READERS)
 ('d4rl', 'minari', 'npz', 'tianshou')
 
-Converters are lossless by default: every option here that loses something
-(``drop_*``, ``derive_next``, ``skip_visual``) is an explicit opt-in, and what it
-accepts is refused, by name, without it. ``keep_infos`` is deprecated (infos are
+Converters and exporters are lossless by default: every option here that loses
+something (``drop_*``, ``derive_next``, ``skip_visual``) is an explicit opt-in, and
+what it accepts is refused, by name, without it. ``keep_infos`` is deprecated (infos are
 kept by default).
 """
 
@@ -81,10 +81,11 @@ READERS: dict[str, Format] = {f.name: f for f in (
 
 #: ``export`` formats (a store written out), in the order the CLI lists them.
 WRITERS: dict[str, Format] = {f.name: f for f in (
-    Format("d4rl", ".exporters.d4rl", "export_d4rl", "a D4RL HDF5 file (.hdf5)"),
-    Format("minari", ".exporters.minari", "export_minari", "a Minari dataset directory", ("dataset_id",)),
+    Format("d4rl", ".exporters.d4rl", "export_d4rl", "a D4RL HDF5 file (.hdf5)", ("drop_open_episodes",)),
+    Format("minari", ".exporters.minari", "export_minari", "a Minari dataset directory",
+           ("dataset_id", "drop_open_episodes", "drop_unsupported")),
     Format("diffusion_policy", ".exporters.diffusion", "export_diffusion_policy", "a Diffusion Policy Zarr group (.zarr)",
-           ("zarr_format",)),
+           ("zarr_format", "drop_open_episodes", "drop_final_obs")),
 )}
 
 

@@ -265,8 +265,10 @@ def test_diffusion_policy_zip_store_and_exported_flags(tmp_path):
     with mb.create(tmp_path / "t", {"x": ((), "int32")}, capacity=20, next_keys=()) as buf:
         buf.extend({"x": np.arange(12), "terminated": np.isin(np.arange(12), [2, 6]),
                     "truncated": np.arange(12) == 9})
-    with pytest.warns(ConversionWarning, match="2 rows of open"):
-        e = export("diffusion_policy", tmp_path / "t", tmp_path / "t.zarr", progress=False)
+    with pytest.raises(ConversionError, match="2 rows of open .*drop_open_episodes=True"):
+        export("diffusion_policy", tmp_path / "t", tmp_path / "t.zarr", progress=False)
+    with pytest.warns(ConversionWarning, match=r"left out \(drop_open_episodes\): 2 rows of open"):
+        e = export("diffusion_policy", tmp_path / "t", tmp_path / "t.zarr", drop_open_episodes=True, progress=False)
     assert e["skipped_open_rows"] == 2
     convert("diffusion_policy", tmp_path / "t.zarr", tmp_path / "t2", progress=False)
     with mb.open(tmp_path / "t2", mode="r") as buf:
