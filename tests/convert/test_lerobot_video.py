@@ -272,3 +272,19 @@ def test_cli_converts_video_with_a_progress_bar(tmp_path, capsys):
         assert "codec: this mmbuffer's mb.Column takes no codec" in capsys.readouterr().err
     assert main(["convert", "npz", str(tmp_path / "src"), str(tmp_path / "n"), "--codec", "zstd"]) == 2
     assert "--codec: not an option of format 'npz' (only lerobot)" in capsys.readouterr().err
+
+
+def test_episodes_stored_out_of_order_in_a_file_are_still_matched(tmp_path, monkeypatch):
+    """A file whose episodes are not in episode order (episode 1's frames first): each episode's
+    frames are the ones in its span; a span behind the decoder opens the file for another pass."""
+    written = write_dataset(tmp_path / "src", [4, 6], keys={TOP: (16, 16)}, files=1)
+    frames = written[TOP]
+    encode(tmp_path / "src" / "videos" / TOP / "chunk-000" / "file-000.mp4", np.concatenate([frames[4:], frames[:4]]))
+    edit_episodes(tmp_path / "src", f"videos/{TOP}/from_timestamp", lambda v: np.array([0.6, 0.0]))
+    edit_episodes(tmp_path / "src", f"videos/{TOP}/to_timestamp", lambda v: np.array([1.0, 0.6]))
+    opened = []
+    real_open = av.open
+    monkeypatch.setattr(av, "open", lambda p, *a, **k: opened.append(p) or real_open(p, *a, **k))
+    convert("lerobot", tmp_path / "src", tmp_path / "s", progress=False)
+    np.testing.assert_array_equal(read_all(tmp_path / "s")["obs/images.top"], frames)
+    assert len(opened) == 2  # episode 1's span lies before episode 0's: a second pass
