@@ -112,12 +112,12 @@ READER_FLAGS: dict[str, tuple[str, str]] = {
 #: The exporters' own boolean options (registry ``Format.options`` of WRITERS): each loses something,
 #: and what it accepts is refused, by name, without it.
 WRITER_FLAGS: dict[str, tuple[str, str]] = {
-    "drop_open_episodes": ("--drop-open-episodes", "leave out the rows of open (unfinished) episodes the format "
-                                                   "cannot hold instead of refusing them"),
-    "drop_final_obs": ("--drop-final-obs", "leave out final observations the format has no place for instead "
-                                           "of refusing them"),
-    "drop_unsupported": ("--drop-unsupported", "leave out columns the format has no place for instead of "
-                                               "refusing them by name"),
+    "drop_open_episodes": ("--drop-open-episodes", ("leave out the rows of open (unfinished) episodes the "
+                                                    "format cannot hold instead of refusing them")),
+    "drop_final_obs": ("--drop-final-obs", ("leave out final observations the format has no place for "
+                                            "instead of refusing them")),
+    "drop_unsupported": ("--drop-unsupported", ("leave out columns the format has no place for instead of "
+                                                "refusing them by name")),
 }
 
 
