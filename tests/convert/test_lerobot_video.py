@@ -33,15 +33,15 @@ FPS = 10
 TOP, WRIST = "observation.images.top", "observation.images.wrist"
 
 
-def encode(path: Path, frames: np.ndarray, *, codec: str = "libx264rgb") -> None:
-    """``frames`` [T, H, W, 3] uint8 as one mp4, frame i at i / FPS seconds."""
+def encode(path: Path, frames: np.ndarray, *, codec: str = "libx264rgb", fps: int = FPS) -> None:
+    """``frames`` [T, H, W, 3] uint8 as one mp4, frame i at i / fps seconds."""
     options, pix_fmt = {"libx264rgb": ({"crf": "0"}, "rgb24"),
                         "libsvtav1": ({"preset": "12", "crf": "10"}, "yuv420p")}[codec]
     path.parent.mkdir(parents=True, exist_ok=True)
     with av.open(str(path), "w") as c:
-        s = c.add_stream(codec, rate=FPS, options=options)
+        s = c.add_stream(codec, rate=fps, options=options)
         s.width, s.height, s.pix_fmt = frames.shape[2], frames.shape[1], pix_fmt
-        s.time_base = fractions.Fraction(1, FPS)
+        s.time_base = fractions.Fraction(1, fps)
         for i, f in enumerate(frames):
             frame = av.VideoFrame.from_ndarray(f, format="rgb24")
             frame.pts = i
@@ -57,7 +57,7 @@ def smooth(n: int, h: int, w: int, seed: int) -> np.ndarray:
 
 
 def write_dataset(root: Path, lengths: list[int], *, keys: dict[str, tuple[int, int]] | None = None,
-                  files: int = 2, codec: str = "libx264rgb", seed: int = 0) -> dict[str, np.ndarray]:
+                  files: int = 2, codec: str = "libx264rgb", seed: int = 0, fps: int = FPS) -> dict[str, np.ndarray]:
     """A LeRobot v3 dataset with video features ``keys`` (name -> (height, width), RGB); returns
     the frames written per key ([rows, H, W, 3], dataset order) and the action column."""
     keys = {TOP: (24, 32), WRIST: (16, 16)} if keys is None else keys
@@ -68,7 +68,7 @@ def write_dataset(root: Path, lengths: list[int], *, keys: dict[str, tuple[int, 
     out: dict[str, np.ndarray] = {"action": rng.random((n, 2)).astype("float32")}
     cols = {
         "action": pa.FixedSizeListArray.from_arrays(pa.array(out["action"].reshape(-1)), 2),
-        "timestamp": pa.array((frame / FPS).astype("float32")),
+        "timestamp": pa.array((frame / fps).astype("float32")),
         "frame_index": pa.array(frame.astype("int64")),
         "episode_index": pa.array(np.repeat(np.arange(len(lengths)), lengths).astype("int64")),
         "index": pa.array(np.arange(n, dtype="int64")),
@@ -99,20 +99,20 @@ def write_dataset(root: Path, lengths: list[int], *, keys: dict[str, tuple[int, 
         for f in np.unique(file_of):
             eps = np.flatnonzero(file_of == f)
             rows = np.concatenate([np.arange(starts[e], starts[e] + lengths[e]) for e in eps])
-            encode(root / "videos" / key / "chunk-000" / f"file-{f:03d}.mp4", frames[rows], codec=codec)
-            lo[eps] = (np.cumsum(np.array(lengths)[eps]) - np.array(lengths)[eps]) / FPS
+            encode(root / "videos" / key / "chunk-000" / f"file-{f:03d}.mp4", frames[rows], codec=codec, fps=fps)
+            lo[eps] = (np.cumsum(np.array(lengths)[eps]) - np.array(lengths)[eps]) / fps
         episodes[f"videos/{key}/chunk_index"] = np.zeros(len(lengths), "int64")
         episodes[f"videos/{key}/file_index"] = file_of
         episodes[f"videos/{key}/from_timestamp"] = lo
-        episodes[f"videos/{key}/to_timestamp"] = lo + np.array(lengths) / FPS
+        episodes[f"videos/{key}/to_timestamp"] = lo + np.array(lengths) / fps
         features[key] = {"dtype": "video", "shape": [h, w, 3], "names": ["height", "width", "channels"],
-                         "info": {"video.height": h, "video.width": w, "video.codec": codec, "video.fps": FPS,
+                         "info": {"video.height": h, "video.width": w, "video.codec": codec, "video.fps": fps,
                                   "video.channels": 3, "video.is_depth_map": False, "has_audio": False}}
     (root / "meta" / "episodes" / "chunk-000").mkdir(parents=True)
     pq.write_table(pa.table({k: pa.array(v) for k, v in episodes.items()}),
                    root / "meta" / "episodes" / "chunk-000" / "file-000.parquet")
     info = {"codebase_version": "v3.0", "robot_type": "aloha", "total_episodes": len(lengths), "total_frames": n,
-            "fps": FPS, "chunks_size": 1000,
+            "fps": fps, "chunks_size": 1000,
             "data_path": "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet",
             "video_path": "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4",
             "features": features}
@@ -288,3 +288,16 @@ def test_episodes_stored_out_of_order_in_a_file_are_still_matched(tmp_path, monk
     convert("lerobot", tmp_path / "src", tmp_path / "s", progress=False)
     np.testing.assert_array_equal(read_all(tmp_path / "s")["obs/images.top"], frames)
     assert len(opened) == 2  # episode 1's span lies before episode 0's: a second pass
+
+
+@pytest.mark.slow
+def test_float32_timestamps_of_a_long_episode_are_accepted(tmp_path):
+    """LeRobot writes timestamps as float32: past 68 minutes into an episode at 3 fps their rounding
+    (up to 1.6e-4 s here) exceeds LeRobot's 1e-4 s tolerance; the check allows for it."""
+    n = 12_300
+    written = write_dataset(tmp_path / "src", [n], keys={TOP: (8, 8)}, files=1, fps=3)
+    ts = pq.read_table(tmp_path / "src" / "data" / "chunk-000" / "file-000.parquet").column("timestamp").to_numpy()
+    assert np.abs(ts.astype(np.float64) - np.arange(n) / 3).max() > 1e-4  # the case this test is about
+    s = convert("lerobot", tmp_path / "src", tmp_path / "s", progress=False)
+    assert s["rows"] == n
+    np.testing.assert_array_equal(read_all(tmp_path / "s")["obs/images.top"], written[TOP])

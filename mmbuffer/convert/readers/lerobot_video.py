@@ -22,7 +22,8 @@ frames of an episode are exactly the decoded frames whose time lies in
 * their number must be the episode's ``length`` (``meta/episodes``);
 * the ``k``-th frame's time minus ``from_timestamp`` must be the frame's
   ``timestamp`` (the data's ``timestamp`` feature, else ``k / fps`` with
-  ``info.json``'s ``fps``) within :data:`TOLERANCE_S`;
+  ``info.json``'s ``fps``) within :data:`TOLERANCE_S` (plus the rounding of a
+  float32 timestamp, which LeRobot writes: 1.6e-4 s at 68 minutes);
 * its size must be the feature's shape.
 
 A mismatch raises :class:`~mmbuffer.errors.ConversionError` naming the feature,
@@ -155,7 +156,9 @@ class VideoFrames:
                                  f"in {self.files[e]}", f.key)
             view[i] = pixels.reshape(view.shape[1:])
             got[i], episode[i], index[i] = t - self.start[e], e, k
-        bad = np.flatnonzero(~(np.abs(got - episode_offsets) <= TOLERANCE_S))
+        # LeRobot's timestamps are float32: past ~30 minutes their rounding alone exceeds TOLERANCE_S
+        tolerance = TOLERANCE_S + np.abs(episode_offsets) * float(np.finfo(np.float32).eps)
+        bad = np.flatnonzero(~(np.abs(got - episode_offsets) <= tolerance))
         if len(bad):
             i = int(bad[0])
             e = int(episode[i])
