@@ -109,11 +109,27 @@ READER_FLAGS: dict[str, tuple[str, str]] = {
 }
 
 
+#: The exporters' own boolean options (registry ``Format.options`` of WRITERS): each loses something,
+#: and what it accepts is refused, by name, without it.
+WRITER_FLAGS: dict[str, tuple[str, str]] = {
+    "drop_open_episodes": ("--drop-open-episodes", ("leave out the rows of open (unfinished) episodes the "
+                                                    "format cannot hold instead of refusing them")),
+    "drop_final_obs": ("--drop-final-obs", ("leave out final observations the format has no place for "
+                                            "instead of refusing them")),
+    "drop_unsupported": ("--drop-unsupported", ("leave out columns the format has no place for instead of "
+                                                "refusing them by name")),
+}
+
+
 def _add_convert_options(p: argparse.ArgumentParser, fmt: str | None) -> None:
     _common(p)
     p.add_argument("--compression", type=_compression, default=None,
                    help="zstd | lz4 (compressed archive) | none (default: raw, memory-mapped, for training)")
     _layout(p, copy=False)
+    if (with_codec := takes("codec", READERS)) and (fmt is None or fmt in with_codec):
+        p.add_argument("--codec", default=None, metavar="NAME",
+                       help=f"codec of the image columns decoded from video (an mb.Column codec such as zstd; "
+                            f"default: raw, lossless) ({', '.join(with_codec)})")
     for option, (flag, text) in READER_FLAGS.items():
         formats = takes(option, READERS)
         if formats and (fmt is None or fmt in formats):
@@ -164,6 +180,10 @@ def _run_convert(args: argparse.Namespace) -> int:
             if fmt not in (formats := takes(option, READERS)):
                 raise _invalid(f"{flag}: not an option of format {fmt!r} (only {', '.join(formats)})")
             options[option] = True
+    if getattr(args, "codec", None) is not None:
+        if fmt not in (formats := takes("codec", READERS)):
+            raise _invalid(f"--codec: not an option of format {fmt!r} (only {', '.join(formats)})")
+        options["codec"] = args.codec
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConversionWarning)  # the summary lists them
         summary = convert(fmt, args.src, args.dst, **options)
@@ -184,6 +204,11 @@ def _run_export(args: argparse.Namespace) -> int:
         if args.format not in (with_zf := takes("zarr_format", WRITERS)):
             raise _invalid(f"--zarr-format: only for {', '.join(with_zf)} exports")
         options["zarr_format"] = args.zarr_format
+    for option, (flag, _) in WRITER_FLAGS.items():
+        if getattr(args, option, False):
+            if args.format not in (formats := takes(option, WRITERS)):
+                raise _invalid(f"{flag}: not an option of format {args.format!r} (only {', '.join(formats)})")
+            options[option] = True
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConversionWarning)
         summary = export(args.format, args.store, args.out, **options)
@@ -249,6 +274,8 @@ def add_subcommands(sub: Any) -> None:
     p.add_argument("store", help="the store to export (read-only)")
     p.add_argument("out", help=f"the output: {_format_help(WRITERS)}")
     p.add_argument("--dataset-id", default=None, help=f"{', '.join(takes('dataset_id', WRITERS))}: namespace/name-vN")
+    for option, (flag, text) in WRITER_FLAGS.items():
+        p.add_argument(flag, dest=option, action="store_true", help=f"{text} ({', '.join(takes(option, WRITERS))})")
     p.add_argument("--zarr-format", type=int, choices=(2, 3), default=None,
                    help=f"{', '.join(takes('zarr_format', WRITERS))}: Zarr format 2 (default, what Diffusion "
                         "Policy opens) or 3")

@@ -43,9 +43,12 @@ dataset directory or a dataset id in Minari's local datasets directory),
 ``npz`` (:func:`convert_npz`), ``torchrl`` (:func:`convert_torchrl`: a
 ``dumps()`` directory or a TD-MPC2 ``.pt`` file), ``diffusion_policy``
 (:func:`convert_diffusion_policy`: Diffusion Policy / UMI Zarr), ``lerobot``
-(:func:`convert_lerobot`: LeRobot v3), ``tianshou`` (:func:`convert_tianshou`:
-``save_hdf5`` files). Export: :func:`export_d4rl`, :func:`export_minari`,
-:func:`export_diffusion_policy`; re-encode, resize or restream a store: :func:`copy`.
+(:func:`convert_lerobot`: LeRobot v3, video features decoded into image
+columns), ``tianshou`` (:func:`convert_tianshou`: ``save_hdf5`` files). Export:
+:func:`export_d4rl`, :func:`export_minari`, :func:`export_diffusion_policy` (what a
+format cannot hold is refused by name unless ``drop_open_episodes``,
+``drop_final_obs`` or ``drop_unsupported`` leaves it out); re-encode, resize or
+restream a store: :func:`copy`.
 
 Offline to online in one step: every converter and :func:`copy` take
 ``capacity``, ``num_streams`` and ``priorities`` (as :func:`mmbuffer._ledger.create`),

@@ -16,9 +16,9 @@ command line's ``--help`` stays free of torch).
 >>> takes("drop_infos", READERS)
 ('d4rl', 'minari', 'npz', 'tianshou')
 
-Converters are lossless by default: every option here that loses something
-(``drop_*``, ``derive_next``, ``skip_visual``) is an explicit opt-in, and what it
-accepts is refused, by name, without it. ``keep_infos`` is deprecated (infos are
+Converters and exporters are lossless by default: every option here that loses
+something (``drop_*``, ``derive_next``, ``skip_visual``) is an explicit opt-in, and
+what it accepts is refused, by name, without it. ``keep_infos`` is deprecated (infos are
 kept by default).
 """
 
@@ -73,17 +73,19 @@ READERS: dict[str, Format] = {f.name: f for f in (
            "a Diffusion Policy / UMI Zarr group (data/<key>, meta/episode_ends; .zarr or .zarr.zip)",
            ("drop_past_ends", "drop_unsupported")),
     Format("lerobot", ".readers.lerobot", "convert_lerobot",
-           "a LeRobot v3 dataset directory (meta/info.json, data/ parquet files)", ("skip_visual", "drop_unsupported")),
+           "a LeRobot v3 dataset directory (meta/info.json, data/ parquet files, videos/ decoded with PyAV)",
+           ("skip_visual", "drop_unsupported", "codec")),
     Format("tianshou", ".readers.tianshou", "convert_tianshou",
            "a Tianshou ReplayBuffer/VectorReplayBuffer save_hdf5 file", _FLAT),
 )}
 
 #: ``export`` formats (a store written out), in the order the CLI lists them.
 WRITERS: dict[str, Format] = {f.name: f for f in (
-    Format("d4rl", ".exporters.d4rl", "export_d4rl", "a D4RL HDF5 file (.hdf5)"),
-    Format("minari", ".exporters.minari", "export_minari", "a Minari dataset directory", ("dataset_id",)),
+    Format("d4rl", ".exporters.d4rl", "export_d4rl", "a D4RL HDF5 file (.hdf5)", ("drop_open_episodes",)),
+    Format("minari", ".exporters.minari", "export_minari", "a Minari dataset directory",
+           ("dataset_id", "drop_open_episodes", "drop_unsupported")),
     Format("diffusion_policy", ".exporters.diffusion", "export_diffusion_policy", "a Diffusion Policy Zarr group (.zarr)",
-           ("zarr_format",)),
+           ("zarr_format", "drop_open_episodes", "drop_final_obs")),
 )}
 
 

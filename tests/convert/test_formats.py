@@ -265,8 +265,10 @@ def test_diffusion_policy_zip_store_and_exported_flags(tmp_path):
     with mb.create(tmp_path / "t", {"x": ((), "int32")}, capacity=20, next_keys=()) as buf:
         buf.extend({"x": np.arange(12), "terminated": np.isin(np.arange(12), [2, 6]),
                     "truncated": np.arange(12) == 9})
-    with pytest.warns(ConversionWarning, match="2 rows of open"):
-        e = export("diffusion_policy", tmp_path / "t", tmp_path / "t.zarr", progress=False)
+    with pytest.raises(ConversionError, match="2 rows of open .*drop_open_episodes=True"):
+        export("diffusion_policy", tmp_path / "t", tmp_path / "t.zarr", progress=False)
+    with pytest.warns(ConversionWarning, match=r"left out \(drop_open_episodes\): 2 rows of open"):
+        e = export("diffusion_policy", tmp_path / "t", tmp_path / "t.zarr", drop_open_episodes=True, progress=False)
     assert e["skipped_open_rows"] == 2
     convert("diffusion_policy", tmp_path / "t.zarr", tmp_path / "t2", progress=False)
     with mb.open(tmp_path / "t2", mode="r") as buf:
@@ -641,9 +643,12 @@ def test_lerobot_text_features_and_inner_done_are_refused_by_name(tmp_path):
         convert("lerobot", tmp_path / "d", tmp_path / "s2", progress=False)
 
 
-def test_lerobot_video_refused_unless_skipped(tmp_path):
+def test_lerobot_video_without_its_episode_metadata_refused_unless_skipped(tmp_path):
+    # a video feature whose meta/episodes has no videos/<key>/... columns (decoding: test_lerobot_video.py)
     write_lerobot(tmp_path / "aloha", [5, 6], video=True, files=1)
-    with pytest.raises(ConversionError, match=r"observation.images.top.*skip_visual"):
+    with pytest.raises(ConversionError, match=r"\[meta/episodes/chunk-000/file-000.parquet\]: expected columns "
+                                              r"episode_index and videos/observation.images.top/chunk_index.*missing "
+                                              r"\['videos/observation.images.top/chunk_index'"):
         convert("lerobot", tmp_path / "aloha", tmp_path / "s", progress=False)
     assert not (tmp_path / "s").exists()
     with pytest.warns(ConversionWarning, match="video/image features left out"):

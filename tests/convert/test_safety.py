@@ -245,8 +245,11 @@ def test_export_never_wraps_an_open_episode_into_next_observations(tmp_path):
         term[3] = True
         buf.extend({"obs": obs, "action": np.zeros(cap, np.float32), "reward": np.ones(cap, np.float32),
                     "terminated": term}, final_obs={"obs": np.full((1, 2), -1, np.float32)})
+    with pytest.raises(ConversionError, match="6 rows of open .* no next observation.*drop_open_episodes=True"):
+        export_d4rl(tmp_path / "s", tmp_path / "o.hdf5", progress=False)
+    assert not (tmp_path / "o.hdf5").exists() and not (tmp_path / "o.hdf5.partial").exists()
     with pytest.warns(ConversionWarning, match="6 rows of open .* no next observation"):
-        out = export_d4rl(tmp_path / "s", tmp_path / "o.hdf5", progress=False)
+        out = export_d4rl(tmp_path / "s", tmp_path / "o.hdf5", drop_open_episodes=True, progress=False)
     assert out["rows"] == 4 and out["skipped_open_rows"] == 6 and out["verified"]
     got = read_h5(tmp_path / "o.hdf5")
     np.testing.assert_array_equal(got["next_observations"], np.r_[obs[1:4], [[-1, -1]]])

@@ -72,6 +72,8 @@ class Schema:
     ``Chunk.final_obs``). ``num_rows`` is the exact number of rows the reader
     yields; ``num_episodes`` the number of ended episodes when the source tells it
     up front (``None`` otherwise). ``attrs`` are JSON-serializable store attributes.
+    ``specs`` maps a column to the spec :func:`~mmbuffer.create` gets in place of
+    ``(shape, dtype)`` (an ``mb.Column`` with a codec the user named).
     """
 
     columns: dict[str, tuple[tuple[int, ...], str]]
@@ -79,6 +81,7 @@ class Schema:
     num_rows: int
     attrs: dict[str, Any] = field(default_factory=dict)
     num_episodes: int | None = None
+    specs: dict[str, Any] = field(default_factory=dict)
 
     def row_bytes(self) -> int:
         total = 2  # the two flags

@@ -233,7 +233,7 @@ class StoreWriter(Writer):
         layout = self.layout
         buf = self.out = create(
             str(partial),
-            columns={k: (tuple(s), str(d)) for k, (s, d) in schema.columns.items()},
+            columns={k: schema.specs.get(k, (tuple(s), str(d))) for k, (s, d) in schema.columns.items()},
             capacity=layout.capacity,
             num_streams=layout.num_streams,
             compression=self.compression,

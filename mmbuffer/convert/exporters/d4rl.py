@@ -3,8 +3,9 @@
 ``next_observations`` holds each row's ``next_obs``, so converting the file
 back gives the same store (a converted file comes back as it was, an unflagged
 last row included). An open episode has no next observation for its last row:
-it is left out (warning) unless ``next_observations=False``, never given a next
-observation from another row. The file is written by a :class:`D4RLWriter`
+it is refused, by name, unless ``next_observations=False`` keeps it without
+next observations or ``drop_open_episodes=True`` leaves it out; it is never
+given a next observation from another row. The file is written by a :class:`D4RLWriter`
 in the frame of :mod:`._frame` (``OUT.partial``, verified by reading it back
 with :class:`~mmbuffer.convert.D4RLReader`, then renamed).
 """
@@ -49,6 +50,7 @@ def export_d4rl(
     *,
     overwrite: bool = False,
     next_observations: bool | None = None,
+    drop_open_episodes: bool = False,
     chunk_rows: int | None = None,
     progress: bool = True,
     verify: bool = True,
@@ -66,11 +68,11 @@ def export_d4rl(
     ``metadata/<key>``.
 
     Converting the file back gives the same rows, flags and final observations.
-    What D4RL cannot hold is left out with a warning, never made up: the last
-    row of an open (unfinished) episode has no next observation, so open
-    episodes are written only when no ``next_observations`` are derived (and
-    only for a one-lane store: a D4RL file has one unflagged episode, at its
-    end). A store converted from a file that stopped inside an episode
+    What D4RL cannot hold is refused, never made up: the last row of an open
+    (unfinished) episode has no next observation, so open episodes are written
+    only when no ``next_observations`` are derived (and only for a one-lane
+    store: a D4RL file has one unflagged episode, at its end); otherwise they
+    are refused unless ``drop_open_episodes`` leaves them out (with a warning). A store converted from a file that stopped inside an episode
     (``attrs["tail_truncated_row"]``, see :mod:`._flat`) gets that row's
     ``timeouts`` flag back unset, as in the source.
 
@@ -87,6 +89,9 @@ def export_d4rl(
         final observations are zeros standing for unknown ones
         (``attrs["final_obs_source"] == "zeros"``, a source without next
         observations), which would come back as real data.
+    drop_open_episodes
+        Leave out the rows of open episodes the file cannot hold instead of
+        refusing the store (``--drop-open-episodes``; counted in ``skipped_open_rows``).
 
     Returns
     -------
@@ -94,9 +99,16 @@ def export_d4rl(
         Summary: ``rows``, ``episodes``, ``open_episode_rows``,
         ``skipped_open_rows``, ``checksums``, ``verified``, ``seconds``,
         ``warnings``.
+
+    Raises
+    ------
+    ConversionError
+        No ``obs``/``action``/``reward`` columns; open episodes the file cannot
+        hold (unless ``drop_open_episodes``).
     """
     t0 = time.perf_counter()
-    writer = D4RLWriter(store, out, next_observations=next_observations, chunk_rows=chunk_rows, progress=progress)
+    writer = D4RLWriter(store, out, next_observations=next_observations, drop_open_episodes=drop_open_episodes,
+                        chunk_rows=chunk_rows, progress=progress)
     return write_export(writer, out, overwrite=overwrite, verify=verify, started=t0)
 
 
@@ -106,9 +118,10 @@ class D4RLWriter(ExportWriter):
     kind = "d4rl"
 
     def __init__(self, store: Any, out: str | os.PathLike[str], *, next_observations: bool | None,
-                 chunk_rows: int | None, progress: bool) -> None:
+                 chunk_rows: int | None, progress: bool, drop_open_episodes: bool = False) -> None:
         super().__init__(store, out, chunk_rows=chunk_rows, progress=progress)
         self.next_observations = next_observations
+        self.drop_open_episodes = drop_open_episodes
 
     def open(self) -> None:
         buf = self.buf = self.opened.open()
@@ -120,14 +133,7 @@ class D4RLWriter(ExportWriter):
                 f"{self.where}: expected columns obs, action and reward for a D4RL file "
                 f"(observations, actions, rewards), got {sorted(buf.columns)}; missing {missing}"
             )
-
-    def write(self, partial: Path) -> None:
-        import h5py
-
-        buf, out_path, notes = self.buf, self.out_path, self.notes
-        rows_per = chunk_rows_for(buf, self.chunk_rows)
         cols = data_columns(buf)
-        keys = [*cols, *FLAGS]
         explicit_next = [c for c in cols if _d4rl_key(c).startswith("next_observations")]
         zeros = buf.attrs.get("final_obs_source") == "zeros"
         next_observations = not zeros if self.next_observations is None else self.next_observations
@@ -135,14 +141,28 @@ class D4RLWriter(ExportWriter):
         obs_next = [k for k in buf.next_keys if _d4rl_key(k).startswith("observations")]
         derive_next = next_observations and bool(obs_next) and not explicit_next
         if derive_next and zeros:
-            notes.append(f"{out_path}: the store's final observations are zeros standing for unknown ones "
-                         "(its source had no next observations); they are written as next_observations")
-        plan, skipped = plan_episodes(buf, "none" if derive_next else "single-lane")
-        if skipped:
-            why = ("the last row of an open episode has no next observation (pass next_observations=False "
-                   "to keep them without next_observations)" if derive_next else
-                   "a D4RL file holds one unflagged episode, at its end")
-            notes.append(f"{out_path}: {skipped} rows of open (unfinished) episodes were left out: {why}")
+            self.notes.append(f"{self.out_path}: the store's final observations are zeros standing for unknown "
+                              "ones (its source had no next observations); they are written as next_observations")
+        self.plan, self.skipped = plan_episodes(buf, "none" if derive_next else "single-lane")
+        if self.skipped:
+            why = (f"the last row of an open episode has no next observation for next_observations (derived "
+                   f"from {obs_next}); next_observations=False keeps them without next_observations" if derive_next
+                   else f"a D4RL file holds one unflagged episode, at its end (the store has {buf.num_streams} streams)")
+            what = f"{self.skipped} rows of open (unfinished) episodes"
+            if not self.drop_open_episodes:
+                raise ConversionError(f"{self.where}: {what} cannot be written: {why}; drop_open_episodes=True "
+                                      "(--drop-open-episodes) leaves them out")
+            self.notes.append(f"{self.out_path}: {what} were left out (drop_open_episodes): {why}")
+        self.cols, self.explicit, self.obs_next, self.derive_next = cols, explicit_next, obs_next, derive_next
+
+    def write(self, partial: Path) -> None:
+        import h5py
+
+        buf, out_path = self.buf, self.out_path
+        rows_per = chunk_rows_for(buf, self.chunk_rows)
+        cols, explicit_next, obs_next, derive_next = self.cols, self.explicit, self.obs_next, self.derive_next
+        keys = [*cols, *FLAGS]
+        plan, skipped = self.plan, self.skipped
         n = plan.rows
         tail = _tail_row(buf, plan) if derive_next else None
         crc: dict[str, int] = {}
@@ -194,7 +214,7 @@ class D4RLWriter(ExportWriter):
             "checksums": {k: crc_hex(v) for k, v in crc.items()},
             "final_obs_checksums": {k: crc_hex(v) for k, v in final_crc.items()},
             "verified": False,
-            "warnings": notes,
+            "warnings": self.notes,
         }
 
     def close(self) -> None:

@@ -5,9 +5,13 @@ column, ``data/terminated`` and ``data/truncated`` (so the flags come back
 exactly; Diffusion Policy's loaders ignore keys they are not asked for) and
 ``meta/episode_ends``. Zarr format 2 by default, the one Diffusion Policy's
 ``ReplayBuffer`` (zarr-python 2) opens; ``zarr_format=3`` for newer readers.
-Live complete episodes are written stream by stream, oldest first; an open
-episode has no end and is left out (warning); final observations have no
-place in the layout and are left out (warning). The group is written by a
+Live complete episodes are written stream by stream, oldest first. What the
+layout has no place for is refused by name unless the user opts in to leaving
+it out: the rows of an open episode (no end to put in ``meta/episode_ends``;
+``drop_open_episodes``) and the final observation of each episode of a
+next-derived column (``drop_final_obs``; zeros standing for unknown final
+observations, ``attrs["final_obs_source"] == "zeros"``, are no data and need no
+opt-in). The group is written by a
 :class:`DiffusionPolicyWriter` in the frame of :mod:`._frame` (``OUT.partial``,
 verified by reading it back with :class:`~mmbuffer.convert.DiffusionPolicyReader`,
 then renamed).
@@ -42,6 +46,8 @@ def export_diffusion_policy(
     *,
     overwrite: bool = False,
     zarr_format: int = 2,
+    drop_open_episodes: bool = False,
+    drop_final_obs: bool = False,
     chunk_rows: int | None = None,
     progress: bool = True,
     verify: bool = True,
@@ -49,8 +55,9 @@ def export_diffusion_policy(
     """Write a store as a Diffusion Policy Zarr group (``data/<column>``, ``meta/episode_ends``).
 
     Converting the group back (``convert("diffusion_policy", ...)``) gives the
-    same rows and flags; open episodes and final observations are left out
-    with a warning (the layout has no place for them).
+    same rows and flags. Open episodes and final observations have no place in
+    the layout: refused, by name, unless ``drop_open_episodes`` /
+    ``drop_final_obs`` leave them out (with a warning).
 
     Parameters
     ----------
@@ -61,12 +68,22 @@ def export_diffusion_policy(
         exists, unless ``overwrite`` and it is such a group or zip).
     zarr_format
         2 (default: what Diffusion Policy opens) or 3.
+    drop_open_episodes
+        Leave out the rows of open episodes (``--drop-open-episodes``).
+    drop_final_obs
+        Leave out the final observations of next-derived columns (``--drop-final-obs``).
 
     Returns
     -------
     dict
         Summary: ``rows``, ``episodes``, ``skipped_open_rows``, ``checksums``,
         ``verified``, ``seconds``, ``warnings``.
+
+    Raises
+    ------
+    ConversionError
+        No complete episode; open episodes (unless ``drop_open_episodes``);
+        next-derived columns (unless ``drop_final_obs``).
 
     Examples
     --------
@@ -81,7 +98,8 @@ def export_diffusion_policy(
     t0 = time.perf_counter()
     if zarr_format not in (2, 3):
         raise InvalidArgumentError(f"zarr_format: expected 2 or 3, got {zarr_format!r}")
-    writer = DiffusionPolicyWriter(store, out, zarr_format=zarr_format, chunk_rows=chunk_rows, progress=progress)
+    writer = DiffusionPolicyWriter(store, out, zarr_format=zarr_format, chunk_rows=chunk_rows, progress=progress,
+                                   drop_open_episodes=drop_open_episodes, drop_final_obs=drop_final_obs)
     return write_export(writer, out, overwrite=overwrite, verify=verify, started=t0)
 
 
@@ -91,9 +109,10 @@ class DiffusionPolicyWriter(ExportWriter):
     kind = "diffusion_policy"
 
     def __init__(self, store: Any, out: str | os.PathLike[str], *, zarr_format: int, chunk_rows: int | None,
-                 progress: bool) -> None:
+                 progress: bool, drop_open_episodes: bool = False, drop_final_obs: bool = False) -> None:
         super().__init__(store, out, chunk_rows=chunk_rows, progress=progress)
         self.zarr_format = zarr_format
+        self.drop_open_episodes, self.drop_final_obs = drop_open_episodes, drop_final_obs
 
     def open(self) -> None:
         buf = self.buf = self.opened.open()
@@ -101,19 +120,27 @@ class DiffusionPolicyWriter(ExportWriter):
         self.plan, self.skipped = plan_episodes(buf, "none")
         if not self.plan.rows:
             raise ConversionError(f"{self.where}: expected at least one complete episode to export, got none")
+        if self.skipped:
+            what = (f"{self.skipped} rows of open (unfinished) episodes: meta/episode_ends has no place for an "
+                    "episode without an end")
+            if not self.drop_open_episodes:
+                raise ConversionError(f"{self.where}: {what}; drop_open_episodes=True (--drop-open-episodes) "
+                                      "leaves them out")
+            self.notes.append(f"{self.out_path}: left out (drop_open_episodes): {what}")
+        finals = list(buf.next_keys) if buf.attrs.get("final_obs_source") != "zeros" else []
+        if finals:
+            what = (f"the final observations of {finals} (one per episode): the Diffusion Policy layout has no "
+                    "observation after an episode's last step")
+            if not self.drop_final_obs:
+                raise ConversionError(f"{self.where}: {what}; drop_final_obs=True (--drop-final-obs) leaves them out")
+            self.notes.append(f"{self.out_path}: left out (drop_final_obs): {what}")
 
     def write(self, partial: Path) -> None:
         import zarr
 
-        buf, notes = self.buf, self.notes
+        buf = self.buf
         rows_per = chunk_rows_for(buf, self.chunk_rows)
         keys = [*data_columns(buf), *FLAGS]
-        if self.skipped:
-            notes.append(f"{self.out_path}: {self.skipped} rows of open (unfinished) episodes were left out: "
-                         "meta/episode_ends has no place for an episode without an end")
-        if buf.next_keys:
-            notes.append(f"{self.out_path}: the final observations of {list(buf.next_keys)} were left out "
-                         "(the Diffusion Policy layout has no observation after an episode's last step)")
         if self.out_path.name.endswith(".zip"):
             # a zip is append-only: write the group as a directory beside it, then store it in the zip
             tmp = Path(tempfile.mkdtemp(prefix=".mmbuffer-dp-", dir=partial.parent))

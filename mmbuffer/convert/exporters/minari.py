@@ -1,7 +1,9 @@
 """Export a store as a Minari dataset directory (:func:`export_minari`).
 
 Only complete episodes are written (a Minari episode needs its final
-observation); spaces come from ``attrs["minari"]`` when the store was converted
+observation): open episodes are refused, by name, unless ``drop_open_episodes``
+leaves them out; so are columns with no place in a Minari dataset, unless
+``drop_unsupported``. Spaces come from ``attrs["minari"]`` when the store was converted
 from Minari, otherwise ``Box`` spaces are built from the columns.
 ``jpeg_encoding`` is false: images are stored raw. The dataset is written by a
 :class:`MinariWriter` in the frame of :mod:`._frame` (``OUT.partial``, verified
@@ -38,6 +40,8 @@ def export_minari(
     out: str | os.PathLike[str],
     *,
     dataset_id: str | None = None,
+    drop_open_episodes: bool = False,
+    drop_unsupported: bool = False,
     overwrite: bool = False,
     chunk_rows: int | None = None,
     progress: bool = True,
@@ -51,7 +55,9 @@ def export_minari(
     ``minari.MinariDataset(out / "data")``. Columns ``obs``/``obs/*`` become the
     observations (T+1 rows with the final observation), ``action``/``action/*``
     the actions, ``reward``, the flags, ``infos/*`` the infos; other columns are
-    left out (warning). Only complete episodes are written.
+    refused by name unless ``drop_unsupported`` leaves them out (with a warning).
+    Only complete episodes are written: open episodes are refused unless
+    ``drop_open_episodes`` leaves them out (with a warning).
 
     Parameters
     ----------
@@ -61,9 +67,21 @@ def export_minari(
     dataset_id
         ``namespace/name-vN``; default: the one in ``attrs["minari"]``, else
         ``mmbuffer/<out name>-v0``.
+    drop_open_episodes
+        Leave out the rows of open (unfinished) episodes (``--drop-open-episodes``).
+    drop_unsupported
+        Leave out columns with no place in a Minari dataset (``--drop-unsupported``).
+
+    Raises
+    ------
+    ConversionError
+        No ``obs``/``action``/``reward`` columns, ``obs`` not next-derived, a bad
+        ``dataset_id``; open episodes (unless ``drop_open_episodes``); other
+        columns (unless ``drop_unsupported``).
     """
     t0 = time.perf_counter()
-    writer = MinariWriter(store, out, dataset_id=dataset_id, chunk_rows=chunk_rows, progress=progress)
+    writer = MinariWriter(store, out, dataset_id=dataset_id, chunk_rows=chunk_rows, progress=progress,
+                          drop_open_episodes=drop_open_episodes, drop_unsupported=drop_unsupported)
     return write_export(writer, out, overwrite=overwrite, verify=verify, started=t0)
 
 
@@ -73,9 +91,11 @@ class MinariWriter(ExportWriter):
     kind = "minari"
 
     def __init__(self, store: Any, out: str | os.PathLike[str], *, dataset_id: str | None,
-                 chunk_rows: int | None, progress: bool) -> None:
+                 chunk_rows: int | None, progress: bool, drop_open_episodes: bool = False,
+                 drop_unsupported: bool = False) -> None:
         super().__init__(store, out, chunk_rows=chunk_rows, progress=progress)
         self.dataset_id = dataset_id
+        self.drop_open_episodes, self.drop_unsupported = drop_open_episodes, drop_unsupported
 
     def open(self) -> None:
         buf = self.buf = self.opened.open()
@@ -97,6 +117,20 @@ class MinariWriter(ExportWriter):
         self.info_cols = [c for c in buf.columns if c.startswith("infos/")]
         keep = {*obs_cols, *act_cols, *self.info_cols, "reward"}
         self.dropped = [c for c in data_columns(buf) if c not in keep]
+        if self.dropped:
+            what = (f"columns {self.dropped} have no place in a Minari dataset (observations obs/*, actions "
+                    "action/*, rewards, flags, infos/*)")
+            if not self.drop_unsupported:
+                raise ConversionError(f"{where}: {what}; drop_unsupported=True (--drop-unsupported) leaves them out")
+            self.notes.append(f"{self.out_path}: left out (drop_unsupported): {what}")
+        self.plan, self.skipped = plan_episodes(buf, "none")
+        if self.skipped:
+            what = (f"{self.skipped} rows of open (unfinished) episodes: a Minari episode needs its final "
+                    "observation")
+            if not self.drop_open_episodes:
+                raise ConversionError(f"{where}: {what}; drop_open_episodes=True (--drop-open-episodes) "
+                                      "leaves them out")
+            self.notes.append(f"{self.out_path}: left out (drop_open_episodes): {what}")
         self.spaces = {}
         for key, prefix in (("observation_space", "obs"), ("action_space", "action")):
             own = space_for(buf, prefix)
@@ -127,7 +161,7 @@ class MinariWriter(ExportWriter):
 
         buf, plan_keys = self.buf, (*self.obs_cols, *self.act_cols, "reward", *self.info_cols, *FLAGS)
         obs_cols, act_cols, info_cols = self.obs_cols, self.act_cols, self.info_cols
-        plan, skipped = plan_episodes(buf, "none")
+        plan, skipped = self.plan, self.skipped
         n = plan.rows
         keys = list(plan_keys)
         crc: dict[str, int] = {}
@@ -194,11 +228,6 @@ class MinariWriter(ExportWriter):
             "verified": False,
             "warnings": self.notes,
         }
-        if self.dropped:
-            self.notes.append(f"{self.out_path}: columns with no place in a Minari dataset were left out: "
-                              f"{self.dropped}")
-        if skipped:
-            self.notes.append(f"{self.out_path}: {skipped} rows of open (unfinished) episodes were left out")
 
     def close(self) -> None:
         self.opened.close()

@@ -27,10 +27,16 @@ episode with it set is refused); the task strings of ``meta/tasks.parquet``
 (kept in ``attrs["lerobot"]["tasks"]``, ``task_index -> task``); ``info.json``
 (in ``attrs["lerobot"]``). ``string`` features cannot be columns: refused,
 naming them, unless ``drop_unsupported=True`` (``--drop-unsupported``) leaves
-them out. Video and image features cannot be decoded here: they are refused
-with :class:`~mmbuffer.errors.ConversionError` naming them, unless
-``skip_visual=True`` leaves them out (warning). The per-episode statistics of
-``meta/episodes`` are computed from the frames, not data of their own.
+them out. The per-episode statistics of ``meta/episodes`` are computed from the
+frames, not data of their own.
+
+**Video features** are decoded (PyAV, ``pip install av``) into ``uint8`` image
+columns of the shape ``info.json`` declares (``[H, W, C]``), one row per frame,
+with frame counts and timestamps checked against ``meta/`` (see
+:mod:`.lerobot_video`); ``codec`` names the per-column codec of those columns
+(default: raw, lossless). ``image`` features (PNG in the parquet) are not
+decoded: refused by name. ``skip_visual=True`` (``--skip-visual``) leaves video
+and image features out instead (listed in ``dropped_keys``, with a warning).
 
 Files are found by their fixed names (``data/chunk-*/file-*.parquet``), never
 through the path templates in ``info.json`` (untrusted); symbolic links are
@@ -45,14 +51,16 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
+from ...errors import InvalidArgumentError
 from ...schema import PriorityConfig
-from .._pipeline.reader import Chunk, Reader, Schema, jsonable
+from .._pipeline.reader import DEFAULT_CHUNK_BYTES, Chunk, Reader, Schema, jsonable
 from .._pipeline.sniff import expect
 from .._pipeline.write import write_store
+from .lerobot_video import VideoFeature, VideoFrames, episode_spans, span_columns, video_feature
 
 __all__ = ["LeRobotReader", "convert_lerobot"]
 
@@ -81,13 +89,19 @@ class LeRobotReader(Reader):
         Leave video and image features out instead of refusing the dataset.
     drop_unsupported
         Leave ``string`` features out instead of refusing the dataset.
+    codec
+        The codec of the columns decoded from video features (an ``mb.Column``
+        codec name); ``None``: raw.
     """
 
     format = "lerobot"
 
     def __init__(self, path: str | os.PathLike[str], *, skip_visual: bool = False,
-                 drop_unsupported: bool = False) -> None:
+                 drop_unsupported: bool = False, codec: str | None = None) -> None:
         self._drop_unsupported = drop_unsupported
+        self._codec = codec
+        self._videos: dict[str, VideoFeature] = {}
+        self._decoders: list[VideoFrames] = []
         super().__init__(path)
         root = self.path
         expect(root, ("directory",), "a LeRobot dataset directory (holding meta/info.json)")
@@ -115,7 +129,13 @@ class LeRobotReader(Reader):
         self._features = self._pick_features(info["features"], skip_visual)
         self._done_key = "next.done" if "next.done" in self._features else None
         self._lengths = self._episode_lengths()
+        self._spans = self._video_spans()
         self._schema = self._scan()
+
+    @property
+    def video_keys(self) -> tuple[str, ...]:
+        """The video features decoded into columns."""
+        return tuple(self._videos)
 
     # -- layout ------------------------------------------------------------------------------
     def _parquet_files(self, base: Path, where: str) -> list[Path]:
@@ -142,7 +162,9 @@ class LeRobotReader(Reader):
             if not isinstance(ft, dict) or "dtype" not in ft or not isinstance(ft.get("shape"), (list, tuple)):
                 raise self._error(f"feature {key!r}: expected {{dtype, shape}}, got {ft!r}", "meta/info.json")
             dtype = str(ft["dtype"])
-            if dtype in _VISUAL:
+            if dtype == "video" and not skip_visual:
+                self._videos[key] = video_feature(key, ft, self._error)
+            elif dtype in _VISUAL:
                 visual.append(key)
             elif dtype == "string":
                 text.append(key)
@@ -156,8 +178,8 @@ class LeRobotReader(Reader):
                 kept[key] = ft
         if visual and not skip_visual:
             raise self._error(
-                f"video/image features {visual} cannot be decoded by mmbuffer (no video decoder is "
-                "used); pass skip_visual=True (--skip-visual) to convert the other features without them",
+                f"image features {visual} (PNG frames in the parquet files) are not decoded by mmbuffer; "
+                "pass skip_visual=True (--skip-visual) to convert the other features without them",
                 visual[0])
         if visual:
             self._warn(f"video/image features left out (skip_visual): {visual}")
@@ -165,27 +187,47 @@ class LeRobotReader(Reader):
             raise self._error(f"string features {text} cannot be stored as columns (a store holds numbers); "
                               "drop_unsupported=True (--drop-unsupported) converts the other features without them",
                               text[0])
-        if text:
-            self.stats["dropped_keys"] = text
+        if visual or text:
+            self.stats["dropped_keys"] = [*visual, *text]
         if "episode_index" not in kept:
             raise self._error("expected an 'episode_index' feature", "meta/info.json")
+        if self._videos:
+            try:
+                import av  # noqa: F401
+            except ImportError:
+                raise self._error(f"decoding video features {list(self._videos)} needs PyAV (pip install av, "
+                                  "or mmbuffer[formats]); skip_visual=True (--skip-visual) converts the "
+                                  "other features without them", next(iter(self._videos))) from None
         return kept
 
-    def _episode_lengths(self) -> np.ndarray:
+    def _episode_columns(self, names: list[str]) -> dict[str, np.ndarray]:
+        """Columns of ``meta/episodes`` (all files), in episode_index order."""
         import pyarrow.parquet as pq
 
         parts = []
         for path in self._episode_files:
             try:
-                table = pq.read_table(path, columns=["episode_index", "length"])
+                have = set(pq.read_schema(path).names)
+            except Exception as exc:  # pyarrow's errors: not parquet
+                raise self._error(f"expected a parquet file ({exc})", str(path.relative_to(self.path))) from exc
+            if missing := [n for n in ("episode_index", *names) if n not in have]:
+                raise self._error(f"expected columns episode_index and {', '.join(names)}, missing {missing}",
+                                  str(path.relative_to(self.path)))
+            try:
+                table = pq.read_table(path, columns=["episode_index", *names])
+                if any(table.column(n).null_count for n in names):
+                    raise ValueError(f"missing values in {[n for n in names if table.column(n).null_count]}")
             except Exception as exc:  # pyarrow's errors: not parquet, missing column
-                raise self._error(f"expected parquet with episode_index and length ({exc})",
+                raise self._error(f"expected parquet with episode_index and {', '.join(names)} ({exc})",
                                   str(path.relative_to(self.path))) from exc
-            parts.append((table.column("episode_index").to_numpy(), table.column("length").to_numpy()))
-        index = np.concatenate([p[0] for p in parts]).astype(np.int64)
-        lengths = np.concatenate([p[1] for p in parts]).astype(np.int64)
-        order = np.argsort(index, kind="stable")
-        index, lengths = index[order], lengths[order]
+            parts.append({n: table.column(n).to_numpy() for n in ("episode_index", *names)})
+        cols = {n: np.concatenate([p[n] for p in parts]) for n in ("episode_index", *names)}
+        order = np.argsort(cols["episode_index"], kind="stable")
+        return {n: v[order] for n, v in cols.items()}
+
+    def _episode_lengths(self) -> np.ndarray:
+        cols = self._episode_columns(["length"])
+        index, lengths = cols["episode_index"].astype(np.int64), cols["length"].astype(np.int64)
         self._episode_ids = index
         if len(index) and (np.any(np.diff(index) <= 0) or np.any(lengths <= 0)):
             raise self._error("expected unique episode_index values and positive lengths", "meta/episodes")
@@ -194,6 +236,11 @@ class LeRobotReader(Reader):
             if got is not None and int(got) != want:
                 raise self._error(f"{key}: expected {want} (meta/episodes), got {got}", "meta/info.json")
         return lengths
+
+    def _video_spans(self) -> dict[str, tuple[list[str], np.ndarray, np.ndarray]]:
+        """Per video feature: each episode's file and [from, to) span (checked: :func:`episode_spans`)."""
+        return {key: episode_spans(self.path, key, self._episode_columns(span_columns(key)), self._episode_ids,
+                                   self._error) for key in self._videos}
 
     def _scan(self) -> Schema:
         import pyarrow.parquet as pq
@@ -212,14 +259,23 @@ class LeRobotReader(Reader):
             if key == self._done_key:
                 continue
             columns[_column_name(key)] = (shape, np.dtype(str(ft["dtype"])).str)
-        if len(set(columns)) != len([k for k in self._features if k != self._done_key]):
+        specs = {}
+        for key, video in self._videos.items():
+            columns[_column_name(key)] = (video.shape, "|u1")
+            if self._codec is not None:
+                specs[_column_name(key)] = _column_spec(video.shape, self._codec)
+        if self._codec is not None and not self._videos:
+            raise InvalidArgumentError(f"codec: applies to the columns decoded from video features; "
+                                       f"{self.path} has none to decode, got codec={self._codec!r}")
+        wanted = len([k for k in self._features if k != self._done_key]) + len(self._videos)
+        if len(set(columns)) != wanted:
             raise self._error("two features map to the same column name", "meta/info.json")
         attrs = {"source_format": "lerobot", "lerobot": jsonable({k: v for k, v in self.info.items()
                                                                  if k not in ("data_path", "video_path")})}
         tasks = self._tasks()
         if tasks is not None:
             attrs["lerobot"]["tasks"] = tasks
-        return Schema(columns, (), int(self._lengths.sum()), attrs, len(self._lengths))
+        return Schema(columns, (), int(self._lengths.sum()), attrs, len(self._lengths), specs)
 
     def _tasks(self) -> dict[str, str] | None:
         """``meta/tasks.parquet`` as ``{task_index: task}`` (the task is the pandas index, or a ``task`` column)."""
@@ -296,6 +352,13 @@ class LeRobotReader(Reader):
     def chunks(self, chunk_rows: int) -> Iterator[Chunk]:
         ends = np.cumsum(self._lengths)
         total = int(ends[-1])
+        self.close()
+        fps = self.info.get("fps")
+        if self._videos and not (isinstance(fps, (int, float)) and not isinstance(fps, bool) and fps > 0):
+            raise self._error(f"fps: expected a positive number (video features), got {fps!r}", "meta/info.json")
+        fps = float(fps or 1)
+        self._decoders = [VideoFrames(self.path, v, *self._spans[k], self._lengths, self._error)
+                          for k, v in self._videos.items()]
         row = 0
         inner_done: list[int] = []  # frames inside an episode with next.done set (the first 8)
         for where, batch in self._batches(chunk_rows):
@@ -313,6 +376,12 @@ class LeRobotReader(Reader):
                 bad = int(np.flatnonzero(got != expected)[0])
                 raise self._error(f"frame {row + bad}: expected episode_index {expected[bad]} (meta/episodes "
                                   f"lengths, in episode order), got {got[bad]}", where)
+            if self._decoders:
+                episode = np.searchsorted(ends, rows, side="right")
+                offsets = (data["timestamp"].reshape(n).astype(np.float64) if "timestamp" in data
+                           else (rows - (ends - self._lengths)[episode]) / fps)
+                for decoder in self._decoders:
+                    data[decoder.feature.key] = decoder.take(offsets)
             done = np.zeros(n, bool)
             inside = ends[(ends > row) & (ends <= row + n)] - 1 - row
             done[inside] = True
@@ -326,9 +395,27 @@ class LeRobotReader(Reader):
             steps["terminated"], steps["truncated"] = term, done & ~term
             row += n
             yield Chunk(steps, {})
+        self.close()
         if inner_done:  # after every frame's episode_index is checked: a wrong length explains more
             raise self._error(f"expected next.done only on an episode's last frame (the store's flags end "
                               f"episodes there), got it on frames {inner_done}", self._done_key)
+
+
+    def close(self) -> None:
+        for decoder in self._decoders:
+            decoder.close()
+
+
+def _column_spec(shape: tuple[int, ...], codec: str) -> Any:
+    """``mb.Column(shape, "uint8", codec=codec)``, refused by name where ``mb.Column`` takes no codec."""
+    from ...schema import Column
+
+    try:
+        return cast(Any, Column)(shape, "uint8", codec=codec)
+    except TypeError:
+        raise InvalidArgumentError(
+            f"codec: this mmbuffer's mb.Column takes no codec (per-column codecs are not available), got "
+            f"{codec!r}; leave codec unset to store the decoded frames raw (lossless)") from None
 
 
 def _is_list(t: Any) -> bool:
@@ -343,6 +430,7 @@ def convert_lerobot(
     *,
     skip_visual: bool = False,
     drop_unsupported: bool = False,
+    codec: str | None = None,
     overwrite: bool = False,
     compression: str | None = None,
     chunk_rows: int | None = None,
@@ -355,16 +443,22 @@ def convert_lerobot(
     """Convert a LeRobot v3 dataset directory into a new store at ``dst`` (needs ``pyarrow``).
 
     Options and the returned summary are those of :func:`~mmbuffer.convert.write_store`;
-    ``skip_visual`` leaves video and image features out instead of refusing them,
-    ``drop_unsupported`` ``string`` features.
+    video features are decoded into ``uint8`` image columns (needs ``av``), stored
+    with ``codec`` (default raw); ``skip_visual`` leaves video and image features
+    out instead, ``drop_unsupported`` ``string`` features. ``chunk_rows`` defaults
+    to about 32 MiB of rows, frames included.
 
     Raises
     ------
     ConversionError
-        Not a LeRobot v3 dataset, a video/image feature (unless ``skip_visual``),
-        a ``string`` feature (unless ``drop_unsupported``), episode lengths or
-        totals that disagree with ``meta/``, missing values, ``next.done`` inside
-        an episode.
+        Not a LeRobot v3 dataset, an image feature or a depth-map video (unless
+        ``skip_visual``), a ``string`` feature (unless ``drop_unsupported``),
+        episode lengths or totals that disagree with ``meta/``, missing values,
+        ``next.done`` inside an episode; a video file missing, or whose frames
+        disagree with ``meta/`` (count, timestamps, size).
+    InvalidArgumentError
+        ``codec`` given where ``mb.Column`` takes none, or for a dataset without
+        video features.
     StoreExistsError
         ``dst`` exists and ``overwrite`` is false.
     """
@@ -377,7 +471,10 @@ def convert_lerobot(
         from ...errors import ConversionError
 
         raise ConversionError(f"{src}: reading LeRobot datasets needs pyarrow (pip install pyarrow)") from exc
-    reader = LeRobotReader(Path(src).expanduser(), skip_visual=skip_visual, drop_unsupported=drop_unsupported)
+    reader = LeRobotReader(Path(src).expanduser(), skip_visual=skip_visual, drop_unsupported=drop_unsupported,
+                           codec=codec)
+    if chunk_rows is None and reader.video_keys:  # frames are large: keep chunks near 32 MiB, not 1024 rows
+        chunk_rows = max(1, DEFAULT_CHUNK_BYTES // reader.schema.row_bytes())
     return write_store(
         reader, dst, overwrite=overwrite, compression=compression, chunk_rows=chunk_rows,
         progress=progress, verify=verify, capacity=capacity, num_streams=num_streams, priorities=priorities,
