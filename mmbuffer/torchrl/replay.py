@@ -22,10 +22,10 @@ from .._ledger.reopen import end_open_episode, reopen_last_episode
 from ..schema import PriorityConfig
 import mmbuffer.torchrl.access as access  # modules, not "from .": that names the package
 import mmbuffer.torchrl.checkpoint as checkpoint
+import mmbuffer.torchrl.writing as writing
 from .access import Prefetch, as_tensordict as _as_tensordict, positive as _positive, tensordict as _tensordict
-from .keys import OPEN_ATTR, PRIORITY, WEIGHT_KEY, Columns, Key, KeyMap, create_store, infer, read_batch, to_tensordict
+from .keys import OPEN_ATTR, WEIGHT_KEY, Columns, Key, KeyMap, create_store, infer, leaves, read_batch, to_tensordict
 from .translate import check_store, storage_path, translate
-from .streams import Held, Segment, plan as plan_streams, segments as stream_segments
 
 __all__ = ["ReplayBuffer"]
 
@@ -106,9 +106,7 @@ class ReplayBuffer:
         self._compression = compression
         self._buf: Buffer | None = None
         self._layout: KeyMap | None = None
-        self._held: dict[int, Held] = {}
-        self._uncommitted: np.ndarray = np.zeros(0, dtype=np.int64)
-        self._dangling: set[int] = set()
+        self._pending = writing.Pending()  # held (provisionally ended) streams, uncommitted rows
         self._sampled = access.Sampled()  # lane cursors of recent batches, for update_priority
         self.transforms = access.transforms(transform)  # applied in order to what is read
         depth = _positive("prefetch", prefetch)
@@ -171,16 +169,16 @@ class ReplayBuffer:
             buf.close()
             raise
         self._buf, self._layout = buf, layout
-        self._uncommitted = np.zeros(buf.num_streams, dtype=np.int64)
+        pending = self._pending = writing.Pending(uncommitted=np.zeros(buf.num_streams, dtype=np.int64))
         view = buf.view()
         # streams whose last episode is open: kept open by a commit of this class (its final
         # observation is stored: ended here), or written by other code (nothing can close it)
         kept = buf.attrs.get(OPEN_ATTR) or {}
-        self._dangling = {s for s, lv in enumerate(view.lanes) if int(view.written[s]) > lv.open_start}
+        pending.dangling = {s for s, lv in enumerate(view.lanes) if int(view.written[s]) > lv.open_start}
         if buf.mode == "a":
-            for s in [s for s in self._dangling if kept.get(str(s)) == int(view.written[s])]:
+            for s in [s for s in pending.dangling if kept.get(str(s)) == int(view.written[s])]:
                 self._dirty = end_open_episode(buf.store, s) or self._dirty
-                self._dangling.discard(s)
+                pending.dangling.discard(s)
 
     # -- writing -------------------------------------------------------------------------
     def add(self, data: Any) -> int:
@@ -197,13 +195,14 @@ class ReplayBuffer:
         its lane holds) before anything is written.
         """
         td = _as_tensordict(data)
+        found = leaves(td)
         if self.mode == "r":
             raise errors.ReadOnlyError(f"extend: the buffer at {self.path} is opened with mode='r' (a reader)")
         if td.batch_dims == 0:
             raise errors.InvalidArgumentError("data: expected a TensorDict with batch dims [T] or [E, T], got [] (use add)")
         if td.numel() == 0:
             return torch.full(tuple(td.batch_size), -1, dtype=torch.int64)
-        if ("collector", "mask") in td.keys(include_nested=True):
+        if ("collector", "mask") in found:
             raise errors.InvalidArgumentError(
                 "data: expected a collector batch with split_trajs=False, got padded trajectories (('collector', 'mask'))"
             )
@@ -214,56 +213,20 @@ class ReplayBuffer:
             self._create(layout, columns, n_streams)
         assert self._buf is not None and self._layout is not None
         buf = self._buf
-        values, ends, truncated, traj = read_batch(td, self._layout, buf, self.priority_key, self._traj_key)
-        lane = buf.capacity // buf.num_streams
-
-        def planned() -> list[Segment]:
-            pieces = plan_streams(ends, traj, buf.num_streams, self._held)
-            return stream_segments(
-                pieces, values, ends, truncated, traj, self._held, lane_size=lane, dangling=self._dangling, where=self.path
-            )
-
-        segments = planned()
-        added = np.zeros_like(self._uncommitted)
-        np.add.at(added, [seg.piece.stream for seg in segments], [len(seg.end) for seg in segments])
-        if (self._uncommitted + added > lane).any():
+        values, ends, truncated, traj = read_batch(td, self._layout, buf, self.priority_key, self._traj_key, found)
+        segments, over = writing.planned(buf, self._pending, values, ends, truncated, traj, self.path)
+        if over:
             # commit first (provisional ends become truncations), before the store would
             # commit on its own with an episode open; then plan again
             self.commit()
-            segments = planned()
-        return self._write(segments, tuple(td.batch_size), ends.shape)
+            segments, _ = writing.planned(buf, self._pending, values, ends, truncated, traj, self.path)
+        index = writing.write(buf, self._layout, segments, ends.shape, self._pending)
+        self._dirty = True
+        return torch.from_numpy(index.reshape(tuple(td.batch_size)))
 
     def _create(self, layout: KeyMap, columns: Columns, num_streams: int) -> None:
         self._attach(create_store(self.path, layout, columns, num_streams, self._capacity,
                                   compression=self._compression, priorities=self._priorities))
-
-    def _write(self, segments: list[Segment], lead: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
-        """Write planned segments; return the global row of each batch row."""
-        assert self._buf is not None and self._layout is not None
-        buf, layout = self._buf, self._layout
-        index = np.full(shape, -1, dtype=np.int64)
-        with buf.lock:  # a prefetching thread never sees an episode reopened and not yet continued
-            cursor = buf.view().written.copy()  # rows written per stream, advanced here
-            for seg in segments:
-                p, stream, n = seg.piece, seg.piece.stream, len(seg.end)
-                if seg.reopen:  # False: the end is undone already (an extend that failed after it)
-                    reopen_last_episode(buf.store, stream)
-                start = int(cursor[stream])
-                cursor[stream] += n
-                steps = {c: seg.rows[c] for c in layout.columns}
-                steps["terminated"], steps["truncated"] = seg.end & ~seg.trunc, seg.trunc
-                final = {c: seg.rows[f"next_{c}"][seg.end] for c in layout.derived} if layout.derived else None
-                buf.extend(steps, stream=stream, final_obs=final)
-                self._uncommitted[stream] += n
-                written = buf.layout.rows(stream, start + np.arange(n))
-                if PRIORITY in seg.rows:
-                    buf.update_priorities(written, seg.rows[PRIORITY])
-                index[p.env, p.start : p.stop] = written
-                self._held.pop(stream, None)
-                if seg.after is not None:
-                    self._held[stream] = seg.after
-        self._dirty = True
-        return torch.from_numpy(index.reshape(lead))
 
     def commit(self) -> int:
         """Make every row durable and visible to readers (``buffer.commit()``); return the
@@ -277,7 +240,7 @@ class ReplayBuffer:
         ``close``, ``state_dict`` and ``dumps`` keep: a store with no open episode)."""
         buf = self.buffer
         with buf.lock:
-            store, streams = buf.store, sorted(self._held) if keep_open else []
+            store, streams = buf.store, sorted(self._pending.held) if keep_open else []
             streams = [s for s in streams if reopen_last_episode(store, s)]
             written = buf.view().written
             if streams or buf.attrs.get(OPEN_ATTR):
@@ -286,8 +249,8 @@ class ReplayBuffer:
             for s in streams:
                 end_open_episode(store, s)
             if not keep_open:
-                self._held.clear()
-            self._uncommitted[:] = 0
+                self._pending.held.clear()
+            self._pending.uncommitted[:] = 0
             self._dirty = bool(streams)  # the ends set again are not committed
             return generation
 
@@ -322,9 +285,8 @@ class ReplayBuffer:
         self.close()
         shutil.rmtree(self.path)
         self._layout = None
-        self._held.clear()
+        self._pending = writing.Pending()
         self._sampled.clear()
-        self._dangling = set()
         self._prefetch = None if depth is None else Prefetch(depth)
 
     def __enter__(self) -> Self:
@@ -415,7 +377,7 @@ class ReplayBuffer:
 
     def _open_rows(self) -> np.ndarray:
         """The global rows whose episode end is provisional (each open stream's last row)."""
-        return access.last_rows(self._buf, list(self._held))
+        return access.last_rows(self._buf, list(self._pending.held))
 
     # -- priorities ----------------------------------------------------------------------
     def update_priority(self, index: Any, priority: Any) -> None:
@@ -479,7 +441,7 @@ class ReplayBuffer:
             raise errors.StoreNotFoundError(f"path: expected a store at {path}, found nothing")
         self.close()
         self.path = path
-        self._held.clear()
+        self._pending.held.clear()
         self._attach(open_buffer(path, mode=self.mode))
 
     def share(self, shared: bool = True) -> Self:
