@@ -100,8 +100,9 @@ class KeyMap:
         return cls(columns, tuple(buf.next_keys), squeezed=squeezed)
 
 
-def infer(td: Any, priority_key: Key) -> tuple[KeyMap, Columns]:
-    """The key map and the store columns of a first batch.
+def infer(td: Any, priority_key: Key, *, derive: bool = True) -> tuple[KeyMap, Columns]:
+    """The key map and the store columns of a first batch (``derive=False``: every
+    ``("next", key)`` in its own column, none derived: n-step data, ``nstep.py``).
 
     >>> import pytest; td = pytest.importorskip("tensordict")
     >>> batch = td.TensorDict({"observation": torch.zeros(5, 3), "next": {"observation": torch.zeros(5, 3),
@@ -125,10 +126,10 @@ def infer(td: Any, priority_key: Key) -> tuple[KeyMap, Columns]:
             continue
         name = "obs" if key == ("observation",) and ("obs",) not in root else "/".join(key)
         columns[name] = key
-        if key in nxt:
+        if key in nxt and derive:
             derived.append(name)
     for key in nxt:
-        if key in root or (len(key) == 1 and key[0] in FLAGS) or ("next", *key) in skip:
+        if (key in root and derive) or (len(key) == 1 and key[0] in FLAGS) or ("next", *key) in skip:
             continue
         name = "reward" if key == ("reward",) and "reward" not in columns else "next/" + "/".join(key)
         columns[name] = ("next", *key)

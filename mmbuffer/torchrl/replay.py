@@ -22,6 +22,7 @@ from .._ledger.reopen import end_open_episode, reopen_last_episode
 from ..schema import PriorityConfig
 import mmbuffer.torchrl.access as access  # modules, not "from .": that names the package
 import mmbuffer.torchrl.checkpoint as checkpoint
+import mmbuffer.torchrl.nstep as nstep
 import mmbuffer.torchrl.writing as writing
 from .access import Prefetch, as_tensordict as _as_tensordict, positive as _positive, tensordict as _tensordict
 from .keys import OPEN_ATTR, WEIGHT_KEY, Columns, Key, KeyMap, create_store, infer, leaves, read_batch, to_tensordict
@@ -165,6 +166,8 @@ class ReplayBuffer:
                 )
             check_store(self._translated, buf)
             layout = KeyMap.from_store(buf)
+            if buf.mode == "a":
+                nstep.check_store(self.transforms, layout, buf.path)
         except BaseException:
             buf.close()
             raise
@@ -181,25 +184,35 @@ class ReplayBuffer:
                 pending.dangling.discard(s)
 
     # -- writing -------------------------------------------------------------------------
-    def add(self, data: Any) -> int:
-        """One step (a TensorDict with no batch dims): ``extend(data.unsqueeze(0))``."""
-        return int(self.extend(data.unsqueeze(0))[0])
+    def add(self, data: Any) -> Any:
+        """One step (a TensorDict with no batch dims): ``extend(data.unsqueeze(0))``; its
+        row (an int), or, while an n-step transform holds it back, an empty ``[0, 1]``
+        tensor, as TorchRL's."""
+        index = self.extend(data.unsqueeze(0))
+        return int(index.reshape(-1)[0]) if index.numel() == 1 else index
 
     def extend(self, data: Any) -> torch.Tensor:
         """Append a collector's TensorDict (``[T]`` or ``[E, T]``) and return the global
         row of each of its rows (shape ``data.batch_size``); every row is sampleable
-        when it returns.
+        when it returns. With a ``MultiStepTransform`` (``nstep.py``) the rows are
+        those its ``inv`` returns, and so is the shape (``[0, 1]`` when it holds
+        every row back), as TorchRL's.
 
         Raises ``SchemaError`` (keys, shapes, dtypes differ from the store's),
         ``InvalidArgumentError`` or ``CapacityError`` (a stream given more rows than
         its lane holds) before anything is written.
         """
         td = _as_tensordict(data)
-        found = leaves(td)
         if self.mode == "r":
             raise errors.ReadOnlyError(f"extend: the buffer at {self.path} is opened with mode='r' (a reader)")
         if td.batch_dims == 0:
             raise errors.InvalidArgumentError("data: expected a TensorDict with batch dims [T] or [E, T], got [] (use add)")
+        if self._nstep:
+            nstep.check_store(self.transforms, self._layout, self.path)
+            td = nstep.inverse(self.transforms, td)
+            if td is None:
+                return torch.zeros((0, 1), dtype=torch.int64)
+        found = leaves(td)
         if td.numel() == 0:
             return torch.full(tuple(td.batch_size), -1, dtype=torch.int64)
         if ("collector", "mask") in found:
@@ -207,7 +220,7 @@ class ReplayBuffer:
                 "data: expected a collector batch with split_trajs=False, got padded trajectories (('collector', 'mask'))"
             )
         if self._buf is None:
-            layout, columns = infer(td, self.priority_key)
+            layout, columns = infer(td, self.priority_key, derive=not self._nstep)
             rows_per_env = td.batch_size[-1] if td.batch_dims > 1 else 0
             n_streams = self._num_streams or (int(np.prod(td.batch_size[:-1])) if rows_per_env else 1)
             self._create(layout, columns, n_streams)
@@ -367,8 +380,15 @@ class ReplayBuffer:
         """Apply ``transform`` at position ``index`` of :attr:`transforms`, as TorchRL's."""
         if invert:
             raise errors.InvalidArgumentError("invert: expected False (transforms apply to sampled data), got True")
-        self.transforms[index:index] = access.transforms(transform)
+        new = access.transforms(transform)
+        nstep.check_store(new, self._layout, self.path)
+        self.transforms[index:index] = new
         return self
+
+    @property
+    def _nstep(self) -> bool:
+        """Whether a transform acts at ``extend`` (a ``MultiStepTransform``)."""
+        return any(nstep.is_nstep(t) for t in self.transforms)
 
     def _transformed(self, data: Any) -> Any:
         for t in self.transforms:
