@@ -112,12 +112,12 @@ def infer(td: Any, priority_key: Key, *, derive: bool = True) -> tuple[KeyMap, C
     ({'obs': ((3,), 'float32'), 'reward': ((1,), 'float32')}, ('obs',))
     """
     lead = td.batch_dims
-    leaves = {as_key(k): v for k, v in td.items(include_nested=True, leaves_only=True)}
-    for key, value in leaves.items():
+    found = leaves(td)
+    for key, value in found.items():
         if not isinstance(value, torch.Tensor):
             raise errors.SchemaError(f"data[{key}]: expected a tensor, got {type(value).__name__}")
-    root = {k: v for k, v in leaves.items() if k[0] != "next"}
-    nxt = {k[1:]: v for k, v in leaves.items() if k[0] == "next" and len(k) > 1}
+    root = {k: v for k, v in found.items() if k[0] != "next"}
+    nxt = {k[1:]: v for k, v in found.items() if k[0] == "next" and len(k) > 1}
     skip = {("index",), (WEIGHT_KEY,), priority_key}
     columns: dict[str, Key] = {}
     derived: list[str] = []
@@ -137,7 +137,7 @@ def infer(td: Any, priority_key: Key, *, derive: bool = True) -> tuple[KeyMap, C
     flags = [nxt[(f,)] for f in ("terminated", "done", "truncated") if f in next_flags]
     fshape = tuple(flags[0].shape[lead:]) if flags else (1,)
     keymap = KeyMap(columns, tuple(derived), next_flags, tuple(f for f in FLAGS if (f,) in root), fshape)
-    spec = {name: (tuple(leaves[k].shape[lead:]), str(leaves[k].dtype).removeprefix("torch.")) for name, k in columns.items()}
+    spec = {name: (tuple(found[k].shape[lead:]), str(found[k].dtype).removeprefix("torch.")) for name, k in columns.items()}
     return keymap, spec
 
 
@@ -149,14 +149,14 @@ def leaves(td: Any) -> dict[Key, Any]:
     >>> sorted(leaves(td.TensorDict({"a": torch.zeros(2), "next": {"a": torch.ones(2)}}, [2])))
     [('a',), ('next', 'a')]
     """
-    from tensordict import is_non_tensor, is_tensor_collection
+    from tensordict import TensorDictBase, is_non_tensor
 
     out: dict[Key, Any] = {}
 
     def walk(t: Any, prefix: Key) -> None:
         for k, v in t.items():
             key = (*prefix, k)
-            if not isinstance(v, torch.Tensor) and is_tensor_collection(v) and not is_non_tensor(v):
+            if isinstance(v, TensorDictBase) and not is_non_tensor(v):  # a nested TensorDict
                 walk(v, key)
             else:
                 out[key] = v
