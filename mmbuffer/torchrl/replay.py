@@ -63,7 +63,8 @@ class ReplayBuffer:
         ``None`` (raw, memory-mapped) or ``"zstd"`` / ``"lz4"`` for a created store.
     transform, prefetch
         As TorchRL's: transforms (torchrl ``Transform`` or callables) applied to what
-        ``sample`` and ``rb[...]`` return; batches drawn ahead in threads.
+        ``sample`` and ``rb[...]`` return (a ``MultiStepTransform`` acts at ``extend``:
+        ``nstep.py``); batches drawn ahead in threads.
     mode
         ``"a"``: the writer (one process); ``"r"``: a reader of a store that exists (a
         learner process) that follows the writer's commits; writes are ``ReadOnlyError``
