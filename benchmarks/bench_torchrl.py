@@ -6,7 +6,9 @@ Both buffers receive the same synthetic collector batches (``[E, T]`` with
 truncated)``, ``("collector", "traj_ids")``; TorchRL gets them flattened, as its
 examples do). Timed, median over ``--reps`` calls, warm page cache:
 
-* ``extend``: one ``[E, T]`` batch;
+* ``extend``: one ``[E, T]`` batch (the two buffers alternate batch by batch over
+  the whole fill; median and mean of the fill, the first batch, which creates the
+  files, left out);
 * ``sample``: ``batch_size`` uniform transitions, as a TensorDict;
 * ``slices``: ``batch_size`` rows as ``batch_size // L`` windows of ``L``
   (``Slices(L)`` against ``SliceSampler(slice_len=L, traj_key=...)``);
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import statistics
 import tempfile
 import time
 import warnings
@@ -71,35 +74,38 @@ def main() -> None:
     p.add_argument("--slice-len", type=int, default=16)
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--threads", type=int, default=1,
-                   help="torch intra-op threads (1: on a loaded 2-core machine, waking a second thread "
-                        "made TorchRL's 256-row index take 1.4 ms instead of 4 us)")
+                   help="torch intra-op threads, 0: torch's default (1: on a loaded 2-core machine, waking a "
+                        "second thread made TorchRL's 256-row index take 1.4 ms instead of 4 us)")
+    p.add_argument("--extend-only", action="store_true", help="time the fill's extends only")
     p.add_argument("--dir", default=None, help="where the stores go (default: a temporary directory)")
     args = p.parse_args()
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        from torchrl.data import LazyMemmapStorage, SliceSampler, TensorDictReplayBuffer
+        from torchrl.data import LazyMemmapStorage, TensorDictReplayBuffer
 
-    import mmbuffer as mb
     from mmbuffer.torchrl import ReplayBuffer
 
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rows, e, t, bs, L = int(args.rows), args.envs, args.steps, args.batch_size, args.slice_len
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench_torchrl_"))
     g = torch.Generator().manual_seed(0)
     rb = ReplayBuffer(root / "mmbuffer", capacity=rows, batch_size=bs, generator=torch.Generator().manual_seed(0))
     ref = TensorDictReplayBuffer(storage=LazyMemmapStorage(rows, scratch_dir=root / "torchrl"), batch_size=bs)
     n_batches = rows // (e * t)
-    fill_mb = fill_ref = 0.0
+    fill_mb: list[float] = []
+    fill_ref: list[float] = []
     for i in range(n_batches):
         td = _batch(e, t, args.obs_dim, i * t, args.episode_len, g)
+        flat = td.reshape(-1)
         t0 = time.perf_counter()
         rb.extend(td)
         t1 = time.perf_counter()
-        ref.extend(td.reshape(-1))
+        ref.extend(flat)
         if i:  # the first extend creates the files on both sides: not timed
-            fill_ref += time.perf_counter() - t1
-            fill_mb += t1 - t0
+            fill_ref.append(time.perf_counter() - t1)
+            fill_mb.append(t1 - t0)
     rb.commit()
     buf = rb.buffer
 
@@ -114,35 +120,47 @@ def main() -> None:
             "mb.Buffer ms": float("nan") if raw is None else raw * 1e3,
         })
 
-    row(f"extend [{e}, {t}] (mean over the fill)", fill_ref / (n_batches - 1), fill_mb / (n_batches - 1), None)
+    row(f"extend [{e}, {t}], median of the fill", statistics.median(fill_ref), statistics.median(fill_mb), None)
+    row(f"extend [{e}, {t}], mean of the fill", statistics.mean(fill_ref), statistics.mean(fill_mb), None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        row(
-            f"sample({bs}) transitions",
-            median_time(ref.sample, args.reps),
-            median_time(rb.sample, args.reps),
-            median_time(lambda: buf.sample(bs, rb.generator), args.reps),
-        )
-        ref_slices = TensorDictReplayBuffer(
-            storage=ref.storage, batch_size=bs * L,
-            sampler=SliceSampler(slice_len=L, traj_key=("collector", "traj_ids")),
-        )
-        rb_slices_spec = mb.samplers.Slices(L)
-        rb.set_sampler(rb_slices_spec)
-        row(
-            f"slices: {bs} x {L} rows",
-            median_time(ref_slices.sample, args.reps),
-            median_time(lambda: rb.sample(bs * L), args.reps),
-            median_time(lambda: buf.sample(bs, rb.generator, sampler=rb_slices_spec), args.reps),
-        )
+        if not args.extend_only:
+            _reads(row, ref, rb, buf, bs, L, args.reps)
 
     header(f"TorchRL drop-in against TensorDictReplayBuffer(LazyMemmapStorage), {rows:,} rows")
     print(f"obs {args.obs_dim} float32, action 6 float32, episodes of {args.episode_len} steps, "
-          f"median of {args.reps} calls, warm, torch threads {args.threads}")
+          f"extend: {n_batches - 1} batches alternated; reads: median of {args.reps} calls; warm; "
+          f"torch threads {torch.get_num_threads()}")
     table(results)
     rb.close()
     if args.dir is None:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _reads(row, ref, rb, buf, bs: int, L: int, reps: int) -> None:  # noqa: ANN001
+    """The sample and slice rows, each read alternating buffers' medians."""
+    from torchrl.data import SliceSampler, TensorDictReplayBuffer
+
+    import mmbuffer as mb
+
+    row(
+        f"sample({bs}) transitions",
+        median_time(ref.sample, reps),
+        median_time(rb.sample, reps),
+        median_time(lambda: buf.sample(bs, rb.generator), reps),
+    )
+    ref_slices = TensorDictReplayBuffer(
+        storage=ref.storage, batch_size=bs * L,
+        sampler=SliceSampler(slice_len=L, traj_key=("collector", "traj_ids")),
+    )
+    rb_slices_spec = mb.samplers.Slices(L)
+    rb.set_sampler(rb_slices_spec)
+    row(
+        f"slices: {bs} x {L} rows",
+        median_time(ref_slices.sample, reps),
+        median_time(lambda: rb.sample(bs * L), reps),
+        median_time(lambda: buf.sample(bs, rb.generator, sampler=rb_slices_spec), reps),
+    )
 
 
 if __name__ == "__main__":

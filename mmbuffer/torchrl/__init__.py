@@ -55,7 +55,10 @@ and ``("collector", "mask")`` when ``strict=False`` (padded windows).
 
 TorchRL's other ways in: its sampler objects are translated to specs
 (``translate.py``); ``transform=``, ``append_transform``, ``prefetch=``,
-``rb[i]``, ``rb[a:b]``, iteration and ``empty()`` as TorchRL's (``access.py``).
+``rb[i]``, ``rb[a:b]``, iteration and ``empty()`` as TorchRL's (``access.py``);
+``MultiStepTransform`` acts at ``extend``, as TorchRL's (``nstep.py``: its store
+keeps ``("next", obs)`` in its own column). A full ring evicts whole episodes:
+``len(rb) >= capacity - streams * (longest episode - 1)`` (TorchRL: ``capacity``).
 
 Checkpoints and processes (``checkpoint.py``). The store is the checkpoint:
 ``state_dict()`` commits what changed and names the store at that commit (path,

@@ -19,6 +19,7 @@ from .._read.gather import Batch
 from ..buffer import Buffer
 from ..samplers.epoch import EpochCursor, EpochState
 from .keys import KeyMap, to_tensordict
+import mmbuffer.torchrl.nstep as nstep
 
 
 
@@ -114,17 +115,12 @@ def select_rows(buf: Buffer, index: Any) -> tuple[np.ndarray, bool]:
 
 def transforms(transform: Any) -> list[Callable[[Any], Any]]:
     """``transform`` as a list of callables TensorDict -> TensorDict, applied in
-    order (a torchrl ``Transform`` is one: calling it is its forward)."""
-    items = list(transform) if isinstance(transform, (list, tuple)) else [] if transform is None else [transform]
+    order to sampled data (a torchrl ``Transform`` is one: calling it is its
+    forward; a ``Compose`` gives its parts); a ``MultiStepTransform`` among them
+    also acts at ``extend`` (``nstep.py``), other inverse transforms are refused."""
+    items = nstep.expand(transform)
     for t in items:
-        if not callable(t):
-            raise errors.InvalidArgumentError(f"transform: expected a torchrl Transform or a callable, got {t!r}")
-        name = type(t).__name__
-        if getattr(t, "in_keys_inv", None) or any(c.__name__ == "MultiStepTransform" for c in type(t).__mro__):
-            raise errors.InvalidArgumentError(
-                f"transform: expected a transform of sampled data, got {name}, which changes data on its way in "
-                "(TorchRL applies its inverse at extend; apply it to the batch before extend)"
-            )
+        nstep.check_transform(t)
     return items
 
 

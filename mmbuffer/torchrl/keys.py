@@ -100,8 +100,9 @@ class KeyMap:
         return cls(columns, tuple(buf.next_keys), squeezed=squeezed)
 
 
-def infer(td: Any, priority_key: Key) -> tuple[KeyMap, Columns]:
-    """The key map and the store columns of a first batch.
+def infer(td: Any, priority_key: Key, *, derive: bool = True) -> tuple[KeyMap, Columns]:
+    """The key map and the store columns of a first batch (``derive=False``: every
+    ``("next", key)`` in its own column, none derived: n-step data, ``nstep.py``).
 
     >>> import pytest; td = pytest.importorskip("tensordict")
     >>> batch = td.TensorDict({"observation": torch.zeros(5, 3), "next": {"observation": torch.zeros(5, 3),
@@ -111,12 +112,12 @@ def infer(td: Any, priority_key: Key) -> tuple[KeyMap, Columns]:
     ({'obs': ((3,), 'float32'), 'reward': ((1,), 'float32')}, ('obs',))
     """
     lead = td.batch_dims
-    leaves = {as_key(k): v for k, v in td.items(include_nested=True, leaves_only=True)}
-    for key, value in leaves.items():
+    found = leaves(td)
+    for key, value in found.items():
         if not isinstance(value, torch.Tensor):
             raise errors.SchemaError(f"data[{key}]: expected a tensor, got {type(value).__name__}")
-    root = {k: v for k, v in leaves.items() if k[0] != "next"}
-    nxt = {k[1:]: v for k, v in leaves.items() if k[0] == "next" and len(k) > 1}
+    root = {k: v for k, v in found.items() if k[0] != "next"}
+    nxt = {k[1:]: v for k, v in found.items() if k[0] == "next" and len(k) > 1}
     skip = {("index",), (WEIGHT_KEY,), priority_key}
     columns: dict[str, Key] = {}
     derived: list[str] = []
@@ -125,10 +126,10 @@ def infer(td: Any, priority_key: Key) -> tuple[KeyMap, Columns]:
             continue
         name = "obs" if key == ("observation",) and ("obs",) not in root else "/".join(key)
         columns[name] = key
-        if key in nxt:
+        if key in nxt and derive:
             derived.append(name)
     for key in nxt:
-        if key in root or (len(key) == 1 and key[0] in FLAGS) or ("next", *key) in skip:
+        if (key in root and derive) or (len(key) == 1 and key[0] in FLAGS) or ("next", *key) in skip:
             continue
         name = "reward" if key == ("reward",) and "reward" not in columns else "next/" + "/".join(key)
         columns[name] = ("next", *key)
@@ -136,24 +137,51 @@ def infer(td: Any, priority_key: Key) -> tuple[KeyMap, Columns]:
     flags = [nxt[(f,)] for f in ("terminated", "done", "truncated") if f in next_flags]
     fshape = tuple(flags[0].shape[lead:]) if flags else (1,)
     keymap = KeyMap(columns, tuple(derived), next_flags, tuple(f for f in FLAGS if (f,) in root), fshape)
-    spec = {name: (tuple(leaves[k].shape[lead:]), str(leaves[k].dtype).removeprefix("torch.")) for name, k in columns.items()}
+    spec = {name: (tuple(found[k].shape[lead:]), str(found[k].dtype).removeprefix("torch.")) for name, k in columns.items()}
     return keymap, spec
 
 
+def leaves(td: Any) -> dict[Key, Any]:
+    """Every leaf of ``td`` by its key path, in one walk (``td.items(include_nested=True,
+    leaves_only=True)`` takes several times as long on a collector's batch).
+
+    >>> import pytest; td = pytest.importorskip("tensordict")
+    >>> sorted(leaves(td.TensorDict({"a": torch.zeros(2), "next": {"a": torch.ones(2)}}, [2])))
+    [('a',), ('next', 'a')]
+    """
+    from tensordict import TensorDictBase, is_non_tensor
+
+    out: dict[Key, Any] = {}
+
+    def walk(t: Any, prefix: Key) -> None:
+        for k, v in t.items():
+            key = (*prefix, k)
+            if isinstance(v, TensorDictBase) and not is_non_tensor(v):  # a nested TensorDict
+                walk(v, key)
+            else:
+                out[key] = v
+
+    walk(td, ())
+    return out
+
+
 def read_batch(
-    td: Any, keymap: KeyMap, buf: Buffer, priority_key: Key, traj_key: Key = ("collector", "traj_ids")
+    td: Any, keymap: KeyMap, buf: Buffer, priority_key: Key, traj_key: Key = ("collector", "traj_ids"),
+    found: dict[Key, Any] | None = None,
 ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray | None]:
     """Columns (and ``next_<col>``, priorities) of a ``[*E, T]`` batch as ``[E, T, ...]``
     arrays (views where the tensors allow), episode ends and truncations ``[E, T]``,
     trajectory ids ``[E, T]`` (``traj_key``) or None. Every key, shape and dtype is
     checked here. Data with no ``("next", "done" | "terminated")`` ends an episode
-    where its trajectory id changes, else at every row (truncated)."""
+    where its trajectory id changes, else at every row (truncated). ``found``: the
+    batch's :func:`leaves`, when the caller has them."""
     lead = tuple(td.batch_size)
+    n_lead = len(lead)
     shape = (int(np.prod(lead[:-1])), lead[-1])
-    found = {as_key(k) for k in td.keys(include_nested=True, leaves_only=True)}
+    found = leaves(td) if found is None else found
     wanted = {*keymap.columns.values(), *(("next", *keymap.columns[c]) for c in keymap.derived)}
     wanted |= {("next", f) for f in keymap.next_flags} | {(f,) for f in keymap.root_flags}
-    given = found - {("index",), (WEIGHT_KEY,), priority_key}
+    given = set(found) - {("index",), (WEIGHT_KEY,), priority_key}
     if given != wanted:
         raise errors.SchemaError(
             f"data: expected the keys of the store at {buf.path}, {sorted(wanted)}, got {sorted(given)} "
@@ -161,11 +189,13 @@ def read_batch(
         )
 
     def get(key: Key) -> np.ndarray:
-        value = td.get(key)
+        value = found[key]
         if not isinstance(value, torch.Tensor):
             raise errors.SchemaError(f"data[{key}]: expected a tensor, got {type(value).__name__}")
-        out: np.ndarray = value.detach().cpu().reshape(shape + tuple(value.shape[len(lead) :])).numpy()
-        return out
+        if value.requires_grad or value.device.type != "cpu":
+            value = value.detach().cpu()
+        out: np.ndarray = value.numpy()
+        return out.reshape(shape + out.shape[n_lead:])
 
     values = {name: get(key) for name, key in keymap.columns.items()}
     for name in keymap.squeezed:
@@ -185,7 +215,7 @@ def read_batch(
     for f in keymap.root_flags:
         if get((f,)).any():
             raise errors.InvalidArgumentError(f"data[{f!r}]: expected False (a step never starts from an ended state), got True")
-    flag = {f: get(("next", f)).reshape(shape).astype(bool) for f in keymap.next_flags}
+    flag = {f: get(("next", f)).reshape(shape).astype(bool, copy=False) for f in keymap.next_flags}
     traj = values.get(keymap.name_of(traj_key) or "")
     traj = None if traj is None else traj.reshape(shape)
     term = flag.get("terminated", flag.get("done", np.zeros(shape, bool)))

@@ -22,10 +22,11 @@ from .._ledger.reopen import end_open_episode, reopen_last_episode
 from ..schema import PriorityConfig
 import mmbuffer.torchrl.access as access  # modules, not "from .": that names the package
 import mmbuffer.torchrl.checkpoint as checkpoint
+import mmbuffer.torchrl.nstep as nstep
+import mmbuffer.torchrl.writing as writing
 from .access import Prefetch, as_tensordict as _as_tensordict, positive as _positive, tensordict as _tensordict
-from .keys import OPEN_ATTR, PRIORITY, WEIGHT_KEY, Columns, Key, KeyMap, create_store, infer, read_batch, to_tensordict
+from .keys import OPEN_ATTR, WEIGHT_KEY, Columns, Key, KeyMap, create_store, infer, leaves, read_batch, to_tensordict
 from .translate import check_store, storage_path, translate
-from .streams import Held, Segment, plan as plan_streams, segments as stream_segments
 
 __all__ = ["ReplayBuffer"]
 
@@ -62,7 +63,8 @@ class ReplayBuffer:
         ``None`` (raw, memory-mapped) or ``"zstd"`` / ``"lz4"`` for a created store.
     transform, prefetch
         As TorchRL's: transforms (torchrl ``Transform`` or callables) applied to what
-        ``sample`` and ``rb[...]`` return; batches drawn ahead in threads.
+        ``sample`` and ``rb[...]`` return (a ``MultiStepTransform`` acts at ``extend``:
+        ``nstep.py``); batches drawn ahead in threads.
     mode
         ``"a"``: the writer (one process); ``"r"``: a reader of a store that exists (a
         learner process) that follows the writer's commits; writes are ``ReadOnlyError``
@@ -106,9 +108,7 @@ class ReplayBuffer:
         self._compression = compression
         self._buf: Buffer | None = None
         self._layout: KeyMap | None = None
-        self._held: dict[int, Held] = {}
-        self._uncommitted: np.ndarray = np.zeros(0, dtype=np.int64)
-        self._dangling: set[int] = set()
+        self._pending = writing.Pending()  # held (provisionally ended) streams, uncommitted rows
         self._sampled = access.Sampled()  # lane cursors of recent batches, for update_priority
         self.transforms = access.transforms(transform)  # applied in order to what is read
         depth = _positive("prefetch", prefetch)
@@ -167,30 +167,37 @@ class ReplayBuffer:
                 )
             check_store(self._translated, buf)
             layout = KeyMap.from_store(buf)
+            if buf.mode == "a":
+                nstep.check_store(self.transforms, layout, buf.path)
         except BaseException:
             buf.close()
             raise
         self._buf, self._layout = buf, layout
-        self._uncommitted = np.zeros(buf.num_streams, dtype=np.int64)
+        pending = self._pending = writing.Pending(uncommitted=np.zeros(buf.num_streams, dtype=np.int64))
         view = buf.view()
         # streams whose last episode is open: kept open by a commit of this class (its final
         # observation is stored: ended here), or written by other code (nothing can close it)
         kept = buf.attrs.get(OPEN_ATTR) or {}
-        self._dangling = {s for s, lv in enumerate(view.lanes) if int(view.written[s]) > lv.open_start}
+        pending.dangling = {s for s, lv in enumerate(view.lanes) if int(view.written[s]) > lv.open_start}
         if buf.mode == "a":
-            for s in [s for s in self._dangling if kept.get(str(s)) == int(view.written[s])]:
+            for s in [s for s in pending.dangling if kept.get(str(s)) == int(view.written[s])]:
                 self._dirty = end_open_episode(buf.store, s) or self._dirty
-                self._dangling.discard(s)
+                pending.dangling.discard(s)
 
     # -- writing -------------------------------------------------------------------------
-    def add(self, data: Any) -> int:
-        """One step (a TensorDict with no batch dims): ``extend(data.unsqueeze(0))``."""
-        return int(self.extend(data.unsqueeze(0))[0])
+    def add(self, data: Any) -> Any:
+        """One step (a TensorDict with no batch dims): ``extend(data.unsqueeze(0))``; its
+        row (an int), or, while an n-step transform holds it back, an empty ``[0, 1]``
+        tensor, as TorchRL's."""
+        index = self.extend(data.unsqueeze(0))
+        return int(index.reshape(-1)[0]) if index.numel() == 1 else index
 
     def extend(self, data: Any) -> torch.Tensor:
         """Append a collector's TensorDict (``[T]`` or ``[E, T]``) and return the global
         row of each of its rows (shape ``data.batch_size``); every row is sampleable
-        when it returns.
+        when it returns. With a ``MultiStepTransform`` (``nstep.py``) the rows are
+        those its ``inv`` returns, and so is the shape (``[0, 1]`` when it holds
+        every row back), as TorchRL's.
 
         Raises ``SchemaError`` (keys, shapes, dtypes differ from the store's),
         ``InvalidArgumentError`` or ``CapacityError`` (a stream given more rows than
@@ -201,69 +208,39 @@ class ReplayBuffer:
             raise errors.ReadOnlyError(f"extend: the buffer at {self.path} is opened with mode='r' (a reader)")
         if td.batch_dims == 0:
             raise errors.InvalidArgumentError("data: expected a TensorDict with batch dims [T] or [E, T], got [] (use add)")
+        if self._nstep:
+            nstep.check_store(self.transforms, self._layout, self.path)
+            td = nstep.inverse(self.transforms, td)
+            if td is None:
+                return torch.zeros((0, 1), dtype=torch.int64)
+        found = leaves(td)
         if td.numel() == 0:
             return torch.full(tuple(td.batch_size), -1, dtype=torch.int64)
-        if ("collector", "mask") in td.keys(include_nested=True):
+        if ("collector", "mask") in found:
             raise errors.InvalidArgumentError(
                 "data: expected a collector batch with split_trajs=False, got padded trajectories (('collector', 'mask'))"
             )
         if self._buf is None:
-            layout, columns = infer(td, self.priority_key)
+            layout, columns = infer(td, self.priority_key, derive=not self._nstep)
             rows_per_env = td.batch_size[-1] if td.batch_dims > 1 else 0
             n_streams = self._num_streams or (int(np.prod(td.batch_size[:-1])) if rows_per_env else 1)
             self._create(layout, columns, n_streams)
         assert self._buf is not None and self._layout is not None
         buf = self._buf
-        values, ends, truncated, traj = read_batch(td, self._layout, buf, self.priority_key, self._traj_key)
-        lane = buf.capacity // buf.num_streams
-
-        def planned() -> list[Segment]:
-            pieces = plan_streams(ends, traj, buf.num_streams, self._held)
-            return stream_segments(
-                pieces, values, ends, truncated, traj, self._held, lane_size=lane, dangling=self._dangling, where=self.path
-            )
-
-        segments = planned()
-        added = np.zeros_like(self._uncommitted)
-        np.add.at(added, [seg.piece.stream for seg in segments], [len(seg.end) for seg in segments])
-        if (self._uncommitted + added > lane).any():
+        values, ends, truncated, traj = read_batch(td, self._layout, buf, self.priority_key, self._traj_key, found)
+        segments, over = writing.planned(buf, self._pending, values, ends, truncated, traj, self.path)
+        if over:
             # commit first (provisional ends become truncations), before the store would
             # commit on its own with an episode open; then plan again
             self.commit()
-            segments = planned()
-        return self._write(segments, tuple(td.batch_size), ends.shape)
+            segments, _ = writing.planned(buf, self._pending, values, ends, truncated, traj, self.path)
+        index = writing.write(buf, self._layout, segments, ends.shape, self._pending)
+        self._dirty = True
+        return torch.from_numpy(index.reshape(tuple(td.batch_size)))
 
     def _create(self, layout: KeyMap, columns: Columns, num_streams: int) -> None:
         self._attach(create_store(self.path, layout, columns, num_streams, self._capacity,
                                   compression=self._compression, priorities=self._priorities))
-
-    def _write(self, segments: list[Segment], lead: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
-        """Write planned segments; return the global row of each batch row."""
-        assert self._buf is not None and self._layout is not None
-        buf, layout = self._buf, self._layout
-        index = np.full(shape, -1, dtype=np.int64)
-        with buf.lock:  # a prefetching thread never sees an episode reopened and not yet continued
-            cursor = buf.view().written.copy()  # rows written per stream, advanced here
-            for seg in segments:
-                p, stream, n = seg.piece, seg.piece.stream, len(seg.end)
-                if seg.reopen:  # False: the end is undone already (an extend that failed after it)
-                    reopen_last_episode(buf.store, stream)
-                start = int(cursor[stream])
-                cursor[stream] += n
-                steps = {c: seg.rows[c] for c in layout.columns}
-                steps["terminated"], steps["truncated"] = seg.end & ~seg.trunc, seg.trunc
-                final = {c: seg.rows[f"next_{c}"][seg.end] for c in layout.derived} if layout.derived else None
-                buf.extend(steps, stream=stream, final_obs=final)
-                self._uncommitted[stream] += n
-                written = buf.layout.rows(stream, start + np.arange(n))
-                if PRIORITY in seg.rows:
-                    buf.update_priorities(written, seg.rows[PRIORITY])
-                index[p.env, p.start : p.stop] = written
-                self._held.pop(stream, None)
-                if seg.after is not None:
-                    self._held[stream] = seg.after
-        self._dirty = True
-        return torch.from_numpy(index.reshape(lead))
 
     def commit(self) -> int:
         """Make every row durable and visible to readers (``buffer.commit()``); return the
@@ -277,7 +254,7 @@ class ReplayBuffer:
         ``close``, ``state_dict`` and ``dumps`` keep: a store with no open episode)."""
         buf = self.buffer
         with buf.lock:
-            store, streams = buf.store, sorted(self._held) if keep_open else []
+            store, streams = buf.store, sorted(self._pending.held) if keep_open else []
             streams = [s for s in streams if reopen_last_episode(store, s)]
             written = buf.view().written
             if streams or buf.attrs.get(OPEN_ATTR):
@@ -286,8 +263,8 @@ class ReplayBuffer:
             for s in streams:
                 end_open_episode(store, s)
             if not keep_open:
-                self._held.clear()
-            self._uncommitted[:] = 0
+                self._pending.held.clear()
+            self._pending.uncommitted[:] = 0
             self._dirty = bool(streams)  # the ends set again are not committed
             return generation
 
@@ -322,9 +299,8 @@ class ReplayBuffer:
         self.close()
         shutil.rmtree(self.path)
         self._layout = None
-        self._held.clear()
+        self._pending = writing.Pending()
         self._sampled.clear()
-        self._dangling = set()
         self._prefetch = None if depth is None else Prefetch(depth)
 
     def __enter__(self) -> Self:
@@ -405,8 +381,15 @@ class ReplayBuffer:
         """Apply ``transform`` at position ``index`` of :attr:`transforms`, as TorchRL's."""
         if invert:
             raise errors.InvalidArgumentError("invert: expected False (transforms apply to sampled data), got True")
-        self.transforms[index:index] = access.transforms(transform)
+        new = access.transforms(transform)
+        nstep.check_store(new, self._layout, self.path)
+        self.transforms[index:index] = new
         return self
+
+    @property
+    def _nstep(self) -> bool:
+        """Whether a transform acts at ``extend`` (a ``MultiStepTransform``)."""
+        return any(nstep.is_nstep(t) for t in self.transforms)
 
     def _transformed(self, data: Any) -> Any:
         for t in self.transforms:
@@ -415,7 +398,7 @@ class ReplayBuffer:
 
     def _open_rows(self) -> np.ndarray:
         """The global rows whose episode end is provisional (each open stream's last row)."""
-        return access.last_rows(self._buf, list(self._held))
+        return access.last_rows(self._buf, list(self._pending.held))
 
     # -- priorities ----------------------------------------------------------------------
     def update_priority(self, index: Any, priority: Any) -> None:
@@ -479,7 +462,7 @@ class ReplayBuffer:
             raise errors.StoreNotFoundError(f"path: expected a store at {path}, found nothing")
         self.close()
         self.path = path
-        self._held.clear()
+        self._pending.held.clear()
         self._attach(open_buffer(path, mode=self.mode))
 
     def share(self, shared: bool = True) -> Self:

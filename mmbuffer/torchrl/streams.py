@@ -63,12 +63,15 @@ def plan(ends: np.ndarray, traj: np.ndarray | None, num_streams: int, held: dict
             )
         return [Piece(e, 0, t, e) for e in range(n_env)]
     direct = n_env == num_streams > 1  # environment e is stream e
-    pieces: list[Piece] = []
-    for e in range(n_env):
-        # a trajectory id that changes with no episode end: the piece before ends truncated
-        cuts = np.flatnonzero((traj[e, 1:] != traj[e, :-1]) & ~ends[e, :-1]) + 1
-        bounds = [0, *cuts.tolist(), t]
-        pieces += [Piece(e, a, b, e if direct else -1) for a, b in itertools.pairwise(bounds)]
+    # a trajectory id that changes with no episode end: the piece before ends truncated
+    cut = (traj[:, 1:] != traj[:, :-1]) & ~ends[:, :-1]
+    if not cut.any():
+        pieces = [Piece(e, 0, t, e if direct else -1) for e in range(n_env)]
+    else:
+        pieces = []
+        for e in range(n_env):
+            bounds = [0, *(np.flatnonzero(cut[e]) + 1).tolist(), t]
+            pieces += [Piece(e, a, b, e if direct else -1) for a, b in itertools.pairwise(bounds)]
     if direct:
         return pieces
     # a piece continues the stream whose open (provisionally ended) episode has its
@@ -118,13 +121,13 @@ def segments(
         trunc = truncated[p.env, p.start : p.stop].copy()
         n = len(end)
         before = held.pop(p.stream, None)
-        first = int(np.argmax(end)) + 1 if end.any() else n  # rows up to the first end
+        done = np.flatnonzero(end)
         reopen = before is not None and (
-            (p.continues or traj is None or before.traj == int(traj[p.env, p.start])) and before.length + first <= lane_size
+            (p.continues or traj is None or before.traj == int(traj[p.env, p.start]))
+            and before.length + (int(done[0]) + 1 if done.size else n) <= lane_size  # rows up to the first end
         )
         after = None
         if not end[-1]:
-            done = np.flatnonzero(end)
             length = n - int(done[-1]) - 1 if done.size else n + (before.length if reopen and before is not None else 0)
             after = Held(None if traj is None else int(traj[p.env, p.stop - 1]), length)
             end[-1] = trunc[-1] = True  # provisional: undone if the episode goes on

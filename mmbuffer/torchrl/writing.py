@@ -1,0 +1,69 @@
+"""The write half of :meth:`mmbuffer.torchrl.ReplayBuffer.extend`: a collector's
+batch, read and checked (``keys.read_batch``), cut into per-stream segments
+(``streams.py``) and written, one store ``extend`` per segment (rules in
+:mod:`mmbuffer.torchrl`'s docstring).
+
+``Pending`` is the writer's state between batches: the streams whose last episode
+ends provisionally (``held``), those ending in an open episode other code wrote
+(``dangling``), and the rows each stream extended since the last commit."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..buffer import Buffer
+from .._ledger.reopen import reopen_last_episode
+from .keys import PRIORITY, KeyMap
+from .streams import Held, Segment, plan, segments
+
+
+@dataclass(slots=True)
+class Pending:
+    """What the writer carries from one batch to the next (see the module docstring)."""
+
+    held: dict[int, Held] = field(default_factory=dict)
+    dangling: set[int] = field(default_factory=set)
+    uncommitted: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+
+def planned(
+    buf: Buffer, state: Pending, values: dict[str, np.ndarray], ends: np.ndarray, truncated: np.ndarray,
+    traj: np.ndarray | None, where: Path,
+) -> tuple[list[Segment], bool]:
+    """The batch's segments, and whether a stream would hold more than a lane of
+    uncommitted rows after them (then the caller commits first and plans again)."""
+    lane = buf.capacity // buf.num_streams
+    pieces = plan(ends, traj, buf.num_streams, state.held)
+    segs = segments(pieces, values, ends, truncated, traj, state.held, lane_size=lane, dangling=state.dangling, where=where)
+    added = np.zeros_like(state.uncommitted)
+    np.add.at(added, [seg.piece.stream for seg in segs], [len(seg.end) for seg in segs])
+    return segs, bool((state.uncommitted + added > lane).any())
+
+
+def write(buf: Buffer, layout: KeyMap, segs: list[Segment], shape: tuple[int, ...], state: Pending) -> np.ndarray:
+    """Write planned segments to their streams; the global row of each batch row
+    (``shape``: the batch's ``[E, T]``)."""
+    index = np.full(shape, -1, dtype=np.int64)
+    store = buf.store
+    with buf.lock:  # a prefetching thread never sees an episode reopened and not yet continued
+        for seg in segs:
+            p, stream, n = seg.piece, seg.piece.stream, len(seg.end)
+            if seg.reopen:  # False: the end is undone already (an extend that failed after it)
+                reopen_last_episode(store, stream)
+            start = int(store.lanes[stream].written)
+            steps = {c: seg.rows[c] for c in layout.columns}
+            steps["terminated"], steps["truncated"] = seg.end & ~seg.trunc, seg.trunc
+            final = {c: seg.rows[f"next_{c}"][seg.end] for c in layout.derived} if layout.derived else None
+            buf.extend(steps, stream=stream, final_obs=final)
+            state.uncommitted[stream] += n
+            written = buf.layout.rows(stream, np.arange(start, start + n, dtype=np.int64))
+            if PRIORITY in seg.rows:
+                buf.update_priorities(written, seg.rows[PRIORITY])
+            index[p.env, p.start : p.stop] = written
+            state.held.pop(stream, None)
+            if seg.after is not None:
+                state.held[stream] = seg.after
+    return index
