@@ -130,6 +130,10 @@ def _add_convert_options(p: argparse.ArgumentParser, fmt: str | None) -> None:
         p.add_argument("--codec", default=None, metavar="NAME",
                        help=f"codec of the image columns decoded from video (an mb.Column codec such as zstd; "
                             f"default: raw, lossless) ({', '.join(with_codec)})")
+    if (with_done := takes("done_means", READERS)) and (fmt is None or fmt in with_done):
+        p.add_argument("--done-means", default=None, choices=("terminated", "truncated"), metavar="WHICH",
+                       help=f"terminated or truncated: what next/done is in a source with no next/terminated "
+                            f"or next/truncated (refused without it: it does not say which) ({', '.join(with_done)})")
     for option, (flag, text) in READER_FLAGS.items():
         formats = takes(option, READERS)
         if formats and (fmt is None or fmt in formats):
@@ -184,6 +188,10 @@ def _run_convert(args: argparse.Namespace) -> int:
         if fmt not in (formats := takes("codec", READERS)):
             raise _invalid(f"--codec: not an option of format {fmt!r} (only {', '.join(formats)})")
         options["codec"] = args.codec
+    if getattr(args, "done_means", None) is not None:
+        if fmt not in (formats := takes("done_means", READERS)):
+            raise _invalid(f"--done-means: not an option of format {fmt!r} (only {', '.join(formats)})")
+        options["done_means"] = args.done_means
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConversionWarning)  # the summary lists them
         summary = convert(fmt, args.src, args.dst, **options)

@@ -18,8 +18,9 @@ command line's ``--help`` stays free of torch).
 
 Converters and exporters are lossless by default: every option here that loses
 something (``drop_*``, ``derive_next``, ``skip_visual``) is an explicit opt-in, and
-what it accepts is refused, by name, without it. ``keep_infos`` is deprecated (infos are
-kept by default).
+what it accepts is refused, by name, without it; so is a source that leaves a flag
+ambiguous (a TorchRL dump's ``next/done`` alone) until ``done_means`` says which it is.
+``keep_infos`` is deprecated (infos are kept by default).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ READERS: dict[str, Format] = {f.name: f for f in (
            ("drop_infos", "drop_unsupported", "keep_infos")),
     Format("npz", ".readers.npz", "convert_npz", "a .npz archive or a directory of .npy files", _FLAT),
     Format("torchrl", ".readers.torchrl", "convert_torchrl", "a TorchRL dumps() directory or a TD-MPC2 .pt file",
-           ("derive_next", "keep_next_obs", "drop_unsupported", "drop_reset_values")),
+           ("derive_next", "keep_next_obs", "drop_unsupported", "drop_reset_values", "done_means")),
     Format("tdmpc2", ".readers.torchrl", "convert_torchrl", "a TD-MPC2 .pt file (the same reader as torchrl)",
            ("drop_reset_values", "drop_unsupported")),
     Format("diffusion_policy", ".readers.diffusion", "convert_diffusion_policy",

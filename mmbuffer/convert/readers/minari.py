@@ -23,8 +23,9 @@ of T rows is row for row. Dict and Tuple spaces become one column per leaf:
 ``obs/pixels``, ``obs/_index_0`` (HDF5 names kept, so the export can rebuild
 the group). JPEG-encoded image leaves are decoded (needs Pillow). An episode
 whose last step has neither flag gets ``truncated=True`` there (it is a complete
-Minari episode; counted as ``forced_truncations``, with a warning; the episode
-ids, up to 1024, in ``attrs["convert"]["stats"]["forced_truncation_episodes"]``).
+Minari episode; counted as ``forced_truncations``, with a warning; every such
+episode id, none left out, in ``attrs["convert"]["stats"]["forced_truncation_episodes"]``,
+so the source's flags are recoverable exactly).
 ``metadata.json`` goes into ``attrs["minari"]`` (spaces and env spec as the JSON
 strings Minari wrote). Episodes are read one at a time (an Arrow episode whole,
 an HDF5 episode in row slices), so memory stays at about one chunk.
@@ -320,7 +321,8 @@ class MinariReader(ArrowEpisodes):
     def _chunks_hdf5(self, chunk_rows: int) -> Iterator[Chunk]:
         asm = ChunkAssembler(chunk_rows)
         obs_cols = list(self._schema.next_keys)
-        for ep, (name, t) in enumerate(zip(self._episodes, self._lengths)):
+        for name, t in zip(self._episodes, self._lengths):
+            ep = int(name.rsplit("_", 1)[1])  # the Minari episode id (episode_<i>, checked by _episode_names)
             g = self._h5[name]
             leaves = self._h5_leaves(g, name)
             term_ds, trunc_ds = g["terminations"], g["truncations"]

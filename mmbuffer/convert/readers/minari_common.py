@@ -59,14 +59,21 @@ class MinariCommon(Reader):
                 raise self._error(f"metadata.json says {key}={want} but the data holds {got}", key)
 
     def _finish_episode(self, ep: int, term: np.ndarray, trunc: np.ndarray) -> None:
+        """Close Minari episode ``ep`` whose last step has neither flag as truncated, and record it.
+
+        A store ends an episode with a flag; the Minari episode is complete (its own
+        group), only the flag is missing. Every such episode id is recorded, none
+        left out, in ``stats["forced_truncation_episodes"]`` (the store's
+        ``attrs["convert"]["stats"]``): the source's flags are recoverable exactly
+        (those episodes' last ``truncated`` was ``False``, nothing else changed).
+        """
         if len(term) and not (term[-1] or trunc[-1]):
             trunc[-1] = True
             self.stats["forced_truncations"] = self.stats.get("forced_truncations", 0) + 1
-            eps = self.stats.setdefault("forced_truncation_episodes", [])
-            if len(eps) < 1024:  # the source's flags stay recoverable (attrs["convert"]["stats"])
-                eps.append(int(ep))
+            self.stats.setdefault("forced_truncation_episodes", []).append(int(ep))
             if self.stats["forced_truncations"] == 1:
                 self._warn(
                     f"episode {ep} ends with neither terminated nor truncated: marked truncated "
-                    "(further cases are counted in forced_truncations)"
+                    "(every such episode id is recorded in attrs['convert']['stats']"
+                    "['forced_truncation_episodes'])"
                 )

@@ -22,8 +22,12 @@ made with ``ignore_obs_next``), ``act -> action``, ``rew -> reward``,
 ``terminated``, ``truncated``; ``info/<key>`` and ``policy/<key>`` leaves as
 ``infos/<key>`` and ``policy/<key>``, any other key of the Batch under its own
 name. A sub-buffer whose latest episode is unfinished gets ``truncated=True``
-on its latest row (the data stops there; counted in ``forced_truncations``,
-the rows in ``attrs["tianshou"]["forced_truncation_rows"]``); the oldest
+on its latest row (the data stops there; counted in ``forced_truncations``;
+every such row, none left out, in ``attrs["tianshou"]["forced_truncation_rows"]``
+(rows in read order: the store's rows in the same order, stream after stream) and
+its row in ``_meta`` in ``attrs["tianshou"]["forced_truncation_source_rows"]``:
+the source's flags are recoverable exactly, ``truncated`` was ``False`` there and
+nothing else changed); the oldest
 episode of a wrapped ring starts mid-episode (its first rows were overwritten
 by Tianshou) and is kept as it is.
 
@@ -179,7 +183,9 @@ class TianshouReader(FlatReader):
         attrs = {"source_format": "tianshou",
                  "tianshou": {"maxsize": maxsize, "sub_buffers": len(segs),
                               "rows": [s[1] for s in segs], "forced_truncations": len(forced),
-                              "forced_truncation_rows": [int(r) for r in forced]}}
+                              "forced_truncation_rows": [int(r) for r in forced],
+                              "forced_truncation_source_rows": [int(term.base_rows(int(r), int(r) + 1)[0])
+                                                                for r in forced]}}
         notes, dropped = self.notes, self._dropped
         super().__init__(p, fmt="tianshou", columns=columns, terminated=term, truncated=_Closed(trunc, forced),
                          next_arrays={k: v for k, v in nxt.items() if k in columns}, next_keys=obs_keys,
@@ -189,7 +195,9 @@ class TianshouReader(FlatReader):
             self.stats["dropped_keys"] = dropped
         if len(forced):
             self.stats["forced_truncations"] = len(forced)
-            self._warn(f"{len(forced)} sub-buffer(s) end inside an episode: their latest row is marked truncated")
+            self._warn(f"{len(forced)} sub-buffer(s) end inside an episode: their latest row is marked truncated "
+                       f"(rows {[int(r) for r in forced[:8]]}; all of them in "
+                       "attrs['tianshou']['forced_truncation_rows'])")
 
     def _int_attr(self, f: Any, name: str) -> int:
         value = f.attrs.get(name)

@@ -12,15 +12,20 @@
 Rows ``0..len-1`` are read in write order (a full ring that wrapped starts at the
 writer's cursor). Keys map as ``observation -> obs``, ``action``,
 ``("next", "reward") -> reward``, ``("next", "terminated"/"truncated")`` -> the
-flags (``("next", "done")`` alone -> ``terminated``, with a warning); every root
+flags (``("next", "done")`` alone: refused, see below); every root
 key that also exists under ``next`` is next-derived and its final observation
 is ``("next", key)`` at the episode's last row; other keys are kept as columns
 named by their path (``collector/traj_ids``, ``next/<key>`` for next-only keys;
 ``index`` too, unless it is each row's storage slot, as ``TensorDictReplayBuffer``
 writes it: derived from the row's position then, and not stored). Trailing ``[.., 1]`` dims of reward and flags are squeezed.
-Where ``("collector", "traj_ids")`` changes with no flag set, the row before is
-marked truncated (counted as ``forced_truncations``; the source's flags stay
-recoverable from the kept ``collector/traj_ids`` column); a last episode with no
+Where ``("collector", "traj_ids")`` changes with no flag set (a collector's batch
+of several environments, flattened), the row before is marked truncated: the
+trajectories were interleaved, a store's episode is contiguous. Every such row,
+none left out, is listed in ``attrs["torchrl"]["forced_truncation_rows"]`` (rows
+in read order: the store's rows in the same order, stream after stream), and
+counted as ``forced_truncations``: the source's flags are recoverable exactly
+(``truncated`` was ``False`` at those rows, nothing else changed; the transition
+itself, ``("next", key)`` included, is kept); a last episode with no
 flag is closed as truncated with ``("next", key)`` as final observation (see
 :mod:`._flat`).
 
@@ -33,8 +38,11 @@ kept as an explicit ``next/<col>`` column, as for D4RL
 column. Not stored, because the store derives them: ``("next", "done")``
 beside ``terminated``/``truncated`` (their ``or``) and the root-level flags
 (a collector's copy of the previous row's ``next`` flags). A dump with only
-``("next", "done")`` does not say which ends were truncations: they are stored
-as ``terminated`` (warning). An entry with no array a store could hold (a
+``("next", "done")`` does not say which ends were truncations (time limits) and
+which terminations: refused with :class:`~mmbuffer.errors.ConversionError`
+naming ``next/done``, unless ``done_means="terminated"`` or ``"truncated"``
+(``--done-means``) says which (recorded in ``attrs["torchrl"]["done_means"]``).
+An entry with no array a store could hold (a
 non-tensor entry, a leaf listed in ``meta.json`` with no ``.memmap`` file) is
 refused by name unless ``drop_unsupported=True`` (``--drop-unsupported``).
 ``prefetch.pkl`` and the sampler's state are pickles and never read.
@@ -55,13 +63,17 @@ import numpy as np
 from ...errors import MMBufferError
 from ...schema import PriorityConfig
 from .._pipeline.flat import FileArray, FlatReader, RolledArray, next_mode
-from .._pipeline.reader import Chunk, Reader, reader_error
+from .._pipeline.reader import Chunk, Reader, as_flag, reader_error
 from .._pipeline.write import write_store
 from .tdmpc2 import TORCH_DTYPES, TDMPC2Reader
 
 __all__ = ["TorchRLReader", "convert_torchrl", "open_torchrl"]
 
 _FLAG_NAMES = ("terminated", "truncated", "done")
+#: The values of ``done_means``: what a dump's ``("next", "done")`` is, when it has no other flag.
+DONE_MEANS = ("terminated", "truncated")
+#: Rows of ``collector/traj_ids`` and flags scanned at a time for the trajectory cuts.
+_SCAN_ROWS = 1 << 20
 
 
 def _read_json(reader: Reader, path: Path) -> dict[str, Any]:
@@ -82,16 +94,30 @@ def _np_dtype(reader: Reader, s: str, key: str) -> np.dtype:
 
 
 class TorchRLReader(FlatReader):
-    """Read a TorchRL replay buffer directory written by ``ReplayBuffer.dumps``."""
+    """Read a TorchRL replay buffer directory written by ``ReplayBuffer.dumps`` (see the module docstring).
+
+    ``done_means`` (``"terminated"`` or ``"truncated"``) says what ``("next", "done")``
+    is in a dump with neither ``("next", "terminated")`` nor ``("next", "truncated")``;
+    without it such a dump is refused. ``derive_next``, ``keep_next_obs``: as for
+    :class:`~mmbuffer.convert.D4RLReader`; ``drop_unsupported``: leave out entries
+    with no array instead of refusing them.
+    """
 
     def __init__(self, path: str | os.PathLike[str], *, derive_next: bool = False,
-                 keep_next_obs: bool = False, drop_unsupported: bool = False) -> None:
+                 keep_next_obs: bool = False, drop_unsupported: bool = False,
+                 done_means: str | None = None) -> None:
         Reader.__init__(self, path)
+        if done_means is not None and done_means not in DONE_MEANS:
+            from ...errors import InvalidArgumentError
+
+            raise InvalidArgumentError(f"done_means: expected one of {DONE_MEANS} or None, got {done_means!r}")
         self._mode = next_mode(derive_next, keep_next_obs, str(self.path))
         self._drop_unsupported, self._dropped = drop_unsupported, list[str]()
+        self._done_means = done_means
         try:
             self._open()
         except MMBufferError:
+            self.close()
             raise
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
             self.close()
@@ -147,8 +173,12 @@ class TorchRLReader(FlatReader):
         }
         if slot_index:
             attrs["torchrl"]["index"] = "the storage slot of each row: derived, not stored"
+        if self._done_used:
+            attrs["torchrl"]["done_means"] = self._done_means
         notes = self.notes
         self._traj = args.pop("traj_ids", None)
+        self._cuts = _trajectory_cuts(self._traj, args["terminated"], args["truncated"], length)
+        attrs["torchrl"]["forced_truncation_rows"] = [int(r) for r in self._cuts]
         super().__init__(self.path, fmt="torchrl", attrs=attrs, squeeze=("reward",), next_mode=self._mode, **args)
         self.notes = notes + self.notes
         if self._dropped:  # only as asked (drop_unsupported): listed in the summary
@@ -228,19 +258,31 @@ class TorchRLReader(FlatReader):
         term = nxt.get(("terminated",))
         trunc = nxt.get(("truncated",))
         done = nxt.get(("done",))
+        self._done_used = False
         if term is None and trunc is None:
             if done is None:
                 raise self._error(
                     "missing key 'next/terminated' (nor 'next/truncated' nor 'next/done'): "
                     "episode ends are unknown"
                 )
-            self._pending.append("no next/terminated or next/truncated: next/done is used as terminated")
-            term = done
+            if self._done_means is None:
+                raise self._error(
+                    "expected 'next/terminated' or 'next/truncated' beside 'next/done', got 'next/done' "
+                    "only: it does not say which episode ends are terminations and which truncations "
+                    "(time limits); done_means='terminated' (--done-means terminated) or "
+                    "done_means='truncated' (--done-means truncated) says which", "next/done")
+            self._done_used = True
+            if self._done_means == "terminated":
+                term = done
+            else:
+                trunc = done
         zeros = None
         if term is None or trunc is None:
             n = len(term if term is not None else trunc)  # type: ignore[arg-type]  # one is set
             zeros = np.zeros(n, bool)
         keys["terminated"], keys["truncated"] = "next/terminated", "next/truncated"
+        if self._done_used:
+            keys[str(self._done_means)] = "next/done"
         return dict(
             columns=columns,
             terminated=term if term is not None else zeros,
@@ -252,7 +294,8 @@ class TorchRLReader(FlatReader):
         )
 
     def _extra_ends(self, a: int, b: int) -> np.ndarray | None:
-        """Rows ``a..b`` after which ``collector/traj_ids`` changes (the rows :meth:`chunks` truncates)."""
+        """Rows ``a..b`` after which ``collector/traj_ids`` changes (where no flag is set: the rows
+        :meth:`chunks` truncates)."""
         if self._traj is None or b <= a:
             return None
         ids = np.asarray(self._traj[a : min(self._n, b + 1)]).reshape(-1)
@@ -261,34 +304,24 @@ class TorchRLReader(FlatReader):
         return out
 
     def chunks(self, chunk_rows: int) -> Iterator[Chunk]:
-        traj = self._traj
-        total = self.schema.num_rows
+        cuts = self._cuts
+        if len(cuts):
+            self._warn(f"collector/traj_ids changes where no flag is set: the row before is marked truncated "
+                       f"({len(cuts)} rows, first {cuts[:8].tolist()}; all of them in "
+                       "attrs['torchrl']['forced_truncation_rows'])")
         a = 0
-        forced = 0
         for chunk in super().chunks(chunk_rows):
             n = len(chunk.steps["terminated"])
-            if traj is not None and n:
-                # one row of look-ahead: row i ends a trajectory when ids[i] != ids[i + 1]
-                ids = np.asarray(traj[a : min(total, a + n + 1)]).reshape(-1)
-                change = np.flatnonzero(ids[1:] != ids[:-1])
+            lo, hi = np.searchsorted(cuts, [a, a + n])
+            if hi > lo:
                 steps = chunk.steps
-                done = steps["terminated"] | steps["truncated"]
-                cut = change[~done[change]]
-                if len(cut):
-                    forced += len(cut)
-                    self._warn_once_traj()
-                    steps["truncated"] = steps["truncated"].copy()
-                    steps["truncated"][cut] = True
-                    chunk = self._refinal(chunk, a)
+                steps["truncated"] = steps["truncated"].copy()
+                steps["truncated"][cuts[lo:hi] - a] = True
+                chunk = self._refinal(chunk, a)
             a += n
             yield chunk
-        if forced:
-            self.stats["forced_truncations"] = forced
-
-    def _warn_once_traj(self) -> None:
-        if not getattr(self, "_traj_warned", False):
-            self._traj_warned = True
-            self._warn("collector/traj_ids changes where no flag is set: the row before is marked truncated")
+        if len(cuts):
+            self.stats["forced_truncations"] = len(cuts)
 
     def _refinal(self, chunk: Chunk, a: int) -> Chunk:
         steps = chunk.steps
@@ -309,6 +342,23 @@ class TorchRLReader(FlatReader):
             arr.base.close()
 
 
+def _trajectory_cuts(traj: Any, term: Any, trunc: Any, n: int) -> np.ndarray:
+    """The rows ``i`` (sorted, int64) with ``traj[i] != traj[i + 1]`` and neither flag set.
+
+    Read in slices of :data:`_SCAN_ROWS` rows with one row of look-ahead.
+    """
+    if traj is None or n < 2:
+        return np.zeros(0, np.int64)
+    out = []
+    for a in range(0, n - 1, _SCAN_ROWS):
+        b = min(n - 1, a + _SCAN_ROWS)  # rows a..b-1, each compared with the row after it
+        ids = np.asarray(traj[a : b + 1]).reshape(b + 1 - a, -1)
+        change = (ids[1:] != ids[:-1]).any(axis=1)
+        done = as_flag(np.asarray(term[a:b])) | as_flag(np.asarray(trunc[a:b]))
+        out.append(np.flatnonzero(change & ~done) + a)
+    return np.concatenate(out).astype(np.int64)
+
+
 def _is_slot_index(arr: RolledArray, shift: int, cap: int) -> bool:
     """Whether ``arr`` (the dump's ``index`` leaf, rows in write order) holds each row's storage
     slot, as ``TensorDictReplayBuffer`` writes it: then the row's position says it, nothing is lost."""
@@ -326,19 +376,21 @@ def _is_slot_index(arr: RolledArray, shift: int, cap: int) -> bool:
 
 
 def open_torchrl(path: str | os.PathLike[str], *, derive_next: bool = False, keep_next_obs: bool = False,
-                 drop_reset_values: bool = False, drop_unsupported: bool = False) -> Reader:
+                 drop_reset_values: bool = False, drop_unsupported: bool = False,
+                 done_means: str | None = None) -> Reader:
     """A reader for ``path``: a ``dumps()`` directory, or a TD-MPC2 ``.pt`` file.
 
     ``derive_next`` and ``keep_next_obs`` are :class:`TorchRLReader`'s; a TD-MPC2
     file has no separate next observations (each episode's ``L`` observations
     are its rows and its final observation), so they change nothing there.
     ``drop_reset_values`` is :class:`TDMPC2Reader`'s (a dump has no reset row);
+    ``done_means`` :class:`TorchRLReader`'s (a TD-MPC2 file has no flags);
     ``drop_unsupported`` both readers'.
     """
     p = Path(path)
     if p.is_dir():
         return TorchRLReader(p, derive_next=derive_next, keep_next_obs=keep_next_obs,
-                             drop_unsupported=drop_unsupported)
+                             drop_unsupported=drop_unsupported, done_means=done_means)
     if p.is_file():
         return TDMPC2Reader(p, drop_reset_values=drop_reset_values, drop_unsupported=drop_unsupported)
     from ...errors import ConversionError
@@ -354,6 +406,7 @@ def convert_torchrl(
     keep_next_obs: bool = False,
     drop_reset_values: bool = False,
     drop_unsupported: bool = False,
+    done_means: str | None = None,
     overwrite: bool = False,
     compression: str | None = None,
     chunk_rows: int | None = None,
@@ -371,13 +424,16 @@ def convert_torchrl(
     Lossless by default (see :mod:`mmbuffer.convert.readers.torchrl`):
     ``derive_next=True`` accepts deriving next values that differ from the dump's;
     ``drop_reset_values=True`` leaving out values in a TD-MPC2 file's reset rows
-    (see :mod:`mmbuffer.convert.readers.tdmpc2`).
+    (see :mod:`mmbuffer.convert.readers.tdmpc2`); ``done_means="terminated"`` or
+    ``"truncated"`` says what ``("next", "done")`` is in a dump with no other flag
+    (refused without it).
 
     Raises
     ------
     ConversionError
-        Not a TorchRL dump / TD-MPC2 file, a missing key, a pickle needing anything
-        beyond tensors and tensordict containers.
+        Not a TorchRL dump / TD-MPC2 file, a missing key, ``("next", "done")`` as
+        the only flag without ``done_means``, a pickle needing anything beyond
+        tensors and tensordict containers.
     StoreExistsError
         ``dst`` exists and ``overwrite`` is false.
     """
@@ -385,7 +441,8 @@ def convert_torchrl(
 
     check_destination(dst, overwrite)
     reader = open_torchrl(src, derive_next=derive_next, keep_next_obs=keep_next_obs,
-                          drop_reset_values=drop_reset_values, drop_unsupported=drop_unsupported)
+                          drop_reset_values=drop_reset_values, drop_unsupported=drop_unsupported,
+                          done_means=done_means)
     return write_store(
         reader, dst, overwrite=overwrite, compression=compression, chunk_rows=chunk_rows,
         progress=progress, verify=verify, capacity=capacity, num_streams=num_streams, priorities=priorities,
