@@ -111,6 +111,7 @@ MANIFEST: Final = "manifest.json"
 LOCK: Final = "LOCK"
 RESERVED_NAMES: Final = frozenset({"terminated", "truncated"})
 COMPRESSIONS: Final = (None, "zstd", "lz4")
+CODECS: Final = ("zstd", "zstd:<level 1-22>")  # a column's codec (columns/sharding.py)
 
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*(/[A-Za-z0-9_][A-Za-z0-9_.\-]*)*$")
 
@@ -155,6 +156,20 @@ def check_shape(name: str, shape: object) -> tuple[int, ...]:
     if any(s < 1 for s in out):
         raise errors.SchemaError(f"column {name!r}: expected positive dimensions, got {out}")
     return out
+
+
+def parse_codec(name: str, codec: object) -> tuple[str, int]:
+    """A column's codec as (kind, level): ``"zstd"`` (level 3) or ``"zstd:<level>"``
+    (1-22); anything else raises ``SchemaError`` naming the column.
+
+    >>> parse_codec("pixels", "zstd:5"), parse_codec("pixels", "zstd")
+    (('zstd', 5), ('zstd', 3))
+    """
+    if isinstance(codec, str):
+        kind, _, level = codec.partition(":")
+        if kind == "zstd" and (not level or (level.isdigit() and 1 <= int(level) <= 22 and level == str(int(level)))):
+            return kind, int(level) if level else 3
+    raise errors.SchemaError(f"column {name!r}: codec: expected None (raw) or one of {CODECS}, got {codec!r}")
 
 
 # -- raw (memory-mapped) arrays --------------------------------------------------------
@@ -212,6 +227,7 @@ def create_raw(
 
 
 _BYTES_LE: Final = {"name": "bytes", "configuration": {"endian": "little"}}
+BYTES_LE: Final = _BYTES_LE
 _ARRAY_KEYS: Final = frozenset({
     "shape", "data_type", "chunk_grid", "chunk_key_encoding", "fill_value", "codecs",
     "attributes", "zarr_format", "node_type", "storage_transformers", "dimension_names",
@@ -231,6 +247,9 @@ def _bytes_codec_ok(codec: object, dtype: np.dtype) -> bool:
         return True
     # zarr omits the endianness of one-byte types
     return dtype.itemsize == 1 and codec in ({"name": "bytes"}, {"name": "bytes", "configuration": {}})
+
+
+bytes_codec_ok = _bytes_codec_ok  # the sharded columns' check (columns/sharding.py) shares it
 
 
 def _compressor_ok(codec: object) -> bool:

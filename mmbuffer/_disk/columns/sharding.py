@@ -1,0 +1,127 @@
+"""The layout of a column with a codec (``mb.Column(..., codec="zstd")``): Zarr v3 shards.
+
+A column with a codec is a Zarr v3 array with the sharding codec::
+
+    columns/<name>/zarr.json    shape [capacity, *row], chunk_grid [shard_rows, *row],
+                                codecs [sharding_indexed: chunk_shape [inner_rows, *row],
+                                        codecs [bytes, zstd {level}, crc32c],
+                                        index_codecs [bytes, crc32c], index_location end]
+    columns/<name>/c/<s>/0...   one file per complete shard: a 16-byte header (b"MMBSHRD1",
+                                then the absolute shard number it holds, int64 LE; bytes no
+                                index entry names, so Zarr readers skip them), the inner
+                                chunks (zstd frame + crc32c each), the index + its crc32c
+    staging/<name>/rows/        raw [num_streams * 2 * shard_rows, *row]: per lane two halves,
+                                the rows of the shard being filled and of the one before
+    staging/<name>/tags/        raw int64 [num_streams * 2]: the absolute shard number each
+                                half holds
+
+zarr-python and tensorstore read every complete shard unchanged (crc32c checked per
+chunk and per index); the rows of a lane's shard still being filled are in its
+staging half (also a Zarr array). Shards never straddle lanes (``shard_rows``
+divides the lane size), so a shard file holds rows of one pass through one lane.
+
+Inner chunks are ``INNER_BYTES`` of rows (a power of two of rows, dividing the lane
+size): the inner-chunk size trades disk for sample time (the measured curve is in
+``benchmarks/HISTORY.md``, 2026-11-25). A shard holds up to ``SHARD_CHUNKS`` chunks.
+
+>>> shard_geometry(7056, 1000)  # 84x84 uint8 rows, lanes of 1000 rows
+(4, 200)
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Final
+
+import numpy as np
+
+from ... import errors
+from .. import format as fmt
+
+INNER_BYTES = 1 << 15  # bytes of rows per inner chunk (4 rows of 84x84 uint8)
+SHARD_CHUNKS = 64  # inner chunks per shard, at most
+_CRC: Final = {"name": "crc32c"}
+
+
+def shard_geometry(row_bytes: int, lane_size: int, inner_bytes: int | None = None) -> tuple[int, int]:
+    """Rows per inner chunk and per shard for rows of ``row_bytes`` in lanes of ``lane_size``
+    (``inner_bytes``: default ``INNER_BYTES``, read at each call)."""
+    want = max(1, (INNER_BYTES if inner_bytes is None else inner_bytes) // max(1, row_bytes))
+    inner = math.gcd(1 << (want.bit_length() - 1), lane_size)
+    per_lane = lane_size // inner
+    chunks = max(d for d in range(1, min(SHARD_CHUNKS, per_lane) + 1) if per_lane % d == 0)
+    return inner, inner * chunks
+
+
+def compressors(codec: str) -> list[Any]:
+    """The zarr codecs after ``bytes`` for ``codec`` (``fmt.parse_codec``'s names)."""
+    from zarr.codecs import Crc32cCodec, ZstdCodec
+
+    kind, level = fmt.parse_codec("codec", codec)
+    return [ZstdCodec(level=level, checksum=False), Crc32cCodec()]
+
+
+def create(root: Path, name: str, rows: int, row_shape: tuple[int, ...], dtype: np.dtype, codec: str,
+           lane_size: int, *, inner_bytes: int | None = None) -> None:
+    """Create the sharded array ``root/columns/<name>`` (no shard file yet) and its staging."""
+    import zarr
+
+    row_bytes = int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize
+    inner, shard = shard_geometry(row_bytes, lane_size, inner_bytes)
+    zarr.create_array(
+        str(root), name=f"columns/{name}", shape=(rows, *row_shape), dtype=dtype,
+        chunks=(inner, *row_shape), shards=(shard, *row_shape), compressors=compressors(codec), filters=None,
+        fill_value=0, zarr_format=3, write_data=False, dimension_names=fmt.dimension_names(f"columns/{name}", len(row_shape)),
+    )
+    streams = rows // lane_size
+    fmt.create_raw(root, f"staging/{name}/rows", streams * 2 * shard, row_shape, dtype, allocate=True)
+    fmt.create_raw(root, f"staging/{name}/tags", streams * 2, (), np.dtype(np.int64), allocate=True)
+
+
+def check_meta(where: Path, meta: object, expect: fmt.Expect, codec: str) -> tuple[int, int]:
+    """Check a sharded column's ``zarr.json`` (what ``create`` writes for ``codec``); return
+    its rows per inner chunk and per shard, or raise ``CorruptStoreError``."""
+    rows, row_shape, dtype = expect
+    # the generic checks: keys, dtype, shape against the manifest, grid, key encoding
+    generic = {**meta, "codecs": [fmt.BYTES_LE]} if isinstance(meta, dict) else meta
+    fmt.check_array_meta(where, generic, expect, raw=False)
+    assert isinstance(meta, dict)
+    shape = meta["shape"]
+    shard = int(meta["chunk_grid"]["configuration"]["chunk_shape"][0])
+    codecs: Any = meta.get("codecs")
+    conf: Any = codecs[0].get("configuration") if isinstance(codecs, list) and len(codecs) == 1 and isinstance(codecs[0], dict) else None
+    inner: Any = conf.get("chunk_shape") if isinstance(conf, dict) else None
+    _, level = fmt.parse_codec("codec", codec)
+    want_inner: list[dict[str, Any]] = [fmt.BYTES_LE, {"name": "zstd", "configuration": {"level": level, "checksum": False}}, _CRC]
+    ok = (
+        isinstance(conf, dict)
+        and codecs[0] == {"name": "sharding_indexed", "configuration": conf}
+        and set(conf) == {"chunk_shape", "codecs", "index_codecs", "index_location"}
+        and isinstance(inner, list) and len(inner) == len(shape) and inner[1:] == shape[1:]
+        and isinstance(inner[0], int) and not isinstance(inner[0], bool) and 1 <= inner[0] <= shard
+        and shard % inner[0] == 0 and rows % shard == 0
+        and _same_codecs(conf["codecs"], want_inner, dtype)
+        and conf["index_codecs"] == [fmt.BYTES_LE, _CRC]
+        and conf["index_location"] == "end"
+    )
+    if not ok:
+        raise errors.CorruptStoreError(
+            f"{where}: codecs: expected sharding_indexed of whole-row inner chunks [bytes, zstd level {level}, crc32c], "
+            f"index [bytes, crc32c] at the end, got {codecs!r}"
+        )
+    return int(inner[0]), shard
+
+
+def _same_codecs(got: object, want: list[dict[str, Any]], dtype: np.dtype) -> bool:
+    if not isinstance(got, list) or len(got) != len(want):
+        return False
+    for g, w in zip(got, want):
+        if not isinstance(g, dict) or g.get("name") != w["name"]:
+            return False
+        if w["name"] == "bytes":
+            if not fmt.bytes_codec_ok(g, dtype):
+                return False
+        elif g.get("configuration", {}) != w.get("configuration", {}):
+            return False
+    return True
