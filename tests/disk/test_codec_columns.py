@@ -290,3 +290,70 @@ def test_the_decoded_chunk_cache_is_bounded_and_shared_across_batches(pair):
     assert decoded > 0
     assert torch.equal(raw.get(rows, keys=["x"])["x"], z.get(rows, keys=["x"])["x"])
     assert col._cache.stats.tolist() == [hits + decoded, decoded]  # every chunk a hit the second time
+
+
+WRITER = textwrap.dedent("""
+    import sys, numpy as np, mmbuffer as mb
+    from mmbuffer._disk.columns import sharding
+    sharding.INNER_BYTES, sharding.SHARD_CHUNKS = 64, 4
+    buf = mb.open(sys.argv[1])
+    rng = np.random.default_rng(0)
+    t = [int(w) for w in buf.view().written]
+    for step in range(int(sys.argv[2])):
+        s = step % buf.num_streams
+        n = int(rng.integers(1, 4))
+        a = t[s] + np.arange(n)
+        x = ((a[:, None] * 7 + s * 13 + np.arange(30)) % 251).astype(np.uint8).reshape(n, 6, 5)
+        buf.extend({"x": x, "a": a * 10 + s, "terminated": a % 9 == 8}, stream=s,
+                   final_obs={"x": np.full((int((a % 9 == 8).sum()), 6, 5), 255, np.uint8)})
+        t[s] += n
+        if step % 3 == 0:
+            buf.commit()
+    buf.close()
+""")
+
+
+def _pattern(a):
+    """What row ``a // 10`` (absolute) of lane ``a % 10`` holds."""
+    absolute, lane = a // 10, a % 10
+    return ((absolute[..., None] * 7 + lane[..., None] * 13 + np.arange(30)) % 251).astype(np.uint8)
+
+
+def test_a_reader_in_another_process_never_gets_torn_or_mixed_rows(tmp_path):
+    """A writer process extends a few rows at a time and commits every third extend, lapping
+    its rings many times, while this process samples (plain and 3-frame stacks) from the
+    last commit: every row's pixels are the pattern of its own ``a`` (a raw column read in
+    the same batch), and rows were read both from staging and from shard files."""
+    path = tmp_path / "z"
+    mb.create(path, {"x": mb.Column((6, 5), "uint8", codec="zstd"), "a": ((), "int64")}, capacity=2 * 48,
+              num_streams=2, next_keys=("x",)).close()
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path), "1200"],
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    staged = decoded = batches = 0
+    try:
+        with mb.open(path, mode="r") as ro:
+            while proc.poll() is None or batches < 5:
+                ro.refresh()
+                if len(ro) < 8:
+                    continue
+                b = ro.sample(32, keys=["x", "a"])
+                assert np.array_equal(b["x"].numpy().reshape(32, 30), _pattern(b["a"].numpy()))
+                s = ro.sample(8, stack={"x": 3}, keys=["x", "a"])
+                last = s["x"].numpy()[:, -1].reshape(8, 30)
+                assert np.array_equal(last, _pattern(s["a"].numpy()))
+                written = ro.view().written
+                lane = b.indices.numpy() // ro.lane_size
+                w = written[lane]
+                a = w - 1 - (w - 1 - b.indices.numpy() % ro.lane_size) % ro.lane_size
+                staged += int((a // 8 == w // 8).sum())
+                batches += 1
+            col = ro.store.column("x")
+            decoded = int(col._cache.stats[1]) if col._cache is not None else 0
+            ro.refresh()
+            final_written = ro.view().written.tolist()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 0
+    assert min(final_written) > 10 * 48  # the rings lapped while the reader read
+    assert batches >= 20 and staged > 0 and decoded > 0, (batches, staged, decoded)
