@@ -35,10 +35,13 @@ column one memory map: a gather is one fancy-index, never a split by shard.
 
 Compressed arrays (``compression="zstd"|"lz4"``) are ordinary chunked Zarr arrays
 read and written through zarr-python; they are for archives (see ``mmbuffer copy``).
+A column with a codec (``mb.Column(..., codec="zstd")``) is a sharded Zarr array of
+small zstd chunks plus a raw staging area (``columns/sharding.py``, docs/format.md).
 
 ``manifest.json`` fields: ``format`` ("mmbuffer"), ``format_version``,
 ``generation`` (commit counter), ``capacity``, ``num_streams``, ``lane_size``,
-``columns`` (name -> {shape, dtype}), ``next_keys``, ``compression``,
+``columns`` (name -> {shape, dtype}, plus ``codec`` for a column with one),
+``next_keys``, ``compression``,
 ``priorities`` (null or {alpha, eps, max_priority}), ``lanes`` (per lane:
 ``written``, ``ep_head``, ``ep_tail``, ``first_start``; all int64 counters that
 never wrap) and ``attrs`` (user metadata). Readers ignore every row past a lane's
@@ -90,6 +93,11 @@ Version history
     Since then, without a version change: ``index/progress`` and ``priority/touched``
     (issue 22), which only the writer reads; a writer that opens a store without it creates it (built
     beside, renamed into place), and readers of any version ignore it.
+    Also without a version change (issue 23, 2026-11-25): a column may name its codec
+    (``columns[name].codec``, ``"zstd"`` or ``"zstd:<level>"``); such a column is a sharded
+    Zarr array with a staging area (``staging/<name>/rows`` and ``tags``). A store without
+    one is written and read exactly as before; a reader from before this change refuses a
+    manifest that names a codec (``CorruptStoreError``: it checks every column's keys).
 """
 
 from __future__ import annotations

