@@ -16,8 +16,8 @@ class Column:
     """Schema of one column: the shape of a row, its dtype and its codec.
 
     ``codec=None`` stores the column raw (memory-mapped; the store-wide
-    ``compression=`` of ``mb.create`` applies); ``"zstd"`` or ``"zstd:<level>"``
-    (1-22, default 3) stores it as Zarr shards of small zstd chunks, decoded at
+    ``compression=`` of ``mb.create`` applies); ``"zstd"``, ``"zstd:<level>"``
+    (1-22, default 3) or ``"lz4"`` (blosc-lz4) stores it as Zarr shards of small zstd chunks, decoded at
     sample time (docs/format.md, "Columns with a codec"). A column unpacks as
     ``shape, dtype``.
 

@@ -94,7 +94,7 @@ Version history
     (issue 22), which only the writer reads; a writer that opens a store without it creates it (built
     beside, renamed into place), and readers of any version ignore it.
     Also without a version change (issue 23, 2026-11-25): a column may name its codec
-    (``columns[name].codec``, ``"zstd"`` or ``"zstd:<level>"``); such a column is a sharded
+    (``columns[name].codec``, ``"zstd"``, ``"zstd:<level>"`` or ``"lz4"``); such a column is a sharded
     Zarr array with a staging area (``staging/<name>/rows`` and ``tags``). A store without
     one is written and read exactly as before; a reader from before this change refuses a
     manifest that names a codec (``CorruptStoreError``: it checks every column's keys).
@@ -119,7 +119,7 @@ MANIFEST: Final = "manifest.json"
 LOCK: Final = "LOCK"
 RESERVED_NAMES: Final = frozenset({"terminated", "truncated"})
 COMPRESSIONS: Final = (None, "zstd", "lz4")
-CODECS: Final = ("zstd", "zstd:<level 1-22>")  # a column's codec (columns/sharding.py)
+CODECS: Final = ("zstd", "zstd:<level 1-22>", "lz4")  # a column's codec (columns/sharding.py)
 
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*(/[A-Za-z0-9_][A-Za-z0-9_.\-]*)*$")
 
@@ -167,14 +167,17 @@ def check_shape(name: str, shape: object) -> tuple[int, ...]:
 
 
 def parse_codec(name: str, codec: object) -> tuple[str, int]:
-    """A column's codec as (kind, level): ``"zstd"`` (level 3) or ``"zstd:<level>"``
-    (1-22); anything else raises ``SchemaError`` naming the column.
+    """A column's codec as (kind, level): ``"zstd"`` (level 3), ``"zstd:<level>"``
+    (1-22) or ``"lz4"`` (blosc-lz4, level 5); anything else raises ``SchemaError``
+    naming the column.
 
     >>> parse_codec("pixels", "zstd:5"), parse_codec("pixels", "zstd")
     (('zstd', 5), ('zstd', 3))
     """
     if isinstance(codec, str):
         kind, _, level = codec.partition(":")
+        if codec == "lz4":
+            return "lz4", 5
         if kind == "zstd" and (not level or (level.isdigit() and 1 <= int(level) <= 22 and level == str(int(level)))):
             return kind, int(level) if level else 3
     raise errors.SchemaError(f"column {name!r}: codec: expected None (raw) or one of {CODECS}, got {codec!r}")

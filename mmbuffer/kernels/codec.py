@@ -96,6 +96,39 @@ def _call_typing(typingctx: Any, fn: Any, a: Any, b: Any, c: Any, d: Any, e: Any
     return sig, codegen
 
 
+def _blosc_typing(typingctx: Any, fn: Any, src: Any, dst: Any, size: Any) -> Any:
+    """``int blosc_decompress_ctx(const void*, void*, size_t, int nthreads=1)`` at address ``fn``."""
+    sig = types.int64(types.int64, types.int64, types.int64, types.int64)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        i64, i32, p8 = ir.IntType(64), ir.IntType(32), ir.IntType(8).as_pointer()
+        fnty = ir.FunctionType(i32, [p8, p8, i64, i32])
+        ptr = builder.inttoptr(args[0], fnty.as_pointer())
+        got = builder.call(ptr, [builder.inttoptr(args[1], p8), builder.inttoptr(args[2], p8), args[3], i32(1)])
+        return builder.sext(got, i64)
+
+    return sig, codegen
+
+
+def _validate_typing(typingctx: Any, fn: Any, src: Any, cbytes: Any, nbytes_at: Any) -> Any:
+    """``int blosc_cbuffer_validate(const void*, size_t cbytes, size_t* nbytes)`` at address ``fn``:
+    the header's sizes checked against the bytes given, before anything is decoded."""
+    sig = types.int64(types.int64, types.int64, types.int64, types.int64)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        i64, i32, p8 = ir.IntType(64), ir.IntType(32), ir.IntType(8).as_pointer()
+        fnty = ir.FunctionType(i32, [p8, i64, i64.as_pointer()])
+        ptr = builder.inttoptr(args[0], fnty.as_pointer())
+        got = builder.call(ptr, [builder.inttoptr(args[1], p8), args[2], builder.inttoptr(args[3], i64.as_pointer())])
+        return builder.sext(got, i64)
+
+    return sig, codegen
+
+
+_blosc: Any = intrinsic(_blosc_typing)
+_validate: Any = intrinsic(_validate_typing)
+
+
 def _address_typing(typingctx: Any, arr: Any) -> Any:
     """The address of an array's first byte, as int64."""
     sig = types.int64(arr)
@@ -182,16 +215,27 @@ def libzstd() -> _Zstd:
 
 
 class Context:
-    """A zstd compression or decompression context (not thread-safe: one user at a time)."""
+    """A codec's entry points: a zstd compression or decompression context (not thread-safe:
+    one user at a time), or blosc-lz4's decoder (``kind`` 1; its contexts are per call)."""
 
-    def __init__(self, compress: bool) -> None:
-        self._z = libzstd()
+    def __init__(self, compress: bool, kind: str = "zstd") -> None:
         self._compress = compress
+        self.kind = 0 if kind == "zstd" else 1
+        self.ptr: int = 0
+        self.check = 0
+        if self.kind == 1:
+            import numcodecs.blosc as nb  # type: ignore[import-untyped]
+
+            lib = ctypes.CDLL(nb.__file__)  # numcodecs' wheels export c-blosc's entry points
+            self.fn = ctypes.cast(lib.blosc_decompress_ctx, ctypes.c_void_p).value or 0
+            self.check = ctypes.cast(lib.blosc_cbuffer_validate, ctypes.c_void_p).value or 0
+            return
+        self._z = libzstd()
         self.fn = self._z.compress if compress else self._z.decompress
         ptr = self._z.lib.ZSTD_createCCtx() if compress else self._z.lib.ZSTD_createDCtx()
         if not ptr:
             raise MemoryError("zstd: cannot create a context")
-        self.ptr: int = int(ptr)
+        self.ptr = int(ptr)
 
     def close(self) -> None:
         ptr, self.ptr = self.ptr, 0
@@ -258,6 +302,25 @@ def encode_shard(ctx: Context, level: int, src: np.ndarray, chunks: int, chunk_b
     return n
 
 
+def encode_shard_lz4(itemsize: int, src: np.ndarray, chunks: int, chunk_bytes: int, version: int) -> bytes:
+    """``encode_shard`` for blosc-lz4 inner chunks (encoded by numcodecs, one call per chunk:
+    a write-time cost, once per chunk)."""
+    from numcodecs import Blosc
+
+    blosc = Blosc(cname="lz4", clevel=5, shuffle=Blosc.NOSHUFFLE if itemsize == 1 else Blosc.SHUFFLE, blocksize=0)
+    parts = [MAGIC.tobytes() + int(version).to_bytes(8, "little")]
+    index = np.empty((chunks, 2), "<u8")
+    at = HEADER
+    for c in range(chunks):
+        blob = bytes(blosc.encode(src[c * chunk_bytes : (c + 1) * chunk_bytes].view(f"u{itemsize}" if itemsize in (1, 2, 4, 8) else "u1")))
+        blob += crc32c(np.frombuffer(blob, np.uint8)).to_bytes(4, "little")
+        parts.append(blob)
+        index[c] = at, len(blob)
+        at += len(blob)
+    raw = index.tobytes()
+    return b"".join(parts) + raw + crc32c(np.frombuffer(raw, np.uint8)).to_bytes(4, "little")
+
+
 # -- the decoded-chunk cache -------------------------------------------------------------
 def _anonymous(nbytes: int) -> np.ndarray:
     """Zeroed anonymous memory of ``nbytes``, backed by transparent huge pages where the
@@ -295,7 +358,7 @@ class Cache:
 
 @numba.njit(nogil=True, cache=True)
 def _decode_rows(
-    fn: int, dctx: int, rows: Any, versions: Any, positions: Any, inner: int, shard_rows: int, row_bytes: int,
+    kind: int, fn: int, dctx: int, check: int, rows: Any, versions: Any, positions: Any, inner: int, shard_rows: int, row_bytes: int,
     file_addr: Any, file_size: Any, data: Any, chunk: Any, version: Any, used: Any, stats: Any, out: Any, table: Any,
     fail: Any,
 ) -> int:
@@ -305,6 +368,8 @@ def _decode_rows(
     sets = slots // 4
     per_shard = shard_rows // inner
     order = np.argsort(rows // inner)
+    nbytes = np.zeros(1, np.int64)
+    nbytes_at = _address(nbytes)
     data_at = _address(data)
     i = 0
     while i < n:
@@ -349,7 +414,12 @@ def _decode_rows(
             if _crc(buf, int(off), int(nb - 4), table) != stored:
                 fail[0], fail[1], fail[2] = f, ci, 3
                 return -1
-            got = _call(fn, dctx, data_at + slot * chunk_bytes, chunk_bytes, file_addr[f] + off, nb - 4, 0)
+            if kind == 0:
+                got = _call(fn, dctx, data_at + slot * chunk_bytes, chunk_bytes, file_addr[f] + off, nb - 4, 0)
+            elif _validate(check, file_addr[f] + off, nb - 4, nbytes_at) != 0 or nbytes[0] != chunk_bytes:
+                got = -1
+            else:
+                got = _blosc(fn, file_addr[f] + off, data_at + slot * chunk_bytes, chunk_bytes)
             if got != chunk_bytes:
                 fail[0], fail[1], fail[2] = f, ci, 4
                 return -1
@@ -370,7 +440,7 @@ def _decode_rows(
 
 
 REASONS = {1: "its shard file is missing or too short", 2: "its entry in the shard index points outside the file",
-           3: "crc32c mismatch", 4: "zstd cannot decode it to the chunk's size"}
+           3: "crc32c mismatch", 4: "the codec cannot decode it to the chunk's size"}
 
 
 def decode_rows(
@@ -384,7 +454,7 @@ def decode_rows(
     Returns None, or (shard, inner chunk, reason) of the first chunk that fails its
     checks (nothing is cached from it)."""
     fail = np.zeros(3, np.int64)
-    if _decode_rows(ctx.fn, ctx.ptr, rows, versions, positions, inner, shard_rows, row_bytes, file_addr, file_size,
+    if _decode_rows(ctx.kind, ctx.fn, ctx.ptr, ctx.check, rows, versions, positions, inner, shard_rows, row_bytes, file_addr, file_size,
                     cache.data, cache.chunk, cache.version, cache.used, cache.stats, out, _TABLE, fail) < 0:
         return int(fail[0]), int(fail[1]), REASONS[int(fail[2])]
     return None

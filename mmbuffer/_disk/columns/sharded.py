@@ -76,7 +76,7 @@ class ShardedArray(ColumnArray):
         self.shape, self.dtype = (rows, *row_shape), np.dtype(dtype)
         meta = _files.read_json_in(root, f"columns/{name}/zarr.json")
         self._inner, self._shard = check_meta(self._where / "zarr.json", meta, expect, codec)
-        _, self._level = fmt.parse_codec(name, codec)
+        self._kind, self._level = fmt.parse_codec(name, codec)
         if rows % lane_size or lane_size % self._shard:
             raise errors.CorruptStoreError(f"{self._where}/zarr.json: expected shards dividing the lane size {lane_size}, got {self._shard} rows")
         self._lane = lane_size
@@ -196,7 +196,7 @@ class ShardedArray(ColumnArray):
         if self._cache is None:
             self._cache = codec.Cache(self._inner * self._row_bytes, self._cache_bytes)
         if self._dctx is None:
-            self._dctx = codec.Context(compress=False)
+            self._dctx = codec.Context(compress=False, kind=self._kind)
         fail = codec.decode_rows(self._dctx, rows, versions, positions, self._inner, self._shard, self._row_bytes,
                                  self._addr, self._size, self._cache, out.reshape(-1).view(np.uint8))
         if fail is not None:
@@ -264,13 +264,17 @@ class ShardedArray(ColumnArray):
 
         S = self._shard
         chunks, chunk_bytes = S // self._inner, self._inner * self._row_bytes
-        if self._cctx is None:
-            self._cctx = codec.Context(compress=True)
-            self._buf = np.empty(codec.shard_bound(chunks, chunk_bytes), np.uint8)
-        assert self._buf is not None
         half = lane * 2 + k % 2
         src = self._stage[half * S : (half + 1) * S].reshape(-1).view(np.uint8)
-        n = codec.encode_shard(self._cctx, self._level, src, chunks, chunk_bytes, k, self._buf)
+        if self._kind == "lz4":
+            blob = codec.encode_shard_lz4(self.dtype.itemsize, src, chunks, chunk_bytes, k)
+            self._buf, n = np.frombuffer(blob, np.uint8), len(blob)
+        else:
+            if self._cctx is None:
+                self._cctx = codec.Context(compress=True)
+                self._buf = np.empty(codec.shard_bound(chunks, chunk_bytes), np.uint8)
+            assert self._buf is not None
+            n = codec.encode_shard(self._cctx, self._level, src, chunks, chunk_bytes, k, self._buf)
         f = self._file(lane, k)
         rel = self._rel(f)
         parent = self._root.joinpath(*rel.split("/")[:-1])
@@ -354,7 +358,7 @@ class ShardedArray(ColumnArray):
         for arr in (self._stage_arr, self._tags_arr):
             arr.close()
         for ctx in (self._dctx, self._cctx):
-            if ctx is not None:
+            if ctx is not None and hasattr(ctx, "close"):
                 ctx.close()
         self._dctx = self._cctx = None
         self._cache = None

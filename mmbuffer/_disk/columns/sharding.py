@@ -4,7 +4,7 @@ A column with a codec is a Zarr v3 array with the sharding codec::
 
     columns/<name>/zarr.json    shape [capacity, *row], chunk_grid [shard_rows, *row],
                                 codecs [sharding_indexed: chunk_shape [inner_rows, *row],
-                                        codecs [bytes, zstd {level}, crc32c],
+                                        codecs [bytes, zstd {level} | blosc lz4, crc32c],
                                         index_codecs [bytes, crc32c], index_location end]
     columns/<name>/c/<s>/0...   one file per complete shard: a 16-byte header (b"MMBSHRD1",
                                 then the absolute shard number it holds, int64 LE; bytes no
@@ -54,12 +54,23 @@ def shard_geometry(row_bytes: int, lane_size: int, inner_bytes: int | None = Non
     return inner, inner * chunks
 
 
-def compressors(codec: str) -> list[Any]:
-    """The zarr codecs after ``bytes`` for ``codec`` (``fmt.parse_codec``'s names)."""
-    from zarr.codecs import Crc32cCodec, ZstdCodec
-
+def compressor_meta(codec: str, dtype: np.dtype) -> dict[str, Any]:
+    """The ``zarr.json`` entry of ``codec``'s compressor (``fmt.parse_codec``'s names)."""
     kind, level = fmt.parse_codec("codec", codec)
-    return [ZstdCodec(level=level, checksum=False), Crc32cCodec()]
+    if kind == "zstd":
+        return {"name": "zstd", "configuration": {"level": level, "checksum": False}}
+    shuffle = "noshuffle" if dtype.itemsize == 1 else "shuffle"
+    return {"name": "blosc", "configuration": {"typesize": dtype.itemsize, "cname": "lz4", "clevel": level,
+                                                "shuffle": shuffle, "blocksize": 0}}
+
+
+def compressors(codec: str, dtype: np.dtype) -> list[Any]:
+    """The zarr codecs after ``bytes`` for ``codec``: its compressor, then ``crc32c``."""
+    from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
+
+    conf = compressor_meta(codec, dtype)["configuration"]
+    first = ZstdCodec(**conf) if "level" in conf else BloscCodec(**conf)
+    return [first, Crc32cCodec()]
 
 
 def create(root: Path, name: str, rows: int, row_shape: tuple[int, ...], dtype: np.dtype, codec: str,
@@ -71,7 +82,7 @@ def create(root: Path, name: str, rows: int, row_shape: tuple[int, ...], dtype: 
     inner, shard = shard_geometry(row_bytes, lane_size, inner_bytes)
     zarr.create_array(
         str(root), name=f"columns/{name}", shape=(rows, *row_shape), dtype=dtype,
-        chunks=(inner, *row_shape), shards=(shard, *row_shape), compressors=compressors(codec), filters=None,
+        chunks=(inner, *row_shape), shards=(shard, *row_shape), compressors=compressors(codec, dtype), filters=None,
         fill_value=0, zarr_format=3, write_data=False, dimension_names=fmt.dimension_names(f"columns/{name}", len(row_shape)),
     )
     streams = rows // lane_size
@@ -93,7 +104,7 @@ def check_meta(where: Path, meta: object, expect: fmt.Expect, codec: str) -> tup
     conf: Any = codecs[0].get("configuration") if isinstance(codecs, list) and len(codecs) == 1 and isinstance(codecs[0], dict) else None
     inner: Any = conf.get("chunk_shape") if isinstance(conf, dict) else None
     _, level = fmt.parse_codec("codec", codec)
-    want_inner: list[dict[str, Any]] = [fmt.BYTES_LE, {"name": "zstd", "configuration": {"level": level, "checksum": False}}, _CRC]
+    want_inner: list[dict[str, Any]] = [fmt.BYTES_LE, compressor_meta(codec, dtype), _CRC]
     ok = (
         isinstance(conf, dict)
         and codecs[0] == {"name": "sharding_indexed", "configuration": conf}
@@ -107,7 +118,7 @@ def check_meta(where: Path, meta: object, expect: fmt.Expect, codec: str) -> tup
     )
     if not ok:
         raise errors.CorruptStoreError(
-            f"{where}: codecs: expected sharding_indexed of whole-row inner chunks [bytes, zstd level {level}, crc32c], "
+            f"{where}: codecs: expected sharding_indexed of whole-row inner chunks [bytes, {codec}, crc32c], "
             f"index [bytes, crc32c] at the end, got {codecs!r}"
         )
     return int(inner[0]), shard
