@@ -20,17 +20,16 @@ chunk and per index); the rows of a lane's shard still being filled are in its
 staging half (also a Zarr array). Shards never straddle lanes (``shard_rows``
 divides the lane size), so a shard file holds rows of one pass through one lane.
 
-Inner chunks are ``INNER_BYTES`` of rows (a power of two of rows, dividing the lane
-size): the inner-chunk size trades disk for sample time (the measured curve is in
+Inner chunks are ``INNER_BYTES`` of rows (a power of two of rows, or the largest
+number below it that divides the lane size): the inner-chunk size trades disk for sample time (the measured curve is in
 ``benchmarks/HISTORY.md``, 2026-11-25). A shard holds up to ``SHARD_CHUNKS`` chunks.
 
->>> shard_geometry(7056, 1000)  # 84x84 uint8 rows, lanes of 1000 rows
-(8, 200)
+>>> shard_geometry(7056, 1000), shard_geometry(7056, 999)  # 84x84 uint8 rows
+((8, 200), (3, 111))
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any, Final
 
@@ -48,7 +47,8 @@ def shard_geometry(row_bytes: int, lane_size: int, inner_bytes: int | None = Non
     """Rows per inner chunk and per shard for rows of ``row_bytes`` in lanes of ``lane_size``
     (``inner_bytes``: default ``INNER_BYTES``, read at each call)."""
     want = max(1, (INNER_BYTES if inner_bytes is None else inner_bytes) // max(1, row_bytes))
-    inner = math.gcd(1 << (want.bit_length() - 1), lane_size)
+    want = min(1 << (want.bit_length() - 1), lane_size)  # a power of two of rows, when the lane allows
+    inner = next(d for d in range(want, 0, -1) if lane_size % d == 0)
     per_lane = lane_size // inner
     chunks = max(d for d in range(1, min(SHARD_CHUNKS, per_lane) + 1) if per_lane % d == 0)
     return inner, inner * chunks
