@@ -175,10 +175,12 @@ class ShardedArray(ColumnArray):
             return
         f = flat[todo] // S
         kk = k[todo]
-        stale = np.unique(f[self._ver[f] != kk])
-        for s in stale.tolist():  # a shard file replaced since this process mapped it
-            self._remap(s)
         ver = self._ver[f]
+        stale = ver != kk
+        if stale.any():
+            for s in np.unique(f[stale]).tolist():  # a shard file replaced since this process mapped it
+                self._remap(s)
+            ver = self._ver[f]
         if (ver < kk).any():  # a shard the ledger says is complete is not on disk
             b = int(np.flatnonzero(ver < kk)[0])
             raise errors.CorruptStoreError(
