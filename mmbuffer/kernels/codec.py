@@ -165,7 +165,31 @@ def _memcpy_typing(typingctx: Any, dst: Any, dst_off: Any, src: Any, src_off: An
     return sig, codegen
 
 
+def _stream_typing(typingctx: Any, dst: Any, doff: Any, src: Any, soff: Any, nbytes: Any) -> Any:
+    """Copy ``nbytes`` (a multiple of 8) with non-temporal stores, then a fence: the
+    destination's lines are written without being read first (a decoded chunk going
+    into the cache's cold memory)."""
+    sig = types.void(dst, types.intp, src, types.intp, types.intp)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        d, doff, s_, soff, n = args
+        i64 = ir.IntType(64)
+        dptr = builder.bitcast(builder.gep(cgutils.create_struct_proxy(signature.args[0])(context, builder, value=d).data, [doff]), i64.as_pointer())
+        sptr = builder.bitcast(builder.gep(cgutils.create_struct_proxy(signature.args[2])(context, builder, value=s_).data, [soff]), i64.as_pointer())
+        count = builder.udiv(n, i64(8))
+        nt = builder.module.add_metadata([ir.IntType(32)(1)])
+        with cgutils.for_range(builder, count) as loop:
+            v = builder.load(builder.gep(sptr, [loop.index]))
+            st = builder.store(v, builder.gep(dptr, [loop.index]))
+            st.set_metadata("nontemporal", nt)
+        builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 _memcpy: Any = intrinsic(_memcpy_typing)
+_stream: Any = intrinsic(_stream_typing)
 _call: Any = intrinsic(_call_typing)
 _address: Any = intrinsic(_address_typing)
 _pointer: Any = intrinsic(_pointer_typing)
@@ -370,6 +394,8 @@ def _decode_rows(
     order = np.argsort(rows // inner)
     nbytes = np.zeros(1, np.int64)
     nbytes_at = _address(nbytes)
+    scratch = np.empty(chunk_bytes + 64, np.uint8)  # a cold chunk is decoded here (hot), then streamed to its slot
+    scratch_at = _address(scratch)
     data_at = _address(data)
     i = 0
     while i < n:
@@ -381,6 +407,7 @@ def _decode_rows(
             j += 1
         base = (c % sets) * 4
         slot = -1
+        fresh = False  # decoded now: its rows are copied from the scratch, still in the CPU's cache
         oldest = base
         for w in range(base, base + 4):
             if chunk[w] == c and version[w] == v:
@@ -415,26 +442,34 @@ def _decode_rows(
                 fail[0], fail[1], fail[2] = f, ci, 3
                 return -1
             if kind == 0:
-                got = _call(fn, dctx, data_at + slot * chunk_bytes, chunk_bytes, file_addr[f] + off, nb - 4, 0)
+                got = _call(fn, dctx, scratch_at, chunk_bytes, file_addr[f] + off, nb - 4, 0)
             elif _validate(check, file_addr[f] + off, nb - 4, nbytes_at) != 0 or nbytes[0] != chunk_bytes:
                 got = -1
             else:
-                got = _blosc(fn, file_addr[f] + off, data_at + slot * chunk_bytes, chunk_bytes)
+                got = _blosc(fn, file_addr[f] + off, scratch_at, chunk_bytes)
             if got != chunk_bytes:
                 fail[0], fail[1], fail[2] = f, ci, 4
                 return -1
+            if chunk_bytes % 8 == 0:
+                _stream(data, slot * chunk_bytes, scratch, 0, chunk_bytes)
+            else:
+                _memcpy(data, slot * chunk_bytes, scratch, 0, chunk_bytes)
             chunk[slot] = c
             version[slot] = v
+            fresh = True
         used[slots] += 1
         used[slot] = used[slots]
-        src = slot * chunk_bytes
+        src = 0 if fresh else slot * chunk_bytes
         for q in range(i, j):
             k = order[q]
             s = src + (rows[k] % inner) * row_bytes
             d = positions[k] * row_bytes
             if d < 0 or d + row_bytes > out.shape[0]:
                 raise ValueError("decode_rows: a position outside out")
-            _memcpy(out, d, data, s, row_bytes)
+            if fresh:
+                _memcpy(out, d, scratch, s, row_bytes)
+            else:
+                _memcpy(out, d, data, s, row_bytes)
         i = j
     return 0
 
