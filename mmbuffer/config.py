@@ -26,11 +26,15 @@ class Config:
     reserve_fraction:
         Part of a lane the writer reserves ahead of its cursor at a time (see
         ``store.py``: readers never sample rows the writer may be overwriting).
+    decode_cache_bytes:
+        Bytes of decoded chunks each column with a codec keeps per process
+        (``_disk/columns/sharded.py``), shared by every batch.
     """
 
     chunk_bytes: int = 1 << 20
     madvise_random: bool = True
     reserve_fraction: float = 1 / 16
+    decode_cache_bytes: int = 256 << 20
 
 
 def _from_env() -> Config:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -11,14 +13,30 @@ from . import errors
 
 @dataclass(frozen=True, slots=True)
 class Column:
-    """Schema of one column: the shape of a row and its dtype.
+    """Schema of one column: the shape of a row, its dtype and its codec.
+
+    ``codec=None`` stores the column raw (memory-mapped; the store-wide
+    ``compression=`` of ``mb.create`` applies); ``"zstd"``, ``"zstd:<level>"``
+    (1-22, default 3) or ``"lz4"`` (blosc-lz4) stores it as Zarr shards of small zstd chunks, decoded at
+    sample time (docs/format.md, "Columns with a codec"). A column unpacks as
+    ``shape, dtype``.
 
     >>> Column((17,), "float32")
     Column(shape=(17,), dtype='float32')
+    >>> shape, dtype = Column((84, 84), "uint8", codec="zstd"); shape
+    (84, 84)
     """
 
     shape: tuple[int, ...]
     dtype: str
+    codec: str | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.shape, self.dtype))
+
+    def __repr__(self) -> str:
+        codec = "" if self.codec is None else f", codec={self.codec!r}"
+        return f"Column(shape={self.shape!r}, dtype={self.dtype!r}{codec})"
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,6 +49,22 @@ def check_schema(columns: Mapping[str, tuple[Any, Any]], next_keys: Iterable[str
     return schema
 
 
+def check_codecs(columns: Mapping[str, Any]) -> dict[str, str]:
+    """The codec of each column given as ``mb.Column(..., codec=...)`` with one (checked:
+    ``fmt.parse_codec``); a ``(shape, dtype)`` tuple means raw.
+
+    >>> check_codecs({"pixels": Column((84, 84), "uint8", codec="zstd:5"), "action": ((), "int64")})
+    {'pixels': 'zstd:5'}
+    """
+    out: dict[str, str] = {}
+    for name, spec in columns.items():
+        codec = spec.codec if isinstance(spec, Column) else None
+        if codec is not None:
+            fmt.parse_codec(name, codec)
+            out[name] = codec
+    return out
+
+
 def check_int(name: str, value: object, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) < low:
         raise errors.InvalidArgumentError(f"{name}: expected an integer >= {low}, got {value!r}")

@@ -35,10 +35,13 @@ column one memory map: a gather is one fancy-index, never a split by shard.
 
 Compressed arrays (``compression="zstd"|"lz4"``) are ordinary chunked Zarr arrays
 read and written through zarr-python; they are for archives (see ``mmbuffer copy``).
+A column with a codec (``mb.Column(..., codec="zstd")``) is a sharded Zarr array of
+small zstd chunks plus a raw staging area (``columns/sharding.py``, docs/format.md).
 
 ``manifest.json`` fields: ``format`` ("mmbuffer"), ``format_version``,
 ``generation`` (commit counter), ``capacity``, ``num_streams``, ``lane_size``,
-``columns`` (name -> {shape, dtype}), ``next_keys``, ``compression``,
+``columns`` (name -> {shape, dtype}, plus ``codec`` for a column with one),
+``next_keys``, ``compression``,
 ``priorities`` (null or {alpha, eps, max_priority}), ``lanes`` (per lane:
 ``written``, ``ep_head``, ``ep_tail``, ``first_start``; all int64 counters that
 never wrap) and ``attrs`` (user metadata). Readers ignore every row past a lane's
@@ -90,6 +93,11 @@ Version history
     Since then, without a version change: ``index/progress`` and ``priority/touched``
     (issue 22), which only the writer reads; a writer that opens a store without it creates it (built
     beside, renamed into place), and readers of any version ignore it.
+    Also without a version change (issue 23, 2026-11-25): a column may name its codec
+    (``columns[name].codec``, ``"zstd"``, ``"zstd:<level>"`` or ``"lz4"``); such a column is a sharded
+    Zarr array with a staging area (``staging/<name>/rows`` and ``tags``). A store without
+    one is written and read exactly as before; a reader from before this change refuses a
+    manifest that names a codec (``CorruptStoreError``: it checks every column's keys).
 """
 
 from __future__ import annotations
@@ -111,6 +119,7 @@ MANIFEST: Final = "manifest.json"
 LOCK: Final = "LOCK"
 RESERVED_NAMES: Final = frozenset({"terminated", "truncated"})
 COMPRESSIONS: Final = (None, "zstd", "lz4")
+CODECS: Final = ("zstd", "zstd:<level 1-22>", "lz4")  # a column's codec (columns/sharding.py)
 
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*(/[A-Za-z0-9_][A-Za-z0-9_.\-]*)*$")
 
@@ -155,6 +164,23 @@ def check_shape(name: str, shape: object) -> tuple[int, ...]:
     if any(s < 1 for s in out):
         raise errors.SchemaError(f"column {name!r}: expected positive dimensions, got {out}")
     return out
+
+
+def parse_codec(name: str, codec: object) -> tuple[str, int]:
+    """A column's codec as (kind, level): ``"zstd"`` (level 3), ``"zstd:<level>"``
+    (1-22) or ``"lz4"`` (blosc-lz4, level 5); anything else raises ``SchemaError``
+    naming the column.
+
+    >>> parse_codec("pixels", "zstd:5"), parse_codec("pixels", "zstd")
+    (('zstd', 5), ('zstd', 3))
+    """
+    if isinstance(codec, str):
+        kind, _, level = codec.partition(":")
+        if codec == "lz4":
+            return "lz4", 5
+        if kind == "zstd" and (not level or (level.isdigit() and 1 <= int(level) <= 22 and level == str(int(level)))):
+            return kind, int(level) if level else 3
+    raise errors.SchemaError(f"column {name!r}: codec: expected None (raw) or one of {CODECS}, got {codec!r}")
 
 
 # -- raw (memory-mapped) arrays --------------------------------------------------------
@@ -212,6 +238,7 @@ def create_raw(
 
 
 _BYTES_LE: Final = {"name": "bytes", "configuration": {"endian": "little"}}
+BYTES_LE: Final = _BYTES_LE
 _ARRAY_KEYS: Final = frozenset({
     "shape", "data_type", "chunk_grid", "chunk_key_encoding", "fill_value", "codecs",
     "attributes", "zarr_format", "node_type", "storage_transformers", "dimension_names",
@@ -231,6 +258,9 @@ def _bytes_codec_ok(codec: object, dtype: np.dtype) -> bool:
         return True
     # zarr omits the endianness of one-byte types
     return dtype.itemsize == 1 and codec in ({"name": "bytes"}, {"name": "bytes", "configuration": {}})
+
+
+bytes_codec_ok = _bytes_codec_ok  # the sharded columns' check (columns/sharding.py) shares it
 
 
 def _compressor_ok(codec: object) -> bool:

@@ -15,7 +15,8 @@ import numpy as np
 from .._disk import files as _files
 from .. import errors, tree
 from .._disk import format as fmt
-from .._disk.checks import check_int, check_json, check_schema
+from .._disk.checks import check_codecs, check_int, check_json, check_schema
+from .._disk.columns import sharding
 from .._disk.guards import raise_typed
 from . import progress, touched
 from .manifest import Manifest
@@ -39,6 +40,7 @@ def create_store(
     if path.exists():
         raise errors.StoreExistsError(f"{path}: expected a path that does not exist, got an existing {'directory' if path.is_dir() else 'file'}")
     schema = check_schema(columns, next_keys)
+    codecs = check_codecs(columns)
     next_keys = tuple(next_keys)
     capacity = check_int("capacity", capacity, 1)
     num_streams = check_int("num_streams", num_streams, 1)
@@ -62,6 +64,7 @@ def create_store(
         priorities=None if priorities is None else priorities.to_json(),
         lanes=tuple(Lane() for _ in range(num_streams)),
         attrs=dict(attrs or {}),
+        codecs=codecs,
     )
     check_json(manifest.attrs)
     try:
@@ -74,7 +77,9 @@ def create_store(
 
         zarr.open_group(str(tmp), mode="w", zarr_format=3, attributes={"mmbuffer": {"format_version": fmt.FORMAT_VERSION}})
         for name, (shape, dtype) in schema.items():
-            if compression is None or name in fmt.RESERVED_NAMES:
+            if name in codecs:  # Zarr shards of small chunks, staging per lane
+                sharding.create(tmp, name, capacity, shape, dtype, codecs[name], lane_size)
+            elif compression is None or name in fmt.RESERVED_NAMES:
                 fmt.create_raw(tmp, f"columns/{name}", capacity, shape, dtype)
             else:
                 fmt.create_compressed(tmp, f"columns/{name}", capacity, shape, dtype, compression)

@@ -24,7 +24,7 @@ mmbuffer.errors.CorruptStoreError: manifest.json: capacity: expected an integer 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,7 @@ class Manifest:
     priorities: dict[str, float] | None
     lanes: tuple[Lane, ...]
     attrs: dict[str, Any]
+    codecs: dict[str, str] = field(default_factory=dict)  # columns with a codec (columns/sharding.py)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -61,7 +62,10 @@ class Manifest:
             "num_streams": self.num_streams,
             "lane_size": self.lane_size,
             "compression": self.compression,
-            "columns": {n: {"shape": list(s), "dtype": d.name} for n, (s, d) in self.columns.items()},
+            "columns": {
+                n: {"shape": list(s), "dtype": d.name, **({"codec": self.codecs[n]} if n in self.codecs else {})}
+                for n, (s, d) in self.columns.items()
+            },
             "next_keys": list(self.next_keys),
             "priorities": self.priorities,
             "lanes": [st.to_json() for st in self.lanes],
@@ -72,7 +76,8 @@ class Manifest:
         """What never changes after creation (a reader's refresh checks it)."""
         cols = tuple((n, s, d.name) for n, (s, d) in sorted(self.columns.items()))
         pri = None if self.priorities is None else tuple(sorted(self.priorities.items()))
-        return (self.capacity, self.num_streams, self.lane_size, self.compression, cols, self.next_keys, pri)
+        codecs = tuple(sorted(self.codecs.items()))
+        return (self.capacity, self.num_streams, self.lane_size, self.compression, cols, self.next_keys, pri, codecs)
 
 
 def load_manifest(path: Path) -> Manifest:
@@ -106,7 +111,7 @@ def parse(obj: object, file: str) -> Manifest:
     if compression not in fmt.COMPRESSIONS:
         raise bad("compression", f"one of {fmt.COMPRESSIONS}", compression)
 
-    columns = _columns(obj["columns"], capacity, bad)
+    columns, codecs = _columns(obj["columns"], capacity, bad)
     next_keys = obj["next_keys"]
     if not isinstance(next_keys, list) or len(set(map(str, next_keys))) != len(next_keys) or not all(
         isinstance(k, str) and k in columns and k not in fmt.RESERVED_NAMES for k in next_keys
@@ -132,21 +137,31 @@ def parse(obj: object, file: str) -> Manifest:
     attrs = obj.get("attrs", {})
     if not isinstance(attrs, dict):
         raise bad("attrs", "a JSON object", type(attrs).__name__)
-    return Manifest(generation, capacity, num_streams, lane_size, compression, columns, tuple(next_keys), priorities, states, attrs)
+    return Manifest(generation, capacity, num_streams, lane_size, compression, columns, tuple(next_keys), priorities, states, attrs,
+                    codecs)
 
 
-def _columns(cols: object, capacity: int, bad: Any) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+def _columns(cols: object, capacity: int, bad: Any) -> tuple[dict[str, tuple[tuple[int, ...], np.dtype]], dict[str, str]]:
     if not isinstance(cols, dict) or not fmt.RESERVED_NAMES <= set(cols):
         raise bad("columns", f"an object name -> {{shape, dtype}} with {sorted(fmt.RESERVED_NAMES)}", cols)
     out: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+    codecs: dict[str, str] = {}
     for name, spec in cols.items():
         try:
             if name not in fmt.RESERVED_NAMES:
                 fmt.check_column_name(name)
         except errors.SchemaError:
             raise bad("columns", "path-safe names (letters, digits, '_', '.', '-', '/' between parts)", name) from None
-        if not isinstance(spec, dict) or set(spec) != {"shape", "dtype"}:
-            raise bad(f"columns[{name!r}]", "{shape, dtype}", spec)
+        if not isinstance(spec, dict) or set(spec) - {"codec"} != {"shape", "dtype"}:
+            raise bad(f"columns[{name!r}]", "{shape, dtype} (and codec for a column with one)", spec)
+        if "codec" in spec:
+            try:
+                if name in fmt.RESERVED_NAMES:
+                    raise errors.SchemaError(name)
+                fmt.parse_codec(name, spec["codec"])
+            except errors.SchemaError:
+                raise bad(f"columns[{name!r}].codec", "'zstd', 'zstd:<level 1-22>' or 'lz4' (never on a flag)", spec["codec"]) from None
+            codecs[name] = spec["codec"]
         shape, dtype = spec["shape"], spec["dtype"]
         if not isinstance(shape, list) or not all(
             isinstance(s, int) and not isinstance(s, bool) and 1 <= s <= fmt.MAX_ROWS for s in shape
@@ -168,7 +183,7 @@ def _columns(cols: object, capacity: int, bad: Any) -> dict[str, tuple[tuple[int
     for a, b in zip(names, names[1:]):
         if b.startswith(a + "/"):
             raise bad("columns", "no column nested under another", [a, b])
-    return out
+    return out, codecs
 
 
 def _lane(field: str, obj: object, lane_size: int, integer: Any, bad: Any) -> Lane:

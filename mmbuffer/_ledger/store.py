@@ -44,7 +44,7 @@ from .._disk import format as fmt
 from .._disk.checks import row_ids
 from .._disk.guards import locked
 from .manifest import Manifest, load_manifest
-from .._disk.columns import ColumnArray, RawArray, ZarrArray
+from .._disk.columns import ColumnArray, RawArray, ShardedArray, ZarrArray
 from ..config import config
 from .index import Lane
 from .layout import Layout
@@ -94,13 +94,14 @@ class Store:
         self.num_streams = manifest.num_streams
         self.lane_size = manifest.lane_size
         self.compression: str | None = manifest.compression
-        self.columns = {name: Column(shape, dt.name) for name, (shape, dt) in manifest.columns.items()}
+        self.columns = {name: Column(shape, dt.name, manifest.codecs.get(name)) for name, (shape, dt) in manifest.columns.items()}
         self.next_keys: tuple[str, ...] = manifest.next_keys
         self.priorities = PriorityConfig(**manifest.priorities) if manifest.priorities else None
         self.attrs: dict[str, Any] = dict(manifest.attrs)
         self.manifest = manifest  # what the next commit rewrites (fields that never change)
         self.layout = Layout(self.capacity, self.num_streams)  # all ring arithmetic (layout.py)
         self._arrays: dict[str, ColumnArray] = {}  # every array of the store, by its path in it
+        self._written_memo: tuple[Ledger, np.ndarray] | None = None
         try:
             self._open_arrays(manifest)
             _counters.check_lanes(
@@ -121,6 +122,12 @@ class Store:
             if self._open_column is not None and name not in fmt.RESERVED_NAMES:  # the flags stay local and raw
                 self._arrays[f"columns/{name}"] = self._open_column(f"columns/{name}", expect)
                 continue
+            if name in manifest.codecs:  # a column with a codec: shards, staging (columns/sharded.py)
+                self._arrays[f"columns/{name}"] = ShardedArray(
+                    root, name, writable=writable, expect=expect, codec=manifest.codecs[name], lane_size=self.lane_size,
+                    written=[st.written for st in manifest.lanes], cursors=self._written_now,
+                )
+                continue
             raw = name in fmt.RESERVED_NAMES or self.compression is None  # the flags are always raw
             kind = RawArray if raw else ZarrArray
             self._arrays[f"columns/{name}"] = kind.open(root, f"columns/{name}", writable=writable, expect=expect)
@@ -135,6 +142,15 @@ class Store:
             levels = {k: self._mapped(f"priority/{k}", (s[0], tuple(s[1:]), np.dtype(t))) for k, (s, t) in tree.layout(cap).items()}
             self.priority_tree = tree.PriorityTree(**levels)
             _safe_io.lexists(root, "priority/DIRTY")  # a link there would be touched through
+
+    def _written_now(self) -> np.ndarray:
+        """Every lane's ``written`` cursor in the ledger now (where a column with a codec
+        finds a row: its staging or its shard file); one array per ledger value."""
+        ledger = self.ledger
+        memo = self._written_memo
+        if memo is None or memo[0] is not ledger:
+            memo = self._written_memo = (ledger, np.array([st.written for st in ledger.lanes], dtype=np.int64))
+        return memo[1]
 
     def _mapped(self, name: str, expect: fmt.Expect) -> np.ndarray:
         """Open a ledger array (index, reservation, tree level) and return its mapped rows:

@@ -47,6 +47,7 @@ STORES = {  # name: (num_streams, lane_size, create options)
     "prioritized": (2, 2000, {"priorities": mb.PriorityConfig()}),
     "multi-stream": (3, 1500, {}),
     "compressed": (2, 2000, {"compression": "zstd"}),
+    "codec": (2, 2000, {"codec": "zstd"}),  # shards of 400 rows: kills land mid-encode and mid-staging
 }
 KILL_TRIALS = 5
 HANG_S = 300  # only reports a hang, not a speed requirement
@@ -122,9 +123,10 @@ def test_sigkill_loses_only_what_the_last_extends_reached(tmp_path, kind, monkey
     monkeypatch.setattr(tree, "rebuild", lambda *a, **k: (rebuilds.append(1), real_rebuild(*a, **k))[1])
 
     streams, lane_size, options = STORES[kind]
+    options = dict(options)
     path = tmp_path / "s"
-    mb.create(path, {"x": ((), "int64")}, capacity=streams * lane_size, num_streams=streams,
-              next_keys=("x",), **options).close()
+    mb.create(path, {"x": mb.Column((), "int64", codec=options.pop("codec", None))}, capacity=streams * lane_size,
+              num_streams=streams, next_keys=("x",), **options).close()
     rng = np.random.default_rng(1)
     mid_write = committed_total = kept_total = expected_total = window_total = 0
     for trial in range(KILL_TRIALS):

@@ -18,8 +18,9 @@ from .. import format as fmt
 from .base import ColumnArray
 from .compressed import ZarrArray
 from .raw import RawArray
+from .sharded import ShardedArray
 
-__all__ = ["ColumnArray", "RawArray", "ZarrArray", "open_array"]
+__all__ = ["ColumnArray", "RawArray", "ShardedArray", "ZarrArray", "open_array"]
 
 
 def open_array(
