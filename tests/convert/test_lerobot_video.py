@@ -13,7 +13,6 @@ decoded frames must equal the frames written byte for byte), and AV1
 from __future__ import annotations
 
 import fractions
-import inspect
 import json
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import pytest
 import mmbuffer as mb
 from mmbuffer._cli.main import main
 from mmbuffer.convert import ConversionWarning, convert
-from mmbuffer.errors import ConversionError, InvalidArgumentError
+from mmbuffer.errors import ConversionError, InvalidArgumentError, SchemaError
 
 av = pytest.importorskip("av")
 pa = pytest.importorskip("pyarrow")
@@ -240,16 +239,14 @@ def test_skip_visual_leaves_video_out_by_name(tmp_path):
 
 
 def test_codec_is_passed_as_the_column_spec_or_refused_by_name(tmp_path):
-    write_dataset(tmp_path / "src", [4, 3], keys={TOP: (16, 16)}, files=1)
-    takes_codec = "codec" in inspect.signature(mb.Column).parameters
-    if takes_codec:  # per-column codecs: the decoded frames in a zstd column, equal on read
-        convert("lerobot", tmp_path / "src", tmp_path / "s", codec="zstd", progress=False)
-        with mb.open(tmp_path / "s", mode="r") as buf:
-            assert getattr(buf.columns["obs/images.top"], "codec", None) == "zstd"
-    else:
-        with pytest.raises(InvalidArgumentError, match="codec: this mmbuffer's mb.Column takes no codec"):
-            convert("lerobot", tmp_path / "src", tmp_path / "s", codec="zstd", progress=False)
-        assert not (tmp_path / "s").exists()
+    written = write_dataset(tmp_path / "src", [4, 3], keys={TOP: (16, 16)}, files=1)
+    convert("lerobot", tmp_path / "src", tmp_path / "s", codec="zstd", progress=False)
+    with mb.open(tmp_path / "s", mode="r") as buf:
+        assert buf.columns["obs/images.top"].codec == "zstd"
+    np.testing.assert_array_equal(read_all(tmp_path / "s")["obs/images.top"], written[TOP])  # lossless
+    with pytest.raises(SchemaError, match="obs/images.top"):
+        convert("lerobot", tmp_path / "src", tmp_path / "bad", codec="gzip", progress=False)
+    assert not (tmp_path / "bad").exists()
     write_dataset(tmp_path / "novideo", [4, 3], keys={}, files=1)
     with pytest.raises(InvalidArgumentError, match="codec: applies to the columns decoded from video"):
         convert("lerobot", tmp_path / "novideo", tmp_path / "s2", codec="zstd", progress=False)
@@ -266,10 +263,9 @@ def test_cli_converts_video_with_a_progress_bar(tmp_path, capsys):
     assert main(["convert", "lerobot", str(tmp_path / "src"), str(tmp_path / "k"), "--skip-visual",
                  "--no-progress", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["dropped_keys"] == [TOP]
-    if "codec" not in inspect.signature(mb.Column).parameters:
-        assert main(["convert", "lerobot", str(tmp_path / "src"), str(tmp_path / "z"), "--codec", "zstd",
-                     "--no-progress"]) == 2
-        assert "codec: this mmbuffer's mb.Column takes no codec" in capsys.readouterr().err
+    assert main(["convert", "lerobot", str(tmp_path / "src"), str(tmp_path / "z"), "--codec", "zstd",
+                 "--no-progress"]) == 0
+    np.testing.assert_array_equal(read_all(tmp_path / "z")["obs/images.top"], written[TOP])
     assert main(["convert", "npz", str(tmp_path / "src"), str(tmp_path / "n"), "--codec", "zstd"]) == 2
     assert "--codec: not an option of format 'npz' (only lerobot)" in capsys.readouterr().err
 

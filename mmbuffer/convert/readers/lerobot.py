@@ -51,7 +51,7 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
@@ -407,15 +407,10 @@ class LeRobotReader(Reader):
 
 
 def _column_spec(shape: tuple[int, ...], codec: str) -> Any:
-    """``mb.Column(shape, "uint8", codec=codec)``, refused by name where ``mb.Column`` takes no codec."""
+    """``mb.Column(shape, "uint8", codec=codec)``: the decoded frames in the codec the user named."""
     from ...schema import Column
 
-    try:
-        return cast(Any, Column)(shape, "uint8", codec=codec)
-    except TypeError:
-        raise InvalidArgumentError(
-            f"codec: this mmbuffer's mb.Column takes no codec (per-column codecs are not available), got "
-            f"{codec!r}; leave codec unset to store the decoded frames raw (lossless)") from None
+    return Column(shape, "uint8", codec=codec)
 
 
 def _is_list(t: Any) -> bool:
