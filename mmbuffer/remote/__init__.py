@@ -51,7 +51,10 @@ from .._disk.urls import filesystem
 from .._ledger.manifest import load_manifest
 from .._ledger.store import Store
 from . import _snapshot
+from ._cache import Cache
+from ._objects import Table, load_table, remote_errors
 from ._pool import ChunkPool, PoolConfig, PooledSampler
+from ._verified import VerifiedStore
 
 __all__ = ["ChunkPool", "PoolConfig", "RemoteSource", "pool_config"]
 
@@ -63,48 +66,79 @@ class RemoteSource:
     (small arrays mirrored into ``cache``, data columns read through zarr and the
     :class:`ChunkPool`), routes sampler specs through the pool, and on :meth:`refresh`
     opens the newest snapshot as a *new* Store for the facade to swap in: the facade's
-    lock never changes. ``snapshot`` is the id of the snapshot opened last.
+    lock never changes. ``snapshot`` is the id of the snapshot opened last. Every object
+    read is checked against the snapshot's object table (``_objects.py``) and kept in
+    the host's bounded cache (``_cache.py``; ``cache_limit`` bytes, None: unbounded).
     """
 
     def __init__(self, url: str, *, cache_dir: str | os.PathLike[str] | None = None,
-                 storage_options: Mapping[str, Any] | None = None, pool: PoolConfig | None = None) -> None:
+                 storage_options: Mapping[str, Any] | None = None, pool: PoolConfig | None = None,
+                 cache_limit: int | None = None) -> None:
         self.url = url.rstrip("/")
         self.storage_options = dict(storage_options or {})
         self.fs, self.root = filesystem(self.url, self.storage_options)
-        self.cache = _snapshot.cache_root(cache_dir, self.url)
+        self.files = Cache(_snapshot.cache_base(cache_dir), cache_limit)
+        self.cache = _snapshot.cache_root(self.files.base, self.url)
         self.pool_config = pool
         self.pool: ChunkPool | None = None
         self.shard, self.pool_epoch = (0, 1), 0
         self.snapshot, self.sequence = "", -1
+        self._pin = -1
 
     def open(self, lock: threading.RLock) -> Store:
         """The Store of the snapshot the pointer names now, guarded by ``lock``."""
         return self._open(_snapshot.read_pointer(self.fs, self.root, self.url), lock)
 
-    def _open(self, pointer: Mapping[str, Any], lock: threading.RLock) -> Store:
+    def _mirror(self, pointer: Mapping[str, Any]) -> tuple[Path, Table, int]:
+        """The snapshot's checked table and local mirror, pinned (the pin's fd)."""
         snap = str(pointer["snapshot"])
-        local = _snapshot.mirror(self.fs, self.root, snap, self.url, self.cache)
+        table = load_table(self.fs, self.root, self.url, snap, str(pointer["objects"]))
+        pin = self.files.pin(self.cache / f"{snap}.pin")
+        try:
+            return _snapshot.mirror(self.fs, self.root, snap, self.url, self.cache, self.files, table), table, pin
+        except BaseException:
+            os.close(pin)
+            raise
+
+    def _open(self, pointer: Mapping[str, Any], lock: threading.RLock,
+              mirrored: tuple[Path, Table, int] | None = None) -> Store:
+        snap = str(pointer["snapshot"])
+        local, table, pin = mirrored if mirrored is not None else self._mirror(pointer)
         snap_url = f"{self.url}/{_snapshot.SNAPSHOTS}/{snap}"
+        snap_root = f"{self.root}/{_snapshot.SNAPSHOTS}/{snap}"
         opened: dict[str, RemoteArray] = {}
+        fs = self.fs
 
         def alive() -> None:
-            _snapshot.check_alive(self.fs, self.root, snap, self.url)
+            _snapshot.check_alive(fs, self.root, snap, self.url)
+
+        def fetch(rel: str) -> bytes:
+            data: bytes = fs.cat_file(f"{snap_root}/{rel}")
+            return data
 
         def opener(name: str, expect: Any) -> RemoteArray:
+            def wrap(store: Any) -> VerifiedStore:
+                return VerifiedStore(store, prefix=name + "/", table=table, cache=self.files, fetch=fetch, alive=alive)
+
             arr = RemoteArray.open(snap_url, name, writable=False, expect=expect,
-                                   storage_options=self.storage_options, alive=alive)
+                                   storage_options=self.storage_options, alive=alive, wrap=wrap)
             opened[name.split("/", 1)[1]] = arr
             return arr
 
-        store = Store(local, "r", columns=opener, lock=lock)
-        pool = None
-        if self.pool_config is not None and opened:
-            pool = ChunkPool(opened, store.view(), store.capacity, self.pool_config, self.cache)
-            pool.set_shard(*self.shard, epoch=self.pool_epoch)
+        try:
+            with remote_errors(self.url):
+                store = Store(local, "r", columns=opener, lock=lock)
+            pool = None
+            if self.pool_config is not None and opened:
+                pool = ChunkPool(opened, store.view(), store.capacity, self.pool_config, self.cache, self.files)
+                pool.set_shard(*self.shard, epoch=self.pool_epoch)
+        except BaseException:
+            os.close(pin)
+            raise
         for arr in opened.values():
             arr.attach(pool)
-        self.close()  # the previous snapshot's pool: its store is swapped out under the same lock
-        self.pool, self.snapshot, self.sequence = pool, snap, int(pointer["sequence"])
+        self.close()  # the previous snapshot's pool and pin: its store is swapped out under the same lock
+        self.pool, self.snapshot, self.sequence, self._pin = pool, snap, int(pointer["sequence"]), pin
         return store
 
     def refresh(self, current: Store, lock: threading.RLock) -> Store | None:
@@ -116,11 +150,12 @@ class RemoteSource:
         pointer = _snapshot.read_pointer(self.fs, self.root, self.url)
         if pointer["snapshot"] == self.snapshot:
             return None
-        local = _snapshot.mirror(self.fs, self.root, str(pointer["snapshot"]), self.url, self.cache)
-        old, new = load_manifest(Path(current.path)).schema(), load_manifest(local).schema()
+        mirrored = self._mirror(pointer)
+        old, new = load_manifest(Path(current.path)).schema(), load_manifest(mirrored[0]).schema()
         if old != new:
+            os.close(mirrored[2])
             raise errors.CorruptStoreError(f"{self.url}: snapshot {pointer['snapshot']}: expected the schema opened, {old}, got {new}")
-        return self._open(pointer, lock)
+        return self._open(pointer, lock, mirrored)
 
     def set_shard(self, index: int, count: int, *, epoch: int = 0) -> None:
         """Read the pool's blocks as shard ``index`` of ``count`` (rank * workers + worker),
@@ -140,6 +175,9 @@ class RemoteSource:
         if self.pool is not None:
             self.pool.close()
             self.pool = None
+        if self._pin >= 0:
+            os.close(self._pin)  # the mirror may be evicted now
+            self._pin = -1
 
     def __repr__(self) -> str:
         return f"RemoteSource({self.url!r}, snapshot={self.snapshot!r}, pool={self.pool_config!r})"

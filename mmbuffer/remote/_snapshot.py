@@ -33,15 +33,18 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from .._disk import format as fmt
 from .. import errors
+from .._disk import format as fmt
 from .._disk.urls import join
+from ._cache import Cache, disk_errors, write_file
+from ._objects import OBJECTS, Table, file_digest, remote_errors, table_bytes, digest
 
-__all__ = ["POINTER", "cache_root", "check_alive", "mirror", "publish_dir", "read_pointer"]
+__all__ = ["POINTER", "cache_base", "cache_root", "check_alive", "mirror", "publish_dir", "read_pointer"]
 
 POINTER = "current.json"
 SNAPSHOTS = "snapshots"
 _FORMAT = "mmbuffer-remote"
+_VERSION = 2
 _ID = re.compile(r"^[0-9]{10}-[0-9a-f]{12}$")
 _REL = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*(/[A-Za-z0-9_][A-Za-z0-9_.\-]*)*$")
 _DATA_CHUNKS = re.compile(r"^columns/([^/]+)/c(/|$)")
@@ -53,7 +56,8 @@ def read_pointer(fs: Any, root: str, url: str) -> dict[str, Any]:
     """The checked pointer object of the store at ``url``."""
     where = f"{url}/{POINTER}"
     try:
-        raw = fs.cat_file(join(root, POINTER), start=0, end=_POINTER_LIMIT + 1)
+        with remote_errors(url):
+            raw = fs.cat_file(join(root, POINTER), start=0, end=_POINTER_LIMIT + 1)
     except FileNotFoundError:
         raise errors.StoreNotFoundError(f"{where}: expected a store published by mmbuffer (mb.convert.copy(src, url)), found no pointer") from None
     if len(raw) > _POINTER_LIMIT:
@@ -69,6 +73,12 @@ def read_pointer(fs: Any, root: str, url: str) -> dict[str, Any]:
         raise errors.CorruptStoreError(f"{where}: snapshot: expected an id like 0000000001-0123456789ab, got {snap!r}")
     if not isinstance(seq, int) or isinstance(seq, bool) or seq != int(snap[:10]):
         raise errors.CorruptStoreError(f"{where}: sequence: expected {int(snap[:10])} (the snapshot's), got {seq!r}")
+    if obj.get("version") != _VERSION:
+        raise errors.FormatVersionError(f"{where}: version: expected {_VERSION} (object checksums), got "
+                                        f"{obj.get('version')!r}; publish the store again")
+    objects = obj.get("objects")
+    if not isinstance(objects, str) or not re.match(r"^[0-9a-f]{32}$", objects):
+        raise errors.CorruptStoreError(f"{where}: objects: expected the BLAKE2b-128 of the object table, got {objects!r}")
     return obj
 
 
@@ -80,7 +90,8 @@ def check_alive(fs: Any, root: str, snapshot: str, url: str) -> None:
     as zeros, which must never reach a sample).
     """
     try:  # a ranged GET, never a cached listing
-        fs.cat_file(join(root, SNAPSHOTS, snapshot, fmt.MANIFEST), start=0, end=1)
+        with remote_errors(url):
+            fs.cat_file(join(root, SNAPSHOTS, snapshot, fmt.MANIFEST), start=0, end=1)
     except FileNotFoundError:
         raise errors.StoreNotFoundError(
             f"{url}: snapshot {snapshot} was removed by a newer publish while it was read; "
@@ -88,47 +99,57 @@ def check_alive(fs: Any, root: str, snapshot: str, url: str) -> None:
         ) from None
 
 
-def cache_root(cache_dir: str | os.PathLike[str] | None, url: str) -> Path:
-    """``cache_dir/<hash of url>`` (default ``$MMBUFFER_CACHE_DIR`` or ``~/.cache/mmbuffer``)."""
-    base = Path(cache_dir if cache_dir is not None else os.environ.get("MMBUFFER_CACHE_DIR") or Path.home() / ".cache" / "mmbuffer")
+def cache_base(cache_dir: str | os.PathLike[str] | None) -> Path:
+    """``cache_dir`` (default ``$MMBUFFER_CACHE_DIR`` or ``~/.cache/mmbuffer``)."""
+    return Path(cache_dir if cache_dir is not None else os.environ.get("MMBUFFER_CACHE_DIR") or Path.home() / ".cache" / "mmbuffer")
+
+
+def cache_root(base: Path, url: str) -> Path:
+    """The folder of ``url``'s mirrors and pools: ``cache_dir/<hash of url>``."""
     return base / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:20]
 
 
-def mirror(fs: Any, root: str, snapshot: str, url: str, cache: Path) -> Path:
-    """The local mirror of ``snapshot``'s small parts (fetched once, then reused)."""
-    final = cache / snapshot
+def mirror(fs: Any, root: str, snapshot: str, url: str, folder: Path, cache: Cache, table: Table) -> Path:
+    """The local mirror of ``snapshot``'s small parts (fetched once per host, verified, then
+    reused); call with the snapshot pinned (``folder/<snapshot>.pin``)."""
+    final = folder / snapshot
     if (final / fmt.MANIFEST).is_file() and not final.is_symlink():
         return final
-    cache.mkdir(parents=True, exist_ok=True)
-    snap_root = join(root, SNAPSHOTS, snapshot)
-    listing = fs.find(snap_root, detail=True)
-    if not listing:
-        raise errors.StoreNotFoundError(f"{url}: snapshot {snapshot} (named by {POINTER}) is not there")
-    prefix = snap_root.rstrip("/") + "/"
-    rpaths, rels = [], []
-    for path, info in sorted(listing.items()):
-        if info.get("type") == "directory":
-            continue
-        rel = str(path)[len(prefix):] if str(path).startswith(prefix) else ""
+    rels = []
+    for rel in sorted(table.entries):
         if not _REL.match(rel) or any(p in (".", "..") for p in rel.split("/")):
-            raise errors.CorruptStoreError(f"{url}: object {path!r}: expected a name inside the snapshot, got {rel!r}")
+            raise errors.CorruptStoreError(f"{url}: object {rel!r}: expected a name inside the snapshot")
         m = _DATA_CHUNKS.match(rel)
-        if rel == fmt.LOCK or (m and m.group(1) not in fmt.RESERVED_NAMES):
+        if rel == fmt.LOCK or rel == OBJECTS or (m and m.group(1) not in fmt.RESERVED_NAMES):
             continue  # data chunks are read remotely, a stale LOCK means nothing here
-        rpaths.append(path)
         rels.append(rel)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{snapshot}.partial-", dir=cache))
+    need = sum(table.entries[r][0] for r in rels)
+    cache.reserve(need)
+    with disk_errors(cache.base, need):
+        tmp = Path(tempfile.mkdtemp(prefix=f".{snapshot}.partial-", dir=folder))
     try:
-        lpaths = [str(tmp / rel) for rel in rels]
-        for lp in lpaths:
-            Path(lp).parent.mkdir(parents=True, exist_ok=True)
-        fs.get(rpaths, lpaths)
-        check_alive(fs, root, snapshot, url)
+        snap_root = join(root, SNAPSHOTS, snapshot)
+        for start in range(0, len(rels), 64):  # fetched concurrently, 64 at a time
+            batch = rels[start:start + 64]
+            with remote_errors(url):
+                got = fs.cat([join(snap_root, r) for r in batch], on_error="return")
+            for rel in batch:
+                data = got.get(join(snap_root, rel))
+                if not isinstance(data, bytes):
+                    check_alive(fs, root, snapshot, url)
+                    raise table.missing(rel)
+                table.check(rel, data)
+                write_file(tmp / rel, data, cache.base)
         try:
             os.rename(tmp, final)
-        except OSError:  # another process published the same mirror first: use it
+        except OSError:  # another process made the same mirror first: use it
             if not (final / fmt.MANIFEST).is_file():
                 raise
+            cache.release(need)
+    except BaseException:
+        if not final.is_dir():
+            cache.release(need)
+        raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -143,7 +164,8 @@ def publish_dir(fs: Any, root: str, url: str, store: Path, *, keep: int, generat
     """
     fs.invalidate_cache()
     try:
-        previous: dict[str, Any] | None = read_pointer(fs, root, url)
+        with remote_errors(url):
+            previous: dict[str, Any] | None = read_pointer(fs, root, url)
     except errors.StoreNotFoundError:
         previous = None
         if fs.exists(root) and fs.find(root, maxdepth=None):
@@ -155,14 +177,17 @@ def publish_dir(fs: Any, root: str, url: str, store: Path, *, keep: int, generat
     snap_root = join(root, SNAPSHOTS, snapshot)
     files = sorted(p for p in store.rglob("*") if p.is_file() and not p.is_symlink() and p.name != fmt.LOCK)
     rels = [p.relative_to(store).as_posix() for p in files]
-    # the manifest last, so a snapshot without it is never taken for a whole one
+    table = table_bytes({rel: file_digest(f) for rel, f in zip(rels, files, strict=True)})
+    # the object table, then the manifest last, so a snapshot without it is never taken for a whole one
     order = sorted(range(len(rels)), key=lambda i: rels[i] == fmt.MANIFEST)
     fs.put([str(files[i]) for i in order[:-1]], [join(snap_root, rels[i]) for i in order[:-1]])
+    fs.pipe_file(join(snap_root, OBJECTS), table)
     fs.put(str(files[order[-1]]), join(snap_root, rels[order[-1]]))
     group = json.dumps(_GROUP).encode()
     if previous is None:
         fs.pipe({join(root, "zarr.json"): group, join(root, SNAPSHOTS, "zarr.json"): group})
-    pointer = {"format": _FORMAT, "version": 1, "snapshot": snapshot, "sequence": seq, "generation": generation}
+    pointer = {"format": _FORMAT, "version": _VERSION, "snapshot": snapshot, "sequence": seq, "generation": generation,
+               "objects": digest(table)}
     write_pointer(fs, root, pointer)
     pruned = _prune(fs, root, keep, snapshot)
     return {"url": url, "snapshot": snapshot, "sequence": seq, "pruned": pruned}
