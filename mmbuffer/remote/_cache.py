@@ -14,8 +14,8 @@ concurrent readers of one host download it once. Content addressing makes object
 shared across snapshots: a refresh downloads only the chunks that changed.
 
 ``limit`` (``cache_limit``, bytes) bounds everything above: before writing ``n`` bytes
-the cache reserves them under ``.lock``, evicting least recently used objects and
-unpinned mirrors (whole objects: chunk granularity) until they fit; what cannot fit
+the cache takes ``.lock``, evicts least recently used objects and
+unpinned mirrors (whole objects: chunk granularity) until they fit, and writes them; what cannot fit
 (pinned mirrors and live pools take the rest) is a :class:`~mmbuffer.errors.CacheError`
 naming ``cache_dir``, the limit and the bytes needed. A full disk is a
 :class:`~mmbuffer.errors.DiskFullError` naming them too; a pool file is reserved
@@ -78,6 +78,7 @@ class Cache:
             raise errors.InvalidArgumentError(f"cache_limit: expected a number of bytes >= 1 or None, got {limit!r}")
         self.base = base
         self.limit = limit
+        self.downloads = 0  # objects this process fetched from object storage
         with disk_errors(base, 0):
             (base / "objects").mkdir(parents=True, exist_ok=True)
             (base / "locks").mkdir(exist_ok=True)
@@ -86,30 +87,33 @@ class Cache:
 
     # -- accounting ------------------------------------------------------------------------
     @contextlib.contextmanager
-    def _locked(self, name: str, kind: int = fcntl.LOCK_EX) -> Iterator[int]:
-        fd = os.open(self.base / name, os.O_RDWR | os.O_CREAT, 0o644)
+    def locked(self, name: str, kind: int = fcntl.LOCK_EX) -> Iterator[int]:
+        """Hold the lock file ``cache_dir/name`` (every process of the host sees it)."""
+        with disk_errors(self.base, 0):
+            fd = os.open(self.base / name, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, kind)
             yield fd
         finally:
             os.close(fd)
 
-    def reserve(self, need: int) -> None:
-        """Account ``need`` bytes about to be written, evicting what it takes (``limit``)."""
-        if self.limit is None or need == 0:
-            return
-        with disk_errors(self.base, need), self._locked(".lock"):
-            used = self._read_usage()
-            if used is None or used + need > self.limit:
+    def admit(self, need: int, write: Callable[[], None]) -> None:
+        """Run ``write`` (which adds ``need`` bytes) once they fit ``limit``, evicting what
+        it takes. Under ``.lock``, so a scan never sees a write half done."""
+        with disk_errors(self.base, need), self.locked(".lock"):
+            used = self._read_usage() if self.limit is not None else 0
+            if self.limit is not None and (used is None or used + need > self.limit):
                 used = self._evict(need)
-            self._write_usage(used + need)
+            write()
+            if self.limit is not None:
+                self._write_usage((used or 0) + need)
 
-    def release(self, freed: int) -> None:
-        """Account ``freed`` bytes removed (a pool closed, a write that failed)."""
-        if self.limit is None or freed == 0:
-            return
-        with self._locked(".lock"):
-            self._write_usage(max(0, (self._read_usage() or 0) - freed))
+    def remove(self, drop: Callable[[], None], freed: int) -> None:
+        """Run ``drop`` (which removes ``freed`` bytes) and account for it."""
+        with self.locked(".lock"):
+            drop()
+            if self.limit is not None and freed:
+                self._write_usage(max(0, (self._read_usage() or 0) - freed))
 
     def used(self) -> int:
         """The bytes under ``cache_dir`` now (a scan)."""
@@ -158,14 +162,14 @@ class Cache:
                         if not f.name.startswith("."):
                             items.append((st.st_mtime, st.st_size, Path(f.path), None))
         items.sort(key=lambda t: t[0])
-        for _, size, path, pin in items:
+        for _, size, path, lock in items:
             if used + need <= self.limit:
                 break
-            if pin is None:
+            if lock is None:
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
                 used -= size
-            elif self._drop_unpinned(path, pin):
+            elif self._drop_unpinned(path, lock):
                 used -= size
         if used + need > self.limit:
             raise errors.CacheError(
@@ -206,18 +210,14 @@ class Cache:
         data = self._read(path, size)
         if data is not None:
             return data
-        with self._locked(f"locks/{key[:3]}"):
+        with self.locked(f"locks/{key[:3]}"):
             data = self._read(path, size)
             if data is not None:
                 return data
             data = fetch()
+            self.downloads += 1
             check(data)
-            self.reserve(size)
-            try:
-                write_file(path, data, self.base)
-            except BaseException:
-                self.release(size)
-                raise
+            self.admit(size, lambda: write_file(path, data, self.base))
         return data
 
     @staticmethod

@@ -139,13 +139,21 @@ class ChunkPool:
         shapes = {name: (slots * self.block_rows, *col.row_shape) for name, col in self.columns.items()}
         sizes = {name: int(np.prod(shape, dtype=np.int64)) * self.columns[name].dtype.itemsize
                  for name, shape in shapes.items()}
-        self._cache.reserve(sum(sizes.values()))  # within cache_limit, or a CacheError naming it
+
+        def allocate() -> None:  # allocated before mapped: a full disk never faults a map
+            try:
+                for name in self.columns:
+                    reserved_file(self._dir / f"{name}.bin", sizes[name], self._cache.base)
+            except BaseException:
+                for path in self._dir.glob("*.bin"):
+                    path.unlink()
+                raise
+
+        self._cache.admit(sum(sizes.values()), allocate)  # within cache_limit, or a CacheError naming it
         self._reserved = sum(sizes.values())
-        for name, col in self.columns.items():  # allocated before mapped: a full disk never faults a map
-            path = self._dir / f"{name}.bin"
-            reserved_file(path, sizes[name], self._cache.base)
-            self._maps[name] = np.memmap(path, mode="r+", dtype=col.dtype, shape=shapes[name]) if sizes[name] else \
-                np.zeros(shapes[name], dtype=col.dtype)
+        for name, col in self.columns.items():
+            self._maps[name] = np.memmap(self._dir / f"{name}.bin", mode="r+", dtype=col.dtype, shape=shapes[name]) \
+                if sizes[name] else np.zeros(shapes[name], dtype=col.dtype)
         self._slot_of[:] = -1
         self._free = deque(range(slots))
         self._pending: deque[tuple[int, int, Future[None]]] = deque()
@@ -210,9 +218,12 @@ class ChunkPool:
 
     def _unmap(self) -> None:
         self._maps.clear()
-        for path in self._dir.glob("*.bin"):
-            path.unlink()
-        self._cache.release(self._reserved)
+
+        def drop() -> None:
+            for path in self._dir.glob("*.bin"):
+                path.unlink()
+
+        self._cache.remove(drop, self._reserved)
         self._reserved = 0
 
     def close(self) -> None:

@@ -36,7 +36,7 @@ from typing import Any
 from .. import errors
 from .._disk import format as fmt
 from .._disk.urls import join
-from ._cache import Cache, disk_errors, write_file
+from ._cache import Cache, write_file
 from ._objects import OBJECTS, Table, file_digest, remote_errors, table_bytes, digest
 
 __all__ = ["POINTER", "cache_base", "cache_root", "check_alive", "mirror", "publish_dir", "read_pointer"]
@@ -115,6 +115,14 @@ def mirror(fs: Any, root: str, snapshot: str, url: str, folder: Path, cache: Cac
     final = folder / snapshot
     if (final / fmt.MANIFEST).is_file() and not final.is_symlink():
         return final
+    with cache.locked(f"locks/{snapshot}"):  # one download per host: the others wait, then reuse it
+        return _mirror(fs, root, snapshot, url, final, cache, table)
+
+
+def _mirror(fs: Any, root: str, snapshot: str, url: str, final: Path, cache: Cache, table: Table) -> Path:
+    folder = final.parent
+    if (final / fmt.MANIFEST).is_file() and not final.is_symlink():
+        return final
     rels = []
     for rel in sorted(table.entries):
         if not _REL.match(rel) or any(p in (".", "..") for p in rel.split("/")):
@@ -124,35 +132,31 @@ def mirror(fs: Any, root: str, snapshot: str, url: str, folder: Path, cache: Cac
             continue  # data chunks are read remotely, a stale LOCK means nothing here
         rels.append(rel)
     need = sum(table.entries[r][0] for r in rels)
-    cache.reserve(need)
-    with disk_errors(cache.base, need):
+    snap_root = join(root, SNAPSHOTS, snapshot)
+    blobs: dict[str, bytes] = {}
+    for start in range(0, len(rels), 64):  # fetched concurrently, 64 at a time
+        batch = rels[start:start + 64]
+        with remote_errors(url):
+            got = fs.cat([join(snap_root, r) for r in batch], on_error="return")
+        for rel in batch:
+            data = got.get(join(snap_root, rel))
+            if not isinstance(data, bytes):
+                check_alive(fs, root, snapshot, url)
+                raise table.missing(rel)
+            table.check(rel, data)
+            blobs[rel] = data
+
+    def write() -> None:
         tmp = Path(tempfile.mkdtemp(prefix=f".{snapshot}.partial-", dir=folder))
-    try:
-        snap_root = join(root, SNAPSHOTS, snapshot)
-        for start in range(0, len(rels), 64):  # fetched concurrently, 64 at a time
-            batch = rels[start:start + 64]
-            with remote_errors(url):
-                got = fs.cat([join(snap_root, r) for r in batch], on_error="return")
-            for rel in batch:
-                data = got.get(join(snap_root, rel))
-                if not isinstance(data, bytes):
-                    check_alive(fs, root, snapshot, url)
-                    raise table.missing(rel)
-                table.check(rel, data)
-                write_file(tmp / rel, data, cache.base)
         try:
+            for rel, data in blobs.items():
+                write_file(tmp / rel, data, cache.base)
             os.rename(tmp, final)
-        except OSError:  # another process made the same mirror first: use it
-            if not (final / fmt.MANIFEST).is_file():
-                raise
-            cache.release(need)
-    except BaseException:
-        if not final.is_dir():
-            cache.release(need)
-        raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+
+    cache.admit(need, write)
     return final
 
 
