@@ -39,8 +39,10 @@ pool rotates blocks by draw count, with no adaptive prefetch depth for slow link
 
 from __future__ import annotations
 
+import json
 import os
 import threading
+from collections.abc import Callable
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -50,7 +52,8 @@ from .._disk.columns.remote import RemoteArray
 from .._disk.urls import filesystem
 from .._ledger.manifest import load_manifest
 from .._ledger.store import Store
-from . import _snapshot
+from .._disk import format as fmt
+from . import _icechunk, _snapshot
 from ._cache import Cache
 from ._objects import Table, load_table, remote_errors
 from ._pool import ChunkPool, PoolConfig, PooledSampler
@@ -84,21 +87,66 @@ class RemoteSource:
         self.shard, self.pool_epoch = (0, 1), 0
         self.snapshot, self.sequence = "", -1
         self._pin = -1
+        self.repo: _icechunk.Repo | None = None  # set when the URL holds an Icechunk repository
+
+    def _pointer(self) -> dict[str, Any]:
+        if self.repo is not None:
+            return self.repo.pointer()
+        try:
+            return _snapshot.read_pointer(self.fs, self.root, self.url)
+        except errors.StoreNotFoundError:
+            if self.url.split("://", 1)[0] not in ("s3", "s3a", "file", "local") or not _icechunk.is_repo(
+                    self.url, self.storage_options):
+                raise
+        self.repo = _icechunk.Repo(self.url, self.storage_options)
+        return self.repo.pointer()
 
     def open(self, lock: threading.RLock) -> Store:
         """The Store of the snapshot the pointer names now, guarded by ``lock``."""
-        return self._open(_snapshot.read_pointer(self.fs, self.root, self.url), lock)
+        return self._open(self._pointer(), lock)
 
     def _mirror(self, pointer: Mapping[str, Any]) -> tuple[Path, Table, int]:
         """The snapshot's checked table and local mirror, pinned (the pin's fd)."""
         snap = str(pointer["snapshot"])
-        table = load_table(self.fs, self.root, self.url, snap, str(pointer["objects"]))
+        extra: dict[str, bytes] = {}
+        fetch_many: Callable[[list[str]], dict[str, bytes | None]]
+        if self.repo is not None:
+            repo = self.repo
+            table = repo.table(pointer)
+
+            def fetch_many(rels: list[str]) -> dict[str, bytes | None]:
+                return {rel: _or_none(repo.fetch, snap, rel) for rel in rels}
+
+            extra = {fmt.MANIFEST: json.dumps(pointer["manifest"]).encode(),
+                     "zarr.json": json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}).encode()}
+        else:
+            table = load_table(self.fs, self.root, self.url, snap, str(pointer["objects"]))
+            fetch_many = _snapshot.fetch_objects(self.fs, self.root, snap, self.url)
         pin = self.files.pin(self.cache / f"{snap}.pin")
         try:
-            return _snapshot.mirror(self.fs, self.root, snap, self.url, self.cache, self.files, table), table, pin
+            return _snapshot.mirror(fetch_many, snap, self.url, self.cache, self.files, table, extra), table, pin
         except BaseException:
             os.close(pin)
             raise
+
+    def _repo_column(self, snap: str, table: Table, name: str, expect: Any) -> RemoteArray:
+        """A data column of an Icechunk commit, read through its verified store."""
+        import zarr
+
+        assert self.repo is not None
+        repo = self.repo
+        store = VerifiedStore(repo.session(snap).store, prefix=name + "/", table=table, cache=self.files,
+                              fetch=lambda rel: repo.fetch(snap, rel))
+        where = f"{self.url}@{snap}/{name}"
+        entry = table.get(f"{name}/zarr.json")
+        if entry is None:
+            raise table.missing(f"{name}/zarr.json")
+        meta = json.loads(self.files.object(entry[1], entry[0], lambda: repo.fetch(snap, f"{name}/zarr.json"),
+                                            lambda data: table.check(f"{name}/zarr.json", data)))
+        raw = isinstance(meta.get("codecs"), list) and bool(meta["codecs"]) and isinstance(meta["codecs"][0], dict) \
+            and meta["codecs"][0].get("name") == "sharding_indexed"
+        fmt.check_array_meta(Path(name), meta, expect, raw=raw)
+        return RemoteArray(zarr.open_array(store=store, mode="r"), where, cache_bytes=64 << 20, alive=None)
 
     def _open(self, pointer: Mapping[str, Any], lock: threading.RLock,
               mirrored: tuple[Path, Table, int] | None = None) -> Store:
@@ -117,6 +165,11 @@ class RemoteSource:
             return data
 
         def opener(name: str, expect: Any) -> RemoteArray:
+            if self.repo is not None:
+                arr = self._repo_column(snap, table, name, expect)
+                opened[name.split("/", 1)[1]] = arr
+                return arr
+
             def wrap(store: Any) -> VerifiedStore:
                 return VerifiedStore(store, prefix=name + "/", table=table, cache=self.files, fetch=fetch, alive=alive)
 
@@ -147,7 +200,7 @@ class RemoteSource:
         A snapshot with another schema is refused (``CorruptStoreError``): the facade
         keeps ``current``. Call with ``lock`` held; close ``current`` after the swap.
         """
-        pointer = _snapshot.read_pointer(self.fs, self.root, self.url)
+        pointer = self._pointer()
         if pointer["snapshot"] == self.snapshot:
             return None
         mirrored = self._mirror(pointer)
@@ -196,3 +249,10 @@ def pool_config(url: str, mode: str, pool: Any) -> PoolConfig | None:
     if pool is not None and not isinstance(pool, PoolConfig):
         raise errors.InvalidArgumentError(f"pool: expected an mb.remote.PoolConfig or None, got {pool!r}")
     return pool
+
+
+def _or_none(fetch: Callable[[str, str], bytes], snap: str, rel: str) -> bytes | None:
+    try:
+        return fetch(snap, rel)
+    except FileNotFoundError:
+        return None

@@ -139,6 +139,11 @@ def remote_errors(url: str) -> Iterator[None]:
         ) from None
     except Exception as exc:  # noqa: BLE001 - sorted by where the exception comes from
         mod = type(exc).__module__.split(".", 1)[0]
+        text = str(exc).lower()
+        if mod == "icechunk" and type(exc).__name__ not in ("ConflictError", "RebaseFailedError"):
+            if not any(w in text for w in ("connect", "dispatch", "credential", "forbidden", "403", "denied", "timeout")):
+                raise errors.CorruptStoreError(f"{url}: the repository cannot be read ({str(exc)[:300]})") from None
+            mod = "botocore"
         if mod in ("botocore", "aiobotocore", "aiohttp", "urllib3", "requests") or isinstance(
                 exc, (ConnectionError, TimeoutError)):
             text = str(exc)

@@ -30,6 +30,7 @@ import re
 import shutil
 import tempfile
 import uuid
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -109,54 +110,63 @@ def cache_root(base: Path, url: str) -> Path:
     return base / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:20]
 
 
-def mirror(fs: Any, root: str, snapshot: str, url: str, folder: Path, cache: Cache, table: Table) -> Path:
+def fetch_objects(fs: Any, root: str, snapshot: str, url: str) -> Callable[[list[str]], dict[str, bytes | None]]:
+    """Fetch a batch of a snapshot's objects concurrently (None: missing)."""
+    snap_root = join(root, SNAPSHOTS, snapshot)
+
+    def fetch(rels: list[str]) -> dict[str, bytes | None]:
+        with remote_errors(url):
+            got = fs.cat([join(snap_root, r) for r in rels], on_error="return")
+        out: dict[str, bytes | None] = {}
+        for rel in rels:
+            data = got.get(join(snap_root, rel))
+            out[rel] = data if isinstance(data, bytes) else None
+        if any(v is None for v in out.values()):
+            check_alive(fs, root, snapshot, url)
+        return out
+
+    return fetch
+
+
+def mirror(fetch: Callable[[list[str]], dict[str, bytes | None]], snapshot: str, url: str, folder: Path, cache: Cache,
+           table: Table, extra: Mapping[str, bytes] | None = None) -> Path:
     """The local mirror of ``snapshot``'s small parts (fetched once per host, verified, then
-    reused); call with the snapshot pinned (``folder/<snapshot>.pin``)."""
+    reused); call with the snapshot pinned (``folder/<snapshot>.pin``). ``extra``: files
+    the commit itself holds (Icechunk: the manifest, the root group)."""
     final = folder / snapshot
     if (final / fmt.MANIFEST).is_file() and not final.is_symlink():
         return final
     with cache.locked(f"locks/{snapshot}"):  # one download per host: the others wait, then reuse it
-        return _mirror(fs, root, snapshot, url, final, cache, table)
+        if (final / fmt.MANIFEST).is_file() and not final.is_symlink():
+            return final
+        rels = []
+        for rel in sorted(table.entries):
+            if not _REL.match(rel) or any(p in (".", "..") for p in rel.split("/")):
+                raise errors.CorruptStoreError(f"{url}: object {rel!r}: expected a name inside the snapshot")
+            m = _DATA_CHUNKS.match(rel)
+            if rel == fmt.LOCK or rel == OBJECTS or (m and m.group(1) not in fmt.RESERVED_NAMES):
+                continue  # data chunks are read remotely, a stale LOCK means nothing here
+            rels.append(rel)
+        blobs: dict[str, bytes] = dict(extra or {})
+        for start in range(0, len(rels), 64):  # fetched concurrently, 64 at a time
+            batch = rels[start:start + 64]
+            for rel, data in fetch(batch).items():
+                if data is None:
+                    raise table.missing(rel)
+                table.check(rel, data)
+                blobs[rel] = data
 
+        def write() -> None:
+            tmp = Path(tempfile.mkdtemp(prefix=f".{snapshot}.partial-", dir=folder))
+            try:
+                for rel, data in blobs.items():
+                    write_file(tmp / rel, data, cache.base)
+                os.rename(tmp, final)
+            finally:
+                if tmp.exists():
+                    shutil.rmtree(tmp)
 
-def _mirror(fs: Any, root: str, snapshot: str, url: str, final: Path, cache: Cache, table: Table) -> Path:
-    folder = final.parent
-    if (final / fmt.MANIFEST).is_file() and not final.is_symlink():
-        return final
-    rels = []
-    for rel in sorted(table.entries):
-        if not _REL.match(rel) or any(p in (".", "..") for p in rel.split("/")):
-            raise errors.CorruptStoreError(f"{url}: object {rel!r}: expected a name inside the snapshot")
-        m = _DATA_CHUNKS.match(rel)
-        if rel == fmt.LOCK or rel == OBJECTS or (m and m.group(1) not in fmt.RESERVED_NAMES):
-            continue  # data chunks are read remotely, a stale LOCK means nothing here
-        rels.append(rel)
-    need = sum(table.entries[r][0] for r in rels)
-    snap_root = join(root, SNAPSHOTS, snapshot)
-    blobs: dict[str, bytes] = {}
-    for start in range(0, len(rels), 64):  # fetched concurrently, 64 at a time
-        batch = rels[start:start + 64]
-        with remote_errors(url):
-            got = fs.cat([join(snap_root, r) for r in batch], on_error="return")
-        for rel in batch:
-            data = got.get(join(snap_root, rel))
-            if not isinstance(data, bytes):
-                check_alive(fs, root, snapshot, url)
-                raise table.missing(rel)
-            table.check(rel, data)
-            blobs[rel] = data
-
-    def write() -> None:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{snapshot}.partial-", dir=folder))
-        try:
-            for rel, data in blobs.items():
-                write_file(tmp / rel, data, cache.base)
-            os.rename(tmp, final)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp)
-
-    cache.admit(need, write)
+        cache.admit(sum(len(b) for b in blobs.values()), write)
     return final
 
 
