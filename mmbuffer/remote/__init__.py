@@ -88,6 +88,7 @@ class RemoteSource:
         self.snapshot, self.sequence = "", -1
         self._pin = -1
         self.repo: _icechunk.Repo | None = None  # set when the URL holds an Icechunk repository
+        self.table = Table({}, self.url, "")  # the open snapshot's object table
 
     def _pointer(self) -> dict[str, Any]:
         if self.repo is not None:
@@ -192,7 +193,32 @@ class RemoteSource:
             arr.attach(pool)
         self.close()  # the previous snapshot's pool and pin: its store is swapped out under the same lock
         self.pool, self.snapshot, self.sequence, self._pin = pool, snap, int(pointer["sequence"]), pin
+        self.table = table
         return store
+
+    def check_objects(self) -> tuple[int, int, list[str]]:
+        """Fetch every object of the open snapshot anew and check it against the snapshot's
+        table (``mmbuffer verify URL``): ``(objects, bytes, problems)``."""
+        snap, table = self.snapshot, self.table
+        fetch_many: Callable[[list[str]], dict[str, bytes | None]]
+        if self.repo is not None:
+            repo = self.repo
+
+            def fetch_many(rels: list[str]) -> dict[str, bytes | None]:
+                return {rel: _or_none(repo.fetch, snap, rel) for rel in rels}
+        else:
+            fetch_many = _snapshot.fetch_objects(self.fs, self.root, snap, self.url)
+        rels, problems, total = sorted(table.entries), [], 0
+        for start in range(0, len(rels), 64):
+            for rel, data in fetch_many(rels[start:start + 64]).items():
+                try:
+                    if data is None:
+                        raise table.missing(rel)
+                    table.check(rel, data)
+                    total += len(data)
+                except errors.CorruptStoreError as exc:
+                    problems.append(str(exc))
+        return len(rels), total, problems
 
     def refresh(self, current: Store, lock: threading.RLock) -> Store | None:
         """The newest published snapshot as a new Store, or None when ``current`` is it.

@@ -263,3 +263,34 @@ def test_a_read_only_cache_dir_is_a_typed_error(tmp_path, s3, tmpfs):
     disk = tmpfs("1m", "ro")
     with pytest.raises(errors.CacheError, match=f"cache_dir {disk}: expected a writable directory"):
         mb.open(url, mode="r", cache_dir=disk)
+
+
+# -- the command line on URLs ------------------------------------------------------------------------
+@pytest.mark.parametrize("engine", ["snapshots", "icechunk"])
+def test_info_and_verify_take_a_url_and_verify_finds_a_flipped_chunk(tmp_path, s3, fs, capsys, engine, monkeypatch):
+    if engine == "icechunk":
+        pytest.importorskip("icechunk")
+    from mmbuffer._cli.main import main
+
+    monkeypatch.setenv("MMBUFFER_CACHE_DIR", str(tmp_path / "cache"))
+    bucket = new_bucket(s3)
+    url = f"s3://{bucket}/store"
+    make_local(tmp_path / "local")
+    published_ = mb.convert.publish(tmp_path / "local", url, engine=engine, progress=False)
+    assert main(["info", url, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    with mb.open(tmp_path / "local", mode="r") as local:
+        assert (summary["rows"], summary["episodes"]) == (len(local), local.num_episodes)
+    assert (summary["snapshot"], summary["engine"], summary["path"]) == (published_["snapshot"], engine, url)
+    assert main(["verify", url]) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("ok") and f"of snapshot {published_['snapshot']}" in out
+    if engine == "snapshots":
+        key = a_chunk(fs, f"{bucket}/store")
+    else:
+        key = sorted(fs.find(f"{bucket}/store/chunks"), key=lambda k: -len(fs.cat_file(k)))[0]  # the largest chunk
+    fs.pipe_file(key, flip(fs.cat_file(key)))
+    assert main(["verify", url]) == 1
+    out = capsys.readouterr().out
+    assert "problem:" in out and "expected BLAKE2b-128" in out and out.rstrip().endswith("FAILED")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "local"]
