@@ -6,10 +6,13 @@ itself a Zarr group that zarr-python, xarray or tensorstore read directly)::
     URL/zarr.json                 group metadata
     URL/current.json              {"format": "mmbuffer-remote", "snapshot": ID, ...}
     URL/snapshots/ID/...          one published store, never modified once written
+    URL/snapshots/ID/objects.json its object table: size and digest of every object
+                                  (the pointer holds the table's digest: ``_objects.py``)
 
 Publishing uploads a new snapshot completely, then replaces ``current.json`` with one
 PUT (atomic on S3, GCS, Azure): a reader sees the old snapshot or the new one, never
-a half-written store. One publisher per URL at a time (nothing arbitrates two). A reader pins the snapshot it opened; ``refresh()`` moves to
+a half-written store. One publisher per URL at a time (nothing arbitrates two here;
+``engine="icechunk"``, ``_icechunk.py``, refuses the second). A reader pins the snapshot it opened; ``refresh()`` moves to
 the newest. Publishing keeps the ``keep`` newest snapshots and deletes older ones it
 wrote (their ``manifest.json`` first: a reader that finds it gone after a read knows
 its data may be missing and raises instead of returning zeros, see ``check_alive``).
