@@ -145,3 +145,64 @@ def test_the_pool_samples_an_icechunk_store(tmp_path, s3):
             b = ro.sample(16)
             torch.testing.assert_close(b.data["x"], local.get(b.indices, keys=["x"])["x"], rtol=0, atol=0)
         assert set((b.indices // ro.remote.pool.block_rows).tolist()) <= set(ro.remote.pool.held_blocks())
+
+
+_PUBLISHER = """
+import sys, dataclasses
+from mmbuffer._disk import format as fmt
+fmt.config = dataclasses.replace(fmt.config, chunk_bytes=1024)
+import mmbuffer as mb
+import icechunk, s3fs
+print("ready", flush=True)
+mb.convert.publish(sys.argv[1], sys.argv[2], engine="icechunk", progress=False)
+"""
+
+
+@pytest.mark.slow
+def test_a_publisher_killed_at_random_instants_leaves_a_whole_commit(tmp_path, s3):
+    """50 publishers killed (SIGKILL) at random instants, alternating two stores: after
+    each, a reader opens exactly one of them (never a mix), and a restarted publisher
+    commits."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    url = f"s3://{new_bucket(s3)}/repo"
+    make(tmp_path / "a")
+    make(tmp_path / "b", episodes=60)
+    extend(tmp_path / "b", 20, start=10**6, seed=3)
+    with mb.open(tmp_path / "a", mode="r") as a, mb.open(tmp_path / "b", mode="r") as b:
+        states = {"a": everything(a), "b": everything(b)}
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(p) for p in sys.path if p]))
+
+    def start(which: str) -> subprocess.Popen:
+        p = subprocess.Popen([sys.executable, "-c", _PUBLISHER, str(tmp_path / which), url], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        assert p.stdout is not None and p.stdout.readline() == b"ready\n"  # imports done: the publish begins
+        p.stdout.close()
+        return p
+
+    p = start("a")
+    t0 = time.perf_counter()
+    assert p.wait() == 0
+    span = time.perf_counter() - t0  # one whole publish
+    rng = np.random.default_rng(0)
+    kills = published = i = 0
+    while kills < 50 and i < 150:
+        which, i = "ab"[i % 2], i + 1
+        p = start(which)
+        try:
+            p.wait(timeout=float(rng.uniform(0.2, 1.0)) * span)
+            published += p.returncode == 0
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            kills += 1
+        with mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None) as ro:
+            got = everything(ro)
+        assert any(np.array_equal(got, s) for s in states.values()), i  # one store whole, never a mix
+    assert kills >= 50 and published >= 1  # killed at 50 instants, and some publishes completed between
+    assert start("b").wait() == 0  # a restarted publisher commits on top of whatever survived
+    with mb.open(url, mode="r", cache_dir=tmp_path / "c2", pool=None) as ro:
+        np.testing.assert_array_equal(everything(ro), states["b"])
