@@ -150,7 +150,7 @@ def main() -> None:
             ro = mb.open(url, mode="r", cache_dir=Path(tmp) / "cache",
                          pool=PoolConfig(blocks=args.pool_blocks, rotate_every=every))
             open_s = time.perf_counter() - t0
-            pool = ro.pool
+            pool = ro.remote.pool
             assert pool is not None
             t0 = time.perf_counter()
             pool.advance()  # the first fill: blocks + prefetch, fetched in order
