@@ -169,7 +169,16 @@ def publish_repo(url: str, store: Path, storage_options: Mapping[str, Any] | Non
 
     proto = default_buffer_prototype()
     with remote_errors(url):
-        repo = ic.Repository.open_or_create(storage(url, storage_options))
+        where = storage(url, storage_options)
+        if not ic.Repository.exists(where):
+            from .._disk.urls import filesystem
+
+            fs, root = filesystem(url, storage_options)
+            if fs.exists(root) and fs.find(root):
+                raise errors.StoreExistsError(
+                    f"{url}: expected an empty prefix or an Icechunk repository mmbuffer published, got other objects "
+                    "(a store published with engine='snapshots'?); nothing was changed")
+        repo = ic.Repository.open_or_create(where)
         session = repo.writable_session(BRANCH)
     head = _get(session.store, "zarr.json")
     prev_attrs = (json.loads(head).get("attributes") or {}).get(_ATTR) if head else None

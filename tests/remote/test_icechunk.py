@@ -206,3 +206,19 @@ def test_a_publisher_killed_at_random_instants_leaves_a_whole_commit(tmp_path, s
     assert start("b").wait() == 0  # a restarted publisher commits on top of whatever survived
     with mb.open(url, mode="r", cache_dir=tmp_path / "c2", pool=None) as ro:
         np.testing.assert_array_equal(everything(ro), states["b"])
+
+
+def test_icechunk_refuses_a_prefix_holding_other_objects(tmp_path, s3):
+    import fsspec
+
+    bucket = new_bucket(s3)
+    fs = fsspec.filesystem("s3", endpoint_url=s3, skip_instance_cache=True)
+    fs.pipe(f"{bucket}/theirs/data.csv", b"a,b\n")
+    make(tmp_path / "local", episodes=4)
+    mb.convert.copy(tmp_path / "local", f"s3://{bucket}/snap", progress=False)  # engine="snapshots"
+    for prefix in ("theirs", "snap"):
+        before = sorted(fs.find(f"{bucket}/{prefix}"))
+        with pytest.raises(errors.StoreExistsError, match="expected an empty prefix or an Icechunk repository"):
+            mb.convert.publish(tmp_path / "local", f"s3://{bucket}/{prefix}", engine="icechunk", progress=False)
+        fs.invalidate_cache()
+        assert sorted(fs.find(f"{bucket}/{prefix}")) == before  # nothing was changed
