@@ -11,7 +11,9 @@ Under ``cache_dir``::
 An object is written to a temporary name and renamed into place once complete and
 verified (atomic: a reader sees all of it or nothing), under its stripe's lock, so
 concurrent readers of one host download it once. Content addressing makes objects
-shared across snapshots: a refresh downloads only the chunks that changed.
+shared across snapshots: a refresh downloads only the chunks that changed. A cached
+object is checked again on every read from this disk; one that changed here is fetched
+anew.
 
 ``limit`` (``cache_limit``, bytes) bounds everything above: before writing ``n`` bytes
 the cache takes ``.lock``, evicts least recently used objects and
@@ -207,11 +209,11 @@ class Cache:
     def object(self, key: str, size: int, fetch: Callable[[], bytes], check: Callable[[bytes], None]) -> bytes:
         """The object of digest ``key``: from the cache, or fetched (once per host), checked, kept."""
         path = self.base / "objects" / key[:2] / key
-        data = self._read(path, size)
+        data = self._read(path, size, check)
         if data is not None:
             return data
         with self.locked(f"locks/{key[:3]}"):
-            data = self._read(path, size)
+            data = self._read(path, size, check)
             if data is not None:
                 return data
             data = fetch()
@@ -221,14 +223,20 @@ class Cache:
         return data
 
     @staticmethod
-    def _read(path: Path, size: int) -> bytes | None:
+    def _read(path: Path, size: int, check: Callable[[bytes], None]) -> bytes | None:
+        """The cached object, checked again (a file changed on this disk is fetched anew)."""
         try:
             with open(path, "rb") as f:
                 data = f.read()
                 os.utime(f.fileno())  # last use, for LRU
+            check(data)
         except (FileNotFoundError, PermissionError):
             return None
-        return data if len(data) == size else None
+        except errors.CorruptStoreError:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            return None
+        return data
 
 
 def write_file(path: Path, data: bytes | memoryview, base: Path) -> None:

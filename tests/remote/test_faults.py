@@ -294,3 +294,18 @@ def test_info_and_verify_take_a_url_and_verify_finds_a_flipped_chunk(tmp_path, s
     out = capsys.readouterr().out
     assert "problem:" in out and "expected BLAKE2b-128" in out and out.rstrip().endswith("FAILED")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "local"]
+
+
+def test_an_object_changed_in_the_host_cache_is_fetched_anew(tmp_path, s3):
+    url, _ = published(tmp_path, s3)
+    with mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None) as ro:
+        want = read_everything(ro)["x"].numpy()
+        cached = sorted(p for p in (tmp_path / "c" / "objects").rglob("*") if p.is_file())
+        assert cached
+        for p in cached:
+            p.write_bytes(flip(p.read_bytes()))  # bit rot, or another user, on the local disk
+        ro.store.column("x").release()
+        ro.store.column("obs").release()
+        before = ro.remote.files.downloads
+        np.testing.assert_array_equal(read_everything(ro)["x"].numpy(), want)
+        assert ro.remote.files.downloads > before  # refetched from the server, checked again
