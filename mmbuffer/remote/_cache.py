@@ -23,6 +23,19 @@ naming ``cache_dir``, the limit and the bytes needed. A full disk is a
 :class:`~mmbuffer.errors.DiskFullError` naming them too; a pool file is reserved
 with ``posix_fallocate`` before it is mapped, so a full disk never truncates a map
 (never SIGBUS).
+
+>>> import tempfile
+>>> from mmbuffer.remote._objects import digest
+>>> cache = Cache(Path(tempfile.mkdtemp()), limit=10)
+>>> obj = lambda data: cache.object(digest(data), len(data), lambda: data, lambda got: None)
+>>> obj(b"123456"), obj(b"abcdef"), cache.downloads  # the second evicts the first
+(b'123456', b'abcdef', 2)
+>>> cache.used() <= 10, obj(b"abcdef"), cache.downloads  # a hit: no download
+(True, b'abcdef', 2)
+>>> obj(b"far too large")
+Traceback (most recent call last):
+...
+mmbuffer.errors.CacheError: [Errno 28] cache_dir ...: expected room for 13 more bytes within cache_limit=10, got 10 free after evicting everything not in use; raise cache_limit
 """
 
 from __future__ import annotations
