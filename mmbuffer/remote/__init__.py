@@ -113,8 +113,9 @@ class RemoteSource:
         """The Store of the snapshot the pointer names now, guarded by ``lock``."""
         return self._open(self._pointer(), lock)
 
-    def _mirror(self, pointer: Mapping[str, Any]) -> tuple[Path, Table, int]:
-        """The snapshot's checked table and local mirror, pinned (the pin's fd)."""
+    def _mirror(self, pointer: Mapping[str, Any], previous: Path | None = None) -> tuple[Path, Table, int]:
+        """The snapshot's checked table and local mirror, pinned (the pin's fd); files
+        unchanged since ``previous`` (the mirror open now) are linked from it."""
         snap = str(pointer["snapshot"])
         extra: dict[str, bytes] = {}
         fetch_many: Callable[[list[str]], dict[str, bytes | None]]
@@ -132,7 +133,8 @@ class RemoteSource:
             fetch_many = _snapshot.fetch_objects(self.fs, self.root, snap, self.url)
         pin = self.files.pin(self.cache / f"{snap}.pin")
         try:
-            return _snapshot.mirror(fetch_many, snap, self.url, self.cache, self.files, table, extra), table, pin
+            before = (previous, self.table) if previous is not None and self.table.entries else None
+            return _snapshot.mirror(fetch_many, snap, self.url, self.cache, self.files, table, extra, before), table, pin
         except BaseException:
             os.close(pin)
             raise
@@ -236,7 +238,7 @@ class RemoteSource:
         pointer = self._pointer()
         if pointer["snapshot"] == self.snapshot:
             return None
-        mirrored = self._mirror(pointer)
+        mirrored = self._mirror(pointer, Path(current.path))
         old, new = load_manifest(Path(current.path)).schema(), load_manifest(mirrored[0]).schema()
         if old != new:
             os.close(mirrored[2])

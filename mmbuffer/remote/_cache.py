@@ -76,12 +76,29 @@ def disk_errors(base: Path, need: int) -> Iterator[None]:
         raise
 
 
-def _size(path: Path) -> int:
+def _size(path: Path, seen: set[tuple[int, int]] | None = None) -> int:
+    """Bytes of the files under ``path``, each inode once (mirrors share unchanged files
+    with the mirror before them by hard link)."""
+    seen = set() if seen is None else seen
     total = 0
     for dirpath, _, files in os.walk(path):
         for f in files:
             with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(dirpath, f)).st_size
+                st = os.lstat(os.path.join(dirpath, f))
+                if (st.st_dev, st.st_ino) not in seen:
+                    seen.add((st.st_dev, st.st_ino))
+                    total += st.st_size
+    return total
+
+
+def _own_bytes(path: Path) -> int:
+    """Bytes that removing ``path`` frees: its files no other link keeps."""
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            with contextlib.suppress(OSError):
+                st = os.lstat(os.path.join(dirpath, f))
+                total += st.st_size if st.st_nlink == 1 else 0
     return total
 
 
@@ -94,6 +111,7 @@ class Cache:
         self.base = base
         self.limit = limit
         self.downloads = 0  # objects this process fetched from object storage
+        self.mirror_bytes = 0  # bytes of snapshots' small parts this process fetched
         with disk_errors(base, 0):
             (base / "objects").mkdir(parents=True, exist_ok=True)
             (base / "locks").mkdir(exist_ok=True)
@@ -150,16 +168,17 @@ class Cache:
         assert self.limit is not None
         items: list[tuple[float, int, Path, Path | None]] = []  # (last use, bytes, path, pin)
         used = 0
+        seen: set[tuple[int, int]] = set()
         for sub in sorted(self.base.iterdir()):
             if sub.name in ("objects", "locks") or not sub.is_dir():
                 continue
             for entry in sub.iterdir():
                 if entry.is_dir() and _ID.match(entry.name):
-                    size = _size(entry)
+                    size = _size(entry, seen)
                     pin = sub / f"{entry.name}.pin"
                     items.append((pin.stat().st_mtime if pin.exists() else 0.0, size, entry, pin))
                 elif entry.is_dir():  # pools and partial mirrors: held by their process
-                    size = _size(entry)
+                    size = _size(entry, seen)
                     pin = entry / ".pin"
                     if pin.exists() and entry.name.startswith("pool-"):
                         items.append((float("-inf"), size, entry, pin))  # an orphan goes first
@@ -184,8 +203,8 @@ class Cache:
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
                 used -= size
-            elif self._drop_unpinned(path, lock):
-                used -= size
+            else:
+                used -= self._drop_unpinned(path, lock)
         if used + need > self.limit:
             raise errors.CacheError(
                 errno.ENOSPC, f"cache_dir {self.base}: expected room for {need} more bytes within cache_limit="
@@ -193,18 +212,20 @@ class Cache:
         return used
 
     @staticmethod
-    def _drop_unpinned(path: Path, pin: Path) -> bool:
+    def _drop_unpinned(path: Path, pin: Path) -> int:
+        """Remove ``path`` unless a reader pins it: the bytes freed."""
         try:
             fd = os.open(pin, os.O_RDWR)
         except FileNotFoundError:
-            return False
+            return 0
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                return False  # in use by a reader
+                return 0  # in use by a reader
+            freed = _own_bytes(path)
             shutil.rmtree(path, ignore_errors=True)
-            return True
+            return freed
         finally:
             os.close(fd)
 

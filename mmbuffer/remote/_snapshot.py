@@ -132,10 +132,13 @@ def fetch_objects(fs: Any, root: str, snapshot: str, url: str) -> Callable[[list
 
 
 def mirror(fetch: Callable[[list[str]], dict[str, bytes | None]], snapshot: str, url: str, folder: Path, cache: Cache,
-           table: Table, extra: Mapping[str, bytes] | None = None) -> Path:
+           table: Table, extra: Mapping[str, bytes] | None = None, previous: tuple[Path, Table] | None = None) -> Path:
     """The local mirror of ``snapshot``'s small parts (fetched once per host, verified, then
     reused); call with the snapshot pinned (``folder/<snapshot>.pin``). ``extra``: files
-    the commit itself holds (Icechunk: the manifest, the root group)."""
+    the commit itself holds (Icechunk: the manifest, the root group). ``previous``: the
+    mirror open now and its table (pinned): a file whose digest did not change is hard
+    linked from it, not fetched (a refresh fetches what changed). ``cache.mirror_bytes``
+    counts the bytes fetched."""
     final = folder / snapshot
     if (final / fmt.MANIFEST).is_file() and not final.is_symlink():
         return final
@@ -151,25 +154,37 @@ def mirror(fetch: Callable[[list[str]], dict[str, bytes | None]], snapshot: str,
                 continue  # data chunks are read remotely, a stale LOCK means nothing here
             rels.append(rel)
         blobs: dict[str, bytes] = dict(extra or {})
-        for start in range(0, len(rels), 64):  # fetched concurrently, 64 at a time
-            batch = rels[start:start + 64]
+        same = [r for r in rels if previous is not None and previous[1].get(r) == table.get(r)
+                and (previous[0] / r).is_file()]
+        todo = [r for r in rels if r not in set(same)]
+        for start in range(0, len(todo), 64):  # fetched concurrently, 64 at a time
+            batch = todo[start:start + 64]
             for rel, data in fetch(batch).items():
                 if data is None:
                     raise table.missing(rel)
                 table.check(rel, data)
                 blobs[rel] = data
+                cache.mirror_bytes += len(data)
 
         def write() -> None:
             tmp = Path(tempfile.mkdtemp(prefix=f".{snapshot}.partial-", dir=folder))
             try:
                 for rel, data in blobs.items():
                     write_file(tmp / rel, data, cache.base)
+                for rel in same:  # immutable files of the pinned previous mirror: linked (copied across devices)
+                    assert previous is not None
+                    (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                    try:
+                        os.link(previous[0] / rel, tmp / rel)
+                    except OSError:
+                        shutil.copyfile(previous[0] / rel, tmp / rel)
                 os.rename(tmp, final)
             finally:
                 if tmp.exists():
                     shutil.rmtree(tmp)
 
-        cache.admit(sum(len(b) for b in blobs.values()), write)
+        # linked files take no new space; counted anyway (the next scan counts each inode once)
+        cache.admit(sum(len(b) for b in blobs.values()) + sum(table.entries[r][0] for r in same), write)
     return final
 
 
