@@ -31,7 +31,8 @@ Safety: every object read is checked against its snapshot's object table
 (``_objects.py``), kept by digest in the host's bounded, shared cache (``_cache.py``:
 ``cache_limit``, LRU eviction, one download per object per host, typed errors for a
 full or unwritable ``cache_dir``); ``engine="icechunk"`` publishes incrementally and
-transactionally (``_icechunk.py``).
+transactionally (``_icechunk.py``); ``refresh()`` fetches only the small parts whose
+digest changed (the rest is hard linked from the mirror open before).
 
 What a real multi-node deployment still needs (not built here): the episode index
 (``index/ends``, 16 bytes per row of capacity), the done flags and the final
