@@ -14,8 +14,14 @@ loopback (moto's server mode, started here), and measures, in the same run:
 * pool refill throughput: decoded MB per second of a block fetch (zstd chunks through
   zarr + s3fs), measured on the first fill of the pool.
 
+With ``--publish``, instead: the cost of publishing after 1% new rows against a full
+publish, for both engines (``snapshots``: a full copy per publish; ``icechunk``: only
+the objects whose digest changed, one commit), in the same run: seconds (including the
+local zstd copy, O(store) for both) and bytes added under the URL (the bucket's size
+before and after, so Icechunk's own snapshot and manifest files count).
+
 moto is a Python server: its throughput, not S3's, bounds the remote figures here.
-Run: ``python benchmarks/bench_remote.py [--rows 1000000]``.
+Run: ``python benchmarks/bench_remote.py [--rows 1000000] [--publish]``.
 """
 
 from __future__ import annotations
@@ -52,6 +58,50 @@ def build(path: Path, rows: int, episode: int) -> None:
                        final_obs={"obs": np.zeros((int(done.sum()), 17), np.float32)})
 
 
+def publish_costs(tmp: Path, endpoint: str, rows: int, episode: int) -> None:
+    """Full publish, then 1% new rows and a second publish, per engine (module docstring)."""
+    import fsspec
+
+    from s3server import new_bucket
+
+    rng = np.random.default_rng(0)
+    cols = {"obs": ((17,), "float32"), "action": ((6,), "float32"), "reward": ((), "float32")}
+    local = tmp / "pub"
+
+    def add(buf: mb.Buffer, start: int, n: int) -> None:
+        done = (np.arange(start, start + n) % episode) == episode - 1
+        buf.extend({"obs": rng.standard_normal((n, 17), dtype=np.float32),
+                    "action": rng.standard_normal((n, 6), dtype=np.float32),
+                    "reward": rng.standard_normal(n, dtype=np.float32), "terminated": done},
+                   final_obs={"obs": np.zeros((int(done.sum()), 17), np.float32)})
+
+    with mb.create(local, cols, capacity=int(rows * 1.05)) as buf:
+        for start in range(0, rows, 250_000):
+            add(buf, start, min(250_000, rows - start))
+    fs = fsspec.filesystem("s3", endpoint_url=endpoint, skip_instance_cache=True)
+    urls = {e: f"s3://{new_bucket(endpoint)}/pub" for e in ("snapshots", "icechunk")}
+
+    def size(url: str) -> int:
+        fs.invalidate_cache()
+        return int(sum(fs.du(url[5:], total=False).values())) if fs.exists(url[5:]) else 0
+
+    out: dict[tuple[str, str], tuple[float, int]] = {}
+    for step in ("full", "after 1% new rows"):
+        if step != "full":
+            with mb.open(local) as buf:
+                add(buf, rows, rows // 100)
+        for engine, url in urls.items():  # interleaved: both engines publish the same state
+            before = size(url)
+            t0 = time.perf_counter()
+            mb.convert.publish(local, url, engine=engine, progress=False)
+            out[(engine, step)] = (time.perf_counter() - t0, size(url) - before)
+    print(f"| engine | publish | seconds | MB added under the URL | vs full |")
+    print("|---|---|---:|---:|---:|")
+    for (engine, step), (sec, added) in out.items():
+        full = out[(engine, "full")][1]
+        print(f"| {engine} | {step} | {sec:.1f} | {added / 1e6:.2f} | {added / full:.3f} |")
+
+
 def rate(buf: mb.Buffer, batches: int, b: int, length: int, seed: int = 0) -> float:
     """Slices per second over ``batches`` draws of ``b`` x ``length``."""
     g = torch.Generator().manual_seed(seed)
@@ -71,10 +121,15 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=200)
     ap.add_argument("--pool-blocks", type=int, default=2, help="PoolConfig.blocks (default 2: the pool rotates)")
     ap.add_argument("--rotate-every", type=int, nargs="+", default=[8, 32, 128], help="PoolConfig.rotate_every values")
+    ap.add_argument("--publish", action="store_true", help="measure publish costs only (full vs after 1%% new rows)")
     args = ap.parse_args()
     from s3server import moto_s3, new_bucket
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    if args.publish:
+        with tempfile.TemporaryDirectory() as tmp, moto_s3() as endpoint:
+            publish_costs(Path(tmp), endpoint, args.rows, args.episode)
+        return
     with tempfile.TemporaryDirectory() as tmp, moto_s3() as endpoint:
         local = Path(tmp) / "local"
         build(local, args.rows, args.episode)
@@ -95,7 +150,7 @@ def main() -> None:
             ro = mb.open(url, mode="r", cache_dir=Path(tmp) / "cache",
                          pool=PoolConfig(blocks=args.pool_blocks, rotate_every=every))
             open_s = time.perf_counter() - t0
-            pool = ro.pool
+            pool = ro.remote.pool
             assert pool is not None
             t0 = time.perf_counter()
             pool.advance()  # the first fill: blocks + prefetch, fetched in order

@@ -30,6 +30,8 @@ __all__ = [
     "NoValidSliceError",
     "RowNotLiveError",
     "ConversionError",
+    "RemoteAccessError",
+    "CacheError",
 ]
 
 
@@ -102,3 +104,16 @@ class RowNotLiveError(MMBufferError, IndexError):
 
 class ConversionError(MMBufferError, ValueError):
     """A dataset file is not of the declared format, or is inconsistent."""
+
+
+class RemoteAccessError(MMBufferError, OSError):
+    """Object storage could not be reached or refused the request: an endpoint that does
+    not answer, missing or wrong credentials, no permission on the bucket. The message
+    names the URL and what the server (or the network) said; nothing was changed."""
+
+
+class CacheError(MMBufferError, OSError):
+    """The local cache of a remote store (``cache_dir``) cannot take what a read needs:
+    the directory is unwritable, or ``cache_limit`` is below the bytes that must be held
+    at once. The message names ``cache_dir`` and the bytes needed. (A full disk there
+    is a :class:`DiskFullError`.)"""

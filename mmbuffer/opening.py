@@ -76,21 +76,23 @@ def create(
 
 def open(  # noqa: A001 - API name
     path: str | os.PathLike[str], mode: str = "a", *, cache_dir: str | os.PathLike[str] | None = None,
-    storage_options: Mapping[str, Any] | None = None, pool: Any = "default",
+    storage_options: Mapping[str, Any] | None = None, pool: Any = "default", cache_limit: int | None = None,
 ) -> Buffer:
     """Open an existing store: ``mode="a"`` the single writer, ``mode="r"`` a reader.
 
     A URL (``s3://bucket/prefix/store``, ``gs://``, ``file://``, any fsspec URL) opens a
     published store read-only (a ``Buffer`` over a :class:`~mmbuffer.remote.RemoteSource`); ``cache_dir``,
-    ``storage_options`` and ``pool`` are its options (a local path takes none of them).
+    ``cache_limit`` (bytes held there at most; None: unbounded), ``storage_options`` and ``pool``
+    are its options (a local path takes none of them).
     """
     if is_url(path):
         from .remote import RemoteSource, pool_config
 
         config = pool_config(str(path), mode, pool)
-        return Buffer(path, "r", source=RemoteSource(str(path), cache_dir=cache_dir, storage_options=storage_options, pool=config))
-    if cache_dir is not None or storage_options is not None or pool != "default":
+        return Buffer(path, "r", source=RemoteSource(
+            str(path), cache_dir=cache_dir, storage_options=storage_options, pool=config, cache_limit=cache_limit))
+    if cache_dir is not None or storage_options is not None or pool != "default" or cache_limit is not None:
         raise errors.InvalidArgumentError(
-            f"cache_dir, storage_options, pool: expected none of them for the local path {str(path)!r} (they are for URLs)"
+            f"cache_dir, cache_limit, storage_options, pool: expected none of them for the local path {str(path)!r} (they are for URLs)"
         )
     return Buffer(path, mode)

@@ -31,13 +31,33 @@ def _human(n: float) -> str:
     return str(n)
 
 
+def _remote(url: str) -> Any:
+    """The published store at ``url``, its snapshot opened read-only (exact reads, no pool)."""
+    import threading
+
+    from ..remote import RemoteSource
+
+    source = RemoteSource(url, pool=None)
+    return source, source.open(threading.RLock())
+
+
 def info(path: str) -> dict[str, Any]:
-    """A summary of the store at ``path`` (opened read-only, without torch)."""
+    """A summary of the store at ``path`` (opened read-only, without torch), or of the
+    snapshot a URL's pointer names now (``snapshot``, ``sequence``, ``engine`` added)."""
+    from .._disk.urls import is_url
     from .._ledger.store import Store
 
-    _check_store_path(path)
-    buf = Store(path, mode="r")
-    used, apparent = _disk_usage(Path(path))
+    extra: dict[str, Any] = {}
+    if is_url(path):
+        source, buf = _remote(path)
+        used = apparent = sum(size for size, _ in source.table.entries.values())
+        extra = {"snapshot": source.snapshot, "sequence": source.sequence,
+                 "engine": "icechunk" if source.repo is not None else "snapshots"}
+        source.close()
+    else:
+        _check_store_path(path)
+        buf = Store(path, mode="r")
+        used, apparent = _disk_usage(Path(path))
     out: dict[str, Any] = {
         "path": str(path),
         "generation": buf.generation,
@@ -64,7 +84,7 @@ def info(path: str) -> dict[str, Any]:
             "min": tree.min_live(ptree),
             "max": tree.max_live(ptree),
         }
-    return out
+    return {**out, **extra}
 
 
 _MAGIC = {b"\x89HDF\r\n\x1a\n": "an HDF5 file (D4RL? mmbuffer convert d4rl PATH STORE)",
@@ -121,9 +141,12 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
+    from .._disk.urls import is_url
     from .._ledger.store import Store
     from .._ledger.verify import verify
 
+    if is_url(args.path):
+        return _verify_url(args)
     _check_store_path(args.path)
     if args.repair:  # the writer (it takes the lock and commits): the full package
         from ..opening import open as open_buffer
@@ -143,6 +166,31 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         print("repaired: index and tree rewritten from the data and committed")
     print("ok" if report["ok"] else ("repaired" if report["repaired"] else "FAILED"))
     return 0 if report["ok"] or report["repaired"] else 1
+
+
+def _verify_url(args: argparse.Namespace) -> int:
+    """``verify URL``: every object of the current snapshot fetched and checked against
+    the snapshot's table, then the store's own checks (index, tree) on it."""
+    from .. import errors
+    from .._ledger.verify import verify
+
+    if args.repair:
+        raise errors.InvalidArgumentError(f"--repair: expected a local store (a published snapshot is immutable), got {args.path!r}")
+    source, store = _remote(args.path)
+    try:
+        objects, nbytes, problems = source.check_objects()
+        report: dict[str, Any] = verify(store, repair=False) if not problems else {"ok": False, "problems": [], "notes": []}
+    finally:
+        store.close()
+        source.close()
+    for line in problems + report["problems"]:
+        print("problem:", line)
+    for line in report["notes"]:
+        print("note:", line)
+    print(f"checked {objects} objects ({_human(nbytes)}) of snapshot {source.snapshot}")
+    ok = not problems and report["ok"]
+    print("ok" if ok else "FAILED")
+    return 0 if ok else 1
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

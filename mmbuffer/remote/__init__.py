@@ -27,20 +27,30 @@ how that changes the distribution); ``pool=None`` reads exactly, on demand.
 Publishing (``mb.convert.copy(src, url)``, ``mb.convert.publish``: ``convert/_pipeline/publish.py``)
 and snapshots: ``_snapshot.py``.
 
-What a real multi-node deployment still needs (not built here): publishing is a
-full copy per snapshot (an incremental publish of the chunks written since the last
-one would make frequent publishing cheap); the raw arrays of a snapshot (final
-observations, flags, index, tree) are uploaded and fetched whole and dense, which
-costs about 16 bytes per row of capacity plus the final observations; a reader
-pinned to a snapshot that ``keep`` has pruned fails (typed) and must ``refresh()``;
-the mirror directories under ``cache_dir`` are never deleted by mmbuffer; and the
-pool rotates blocks by draw count, with no adaptive prefetch depth for slow links.
+Safety: every object read is checked against its snapshot's object table
+(``_objects.py``), kept by digest in the host's bounded, shared cache (``_cache.py``:
+``cache_limit``, LRU eviction, one download per object per host, typed errors for a
+full or unwritable ``cache_dir``); ``engine="icechunk"`` publishes incrementally and
+transactionally (``_icechunk.py``); ``refresh()`` fetches only the small parts whose
+digest changed (the rest is hard linked from the mirror open before).
+
+What a real multi-node deployment still needs (not built here): the episode index
+(``index/ends``, 16 bytes per row of capacity), the done flags and the final
+observations are single dense objects, rewritten whole by an incremental publish and
+fetched whole by a reader (at 1e6 rows, 1% new rows: 22 MB written, 12% of a full
+publish, 17 MB of it the index); a publish still compresses the whole store locally
+before comparing digests (O(store) CPU); the Icechunk engine never expires old
+commits (``Repository.expire_snapshots`` + ``garbage_collect`` are the tools); writer
+groups owning disjoint arrays of one repository, prefetch ahead of the sampler across
+refreshes, and resumable distributed sampling over a newer snapshot are not built.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import threading
+from collections.abc import Callable
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -50,8 +60,12 @@ from .._disk.columns.remote import RemoteArray
 from .._disk.urls import filesystem
 from .._ledger.manifest import load_manifest
 from .._ledger.store import Store
-from . import _snapshot
+from .._disk import format as fmt
+from . import _icechunk, _snapshot
+from ._cache import Cache
+from ._objects import Table, load_table, remote_errors
 from ._pool import ChunkPool, PoolConfig, PooledSampler
+from ._verified import VerifiedStore
 
 __all__ = ["ChunkPool", "PoolConfig", "RemoteSource", "pool_config"]
 
@@ -63,49 +77,158 @@ class RemoteSource:
     (small arrays mirrored into ``cache``, data columns read through zarr and the
     :class:`ChunkPool`), routes sampler specs through the pool, and on :meth:`refresh`
     opens the newest snapshot as a *new* Store for the facade to swap in: the facade's
-    lock never changes. ``snapshot`` is the id of the snapshot opened last.
+    lock never changes. ``snapshot`` is the id of the snapshot opened last. Every object
+    read is checked against the snapshot's object table (``_objects.py``) and kept in
+    the host's bounded cache (``_cache.py``; ``cache_limit`` bytes, None: unbounded).
     """
 
     def __init__(self, url: str, *, cache_dir: str | os.PathLike[str] | None = None,
-                 storage_options: Mapping[str, Any] | None = None, pool: PoolConfig | None = None) -> None:
+                 storage_options: Mapping[str, Any] | None = None, pool: PoolConfig | None = None,
+                 cache_limit: int | None = None) -> None:
         self.url = url.rstrip("/")
         self.storage_options = dict(storage_options or {})
         self.fs, self.root = filesystem(self.url, self.storage_options)
-        self.cache = _snapshot.cache_root(cache_dir, self.url)
+        self.files = Cache(_snapshot.cache_base(cache_dir), cache_limit)
+        self.cache = _snapshot.cache_root(self.files.base, self.url)
         self.pool_config = pool
         self.pool: ChunkPool | None = None
         self.shard, self.pool_epoch = (0, 1), 0
         self.snapshot, self.sequence = "", -1
+        self._pin = -1
+        self.repo: _icechunk.Repo | None = None  # set when the URL holds an Icechunk repository
+        self.table = Table({}, self.url, "")  # the open snapshot's object table
+
+    def _pointer(self) -> dict[str, Any]:
+        if self.repo is not None:
+            return self.repo.pointer()
+        try:
+            return _snapshot.read_pointer(self.fs, self.root, self.url)
+        except errors.StoreNotFoundError:
+            if self.url.split("://", 1)[0] not in ("s3", "s3a", "file", "local") or not _icechunk.is_repo(
+                    self.url, self.storage_options):
+                raise
+        self.repo = _icechunk.Repo(self.url, self.storage_options)
+        return self.repo.pointer()
 
     def open(self, lock: threading.RLock) -> Store:
         """The Store of the snapshot the pointer names now, guarded by ``lock``."""
-        return self._open(_snapshot.read_pointer(self.fs, self.root, self.url), lock)
+        return self._open(self._pointer(), lock)
 
-    def _open(self, pointer: Mapping[str, Any], lock: threading.RLock) -> Store:
+    def _mirror(self, pointer: Mapping[str, Any], previous: Path | None = None) -> tuple[Path, Table, int]:
+        """The snapshot's checked table and local mirror, pinned (the pin's fd); files
+        unchanged since ``previous`` (the mirror open now) are linked from it."""
         snap = str(pointer["snapshot"])
-        local = _snapshot.mirror(self.fs, self.root, snap, self.url, self.cache)
+        extra: dict[str, bytes] = {}
+        fetch_many: Callable[[list[str]], dict[str, bytes | None]]
+        if self.repo is not None:
+            repo = self.repo
+            table = repo.table(pointer)
+
+            def fetch_many(rels: list[str]) -> dict[str, bytes | None]:
+                return {rel: _or_none(repo.fetch, snap, rel) for rel in rels}
+
+            extra = {fmt.MANIFEST: json.dumps(pointer["manifest"]).encode(),
+                     "zarr.json": json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}).encode()}
+        else:
+            table = load_table(self.fs, self.root, self.url, snap, str(pointer["objects"]))
+            fetch_many = _snapshot.fetch_objects(self.fs, self.root, snap, self.url)
+        pin = self.files.pin(self.cache / f"{snap}.pin")
+        try:
+            before = (previous, self.table) if previous is not None and self.table.entries else None
+            return _snapshot.mirror(fetch_many, snap, self.url, self.cache, self.files, table, extra, before), table, pin
+        except BaseException:
+            os.close(pin)
+            raise
+
+    def _repo_column(self, snap: str, table: Table, name: str, expect: Any) -> RemoteArray:
+        """A data column of an Icechunk commit, read through its verified store."""
+        import zarr
+
+        assert self.repo is not None
+        repo = self.repo
+        store = VerifiedStore(repo.session(snap).store, prefix=name + "/", table=table, cache=self.files,
+                              fetch=lambda rel: repo.fetch(snap, rel))
+        where = f"{self.url}@{snap}/{name}"
+        entry = table.get(f"{name}/zarr.json")
+        if entry is None:
+            raise table.missing(f"{name}/zarr.json")
+        meta = json.loads(self.files.object(entry[1], entry[0], lambda: repo.fetch(snap, f"{name}/zarr.json"),
+                                            lambda data: table.check(f"{name}/zarr.json", data)))
+        raw = isinstance(meta.get("codecs"), list) and bool(meta["codecs"]) and isinstance(meta["codecs"][0], dict) \
+            and meta["codecs"][0].get("name") == "sharding_indexed"
+        fmt.check_array_meta(Path(name), meta, expect, raw=raw)
+        return RemoteArray(zarr.open_array(store=store, mode="r"), where, cache_bytes=64 << 20, alive=None)
+
+    def _open(self, pointer: Mapping[str, Any], lock: threading.RLock,
+              mirrored: tuple[Path, Table, int] | None = None) -> Store:
+        snap = str(pointer["snapshot"])
+        local, table, pin = mirrored if mirrored is not None else self._mirror(pointer)
         snap_url = f"{self.url}/{_snapshot.SNAPSHOTS}/{snap}"
+        snap_root = f"{self.root}/{_snapshot.SNAPSHOTS}/{snap}"
         opened: dict[str, RemoteArray] = {}
+        fs = self.fs
 
         def alive() -> None:
-            _snapshot.check_alive(self.fs, self.root, snap, self.url)
+            _snapshot.check_alive(fs, self.root, snap, self.url)
+
+        def fetch(rel: str) -> bytes:
+            data: bytes = fs.cat_file(f"{snap_root}/{rel}")
+            return data
 
         def opener(name: str, expect: Any) -> RemoteArray:
+            if self.repo is not None:
+                arr = self._repo_column(snap, table, name, expect)
+                opened[name.split("/", 1)[1]] = arr
+                return arr
+
+            def wrap(store: Any) -> VerifiedStore:
+                return VerifiedStore(store, prefix=name + "/", table=table, cache=self.files, fetch=fetch, alive=alive)
+
             arr = RemoteArray.open(snap_url, name, writable=False, expect=expect,
-                                   storage_options=self.storage_options, alive=alive)
+                                   storage_options=self.storage_options, alive=alive, wrap=wrap)
             opened[name.split("/", 1)[1]] = arr
             return arr
 
-        store = Store(local, "r", columns=opener, lock=lock)
-        pool = None
-        if self.pool_config is not None and opened:
-            pool = ChunkPool(opened, store.view(), store.capacity, self.pool_config, self.cache)
-            pool.set_shard(*self.shard, epoch=self.pool_epoch)
+        try:
+            with remote_errors(self.url):
+                store = Store(local, "r", columns=opener, lock=lock)
+            pool = None
+            if self.pool_config is not None and opened:
+                pool = ChunkPool(opened, store.view(), store.capacity, self.pool_config, self.cache, self.files)
+                pool.set_shard(*self.shard, epoch=self.pool_epoch)
+        except BaseException:
+            os.close(pin)
+            raise
         for arr in opened.values():
             arr.attach(pool)
-        self.close()  # the previous snapshot's pool: its store is swapped out under the same lock
-        self.pool, self.snapshot, self.sequence = pool, snap, int(pointer["sequence"])
+        self.close()  # the previous snapshot's pool and pin: its store is swapped out under the same lock
+        self.pool, self.snapshot, self.sequence, self._pin = pool, snap, int(pointer["sequence"]), pin
+        self.table = table
         return store
+
+    def check_objects(self) -> tuple[int, int, list[str]]:
+        """Fetch every object of the open snapshot anew and check it against the snapshot's
+        table (``mmbuffer verify URL``): ``(objects, bytes, problems)``."""
+        snap, table = self.snapshot, self.table
+        fetch_many: Callable[[list[str]], dict[str, bytes | None]]
+        if self.repo is not None:
+            repo = self.repo
+
+            def fetch_many(rels: list[str]) -> dict[str, bytes | None]:
+                return {rel: _or_none(repo.fetch, snap, rel) for rel in rels}
+        else:
+            fetch_many = _snapshot.fetch_objects(self.fs, self.root, snap, self.url)
+        rels, problems, total = sorted(table.entries), [], 0
+        for start in range(0, len(rels), 64):
+            for rel, data in fetch_many(rels[start:start + 64]).items():
+                try:
+                    if data is None:
+                        raise table.missing(rel)
+                    table.check(rel, data)
+                    total += len(data)
+                except errors.CorruptStoreError as exc:
+                    problems.append(str(exc))
+        return len(rels), total, problems
 
     def refresh(self, current: Store, lock: threading.RLock) -> Store | None:
         """The newest published snapshot as a new Store, or None when ``current`` is it.
@@ -113,14 +236,15 @@ class RemoteSource:
         A snapshot with another schema is refused (``CorruptStoreError``): the facade
         keeps ``current``. Call with ``lock`` held; close ``current`` after the swap.
         """
-        pointer = _snapshot.read_pointer(self.fs, self.root, self.url)
+        pointer = self._pointer()
         if pointer["snapshot"] == self.snapshot:
             return None
-        local = _snapshot.mirror(self.fs, self.root, str(pointer["snapshot"]), self.url, self.cache)
-        old, new = load_manifest(Path(current.path)).schema(), load_manifest(local).schema()
+        mirrored = self._mirror(pointer, Path(current.path))
+        old, new = load_manifest(Path(current.path)).schema(), load_manifest(mirrored[0]).schema()
         if old != new:
+            os.close(mirrored[2])
             raise errors.CorruptStoreError(f"{self.url}: snapshot {pointer['snapshot']}: expected the schema opened, {old}, got {new}")
-        return self._open(pointer, lock)
+        return self._open(pointer, lock, mirrored)
 
     def set_shard(self, index: int, count: int, *, epoch: int = 0) -> None:
         """Read the pool's blocks as shard ``index`` of ``count`` (rank * workers + worker),
@@ -140,6 +264,9 @@ class RemoteSource:
         if self.pool is not None:
             self.pool.close()
             self.pool = None
+        if self._pin >= 0:
+            os.close(self._pin)  # the mirror may be evicted now
+            self._pin = -1
 
     def __repr__(self) -> str:
         return f"RemoteSource({self.url!r}, snapshot={self.snapshot!r}, pool={self.pool_config!r})"
@@ -158,3 +285,10 @@ def pool_config(url: str, mode: str, pool: Any) -> PoolConfig | None:
     if pool is not None and not isinstance(pool, PoolConfig):
         raise errors.InvalidArgumentError(f"pool: expected an mb.remote.PoolConfig or None, got {pool!r}")
     return pool
+
+
+def _or_none(fetch: Callable[[str, str], bytes], snap: str, rel: str) -> bytes | None:
+    try:
+        return fetch(snap, rel)
+    except FileNotFoundError:
+        return None

@@ -29,6 +29,7 @@ blocks are held. Importance weights are those of the full distribution. Use
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import tempfile
 import threading
@@ -44,6 +45,7 @@ from .. import errors
 from .._disk.columns.remote import RemoteArray
 from .._ledger.snapshot import Draw, ReadableStore, View
 from ..samplers import Sampler, SamplerState
+from ._cache import Cache, disk_errors, reserved_file
 
 __all__ = ["ChunkPool", "PoolConfig", "PooledSampler"]
 
@@ -80,7 +82,7 @@ class ChunkPool:
     """The blocks one shard holds; serves rows to :class:`RemoteArray` (``RowSource``)."""
 
     def __init__(self, columns: dict[str, RemoteArray], snapshot: View, capacity: int, config: PoolConfig,
-                 directory: Path) -> None:
+                 directory: Path, cache: Cache) -> None:
         self.config = config
         self.columns = columns
         self.capacity = capacity
@@ -94,7 +96,12 @@ class ChunkPool:
         self.epoch = 0
         self.draws = 0
         self.fetched_bytes = 0
-        self._dir = Path(tempfile.mkdtemp(prefix="pool-", dir=directory))
+        self._cache = cache
+        self._reserved = 0
+        with disk_errors(cache.base, 0):
+            directory.mkdir(parents=True, exist_ok=True)
+            self._dir = Path(tempfile.mkdtemp(prefix="pool-", dir=directory))
+        self._pin = cache.pin(self._dir / ".pin", exclusive=True)  # eviction leaves a live pool alone
         self._slot_of = np.full(self.num_blocks, -1, dtype=np.int64)
         self._maps: dict[str, np.ndarray] = {}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmbuffer-pool")
@@ -128,11 +135,25 @@ class ChunkPool:
         self._pos = 0
         held = min(self.config.blocks, len(self._seq))
         slots = held + (self.config.prefetch if len(self._seq) > held else 0)
+        self._unmap()
+        shapes = {name: (slots * self.block_rows, *col.row_shape) for name, col in self.columns.items()}
+        sizes = {name: int(np.prod(shape, dtype=np.int64)) * self.columns[name].dtype.itemsize
+                 for name, shape in shapes.items()}
+
+        def allocate() -> None:  # allocated before mapped: a full disk never faults a map
+            try:
+                for name in self.columns:
+                    reserved_file(self._dir / f"{name}.bin", sizes[name], self._cache.base)
+            except BaseException:
+                for path in self._dir.glob("*.bin"):
+                    path.unlink()
+                raise
+
+        self._cache.admit(sum(sizes.values()), allocate)  # within cache_limit, or a CacheError naming it
+        self._reserved = sum(sizes.values())
         for name, col in self.columns.items():
-            path = self._dir / f"{name}.bin"
-            path.unlink(missing_ok=True)
-            self._maps[name] = np.lib.format.open_memmap(
-                path, mode="w+", dtype=col.dtype, shape=(slots * self.block_rows, *col.row_shape))
+            self._maps[name] = np.memmap(self._dir / f"{name}.bin", mode="r+", dtype=col.dtype, shape=shapes[name]) \
+                if sizes[name] else np.zeros(shapes[name], dtype=col.dtype)
         self._slot_of[:] = -1
         self._free = deque(range(slots))
         self._pending: deque[tuple[int, int, Future[None]]] = deque()
@@ -193,13 +214,27 @@ class ChunkPool:
                 if not future.cancelled():
                     future.exception()
             self._slot_of[:] = -1
-            self._maps.clear()
+            self._unmap()
+
+    def _unmap(self) -> None:
+        self._maps.clear()
+
+        def drop() -> None:
+            for path in self._dir.glob("*.bin"):
+                path.unlink()
+
+        self._cache.remove(drop, self._reserved)
+        self._reserved = 0
 
     def close(self) -> None:
         self._stop()
         self._started = False
         self._executor.shutdown(wait=True, cancel_futures=True)
+        self._unmap()
         shutil.rmtree(self._dir, ignore_errors=True)
+        if self._pin >= 0:
+            os.close(self._pin)
+            self._pin = -1
 
     # -- reading -------------------------------------------------------------------------
     def held_blocks(self) -> list[int]:

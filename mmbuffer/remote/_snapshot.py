@@ -6,10 +6,13 @@ itself a Zarr group that zarr-python, xarray or tensorstore read directly)::
     URL/zarr.json                 group metadata
     URL/current.json              {"format": "mmbuffer-remote", "snapshot": ID, ...}
     URL/snapshots/ID/...          one published store, never modified once written
+    URL/snapshots/ID/objects.json its object table: size and digest of every object
+                                  (the pointer holds the table's digest: ``_objects.py``)
 
 Publishing uploads a new snapshot completely, then replaces ``current.json`` with one
 PUT (atomic on S3, GCS, Azure): a reader sees the old snapshot or the new one, never
-a half-written store. One publisher per URL at a time (nothing arbitrates two). A reader pins the snapshot it opened; ``refresh()`` moves to
+a half-written store. One publisher per URL at a time (nothing arbitrates two here;
+``engine="icechunk"``, ``_icechunk.py``, refuses the second). A reader pins the snapshot it opened; ``refresh()`` moves to
 the newest. Publishing keeps the ``keep`` newest snapshots and deletes older ones it
 wrote (their ``manifest.json`` first: a reader that finds it gone after a read knows
 its data may be missing and raises instead of returning zeros, see ``check_alive``).
@@ -30,18 +33,22 @@ import re
 import shutil
 import tempfile
 import uuid
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from .._disk import format as fmt
 from .. import errors
+from .._disk import format as fmt
 from .._disk.urls import join
+from ._cache import Cache, write_file
+from ._objects import OBJECTS, Table, file_digest, remote_errors, table_bytes, digest
 
-__all__ = ["POINTER", "cache_root", "check_alive", "mirror", "publish_dir", "read_pointer"]
+__all__ = ["POINTER", "cache_base", "cache_root", "check_alive", "mirror", "publish_dir", "read_pointer"]
 
 POINTER = "current.json"
 SNAPSHOTS = "snapshots"
 _FORMAT = "mmbuffer-remote"
+_VERSION = 2
 _ID = re.compile(r"^[0-9]{10}-[0-9a-f]{12}$")
 _REL = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*(/[A-Za-z0-9_][A-Za-z0-9_.\-]*)*$")
 _DATA_CHUNKS = re.compile(r"^columns/([^/]+)/c(/|$)")
@@ -53,7 +60,8 @@ def read_pointer(fs: Any, root: str, url: str) -> dict[str, Any]:
     """The checked pointer object of the store at ``url``."""
     where = f"{url}/{POINTER}"
     try:
-        raw = fs.cat_file(join(root, POINTER), start=0, end=_POINTER_LIMIT + 1)
+        with remote_errors(url):
+            raw = fs.cat_file(join(root, POINTER), start=0, end=_POINTER_LIMIT + 1)
     except FileNotFoundError:
         raise errors.StoreNotFoundError(f"{where}: expected a store published by mmbuffer (mb.convert.copy(src, url)), found no pointer") from None
     if len(raw) > _POINTER_LIMIT:
@@ -69,6 +77,12 @@ def read_pointer(fs: Any, root: str, url: str) -> dict[str, Any]:
         raise errors.CorruptStoreError(f"{where}: snapshot: expected an id like 0000000001-0123456789ab, got {snap!r}")
     if not isinstance(seq, int) or isinstance(seq, bool) or seq != int(snap[:10]):
         raise errors.CorruptStoreError(f"{where}: sequence: expected {int(snap[:10])} (the snapshot's), got {seq!r}")
+    if obj.get("version") != _VERSION:
+        raise errors.FormatVersionError(f"{where}: version: expected {_VERSION} (object checksums), got "
+                                        f"{obj.get('version')!r}; publish the store again")
+    objects = obj.get("objects")
+    if not isinstance(objects, str) or not re.match(r"^[0-9a-f]{32}$", objects):
+        raise errors.CorruptStoreError(f"{where}: objects: expected the BLAKE2b-128 of the object table, got {objects!r}")
     return obj
 
 
@@ -80,7 +94,8 @@ def check_alive(fs: Any, root: str, snapshot: str, url: str) -> None:
     as zeros, which must never reach a sample).
     """
     try:  # a ranged GET, never a cached listing
-        fs.cat_file(join(root, SNAPSHOTS, snapshot, fmt.MANIFEST), start=0, end=1)
+        with remote_errors(url):
+            fs.cat_file(join(root, SNAPSHOTS, snapshot, fmt.MANIFEST), start=0, end=1)
     except FileNotFoundError:
         raise errors.StoreNotFoundError(
             f"{url}: snapshot {snapshot} was removed by a newer publish while it was read; "
@@ -88,50 +103,88 @@ def check_alive(fs: Any, root: str, snapshot: str, url: str) -> None:
         ) from None
 
 
-def cache_root(cache_dir: str | os.PathLike[str] | None, url: str) -> Path:
-    """``cache_dir/<hash of url>`` (default ``$MMBUFFER_CACHE_DIR`` or ``~/.cache/mmbuffer``)."""
-    base = Path(cache_dir if cache_dir is not None else os.environ.get("MMBUFFER_CACHE_DIR") or Path.home() / ".cache" / "mmbuffer")
+def cache_base(cache_dir: str | os.PathLike[str] | None) -> Path:
+    """``cache_dir`` (default ``$MMBUFFER_CACHE_DIR`` or ``~/.cache/mmbuffer``)."""
+    return Path(cache_dir if cache_dir is not None else os.environ.get("MMBUFFER_CACHE_DIR") or Path.home() / ".cache" / "mmbuffer")
+
+
+def cache_root(base: Path, url: str) -> Path:
+    """The folder of ``url``'s mirrors and pools: ``cache_dir/<hash of url>``."""
     return base / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:20]
 
 
-def mirror(fs: Any, root: str, snapshot: str, url: str, cache: Path) -> Path:
-    """The local mirror of ``snapshot``'s small parts (fetched once, then reused)."""
-    final = cache / snapshot
+def fetch_objects(fs: Any, root: str, snapshot: str, url: str) -> Callable[[list[str]], dict[str, bytes | None]]:
+    """Fetch a batch of a snapshot's objects concurrently (None: missing)."""
+    snap_root = join(root, SNAPSHOTS, snapshot)
+
+    def fetch(rels: list[str]) -> dict[str, bytes | None]:
+        with remote_errors(url):
+            got = fs.cat([join(snap_root, r) for r in rels], on_error="return")
+        out: dict[str, bytes | None] = {}
+        for rel in rels:
+            data = got.get(join(snap_root, rel))
+            out[rel] = data if isinstance(data, bytes) else None
+        if any(v is None for v in out.values()):
+            check_alive(fs, root, snapshot, url)
+        return out
+
+    return fetch
+
+
+def mirror(fetch: Callable[[list[str]], dict[str, bytes | None]], snapshot: str, url: str, folder: Path, cache: Cache,
+           table: Table, extra: Mapping[str, bytes] | None = None, previous: tuple[Path, Table] | None = None) -> Path:
+    """The local mirror of ``snapshot``'s small parts (fetched once per host, verified, then
+    reused); call with the snapshot pinned (``folder/<snapshot>.pin``). ``extra``: files
+    the commit itself holds (Icechunk: the manifest, the root group). ``previous``: the
+    mirror open now and its table (pinned): a file whose digest did not change is hard
+    linked from it, not fetched (a refresh fetches what changed). ``cache.mirror_bytes``
+    counts the bytes fetched."""
+    final = folder / snapshot
     if (final / fmt.MANIFEST).is_file() and not final.is_symlink():
         return final
-    cache.mkdir(parents=True, exist_ok=True)
-    snap_root = join(root, SNAPSHOTS, snapshot)
-    listing = fs.find(snap_root, detail=True)
-    if not listing:
-        raise errors.StoreNotFoundError(f"{url}: snapshot {snapshot} (named by {POINTER}) is not there")
-    prefix = snap_root.rstrip("/") + "/"
-    rpaths, rels = [], []
-    for path, info in sorted(listing.items()):
-        if info.get("type") == "directory":
-            continue
-        rel = str(path)[len(prefix):] if str(path).startswith(prefix) else ""
-        if not _REL.match(rel) or any(p in (".", "..") for p in rel.split("/")):
-            raise errors.CorruptStoreError(f"{url}: object {path!r}: expected a name inside the snapshot, got {rel!r}")
-        m = _DATA_CHUNKS.match(rel)
-        if rel == fmt.LOCK or (m and m.group(1) not in fmt.RESERVED_NAMES):
-            continue  # data chunks are read remotely, a stale LOCK means nothing here
-        rpaths.append(path)
-        rels.append(rel)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{snapshot}.partial-", dir=cache))
-    try:
-        lpaths = [str(tmp / rel) for rel in rels]
-        for lp in lpaths:
-            Path(lp).parent.mkdir(parents=True, exist_ok=True)
-        fs.get(rpaths, lpaths)
-        check_alive(fs, root, snapshot, url)
-        try:
-            os.rename(tmp, final)
-        except OSError:  # another process published the same mirror first: use it
-            if not (final / fmt.MANIFEST).is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+    with cache.locked(f"locks/{snapshot}"):  # one download per host: the others wait, then reuse it
+        if (final / fmt.MANIFEST).is_file() and not final.is_symlink():
+            return final
+        rels = []
+        for rel in sorted(table.entries):
+            if not _REL.match(rel) or any(p in (".", "..") for p in rel.split("/")):
+                raise errors.CorruptStoreError(f"{url}: object {rel!r}: expected a name inside the snapshot")
+            m = _DATA_CHUNKS.match(rel)
+            if rel == fmt.LOCK or rel == OBJECTS or (m and m.group(1) not in fmt.RESERVED_NAMES):
+                continue  # data chunks are read remotely, a stale LOCK means nothing here
+            rels.append(rel)
+        blobs: dict[str, bytes] = dict(extra or {})
+        same = [r for r in rels if previous is not None and previous[1].get(r) == table.get(r)
+                and (previous[0] / r).is_file()]
+        todo = [r for r in rels if r not in set(same)]
+        for start in range(0, len(todo), 64):  # fetched concurrently, 64 at a time
+            batch = todo[start:start + 64]
+            for rel, data in fetch(batch).items():
+                if data is None:
+                    raise table.missing(rel)
+                table.check(rel, data)
+                blobs[rel] = data
+                cache.mirror_bytes += len(data)
+
+        def write() -> None:
+            tmp = Path(tempfile.mkdtemp(prefix=f".{snapshot}.partial-", dir=folder))
+            try:
+                for rel, data in blobs.items():
+                    write_file(tmp / rel, data, cache.base)
+                for rel in same:  # immutable files of the pinned previous mirror: linked (copied across devices)
+                    assert previous is not None
+                    (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                    try:
+                        os.link(previous[0] / rel, tmp / rel)
+                    except OSError:
+                        shutil.copyfile(previous[0] / rel, tmp / rel)
+                os.rename(tmp, final)
+            finally:
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+
+        # linked files take no new space; counted anyway (the next scan counts each inode once)
+        cache.admit(sum(len(b) for b in blobs.values()) + sum(table.entries[r][0] for r in same), write)
     return final
 
 
@@ -143,7 +196,8 @@ def publish_dir(fs: Any, root: str, url: str, store: Path, *, keep: int, generat
     """
     fs.invalidate_cache()
     try:
-        previous: dict[str, Any] | None = read_pointer(fs, root, url)
+        with remote_errors(url):
+            previous: dict[str, Any] | None = read_pointer(fs, root, url)
     except errors.StoreNotFoundError:
         previous = None
         if fs.exists(root) and fs.find(root, maxdepth=None):
@@ -155,14 +209,17 @@ def publish_dir(fs: Any, root: str, url: str, store: Path, *, keep: int, generat
     snap_root = join(root, SNAPSHOTS, snapshot)
     files = sorted(p for p in store.rglob("*") if p.is_file() and not p.is_symlink() and p.name != fmt.LOCK)
     rels = [p.relative_to(store).as_posix() for p in files]
-    # the manifest last, so a snapshot without it is never taken for a whole one
+    table = table_bytes({rel: file_digest(f) for rel, f in zip(rels, files, strict=True)})
+    # the object table, then the manifest last, so a snapshot without it is never taken for a whole one
     order = sorted(range(len(rels)), key=lambda i: rels[i] == fmt.MANIFEST)
     fs.put([str(files[i]) for i in order[:-1]], [join(snap_root, rels[i]) for i in order[:-1]])
+    fs.pipe_file(join(snap_root, OBJECTS), table)
     fs.put(str(files[order[-1]]), join(snap_root, rels[order[-1]]))
     group = json.dumps(_GROUP).encode()
     if previous is None:
         fs.pipe({join(root, "zarr.json"): group, join(root, SNAPSHOTS, "zarr.json"): group})
-    pointer = {"format": _FORMAT, "version": 1, "snapshot": snapshot, "sequence": seq, "generation": generation}
+    pointer = {"format": _FORMAT, "version": _VERSION, "snapshot": snapshot, "sequence": seq, "generation": generation,
+               "objects": digest(table)}
     write_pointer(fs, root, pointer)
     pruned = _prune(fs, root, keep, snapshot)
     return {"url": url, "snapshot": snapshot, "sequence": seq, "pruned": pruned}

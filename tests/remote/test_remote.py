@@ -345,7 +345,8 @@ def test_a_remote_column_whose_metadata_disagrees_is_refused(tmp_path, bucket, s
     meta = json.loads(fs.cat_file(key))
     meta["shape"] = [meta["shape"][0], 4]  # the manifest says (3,)
     fs.pipe_file(key, json.dumps(meta).encode())
-    with pytest.raises(errors.CorruptStoreError, match=r"columns/obs.*shape: expected \[4096, 3\]"):
+    # the object table catches the change before the metadata check would
+    with pytest.raises(errors.CorruptStoreError, match=r"columns/obs/zarr.json \(column obs\): expected \d+ bytes"):
         mb.open(url, mode="r", cache_dir=tmp_path / "c")
 
 
@@ -361,3 +362,28 @@ def test_copy_to_and_from_a_url_takes_the_online_layout_options(tmp_path, bucket
     mb.convert.copy(url, tmp_path / "back", capacity=8 * rows, progress=False)
     with mb.open(tmp_path / "back", mode="r") as back:
         assert (back.capacity, back.num_streams, back.num_episodes) == (8 * rows, 2, 6)
+
+
+def test_refresh_fetches_only_the_small_parts_that_changed(tmp_path, bucket):
+    url = f"s3://{bucket}/store"
+    publish(tmp_path, url, episodes=10).close()
+    ro = mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None)
+    old = dict(ro.remote.table.entries)
+    with mb.open(tmp_path / "local") as w:
+        w.extend({"obs": np.ones((30, 3)), "x": np.arange(30) + 10_000, "terminated": np.arange(30) == 29},
+                 final_obs={"obs": np.zeros((1, 3))})
+    mb.convert.copy(tmp_path / "local", url, progress=False)
+    fetched = ro.remote.files.mirror_bytes
+    assert ro.refresh()
+    fetched = ro.remote.files.mirror_bytes - fetched
+    new, mirror = ro.remote.table.entries, Path(ro.path)
+    small = [p.relative_to(mirror).as_posix() for p in mirror.rglob("*") if p.is_file()]
+    changed = [r for r in small if old.get(r) != new[r]]
+    assert 0 < len(changed) < len(small)
+    assert fetched == sum(new[r][0] for r in changed)  # exactly what changed
+    kept = next(r for r in small if r not in changed)
+    assert (mirror / kept).stat().st_nlink == 2  # linked from the previous mirror, not fetched
+    with mb.open(tmp_path / "local", mode="r") as local:
+        rows = np.arange(ro.capacity)
+        torch.testing.assert_close(ro.get(rows, keys=["x"])["x"], local.get(rows, keys=["x"])["x"], rtol=0, atol=0)
+    ro.close()

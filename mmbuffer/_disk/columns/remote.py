@@ -60,9 +60,12 @@ class RemoteArray(ColumnArray):
     def open(
         cls, root: str, name: str, *, writable: bool, expect: fmt.Expect | None = None,
         storage_options: Mapping[str, Any] | None = None, cache_bytes: int = 64 << 20,
-        alive: Callable[[], None] | None = None,
+        alive: Callable[[], None] | None = None, wrap: Callable[[Any], Any] | None = None,
     ) -> RemoteArray:
-        """Open ``root/name`` (``root`` a URL), checking its ``zarr.json`` like a local array."""
+        """Open ``root/name`` (``root`` a URL), checking its ``zarr.json`` like a local array.
+
+        ``wrap`` (``mmbuffer.remote``) wraps the zarr store every read goes through
+        (there: verified against the snapshot's checksums, cached on the host)."""
         import zarr
         from zarr.storage import FsspecStore
 
@@ -83,6 +86,8 @@ class RemoteArray(ColumnArray):
         except errors.CorruptStoreError as exc:
             raise errors.CorruptStoreError(f"{root.rstrip('/')}/{exc}") from None
         store = FsspecStore.from_url(url, storage_options=options_for(url, storage_options), read_only=not writable)
+        if wrap is not None:
+            store = wrap(store)
         try:
             array = zarr.open_array(store=store, mode="r+" if writable else "r")
         except Exception as exc:  # noqa: BLE001 - zarr's errors are untyped for us

@@ -17,7 +17,7 @@ from ... import errors
 from ..._disk.urls import filesystem, is_url
 from ..._ledger.manifest import load_manifest
 from ...opening import open as open_buffer
-from ...remote import _snapshot
+from ...remote import _icechunk, _snapshot
 from ...schema import PriorityConfig
 from .copy import copy_local
 
@@ -107,21 +107,37 @@ def copy(
 
 
 def publish(src: Any, url: str, *, compression: str | None = "zstd", storage_options: Mapping[str, Any] | None = None,
-            keep: int = _SNAPSHOTS_KEPT, tmp_dir: str | os.PathLike[str] | None = None, **copy_options: Any) -> dict[str, Any]:
+            keep: int = _SNAPSHOTS_KEPT, tmp_dir: str | os.PathLike[str] | None = None, engine: str | None = None,
+            **copy_options: Any) -> dict[str, Any]:
     """Publish the store ``src`` (a path or an open ``Buffer``) at ``url`` as its next snapshot.
 
     The store is copied (``mb.convert.copy``, verified) into a temporary directory
     with ``compression``, uploaded under ``url/snapshots/<id>/``, and ``url/current.json``
     is then replaced in one request; the ``keep`` newest snapshots stay. Returns the
     copy's summary with ``url``, ``snapshot``, ``sequence`` and ``pruned``.
+
+    ``engine="icechunk"`` (``mmbuffer.remote._icechunk``) commits to an Icechunk
+    repository instead: only the objects that changed since the last commit are
+    written (``objects_written``, ``bytes_written``), the commit is atomic, and a
+    concurrent second publisher gets ``LockedError``. ``engine=None`` keeps what the URL
+    holds (an Icechunk repository stays one), else ``"snapshots"`` (full copies).
     """
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise errors.InvalidArgumentError(f"keep: expected an integer >= 1, got {keep!r}")
+    if engine not in (None, "snapshots", "icechunk"):
+        raise errors.InvalidArgumentError(f"engine: expected None, 'snapshots' or 'icechunk', got {engine!r}")
     fs, root = filesystem(url, storage_options)
+    if engine is None and url.split("://", 1)[0] in ("s3", "s3a", "file", "local"):
+        engine = "icechunk" if _icechunk_installed() and _icechunk.is_repo(url.rstrip("/"), storage_options) else "snapshots"
     with tempfile.TemporaryDirectory(prefix="mmbuffer-publish-", dir=tmp_dir) as tmp:
         summary = copy_local(src, Path(tmp) / "store", compression=compression, **copy_options)
         generation = load_manifest(Path(tmp) / "store").generation
-        summary.update(_snapshot.publish_dir(fs, root, url.rstrip("/"), Path(tmp) / "store", keep=keep, generation=generation))
+        if engine == "icechunk":
+            summary.update(_icechunk.publish_repo(url.rstrip("/"), Path(tmp) / "store", storage_options,
+                                                  generation=generation))
+        else:
+            summary.update(_snapshot.publish_dir(fs, root, url.rstrip("/"), Path(tmp) / "store", keep=keep,
+                                                 generation=generation))
     summary["out"] = url
     return summary
 
@@ -145,3 +161,9 @@ def copy_url(src: Any, dst: Any, *, storage_options: Mapping[str, Any] | None = 
 
 #: Alias that does not shadow the standard library's ``copy`` in ``from ... import *``.
 copy_store = copy
+
+
+def _icechunk_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("icechunk") is not None
