@@ -44,6 +44,7 @@ bit-identical to SB3's whatever the episode cuts above.
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -56,12 +57,12 @@ from .. import errors
 from ..buffer import Buffer
 from ..opening import create as create_buffer
 from ..opening import open as open_buffer
-from ..schema import PriorityConfig
+from ..schema import Column, PriorityConfig
 
 if TYPE_CHECKING:
     from .stacks import FrameStack
 
-__all__ = ["ATTR", "Lanes"]
+__all__ = ["ATTR", "Lanes", "codec_column"]
 
 #: the store attribute that records the SB3 layout (checked when a store is reopened)
 ATTR = "sb3"
@@ -92,6 +93,7 @@ class Lanes:
         priorities: PriorityConfig | None = None,
         block: int = 64,
         stack: FrameStack | None = None,
+        codec: str | None = None,
     ) -> None:
         self.path = Path(path)
         self.columns = {k: (tuple(s), str(np.dtype(d))) for k, (s, d) in columns.items()}
@@ -108,6 +110,11 @@ class Lanes:
         self.lane = self.buffer_size + (0 if stack is None else stack.k - 1)
         if stack is not None:
             self.layout.update(frame_stack=stack.k, channels_order=stack.order)
+        # the observation columns' codec (``codec_column``), recorded in the layout when set
+        self.specs: dict[str, Any] = dict(self.columns)
+        if codec is not None:
+            self.specs.update({c: codec_column(self.columns[c], codec) for c in self.obs_columns})
+            self.layout["codec"] = codec
         self.priorities = priorities
         self._buf: Buffer | None = None
         # the newest steps, held in memory: column -> [block, n_envs, ...], obs column -> its next_obs
@@ -148,7 +155,7 @@ class Lanes:
         self._release()
         if not self.path.exists():
             self._buf = create_buffer(
-                self.path, self.columns, self.lane * self.n_envs, num_streams=self.n_envs,
+                self.path, self.specs, self.lane * self.n_envs, num_streams=self.n_envs,
                 next_keys=self.obs_columns, attrs={ATTR: self.layout}, priorities=self.priorities,
             )
             return self._buf
@@ -350,6 +357,20 @@ class Lanes:
                     src = nxt[k[5:]] if k.startswith("next_") else pend[k]
                     out[k][m] = src[j[m], envs[m]]
         return {k: v.reshape(*shape, *v.shape[1:]) for k, v in out.items()}
+
+
+def codec_column(column: tuple[tuple[int, ...], str], codec: Any) -> Any:
+    """``mb.Column(shape, dtype, codec=codec)`` when this build's ``Column`` takes a
+    codec (the core checks the name), else ``InvalidArgumentError`` naming ``codec``."""
+    if "codec" not in inspect.signature(Column).parameters:
+        raise errors.InvalidArgumentError(
+            f"codec: expected None on this build (its mb.Column takes no codec: per-column codecs are not "
+            f"available, the store keeps raw, memory-mapped columns), got {codec!r}"
+        )
+    if not isinstance(codec, str):
+        raise errors.InvalidArgumentError(f"codec: expected a codec name such as 'zstd' or 'lz4', got {codec!r}")
+    kwargs: dict[str, Any] = {"codec": codec}
+    return Column(column[0], column[1], **kwargs)
 
 
 def _positive(what: str, value: Any) -> int:
