@@ -513,6 +513,8 @@ def run_game(game: str, args: argparse.Namespace, root: Path) -> list[tuple[dict
                 members.append(name)
         if "mmbuffer raw" not in live:
             break
+        if members == ["mmbuffer raw"] and any(k[0] == "mmbuffer raw" for k in times):
+            continue  # no peer left in this group: raw alone was sampled already
         for name in members:
             live[name].ask("warm", 0, 0)
         for regime, rounds, reps in (("warm", args.rounds, args.reps), ("cold", args.cold_rounds, args.cold_reps)):
