@@ -361,7 +361,16 @@ class Lanes:
 
 def codec_column(column: tuple[tuple[int, ...], str], codec: Any) -> Any:
     """``mb.Column(shape, dtype, codec=codec)`` when this build's ``Column`` takes a
-    codec (the core checks the name), else ``InvalidArgumentError`` naming ``codec``."""
+    codec (the core checks the name), else ``InvalidArgumentError`` naming ``codec``.
+
+    >>> spec = None
+    >>> try:
+    ...     spec = codec_column(((84, 84), "uint8"), "zstd")
+    ... except errors.InvalidArgumentError as exc:  # a build without per-column codecs
+    ...     assert str(exc).startswith("codec: expected None on this build")
+    >>> spec is None or spec.codec == "zstd"
+    True
+    """
     if "codec" not in inspect.signature(Column).parameters:
         raise errors.InvalidArgumentError(
             f"codec: expected None on this build (its mb.Column takes no codec: per-column codecs are not "
