@@ -5,7 +5,10 @@ mmbuffer store of ``n_envs`` streams, each a lane of ``buffer_size`` rows:
 SB3's slot ``(pos, env)`` is global row ``env * buffer_size + pos`` (a lane's
 ring position is its cursor modulo the lane, as SB3's ``pos``). With frame
 stacks of ``k`` (``stacks.py``) a lane has ``k - 1`` rows more, and step ``a``
-of an env (``a`` from 0) is row ``env * lane + a % lane``.
+of an env (``a`` from 0) is row ``env * lane + a % lane``. With a codec the lane
+is rounded up to a multiple of ``CODEC_LANE`` rows (the codec's chunks divide
+it); the rows past SB3's ring hold older steps, which only a prioritized buffer
+(drawing store rows) may draw.
 
 Observations are stored once. ``next_<obs>`` of a row is the following row's
 observation inside an episode and the stored final observation at an episode's
@@ -66,6 +69,8 @@ __all__ = ["ATTR", "Lanes", "codec_column"]
 
 #: the store attribute that records the SB3 layout (checked when a store is reopened)
 ATTR = "sb3"
+#: with a codec, lanes are a multiple of this many rows (recorded in the layout)
+CODEC_LANE = 512
 
 
 class Lanes:
@@ -114,7 +119,10 @@ class Lanes:
         self.specs: dict[str, Any] = dict(self.columns)
         if codec is not None:
             self.specs.update({c: codec_column(self.columns[c], codec) for c in self.obs_columns})
-            self.layout["codec"] = codec
+            # a codec's chunks and shards divide the lane: a lane of buffer_size + k - 1 rows
+            # (often prime-like) would make them one row each, so it is rounded up
+            self.lane = -(-self.lane // CODEC_LANE) * CODEC_LANE
+            self.layout.update(codec=codec, lane=self.lane)
         self.priorities = priorities
         self._buf: Buffer | None = None
         # the newest steps, held in memory: column -> [block, n_envs, ...], obs column -> its next_obs
