@@ -217,6 +217,7 @@ SUITES = {
     "remote": "sampling a store on object storage (S3 on loopback) against local disk",
     "ray": "rows/s ingested from Ray actors, and the learner's sample latency meanwhile",
     "pixels": "frame-stacked sampling of 84x84 frames against the same sample without a stack",
+    "pixels_ale": "real ALE frames: disk, RSS, add and 4-stack sampling against SB3 and TorchRL buffers",
     "recovery": "committed rows lost and reopen time after a writer is SIGKILLed mid-extend",
     "small_batch": "sample(32) and sample(256) against SB3's and TorchRL's in-RAM buffers",
     "sb3_frame_stack": "the SB3 drop-in with frame_stack on ALE frames against SB3's own buffer",

@@ -61,8 +61,16 @@ checks that the older frames of ``obs`` are what the store rebuilds and that
 naming ``frame_stack``, before anything is written (:mod:`mmbuffer.sb3.stacks`).
 ``DictReplayBuffer`` refuses ``frame_stack`` for now.
 
-Not yet: ``codec`` (per-column codecs) is refused with ``InvalidArgumentError``
-unless None.
+Codecs. ``replay_buffer_kwargs={"path": ..., "frame_stack": 4, "codec": "zstd"}``
+stores the observation column (``obs``, or every ``obs.<key>``) with that codec,
+``mb.Column(shape, dtype, codec="zstd")``; the other columns stay raw. The codec
+is part of the store's recorded layout: reopening with another one is a
+``SchemaError``. With a codec each env's lane is rounded up to a multiple of 512
+rows (the codec's chunks and shards divide a lane; ``buffer_size + k - 1`` rows
+would make them one row each): up to 511 older steps more per env on disk, which
+a ``PrioritizedReplayBuffer`` may also draw. On a build whose ``mb.Column`` takes no codec, any ``codec``
+but None is refused with ``InvalidArgumentError`` naming ``codec``, before a
+store is created.
 
 >>> import tempfile, gymnasium as gym
 >>> from stable_baselines3 import DQN

@@ -96,11 +96,6 @@ class _OnDisk:
             raise errors.InvalidArgumentError(
                 f"channels_order: expected None without frame_stack (it names VecFrameStack's stack axis), got {channels_order!r}"
             )
-        if codec is not None:
-            raise errors.InvalidArgumentError(
-                f"codec: expected None, got {codec!r}: per-column codecs arrive with the core's codecs; "
-                "until then the store keeps raw, memory-mapped columns"
-            )
         if isinstance(n_envs, bool) or not isinstance(n_envs, (int, np.integer)) or n_envs < 1:
             raise errors.InvalidArgumentError(f"n_envs: expected a positive integer, got {n_envs!r}")
         if isinstance(buffer_size, bool) or not isinstance(buffer_size, (int, np.integer)) or buffer_size < 1:
@@ -130,7 +125,7 @@ class _OnDisk:
         self._lanes = Lanes(
             Path(path).absolute(), columns, tuple(self._obs_columns()), buffer_size=self.buffer_size, n_envs=self.n_envs,
             commit_every=commit_every, commit_seconds=commit_seconds, priorities=self._priority_config(),
-            block=self._hold_steps, stack=self._stack,
+            block=self._hold_steps, stack=self._stack, codec=codec,
         )
         # what __setstate__ calls __init__ with (path absolute: a pickle may be loaded elsewhere)
         self._init_kwargs: dict[str, Any] = {
@@ -138,7 +133,7 @@ class _OnDisk:
             "device": str(self.device), "n_envs": self.n_envs, "optimize_memory_usage": self.optimize_memory_usage,
             "handle_timeout_termination": self.handle_timeout_termination, "path": str(self._lanes.path),
             "commit_every": self._lanes.commit_every, "commit_seconds": self._lanes.commit_seconds,
-            "frame_stack": frame_stack, "channels_order": channels_order,
+            "frame_stack": frame_stack, "channels_order": channels_order, "codec": codec,
         }
         self._cursor()
         self._finalizer = weakref.finalize(self, self._lanes.close)  # a buffer garbage-collected mid-run
@@ -333,7 +328,8 @@ class ReplayBuffer(_OnDisk, sb3_buffers.ReplayBuffer):  # type: ignore[misc, ove
     (default 30): ``add`` commits when either is reached; ``frame_stack`` (``k`` of
     the env's ``VecFrameStack``: one frame stored a step, stacks rebuilt at
     sampling, see :mod:`mmbuffer.sb3.stacks`) with ``channels_order`` (None: as
-    ``VecFrameStack`` detects it); ``codec`` must be None for now.
+    ``VecFrameStack`` detects it); ``codec`` (``"zstd"``, ``"lz4"``, ...: the
+    observation column's codec, ``mb.Column(..., codec=codec)``; None: raw).
     """
 
 

@@ -5,7 +5,10 @@ mmbuffer store of ``n_envs`` streams, each a lane of ``buffer_size`` rows:
 SB3's slot ``(pos, env)`` is global row ``env * buffer_size + pos`` (a lane's
 ring position is its cursor modulo the lane, as SB3's ``pos``). With frame
 stacks of ``k`` (``stacks.py``) a lane has ``k - 1`` rows more, and step ``a``
-of an env (``a`` from 0) is row ``env * lane + a % lane``.
+of an env (``a`` from 0) is row ``env * lane + a % lane``. With a codec the lane
+is rounded up to a multiple of ``CODEC_LANE`` rows (the codec's chunks divide
+it); the rows past SB3's ring hold older steps, which only a prioritized buffer
+(drawing store rows) may draw.
 
 Observations are stored once. ``next_<obs>`` of a row is the following row's
 observation inside an episode and the stored final observation at an episode's
@@ -44,6 +47,7 @@ bit-identical to SB3's whatever the episode cuts above.
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -56,15 +60,17 @@ from .. import errors
 from ..buffer import Buffer
 from ..opening import create as create_buffer
 from ..opening import open as open_buffer
-from ..schema import PriorityConfig
+from ..schema import Column, PriorityConfig
 
 if TYPE_CHECKING:
     from .stacks import FrameStack
 
-__all__ = ["ATTR", "Lanes"]
+__all__ = ["ATTR", "Lanes", "codec_column"]
 
 #: the store attribute that records the SB3 layout (checked when a store is reopened)
 ATTR = "sb3"
+#: with a codec, lanes are a multiple of this many rows (recorded in the layout)
+CODEC_LANE = 512
 
 
 class Lanes:
@@ -92,6 +98,7 @@ class Lanes:
         priorities: PriorityConfig | None = None,
         block: int = 64,
         stack: FrameStack | None = None,
+        codec: str | None = None,
     ) -> None:
         self.path = Path(path)
         self.columns = {k: (tuple(s), str(np.dtype(d))) for k, (s, d) in columns.items()}
@@ -108,6 +115,14 @@ class Lanes:
         self.lane = self.buffer_size + (0 if stack is None else stack.k - 1)
         if stack is not None:
             self.layout.update(frame_stack=stack.k, channels_order=stack.order)
+        # the observation columns' codec (``codec_column``), recorded in the layout when set
+        self.specs: dict[str, Any] = dict(self.columns)
+        if codec is not None:
+            self.specs.update({c: codec_column(self.columns[c], codec) for c in self.obs_columns})
+            # a codec's chunks and shards divide the lane: a lane of buffer_size + k - 1 rows
+            # (often prime-like) would make them one row each, so it is rounded up
+            self.lane = -(-self.lane // CODEC_LANE) * CODEC_LANE
+            self.layout.update(codec=codec, lane=self.lane)
         self.priorities = priorities
         self._buf: Buffer | None = None
         # the newest steps, held in memory: column -> [block, n_envs, ...], obs column -> its next_obs
@@ -148,7 +163,7 @@ class Lanes:
         self._release()
         if not self.path.exists():
             self._buf = create_buffer(
-                self.path, self.columns, self.lane * self.n_envs, num_streams=self.n_envs,
+                self.path, self.specs, self.lane * self.n_envs, num_streams=self.n_envs,
                 next_keys=self.obs_columns, attrs={ATTR: self.layout}, priorities=self.priorities,
             )
             return self._buf
@@ -350,6 +365,29 @@ class Lanes:
                     src = nxt[k[5:]] if k.startswith("next_") else pend[k]
                     out[k][m] = src[j[m], envs[m]]
         return {k: v.reshape(*shape, *v.shape[1:]) for k, v in out.items()}
+
+
+def codec_column(column: tuple[tuple[int, ...], str], codec: Any) -> Any:
+    """``mb.Column(shape, dtype, codec=codec)`` when this build's ``Column`` takes a
+    codec (the core checks the name), else ``InvalidArgumentError`` naming ``codec``.
+
+    >>> spec = None
+    >>> try:
+    ...     spec = codec_column(((84, 84), "uint8"), "zstd")
+    ... except errors.InvalidArgumentError as exc:  # a build without per-column codecs
+    ...     assert str(exc).startswith("codec: expected None on this build")
+    >>> spec is None or spec.codec == "zstd"
+    True
+    """
+    if "codec" not in inspect.signature(Column).parameters:
+        raise errors.InvalidArgumentError(
+            f"codec: expected None on this build (its mb.Column takes no codec: per-column codecs are not "
+            f"available, the store keeps raw, memory-mapped columns), got {codec!r}"
+        )
+    if not isinstance(codec, str):
+        raise errors.InvalidArgumentError(f"codec: expected a codec name such as 'zstd' or 'lz4', got {codec!r}")
+    kwargs: dict[str, Any] = {"codec": codec}
+    return Column(column[0], column[1], **kwargs)
 
 
 def _positive(what: str, value: Any) -> int:

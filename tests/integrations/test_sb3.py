@@ -527,8 +527,6 @@ def test_typed_refusals(tmp_path):
         mmbuffer.sb3.DictReplayBuffer(10, spaces.Dict({"x": box}), act, path=tmp_path / "a", frame_stack=1)
     with pytest.raises(errors.InvalidArgumentError, match="channels_order"):
         mmbuffer.sb3.ReplayBuffer(10, box, act, path=tmp_path / "a", channels_order="last")
-    with pytest.raises(errors.InvalidArgumentError, match="codec"):
-        mmbuffer.sb3.ReplayBuffer(10, box, act, path=tmp_path / "a", codec="zstd")
     with pytest.raises(errors.InvalidArgumentError, match="path"):
         mmbuffer.sb3.ReplayBuffer(10, box, act)
     with pytest.raises(errors.InvalidArgumentError, match="commit_every"):
