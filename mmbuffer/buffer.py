@@ -181,8 +181,7 @@ class Buffer:
         return self._store.column(name)
 
     def read(self, name: str, rows: np.ndarray) -> np.ndarray:
-        """Rows of a stored column, or (``name = "final/obs"``) the final observations of
-        the episodes that end at ``rows`` (see ``Store.read``), numpy."""
+        """Rows of a stored column, or the final observations at episode-end ``rows`` (``"final/obs"``: ``Store.read``)."""
         return self._store.read(name, rows)
 
     def read_range(self, name: str, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:

@@ -60,16 +60,13 @@ the used ones); their chunks are not given back when episodes are evicted.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
 from . import index
 from .index import Lane
 from .layout import Layout
-
-if TYPE_CHECKING:
-    from .store import Store
 
 __all__ = ["FinalsWriter", "slots"]
 
@@ -107,7 +104,7 @@ class FinalsWriter:
     make them durable at a commit, give back the slots of overwritten episodes.
     Called by ``writer.Writer`` under the store's lock."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Any) -> None:  # a ``store.Store`` (which imports this module)
         self.store = store
         self.by_episode = store.finals_by_episode
         self.layout = store.layout

@@ -128,7 +128,7 @@ class Store:
             self._arrays[f"columns/{name}"] = kind.open(root, f"columns/{name}", writable=writable, expect=expect)
         for k in self.next_keys:  # compressed like the columns in a version 4 store (finals.py)
             shape, dt = manifest.columns[k]
-            final: type[ColumnArray] = ZarrArray if self.finals_by_episode and self.compression is not None else RawArray
+            final: type[RawArray] | type[ZarrArray] = ZarrArray if self.finals_by_episode and self.compression is not None else RawArray
             self._arrays[f"final/{k}"] = final.open(root, f"final/{k}", writable=writable, expect=(cap, shape, dt))
         int64 = np.dtype(np.int64)
         self.ends = self._mapped("index/ends", (2 * cap, (), int64))

@@ -149,8 +149,9 @@ def _final_slot(q: int, lane_size: int, index: Any, cursors: Any, by_episode: bo
     per lane a ring of ``2 * lane_size`` absolute ends) with ``cursors`` (per lane
     ``written``, ``ep_tail``). Every probe lies inside the lane's ring, whatever the
     values (checked by the callers: ``index`` and ``cursors`` sizes)."""
+    found: int = q
     if not by_episode:
-        return q
+        return found
     lane = q // lane_size
     w = cursors[2 * lane]
     tail = cursors[2 * lane + 1]
@@ -165,9 +166,10 @@ def _final_slot(q: int, lane_size: int, index: Any, cursors: Any, by_episode: bo
             lo = mid + 1
         else:
             hi = mid
+    found = -1
     if lo < tail and index[base + lo % ring] == target:
-        return lane * lane_size + lo % lane_size
-    return -1
+        found = lane * lane_size + lo % lane_size
+    return found
 
 
 @numba.njit(nogil=True, cache=True)
