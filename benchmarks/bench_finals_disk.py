@@ -26,6 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import count  # noqa: E402
+
 CHILD = r"""
 import json, os, sys, time
 import numpy as np
@@ -84,7 +87,7 @@ def run(tree: Path, rows: int, laps: float, scratch: Path) -> dict[str, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", type=float, default=1e6)
+    p.add_argument("--rows", type=count, default=1_000_000)
     p.add_argument("--laps", type=float, default=1.25, help="rows written, in capacities")
     p.add_argument("--baseline", type=Path, help="root of another mmbuffer checkout (run first)")
     p.add_argument("--scratch", type=Path, default=None)

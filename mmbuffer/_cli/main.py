@@ -172,6 +172,7 @@ SUITES = {
     "recovery": "committed rows lost and reopen time after a writer is SIGKILLed mid-extend",
     "small_batch": "sample(32) and sample(256) against SB3's and TorchRL's in-RAM buffers",
     "sb3_frame_stack": "the SB3 drop-in with frame_stack on ALE frames against SB3's own buffer",
+    "finals_disk": "disk of an 84x84 pixel store: frames against final observations (--baseline DIR)",
 }
 
 

@@ -210,6 +210,9 @@ class FlatReader(Reader):
         Where a next-derived column has no next observations: drop each complete
         episode's last transition and keep its observation as the final one (see
         the module docstring); refused by name without it.
+    zero_unknown_finals
+        Yield zeros for unknown final observations instead (an exporter's read-back
+        check, which compares rows and never stores them).
     """
 
     def __init__(
@@ -227,6 +230,7 @@ class FlatReader(Reader):
         squeeze: tuple[str, ...] = ("reward",),
         next_mode: str = "auto",
         drop_last_transition: bool = False,
+        zero_unknown_finals: bool = False,
     ) -> None:
         super().__init__(path)
         if next_mode not in NEXT_MODES:
@@ -292,7 +296,7 @@ class FlatReader(Reader):
         missing = [k for k in self._next_keys if k not in self._next]
         self._drop: np.ndarray | None = None  # the source rows kept, when the last transitions are dropped
         rows_out = self._n
-        if missing and self._n:
+        if missing and self._n and not zero_unknown_finals:
             if not drop_last_transition:
                 raise self._error(
                     f"no next observations for {missing}: the final observation of every episode is unknown "
@@ -415,7 +419,10 @@ class FlatReader(Reader):
             differs = np.zeros(b - a, bool)  # a row counts once, however many columns differ
             carry = False
             for k in self._next_keys:
-                if k in self._next:
+                if k not in self._next:  # unknown (zero_unknown_finals: a read-back check)
+                    shape, dtype = self._schema.columns[k]
+                    final[k] = np.zeros((len(ends), *shape), dtype)
+                else:
                     nxt = np.asarray(self._next[k][a:b])
                     final[k] = nxt[ends]
                     obs = steps[k]

@@ -218,12 +218,15 @@ class D4RLReader(FlatReader):
         unknown and the file is refused; this drops each episode's last transition
         instead and keeps its observation as the final one (as
         ``d4rl.qlearning_dataset``; the module docstring of ``flat`` says how).
+    zero_unknown_finals
+        For :func:`~mmbuffer.convert.export_d4rl`'s read-back check only: zeros for
+        unknown final observations (compared, never stored).
     """
 
     def __init__(
         self, path: str | os.PathLike[str], *, drop_infos: bool = False, drop_unsupported: bool = False,
         derive_next: bool = False, keep_next_obs: bool = False, keep_infos: bool | None = None,
-        drop_last_transition: bool = False,
+        drop_last_transition: bool = False, zero_unknown_finals: bool = False,
     ) -> None:
         import h5py
 
@@ -252,7 +255,7 @@ class D4RLReader(FlatReader):
                 attrs["source_attrs"] = jsonable(dict(self._file.attrs))
             notes, stats = self.notes, self.stats
             super().__init__(path, fmt="d4rl", attrs=attrs, next_mode=mode, drop_last_transition=drop_last_transition,
-                             **args)
+                             zero_unknown_finals=zero_unknown_finals, **args)
             self.notes, self.stats = notes + self.notes, {**stats, **self.stats}
         except BaseException:
             self._file.close()
