@@ -82,8 +82,9 @@ def slots(ends: np.ndarray, layout: Layout, lanes: tuple[Lane, ...], rows: np.nd
 
     >>> ends = np.zeros(2 * 4, dtype=np.int64)
     >>> lane = index.append(ends, 0, 4, Lane(), rows=6, done=np.array([0, 1, 1, 0, 1, 0], bool))
-    >>> slots(ends, Layout(4), (lane,), np.array([0, 1, 2, 3]), by_episode=True).tolist()  # rows 4, 5 wrapped to 0, 1
-    [2, 0, 1, -1]
+    >>> # global rows 0..3 hold absolute rows 4, 5, 2, 3; episodes 0, 1, 2 end at 1, 2, 4
+    >>> slots(ends, Layout(4), (lane,), np.array([0, 1, 2, 3]), by_episode=True).tolist()
+    [2, -1, 1, -1]
     """
     rows = np.asarray(rows, dtype=np.int64)
     if not by_episode:

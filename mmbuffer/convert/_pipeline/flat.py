@@ -52,6 +52,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from . import droplast
 from .reader import DEFAULT_CHUNK_BYTES, Chunk, Reader, Schema, as_flag
 
 __all__ = ["ArrayLike", "FileArray", "RolledArray", "FlatReader", "NEXT_MODES", "TAIL_ATTR", "next_mode"]
@@ -321,20 +322,13 @@ class FlatReader(Reader):
 
     def _plan_drop(self) -> int:
         """Mark the rows kept when each complete episode's last transition is dropped
-        (one pass over the flags); return how many rows are kept."""
-        n = self._n
-        done = np.zeros(n, bool)
-        step = max(1, SCAN_BYTES // 2)
-        for a in range(0, n, step):
-            b = min(n, a + step)
-            done[a:b] = as_flag(self._term[a:b]) | as_flag(self._trunc[a:b])
-        self._drop = ~done
-        dropped = int(done.sum())
-        whole = int((done & np.concatenate([[True], done[:-1]])).sum())  # episodes of one row
+        (``droplast.py``); return how many rows are kept."""
+        self._drop = droplast.kept_rows(self._term, self._trunc, self._n, SCAN_BYTES // 2)
+        dropped = self._n - int(self._drop.sum())
         self.stats["dropped_last_transitions"] = dropped
-        self.stats["dropped_one_row_episodes"] = whole
+        self.stats["dropped_one_row_episodes"] = droplast.one_row_episodes(self._drop)
         self._attrs["dropped_last_transitions"] = dropped
-        return n - dropped
+        return self._n - dropped
 
     def _extra_ends(self, a: int, b: int) -> np.ndarray | None:
         """Rows ``a..b`` that end an episode beyond the source's flags (``None``: none); see TorchRL."""
@@ -470,42 +464,13 @@ class FlatReader(Reader):
             self._warn("the last episode has no terminated/truncated flag: kept as an open episode")
 
     def _chunks_dropping(self, chunk_rows: int) -> Iterator[Chunk]:
-        """``chunks`` with each complete episode's last transition dropped: a kept row
-        followed by a dropped one ends its episode as truncated, with the dropped row's
-        observation (the source's next observation of the kept row, where it has one)
-        as final observation. Reads one row past each chunk to see that."""
-        n, keep = self._n, self._drop
-        assert keep is not None
-        for a in range(0, n, chunk_rows):
-            b = min(n, a + chunk_rows)
-            kept = keep[a:b]
-            if not kept.any():
-                continue
-            follows = np.zeros(b - a, bool)  # the next source row is a dropped last transition
-            follows[:-1] = ~keep[a + 1 : b]
-            follows[-1] = b < n and not keep[b]
-            ends = follows & kept
-            steps: dict[str, np.ndarray] = {}
-            for name, arr in self._columns.items():
-                rows = np.asarray(arr[a:b])
-                if name in self._squeeze:
-                    rows = rows.reshape(b - a)
-                steps[name] = rows[kept]
-            steps["terminated"] = np.zeros(int(kept.sum()), bool)
-            steps["truncated"] = ends[kept]
-            at = np.flatnonzero(ends)
-            final: dict[str, np.ndarray] = {}
-            for k in self._next_keys:
-                if k in self._next:
-                    final[k] = np.asarray(self._next[k][a:b])[at]
-                else:  # the dropped row's observation: inside the chunk, or the row after it
-                    obs = np.asarray(self._columns[k][a : min(n, b + 1)])
-                    final[k] = obs[at + 1]
-            yield Chunk(steps, final)
+        """``chunks`` with each complete episode's last transition dropped (``droplast.py``)."""
+        assert self._drop is not None
+        yield from droplast.chunks(self._columns, self._squeeze, self._next, self._next_keys, self._drop, chunk_rows)
         if self._open_tail:
             self._warn(
                 "the last episode has no terminated/truncated flag and the source has no next "
-                f"observations: kept as an open episode; its last row (row {n - 1}) has no next "
+                f"observations: kept as an open episode; its last row (row {self._n - 1}) has no next "
                 "observation, so it is stored but not sampled"
             )
 
