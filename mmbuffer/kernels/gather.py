@@ -40,6 +40,8 @@ from numba import types
 from numba.core import cgutils as _cgutils
 from numba.extending import intrinsic
 
+from .finals import check_finals as _check_finals, final_seq as _final_seq, final_slot as _final_slot, zero as _zero
+
 cgutils: Any = _cgutils  # numba's code generation helpers are untyped
 ir: Any = cgutils.ir  # llvmlite's IR builder, as numba imports it
 
@@ -139,79 +141,6 @@ def _check_run(starts: Any, k: int, n: int, rows: Any, nrows: int) -> tuple[int,
     if r < 0 or r + (j - i) > nrows:
         raise ValueError("copy: a run of rows outside the source")
     return i, j, r
-
-
-@numba.njit(nogil=True, cache=True)
-def _final_seq(q: int, lane_size: int, index: Any, cursors: Any, hint: int) -> int:
-    """The sequence number of the episode whose last row is global row ``q``, or -1,
-    searched among its lane's last ``lane_size`` episodes in ``index`` (``index/ends``:
-    per lane a ring of ``2 * lane_size`` absolute ends) with ``cursors`` (per lane
-    ``written``, ``ep_tail``); the episode ``hint`` and the next one are tried first
-    (-1: none), as a slice's rows meet them. Every probe lies inside the lane's ring, whatever the values (the callers
-    check the sizes of ``index`` and ``cursors``)."""
-    lane = q // lane_size
-    w = cursors[2 * lane]
-    tail = cursors[2 * lane + 1]
-    target = w - (w - 1 - q % lane_size) % lane_size  # the row's absolute number, plus one
-    ring = 2 * lane_size
-    base = lane * ring
-    lo = max(tail - lane_size, 0)
-    hi = tail
-    found = -1
-    for h in (hint, hint + 1):  # the same episode again (a padded window), or the next
-        if hint >= 0 and lo <= h < hi and index[base + h % ring] == target:
-            return h
-    # the first episode ending at or after ``target``: a few interpolation steps (ends
-    # grow about evenly: 1-3 probes where a binary search over 1e6 episodes takes 20
-    # cache misses), then a binary search; every probe stays in [lo, hi)
-    for _ in range(4):
-        if hi - lo <= 16:
-            break
-        first, last = index[base + lo % ring], index[base + (hi - 1) % ring]
-        if target <= first:
-            hi = lo
-            break
-        if target > last:
-            lo = hi
-            break
-        guess = lo + int((target - first) / (last - first) * (hi - 1 - lo))
-        guess = min(max(guess, lo + 1), hi - 1)
-        if index[base + guess % ring] < target:
-            lo = guess + 1
-        else:
-            hi = guess
-    while lo < hi:
-        mid = lo + (hi - lo) // 2
-        if index[base + mid % ring] < target:
-            lo = mid + 1
-        else:
-            hi = mid
-    if lo < tail and index[base + lo % ring] == target:
-        found = lo
-    return found
-
-
-@numba.njit(nogil=True, cache=True)
-def _final_slot(q: int, lane_size: int, index: Any, cursors: Any, by_episode: bool) -> int:
-    """The ``final`` row of the episode whose last row is global row ``q``, or -1:
-    ``q`` itself (version 3), else the slot of its sequence number (``_ledger/finals.py``)."""
-    found: int = q
-    if by_episode:
-        seq = _final_seq(q, lane_size, index, cursors, -1)
-        found = -1 if seq < 0 else q // lane_size * lane_size + seq % lane_size
-    return found
-
-
-@numba.njit(nogil=True, cache=True)
-def _check_finals(nrows: int, lane_size: int, index: Any, cursors: Any, by_episode: bool) -> None:
-    if by_episode and (index.shape[0] != 2 * nrows or cursors.shape[0] != 2 * (nrows // lane_size)):
-        raise ValueError("finals: index or cursors of inconsistent sizes")
-
-
-@numba.njit(nogil=True, cache=True)
-def _zero(out: Any, at: int, nbytes: int) -> None:
-    for b in range(at, at + nbytes):
-        out[b] = 0
 
 
 @numba.njit(nogil=True, cache=True)
