@@ -29,9 +29,10 @@ and snapshots: ``_snapshot.py``.
 
 What a real multi-node deployment still needs (not built here): publishing is a
 full copy per snapshot (an incremental publish of the chunks written since the last
-one would make frequent publishing cheap); the raw arrays of a snapshot (final
-observations, flags, index, tree) are uploaded and fetched whole and dense, which
-costs about 16 bytes per row of capacity plus the final observations; a reader
+one would make frequent publishing cheap); the raw arrays of a snapshot (flags,
+index, tree) are uploaded and fetched whole and dense, which costs about 16 bytes
+per row of capacity (final observations are compressed like the columns: only the
+chunks of their episodes' slots are shipped); a reader
 pinned to a snapshot that ``keep`` has pruned fails (typed) and must ``refresh()``;
 the mirror directories under ``cache_dir`` are never deleted by mmbuffer; and the
 pool rotates blocks by draw count, with no adaptive prefetch depth for slow links.
