@@ -39,8 +39,9 @@ ends for good its final observation goes to the same slot, and ``end_open_episod
 finds the provisional one there again. A commit makes the slot of the open episode
 durable with the others (:meth:`FinalsWriter.flush`).
 
-Disk. Slots are written in episode order, ``posix_fallocate``'d just before (a full
-disk raises ``OSError(ENOSPC)``, never a SIGBUS), and the slots of episodes whose
+Disk. Slots are written in episode order, ``posix_fallocate``'d before the extend
+changes anything, 256 KiB of slots ahead at a time (a full disk raises
+``OSError(ENOSPC)``, never a SIGBUS), and the slots of episodes whose
 rows are all overwritten are given back (``FALLOC_FL_PUNCH_HOLE``), so a raw store
 takes its rows plus one final observation per live episode, however long it runs.
 A store created with ``compression`` keeps ``final/<col>`` compressed like its
@@ -72,6 +73,8 @@ __all__ = ["FinalsWriter", "slots"]
 
 #: at least this many bytes of evicted slots are given back at a time (one syscall)
 _DISCARD_BYTES = 1 << 16
+#: slots allocated ahead of the newest episode at a time: this many bytes of final rows
+_AHEAD_BYTES = 1 << 18
 
 
 def slots(ends: np.ndarray, layout: Layout, lanes: tuple[Lane, ...], rows: np.ndarray, *, by_episode: bool) -> np.ndarray:
@@ -116,6 +119,27 @@ class FinalsWriter:
         self._back = -(-_DISCARD_BYTES // min(sizes)) if sizes else 0  # slots that fill a large block
         # per lane: episodes below this sequence number have had their slots given back
         self._freed = [st.ep_head for st in store.lanes]
+        # per lane: the slots of episodes below this sequence number are allocated (never
+        # given back while ahead of the newest episode: ``discard`` keeps off them)
+        self._allocated = [st.ep_tail for st in store.lanes]
+        self._ahead = max(1, min(store.lane_size, _AHEAD_BYTES // max(1, self.row_bytes)))
+
+    def reserve(self, lane: int, st: Lane, count: int) -> None:
+        """Allocate the slots of the ``count`` episodes an extend of lane ``lane`` (cursors
+        ``st``) ends, before it changes anything: a full disk raises ``OSError(ENOSPC)``
+        here, never a SIGBUS later. Slots are allocated ``_AHEAD_BYTES`` at a time ahead
+        of the newest episode (at most a lane), so most extends allocate nothing and a
+        ring whose slots are all allocated writes on a full disk."""
+        if not self.by_episode or count == 0:
+            return
+        lo, need = self._allocated[lane], st.ep_tail + count
+        if need <= lo:
+            return
+        hi = min(need + self._ahead, st.ep_tail + self.layout.lane_size)
+        for a, b in self.layout.segments(lane, max(lo, st.ep_tail), hi):
+            for name in self.names:
+                self.store.array(name).allocate(a, b)
+        self._allocated[lane] = hi
 
     def write(self, lane: int, st: Lane, done: np.ndarray, finals: Mapping[str, np.ndarray]) -> None:
         """Store the final observations ``finals`` (column -> ``[episodes, ...]``) of the
@@ -132,8 +156,7 @@ class FinalsWriter:
         for name, arr in finals.items():
             col = store.column(f"final/{name}")
             off = 0
-            for a, b in segments:
-                col.allocate(a, b)  # a full disk refuses here, before the write into a hole
+            for a, b in segments:  # allocated by ``reserve``
                 col.write_range(a, arr[off : off + b - a])
                 off += b - a
 
@@ -156,8 +179,9 @@ class FinalsWriter:
 
         Episodes below ``ep_head - 1`` qualify: each ended where a later evicted one
         began, below ``written - lane_size``, so a reader that reads their slot fails
-        its re-check. Only slots still holding their episode (``k > ep_tail -
-        lane_size``: ``k + lane_size`` has not ended) are touched, and the range
+        its re-check. Only slots still holding their episode and not allocated ahead
+        for a newer one (``k >= allocated - lane_size``: ``k + lane_size`` has neither
+        ended nor had its slot allocated) are touched, and the range
         reaches back a few slots already given back, so the file-system blocks that
         straddle two calls' ranges are freed too.
         """
@@ -167,7 +191,7 @@ class FinalsWriter:
         freed = self._freed[lane]
         if hi <= freed or (hi - freed) * self.row_bytes < _DISCARD_BYTES and hi - freed < self.layout.lane_size:
             return
-        lo = max(freed - self._back, st.ep_tail - self.layout.lane_size + 1, 0)
+        lo = max(freed - self._back, max(self._allocated[lane], st.ep_tail + 1) - self.layout.lane_size, 0)
         for a, b in self.layout.segments(lane, lo, hi):
             for name in self.names:
                 self.store.array(name).discard(a, b)

@@ -219,6 +219,7 @@ class Writer:
         reserved = min(new_written + self._room_rows(), MAX_COUNTER) if new_written > int(self._reserved[lane]) else None
         if reserved is not None:
             self._reserve_space(lane, st, reserved)  # a full disk refuses here, before any change
+        self._finals.reserve(lane, st, len(next(iter(finals.values()))) if finals else 0)  # and here
         if new_written > store.committed[lane].written + self.lane_size:
             # a lane's uncommitted rows never exceed a lane, so the reservation stays
             # within written + 2 * lane_size of the last commit, the bound an open
