@@ -181,8 +181,8 @@ class Buffer:
         return self._store.column(name)
 
     def read(self, name: str, rows: np.ndarray) -> np.ndarray:
-        """Rows of a stored column or of ``final/<name>`` (``name = "final/obs"``), numpy."""
-        return self._store.column(name).read(rows)
+        """Rows of a stored column, or the final observations at episode-end ``rows`` (``"final/obs"``: ``Store.read``)."""
+        return self._store.read(name, rows)
 
     def read_range(self, name: str, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
         """Rows ``[start, stop)`` of a stored column (see ``Store.read_range``)."""

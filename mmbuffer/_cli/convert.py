@@ -101,6 +101,9 @@ READER_FLAGS: dict[str, tuple[str, str]] = {
                                       "next observations differ (those rows' are lost; by default the source's "
                                       "are kept as an explicit next/obs column)")),
     "keep_next_obs": ("--keep-next-obs", "always store the source's next observations as an explicit next/obs column"),
+    "drop_last_transition": ("--drop-last-transition", ("without next_observations: drop each episode's last transition "
+                                                        "and keep its observation as the final one (refused by name "
+                                                        "otherwise)")),
     "drop_reset_values": ("--drop-reset-values", ("leave out values in TD-MPC2 reset rows (row 0 of each "
                                                   "episode, NaN in TD-MPC2's own files) instead of refusing them")),
     "drop_past_ends": ("--drop-past-ends", "leave out rows past the last episode end instead of refusing them"),
@@ -247,6 +250,7 @@ npz layout (one row per transition, N rows; a .npz archive, or a directory of
   terminals          [N]       nonzero: the episode ended (terminated)
   timeouts           [N]       nonzero: the episode was cut (truncated)
   next_observations  [N, ...]  optional: gives each episode's final observation
+                               (without it: refused, or --drop-last-transition)
   infos/<name>       [N, ...]  optional, kept as columns (--drop-infos leaves them out)
   metadata/<name>              optional, small arrays kept in the store's attrs
 Episodes end at rows where terminals or timeouts is set.

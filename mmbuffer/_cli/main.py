@@ -222,6 +222,7 @@ SUITES = {
     "small_batch": "sample(32) and sample(256) against SB3's and TorchRL's in-RAM buffers",
     "sb3_frame_stack": "the SB3 drop-in with frame_stack on ALE frames against SB3's own buffer",
     "codec": "zstd columns on ALE frames: disk per transition, decode, sample and extend against raw",
+    "finals_disk": "disk of an 84x84 pixel store: frames against final observations (--baseline DIR)",
 }
 
 

@@ -144,6 +144,38 @@ def reserve_rows(fd: int, row_bytes: int, start: int, stop: int) -> None:
             raise
 
 
+_FALLOC_FL_KEEP_SIZE: Final = 1
+_FALLOC_FL_PUNCH_HOLE: Final = 2
+
+
+@functools.cache
+def _fallocate() -> Any:
+    try:
+        func = ctypes.CDLL(None, use_errno=True).fallocate
+    except AttributeError:  # not Linux
+        return None
+    func.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    return func
+
+
+def free_rows(fd: int, row_bytes: int, start: int, stop: int) -> bool:
+    """Give back the disk blocks under rows ``[start, stop)`` of the raw array file
+    ``fd`` (``fallocate(FALLOC_FL_PUNCH_HOLE)``): they read as zeros afterwards, the
+    file keeps its size, a block shared with a row outside the range keeps its data
+    (only its part inside the range is zeroed). Returns False where the filesystem
+    cannot (nothing changed); other failures raise ``OSError``."""
+    func = _fallocate()
+    lo, hi = start * row_bytes, min(stop * row_bytes, os.fstat(fd).st_size)
+    if func is None or hi <= lo:
+        return False
+    if func(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, lo, hi - lo) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+        return False
+    raise OSError(err, os.strerror(err))
+
+
 @functools.cache
 def _renameat2() -> Any:
     try:

@@ -1,4 +1,4 @@
-"""The on-disk format of an mmbuffer store, format version 3 (``FORMAT_VERSION``).
+"""The on-disk format of an mmbuffer store, format version 4 (``FORMAT_VERSION``).
 
 A store is one directory that is also a valid **Zarr v3 group**, so zarr-python,
 tensorstore or xarray read it without mmbuffer. Nothing in it is a pickle::
@@ -9,7 +9,11 @@ tensorstore or xarray read it without mmbuffer. Nothing in it is a pickle::
       manifest.json        the commit record (JSON, see below); replaced atomically
       columns/<name>/      one Zarr array per column, shape [capacity, *row_shape]
       final/<name>/        the observation after each episode's last row, for every
-                           next-derived column, stored at that last row's id (sparse)
+                           next-derived column: per lane a ring of ``lane_size``
+                           slots, episode ``k`` of lane ``l`` at row ``l * lane_size
+                           + k % lane_size`` (``_ledger/finals.py``); sparse, only the
+                           slots of live episodes take disk (version 3: at the
+                           episode's last row id)
       index/ends/          int64 [num_streams * 2 * lane_size]: per lane, a ring of
                            episode ends (absolute, exclusive row counters)
       index/reserved/      int64 [num_streams]: rows the writer may have overwritten
@@ -98,6 +102,18 @@ Version history
     Zarr array with a staging area (``staging/<name>/rows`` and ``tags``). A store without
     one is written and read exactly as before; a reader from before this change refuses a
     manifest that names a codec (``CorruptStoreError``: it checks every column's keys).
+4 (2026-11-25, issue 23)
+    Final observations addressed by episode, not by row: ``final/<col>`` keeps, per
+    lane, a ring of ``lane_size`` slots, episode ``k``'s final observation in slot
+    ``k % lane_size`` (its sequence number in ``index/ends``), written in episode
+    order and sparse: a store's disk is its rows plus one final observation per live
+    episode (version 3 kept them at the episode's last row id, in a capacity-sized
+    array that became as large as the observations once the ring had come round).
+    The array keeps its shape; in a store created with ``compression`` it is a
+    compressed array like the columns (a published snapshot then ships only the
+    chunks of used slots). Version 3 stores open, read and write as before (their
+    manifest keeps ``format_version`` 3; ``mmbuffer copy`` makes a version 4 store of
+    one); other versions are refused with ``FormatVersionError``.
 """
 
 from __future__ import annotations
@@ -114,7 +130,11 @@ from .. import errors
 from ..config import config
 
 FORMAT_NAME: Final = "mmbuffer"
-FORMAT_VERSION: Final = 3
+FORMAT_VERSION: Final = 4
+#: the versions this mmbuffer opens: 3 (final observations at rows) and 4 (by episode)
+READABLE_VERSIONS: Final = (3, 4)
+#: the first version whose final observations are addressed by episode
+FINALS_BY_EPISODE: Final = 4
 MANIFEST: Final = "manifest.json"
 LOCK: Final = "LOCK"
 RESERVED_NAMES: Final = frozenset({"terminated", "truncated"})
@@ -423,9 +443,9 @@ def read_manifest(path: Path) -> dict[str, Any]:
             f"{file}: expected format {FORMAT_NAME!r}, got {manifest.get('format')!r}"
         )
     version = manifest.get("format_version")
-    if version != FORMAT_VERSION or isinstance(version, bool):
+    if version not in READABLE_VERSIONS or isinstance(version, bool):
         raise errors.FormatVersionError(
-            f"{file}: expected format_version {FORMAT_VERSION}, got {version!r}; "
+            f"{file}: expected format_version {' or '.join(map(str, READABLE_VERSIONS))}, got {version!r}; "
             "this mmbuffer cannot read it"
         )
     return manifest

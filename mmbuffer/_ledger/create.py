@@ -83,9 +83,12 @@ def create_store(
                 fmt.create_raw(tmp, f"columns/{name}", capacity, shape, dtype)
             else:
                 fmt.create_compressed(tmp, f"columns/{name}", capacity, shape, dtype, compression)
-        for name in next_keys:
+        for name in next_keys:  # one slot per episode, sparse; compressed like the columns (_ledger/finals.py)
             shape, dtype = schema[name]
-            fmt.create_raw(tmp, f"final/{name}", capacity, shape, dtype)
+            if compression is None:
+                fmt.create_raw(tmp, f"final/{name}", capacity, shape, dtype)
+            else:
+                fmt.create_compressed(tmp, f"final/{name}", capacity, shape, dtype, compression)
         fmt.create_raw(tmp, "index/ends", num_streams * 2 * lane_size, (), np.dtype(np.int64))
         fmt.create_raw(tmp, "index/reserved", num_streams, (), np.dtype(np.int64), allocate=True)
         progress.create(tmp, num_streams)

@@ -125,6 +125,35 @@ def containing_end(
     return out
 
 
+def episodes_ending_at(ends: np.ndarray, lane: int, lane_size: int, state: Lane, absolute: np.ndarray) -> np.ndarray:
+    """Sequence number of the episode whose last row is each absolute row of a lane,
+    -1 where none of the lane's last ``lane_size`` episodes (``ep_tail - lane_size ..
+    ep_tail - 1``, evicted ones included: their rows may still be read) ends there.
+
+    Binary search in the (at most two) sorted ring segments of those episodes' ends:
+    O(len(rows) * log(episodes)), no copy of the ring. Their slots are never those of
+    uncommitted episodes of another writer (the ring holds ``2 * lane_size``).
+
+    >>> ends = np.zeros(2 * 8, dtype=np.int64)
+    >>> lane = append(ends, 0, 8, Lane(), rows=6, done=np.array([1, 0, 0, 1, 0, 0], bool))
+    >>> episodes_ending_at(ends, 0, 8, lane, np.array([0, 1, 3, 5])).tolist()
+    [0, -1, 1, -1]
+    """
+    target = np.asarray(absolute, dtype=np.int64) + 1
+    out = np.full(target.shape, -1, dtype=np.int64)
+    base, ring = lane * 2 * lane_size, 2 * lane_size
+    lo, tail = max(0, state.ep_tail - lane_size), state.ep_tail
+    while lo < tail:
+        s = lo % ring
+        n = min(tail - lo, ring - s)
+        seg = ends[base + s : base + s + n]
+        i = np.searchsorted(seg, target, side="left")
+        hit = (i < n) & (seg[np.minimum(i, n - 1)] == target)
+        out[hit] = lo + i[hit]
+        lo += n
+    return out
+
+
 def containing_start(ends: np.ndarray, lane: int, lane_size: int, state: Lane, rows: np.ndarray) -> np.ndarray:
     """Absolute start of the episode (live complete, or the open one) holding each
     absolute row ``rows`` of a lane: the last episode end at or before the row, or

@@ -7,7 +7,7 @@ that names the file, the field, the expected and the received value (format and
 version: ``_format.read_manifest``). Checks that need the episode index are in
 ``_ledger/counters.py``.
 
->>> m = parse({"format": "mmbuffer", "format_version": 2, "generation": 0, "capacity": 8,
+>>> m = parse({"format": "mmbuffer", "format_version": 4, "generation": 0, "capacity": 8,
 ...            "num_streams": 1, "lane_size": 8, "compression": None, "next_keys": [],
 ...            "columns": {"terminated": {"shape": [], "dtype": "bool"},
 ...                        "truncated": {"shape": [], "dtype": "bool"}},
@@ -52,11 +52,18 @@ class Manifest:
     lanes: tuple[Lane, ...]
     attrs: dict[str, Any]
     codecs: dict[str, str] = field(default_factory=dict)  # columns with a codec (columns/sharding.py)
+    #: the store's format version: kept by every commit (a version 3 store stays one)
+    format_version: int = fmt.FORMAT_VERSION
+
+    @property
+    def finals_by_episode(self) -> bool:
+        """Whether ``final/<col>`` is addressed by episode (version 4) or by row (3)."""
+        return self.format_version >= fmt.FINALS_BY_EPISODE
 
     def to_json(self) -> dict[str, Any]:
         return {
             "format": fmt.FORMAT_NAME,
-            "format_version": fmt.FORMAT_VERSION,
+            "format_version": self.format_version,
             "generation": self.generation,
             "capacity": self.capacity,
             "num_streams": self.num_streams,
@@ -137,8 +144,14 @@ def parse(obj: object, file: str) -> Manifest:
     attrs = obj.get("attrs", {})
     if not isinstance(attrs, dict):
         raise bad("attrs", "a JSON object", type(attrs).__name__)
-    return Manifest(generation, capacity, num_streams, lane_size, compression, columns, tuple(next_keys), priorities, states, attrs,
-                    codecs)
+    version = obj.get("format_version", fmt.FORMAT_VERSION)
+    if version not in fmt.READABLE_VERSIONS or isinstance(version, bool):
+        raise errors.FormatVersionError(
+            f"{file}: expected format_version {' or '.join(map(str, fmt.READABLE_VERSIONS))}, got {version!r}; "
+            "this mmbuffer cannot read it"
+        )
+    return Manifest(generation, capacity, num_streams, lane_size, compression, columns, tuple(next_keys), priorities,
+                    states, attrs, codecs, int(version))
 
 
 def _columns(cols: object, capacity: int, bad: Any) -> tuple[dict[str, tuple[tuple[int, ...], np.dtype]], dict[str, str]]:

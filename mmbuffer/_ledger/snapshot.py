@@ -47,6 +47,17 @@ class Ledger:
     lanes: tuple[Lane, ...]
     committed: tuple[Lane, ...]
     generation: int
+    _cursors: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
+
+    def cursors(self) -> np.ndarray:
+        """``written`` and ``ep_tail`` of every lane, interleaved (int64 ``[2 *
+        num_streams]``, computed once per ledger; never write it): what the gather
+        kernels need to find an episode's final observation (``finals.py``)."""
+        found = self._cursors
+        if found is None:
+            found = np.array([(st.written, st.ep_tail) for st in self.lanes], dtype=np.int64).reshape(-1)
+            object.__setattr__(self, "_cursors", found)
+        return found
 
     @classmethod
     def of(cls, lanes: tuple[Lane, ...], generation: int) -> Ledger:

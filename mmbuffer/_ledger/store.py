@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from . import counters as _counters, index
+from . import counters as _counters, finals, index
 from .._disk import rawio as _rawio, safe_io as _safe_io
 from .. import errors, tree
 from .._disk import format as fmt
@@ -96,6 +96,8 @@ class Store:
         self.compression: str | None = manifest.compression
         self.columns = {name: Column(shape, dt.name, manifest.codecs.get(name)) for name, (shape, dt) in manifest.columns.items()}
         self.next_keys: tuple[str, ...] = manifest.next_keys
+        #: ``final/<col>`` addressed by episode (format 4) or by row (3): ``finals.py``
+        self.finals_by_episode = manifest.finals_by_episode
         self.priorities = PriorityConfig(**manifest.priorities) if manifest.priorities else None
         self.attrs: dict[str, Any] = dict(manifest.attrs)
         self.manifest = manifest  # what the next commit rewrites (fields that never change)
@@ -131,9 +133,10 @@ class Store:
             raw = name in fmt.RESERVED_NAMES or self.compression is None  # the flags are always raw
             kind = RawArray if raw else ZarrArray
             self._arrays[f"columns/{name}"] = kind.open(root, f"columns/{name}", writable=writable, expect=expect)
-        for k in self.next_keys:
+        for k in self.next_keys:  # compressed like the columns in a version 4 store (finals.py)
             shape, dt = manifest.columns[k]
-            self._arrays[f"final/{k}"] = RawArray.open(root, f"final/{k}", writable=writable, expect=(cap, shape, dt))
+            final: type[RawArray] | type[ZarrArray] = ZarrArray if self.finals_by_episode and self.compression is not None else RawArray
+            self._arrays[f"final/{k}"] = final.open(root, f"final/{k}", writable=writable, expect=(cap, shape, dt))
         int64 = np.dtype(np.int64)
         self.ends = self._mapped("index/ends", (2 * cap, (), int64))
         self.reserved = self._mapped("index/reserved", (self.num_streams, (), int64))
@@ -247,9 +250,17 @@ class Store:
         return np.concatenate(starts), np.concatenate(lengths)
 
     def column(self, name: str) -> ColumnArray:
-        """The backend array of a stored column or of ``final/<name>`` (``"final/obs"``):
-        what gather kernels read (``column(name).mapped()`` when the bytes are mapped)."""
+        """The backend array of a stored column or of ``final/<name>`` (``"final/obs"``,
+        addressed by slot: :meth:`final_slots`): what gather kernels read
+        (``column(name).mapped()`` when the bytes are mapped)."""
         return self._arrays[name if name.startswith("final/") else f"columns/{name}"]
+
+    def final_slots(self, rows: np.ndarray, ledger: Ledger | None = None) -> np.ndarray:
+        """The row of ``final/<col>`` holding the final observation of the episode that
+        ends at each global row (-1 where none ends there), as of ``ledger`` (default:
+        now). See ``_ledger/finals.py``; a version 3 store answers the rows themselves."""
+        led = self.ledger if ledger is None else ledger
+        return finals.slots(self.ends, self.layout, led.lanes, rows, by_episode=self.finals_by_episode)
 
     def array(self, name: str) -> ColumnArray:
         """Any array of the store by its path in it: ``columns/<c>``, ``final/<c>``,
@@ -258,8 +269,19 @@ class Store:
         return self._arrays[name]
 
     def read(self, name: str, rows: np.ndarray) -> np.ndarray:
-        """Rows of a stored column or of ``final/<name>`` (``name = "final/obs"``)."""
-        return self.column(name).read(rows)
+        """Rows of a stored column, or with ``name = "final/<col>"`` the final observations
+        of the episodes that end at ``rows`` (``InvalidArgumentError`` for a row where
+        no live or recent episode ends)."""
+        if not name.startswith("final/"):
+            return self.column(name).read(rows)
+        with self._lock:
+            at = self.final_slots(np.asarray(rows, dtype=np.int64))
+        if (at < 0).any():
+            bad = np.asarray(rows).reshape(-1)[(at < 0).reshape(-1)]
+            raise errors.InvalidArgumentError(
+                f"rows: expected rows that end an episode (to read {name}), got {bad[:3].tolist()}"
+            )
+        return self.column(name).read(at)
 
     def read_range(self, name: str, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
         """Rows ``[start, stop)`` of a stored column (global row numbers, one lane's ring

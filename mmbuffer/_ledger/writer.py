@@ -55,6 +55,7 @@ from .._disk import format as fmt
 from .._disk.checks import as_numpy, check_stream, row_ids, validate_final, validate_steps
 from .._disk.guards import acquire_lock, locked, locked_write, raise_typed
 from ..config import config
+from .finals import FinalsWriter
 from .index import Lane
 from .manifest import MAX_COUNTER
 from .snapshot import Ledger
@@ -121,6 +122,7 @@ class Writer:
         self._record: np.ndarray | None = None
         self._marks: touched.Marks | None = None  # tree blocks changed since the commit (touched.py)
         self._marks_added = False
+        self._finals = FinalsWriter(store)  # final observations: written, flushed, freed (finals.py)
         try:
             self._record_array, self._record = progress.open_record(self.path, store.num_streams)
             if self._tree is not None:
@@ -217,6 +219,7 @@ class Writer:
         reserved = min(new_written + self._room_rows(), MAX_COUNTER) if new_written > int(self._reserved[lane]) else None
         if reserved is not None:
             self._reserve_space(lane, st, reserved)  # a full disk refuses here, before any change
+        self._finals.reserve(lane, st, len(next(iter(finals.values()))) if finals else 0)  # and here
         if new_written > store.committed[lane].written + self.lane_size:
             # a lane's uncommitted rows never exceed a lane, so the reservation stays
             # within written + 2 * lane_size of the last commit, the bound an open
@@ -238,13 +241,11 @@ class Writer:
                 col.write_range(a, arr[off : off + b - a])
                 off += b - a
         if finals:
-            last_rows = self.layout.rows(lane, st.written + np.flatnonzero(done))
-            for name, arr in finals.items():
-                store.column(f"final/{name}").write_at(last_rows, arr)
-
+            self._finals.write(lane, st, done, finals)
         st = index.append(self._ends, lane, self.lane_size, st, rows=rows, done=done)
         st, dropped_end = index.evict(self._ends, lane, self.lane_size, st, new_written - self.lane_size)
         store.ledger = store.ledger.with_lane(lane, st)  # published whole: the view sees the rows from here
+        self._finals.discard(lane, st)
         if self._tree is not None:
             # overwritten and evicted rows leave the tree before the default is
             # taken, so a new row gets the max of what stays live
@@ -272,6 +273,7 @@ class Writer:
             for a, b in segs:
                 for name in self._row_arrays(with_tree=False):
                     store.array(name).flush(a, b)
+            self._finals.flush(lane, was, now)
             # the ring slots of the episodes added since the last commit
             for a, b in index.slot_ranges(lane, self.lane_size, was.ep_tail, now.ep_tail):
                 ends.flush(a, b)
@@ -285,7 +287,7 @@ class Writer:
             self._tree_dirty = False
             if self._marks is not None:
                 self._marks.clear()
-        zarr_view.publish(self.path, self.layout, store.committed, store.generation)  # live rows for Zarr readers
+        zarr_view.publish(self.path, self.layout, store.committed, store.generation, store.manifest.format_version)
         return store.generation
 
     def _write_manifest(self, ledger: Ledger) -> None:
@@ -450,17 +452,16 @@ class Writer:
     def _reserve_space(self, lane: int, st: Lane, stop: int) -> None:
         """Allocate the disk blocks the writes up to a lane's absolute row ``stop`` need.
 
-        Small blocks of rows, final observations, episode ends and priority leaves
-        are stored through memory maps of sparse files, and a store into a hole
-        on a full disk can only be a SIGBUS. So blocks are allocated
-        (``posix_fallocate``; ``OSError(ENOSPC)`` when there is no room) with the
-        reservation, before it advances: the rows ``[written, stop)`` of the lane's
-        first pass through the ring, and the ``index/ends`` slots of the episodes
-        that can end in them (at most one per row). Once a lane has wrapped, what
-        it rewrites is allocated already; ``index/reserved`` is allocated at creation.
-        The tree's node rows over those rows are allocated with them (the tree file
-        is created sparse).
-        """
+        Small blocks of rows, episode ends and priority leaves are stored through
+        memory maps of sparse files, and a store into a hole on a full disk can only
+        be a SIGBUS. So blocks are allocated (``posix_fallocate``; ``OSError(ENOSPC)``
+        when there is no room) with the reservation, before it advances: the rows
+        ``[written, stop)`` of the lane's first pass through the ring (a version 3
+        store's final rows too; version 4 allocates each final slot as it writes it:
+        ``finals.py``), and the ``index/ends`` slots of the episodes that can end in
+        them (one per row at most). Once a lane has wrapped, what it rewrites is
+        allocated already; ``index/reserved`` at creation; the tree's node rows
+        over those rows with them (the tree file is created sparse)."""
         w, t = st.written, st.ep_tail
         if w < self.lane_size:
             base, hi = lane * self.lane_size, min(stop, self.lane_size)
@@ -480,7 +481,8 @@ class Writer:
         store = self.store
         skip_compressed = with_tree and store.compression is not None  # zarr allocates its own chunks
         names = [f"columns/{n}" for n in store.columns if not skip_compressed or n in fmt.RESERVED_NAMES]
-        names += [f"final/{k}" for k in store.next_keys]
+        if with_tree and not store.finals_by_episode:  # version 3: a final row per row (finals.py flushes them)
+            names += [f"final/{k}" for k in store.next_keys]
         return names + (["priority/leaves"] if with_tree and self._tree is not None else [])
 
     def _room_rows(self) -> int:
@@ -491,7 +493,7 @@ class Writer:
         a dict (CPython 3.11), which slowed every ``extend`` by 0.6 us."""
         store = self.store
         cols = [c for n, c in store.columns.items() if store.compression is None or n in fmt.RESERVED_NAMES]
-        cols += [store.columns[k] for k in store.next_keys]
+        cols += [store.columns[k] for k in store.next_keys if not store.finals_by_episode]
         row_bytes = sum(int(np.prod(c.shape, dtype=np.int64)) * np.dtype(c.dtype).itemsize for c in cols)
         row_bytes += 8 + (4 if self._tree is not None else 0)  # an episode-end slot, a float32 leaf
         ahead = max(1, int(self.lane_size * config.reserve_fraction))

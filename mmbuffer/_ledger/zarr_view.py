@@ -65,7 +65,7 @@ from .layout import Layout
 __all__ = ["attributes", "dimension_names", "publish"]
 
 
-def attributes(layout: Layout, lanes: Sequence[Lane], generation: int) -> dict[str, Any]:
+def attributes(layout: Layout, lanes: Sequence[Lane], generation: int, version: int = fmt.FORMAT_VERSION) -> dict[str, Any]:
     """The ``"mmbuffer"`` attributes of the root group for a commit (module docstring)."""
     n = layout.lane_size
     out = []
@@ -74,7 +74,7 @@ def attributes(layout: Layout, lanes: Sequence[Lane], generation: int) -> dict[s
         ends = [[a, b] for a, b in slot_ranges(lane, n, st.ep_head, st.ep_tail)]
         out.append({**st.to_json(), "rows": rows, "ends": ends})
     return {
-        "format_version": fmt.FORMAT_VERSION,
+        "format_version": version,
         "generation": generation,
         "capacity": layout.capacity,
         "num_streams": layout.num_streams,
@@ -83,7 +83,7 @@ def attributes(layout: Layout, lanes: Sequence[Lane], generation: int) -> dict[s
     }
 
 
-def publish(path: Path, layout: Layout, lanes: Sequence[Lane], generation: int) -> None:
+def publish(path: Path, layout: Layout, lanes: Sequence[Lane], generation: int, version: int = fmt.FORMAT_VERSION) -> None:
     """Replace the root ``zarr.json`` by one whose ``"mmbuffer"`` attributes describe
     commit ``generation`` (called by ``Store.commit`` after the manifest).
 
@@ -100,7 +100,7 @@ def publish(path: Path, layout: Layout, lanes: Sequence[Lane], generation: int) 
         meta = {"zarr_format": 3, "node_type": "group", "attributes": {}}
     attrs = meta.get("attributes")
     attrs = dict(attrs) if isinstance(attrs, dict) else {}
-    attrs["mmbuffer"] = attributes(layout, lanes, generation)
+    attrs["mmbuffer"] = attributes(layout, lanes, generation, version)
     meta["attributes"] = attrs
     try:
         _files.atomic_write_json(path / "zarr.json", meta)

@@ -1,7 +1,8 @@
 """Read rows for given indices: compiled copies from the mapped columns, out as torch tensors.
 
 ``next_<col>`` of a row is ``<col>`` of the following row of its lane, except at
-an episode's last row, where it is the stored final observation (``final/<col>``).
+an episode's last row, where it is the stored final observation (``final/<col>``,
+at the slot of the row's episode: ``_ledger/finals.py``; the kernels find it).
 Raw columns are copied by the kernels of ``mmbuffer.kernels.gather`` (a run of
 consecutive rows as one ``memcpy``, ``next_<col>`` in the same pass, no GIL);
 compressed ones are read through their backend. New tensors of a batch share one
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 
 from .. import errors
+from .._ledger.snapshot import Ledger
 from .._ledger.store import Store
 from .memory import RECYCLER
 
@@ -121,26 +123,30 @@ def gather(
     as ``<col>``. Compressed columns are read through their backend.
     """
     kernels = _KERNELS or _kernels()
+    if not isinstance(store, Store):  # a Buffer: its store
+        store = store.store
     plan = _plan(store, keys)
+    ledger = store.ledger  # where final observations are, as of now (_ledger/finals.py)
+    cursors = ledger.cursors()
     rows = np.asarray(rows, dtype=np.int64)
     flat = np.ascontiguousarray(rows).reshape(-1)
     if out is None and plan.small is not None:
         layout = _block(plan, rows.shape)
         if layout.nbytes < _SMALL:
-            return _gather_small(kernels, store, plan, layout, flat)
+            return _gather_small(kernels, store, plan, layout, flat, cursors)
     starts, bad = kernels.runs(flat, store.capacity)
     if bad >= 0:
         _bad_row(store, flat, bad)
     if out is None and plan.small is not None:
-        return _gather_new(kernels, store, plan, flat, starts, rows.shape)
+        return _gather_new(kernels, store, plan, flat, starts, rows.shape, cursors)
     targets = _targets(plan.keys, rows.shape, out)
     for own, after in plan.passes:
         if after is None:
             assert own is not None
             _copy(kernels, store, flat, starts, own, targets[own.name])
         else:
-            _next_into(kernels, store, flat, starts, after, targets[after.name],
-                       None if own is None else targets[own.name])
+            _next_into(kernels, store, plan, flat, starts, after, targets[after.name],
+                       None if own is None else targets[own.name], ledger)
     return {key.name: targets[key.name].finish() for key in plan.keys}
 
 
@@ -182,6 +188,9 @@ class _Plan:
     # every key copied by the kernels (raw, mapped, with its ends for ``next_``): its
     # passes as ``kernels.gather_small`` takes them; else None
     small: _Small | None
+    # the episode ends and whether final observations are found by episode (version 4)
+    index: np.ndarray
+    by_episode: bool
     # index shape -> where each key lies in a batch's one block of new memory (``_gather_new``)
     blocks: dict[tuple[int, ...], _Block] = field(default_factory=dict)
 
@@ -190,7 +199,7 @@ class _Plan:
 class _Small:
     """A plan's passes of rows of at least a byte as ``kernels.gather_small`` takes
     them: the addresses and sizes of each pass's source and finals, then of the
-    episode-end flags (``arrays`` keeps them alive); each pass's row bytes and the
+    episode-end flags and the episode ends (``arrays`` keeps them alive); each pass's row bytes and the
     names it copies its rows and next rows to (None: not asked)."""
 
     arrays: tuple[np.ndarray, ...]
@@ -201,7 +210,7 @@ class _Small:
     afters: tuple[str | None, ...]
 
 
-def _small(kernels: Any, passes: tuple[tuple[_Key | None, _Key | None], ...]) -> _Small:
+def _small(kernels: Any, passes: tuple[tuple[_Key | None, _Key | None], ...], index: np.ndarray) -> _Small:
     none = np.zeros(0, np.uint8)
     flags = (none, none)
     arrays: list[np.ndarray] = []
@@ -219,7 +228,7 @@ def _small(kernels: Any, passes: tuple[tuple[_Key | None, _Key | None], ...]) ->
         row_bytes.append(key.row_bytes)
         owns.append(None if own is None else own.name)
         afters.append(None if after is None else after.name)
-    arrays += flags
+    arrays += [*flags, index]
     where = np.array([kernels.address(a) for a in arrays], np.int64).reshape(-1, 2)
     return _Small(tuple(arrays), where[:, 0].copy(), where[:, 1].copy(), np.array(row_bytes, np.int64),
                   tuple(owns), tuple(afters))
@@ -266,14 +275,16 @@ def _bad_row(store: Store, flat: np.ndarray, bad: int) -> None:
     )
 
 
-def _gather_small(kernels: Any, store: Store, plan: _Plan, layout: _Block, flat: np.ndarray) -> dict[str, torch.Tensor]:
+def _gather_small(
+    kernels: Any, store: Store, plan: _Plan, layout: _Block, flat: np.ndarray, cursors: np.ndarray
+) -> dict[str, torch.Tensor]:
     """``gather`` of a small batch into new memory: one kernel call for every key
     (``kernels.gather_small``; a small batch's cost is mostly fixed)."""
     assert plan.small is not None
     small = plan.small  # referenced through the call: it keeps the arrays it gives by address
     memory = RECYCLER.small(layout.nbytes)
     bad = kernels.gather_small(small.addresses, small.sizes, small.row_bytes, layout.own_at, layout.next_at,
-                               store.lane_size, flat, store.capacity, memory)
+                               store.lane_size, flat, store.capacity, memory, cursors, plan.by_episode)
     if bad >= 0:
         _bad_row(store, flat, bad)
     from_numpy, ndarray = torch.from_numpy, np.ndarray
@@ -281,7 +292,8 @@ def _gather_small(kernels: Any, store: Store, plan: _Plan, layout: _Block, flat:
 
 
 def _gather_new(
-    kernels: Any, store: Store, plan: _Plan, flat: np.ndarray, starts: np.ndarray, index_shape: tuple[int, ...]
+    kernels: Any, store: Store, plan: _Plan, flat: np.ndarray, starts: np.ndarray, index_shape: tuple[int, ...],
+    cursors: np.ndarray,
 ) -> dict[str, torch.Tensor]:
     """``gather`` into new memory of keys the kernels copy (the common case, kept short:
     a small batch's fixed cost is mostly Python)."""
@@ -296,7 +308,8 @@ def _gather_new(
         elif after.row_bytes:
             assert after.source is not None and after.ends is not None
             kernels.copy_rows_next(after.source, *after.ends, flat, starts, store.layout.lane_size, after.row_bytes,
-                                   at[after.name], None if own is None else at[own.name])
+                                   at[after.name], None if own is None else at[own.name],
+                                   *((plan.index, cursors) if plan.by_episode else ()))
     from_numpy, ndarray = torch.from_numpy, np.ndarray
     return {name: from_numpy(ndarray(shape, dtype, memory, a)) for name, dtype, shape, a, _ in layout.keys}
 
@@ -339,7 +352,9 @@ def _plan(store: Store, keys: Iterable[str] | None) -> _Plan:
         from ..kernels import gather as kernels
 
         mapped = all(k.source is not None and (k.name == k.base or k.ends is not None) for k in built.values())
-        plan = plans[keys] = _Plan(tuple(built[n] for n in names), tuple(passes), _small(kernels, tuple(passes)) if mapped else None)
+        index = kernels.bytes_of(store.ends)
+        small = _small(kernels, tuple(passes), index) if mapped else None
+        plan = plans[keys] = _Plan(tuple(built[n] for n in names), tuple(passes), small, store.ends, store.finals_by_episode)
     return plan
 
 
@@ -444,14 +459,15 @@ def _torch_dtype(dtype: np.dtype) -> torch.dtype:
 
 
 def _next_into(
-    kernels: Any, store: Store, flat: np.ndarray, starts: np.ndarray, key: _Key, after: _Target, own: _Target | None
+    kernels: Any, store: Store, plan: _Plan, flat: np.ndarray, starts: np.ndarray, key: _Key, after: _Target,
+    own: _Target | None, ledger: Ledger,
 ) -> None:
     """``next_<base>`` into ``after`` and, when ``own`` is given, ``<base>`` into it."""
     if key.source is not None and key.ends is not None:
         if key.row_bytes:
             kernels.copy_rows_next(
                 key.source, *key.ends, flat, starts, store.layout.lane_size, key.row_bytes, after.bytes(kernels),
-                None if own is None else own.bytes(kernels),
+                None if own is None else own.bytes(kernels), *((plan.index, ledger.cursors()) if plan.by_episode else ()),
             )
         return
     # a compressed column: read through its backend
@@ -460,6 +476,10 @@ def _next_into(
         own.array[...] = values.reshape(own.array.shape)
     following = store.read(key.base, store.layout.following(flat))
     last = store.read("terminated", flat) | store.read("truncated", flat)
-    if last.any():
-        following[last] = store.read(f"final/{key.base}", flat[last])
+    if last.any():  # each episode's final observation; zeros where none ends (a row re-checked)
+        at = store.final_slots(flat[last], ledger)
+        finals = np.zeros((len(at), *key.row_shape), key.dtype)
+        found = at >= 0
+        finals[found] = store.column(f"final/{key.base}").read(at[found])
+        following[last] = finals
     after.array[...] = following.reshape(after.array.shape)

@@ -12,7 +12,7 @@ command line's ``--help`` stays free of torch).
 >>> list(READERS), list(WRITERS)
 (['d4rl', 'minari', 'npz', 'torchrl', 'tdmpc2', 'diffusion_policy', 'lerobot', 'tianshou'], ['d4rl', 'minari', 'diffusion_policy'])
 >>> READERS["npz"].options
-('drop_infos', 'drop_unsupported', 'derive_next', 'keep_next_obs', 'keep_infos')
+('drop_infos', 'drop_unsupported', 'derive_next', 'keep_next_obs', 'keep_infos', 'drop_last_transition')
 >>> takes("drop_infos", READERS)
 ('d4rl', 'minari', 'npz', 'tianshou')
 
@@ -59,13 +59,15 @@ class Format:
 
 #: The options of the flat readers (D4RL keys, npz, Tianshou): see :class:`~mmbuffer.convert.D4RLReader`.
 _FLAT = ("drop_infos", "drop_unsupported", "derive_next", "keep_next_obs", "keep_infos")
+#: D4RL keys (d4rl, npz): also ``drop_last_transition`` (no next observations)
+_D4RL = (*_FLAT, "drop_last_transition")
 
 #: ``convert`` formats (sources read into a new store), in the order the CLI lists them.
 READERS: dict[str, Format] = {f.name: f for f in (
-    Format("d4rl", ".readers.d4rl", "convert_d4rl", "a D4RL HDF5 file", _FLAT),
+    Format("d4rl", ".readers.d4rl", "convert_d4rl", "a D4RL HDF5 file", _D4RL),
     Format("minari", ".readers.minari", "convert_minari", "a Minari dataset directory (HDF5 or Arrow)",
            ("drop_infos", "drop_unsupported", "keep_infos")),
-    Format("npz", ".readers.npz", "convert_npz", "a .npz archive or a directory of .npy files", _FLAT),
+    Format("npz", ".readers.npz", "convert_npz", "a .npz archive or a directory of .npy files", _D4RL),
     Format("torchrl", ".readers.torchrl", "convert_torchrl", "a TorchRL dumps() directory or a TD-MPC2 .pt file",
            ("derive_next", "keep_next_obs", "drop_unsupported", "drop_reset_values", "done_means")),
     Format("tdmpc2", ".readers.torchrl", "convert_torchrl", "a TD-MPC2 .pt file (the same reader as torchrl)",

@@ -10,8 +10,10 @@ source of the runs a few steps ahead: a batch's rows are scattered over the
 store, and without it each run waits for its first cache line and page-table
 walk in turn (2-3x slower, measured: ``benchmarks/HISTORY.md``). ``next_<col>``
 comes in the same pass as ``<col>``: row ``r``'s next value is row
-``following(r)`` of its lane, or ``final[r]`` where the row ends an episode
-(``terminated | truncated``).
+``following(r)`` of its lane, or the final observation of the episode that ends
+there (``terminated | truncated``): in a version 4 store the ``final`` row of that
+episode's slot, found by a binary search over the lane's episode ends
+(``_final_slot``; only at episode ends), in a version 3 store ``final[r]``.
 
 Safety does not depend on the caller: each run is checked against the source's
 size before it is copied, and buffers of the wrong size raise ``ValueError``.
@@ -37,6 +39,8 @@ import numpy as np
 from numba import types
 from numba.core import cgutils as _cgutils
 from numba.extending import intrinsic
+
+from .finals import check_finals as _check_finals, final_seq as _final_seq, final_slot as _final_slot, zero as _zero
 
 cgutils: Any = _cgutils  # numba's code generation helpers are untyped
 ir: Any = cgutils.ir  # llvmlite's IR builder, as numba imports it
@@ -161,7 +165,7 @@ def _copy_rows(src: Any, rows: Any, starts: Any, row_bytes: int, out: Any) -> No
 @numba.njit(nogil=True, cache=True)
 def _copy_rows_next(
     src: Any, final: Any, terminated: Any, truncated: Any, rows: Any, starts: Any, lane_size: int,
-    row_bytes: int, out: Any, out_next: Any, want_rows: bool,
+    row_bytes: int, out: Any, out_next: Any, want_rows: bool, index: Any, cursors: Any, by_episode: bool,
 ) -> None:
     n = rows.shape[0]
     if row_bytes <= 0 or src.shape[0] % row_bytes != 0:
@@ -177,8 +181,11 @@ def _copy_rows_next(
         or (want_rows and out.shape[0] != n * row_bytes)
     ):
         raise ValueError("copy_rows_next: arrays of inconsistent sizes")
+    _check_finals(nrows, lane_size, index, cursors, by_episode)
     count = starts.shape[0] - 1
     ahead = _ahead(starts, rows, row_bytes)
+    hint, hint_lane = -1, -1  # the last episode found: a slice's next end is usually the next one
+    last_q, last_slot = -1, -1  # and its row (a padded window repeats it)
     for k in range(-ahead, count):
         if k + ahead < count:
             i, j, r = _check_run(starts, k + ahead, n, rows, nrows)
@@ -201,7 +208,18 @@ def _copy_rows_next(
             if q > lane_last:
                 lane_last += lane_size
             if terminated[q] != 0 or truncated[q] != 0:
-                _memcpy(out_next, p * row_bytes, final, q * row_bytes, row_bytes)
+                slot = q
+                if by_episode and q == last_q:
+                    slot = last_slot
+                elif by_episode:
+                    lane = q // lane_size
+                    seq = _final_seq(q, lane_size, index, cursors, hint if lane == hint_lane else -1)
+                    slot = -1 if seq < 0 else lane * lane_size + seq % lane_size
+                    hint, hint_lane, last_q, last_slot = seq, lane, q, slot
+                if slot >= 0:
+                    _memcpy(out_next, p * row_bytes, final, slot * row_bytes, row_bytes)
+                else:  # no episode ends there in these cursors (a row the caller re-checks)
+                    _zero(out_next, p * row_bytes, row_bytes)
                 p += 1
                 continue
             m = p + 1
@@ -228,7 +246,19 @@ def _pointer_typing(typingctx: Any, address: Any) -> Any:
     return sig, codegen
 
 
+def _pointer64_typing(typingctx: Any, address: Any) -> Any:
+    """The int64 at ``address`` as an ``int64*`` (for ``numba.carray``)."""
+    pointer: Any = types.CPointer
+    sig = pointer(types.int64)(types.int64)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+
+    return sig, codegen
+
+
 _pointer: Any = intrinsic(_pointer_typing)
+_pointer64: Any = intrinsic(_pointer64_typing)
 _carray: Any = numba.carray  # type: ignore[attr-defined]  # numba's stubs do not export it
 _SMALL_AHEAD = 8  # rows prefetched ahead
 
@@ -236,13 +266,14 @@ _SMALL_AHEAD = 8  # rows prefetched ahead
 @numba.njit(nogil=True, cache=True)
 def _gather_small(
     addresses: Any, sizes: Any, row_bytes: Any, own_at: Any, next_at: Any, lane_size: int, rows: Any, nrows: int, out: Any,
+    cursors: Any, by_episode: bool,
 ) -> int:
     n = rows.shape[0]
     for i in range(n):
         if rows[i] < 0 or rows[i] >= nrows:
             return i
     passes = row_bytes.shape[0]
-    if (addresses.shape[0] != 2 * passes + 2 or sizes.shape[0] != addresses.shape[0] or own_at.shape[0] != passes
+    if (addresses.shape[0] != 2 * passes + 3 or sizes.shape[0] != addresses.shape[0] or own_at.shape[0] != passes
             or next_at.shape[0] != passes or lane_size <= 0 or nrows % lane_size != 0):
         raise ValueError("gather_small: inconsistent arguments")
     flags = False
@@ -261,6 +292,9 @@ def _gather_small(
         raise ValueError("gather_small: flags of the wrong size")
     terminated = _carray(_pointer(addresses[2 * passes]), sizes[2 * passes])
     truncated = _carray(_pointer(addresses[2 * passes + 1]), sizes[2 * passes + 1])
+    index = _carray(_pointer64(addresses[2 * passes + 2]), sizes[2 * passes + 2] // 8)
+    if flags:
+        _check_finals(nrows, lane_size, index, cursors, by_episode)
     for i in range(-_SMALL_AHEAD, n):
         k = i + _SMALL_AHEAD
         if k < n:  # the lines of row ``rows[k]`` (and of its next row) in every source
@@ -281,6 +315,7 @@ def _gather_small(
             continue
         r = rows[i]
         last = flags and (terminated[r] != 0 or truncated[r] != 0)
+        slot = _final_slot(r, lane_size, index, cursors, by_episode) if last else -1
         following = r + 1 if (r + 1) % lane_size != 0 else r + 1 - lane_size
         for p in range(passes):
             rb = row_bytes[p]
@@ -288,9 +323,11 @@ def _gather_small(
             if own_at[p] != -1:
                 _memcpy(out, own_at[p] + i * rb, src, r * rb, rb)
             if next_at[p] != -1:
-                if last:
+                if slot >= 0:
                     final = _carray(_pointer(addresses[2 * p + 1]), sizes[2 * p + 1])
-                    _memcpy(out, next_at[p] + i * rb, final, r * rb, rb)
+                    _memcpy(out, next_at[p] + i * rb, final, slot * rb, rb)
+                elif last:  # no episode ends there in these cursors (a row the caller re-checks)
+                    _zero(out, next_at[p] + i * rb, rb)
                 else:
                     _memcpy(out, next_at[p] + i * rb, src, following * rb, rb)
     return -1
@@ -298,7 +335,7 @@ def _gather_small(
 
 def gather_small(
     addresses: np.ndarray, sizes: np.ndarray, row_bytes: np.ndarray, own_at: np.ndarray, next_at: np.ndarray,
-    lane_size: int, rows: np.ndarray, nrows: int, out: np.ndarray,
+    lane_size: int, rows: np.ndarray, nrows: int, out: np.ndarray, cursors: np.ndarray, by_episode: bool,
 ) -> int:
     """Every key of a small batch in one call, row by row. Pass ``p`` copies rows
     ``rows`` (int64, flat) of ``row_bytes[p]`` bytes of its source to byte
@@ -306,8 +343,9 @@ def gather_small(
     following row of the lane, or the final row where a flag ends the episode) to
     byte ``next_at[p]`` (-1: not wanted). The arrays are given by address and size
     in bytes (``addresses``, ``sizes``: per pass its source and its finals, then the
-    terminated and truncated flags; see ``address``): the caller keeps them alive
-    through the call. Returns the position of the first row id outside ``[0,
+    terminated and truncated flags, then the int64 episode ends ``index/ends``; see
+    ``address``): the caller keeps them alive through the call. ``cursors``,
+    ``by_episode``: where final observations are (``_final_slot``). Returns the position of the first row id outside ``[0,
     nrows)`` (then nothing is copied), or -1; sizes that do not fit raise
     ``ValueError``.
 
@@ -317,7 +355,7 @@ def gather_small(
     (``benchmarks/bench_small_batch.py``). Each row is copied alone, so it is meant
     for small batches; runs of long slices are ``copy_rows``'s.
     """
-    return int(_gather_small(addresses, sizes, row_bytes, own_at, next_at, lane_size, rows, nrows, out))
+    return int(_gather_small(addresses, sizes, row_bytes, own_at, next_at, lane_size, rows, nrows, out, cursors, by_episode))
 
 
 @numba.njit(nogil=True, cache=True)
@@ -386,11 +424,20 @@ def copy_rows_next(
     row_bytes: int,
     out_next: np.ndarray,
     out: np.ndarray | None = None,
+    index: np.ndarray | None = None,
+    cursors: np.ndarray | None = None,
 ) -> None:
     """``copy_rows`` of ``src`` into ``out`` (when given) and, in the same pass, the
     next value of each row into ``out_next``: ``src`` at the following row of its
-    lane (``lane_size`` rows, a ring), or ``final`` where ``terminated`` or
-    ``truncated`` (flat bytes, one per row) ends the episode there."""
+    lane (``lane_size`` rows, a ring), or the final observation where ``terminated``
+    or ``truncated`` (flat bytes, one per row) ends the episode there: ``final`` at
+    that row, or with ``index`` (``index/ends``, int64) and ``cursors`` (per lane
+    ``written``, ``ep_tail``) at its episode's slot (``_final_slot``)."""
     want = out is not None
+    by_episode = index is not None and cursors is not None
     _copy_rows_next(src, final, terminated, truncated, rows, starts, lane_size, row_bytes,
-                    out if out is not None else out_next, out_next, want)
+                    out if out is not None else out_next, out_next, want,
+                    index if index is not None else _NO_INDEX, cursors if cursors is not None else _NO_INDEX, by_episode)
+
+
+_NO_INDEX = np.zeros(0, np.int64)

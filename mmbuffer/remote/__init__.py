@@ -32,17 +32,19 @@ Safety: every object read is checked against its snapshot's object table
 ``cache_limit``, LRU eviction, one download per object per host, typed errors for a
 full or unwritable ``cache_dir``); ``engine="icechunk"`` publishes incrementally and
 transactionally (``_icechunk.py``); ``refresh()`` fetches only the small parts whose
-digest changed (the rest is hard linked from the mirror open before).
+digest changed (the rest is hard linked from the mirror open before). Final
+observations are compressed like the columns in a snapshot: only the chunks of their
+episodes' slots are shipped.
 
 What a real multi-node deployment still needs (not built here): the episode index
-(``index/ends``, 16 bytes per row of capacity), the done flags and the final
-observations are single dense objects, rewritten whole by an incremental publish and
-fetched whole by a reader (at 1e6 rows, 1% new rows: 22 MB written, 12% of a full
-publish, 17 MB of it the index); a publish still compresses the whole store locally
-before comparing digests (O(store) CPU); the Icechunk engine never expires old
-commits (``Repository.expire_snapshots`` + ``garbage_collect`` are the tools); writer
-groups owning disjoint arrays of one repository, prefetch ahead of the sampler across
-refreshes, and resumable distributed sampling over a newer snapshot are not built.
+(``index/ends``, 16 bytes per row of capacity) and the done flags are single dense
+objects, rewritten whole by an incremental publish and fetched whole by a reader (at
+1e6 rows, 1% new rows: 22 MB written, 12% of a full publish, 17 MB of it the index);
+a publish still compresses the whole store locally before comparing digests (O(store)
+CPU); the Icechunk engine never expires old commits (``Repository.expire_snapshots`` +
+``garbage_collect`` are the tools); writer groups owning disjoint arrays of one
+repository, prefetch ahead of the sampler across refreshes, and resumable distributed
+sampling over a newer snapshot are not built.
 """
 
 from __future__ import annotations

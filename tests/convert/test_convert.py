@@ -140,18 +140,37 @@ def test_d4rl_keeps_episodes_flags_and_final_obs(tmp_path, cartpole):
     assert not (tmp_path / "store.partial").exists()
 
 
-def test_d4rl_infos_and_no_next_observations(tmp_path, cartpole):
+def test_d4rl_without_next_observations_is_refused_by_name(tmp_path, cartpole):
+    """Each episode's final observation is unknown: refused, never zeros in its place;
+    nothing is written."""
     src = tmp_path / "c.hdf5"
     write_d4rl(src, cartpole, next_obs=False)
-    with pytest.warns(ConversionWarning, match="stored as zeros"):
+    with pytest.raises(ConversionError, match=r"\[observations\].*no next observations for \['obs'\].*--drop-last-transition"):
         convert_d4rl(src, tmp_path / "s", progress=False)
+    assert not (tmp_path / "s").exists() and not (tmp_path / "s.partial").exists()
+
+
+def test_d4rl_without_next_observations_drops_last_transitions_when_asked(tmp_path, cartpole):
+    """``drop_last_transition=True``: each episode keeps its rows but the last, the row
+    before ends it (truncated) and the dropped row's observation is its final
+    observation, as d4rl.qlearning_dataset pairs them; infos follow their rows."""
+    src = tmp_path / "c.hdf5"
+    write_d4rl(src, cartpole, next_obs=False)
+    s = convert_d4rl(src, tmp_path / "s", progress=False, chunk_rows=7, drop_last_transition=True)
+    kept = [e for e in cartpole if len(e["reward"]) > 1]
+    assert s["dropped_last_transitions"] == len(cartpole) and s["episodes"] == len(kept)
+    assert s["rows"] == sum(len(e["reward"]) - 1 for e in cartpole)
     with mb.open(str(tmp_path / "s"), mode="r") as buf:
+        assert buf.attrs["final_obs_source"] == "next_row" and buf.attrs["dropped_last_transitions"] == len(cartpole)
         assert buf.columns["infos/step"].dtype == "int64"
-        assert buf.attrs["final_obs_source"] == "zeros"
-        starts, lengths = buf.episodes()
-        last = buf.get(starts + lengths - 1, keys=["next_obs", "infos/step"])
-        assert torch.all(last["next_obs"] == 0)
-        assert last["infos/step"].tolist() == [len(e["reward"]) - 1 for e in cartpole]
+        episodes = list(buf.iter_episodes(["obs", "next_obs", "terminated", "truncated", "infos/step"]))
+    assert len(episodes) == len(kept)
+    for got, e in zip(episodes, kept):
+        t = len(e["reward"]) - 1  # rows kept
+        np.testing.assert_array_equal(got["obs"].numpy(), e["obs"][:t])
+        np.testing.assert_array_equal(got["next_obs"].numpy(), e["obs"][1 : t + 1])  # the last: the dropped row's obs
+        assert got["truncated"].tolist() == [False] * (t - 1) + [True] and not got["terminated"].any()
+        assert got["infos/step"].tolist() == list(range(t))
 
 
 def _with_dropped_frames(src: Path, rows: list[int]) -> np.ndarray:
@@ -287,18 +306,23 @@ def test_d4rl_unflagged_final_episode_is_kept_as_truncated(tmp_path, cartpole):
 
 
 def test_d4rl_unflagged_final_episode_without_next_observations_stays_open(tmp_path, cartpole):
+    """With the last transitions dropped (no next observations), the unflagged last
+    episode keeps every row and stays open: its last row is not sampled."""
     src = tmp_path / "c.hdf5"
     write_d4rl(src, cartpole, open_tail=True, next_obs=False)
     n = sum(len(e["reward"]) for e in cartpole)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        s = convert_d4rl(src, tmp_path / "s", progress=False)
+        s = convert_d4rl(src, tmp_path / "s", progress=False, drop_last_transition=True)
     assert any("no next observation, so it is stored but not sampled" in str(w.message) for w in caught)
     assert s["episodes"] == len(cartpole) - 1 and s["open_episode_rows"] == len(cartpole[-1]["reward"])
+    assert s["dropped_last_transitions"] == len(cartpole) - 1
     with mb.open(str(tmp_path / "s"), mode="r") as buf:
-        assert "tail_truncated_row" not in buf.attrs and len(buf) == n - 1
+        assert "tail_truncated_row" not in buf.attrs
+        assert len(buf) == n - (len(cartpole) - 1) - 1
     rows = read_all(tmp_path / "s")
     assert not rows["truncated"][-1] and not rows["terminated"][-1]
+    np.testing.assert_array_equal(rows["obs"][-len(cartpole[-1]["reward"]):], cartpole[-1]["obs"][:-1])
 
 
 def test_d4rl_nan_rewards_are_kept_and_counted(tmp_path, cartpole):

@@ -222,17 +222,25 @@ def test_d4rl_unflagged_tail_keeps_every_row_and_exports_exactly(tmp_path):
     assert again["checksums"] == s["checksums"] and again["final_obs_checksums"] == s["final_obs_checksums"]
 
 
-def test_d4rl_without_next_observations_round_trip_is_exact(tmp_path):
-    arrays = d4rl_arrays()
+def test_d4rl_without_next_observations_is_refused_or_drops_last_transitions(tmp_path):
+    """Unknown final observations: refused by name (nothing written), or, when asked, each
+    complete episode's last transition is dropped and the export writes back exactly the
+    rows kept, with the dropped rows' observations as their next observations."""
+    arrays = d4rl_arrays(open_tail=False)
     del arrays["next_observations"]
     src = write_h5(tmp_path / "src.hdf5", arrays)
-    s = quiet(convert_d4rl, src, tmp_path / "s")
-    assert s["rows"] == N and s["open_episode_rows"] == N - 1 - 3 * N // 4
-    assert any("has no next observation" in w for w in s["warnings"])
+    with pytest.raises(ConversionError, match="no next observations"):
+        quiet(convert_d4rl, src, tmp_path / "s")
+    assert not (tmp_path / "s").exists()
+    s = quiet(convert_d4rl, src, tmp_path / "s", drop_last_transition=True)
+    done = arrays["terminals"].astype(bool) | arrays["timeouts"].astype(bool)
+    assert s["rows"] == N - int(done.sum()) and s["dropped_last_transitions"] == int(done.sum())
     out = quiet(export_d4rl, tmp_path / "s", tmp_path / "out.hdf5")
-    # the zeros standing for unknown final observations are not written as data
-    assert out["verified"] and not out["next_observations"] and out["open_episode_rows"] > 0
-    assert_same_file(tmp_path / "out.hdf5", src)
+    assert out["verified"]
+    with h5py.File(tmp_path / "out.hdf5") as f:
+        np.testing.assert_array_equal(f["observations"][()], arrays["observations"][~done])
+        last = np.flatnonzero(f["timeouts"][()])
+        np.testing.assert_array_equal(f["next_observations"][()][last], arrays["observations"][done][: len(last)])
 
 
 def test_export_never_wraps_an_open_episode_into_next_observations(tmp_path):

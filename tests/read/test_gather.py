@@ -46,11 +46,13 @@ def fill(path, rng, *, streams=2, lane=24, compression=None, steps=12):
 
 def reference(buf, rows, keys):
     """Row by row: ``next_<col>`` of row ``r`` is ``<col>`` at the next ring position
-    of its lane, or ``final/<col>`` at ``r`` when ``r`` ends an episode."""
+    of its lane, or the final observation of the episode ending at ``r`` when ``r`` ends one
+    (``buf.read("final/<col>", r)``, one row at a time)."""
     lane = buf.capacity // buf.num_streams
     every = np.arange(buf.capacity)
     full = {name: np.asarray(buf.read(name, every)) for name in buf.columns}
-    finals = {k: np.asarray(buf.read(f"final/{k}", every)) for k in buf.next_keys}
+    last = every[full["terminated"] | full["truncated"]]
+    finals = {k: {r: np.asarray(buf.read(f"final/{k}", np.array([r])))[0] for r in last.tolist()} for k in buf.next_keys}
     out = {}
     flat = np.asarray(rows).reshape(-1)
     for key in keys:
@@ -216,9 +218,11 @@ def test_kernels_match_the_naive_copy(rng, row_shape, dtype):
         np.testing.assert_array_equal(nxt, naive_next(src, final, term | trunc, rows, lane))
 
 
-def small_args(passes, lane, n_rows, rows):
+def small_args(passes, lane, n_rows, rows, index=None, cursors=None):
     """``gather_small``'s arguments for ``passes`` of ``(src, final or None, own?, next?)``
-    over flags ``passes[0]``'s, and the ``out`` block and where each pass's outputs lie."""
+    over flags ``passes[0]``'s, and the ``out`` block (``args[OUT]``) and where each pass's
+    outputs lie; final rows at the episode-end rows (version 3) unless ``index`` and
+    ``cursors`` say where episodes' slots are."""
     arrays, row_bytes, own_at, next_at, at = [], [], [], [], 0
     for src, final, own, nxt, _ in passes:
         rb = src[0].nbytes
@@ -228,10 +232,14 @@ def small_args(passes, lane, n_rows, rows):
         at += len(rows) * rb if own else 0
         next_at.append(at if nxt else -1)
         at += len(rows) * rb if nxt else 0
-    arrays += passes[0][4]
+    arrays += [*passes[0][4], index if index is not None else np.zeros(0, np.int64)]
     where = [kernels.address(a) for a in arrays]
     return ([np.array([w[i] for w in where], np.int64) for i in (0, 1)]
-            + [np.array(v, np.int64) for v in (row_bytes, own_at, next_at)] + [lane, rows, n_rows, np.zeros(at, np.uint8)])
+            + [np.array(v, np.int64) for v in (row_bytes, own_at, next_at)] + [lane, rows, n_rows, np.zeros(at, np.uint8)]
+            + [cursors if cursors is not None else np.zeros(0, np.int64), index is not None, arrays])
+
+
+OUT = 8  # where ``small_args`` puts the out block
 
 
 def test_the_small_batch_kernel_matches_the_naive_copy(rng):
@@ -250,9 +258,9 @@ def test_the_small_batch_kernel_matches_the_naive_copy(rng):
         rows[: min(size, 3)] = [lane - 1, lane, n - 1][: min(size, 3)]
         passes = [(c, f, bool(rng.random() < 0.7), True, flags) for c, f in zip(cols, finals)]
         passes.append((cols[2], None, True, False, flags))  # a pass without next rows
-        args = small_args(passes, lane, n, rows)
+        args = small_args(passes, lane, n, rows)[:-1]
         assert kernels.gather_small(*args) == -1
-        out, at = args[-1], 0
+        out, at = args[OUT], 0
         for src, final, own, nxt, _ in passes:
             size_ = len(rows) * src[0].nbytes
             if own:
@@ -267,13 +275,13 @@ def test_the_small_batch_kernel_matches_the_naive_copy(rng):
 def test_the_small_batch_kernel_refuses_bad_rows_and_wrong_sizes(rng):
     src = np.arange(40, dtype=np.int32).reshape(10, 4)
     flags = (np.zeros(10, np.uint8), np.zeros(10, np.uint8))
-    args = small_args([(src, src, True, True, flags)], 5, 10, np.array([1, 10, 3]))
-    assert kernels.gather_small(*args) == 1 and not args[-1].any()  # nothing copied
+    args = small_args([(src, src, True, True, flags)], 5, 10, np.array([1, 10, 3]))[:-1]
+    assert kernels.gather_small(*args) == 1 and not args[OUT].any()  # nothing copied
     args[6][1] = -1
     assert kernels.gather_small(*args) == 1
     args[6][1] = 2
     assert kernels.gather_small(*args) == -1
-    for i, value, match in [(-1, np.zeros(95, np.uint8), "out has the wrong size"),
+    for i, value, match in [(OUT, np.zeros(95, np.uint8), "out has the wrong size"),
                             (7, 20, "wrong size"),  # rows of another source
                             (5, 3, "inconsistent"),  # a lane size that does not divide the rows
                             (2, np.array([8], np.int64), "a source of the wrong size")]:
@@ -281,7 +289,7 @@ def test_the_small_batch_kernel_refuses_bad_rows_and_wrong_sizes(rng):
         bad[i] = value
         with pytest.raises(ValueError, match=match):
             kernels.gather_small(*bad)
-    wrong = small_args([(src, src, True, True, (flags[0][:9], flags[1]))], 5, 10, np.array([1, 2, 3]))
+    wrong = small_args([(src, src, True, True, (flags[0][:9], flags[1]))], 5, 10, np.array([1, 2, 3]))[:-1]
     with pytest.raises(ValueError, match="flags of the wrong size"):
         kernels.gather_small(*wrong)
 

@@ -84,7 +84,8 @@ def test_a_url_is_never_taken_for_a_local_path(tmp_path, monkeypatch):
         mb.open("s3://bucket/x", mode="a")
     src = tmp_path / "d.npz"
     np.savez(src, observations=np.zeros((4, 2), "float32"), actions=np.zeros((4, 1), "float32"),
-             rewards=np.zeros(4, "float32"), terminals=np.array([0, 0, 0, 1], bool), timeouts=np.zeros(4, bool))
+             rewards=np.zeros(4, "float32"), terminals=np.array([0, 0, 0, 1], bool), timeouts=np.zeros(4, bool),
+             next_observations=np.zeros((4, 2), "float32"))
     with pytest.raises(errors.InvalidArgumentError, match="dst: expected a local path"):
         mb.convert.convert("npz", src, "gs://bucket/y", progress=False)
     with pytest.raises(errors.InvalidArgumentError, match="they are for URLs"):
@@ -118,6 +119,29 @@ def test_publish_open_and_sample_exactly_and_from_the_pool(tmp_path, bucket):
     same_as_local(local, s)
     assert set((s.indices // pool.block_rows).reshape(-1).tolist()) <= set(pool.held_blocks())
     exact.close(), pooled.close(), local.close()
+
+
+def test_a_snapshot_ships_only_the_final_observations_of_its_episodes(tmp_path, bucket, s3):
+    """The final observations of a published snapshot are compressed chunks of the used
+    slots (one per episode), not a capacity-sized array; a reader gets them back exact."""
+    import fsspec
+
+    url = f"s3://{bucket}/finals"
+    local = publish(tmp_path, url, episodes=6)  # 6 episodes in a store of 4096 rows
+    fs = fsspec.filesystem("s3", endpoint_url=s3)
+    objects = fs.find(f"{bucket}/finals/snapshots", detail=True)
+    shipped = sum(info["size"] for path, info in objects.items() if "/final/obs/c/" in path)
+    dense = 4096 * 3 * 4  # a capacity-sized array of float32 [3] rows
+    assert 0 < shipped <= 2 * 1024  # the chunks (1 KiB of rows each, see small_chunks) of 6 slots
+    assert shipped < dense / 20
+    with mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None) as ro:
+        starts, lengths = ro.episodes()
+        last = (starts + lengths - 1).numpy()
+        assert ro.get(last, ["next_obs"])["next_obs"].numpy().tolist() == [[-1.0, -1.0, -1.0]] * 6
+        rows = np.arange(len(local))
+        same = local.get(rows, ["next_obs"])["next_obs"]
+        torch.testing.assert_close(ro.get(rows, ["next_obs"])["next_obs"], same, rtol=0, atol=0)
+    local.close()
 
 
 def test_pool_rotation_is_deterministic_and_shards_cover_an_epoch_disjointly(tmp_path, bucket):

@@ -72,6 +72,10 @@ class ColumnArray(abc.ABC):
         (``OSError(ENOSPC)`` when there is none), where writing into a hole could
         fail later without an error to raise (a store through a map); else no-op."""
 
+    def discard(self, start: int, stop: int) -> None:
+        """Give back the storage under rows ``[start, stop)``, whose values are no longer
+        needed (they may read as zeros afterwards); a no-op where the backend cannot."""
+
     def drop_cache(self, start: int, stop: int) -> None:
         """Write rows ``[start, stop)`` behind and drop them from the page cache, when
         the backend has one; nothing is lost either way."""

@@ -100,6 +100,8 @@ class ZarrArray(ColumnArray):
         dirs: set[tuple[str, ...]] = set()
         for c in todo:
             key = self._array.metadata.encode_chunk_key((c, *zeros))
+            if not self._root.joinpath(self._name, key).parent.is_dir():
+                continue  # all fill value from the start: zarr wrote no file, nor its directory
             _files.fsync_in(self._root, f"{self._name}/{key}")
             parts = f"{self._name}/{key}".split("/")[:-1]
             dirs.update(tuple(parts[:k]) for k in range(len(parts) + 1))

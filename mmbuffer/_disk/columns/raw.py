@@ -74,6 +74,12 @@ class RawArray(ColumnArray):
         except OSError as exc:  # name the file: posix_fallocate's error does not
             raise OSError(exc.errno, exc.strerror, str(self._where)) from None
 
+    def discard(self, start: int, stop: int) -> None:
+        """Punch a hole under the rows (``_files.free_rows``): blocks wholly inside go back."""
+        if self._fd is None or not self._mm.flags.writeable:
+            return
+        _files.free_rows(self._fd, self._mm.strides[0], start, stop)
+
     def release(self) -> None:
         _rawio.release(self._mm)
 

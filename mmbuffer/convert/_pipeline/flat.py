@@ -3,8 +3,14 @@
 Every source here is a set of arrays with one row per transition plus two flag
 arrays; episodes end at rows where either flag is set. ``next_arrays`` (when the
 source has them, e.g. D4RL ``next_observations`` or TorchRL ``("next", ...)``)
-give each episode's final observation; without them the final observation is
-unknown and is filled with zeros (``attrs["final_obs_source"] == "zeros"``).
+give each episode's final observation. Without them the final observation of an
+episode is unknown, so the source is refused (``ConversionError`` naming the
+column) unless ``drop_last_transition=True`` (``--drop-last-transition``) accepts
+dropping each episode's last transition, as ``d4rl.qlearning_dataset`` does: the
+row before it then ends the episode (truncated: the data stops there, the MDP did
+not) and the dropped row's observation is its final observation
+(``attrs["final_obs_source"] == "next_row"``; an episode of one row is dropped
+whole; both counted in the summary).
 
 A source that stops inside an episode (its last row has no flag, as in most
 D4RL files) keeps every row. With next observations the last row is a whole
@@ -46,6 +52,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from . import droplast
 from .reader import DEFAULT_CHUNK_BYTES, Chunk, Reader, Schema, as_flag
 
 __all__ = ["ArrayLike", "FileArray", "RolledArray", "FlatReader", "NEXT_MODES", "TAIL_ATTR", "next_mode"]
@@ -200,6 +207,13 @@ class FlatReader(Reader):
         observations all equal the following row inside episodes, else keep them
         as explicit ``next/<col>`` columns; ``"derive"``: derive them anyway (the
         rows that differ are counted); ``"explicit"``: always keep the columns.
+    drop_last_transition
+        Where a next-derived column has no next observations: drop each complete
+        episode's last transition and keep its observation as the final one (see
+        the module docstring); refused by name without it.
+    zero_unknown_finals
+        Yield zeros for unknown final observations instead (an exporter's read-back
+        check, which compares rows and never stores them).
     """
 
     def __init__(
@@ -216,6 +230,8 @@ class FlatReader(Reader):
         attrs: dict[str, Any] | None = None,
         squeeze: tuple[str, ...] = ("reward",),
         next_mode: str = "auto",
+        drop_last_transition: bool = False,
+        zero_unknown_finals: bool = False,
     ) -> None:
         super().__init__(path)
         if next_mode not in NEXT_MODES:
@@ -279,8 +295,18 @@ class FlatReader(Reader):
             cols[name] = (shape, np.dtype(arr.dtype).newbyteorder("=").str)
         self._attrs = dict(attrs or {})
         missing = [k for k in self._next_keys if k not in self._next]
+        self._drop: np.ndarray | None = None  # the source rows kept, when the last transitions are dropped
+        rows_out = self._n
+        if missing and self._n and not zero_unknown_finals:
+            if not drop_last_transition:
+                raise self._error(
+                    f"no next observations for {missing}: the final observation of every episode is unknown "
+                    "(a store keeps what it reads, never zeros in its place); drop_last_transition=True "
+                    "(--drop-last-transition) drops each episode's last transition and keeps its observation "
+                    "as the episode's final observation, as d4rl.qlearning_dataset does", self._key(missing[0]))
+            rows_out = self._plan_drop()
         if self._next_keys:
-            self._attrs["final_obs_source"] = "zeros" if missing else "next"
+            self._attrs["final_obs_source"] = "next_row" if self._drop is not None else "next"
         n = self._n
         self._open_tail = bool(n) and not bool(as_flag(terminated[n - 1 : n])[0] or as_flag(truncated[n - 1 : n])[0])
         # the dataset stops inside an episode: with next observations its last row is
@@ -292,7 +318,17 @@ class FlatReader(Reader):
             self._attrs["next_obs"] = {"source": "explicit", **self._explicit}
         elif self._next:
             self._attrs["next_obs"] = {"source": "derived", "mode": next_mode}
-        self._schema = Schema(cols, self._next_keys, self._n, self._attrs)
+        self._schema = Schema(cols, self._next_keys, rows_out, self._attrs)
+
+    def _plan_drop(self) -> int:
+        """Mark the rows kept when each complete episode's last transition is dropped
+        (``droplast.py``); return how many rows are kept."""
+        self._drop = droplast.kept_rows(self._term, self._trunc, self._n, SCAN_BYTES // 2)
+        dropped = self._n - int(self._drop.sum())
+        self.stats["dropped_last_transitions"] = dropped
+        self.stats["dropped_one_row_episodes"] = droplast.one_row_episodes(self._drop)
+        self._attrs["dropped_last_transitions"] = dropped
+        return self._n - dropped
 
     def _extra_ends(self, a: int, b: int) -> np.ndarray | None:
         """Rows ``a..b`` that end an episode beyond the source's flags (``None``: none); see TorchRL."""
@@ -347,13 +383,10 @@ class FlatReader(Reader):
         return self._schema
 
     def chunks(self, chunk_rows: int) -> Iterator[Chunk]:
+        if self._drop is not None:
+            yield from self._chunks_dropping(chunk_rows)
+            return
         n = self._n
-        missing = [k for k in self._next_keys if k not in self._next]
-        if missing and n:
-            self._warn(
-                f"no next observations for {missing}: the final observation of every episode "
-                "is unknown and stored as zeros"
-            )
         mismatches = 0
         prev_next: dict[str, np.ndarray] = {}
         prev_end = True
@@ -380,8 +413,10 @@ class FlatReader(Reader):
             differs = np.zeros(b - a, bool)  # a row counts once, however many columns differ
             carry = False
             for k in self._next_keys:
-                shape, dtype = self._schema.columns[k]
-                if k in self._next:
+                if k not in self._next:  # unknown (zero_unknown_finals: a read-back check)
+                    shape, dtype = self._schema.columns[k]
+                    final[k] = np.zeros((len(ends), *shape), dtype)
+                else:
                     nxt = np.asarray(self._next[k][a:b])
                     final[k] = nxt[ends]
                     obs = steps[k]
@@ -392,8 +427,6 @@ class FlatReader(Reader):
                     if k in prev_next and not prev_end:
                         carry |= bool(_rows_differ(prev_next[k], obs[:1])[0])
                     prev_next[k] = nxt[-1:]
-                else:
-                    final[k] = np.zeros((len(ends), *shape), dtype)
             mismatches += int(differs.sum()) + int(carry)
             prev_end = bool(cut[-1]) if len(cut) else prev_end
             yield Chunk(steps, final)
@@ -429,6 +462,17 @@ class FlatReader(Reader):
             )
         elif self._open_tail:
             self._warn("the last episode has no terminated/truncated flag: kept as an open episode")
+
+    def _chunks_dropping(self, chunk_rows: int) -> Iterator[Chunk]:
+        """``chunks`` with each complete episode's last transition dropped (``droplast.py``)."""
+        assert self._drop is not None
+        yield from droplast.chunks(self._columns, self._squeeze, self._next, self._next_keys, self._drop, chunk_rows)
+        if self._open_tail:
+            self._warn(
+                "the last episode has no terminated/truncated flag and the source has no next "
+                f"observations: kept as an open episode; its last row (row {self._n - 1}) has no next "
+                "observation, so it is stored but not sampled"
+            )
 
 
 def _rows_differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:

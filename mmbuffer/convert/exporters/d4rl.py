@@ -221,7 +221,7 @@ class D4RLWriter(ExportWriter):
         self.opened.close()
 
     def verify(self, partial: Path) -> None:
-        reader = D4RLReader(partial, keep_next_obs=self.explicit_next)
+        reader = D4RLReader(partial, keep_next_obs=self.explicit_next, zero_unknown_finals=True)
         check_reader(reader, self.summary, self.crc, self.final_crc, partial)
 
 

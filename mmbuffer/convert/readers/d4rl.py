@@ -14,8 +14,11 @@ Layout read (``d4rl.qlearning_dataset`` conventions)::
 Store columns: ``obs``, ``action``, ``reward`` (+ ``infos/*``, + any other
 top-level ``[N, ...]`` numeric dataset under its own name), and the flags.
 ``obs`` is next-derived; with ``next_observations`` each episode's final
-observation is ``next_observations[last row]``, without it zeros (D4RL's mujoco
-``-v2`` files have none; ``attrs["final_obs_source"]`` says which). A file
+observation is ``next_observations[last row]``. Without them (D4RL's mujoco
+``-v2`` files have none) it is unknown, and the file is refused by name unless
+``drop_last_transition=True`` (``--drop-last-transition``) drops each episode's last
+transition, whose observation becomes the final one (``attrs["final_obs_source"]``
+says which). A file
 that stops inside an episode (no flag on its last row, common in D4RL) keeps
 every row: with ``next_observations`` the episode is closed as truncated there
 (``attrs["tail_truncated_row"]``; :func:`~mmbuffer.convert.export_d4rl` writes
@@ -210,11 +213,20 @@ class D4RLReader(FlatReader):
     keep_infos
         Deprecated: infos are kept by default. ``True`` changes nothing,
         ``False`` is ``drop_infos=True``.
+    drop_last_transition
+        Without ``next_observations`` the final observation of each episode is
+        unknown and the file is refused; this drops each episode's last transition
+        instead and keeps its observation as the final one (as
+        ``d4rl.qlearning_dataset``; the module docstring of ``flat`` says how).
+    zero_unknown_finals
+        For :func:`~mmbuffer.convert.export_d4rl`'s read-back check only: zeros for
+        unknown final observations (compared, never stored).
     """
 
     def __init__(
         self, path: str | os.PathLike[str], *, drop_infos: bool = False, drop_unsupported: bool = False,
         derive_next: bool = False, keep_next_obs: bool = False, keep_infos: bool | None = None,
+        drop_last_transition: bool = False, zero_unknown_finals: bool = False,
     ) -> None:
         import h5py
 
@@ -242,7 +254,8 @@ class D4RLReader(FlatReader):
             if self._file.attrs:
                 attrs["source_attrs"] = jsonable(dict(self._file.attrs))
             notes, stats = self.notes, self.stats
-            super().__init__(path, fmt="d4rl", attrs=attrs, next_mode=mode, **args)
+            super().__init__(path, fmt="d4rl", attrs=attrs, next_mode=mode, drop_last_transition=drop_last_transition,
+                             zero_unknown_finals=zero_unknown_finals, **args)
             self.notes, self.stats = notes + self.notes, {**stats, **self.stats}
         except BaseException:
             self._file.close()
@@ -286,6 +299,7 @@ def convert_d4rl(
     derive_next: bool = False,
     keep_next_obs: bool = False,
     keep_infos: bool | None = None,
+    drop_last_transition: bool = False,
     overwrite: bool = False,
     compression: str | None = None,
     chunk_rows: int | None = None,
@@ -334,7 +348,7 @@ def convert_d4rl(
 
     check_destination(dst, overwrite)
     reader = D4RLReader(src, drop_infos=drop_infos, drop_unsupported=drop_unsupported, derive_next=derive_next,
-                        keep_next_obs=keep_next_obs, keep_infos=keep_infos)
+                        keep_next_obs=keep_next_obs, keep_infos=keep_infos, drop_last_transition=drop_last_transition)
     return write_store(
         reader, dst, overwrite=overwrite, compression=compression, chunk_rows=chunk_rows,
         progress=progress, verify=verify, capacity=capacity, num_streams=num_streams, priorities=priorities,

@@ -180,13 +180,14 @@ class NpzReader(FlatReader):
     ----------
     path
         ``file.npz`` or a directory holding ``observations.npy``, ``actions.npy``...
-    drop_infos, drop_unsupported, derive_next, keep_next_obs, keep_infos
+    drop_infos, drop_unsupported, derive_next, keep_next_obs, keep_infos, drop_last_transition
         As for :class:`~mmbuffer.convert.D4RLReader`.
     """
 
     def __init__(
         self, path: str | os.PathLike[str], *, drop_infos: bool = False, drop_unsupported: bool = False,
         derive_next: bool = False, keep_next_obs: bool = False, keep_infos: bool | None = None,
+        drop_last_transition: bool = False,
     ) -> None:
         from ...errors import ConversionError
 
@@ -218,7 +219,7 @@ class NpzReader(FlatReader):
             attrs["source_metadata_omitted"] = omitted
             self.stats["metadata_omitted"] = sorted(omitted)
         notes, stats = self.notes, self.stats
-        super().__init__(path, fmt="npz", attrs=attrs, next_mode=mode, **args)
+        super().__init__(path, fmt="npz", attrs=attrs, next_mode=mode, drop_last_transition=drop_last_transition, **args)
         self.notes, self.stats = notes + self.notes, {**stats, **self.stats}
 
     def close(self) -> None:
@@ -235,6 +236,7 @@ def convert_npz(
     derive_next: bool = False,
     keep_next_obs: bool = False,
     keep_infos: bool | None = None,
+    drop_last_transition: bool = False,
     overwrite: bool = False,
     compression: str | None = None,
     chunk_rows: int | None = None,
@@ -260,7 +262,7 @@ def convert_npz(
 
     check_destination(dst, overwrite)
     reader = NpzReader(src, drop_infos=drop_infos, drop_unsupported=drop_unsupported, derive_next=derive_next,
-                       keep_next_obs=keep_next_obs, keep_infos=keep_infos)
+                       keep_next_obs=keep_next_obs, keep_infos=keep_infos, drop_last_transition=drop_last_transition)
     return write_store(
         reader, dst, overwrite=overwrite, compression=compression, chunk_rows=chunk_rows,
         progress=progress, verify=verify, capacity=capacity, num_streams=num_streams, priorities=priorities,
