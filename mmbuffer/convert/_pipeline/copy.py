@@ -207,7 +207,8 @@ def column_codecs(buf: Any, codec: Mapping[str, str | None] | None | str) -> dic
     >>> buf = mb.create(tempfile.mkdtemp() + "/s", {"px": mb.Column((4,), "uint8", codec="zstd"),
     ...                 "a": ((), "int64")}, capacity=8, next_keys=())
     >>> column_codecs(buf, "keep"), column_codecs(buf, None), column_codecs(buf, {"a": "lz4"})
-    ({'px': 'zstd', 'a': None}, {'px': None, 'a': None}, {'px': 'zstd', 'a': 'lz4'})
+    ({'a': None, 'px': 'zstd'}, {'a': None, 'px': None}, {'a': 'lz4', 'px': 'zstd'})
+    >>> buf.close()
     """
     kept: dict[str, str | None] = {k: buf.columns[k].codec for k in data_columns(buf)}
     if codec is None:
