@@ -15,15 +15,24 @@ page cache warm (every store read once before timing), medians of interleaved re
 3. ``sample(32)`` and ``sample(32, stack={"pixels": 4})`` from a zstd column against the same
    calls on a raw store of the same frames (decoded-chunk cache warm);
 4. per-step ``extend`` (one row per call, a commit every 1,000 rows) into a zstd column
-   against a raw one, fresh stores, rows/s.
+   against a raw one, fresh stores, rows/s;
+5. page cache cold: ``sample(32, stack 4)`` from the zstd store against the raw store, each
+   timed call preceded by ``Buffer.release_memory()`` (this process's maps and decoded-chunk
+   cache dropped) and ``posix_fadvise(POSIX_FADV_DONTNEED)`` on every file of both stores
+   (the guest's page cache; a VM's host may still hold the blocks);
+6. ``mb.stream`` with prefetch (4 batches, one worker thread) feeding a training step of
+   ``--step-ms`` (busy torch matmuls on one thread, as bench_stream): the consumer's wait in
+   ``next()`` per batch and the loop's time per batch, zstd store against raw, alternated.
 
     python benchmarks/bench_codec.py                 # ~2 min on the dev VM
     python benchmarks/bench_codec.py --steps 2000 --reps 20
+    python benchmarks/bench_codec.py --parts 5,6     # only the cold and the stream figures
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import sys
@@ -148,11 +157,82 @@ def warm(buf: mb.Buffer) -> None:
     buf.get(np.arange(len(buf)), keys=["pixels"])
 
 
+def evict(*bufs: mb.Buffer) -> None:
+    """Page cache cold for ``bufs``: this process's maps and decoded chunks dropped, then
+    every file's pages dropped from the page cache (``POSIX_FADV_DONTNEED``)."""
+    for buf in bufs:
+        buf.release_memory()
+        for f in buf.path.rglob("*"):
+            if f.is_file():
+                fd = os.open(f, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+
+
+def cold(raw: mb.Buffer, z: mb.Buffer, reps: int) -> None:
+    """5. ``sample(32, stack 4)`` with the page cache cold, alternated, medians."""
+    g = {k: torch.Generator().manual_seed(3) for k in ("raw", "zstd", "raw256", "zstd256")}
+    times: dict[str, list[float]] = {k: [] for k in g}
+    for _ in range(reps):
+        for k, buf in (("raw", raw), ("zstd", z), ("raw256", raw), ("zstd256", z)):
+            evict(raw, z)
+            t0 = time.perf_counter()
+            buf.sample(256 if k.endswith("256") else 32, stack={"pixels": 4}, generator=g[k])
+            times[k].append(time.perf_counter() - t0)
+    m = {k: statistics.median(v) for k, v in times.items()}
+    print("### 5. Sampling, page cache cold (release_memory + POSIX_FADV_DONTNEED on every file before "
+          f"each call; median of {reps} alternated)\n")
+    table([{"call": name, "zstd ms": m["zstd" + k] * 1e3, "raw ms": m["raw" + k] * 1e3,
+            "ratio": m["zstd" + k] / m["raw" + k]} for name, k in (("sample(32, stack 4)", ""),
+                                                                   ("sample(256, stack 4)", "256"))])
+
+
+def streamed(raw: mb.Buffer, z: mb.Buffer, step_ms: float, batches: int, repeats: int) -> None:
+    """6. The consumer's wait on ``mb.stream`` (prefetch 4) with a training step, zstd against raw."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_stream import make_step
+
+    torch.set_num_threads(1)
+    step = make_step("busy", step_ms)
+    rows = []
+    for batch in (32, 256):
+        waits: dict[str, list[float]] = {"raw": [], "zstd": []}
+        loops: dict[str, list[float]] = {"raw": [], "zstd": []}
+        for r in range(repeats):
+            for name, buf in (("raw", raw), ("zstd", z)) if r % 2 == 0 else (("zstd", z), ("raw", raw)):
+                g = torch.Generator().manual_seed(4 + r)
+                waited = 0.0
+                t0 = time.perf_counter()
+                with mb.stream(buf, batch, stack={"pixels": 4}, prefetch=4, num_batches=batches, generator=g) as s:
+                    for _ in range(batches):
+                        t = time.perf_counter()
+                        next(s)
+                        waited += time.perf_counter() - t
+                        step()
+                loops[name].append((time.perf_counter() - t0) / batches)
+                waits[name].append(waited / batches)
+        w = {k: statistics.median(v) for k, v in waits.items()}
+        lp = {k: statistics.median(v) for k, v in loops.items()}
+        rows.append({"batch": f"sample({batch}, stack 4)", "zstd wait us/batch": w["zstd"] * 1e6,
+                     "raw wait us/batch": w["raw"] * 1e6, "wait ratio": w["zstd"] / w["raw"],
+                     "zstd loop ms/batch": lp["zstd"] * 1e3, "raw loop ms/batch": lp["raw"] * 1e3,
+                     "loop ratio": lp["zstd"] / lp["raw"]})
+    print(f"### 6. mb.stream, prefetch 4, training step {step_ms} ms (busy, one thread), {batches} batches, "
+          f"median of {repeats} alternated runs, page cache warm\n")
+    table(rows)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=4000)
     p.add_argument("--reps", type=int, default=40)
+    p.add_argument("--parts", default="1,2,3,4,5,6", help="sections to run, e.g. 5,6 (any of 1-4 runs all four)")
+    p.add_argument("--step-ms", type=float, default=3.0, help="training step of section 6")
+    p.add_argument("--batches", type=int, default=300, help="batches per stream run in section 6")
     args = p.parse_args()
+    parts = set(args.parts.split(","))
     root = scratch() / "codec"
     root.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -163,6 +243,19 @@ def main() -> None:
 
     raw = build(root / "raw", data, None)
     warm(raw)
+    if parts & {"5", "6"}:
+        z = build(root / "z", data, "zstd")
+        if "5" in parts:
+            cold(raw, z, max(5, args.reps // 2))
+        if "6" in parts:
+            warm(raw)
+            warm(z)
+            streamed(raw, z, args.step_ms, args.batches, max(3, args.reps // 8))
+        z.close()
+    if not parts & {"1", "2", "3", "4"}:
+        raw.close()
+        print(f"total {time.perf_counter() - t0:.0f} s")
+        return
 
     # 1. the inner-chunk curve
     curve = []

@@ -30,6 +30,14 @@ def _compression(value: str) -> str | None:
     return value.lower()
 
 
+def _column_codec(value: str) -> tuple[str, str | None]:
+    """``COLUMN=CODEC`` of ``copy --codec``: ``pixels=zstd``, ``pixels=zstd:5``, ``pixels=none`` (raw)."""
+    name, eq, codec = value.rpartition("=")
+    if not eq or not name or not codec:
+        raise argparse.ArgumentTypeError(f"expected COLUMN=CODEC (pixels=zstd, pixels=none), got {value!r}")
+    return name, None if codec.lower() in ("none", "raw") else codec
+
+
 def _count(value: str) -> int:
     """A row or stream count; ``1e6`` and ``1_000_000`` notation accepted."""
     try:
@@ -159,6 +167,8 @@ def _print(summary: dict[str, Any], as_json: bool) -> None:
     for key, value in summary.items():
         if key == "compression":
             value = value or "none"  # as the user spells it
+        if key == "codecs":
+            value = ", ".join(f"{k}={v}" for k, v in value.items()) or "none"
         if key not in skip:
             print(f"{key:<{width}}  {value}")
     checksums = summary.get("checksums") or {}
@@ -230,9 +240,15 @@ def _run_export(args: argparse.Namespace) -> int:
 def _run_copy(args: argparse.Namespace) -> int:
     from ..convert import copy
 
+    codec: dict[str, str | None] | str | None = dict(args.codec) if args.codec else "keep"
+    if args.raw:
+        if args.compression is not None:
+            raise _invalid(f"--raw: every column raw and memory-mapped, got --compression {args.compression} too")
+        codec = None
     _print(copy(args.src, args.dst, compression=args.compression, chunk_rows=args.chunk_rows,
                 overwrite=args.overwrite, progress=args.progress, verify=args.verify,
-                capacity=args.capacity, num_streams=args.num_streams, priorities=args.priorities), args.json)
+                capacity=args.capacity, num_streams=args.num_streams, priorities=args.priorities,
+                codec=codec), args.json)
     return 0
 
 
@@ -298,7 +314,14 @@ def add_subcommands(sub: Any) -> None:
     p.add_argument("src", help="the store to copy (read-only)")
     p.add_argument("dst", help="the new store (must not exist unless --overwrite)")
     p.add_argument("--compression", type=_compression, default=None,
-                   help="zstd | lz4 (compressed archive) | none (default: raw, memory-mapped, for training)")
+                   help="zstd | lz4 (compressed archive) | none (default: raw, memory-mapped, for training); "
+                        "the columns without a codec")
+    recode = p.add_mutually_exclusive_group()
+    recode.add_argument("--codec", type=_column_codec, action="append", default=None, metavar="COLUMN=CODEC",
+                        help="change a column's codec (zstd, zstd:<level>, lz4; none: raw); repeatable. "
+                             "By default each column keeps its codec")
+    recode.add_argument("--raw", action="store_true",
+                        help="every column raw and memory-mapped (codecs decoded once, for training)")
     _layout(p, copy=True)
     _common(p)
     p.set_defaults(func=_run_copy)

@@ -23,6 +23,24 @@ def _disk_usage(path: Path) -> tuple[int, int]:
     return used, apparent
 
 
+def _column_disk(path: Path, name: str, codec: str | None, rows: int) -> dict[str, Any]:
+    """A column's bytes on disk: ``disk_used`` (allocated: its array and, with a codec,
+    its raw staging rows, ``staging_used``) and ``bytes_per_row``: with a codec the
+    shard files' bytes per row they hold (the encoded size), else allocated per live row."""
+    from .._disk import files as _files
+
+    used = _disk_usage(path / "columns" / name)[0]
+    if codec is None:
+        return {"disk_used": used, "bytes_per_row": used / rows if rows else None}
+    staging = _disk_usage(path / "staging" / name)[0]
+    # the store was opened (its zarr.json checked) before this is read
+    shard_rows = int(_files.read_json_in(path, f"columns/{name}/zarr.json")["chunk_grid"]["configuration"]["chunk_shape"][0])
+    shards = [os.stat(os.path.join(root, f)).st_size for root, _, fs in os.walk(path / "columns" / name / "c") for f in fs]
+    held = len(shards) * shard_rows
+    return {"disk_used": used + staging, "staging_used": staging, "shard_rows": held,
+            "bytes_per_row": sum(shards) / held if held else None}
+
+
 def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -66,7 +84,8 @@ def info(path: str) -> dict[str, Any]:
         "capacity": buf.capacity,
         "num_streams": buf.num_streams,
         "compression": buf.compression,
-        "columns": {k: {"shape": list(c.shape), "dtype": c.dtype} for k, c in buf.columns.items()},
+        "columns": {k: {"shape": list(c.shape), "dtype": c.dtype, "codec": c.codec,
+                        **_column_disk(Path(path), k, c.codec, len(buf))} for k, c in buf.columns.items()},
         "next_keys": list(buf.next_keys),
         "disk_used": used,
         "disk_apparent": apparent,
@@ -117,12 +136,19 @@ def _print_info(summary: dict[str, Any]) -> None:
     print(f"rows         {summary['rows']:,} live of {summary['capacity']:,} capacity, {summary['num_streams']} stream(s)")
     print(f"episodes     {summary['episodes']:,} complete")
     print(f"on disk      {_human(summary['disk_used'])} used ({_human(summary['disk_apparent'])} apparent, sparse)")
-    print(f"compression  {summary['compression'] or 'none (memory-mapped)'}")
-    print("columns")
+    codecs = ", ".join(f"{n}: {c['codec']}" for n, c in summary["columns"].items() if c["codec"])
+    store_wide = summary["compression"] or "none (memory-mapped)"
+    print(f"compression  {store_wide + '; columns with a codec: ' + codecs if codecs else store_wide}")
     width = max([20, *(len(n) for n in summary["columns"])])
+    print(f"{'columns':<{width + 30}} {'codec':<10} {'on disk':>10} {'per row':>10}")
     for name, col in summary["columns"].items():
         derived = "  (+ next_" + name + ")" if name in summary["next_keys"] else ""
-        print(f"  {name:<{width}} {str(tuple(col['shape'])):<14} {col['dtype']}{derived}")
+        codec = col["codec"] or ("none" if summary["compression"] is None or name in ("terminated", "truncated")
+                                 else summary["compression"])
+        per_row = "-" if col["bytes_per_row"] is None else _human(col["bytes_per_row"])
+        staged = f"  (staging {_human(col['staging_used'])}, raw)" if col["codec"] else ""
+        print(f"  {name:<{width}} {str(tuple(col['shape'])):<14} {col['dtype']:<12} {codec:<10} "
+              f"{_human(col['disk_used']):>10} {per_row:>10}{derived}{staged}")
     pri = summary["priorities"]
     if pri:
         print(f"priorities   alpha={pri['alpha']} eps={pri['eps']} max_priority={pri['max_priority']}; "

@@ -186,7 +186,7 @@ def test_long_column_names_stay_apart_from_what_follows(tmp_path, capsys):
         buf.extend({long: np.ones((4, 3)), "terminated": np.arange(4) == 3})
     assert main(["info", str(tmp_path / "s")]) == 0
     line = next(ln for ln in capsys.readouterr().out.splitlines() if long in ln)
-    assert re.fullmatch(rf"\s+{long} +\(3,\) +float32", line)
+    assert re.fullmatch(rf"\s+{long} +\(3,\) +float32 +none +[\d.]+ K?i?B +[\d.]+ K?i?B", line)
 
 
 def test_copy_prints_compression_as_spelled_and_one_checksum_line(tmp_path, capsys):
@@ -238,3 +238,80 @@ def test_help_lists_exactly_the_registered_formats():
     usage = _cli("-m", "mmbuffer", "convert", "--help").stdout
     choices = re.search(r"\{([^}]*)\}", usage).group(1).split(",")
     assert choices == list(READERS)
+
+
+def _codec_store(path, rows=1200):
+    """84x84 frames in a zstd column (complete shard files and staged rows), a raw column."""
+    frames = np.zeros((rows, 84, 84), np.uint8)
+    frames[:, 10:20, :] = (np.arange(rows) % 251)[:, None, None]  # compressible, every frame its own
+    with mb.create(path, {"px": mb.Column((84, 84), "uint8", codec="zstd:5"), "a": ((), "int64")},
+                   capacity=4000, next_keys=("px",)) as buf:
+        buf.extend({"px": frames, "a": np.arange(rows), "terminated": np.arange(rows) % 100 == 99},
+                   final_obs={"px": frames[99::100]})
+    return path
+
+
+def test_info_shows_each_columns_codec_and_its_bytes_on_disk(tmp_path, capsys):
+    store = _codec_store(tmp_path / "s")
+    assert main(["info", str(store), "--json"]) == 0
+    cols = __import__("json").loads(capsys.readouterr().out)["columns"]
+    px, a = cols["px"], cols["a"]
+    assert (px["codec"], a["codec"]) == ("zstd:5", None)
+    shards = [f for f in (store / "columns" / "px" / "c").rglob("*") if f.is_file()]
+    assert len(shards) == 3 and px["shard_rows"] == 1200  # three complete shards of 400 rows
+    assert px["bytes_per_row"] == sum(f.stat().st_size for f in shards) / 1200 < 84 * 84 / 20  # encoded
+    assert 2 * 400 * 84 * 84 <= px["staging_used"] < px["disk_used"]  # two raw staging halves, counted
+    assert a["bytes_per_row"] >= 8 and a["disk_used"] >= 1200 * 8
+    assert main(["info", str(store)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert next(ln for ln in lines if ln.startswith("compression")).endswith("columns with a codec: px: zstd:5")
+    header = next(ln for ln in lines if ln.startswith("columns"))
+    px_line = next(ln for ln in lines if ln.strip().startswith("px "))
+    a_line = next(ln for ln in lines if ln.strip().startswith("a "))
+    assert re.fullmatch(r"\s+px +\(84, 84\) +uint8 +zstd:5 +[\d.]+ MiB +(\d+) B +\(\+ next_px\)  "
+                        r"\(staging [\d.]+ MiB, raw\)", px_line), px_line
+    assert int(px_line.split()[-8]) == int(px["bytes_per_row"])
+    assert re.fullmatch(r"\s+a +\(\) +int64 +none +[\d.]+ KiB +[\d.]+ B", a_line), a_line
+    assert header.index("codec") == px_line.index("zstd:5") == a_line.index("none")  # the columns line up
+
+
+def test_copy_keeps_codecs_and_changes_them_when_told(tmp_path, capsys):
+    src = _codec_store(tmp_path / "s")
+    cases = {"keep": ([], {"px": "zstd:5", "a": None}, "px=zstd:5"),
+             "some": (["--codec", "px=none", "--codec", "a=lz4"], {"px": None, "a": "lz4"}, "a=lz4"),
+             "raw": (["--raw"], {"px": None, "a": None}, "none")}
+    with mb.open(str(src), mode="r") as s:
+        want = s.get(np.arange(1200), keys=["px", "next_px", "a"])
+    for name, (flags, codecs, shown) in cases.items():
+        assert main(["copy", str(src), str(tmp_path / name), "--no-progress", *flags]) == 0
+        line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("codecs"))
+        assert re.fullmatch(rf"codecs\s+{re.escape(shown)}", line), line
+        with mb.open(str(tmp_path / name), mode="r") as c:
+            assert {k: c.columns[k].codec for k in codecs} == codecs
+            got = c.get(np.arange(1200), keys=["px", "next_px", "a"])
+            assert all(torch_equal(got[k], want[k]) for k in want)
+
+
+def torch_equal(a, b):
+    return a.numpy().tobytes() == b.numpy().tobytes()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--codec", "px=gzip"], "column 'px': codec: expected None (raw) or one of"),
+    (["--codec", "nope=zstd"], "codec: expected column names among ['a', 'px'], got 'nope'"),
+    (["--raw", "--compression", "zstd"], "--raw: every column raw and memory-mapped, got --compression zstd too"),
+])
+def test_copy_refuses_a_bad_codec_by_name_and_writes_nothing(tmp_path, capsys, flags, message):
+    src = _codec_store(tmp_path / "s", rows=50)
+    assert main(["copy", str(src), str(tmp_path / "c"), "--no-progress", *flags]) == 2
+    assert message in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
+
+
+@pytest.mark.parametrize("flags", [["--codec", "px"], ["--codec", "=zstd"], ["--raw", "--codec", "px=zstd"]])
+def test_copy_codec_flags_are_checked_by_argparse(tmp_path, capsys, flags):
+    with pytest.raises(SystemExit) as exit_:
+        main(["copy", str(tmp_path / "s"), str(tmp_path / "c"), *flags])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "expected COLUMN=CODEC" in err or "not allowed with argument" in err, err

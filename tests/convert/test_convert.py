@@ -1043,3 +1043,89 @@ def test_export_d4rl_refuses_a_store_without_d4rl_columns(tmp_path):
     with pytest.raises(mb.errors.ConversionError, match="missing \\['action', 'reward'\\]"):
         export_d4rl(tmp_path / "s", tmp_path / "out.hdf5", progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
+
+
+# -- copies of columns with a codec --------------------------------------------------------------
+def _codec_store(path, monkeypatch):
+    """Small shards (4-row chunks, 16-row shards) so that ~100 rows per lane fill several
+    shard files and leave rows staged; lanes wrapped, open episodes, final observations."""
+    from mmbuffer._disk.columns import sharding
+
+    monkeypatch.setattr(sharding, "INNER_BYTES", 4 * 48)
+    monkeypatch.setattr(sharding, "SHARD_CHUNKS", 4)
+    rng = np.random.default_rng(5)
+    cols = {"px": mb.Column((6, 8), "uint8", codec="zstd:5"), "vel": mb.Column((2,), "float32", codec="lz4"),
+            "a": ((), "int64")}
+    with mb.create(str(path), cols, capacity=128, num_streams=2, next_keys=("px",)) as buf:
+        for step in range(30):
+            n = int(rng.integers(3, 9))
+            done = np.zeros(n, bool)
+            done[-1] = step % 3 == 2  # the last episode of each lane stays open
+            buf.extend({"px": (rng.integers(0, 3, (n, 6, 8)) * 80).astype(np.uint8),
+                        "vel": rng.random((n, 2), dtype=np.float32), "a": np.arange(n) + 100 * step,
+                        "terminated": done}, stream=step % 2,
+                       final_obs={"px": np.full((int(done.sum()), 6, 8), step, np.uint8)})
+    return path
+
+
+def _same_rows(a, b):
+    """Every live row of ``a`` and ``b`` (episode by episode, next_px included) is the same."""
+    (sa, na), (sb, nb) = ((t.numpy() for t in s.episodes()) for s in (a, b))
+    assert na.tolist() == nb.tolist() and len(a) == len(b) > 100
+    lane = a.lane_size
+
+    def rows(starts, lengths):  # an episode may wrap round its lane's ring
+        return np.concatenate([s - s % lane + (s % lane + np.arange(k)) % lane for s, k in zip(starts, lengths)])
+
+    rows_a, rows_b = rows(sa, na), rows(sb, nb)
+    keys = ["px", "next_px", "vel", "a", "terminated", "truncated"]
+    ga, gb = a.get(rows_a, keys=keys), b.get(rows_b, keys=keys)
+    for k in keys:
+        assert ga[k].numpy().tobytes() == gb[k].numpy().tobytes(), k
+
+
+def test_copy_keeps_each_columns_codec_and_reads_the_same(tmp_path, monkeypatch):
+    src = _codec_store(tmp_path / "src", monkeypatch)
+    s = copy(src, tmp_path / "c", progress=False)
+    s_z = copy(src, tmp_path / "cz", compression="zstd", progress=False)  # store-wide: the raw column only
+    assert s["codecs"] == s_z["codecs"] == {"px": "zstd:5", "vel": "lz4"}
+    with mb.open(str(src), mode="r") as a, mb.open(str(tmp_path / "c"), mode="r") as b, \
+            mb.open(str(tmp_path / "cz"), mode="r") as z:
+        for c in (b, z):
+            assert {k: col.codec for k, col in c.columns.items()} == {k: col.codec for k, col in a.columns.items()}
+            assert c.columns["px"].codec == "zstd:5"
+            _same_rows(a, c)
+        assert (b.compression, z.compression) == (None, "zstd")
+    manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    assert manifest["columns"]["px"]["codec"] == "zstd:5" and "codec" not in manifest["columns"]["a"]
+    shards = [p for p in (tmp_path / "c" / "columns" / "px" / "c").rglob("*") if p.is_file()]
+    assert len(shards) >= 4  # complete shards were encoded in the copy, not only staged rows
+
+
+def test_copy_changes_codecs_only_when_asked(tmp_path, monkeypatch):
+    src = _codec_store(tmp_path / "src", monkeypatch)
+    s = copy(src, tmp_path / "c", codec={"px": None, "a": "zstd"}, progress=False)
+    s_raw = copy(src, tmp_path / "raw", codec=None, progress=False)
+    assert s["codecs"] == {"vel": "lz4", "a": "zstd"} and s_raw["codecs"] == {}
+    with mb.open(str(src), mode="r") as a, mb.open(str(tmp_path / "c"), mode="r") as b, \
+            mb.open(str(tmp_path / "raw"), mode="r") as r:
+        assert {k: b.columns[k].codec for k in ("px", "vel", "a")} == {"px": None, "vel": "lz4", "a": "zstd"}
+        assert all(col.codec is None for col in r.columns.values())
+        _same_rows(a, b)
+        _same_rows(a, r)
+    assert not (tmp_path / "raw" / "staging").exists() or not any((tmp_path / "raw" / "staging").iterdir())
+
+
+@pytest.mark.parametrize("codec, error, match", [
+    ({"nope": "zstd"}, InvalidArgumentError, r"codec: expected column names among \['a', 'px', 'vel'\], got 'nope'"),
+    ({"terminated": "zstd"}, InvalidArgumentError, r"got 'terminated'"),
+    ({"px": "gzip"}, mb.errors.SchemaError, r"column 'px': codec: expected None \(raw\) or one of .*got 'gzip'"),
+    ({"px": "zstd:99"}, mb.errors.SchemaError, r"column 'px'"),
+    ("zstd", InvalidArgumentError, r"codec: expected 'keep', None or a mapping column -> codec, got 'zstd'"),
+])
+def test_copy_refuses_a_bad_codec_by_name_and_writes_nothing(tmp_path, monkeypatch, codec, error, match):
+    src = _codec_store(tmp_path / "src", monkeypatch)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(error, match=match):
+        copy(src, tmp_path / "c", codec=codec, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # neither c nor c.partial

@@ -390,3 +390,48 @@ def test_chunks_of_whole_words_read_back_after_many_laps(tmp_path, codec_name):
             assert np.array_equal(buf.get(rows, keys=["x"])["x"].numpy(), np.array(truth[lane])[a])
     assert col._cache.stats[1] > 0
     buf.close()
+
+
+def _locate_reference(flat, written, L, S, tags, ver, stage):
+    """staging.locate, one row at a time in plain Python."""
+    out = np.zeros((len(flat), stage.shape[1]), np.uint8)
+    todo = []
+    for i, r in enumerate(flat.tolist()):
+        lane, p = divmod(r, L)
+        w = int(written[lane])
+        a = w - 1 - (w - 1 - p) % L
+        if a < 0:
+            continue
+        k = a // S
+        half = lane * 2 + k % 2
+        if k >= w // S and tags[half] == k:
+            out[i] = stage[half * S + a % S]
+        else:
+            todo.append((r, k, i))
+    return out, sorted(todo), any(ver[r // S] != k for r, k, _ in todo)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_locate_kernel_matches_a_row_by_row_reference(seed):
+    """The compiled pass that sorts rows into staged / in a shard file / never written."""
+    from mmbuffer.kernels import staging
+
+    rng = np.random.default_rng(seed)
+    streams, S = int(rng.integers(2, 4)), int(rng.choice([2, 4, 8]))
+    L = S * int(rng.integers(1, 6))
+    written = rng.integers(L, 4 * L, streams)  # lanes wrapped: rows in shard files
+    written[0] = int(rng.integers(0, L))  # a lane not yet wrapped (rows never written)
+    k_now = written // S
+    tags = np.stack([np.where(k_now % 2 == h, k_now, k_now - 1) for h in (0, 1)], 1).reshape(-1)
+    tags[rng.random(tags.size) < 0.3] += 2  # halves the writer took meanwhile
+    ver = rng.integers(-1, 6, streams * L // S)
+    stage = rng.integers(0, 255, (streams * 2 * S, 5), dtype=np.uint8)
+    flat = rng.integers(0, streams * L, 200)
+    want, want_todo, want_stale = _locate_reference(flat, written, L, S, tags, ver, stage)
+    out = np.full((len(flat), 5), 7, np.uint8)
+    todo, stale = staging.locate(flat, written, L, S, tags, ver, stage, out)
+    got_todo = sorted(map(tuple, todo.T.tolist()))
+    assert got_todo == want_todo and stale == want_stale
+    done = np.setdiff1d(np.arange(len(flat)), todo[2])
+    assert np.array_equal(out[done], want[done])  # staged rows copied, never-written rows zero
+    assert len(want_todo) and len(done) > len(flat) // 10  # both kinds were exercised

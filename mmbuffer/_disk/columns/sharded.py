@@ -154,43 +154,33 @@ class ShardedArray(ColumnArray):
         return out.reshape(idx.shape + self.row_shape)
 
     def _read_into(self, flat: np.ndarray, out: np.ndarray) -> None:
-        L, S = self._lane, self._shard
+        from ...kernels import staging
+
+        S = self._shard
         written = self._cursors() if self._cursors is not None else self._written
-        lane, p = np.divmod(flat, L)
-        w = written[lane]
-        a = w - 1 - (w - 1 - p) % L  # the absolute row each holds now (< 0: never written)
-        k = a // S
-        staged = (k >= w // S) & (a >= 0)
-        never = a < 0
-        if never.any():
-            out[never] = 0  # never written: zeros, as a raw column's sparse file reads
-        if staged.any():
-            at = np.flatnonzero(staged)
-            half = lane[at] * 2 + k[at] % 2
-            out[at] = self._stage[half * S + a[at] % S]
-            moved = self._tags[half] != k[at]  # read after the copy: the writer moved on meanwhile
-            staged[at[moved]] = False
-        todo = np.flatnonzero(~staged & (a >= 0))
-        if todo.size == 0:
+        todo, stale = staging.locate(flat, written, self._lane, S, self._tags, self._ver,
+                                     self._stage.reshape(len(self._stage), -1).view(np.uint8),
+                                     out.reshape(len(out), -1).view(np.uint8))
+        if todo.shape[1] == 0:
             return
-        f = flat[todo] // S
-        kk = k[todo]
+        rows, kk, at = todo
+        if not stale:  # every shard file mapped at the shard wanted (the common case)
+            self._decode(rows, kk, at, out)
+            return
+        f = rows // S
+        for s in np.unique(f[self._ver[f] != kk]).tolist():  # a shard file replaced since this process mapped it
+            self._remap(s)
         ver = self._ver[f]
-        stale = ver != kk
-        if stale.any():
-            for s in np.unique(f[stale]).tolist():  # a shard file replaced since this process mapped it
-                self._remap(s)
-            ver = self._ver[f]
         if (ver < kk).any():  # a shard the ledger says is complete is not on disk
             b = int(np.flatnonzero(ver < kk)[0])
             raise errors.CorruptStoreError(
                 f"{self._root / self._rel(int(f[b]))}: column {self._name!r}: expected shard {int(kk[b])} of lane "
-                f"{int(lane[todo[b]])} (rows the manifest commits), got {'no file' if ver[b] < 0 else f'shard {int(ver[b])}'}"
+                f"{int(rows[b]) // self._lane} (rows the manifest commits), got {'no file' if ver[b] < 0 else f'shard {int(ver[b])}'}"
             )
         keep = ver == kk  # later shards: the writer lapped these rows (the caller's re-check redraws them)
         if not keep.all():
-            out[todo[~keep]] = 0
-        self._decode(flat[todo[keep]], kk[keep], todo[keep], out)
+            out[at[~keep]] = 0
+        self._decode(rows[keep], kk[keep], at[keep], out)
 
     def _decode(self, rows: np.ndarray, versions: np.ndarray, positions: np.ndarray, out: np.ndarray) -> None:
         from ...kernels import codec

@@ -1,13 +1,15 @@
 """Re-encode a store: raw memory-mapped <-> zstd/lz4 archive.
 
 :func:`copy` keeps the geometry (capacity, streams, priority settings), the
-``attrs`` and every lane's open episode, and changes the encoding
-(``compression``). It walks the source like the exporters (:mod:`._walk`:
-lane by lane, live complete episodes oldest first, then the open episode) and
-is written by a :class:`CopyWriter` in the frame of :mod:`._frame`, and
-verifies like the converters (:mod:`._readback`): every written piece is read back
-from the new store's files and compared byte for byte, and the reopened copy
-must hold the same episodes. The stored priorities of a prioritized store are
+``attrs``, every lane's open episode and each column's codec (``mb.Column(...,
+codec=...)``), and changes the encoding (``compression`` for the columns without a
+codec; ``codec`` changes or drops the codec of named columns, or of all). It
+walks the source like the exporters (:mod:`._walk`: lane by lane, live complete
+episodes oldest first, then the open episode) and is written by a
+:class:`CopyWriter` in the frame of :mod:`._frame`, and verifies like the
+converters (:mod:`._readback`): every written piece is read back from the new
+store's files and compared byte for byte, and the reopened copy must hold the
+same episodes. The stored priorities of a prioritized store are
 copied exactly (:meth:`~mmbuffer.Buffer.set_leaf_priorities`).
 """
 
@@ -15,16 +17,18 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ..._disk.format import parse_codec
 from ...buffer import Buffer
 from ...errors import InvalidArgumentError
 from ...opening import create
 from ...opening import open as open_buffer
-from ...schema import PriorityConfig
+from ...schema import Column, PriorityConfig
 from .frame import SEGMENT_BYTES, Writer, crc_hex, crc_update, mismatch, progress_bar, same_bytes, write_and_verify
 from .lanes import check_layout, deal, lane_rows_fit, runs
 from .readback import ReadBack
@@ -46,10 +50,17 @@ def copy_local(
     capacity: int | None = None,
     num_streams: int | None = None,
     priorities: PriorityConfig | None | str = "keep",
+    codec: Mapping[str, str | None] | None | str = "keep",
 ) -> dict[str, Any]:
-    """:func:`mmbuffer.convert.copy` between two local paths (or from an open ``Buffer``)."""
+    """:func:`mmbuffer.convert.copy` between two local paths (or from an open ``Buffer``).
+
+    ``codec``: ``"keep"`` (each column keeps its codec), ``None`` (every column raw,
+    memory-mapped: decoded once for training) or a mapping column -> codec (``None``
+    for raw) changing the named columns, the others kept (:func:`column_codecs`).
+    """
     t0 = time.perf_counter()
     writer = CopyWriter(src, compression=compression, chunk_rows=chunk_rows, progress=progress, verify=verify,
+                        codec=codec,
                         layout=dict(capacity=capacity, num_streams=num_streams, priorities=priorities))
     dst_path = _write_to(writer, dst, overwrite=overwrite, verify=verify)
     summary = writer.summary
@@ -75,9 +86,12 @@ class CopyWriter(Writer):
     """Writes a store's episodes into a new store (the :func:`copy` steps)."""
 
     def __init__(self, src: Any, *, compression: str | None, chunk_rows: int | None, progress: bool,
-                 verify: bool, layout: dict[str, Any] | None = None) -> None:
+                 verify: bool, layout: dict[str, Any] | None = None,
+                 codec: Mapping[str, str | None] | None | str = "keep") -> None:
         super().__init__()
         self.layout_options = dict(layout or {})
+        self.codec_option = codec
+        self.codecs: dict[str, str | None] = {}
         self.src = src
         self.opened = OpenedStore(src)
         self.compression = compression
@@ -90,6 +104,7 @@ class CopyWriter(Writer):
     def open(self) -> None:
         buf = self.buf = self.opened.open()
         self.rows_per = min(chunk_rows_for(buf, self.chunk_rows), int(buf.lane_size))
+        self.codecs = column_codecs(buf, self.codec_option)  # refused here: nothing written yet
         self.plan, _ = plan_episodes(buf, "all")
         plan, opts = self.plan, self.layout_options
         src_priorities = getattr(buf, "priorities", None)
@@ -116,9 +131,11 @@ class CopyWriter(Writer):
         keys = [*cols, *FLAGS]
         crc: dict[str, int] = {}
         layout = self.layout
+        columns: dict[str, Any] = {k: Column(tuple(buf.columns[k].shape), buf.columns[k].dtype, self.codecs[k])
+                                   for k in cols}
         out = self.out = create(
             str(partial),
-            columns={k: (tuple(buf.columns[k].shape), buf.columns[k].dtype) for k in cols},
+            columns=columns,
             capacity=layout.capacity,
             num_streams=layout.num_streams,
             compression=self.compression,
@@ -161,6 +178,7 @@ class CopyWriter(Writer):
             "store": str(getattr(buf, "path", self.src)),
             "out": "",
             "compression": self.compression,
+            "codecs": {k: c for k, c in self.codecs.items() if c is not None},
             "rows": plan.rows,
             "episodes": int(plan.complete.sum()),
             "open_episode_rows": int(plan.lengths[~plan.complete].sum()),
@@ -178,6 +196,35 @@ class CopyWriter(Writer):
 
     def verify(self, partial: Path) -> None:
         _verify_episodes(partial, self.plan, self.lanes)
+
+
+def column_codecs(buf: Any, codec: Mapping[str, str | None] | None | str) -> dict[str, str | None]:
+    """Each column's codec in the copy of ``buf``: ``"keep"`` the source's, ``None``
+    none (raw), or a mapping that changes the named columns (``None``: raw) and keeps
+    the others. An unknown column or codec is refused by name.
+
+    >>> import tempfile, mmbuffer as mb
+    >>> buf = mb.create(tempfile.mkdtemp() + "/s", {"px": mb.Column((4,), "uint8", codec="zstd"),
+    ...                 "a": ((), "int64")}, capacity=8, next_keys=())
+    >>> column_codecs(buf, "keep"), column_codecs(buf, None), column_codecs(buf, {"a": "lz4"})
+    ({'a': None, 'px': 'zstd'}, {'a': None, 'px': None}, {'a': 'lz4', 'px': 'zstd'})
+    >>> buf.close()
+    """
+    kept: dict[str, str | None] = {k: buf.columns[k].codec for k in data_columns(buf)}
+    if codec is None:
+        return dict.fromkeys(kept)
+    if isinstance(codec, str):
+        if codec != "keep":
+            raise InvalidArgumentError(f"codec: expected 'keep', None or a mapping column -> codec, got {codec!r}")
+        return kept
+    if not isinstance(codec, Mapping):
+        raise InvalidArgumentError(f"codec: expected 'keep', None or a mapping column -> codec, got {codec!r}")
+    for name, value in codec.items():
+        if name not in kept:
+            raise InvalidArgumentError(f"codec: expected column names among {sorted(kept)}, got {name!r}")
+        if value is not None:
+            parse_codec(name, value)  # SchemaError naming the column
+    return {**kept, **codec}
 
 
 def _verify_episodes(path: Path, plan: Plan, lanes: np.ndarray) -> None:

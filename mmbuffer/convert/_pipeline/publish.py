@@ -38,6 +38,7 @@ def copy(
     capacity: int | None = None,
     num_streams: int | None = None,
     priorities: PriorityConfig | None | str = "keep",
+    codec: Mapping[str, str | None] | None | str = "keep",
 ) -> dict[str, Any]:
     """Copy a store into a new one with another encoding, size, streams or priorities.
 
@@ -80,6 +81,11 @@ def copy(
         exactly), ``None`` (no priority tree) or an ``mb.PriorityConfig``: when
         it differs from the source's, every row starts at its largest priority
         (the stored values were computed with other settings).
+    codec
+        ``"keep"`` (default: each column keeps its ``mb.Column`` codec), ``None``
+        (every column raw, memory-mapped: decoded once, for training) or a mapping
+        such as ``{"pixels": "zstd:5"}`` changing the named columns (``None``: raw);
+        an unknown column or codec is refused by name before anything is written.
 
     Returns
     -------
@@ -100,7 +106,8 @@ def copy(
     [0.0, 1.0, 2.0, 3.0, 4.0]
     """
     options: dict[str, Any] = dict(compression=compression, chunk_rows=chunk_rows, overwrite=overwrite, progress=progress,
-                                   verify=verify, capacity=capacity, num_streams=num_streams, priorities=priorities)
+                                   verify=verify, capacity=capacity, num_streams=num_streams, priorities=priorities,
+                                   codec=codec)
     if is_url(src) or is_url(dst):  # object storage: published / fetched here
         return copy_url(src, dst, **options)
     return copy_local(src, dst, **options)
