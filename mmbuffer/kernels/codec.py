@@ -32,6 +32,8 @@ from numba import types
 from numba.core import cgutils as _cgutils
 from numba.extending import intrinsic
 
+from .intrinsics import address as _address, memcpy as _memcpy, pointer as _pointer
+
 cgutils: Any = _cgutils
 ir: Any = cgutils.ir
 
@@ -129,42 +131,6 @@ _blosc: Any = intrinsic(_blosc_typing)
 _validate: Any = intrinsic(_validate_typing)
 
 
-def _address_typing(typingctx: Any, arr: Any) -> Any:
-    """The address of an array's first byte, as int64."""
-    sig = types.int64(arr)
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        data = cgutils.create_struct_proxy(signature.args[0])(context, builder, value=args[0]).data
-        return builder.ptrtoint(data, ir.IntType(64))
-
-    return sig, codegen
-
-
-def _pointer_typing(typingctx: Any, address: Any) -> Any:
-    pointer: Any = types.CPointer
-    sig = pointer(types.uint8)(types.int64)
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
-
-    return sig, codegen
-
-
-def _memcpy_typing(typingctx: Any, dst: Any, dst_off: Any, src: Any, src_off: Any, nbytes: Any) -> Any:
-    """``dst[dst_off : dst_off + nbytes] = src[src_off : ...]`` as one ``llvm.memcpy``
-    (unchecked: the callers check every range first)."""
-    sig = types.void(dst, types.intp, src, types.intp, types.intp)
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        d, doff, s, soff, n = args
-        dptr = cgutils.create_struct_proxy(signature.args[0])(context, builder, value=d).data
-        sptr = cgutils.create_struct_proxy(signature.args[2])(context, builder, value=s).data
-        cgutils.raw_memcpy(builder, builder.gep(dptr, [doff]), builder.gep(sptr, [soff]), n, 1)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
 def _stream_typing(typingctx: Any, dst: Any, doff: Any, src: Any, soff: Any, nbytes: Any) -> Any:
     """Copy ``nbytes`` (a multiple of 8) with non-temporal stores, then a fence: the
     destination's lines are written without being read first (a decoded chunk going
@@ -188,11 +154,8 @@ def _stream_typing(typingctx: Any, dst: Any, doff: Any, src: Any, soff: Any, nby
     return sig, codegen
 
 
-_memcpy: Any = intrinsic(_memcpy_typing)
 _stream: Any = intrinsic(_stream_typing)
 _call: Any = intrinsic(_call_typing)
-_address: Any = intrinsic(_address_typing)
-_pointer: Any = intrinsic(_pointer_typing)
 _carray: Any = numba.carray  # type: ignore[attr-defined]
 
 

@@ -40,6 +40,7 @@ from numba import types
 from numba.core import cgutils as _cgutils
 from numba.extending import intrinsic
 
+from .intrinsics import memcpy as _memcpy, pointer as _pointer, pointer64 as _pointer64
 from .finals import check_finals as _check_finals, final_seq as _final_seq, final_slot as _final_slot, zero as _zero
 
 cgutils: Any = _cgutils  # numba's code generation helpers are untyped
@@ -54,22 +55,6 @@ _AHEAD_LINES = 64  # lines in flight ahead of the copy (about what a core keeps 
 # slower (benchmarks/HISTORY.md, 2026-11-23 evening): the surplus requests queue behind
 # the misses that matter.
 _MAX_RUN_LINES = 4
-
-
-def _memcpy_typing(typingctx: Any, dst: Any, dst_off: Any, src: Any, src_off: Any, nbytes: Any) -> Any:
-    """``dst[dst_off : dst_off + nbytes] = src[src_off : ...]`` as one ``llvm.memcpy``
-    (numba's slice assignment copies byte by byte: 2-10x slower on rows of a few KB).
-    Unchecked: the callers check every range first."""
-    sig = types.void(dst, types.intp, src, types.intp, types.intp)
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        d, doff, s, soff, n = args
-        dptr = cgutils.create_struct_proxy(signature.args[0])(context, builder, value=d).data
-        sptr = cgutils.create_struct_proxy(signature.args[2])(context, builder, value=s).data
-        cgutils.raw_memcpy(builder, builder.gep(dptr, [doff]), builder.gep(sptr, [soff]), n, 1)
-        return context.get_dummy_value()
-
-    return sig, codegen
 
 
 def _prefetch_typing(typingctx: Any, arr: Any, off: Any) -> Any:
@@ -89,7 +74,6 @@ def _prefetch_typing(typingctx: Any, arr: Any, off: Any) -> Any:
     return sig, codegen
 
 
-_memcpy: Any = intrinsic(_memcpy_typing)
 _prefetch: Any = intrinsic(_prefetch_typing)
 
 
@@ -235,30 +219,6 @@ def _copy_rows_next(
             p = m
 
 
-def _pointer_typing(typingctx: Any, address: Any) -> Any:
-    """The byte at ``address`` as a ``uint8*`` (for ``numba.carray``)."""
-    pointer: Any = types.CPointer  # untyped in numba's stubs
-    sig = pointer(types.uint8)(types.int64)
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
-
-    return sig, codegen
-
-
-def _pointer64_typing(typingctx: Any, address: Any) -> Any:
-    """The int64 at ``address`` as an ``int64*`` (for ``numba.carray``)."""
-    pointer: Any = types.CPointer
-    sig = pointer(types.int64)(types.int64)
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
-
-    return sig, codegen
-
-
-_pointer: Any = intrinsic(_pointer_typing)
-_pointer64: Any = intrinsic(_pointer64_typing)
 _carray: Any = numba.carray  # type: ignore[attr-defined]  # numba's stubs do not export it
 _SMALL_AHEAD = 8  # rows prefetched ahead
 

@@ -342,9 +342,12 @@ def test_a_reader_in_another_process_never_gets_torn_or_mixed_rows(tmp_path):
                 ro.refresh()
                 if len(ro) < 8:
                     continue
-                b = ro.sample(32, keys=["x", "a"])
+                try:
+                    b = ro.sample(32, keys=["x", "a"])
+                    s = ro.sample(8, stack={"x": 3}, keys=["x", "a"])
+                except errors.EmptyBufferError:  # the writer's reservation covers every committed row now
+                    continue
                 assert np.array_equal(b["x"].numpy().reshape(32, 30), _pattern(b["a"].numpy()))
-                s = ro.sample(8, stack={"x": 3}, keys=["x", "a"])
                 last = s["x"].numpy()[:, -1].reshape(8, 30)
                 assert np.array_equal(last, _pattern(s["a"].numpy()))
                 written = ro.view().written

@@ -48,9 +48,14 @@ class ColumnArray(abc.ABC):
     def read(self, rows: np.ndarray) -> np.ndarray:
         """A new array ``rows.shape + row_shape`` of the rows at ids ``rows``."""
 
-    @abc.abstractmethod
     def read_range(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
-        """Rows ``[start, stop)``, into ``out`` (C-contiguous) when given."""
+        """Rows ``[start, stop)``, into ``out`` (C-contiguous) when given (here a gather of
+        those ids; a backend with a faster contiguous read overrides it)."""
+        values = self.read(np.arange(start, stop, dtype=np.int64))
+        if out is None:
+            return values
+        out[...] = values
+        return out
 
     @abc.abstractmethod
     def write_range(self, start: int, values: np.ndarray) -> None:

@@ -150,13 +150,6 @@ class RemoteArray(ColumnArray):
         picked: np.ndarray = stacked[offsets[inverse] + rows % cr]
         return picked
 
-    def read_range(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
-        values = self.read(np.arange(start, stop, dtype=np.int64))
-        if out is None:
-            return values
-        out[...] = values
-        return out
-
     def write_range(self, start: int, values: np.ndarray) -> None:
         if self._array.read_only:
             self.refuse_write(self._where, "write_range")

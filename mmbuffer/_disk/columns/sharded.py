@@ -199,13 +199,6 @@ class ShardedArray(ColumnArray):
                 f"expected a chunk that passes its checks, got {reason}"
             )
 
-    def read_range(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
-        values = self.read(np.arange(start, stop, dtype=np.int64))
-        if out is None:
-            return values
-        out[...] = values
-        return out
-
     # -- writing (the single writer) ---------------------------------------------------------
     def write_range(self, start: int, values: np.ndarray) -> None:
         if not self._writable:
