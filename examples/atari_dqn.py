@@ -4,8 +4,8 @@ SB3's Atari recipe (``make_atari_env``: 84x84 grayscale, frame skip 4; then
 ``VecFrameStack(4)``) with one change: ``replay_buffer_class=mmbuffer.sb3.ReplayBuffer``.
 ``frame_stack=4`` stores each 84x84 frame once (SB3 keeps two 4x84x84 stacks per
 transition, 56 KB) and rebuilds the stacks at sampling; ``codec="zstd"``
-compresses the frames when this build of mmbuffer has per-column codecs
-(``--codec auto``, the default, uses zstd when available and raw otherwise).
+(``--codec``, the default; ``none`` keeps the frames raw and memory-mapped)
+compresses the frames.
 
 Resuming: the run ends with ``model.save`` and ``model.save_replay_buffer`` (a
 pickle of the store's path and cursor: kilobytes, not the buffer). Rerun with the
@@ -20,7 +20,6 @@ on top of the transitions it holds.
 from __future__ import annotations
 
 import argparse
-import inspect
 import time
 from pathlib import Path
 
@@ -31,7 +30,6 @@ from stable_baselines3 import DQN
 from stable_baselines3.common.env_util import make_atari_env
 from stable_baselines3.common.vec_env import VecFrameStack
 
-import mmbuffer as mb
 import mmbuffer.sb3
 
 
@@ -47,7 +45,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4_000, help="environment steps to train (more on a resumed run)")
     ap.add_argument("--buffer-size", type=int, default=100_000)
     ap.add_argument("--learning-starts", type=int, default=1_000)
-    ap.add_argument("--codec", default="auto", help="'auto' (zstd when available), 'zstd', 'lz4' or 'none'")
+    ap.add_argument("--codec", default="zstd", help="the frames' codec: 'zstd', 'zstd:<level>', 'lz4' or 'none' (raw)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (more than the free cores slows it down)")
     args = ap.parse_args()
@@ -66,10 +64,6 @@ def main() -> None:
         print(f"resumed: {model.num_timesteps} steps trained, the store holds {held} transitions")
     else:
         codec = args.codec
-        if codec == "auto":
-            codec = "zstd" if "codec" in inspect.signature(mb.Column).parameters else "none"
-            if codec == "none":
-                print("codec: this build of mmbuffer has no per-column codecs; the frames are stored raw")
         kwargs: dict[str, object] = {"path": store, "frame_stack": 4}
         if codec != "none":
             kwargs["codec"] = codec

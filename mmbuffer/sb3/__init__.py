@@ -68,9 +68,11 @@ is part of the store's recorded layout: reopening with another one is a
 ``SchemaError``. With a codec each env's lane is rounded up to a multiple of 512
 rows (the codec's chunks and shards divide a lane; ``buffer_size + k - 1`` rows
 would make them one row each): up to 511 older steps more per env on disk, which
-a ``PrioritizedReplayBuffer`` may also draw. On a build whose ``mb.Column`` takes no codec, any ``codec``
-but None is refused with ``InvalidArgumentError`` naming ``codec``, before a
-store is created.
+a ``PrioritizedReplayBuffer`` may also draw. A codec that is not a name is refused
+with ``InvalidArgumentError`` naming ``codec`` at construction; an unknown name
+(``"zstd"``, ``"zstd:<level 1-22>"`` and ``"lz4"`` are known) with ``SchemaError``
+naming the column and ``codec`` at the first ``add``, which creates the store; a
+refused create leaves nothing on disk.
 
 >>> import tempfile, gymnasium as gym
 >>> from stable_baselines3 import DQN

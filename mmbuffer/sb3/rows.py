@@ -47,7 +47,6 @@ bit-identical to SB3's whatever the episode cuts above.
 
 from __future__ import annotations
 
-import inspect
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -368,26 +367,15 @@ class Lanes:
 
 
 def codec_column(column: tuple[tuple[int, ...], str], codec: Any) -> Any:
-    """``mb.Column(shape, dtype, codec=codec)`` when this build's ``Column`` takes a
-    codec (the core checks the name), else ``InvalidArgumentError`` naming ``codec``.
+    """``mb.Column(shape, dtype, codec=codec)``; ``InvalidArgumentError`` naming ``codec``
+    when it is not a name (the core checks the name itself at create).
 
-    >>> spec = None
-    >>> try:
-    ...     spec = codec_column(((84, 84), "uint8"), "zstd")
-    ... except errors.InvalidArgumentError as exc:  # a build without per-column codecs
-    ...     assert str(exc).startswith("codec: expected None on this build")
-    >>> spec is None or spec.codec == "zstd"
-    True
+    >>> codec_column(((84, 84), "uint8"), "zstd").codec
+    'zstd'
     """
-    if "codec" not in inspect.signature(Column).parameters:
-        raise errors.InvalidArgumentError(
-            f"codec: expected None on this build (its mb.Column takes no codec: per-column codecs are not "
-            f"available, the store keeps raw, memory-mapped columns), got {codec!r}"
-        )
     if not isinstance(codec, str):
         raise errors.InvalidArgumentError(f"codec: expected a codec name such as 'zstd' or 'lz4', got {codec!r}")
-    kwargs: dict[str, Any] = {"codec": codec}
-    return Column(column[0], column[1], **kwargs)
+    return Column(column[0], column[1], codec=codec)
 
 
 def _positive(what: str, value: Any) -> int:
