@@ -35,3 +35,18 @@ def compiled_kernels():
     import importlib
 
     importlib.import_module("mmbuffer._feed.warm")  # warms on import (uniform, slices, priorities)
+
+
+@pytest.fixture(autouse=True)
+def keeps_the_scheduling_policy():
+    """Fail a test that leaves this process on another scheduling policy (and restore
+    it). SVT-AV1, run as root, puts the thread that opens an encoder on SCHED_FIFO
+    priority 99; every process started afterwards inherited it, and two real-time
+    readers spinning on two cores starved the writer of a later test for good."""
+    policy, param = os.sched_getscheduler(0), os.sched_getparam(0)
+    yield
+    after, after_param = os.sched_getscheduler(0), os.sched_getparam(0)
+    if (after, after_param.sched_priority) != (policy, param.sched_priority):
+        os.sched_setscheduler(0, policy, param)
+        pytest.fail(f"the test changed this process's scheduling policy from {policy} to {after} "
+                    f"(priority {after_param.sched_priority}); restore it where it is changed")

@@ -12,8 +12,10 @@ decoded frames must equal the frames written byte for byte), and AV1
 
 from __future__ import annotations
 
+import contextlib
 import fractions
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +39,7 @@ def encode(path: Path, frames: np.ndarray, *, codec: str = "libx264rgb", fps: in
     options, pix_fmt = {"libx264rgb": ({"crf": "0"}, "rgb24"),
                         "libsvtav1": ({"preset": "12", "crf": "10"}, "yuv420p")}[codec]
     path.parent.mkdir(parents=True, exist_ok=True)
-    with av.open(str(path), "w") as c:
+    with same_scheduling_policy(), av.open(str(path), "w") as c:
         s = c.add_stream(codec, rate=fps, options=options)
         s.width, s.height, s.pix_fmt = frames.shape[2], frames.shape[1], pix_fmt
         s.time_base = fractions.Fraction(1, fps)
@@ -46,6 +48,17 @@ def encode(path: Path, frames: np.ndarray, *, codec: str = "libx264rgb", fps: in
             frame.pts = i
             c.mux(s.encode(frame))
         c.mux(s.encode())
+
+
+@contextlib.contextmanager
+def same_scheduling_policy():
+    """SVT-AV1, run as root, puts the thread that opens an encoder on SCHED_FIFO
+    priority 99 (processes started later inherit it): restore the policy after."""
+    policy, param = os.sched_getscheduler(0), os.sched_getparam(0)
+    try:
+        yield
+    finally:
+        os.sched_setscheduler(0, policy, param)
 
 
 def smooth(n: int, h: int, w: int, seed: int) -> np.ndarray:
