@@ -9,6 +9,7 @@ import torch
 import mmbuffer as mb
 from mmbuffer._read.gather import gather, resolve_keys
 from mmbuffer.kernels import gather as kernels
+from layouts import write_layout
 
 COLUMNS = {
     "obs": ((3,), "float32"),
@@ -392,8 +393,6 @@ def test_index_kernels_match_an_item_by_item_reference(tmp_path, rng, streams):
     """Same generator state, same batch as the listing of every eligible item: slices
     (strict or not, weighted by window or by episode) and uniform transitions, over
     lanes whose rings wrapped, episodes of 1 to ~2500 rows, open episodes."""
-    from test_sampling import write_layout
-
     buf, layout = write_layout(tmp_path / "s", rng, streams=streams, lane=3000, steps=30)
     lane_size = buf.capacity // buf.num_streams
     for L in (1, 4, 300):
