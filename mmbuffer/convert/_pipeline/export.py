@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ...errors import ConversionError
 from .frame import Writer, write_and_verify
 from .walk import OpenedStore
 
@@ -26,6 +27,15 @@ class ExportWriter(Writer):
         self.out_path = Path(out)
         self.chunk_rows = chunk_rows
         self.progress = progress
+
+    def leave_out(self, where: Any, what: str, option: str, allowed: bool) -> None:
+        """Refuse to export without ``what`` (a ``ConversionError`` naming ``option``, the
+        keyword whose ``True`` accepts the loss, and its command-line flag) unless
+        ``allowed``; an accepted loss is noted in the summary."""
+        if not allowed:
+            flag = "--" + option.replace("_", "-")
+            raise ConversionError(f"{where}: {what}; {option}=True ({flag}) leaves them out")
+        self.notes.append(f"{self.out_path}: left out ({option}): {what}")
 
 
 def write_export(writer: ExportWriter, out: str | os.PathLike[str], *, overwrite: bool, verify: bool, started: float) -> dict[str, Any]:

@@ -148,11 +148,8 @@ class D4RLWriter(ExportWriter):
             why = (f"the last row of an open episode has no next observation for next_observations (derived "
                    f"from {obs_next}); next_observations=False keeps them without next_observations" if derive_next
                    else f"a D4RL file holds one unflagged episode, at its end (the store has {buf.num_streams} streams)")
-            what = f"{self.skipped} rows of open (unfinished) episodes"
-            if not self.drop_open_episodes:
-                raise ConversionError(f"{self.where}: {what} cannot be written: {why}; drop_open_episodes=True "
-                                      "(--drop-open-episodes) leaves them out")
-            self.notes.append(f"{self.out_path}: {what} were left out (drop_open_episodes): {why}")
+            what = f"{self.skipped} rows of open (unfinished) episodes cannot be written: {why}"
+            self.leave_out(self.where, what, "drop_open_episodes", self.drop_open_episodes)
         self.cols, self.explicit, self.obs_next, self.derive_next = cols, explicit_next, obs_next, derive_next
 
     def write(self, partial: Path) -> None:

@@ -123,17 +123,12 @@ class DiffusionPolicyWriter(ExportWriter):
         if self.skipped:
             what = (f"{self.skipped} rows of open (unfinished) episodes: meta/episode_ends has no place for an "
                     "episode without an end")
-            if not self.drop_open_episodes:
-                raise ConversionError(f"{self.where}: {what}; drop_open_episodes=True (--drop-open-episodes) "
-                                      "leaves them out")
-            self.notes.append(f"{self.out_path}: left out (drop_open_episodes): {what}")
+            self.leave_out(self.where, what, "drop_open_episodes", self.drop_open_episodes)
         finals = list(buf.next_keys) if buf.attrs.get("final_obs_source") != "zeros" else []
         if finals:
             what = (f"the final observations of {finals} (one per episode): the Diffusion Policy layout has no "
                     "observation after an episode's last step")
-            if not self.drop_final_obs:
-                raise ConversionError(f"{self.where}: {what}; drop_final_obs=True (--drop-final-obs) leaves them out")
-            self.notes.append(f"{self.out_path}: left out (drop_final_obs): {what}")
+            self.leave_out(self.where, what, "drop_final_obs", self.drop_final_obs)
 
     def write(self, partial: Path) -> None:
         import zarr

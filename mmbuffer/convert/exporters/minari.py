@@ -120,17 +120,12 @@ class MinariWriter(ExportWriter):
         if self.dropped:
             what = (f"columns {self.dropped} have no place in a Minari dataset (observations obs/*, actions "
                     "action/*, rewards, flags, infos/*)")
-            if not self.drop_unsupported:
-                raise ConversionError(f"{where}: {what}; drop_unsupported=True (--drop-unsupported) leaves them out")
-            self.notes.append(f"{self.out_path}: left out (drop_unsupported): {what}")
+            self.leave_out(where, what, "drop_unsupported", self.drop_unsupported)
         self.plan, self.skipped = plan_episodes(buf, "none")
         if self.skipped:
             what = (f"{self.skipped} rows of open (unfinished) episodes: a Minari episode needs its final "
                     "observation")
-            if not self.drop_open_episodes:
-                raise ConversionError(f"{where}: {what}; drop_open_episodes=True (--drop-open-episodes) "
-                                      "leaves them out")
-            self.notes.append(f"{self.out_path}: left out (drop_open_episodes): {what}")
+            self.leave_out(where, what, "drop_open_episodes", self.drop_open_episodes)
         self.spaces = {}
         for key, prefix in (("observation_space", "obs"), ("action_space", "action")):
             own = space_for(buf, prefix)
