@@ -70,9 +70,9 @@ def check_column_codec(name: str, codec: object, shape: Any, dtype: Any) -> None
     ``jpeg`` its library (``SchemaError`` naming the column and the extra)."""
     kind, _ = fmt.check_codec(name, codec, fmt.check_shape(name, shape), fmt.check_dtype(name, dtype))
     if kind == "jpeg":
-        from .columns import jpeg
+        from .columns.jpeg import imagecodecs
 
-        jpeg.imagecodecs(name)
+        imagecodecs(name)
 
 
 def check_int(name: str, value: object, low: int) -> int:

@@ -53,7 +53,7 @@ def _pool() -> ThreadPoolExecutor:
 
 def _frame(frames: np.ndarray, i: int) -> np.ndarray:
     """Frame ``i`` as libjpeg takes and gives it: ``(H, W)`` for one channel, else ``(H, W, 3)``."""
-    f = frames[i]
+    f: np.ndarray = frames[i]
     return f.reshape(f.shape[:2]) if f.ndim == 3 and f.shape[2] == 1 else f
 
 

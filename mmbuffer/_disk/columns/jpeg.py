@@ -43,7 +43,7 @@ def imagecodecs(column: str) -> ModuleType:
     try:
         import imagecodecs as ic
     except ImportError:
-        ic = None
+        ic = None  # type: ignore[assignment]
     if ic is None or not getattr(ic.JPEG8, "available", False):
         raise errors.SchemaError(
             f"column {column!r}: codec 'jpeg': expected imagecodecs with JPEG installed "
@@ -110,7 +110,7 @@ def _codec_class() -> type[Any]:
     from zarr.core.common import parse_named_configuration
 
     @dataclass(frozen=True)
-    class JpegCodec(ArrayBytesCodec):  # type: ignore[misc]
+    class JpegCodec(ArrayBytesCodec):
         """One JPEG image per chunk of shape ``(1, H, W[, C])`` (imagecodecs, libjpeg-turbo)."""
 
         is_fixed_size = False
@@ -119,7 +119,8 @@ def _codec_class() -> type[Any]:
         @classmethod
         def from_dict(cls, data: dict[str, Any]) -> JpegCodec:
             _, conf = parse_named_configuration(data, NAME, require_configuration=False)
-            return cls(level=int((conf or {}).get("level", 95)))
+            level: Any = (conf or {}).get("level", 95)
+            return cls(level=int(level))
 
         def to_dict(self) -> dict[str, Any]:
             return meta(self.level)

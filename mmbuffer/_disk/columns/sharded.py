@@ -205,9 +205,9 @@ class ShardedArray(ColumnArray):
 
     def _decode_jpeg(self, rows: np.ndarray, versions: np.ndarray, positions: np.ndarray, out: np.ndarray) -> None:
         from ...kernels import images
-        from . import jpeg
+        from .jpeg import imagecodecs
 
-        jpeg.imagecodecs(self._name)  # SchemaError naming the column and the extra
+        imagecodecs(self._name)  # SchemaError naming the column and the extra
         fail = images.decode_rows(rows, versions, positions, self._shard, self.row_shape, self._addr, self._size,
                                   self._maps, self._cache, out.reshape(-1).view(np.uint8))
         if fail is not None:
@@ -274,9 +274,9 @@ class ShardedArray(ColumnArray):
             self._buf, n = np.frombuffer(blob, np.uint8), len(blob)
         elif self._kind == "jpeg":
             from ...kernels import images
-            from . import jpeg
+            from .jpeg import imagecodecs
 
-            jpeg.imagecodecs(self._name)
+            imagecodecs(self._name)
             blob = images.encode_shard(self._level, self._stage[half * S : (half + 1) * S], k)
             self._buf, n = np.frombuffer(blob, np.uint8), len(blob)
         else:

@@ -37,7 +37,7 @@ import numpy as np
 
 from ... import errors
 from .. import files as _files, format as fmt
-from . import jpeg
+from .jpeg import meta as jpeg_meta
 
 INNER_BYTES = 1 << 16  # bytes of rows per inner chunk (8 rows of 84x84 uint8: the measured curve)
 SHARD_CHUNKS = 64  # inner chunks per shard, at most
@@ -60,7 +60,7 @@ def compressor_meta(codec: str, dtype: np.dtype) -> dict[str, Any]:
     """The ``zarr.json`` entry of ``codec``'s compressor (``fmt.parse_codec``'s names)."""
     kind, level = fmt.parse_codec("codec", codec)
     if kind == "jpeg":
-        return jpeg.meta(level)
+        return jpeg_meta(level)
     if kind == "zstd":
         return {"name": "zstd", "configuration": {"level": level, "checksum": False}}
     shuffle = "noshuffle" if dtype.itemsize == 1 else "shuffle"

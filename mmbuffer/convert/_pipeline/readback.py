@@ -65,14 +65,14 @@ def _lossy(buf: Any, name: str, src: np.ndarray, rows: np.ndarray) -> np.ndarray
     """What a column with a lossy codec returns for ``src``: the rows ``rows`` (those
     read back other than written: their shard is encoded) as the codec's own round
     trip, which is deterministic; ``src`` itself for any other column."""
-    from ..._disk.columns import jpeg
+    from ..._disk.columns.jpeg import roundtrip
     from ..._disk.format import parse_codec
 
     codec = buf.columns[name].codec
     if codec is None or parse_codec(name, codec)[0] != "jpeg" or not rows.any():
         return src
     out = src.copy()
-    out[rows] = jpeg.roundtrip(name, src[rows], parse_codec(name, codec)[1])
+    out[rows] = roundtrip(name, src[rows], parse_codec(name, codec)[1])
     return out
 
 
