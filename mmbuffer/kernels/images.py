@@ -99,11 +99,12 @@ def encode_shard(quality: int, frames: np.ndarray, version: int) -> bytes:
 
 
 @numba.njit(nogil=True, cache=True)
-def _plan(rows: Any, versions: Any, shard_rows: int, file_addr: Any, file_size: Any, chunk: Any, version: Any,
-          used: Any, stats: Any, table: Any, src: Any, todo: Any, fail: Any) -> int:
+def _plan(rows: Any, versions: Any, positions: Any, shard_rows: int, file_addr: Any, file_size: Any, chunk: Any,
+          version: Any, used: Any, stats: Any, table: Any, src: Any, todo: Any, fail: Any) -> int:
     """Per row, where its frame is: a cache slot (``src >= 0``) or decode job ``-1 - src``;
-    each job (``todo``: row, version, shard file, offset, bytes) checked against its crc32c.
-    Returns the number of jobs, or -1 (``fail``: shard file, chunk, reason)."""
+    each job (``todo``: row, version, shard file, offset, bytes, the position in ``out`` it
+    is decoded to: its row's first) checked against its crc32c. Returns the number of
+    jobs, or -1 (``fail``: shard file, chunk, reason)."""
     n = rows.shape[0]
     slots = chunk.shape[0]
     sets = slots // 4
@@ -149,6 +150,7 @@ def _plan(rows: Any, versions: Any, shard_rows: int, file_addr: Any, file_size: 
                 fail[0], fail[1], fail[2] = f, ci, 3
                 return -1
             todo[m, 0], todo[m, 1], todo[m, 2], todo[m, 3], todo[m, 4] = r, v, f, off, nb - 4
+            todo[m, 5] = positions[order[i]]
             where = -1 - m
             m += 1
         for q in range(i, j):
@@ -158,10 +160,11 @@ def _plan(rows: Any, versions: Any, shard_rows: int, file_addr: Any, file_size: 
 
 
 @numba.njit(nogil=True, cache=True)
-def _finish(src: Any, positions: Any, row_bytes: int, scratch: Any, todo: Any, m: int, data: Any, chunk: Any,
+def _finish(src: Any, positions: Any, row_bytes: int, todo: Any, m: int, data: Any, chunk: Any,
             version: Any, used: Any, out: Any) -> None:
-    """Copy every row out (cached ones first, before a new frame can take their slot),
-    then put the decoded frames in the cache."""
+    """Copy every other row out (cached ones first, before a new frame can take their
+    slot; a frame asked for twice from where it was decoded), then put the decoded frames
+    in the cache."""
     n = src.shape[0]
     slots = chunk.shape[0]
     sets = slots // 4
@@ -172,8 +175,9 @@ def _finish(src: Any, positions: Any, row_bytes: int, scratch: Any, todo: Any, m
         s = src[k]
         if s >= 0:
             out[d : d + row_bytes] = data[s * row_bytes : (s + 1) * row_bytes]
-        else:
-            out[d : d + row_bytes] = scratch[-1 - s]
+        elif todo[-1 - s, 5] != positions[k]:
+            t = todo[-1 - s, 5] * row_bytes
+            out[d : d + row_bytes] = out[t : t + row_bytes]
     for i in range(m):
         r = todo[i, 0]
         base = (r % sets) * 4
@@ -185,7 +189,8 @@ def _finish(src: Any, positions: Any, row_bytes: int, scratch: Any, todo: Any, m
         used[oldest] = used[slots]
         chunk[oldest] = r
         version[oldest] = todo[i, 1]
-        data[oldest * row_bytes : (oldest + 1) * row_bytes] = scratch[i]
+        t = todo[i, 5] * row_bytes
+        data[oldest * row_bytes : (oldest + 1) * row_bytes] = out[t : t + row_bytes]
 
 
 REASONS = {1: "its shard file is missing or too short", 2: "its entry in the shard index points outside the file",
@@ -205,20 +210,21 @@ def decode_rows(rows: np.ndarray, versions: np.ndarray, positions: np.ndarray, s
     row_bytes = int(np.prod(row_shape, dtype=np.int64))
     n = len(rows)
     src = np.empty(n, np.int64)
-    todo = np.empty((n, 5), np.int64)
+    todo = np.empty((n, 6), np.int64)
     fail = np.zeros(3, np.int64)
-    m = int(_plan(rows, versions, shard_rows, file_addr, file_size, cache.chunk, cache.version, cache.used, cache.stats,
-                  TABLE, src, todo, fail))
+    m = int(_plan(rows, versions, positions, shard_rows, file_addr, file_size, cache.chunk, cache.version, cache.used,
+                  cache.stats, TABLE, src, todo, fail))
     if m < 0:
         return int(fail[0]), int(fail[1]), REASONS[int(fail[2])]
-    scratch = np.empty((m, row_bytes), np.uint8)
-    frames = scratch.reshape(m, *row_shape)
+    if n and (positions.min() < 0 or (positions.max() + 1) * row_bytes > out.shape[0]):
+        raise ValueError("decode_rows: a position outside out")
+    frames = out[: out.shape[0] // row_bytes * row_bytes].reshape(-1, *row_shape)  # decoded in place, row by row
     bad = np.full(1, -1, np.int64)
 
     def work(start: int, stop: int, step: int) -> None:
         for i in range(start, stop, step):
             f, off, nb = int(todo[i, 2]), int(todo[i, 3]), int(todo[i, 4])
-            dst = _frame(frames, i)
+            dst = _frame(frames, int(todo[i, 5]))
             try:
                 got = imagecodecs.jpeg8_decode(maps[f][off : off + nb], out=dst)
             except Exception:  # noqa: BLE001 - any refusal of libjpeg (a hostile but crc-valid chunk)
@@ -230,5 +236,5 @@ def decode_rows(rows: np.ndarray, versions: np.ndarray, positions: np.ndarray, s
     if bad[0] >= 0:
         i = int(bad[0])
         return int(todo[i, 2]), int(todo[i, 0] % shard_rows), REASONS[4]
-    _finish(src, positions, row_bytes, scratch, todo, m, cache.data, cache.chunk, cache.version, cache.used, out)
+    _finish(src, positions, row_bytes, todo, m, cache.data, cache.chunk, cache.version, cache.used, out)
     return None
