@@ -102,6 +102,10 @@ Version history
     Zarr array with a staging area (``staging/<name>/rows`` and ``tags``). A store without
     one is written and read exactly as before; a reader from before this change refuses a
     manifest that names a codec (``CorruptStoreError``: it checks every column's keys).
+    Also without a version change (issue 23, 2026-11-25): the lossy codec ``"jpeg"`` /
+    ``"jpeg:<quality>"`` for uint8 frames ``(H, W[, 1|3])``: one row per inner chunk, whose
+    codecs are ``[numcodecs.imagecodecs_jpeg {level}, crc32c]`` (``columns/jpeg.py``); a
+    reader from before it refuses such a manifest (``CorruptStoreError``, as above).
 4 (2026-11-25, issue 23)
     Final observations addressed by episode, not by row: ``final/<col>`` keeps, per
     lane, a ring of ``lane_size`` slots, episode ``k``'s final observation in slot
