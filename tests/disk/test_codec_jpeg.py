@@ -250,3 +250,35 @@ def test_mmbuffer_never_picks_jpeg_on_its_own(tmp_path, frames):
     bad = subprocess.run([sys.executable, "-m", "mmbuffer", "copy", str(tmp_path / "raw"), str(tmp_path / "x"),
                           "--codec", "a=jpeg", "--no-progress"], capture_output=True, text=True)
     assert bad.returncode != 0 and "column 'a'" in bad.stderr and not (tmp_path / "x").exists()
+
+
+def test_info_shows_the_jpeg_codec_and_its_bytes_per_frame(tmp_path, frames, capsys):
+    from mmbuffer._cli.main import main
+
+    with _fill(tmp_path / "j", frames, "jpeg:80", _episodes(ROWS)):
+        pass
+    assert main(["info", str(tmp_path / "j"), "--json"]) == 0
+    cam = json.loads(capsys.readouterr().out)["columns"]["cam"]
+    files = [p for p in (tmp_path / "j" / "columns" / "cam" / "c").rglob("*") if p.is_file()]
+    assert cam["codec"] == "jpeg:80" and cam["shard_rows"] == 256
+    assert cam["bytes_per_row"] == sum(p.stat().st_size for p in files) / 256 < frames[0].nbytes / 3
+
+
+@pytest.mark.parametrize("change", ["level", "rows_per_chunk", "bytes_first"])
+def test_a_zarr_json_other_than_the_codec_implies_is_corrupt(tmp_path, frames, change):
+    """The manifest says jpeg:90: a zarr.json naming another quality, two frames per chunk
+    or a ``bytes`` codec before the JPEG one is CorruptStoreError, never read."""
+    with _fill(tmp_path / "j", frames[:64], "jpeg:90", _episodes(64)):
+        pass
+    where = tmp_path / "j" / "columns" / "cam" / "zarr.json"
+    meta = json.loads(where.read_text())
+    conf = meta["codecs"][0]["configuration"]
+    if change == "level":
+        conf["codecs"][0]["configuration"]["level"] = 50
+    elif change == "rows_per_chunk":
+        conf["chunk_shape"][0] = 2
+    else:
+        conf["codecs"].insert(0, {"name": "bytes", "configuration": {"endian": "little"}})
+    where.write_text(json.dumps(meta))
+    with pytest.raises(errors.CorruptStoreError, match=r"columns/cam/zarr.json: codecs"):
+        mb.open(tmp_path / "j", mode="r")
