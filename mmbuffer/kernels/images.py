@@ -42,13 +42,16 @@ _carray: Any = numba.carray  # type: ignore[attr-defined]
 __all__ = ["THREADS", "decode_rows", "encode_shard"]
 
 THREADS = max(1, min(4, os.cpu_count() or 1))  # decoding threads per batch (the caller's is one of them)
-_POOL: list[ThreadPoolExecutor] = []
+_POOL: dict[int, ThreadPoolExecutor] = {}  # by process id: a forked child (DataLoader workers) starts its own
 
 
 def _pool() -> ThreadPoolExecutor:
-    if not _POOL:
-        _POOL.append(ThreadPoolExecutor(max_workers=max(1, THREADS - 1), thread_name_prefix="mmbuffer-jpeg"))
-    return _POOL[0]
+    pid = os.getpid()
+    pool = _POOL.get(pid)
+    if pool is None:  # a pool inherited through fork has no threads: never submit to it
+        _POOL.clear()
+        pool = _POOL[pid] = ThreadPoolExecutor(max_workers=max(1, THREADS - 1), thread_name_prefix="mmbuffer-jpeg")
+    return pool
 
 
 def _frame(frames: np.ndarray, i: int) -> np.ndarray:

@@ -282,3 +282,18 @@ def test_a_zarr_json_other_than_the_codec_implies_is_corrupt(tmp_path, frames, c
     where.write_text(json.dumps(meta))
     with pytest.raises(errors.CorruptStoreError, match=r"columns/cam/zarr.json: codecs"):
         mb.open(tmp_path / "j", mode="r")
+
+
+def test_dataloader_workers_forked_after_a_decode_read_the_same_frames(tmp_path, frames, monkeypatch):
+    """The parent decodes on its thread pool first; DataLoader workers forked after it (their
+    inherited pool has no threads) decode on pools of their own: same batches as in-process."""
+    monkeypatch.setattr(images, "THREADS", 2)
+    with _fill(tmp_path / "j", frames, "jpeg", _episodes(ROWS)) as z:
+        z.get(np.arange(64), keys=["cam"])  # 64 frames: the pool is used, so it exists before the fork
+    loader = torch.utils.data.DataLoader(mb.data.BufferDataset(tmp_path / "j", 16, seed=3, num_batches=4),
+                                         batch_size=None, num_workers=1, multiprocessing_context="fork", timeout=120)
+    there = list(loader)
+    assert len(there) == 4
+    with mb.open(tmp_path / "j", mode="r") as ro:
+        for b in there:
+            assert torch.equal(b.data["cam"], ro.get(b.indices, keys=["cam"])["cam"])
