@@ -102,10 +102,8 @@ Version history
     Zarr array with a staging area (``staging/<name>/rows`` and ``tags``). A store without
     one is written and read exactly as before; a reader from before this change refuses a
     manifest that names a codec (``CorruptStoreError``: it checks every column's keys).
-    Also without a version change (issue 23, 2026-11-25): the lossy codec ``"jpeg"`` /
-    ``"jpeg:<quality>"`` for uint8 frames ``(H, W[, 1|3])``: one row per inner chunk, whose
-    codecs are ``[numcodecs.imagecodecs_jpeg {level}, crc32c]`` (``columns/jpeg.py``); a
-    reader from before it refuses such a manifest (``CorruptStoreError``, as above).
+    Also (issue 23): the lossy ``"jpeg[:<quality>]"``, one frame per inner chunk coded
+    ``[numcodecs.imagecodecs_jpeg {level}, crc32c]`` (``columns/jpeg.py``); older readers refuse it.
 4 (2026-11-25, issue 23)
     Final observations addressed by episode, not by row: ``final/<col>`` keeps, per
     lane, a ring of ``lane_size`` slots, episode ``k``'s final observation in slot
@@ -226,13 +224,11 @@ def check_codec(name: str, codec: object, shape: tuple[int, ...], dtype: np.dtyp
     mmbuffer.errors.SchemaError: column 'cam': codec 'jpeg': expected uint8 frames of shape (H, W), (H, W, 1) or (H, W, 3), got shape (3, 224, 224) and dtype uint8
     """
     kind, level = parse_codec(name, codec)
-    if kind == "jpeg":
-        ok = np.dtype(dtype) == np.uint8 and len(shape) in (2, 3) and (len(shape) == 2 or shape[2] in (1, 3))
-        if not ok:
-            raise errors.SchemaError(
-                f"column {name!r}: codec {codec!r}: expected uint8 frames of shape (H, W), (H, W, 1) or (H, W, 3), "
-                f"got shape {tuple(shape)} and dtype {np.dtype(dtype)}"
-            )
+    if kind == "jpeg" and not (np.dtype(dtype) == np.uint8 and len(shape) in (2, 3) and shape[2:] in ((), (1,), (3,))):
+        raise errors.SchemaError(
+            f"column {name!r}: codec {codec!r}: expected uint8 frames of shape (H, W), (H, W, 1) or (H, W, 3), "
+            f"got shape {tuple(shape)} and dtype {np.dtype(dtype)}"
+        )
     return kind, level
 
 
