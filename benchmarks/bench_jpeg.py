@@ -22,7 +22,10 @@ For each set and codec (raw, ``zstd``, ``jpeg:95``, ``jpeg:75``), one run, page 
    with the default pool; baseline in the same run: a plain loop of
    ``imagecodecs.jpeg8_decode`` over the same JPEG blobs (no mmbuffer), and the zstd column's
    batched read of the same rows;
-4. ``sample(32)`` with the cache emptied against the same call on the raw store.
+4. ``sample(32)`` with the cache emptied against the same call on the raw store;
+5. per-step ``extend`` (one frame a call, as SB3 and TorchRL collectors add) into ``jpeg:95``
+   against a raw column, fresh stores, alternated every 64 rows (one shard), rows/s: the
+   JPEG encoding of each complete shard (on the pool) is the write-time cost.
 
     python benchmarks/bench_jpeg.py                      # ~1-2 min on the dev VM
     python benchmarks/bench_jpeg.py --sets photo --frames 256 --reps 5
@@ -147,7 +150,9 @@ def main() -> None:
     header("jpeg codec on camera-like frames (bench_jpeg.py)")
     print(f"load before: {open('/proc/loadavg').read().split()[:3]}; imagecodecs {imagecodecs.__version__}, "
           f"{imagecodecs.jpeg8_version()}; decode pool THREADS={images.THREADS}; page cache warm\n")
-    rows_out, dec_out = [], []
+    rows_out: list[dict[str, object]] = []
+    dec_out: list[dict[str, object]] = []
+    ext_out: list[dict[str, object]] = []
     for name in args.sets.split(","):
         frames = frame_set(name, args.frames)
         if frames is None:
@@ -211,10 +216,25 @@ def main() -> None:
                         "sample(32) raw ms": 1e3 * med["sample raw"]})
         for buf in [raw, *stores.values()]:
             buf.close()
+        ext = {None: 0.0, "jpeg:95": 0.0}
+        fresh = {c: mb.create(root / f"{name}_ext{c}", {"cam": mb.Column(frames.shape[1:], "uint8", codec=c)},
+                              capacity=n, next_keys=()) for c in ext}
+        for s0 in range(0, n, 64):  # alternated shard by shard
+            for c, buf in fresh.items():
+                t0 = time.perf_counter()
+                for i in range(s0, s0 + 64):
+                    buf.extend({"cam": frames[i : i + 1]})
+                ext[c] += time.perf_counter() - t0
+        for buf in fresh.values():
+            buf.close()
+        ext_out.append({"set": name, "rows": n, "jpeg:95 rows/s": n / ext["jpeg:95"], "raw rows/s": n / ext[None],
+                        "jpeg / raw": ext[None] / ext["jpeg:95"]})
     print("### bytes and error against the frames written\n")
     table(rows_out)
     print("### decode, batched path, decoded-chunk cache emptied before each call\n")
     table(dec_out)
+    print("### per-step extend (one frame a call), fresh stores, alternated shard by shard\n")
+    table(ext_out)
     print(f"load after: {open('/proc/loadavg').read().split()[:3]}")
     shutil.rmtree(root, ignore_errors=True)
 
