@@ -326,3 +326,13 @@ def test_lerobot_video_converts_into_a_jpeg_column_verified(tmp_path):
     assert np.array_equal(got[:encoded], jpeg.roundtrip(col, frames[:encoded], 90))
     assert not np.array_equal(got[:encoded], frames[:encoded])
     assert np.array_equal(got[encoded:], frames[encoded:])
+
+
+def test_reading_a_jpeg_store_without_imagecodecs_names_the_column_and_the_extra(tmp_path, frames, monkeypatch):
+    with _fill(tmp_path / "j", frames[:128], "jpeg", _episodes(128)):
+        pass
+    monkeypatch.setitem(sys.modules, "imagecodecs", None)
+    with mb.open(tmp_path / "j", mode="r") as ro:
+        assert ro.columns["cam"].codec == "jpeg"  # opening and inspecting need no decoder
+        with pytest.raises(errors.SchemaError, match=r"column 'cam'.*mmbuffer\[images\]"):
+            ro.get(np.arange(4), keys=["cam"])

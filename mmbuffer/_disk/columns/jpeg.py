@@ -61,8 +61,8 @@ def tolerance(quality: int) -> float:
     """The promise on loss: the mean absolute error per frame (in uint8 levels) of a
     frame read back against the frame written, at ``quality``, for natural (camera-like)
     frames. Measured (worst frame of 100-300 per set: photographs panned at 224x224 and
-    48x56, grayscale too; HISTORY 2026-11-25): 1.7-4.6 at quality 95, 3.7-7.9 at 75,
-    9.8-16.9 at 10. Hard synthetic edges lose more (upscaled Atari frames: 6.7 at 95,
+    48x56, grayscale too; benchmarks/HISTORY.md, 2026-11-25, "Where jpeg.tolerance comes
+    from"): 1.5-4.6 at quality 95, 3.7-7.9 at 75, 9.8-16.9 at 10. Hard synthetic edges lose more (upscaled Atari frames: 6.7 at 95,
     JPEG is the wrong codec for them): store those with a lossless codec.
 
     >>> tolerance(95), tolerance(75), tolerance(100)
