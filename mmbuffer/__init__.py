@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from ._feed.epochs import EpochSampler
     from ._read.gather import Batch
     from .opening import create, open
+    from ._disk.columns.jpeg import register_zarr_codecs
     from ._ledger.store import Column, PriorityConfig
     from ._feed.stream import Stream, stream
 
@@ -46,6 +47,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "losses": (".losses", None),
     "open": (".opening", "open"),
     "PriorityConfig": (".schema", "PriorityConfig"),
+    "register_zarr_codecs": ("._disk.columns.jpeg", "register_zarr_codecs"),
     "samplers": (".samplers", None),
     "stream": ("._feed.stream", "stream"),
     "Stream": ("._feed.stream", "Stream"),
@@ -58,6 +60,7 @@ __all__ = [
     "convert",
     "EpochSampler",
     "PriorityConfig",
+    "register_zarr_codecs",
     "samplers",
     "create",
     "data",

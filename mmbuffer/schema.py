@@ -18,7 +18,9 @@ class Column:
     ``codec=None`` stores the column raw (memory-mapped; the store-wide
     ``compression=`` of ``mb.create`` applies); ``"zstd"``, ``"zstd:<level>"``
     (1-22, default 3) or ``"lz4"`` (blosc-lz4) stores it as Zarr shards of small zstd chunks, decoded at
-    sample time (docs/format.md, "Columns with a codec"). A column unpacks as
+    sample time (docs/format.md, "Columns with a codec"); the lossy ``"jpeg"`` /
+    ``"jpeg:<quality>"`` (1-100, default 95; extra ``images``) stores uint8 camera frames
+    ``(H, W[, 1|3])`` as one JPEG image each, only when named. A column unpacks as
     ``shape, dtype``.
 
     >>> Column((17,), "float32")

@@ -318,8 +318,8 @@ def add_subcommands(sub: Any) -> None:
                         "the columns without a codec")
     recode = p.add_mutually_exclusive_group()
     recode.add_argument("--codec", type=_column_codec, action="append", default=None, metavar="COLUMN=CODEC",
-                        help="change a column's codec (zstd, zstd:<level>, lz4; none: raw); repeatable. "
-                             "By default each column keeps its codec")
+                        help="change a column's codec (zstd, zstd:<level>, lz4; jpeg, jpeg:<quality>: lossy, uint8 "
+                             "(H, W[, 1|3]) frames only; none: raw); repeatable. By default each column keeps its codec")
     recode.add_argument("--raw", action="store_true",
                         help="every column raw and memory-mapped (codecs decoded once, for training)")
     _layout(p, copy=True)

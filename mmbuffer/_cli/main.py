@@ -249,6 +249,7 @@ SUITES = {
     "sb3_frame_stack": "the SB3 drop-in with frame_stack on ALE frames against SB3's own buffer",
     "codec": "zstd columns on ALE frames: disk per transition, decode, sample and extend against raw",
     "finals_disk": "disk of an 84x84 pixel store: frames against final observations (--baseline DIR)",
+    "jpeg": "the lossy jpeg codec on camera-like 224x224 frames: bytes, error (PSNR) and decode rate",
 }
 
 

@@ -60,9 +60,19 @@ def check_codecs(columns: Mapping[str, Any]) -> dict[str, str]:
     for name, spec in columns.items():
         codec = spec.codec if isinstance(spec, Column) else None
         if codec is not None:
-            fmt.parse_codec(name, codec)
+            check_column_codec(name, codec, spec.shape, spec.dtype)
             out[name] = codec
     return out
+
+
+def check_column_codec(name: str, codec: object, shape: Any, dtype: Any) -> None:
+    """``fmt.check_codec`` (the codec, and the frames a lossy image codec takes), and for
+    ``jpeg`` its library (``SchemaError`` naming the column and the extra)."""
+    kind, _ = fmt.check_codec(name, codec, fmt.check_shape(name, shape), fmt.check_dtype(name, dtype))
+    if kind == "jpeg":
+        from .columns.jpeg import imagecodecs
+
+        imagecodecs(name)
 
 
 def check_int(name: str, value: object, low: int) -> int:

@@ -102,6 +102,8 @@ Version history
     Zarr array with a staging area (``staging/<name>/rows`` and ``tags``). A store without
     one is written and read exactly as before; a reader from before this change refuses a
     manifest that names a codec (``CorruptStoreError``: it checks every column's keys).
+    Also (issue 23): the lossy ``"jpeg[:<quality>]"``, one frame per inner chunk coded
+    ``[numcodecs.imagecodecs_jpeg {level}, crc32c]`` (``columns/jpeg.py``); older readers refuse it.
 4 (2026-11-25, issue 23)
     Final observations addressed by episode, not by row: ``final/<col>`` keeps, per
     lane, a ring of ``lane_size`` slots, episode ``k``'s final observation in slot
@@ -139,7 +141,10 @@ MANIFEST: Final = "manifest.json"
 LOCK: Final = "LOCK"
 RESERVED_NAMES: Final = frozenset({"terminated", "truncated"})
 COMPRESSIONS: Final = (None, "zstd", "lz4")
-CODECS: Final = ("zstd", "zstd:<level 1-22>", "lz4")  # a column's codec (columns/sharding.py)
+CODECS: Final = ("zstd", "zstd:<level 1-22>", "lz4", "jpeg", "jpeg:<quality 1-100>")  # a column's codec (columns/sharding.py)
+#: lossy codecs: only ever chosen by the user, by name (``copy`` keeps one, never picks one)
+LOSSY: Final = frozenset({"jpeg"})
+JPEG_QUALITY: Final = 95  # ``"jpeg"`` alone
 
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*(/[A-Za-z0-9_][A-Za-z0-9_.\-]*)*$")
 
@@ -188,19 +193,43 @@ def check_shape(name: str, shape: object) -> tuple[int, ...]:
 
 def parse_codec(name: str, codec: object) -> tuple[str, int]:
     """A column's codec as (kind, level): ``"zstd"`` (level 3), ``"zstd:<level>"``
-    (1-22) or ``"lz4"`` (blosc-lz4, level 5); anything else raises ``SchemaError``
-    naming the column.
+    (1-22), ``"lz4"`` (blosc-lz4, level 5), or the lossy ``"jpeg"`` (quality
+    ``JPEG_QUALITY``) and ``"jpeg:<quality>"`` (1-100); anything else raises
+    ``SchemaError`` naming the column.
 
-    >>> parse_codec("pixels", "zstd:5"), parse_codec("pixels", "zstd")
-    (('zstd', 5), ('zstd', 3))
+    >>> parse_codec("pixels", "zstd:5"), parse_codec("pixels", "zstd"), parse_codec("cam", "jpeg:90")
+    (('zstd', 5), ('zstd', 3), ('jpeg', 90))
     """
     if isinstance(codec, str):
         kind, _, level = codec.partition(":")
         if codec == "lz4":
             return "lz4", 5
-        if kind == "zstd" and (not level or (level.isdigit() and 1 <= int(level) <= 22 and level == str(int(level)))):
-            return kind, int(level) if level else 3
+        top = {"zstd": 22, "jpeg": 100}.get(kind)
+        if top is not None and (not level or (level.isdigit() and 1 <= int(level) <= top and level == str(int(level)))):
+            return kind, int(level) if level else (3 if kind == "zstd" else JPEG_QUALITY)
     raise errors.SchemaError(f"column {name!r}: codec: expected None (raw) or one of {CODECS}, got {codec!r}")
+
+
+def check_codec(name: str, codec: object, shape: tuple[int, ...], dtype: np.dtype) -> tuple[str, int]:
+    """``parse_codec``, and for the lossy image codec ``jpeg`` the column it may take:
+    ``uint8`` frames of shape ``(H, W)``, ``(H, W, 1)`` or ``(H, W, 3)`` (one JPEG
+    image per row); anything else raises ``SchemaError`` naming the column, the
+    expected and the received shape and dtype.
+
+    >>> check_codec("cam", "jpeg", (224, 224, 3), np.dtype("uint8"))
+    ('jpeg', 95)
+    >>> check_codec("cam", "jpeg", (3, 224, 224), np.dtype("uint8"))
+    Traceback (most recent call last):
+        ...
+    mmbuffer.errors.SchemaError: column 'cam': codec 'jpeg': expected uint8 frames of shape (H, W), (H, W, 1) or (H, W, 3), got shape (3, 224, 224) and dtype uint8
+    """
+    kind, level = parse_codec(name, codec)
+    if kind == "jpeg" and not (np.dtype(dtype) == np.uint8 and len(shape) in (2, 3) and shape[2:] in ((), (1,), (3,))):
+        raise errors.SchemaError(
+            f"column {name!r}: codec {codec!r}: expected uint8 frames of shape (H, W), (H, W, 1) or (H, W, 3), "
+            f"got shape {tuple(shape)} and dtype {np.dtype(dtype)}"
+        )
+    return kind, level
 
 
 # -- raw (memory-mapped) arrays --------------------------------------------------------

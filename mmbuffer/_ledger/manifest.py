@@ -173,7 +173,7 @@ def _columns(cols: object, capacity: int, bad: Any) -> tuple[dict[str, tuple[tup
                     raise errors.SchemaError(name)
                 fmt.parse_codec(name, spec["codec"])
             except errors.SchemaError:
-                raise bad(f"columns[{name!r}].codec", "'zstd', 'zstd:<level 1-22>' or 'lz4' (never on a flag)", spec["codec"]) from None
+                raise bad(f"columns[{name!r}].codec", "'zstd', 'zstd:<level 1-22>', 'lz4', 'jpeg' or 'jpeg:<quality 1-100>' (never on a flag)", spec["codec"]) from None
             codecs[name] = spec["codec"]
         shape, dtype = spec["shape"], spec["dtype"]
         if not isinstance(shape, list) or not all(

@@ -57,6 +57,7 @@ def _table() -> np.ndarray:
 
 
 _TABLE = _table()
+TABLE = _TABLE  # the tables, and the compiled CRC below, for the other shard kernels (images.py)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -73,6 +74,9 @@ def _crc(buf: Any, start: int, n: int, table: Any) -> int:
         crc = table[0, (crc ^ buf[i]) & 0xFF] ^ (crc >> 8)
         i += 1
     return int(crc ^ np.uint32(0xFFFFFFFF))
+
+
+crc_kernel = _crc
 
 
 def crc32c(data: np.ndarray) -> int:

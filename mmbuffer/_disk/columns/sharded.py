@@ -76,7 +76,8 @@ class ShardedArray(ColumnArray):
         self.shape, self.dtype = (rows, *row_shape), np.dtype(dtype)
         meta = _files.read_json_in(root, f"columns/{name}/zarr.json")
         self._inner, self._shard = check_meta(self._where / "zarr.json", meta, expect, codec)
-        self._kind, self._level = fmt.parse_codec(name, codec)
+        self._kind, self._level = fmt.check_codec(name, codec, row_shape, self.dtype) if codec.startswith("jpeg") \
+            else fmt.parse_codec(name, codec)
         if rows % lane_size or lane_size % self._shard:
             raise errors.CorruptStoreError(f"{self._where}/zarr.json: expected shards dividing the lane size {lane_size}, got {self._shard} rows")
         self._lane = lane_size
@@ -187,6 +188,9 @@ class ShardedArray(ColumnArray):
 
         if self._cache is None:
             self._cache = codec.Cache(self._inner * self._row_bytes, self._cache_bytes)
+        if self._kind == "jpeg":
+            self._decode_jpeg(rows, versions, positions, out)
+            return
         if self._dctx is None:
             self._dctx = codec.Context(compress=False, kind=self._kind)
         fail = codec.decode_rows(self._dctx, rows, versions, positions, self._inner, self._shard, self._row_bytes,
@@ -196,6 +200,20 @@ class ShardedArray(ColumnArray):
             first = f * self._shard + ci * self._inner
             raise errors.CorruptStoreError(
                 f"{self._root / self._rel(f)}: column {self._name!r}: inner chunk {ci} (rows {first}-{first + self._inner - 1}): "
+                f"expected a chunk that passes its checks, got {reason}"
+            )
+
+    def _decode_jpeg(self, rows: np.ndarray, versions: np.ndarray, positions: np.ndarray, out: np.ndarray) -> None:
+        from ...kernels import images
+        from .jpeg import imagecodecs
+
+        imagecodecs(self._name)  # SchemaError naming the column and the extra
+        fail = images.decode_rows(rows, versions, positions, self._shard, self.row_shape, self._addr, self._size,
+                                  self._maps, self._cache, out.reshape(-1).view(np.uint8))
+        if fail is not None:
+            f, ci, reason = fail
+            raise errors.CorruptStoreError(
+                f"{self._root / self._rel(f)}: column {self._name!r}: inner chunk {ci} (row {f * self._shard + ci}): "
                 f"expected a chunk that passes its checks, got {reason}"
             )
 
@@ -253,6 +271,13 @@ class ShardedArray(ColumnArray):
         src = self._stage[half * S : (half + 1) * S].reshape(-1).view(np.uint8)
         if self._kind == "lz4":
             blob = codec.encode_shard_lz4(self.dtype.itemsize, src, chunks, chunk_bytes, k)
+            self._buf, n = np.frombuffer(blob, np.uint8), len(blob)
+        elif self._kind == "jpeg":
+            from ...kernels import images
+            from .jpeg import imagecodecs
+
+            imagecodecs(self._name)
+            blob = images.encode_shard(self._level, self._stage[half * S : (half + 1) * S], k)
             self._buf, n = np.frombuffer(blob, np.uint8), len(blob)
         else:
             if self._cctx is None:

@@ -36,7 +36,8 @@ from typing import Any, Final
 import numpy as np
 
 from ... import errors
-from .. import format as fmt
+from .. import files as _files, format as fmt
+from .jpeg import meta as jpeg_meta
 
 INNER_BYTES = 1 << 16  # bytes of rows per inner chunk (8 rows of 84x84 uint8: the measured curve)
 SHARD_CHUNKS = 64  # inner chunks per shard, at most
@@ -45,7 +46,8 @@ _CRC: Final = {"name": "crc32c"}
 
 def shard_geometry(row_bytes: int, lane_size: int, inner_bytes: int | None = None) -> tuple[int, int]:
     """Rows per inner chunk and per shard for rows of ``row_bytes`` in lanes of ``lane_size``
-    (``inner_bytes``: default ``INNER_BYTES``, read at each call)."""
+    (``inner_bytes``: default ``INNER_BYTES``, read at each call; 1: one row per chunk,
+    as the JPEG codec stores one image per chunk)."""
     want = max(1, (INNER_BYTES if inner_bytes is None else inner_bytes) // max(1, row_bytes))
     want = min(1 << (want.bit_length() - 1), lane_size)  # a power of two of rows, when the lane allows
     inner = next(d for d in range(want, 0, -1) if lane_size % d == 0)
@@ -57,6 +59,8 @@ def shard_geometry(row_bytes: int, lane_size: int, inner_bytes: int | None = Non
 def compressor_meta(codec: str, dtype: np.dtype) -> dict[str, Any]:
     """The ``zarr.json`` entry of ``codec``'s compressor (``fmt.parse_codec``'s names)."""
     kind, level = fmt.parse_codec("codec", codec)
+    if kind == "jpeg":
+        return jpeg_meta(level)
     if kind == "zstd":
         return {"name": "zstd", "configuration": {"level": level, "checksum": False}}
     shuffle = "noshuffle" if dtype.itemsize == 1 else "shuffle"
@@ -79,12 +83,19 @@ def create(root: Path, name: str, rows: int, row_shape: tuple[int, ...], dtype: 
     import zarr
 
     row_bytes = int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize
-    inner, shard = shard_geometry(row_bytes, lane_size, inner_bytes)
+    lossy = fmt.parse_codec(name, codec)[0] == "jpeg"
+    inner, shard = shard_geometry(row_bytes, lane_size, 1 if lossy else inner_bytes)  # JPEG: one image per chunk
     zarr.create_array(
         str(root), name=f"columns/{name}", shape=(rows, *row_shape), dtype=dtype,
-        chunks=(inner, *row_shape), shards=(shard, *row_shape), compressors=compressors(codec, dtype), filters=None,
-        fill_value=0, zarr_format=3, write_data=False, dimension_names=fmt.dimension_names(f"columns/{name}", len(row_shape)),
+        chunks=(inner, *row_shape), shards=(shard, *row_shape), compressors=compressors("zstd" if lossy else codec, dtype),
+        filters=None, fill_value=0, zarr_format=3, write_data=False,
+        dimension_names=fmt.dimension_names(f"columns/{name}", len(row_shape)),
     )
+    if lossy:  # the inner codecs become [jpeg, crc32c] (JPEG is an array -> bytes codec: no "bytes" before it)
+        rel = f"columns/{name}/zarr.json"
+        meta = _files.read_json_in(root, rel)
+        meta["codecs"][0]["configuration"]["codecs"] = [compressor_meta(codec, dtype), _CRC]
+        _files.atomic_write_json(root / rel, meta)
     streams = rows // lane_size
     fmt.create_raw(root, f"staging/{name}/rows", streams * 2 * shard, row_shape, dtype, allocate=True)
     fmt.create_raw(root, f"staging/{name}/tags", streams * 2, (), np.dtype(np.int64), allocate=True)
@@ -103,15 +114,15 @@ def check_meta(where: Path, meta: object, expect: fmt.Expect, codec: str) -> tup
     codecs: Any = meta.get("codecs")
     conf: Any = codecs[0].get("configuration") if isinstance(codecs, list) and len(codecs) == 1 and isinstance(codecs[0], dict) else None
     inner: Any = conf.get("chunk_shape") if isinstance(conf, dict) else None
-    _, level = fmt.parse_codec("codec", codec)
-    want_inner: list[dict[str, Any]] = [fmt.BYTES_LE, compressor_meta(codec, dtype), _CRC]
+    lossy = fmt.parse_codec("codec", codec)[0] == "jpeg"
+    want_inner: list[dict[str, Any]] = [compressor_meta(codec, dtype), _CRC] if lossy else [fmt.BYTES_LE, compressor_meta(codec, dtype), _CRC]
     ok = (
         isinstance(conf, dict)
         and codecs[0] == {"name": "sharding_indexed", "configuration": conf}
         and set(conf) == {"chunk_shape", "codecs", "index_codecs", "index_location"}
         and isinstance(inner, list) and len(inner) == len(shape) and inner[1:] == shape[1:]
         and isinstance(inner[0], int) and not isinstance(inner[0], bool) and 1 <= inner[0] <= shard
-        and shard % inner[0] == 0 and rows % shard == 0
+        and shard % inner[0] == 0 and rows % shard == 0 and (inner[0] == 1 or not lossy)
         and _same_codecs(conf["codecs"], want_inner, dtype)
         and conf["index_codecs"] == [fmt.BYTES_LE, _CRC]
         and conf["index_location"] == "end"

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ..._disk.format import parse_codec
+from ..._disk.checks import check_column_codec
 from ...buffer import Buffer
 from ...errors import InvalidArgumentError
 from ...opening import create
@@ -223,7 +223,7 @@ def column_codecs(buf: Any, codec: Mapping[str, str | None] | None | str) -> dic
         if name not in kept:
             raise InvalidArgumentError(f"codec: expected column names among {sorted(kept)}, got {name!r}")
         if value is not None:
-            parse_codec(name, value)  # SchemaError naming the column
+            check_column_codec(name, value, buf.columns[name].shape, buf.columns[name].dtype)  # SchemaError naming it
     return {**kept, **codec}
 
 
