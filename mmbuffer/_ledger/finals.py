@@ -34,7 +34,7 @@ Why ``lane_size`` slots, and why that is enough:
 The open episode's tail. A writer that knows the next observation of the open
 episode's last row (the TorchRL drop-in) ends the episode there provisionally, its
 final observation in the slot of ``ep_tail``, and undoes that end before the
-episode goes on (``reopen.py``): the episode keeps its sequence number, so when it
+episode goes on (``appending.py``): the episode keeps its sequence number, so when it
 ends for good its final observation goes to the same slot, and ``end_open_episode``
 finds the provisional one there again. A commit makes the slot of the open episode
 durable with the others (:meth:`FinalsWriter.flush`).
@@ -163,7 +163,7 @@ class FinalsWriter:
     def flush(self, lane: int, was: Lane, now: Lane) -> None:
         """Make the final observations written since the commit ``was`` durable: the
         slots of episodes ``was.ep_tail .. now.ep_tail``, the open episode's included
-        (a provisional end that ``reopen.py`` undid for the commit keeps it there)."""
+        (a provisional end that ``appending.py`` undid for the commit keeps it there)."""
         if not self.by_episode:
             for a, b in self.layout.segments(lane, was.written, now.written):
                 for name in self.names:

@@ -17,7 +17,7 @@ from .. import errors
 class Held:
     """A stream whose last episode ends provisionally (truncated at its last row, its
     ``("next", ...)`` kept as final observation) until the next batch says whether it
-    goes on; then that end is undone (``_ledger.reopen``) and the episode continues."""
+    goes on; then that end is undone (``_ledger.appending``) and the episode continues."""
 
     traj: int | None
     length: int  # rows of the episode so far

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from ..buffer import Buffer
-from .._ledger.reopen import reopen_last_episode
+from .._ledger.appending import reopen_last_episode
 from .keys import PRIORITY, KeyMap
 from .streams import Held, Segment, plan, segments
 

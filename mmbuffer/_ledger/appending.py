@@ -1,0 +1,244 @@
+"""Appending rows to lanes: ``Writer.extend``, the disk room a lane's reservation
+allocates ahead of it, and undoing a provisional episode end.
+
+``Appending`` is the part of ``writer.Writer`` (which derives from it) that writes
+rows; the reservation, recovery and commit protocol it follows are in ``writer.py``'s
+docstring.
+
+Undoing a provisional end (:func:`reopen_last_episode`, :func:`end_open_episode`):
+the newest episode of a lane, ended at the lane's last row and not committed yet,
+becomes the lane's open episode again. A writer that knows the next observation of an open episode's last row (a TorchRL
+collector batch carries it under ``("next", ...)``) can end the episode there as
+truncated, with that observation as its final one, so the row is sampleable at
+once; when the episode goes on, it undoes that end before writing the next rows,
+whose first observation is the one stored as final (``mmbuffer.torchrl``).
+
+Only an uncommitted end is undone: a reader (or a reopen after a crash) may hold
+the slot of a committed one, and readers never see the uncommitted rows whose flag
+changes here. These functions change the writer's state (the ``truncated`` flag of
+one row, the lane's ``ep_tail``) under the same lock, through the store; the
+slice counts samplers keep notice the changed end themselves
+(``samplers/_draw.py: SliceCounts.sync``).
+
+>>> import tempfile, numpy as np, mmbuffer as mb
+>>> buf = mb.create(tempfile.mkdtemp() + "/r", {"obs": ((), "float32")}, capacity=8)
+>>> buf.extend({"obs": np.arange(3), "truncated": [False, False, True]}, final_obs={"obs": [3.0]})
+>>> buf.num_episodes, reopen_last_episode(buf.store, 0), buf.num_episodes
+(1, True, 0)
+>>> end_open_episode(buf.store, 0), buf.episodes()[1].tolist()  # and back: its final observation is kept
+(True, [3])
+>>> reopen_last_episode(buf.store, 0)
+True
+>>> buf.extend({"obs": [3.0], "terminated": [True]}, final_obs={"obs": [4.0]})
+>>> buf.episodes()[1].tolist(), buf.get(np.arange(4), ["next_obs"])["next_obs"].tolist()
+([4], [1.0, 2.0, 3.0, 4.0])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from .. import errors, tree
+from .._disk import format as fmt
+from .._disk import rawio as _rawio
+from .._disk.checks import check_stream, validate_final, validate_steps
+from .._disk.guards import locked_write
+from ..config import config
+from . import index, touched
+from .finals import FinalsWriter
+from .index import Lane
+from .layout import Layout
+from .manifest import MAX_COUNTER
+from .store import Store
+
+__all__ = ["Appending", "end_open_episode", "reopen_last_episode"]
+_ROOM_BYTES = 1 << 24  # disk allocated ahead of a lane's cursor, at most (see Appending._room_rows)
+
+
+def reopen_last_episode(store: Store, lane: int) -> bool:
+    """Undo the end of ``lane``'s newest episode if it ends at the lane's last row,
+    as truncated, after the last commit; return whether it was undone (nothing
+    changes otherwise). The row's ``truncated`` flag is cleared and the lane's
+    episode count goes back by one, so the next ``extend`` of the lane continues
+    that episode (its stale ``final/<col>`` row is never read again).
+    Raises ``ReadOnlyError`` on a store opened with ``mode="r"``."""
+    if store.mode != "a":
+        raise errors.ReadOnlyError(f"reopen: store {store.path} is opened with mode='r'")
+    with store.lock:
+        st, was = store.lanes[lane], store.committed[lane]
+        if st.ep_tail <= max(st.ep_head, was.ep_tail):
+            return False  # no live complete episode, or its end is committed
+        end = int(index.ends_at(store.ends, lane, store.lane_size, np.array(st.ep_tail - 1)))
+        row = store.layout.rows(lane, np.array([st.written - 1], dtype=np.int64))
+        if end != st.written or not store.column("truncated").read(row).all() or store.column("terminated").read(row).any():
+            return False
+        store.column("truncated").write_at(row, np.zeros(1, dtype=bool))
+        store.ledger = store.ledger.with_lane(lane, replace(st, ep_tail=st.ep_tail - 1))
+    return True
+
+
+def end_open_episode(store: Store, lane: int) -> bool:
+    """End ``lane``'s open episode at the lane's last row, as truncated, with the
+    ``final/<col>`` rows already there as its final observation: the inverse of
+    :func:`reopen_last_episode`, for a writer that wrote that final observation
+    before (``mmbuffer.torchrl`` keeps episodes open across its commits this way).
+    Returns whether an episode was ended (False: no open episode). The end is
+    uncommitted; the row's flag is written through at once, so a commit of the end
+    never reaches the disk before it."""
+    if store.mode != "a":
+        raise errors.ReadOnlyError(f"end_open_episode: store {store.path} is opened with mode='r'")
+    with store.lock:
+        st = store.lanes[lane]
+        if st.written <= st.open_start(store.ends, lane, store.lane_size):
+            return False
+        row = store.layout.rows(lane, np.array([st.written - 1], dtype=np.int64))
+        store.column("truncated").write_at(row, np.ones(1, dtype=bool))
+        store.array("columns/truncated").flush(int(row[0]), int(row[0]) + 1)
+        store.ends[index.slots(lane, store.lane_size, np.array([st.ep_tail]))] = st.written
+        store.ledger = store.ledger.with_lane(lane, replace(st, ep_tail=st.ep_tail + 1))
+    return True
+
+
+class Appending:
+    """The row-writing part of ``writer.Writer`` (its only subclass, which sets the
+    attributes below and holds the store's lock in every method)."""
+
+    store: Store
+    layout: Layout
+    lane_size: int
+    _ends: np.ndarray
+    _reserved: np.ndarray
+    _record: np.ndarray | None
+    _tree: tree.PriorityTree | None
+    _marks: touched.Marks | None
+    _marks_array: Any
+    _finals: FinalsWriter
+
+    def check_writable(self, what: str) -> None:
+        raise NotImplementedError  # writer.Writer's
+
+    def commit(self) -> int:
+        raise NotImplementedError  # writer.Writer's
+
+    def _mark_tree_dirty(self) -> None:
+        raise NotImplementedError  # writer.Writer's
+
+    def _default_priority(self) -> float:
+        raise NotImplementedError  # writer.Writer's
+
+    @locked_write("extend")
+    def extend(self, steps: Mapping[str, Any], stream: int = 0, final_obs: Mapping[str, Any] | None = None) -> None:
+        """Append ``T`` consecutive rows of one lane (see ``Buffer.extend``)."""
+        self.check_writable("extend")
+        store = self.store
+        lane = check_stream(stream, store.num_streams)
+        arrays, done = validate_steps(store.columns, steps)
+        rows = len(done)
+        if rows == 0:
+            return
+        finals = validate_final(store.columns, store.next_keys, final_obs, int(done.sum()))
+        st = store.lanes[lane]
+        index.check_fits(st, self._ends, lane, self.lane_size, done)
+
+        new_written = st.written + rows
+        if new_written > MAX_COUNTER:  # what an open would refuse is never written
+            raise errors.CapacityError(
+                f"extend: stream {lane}: expected at most {MAX_COUNTER} rows ever written to a stream "
+                f"(2**62), got {st.written} + {rows}"
+            )
+        reserved = min(new_written + self._room_rows(), MAX_COUNTER) if new_written > int(self._reserved[lane]) else None
+        if reserved is not None:
+            self._reserve_space(lane, st, reserved)  # a full disk refuses here, before any change
+        self._finals.reserve(lane, st, len(next(iter(finals.values()))) if finals else 0)  # and here
+        if new_written > store.committed[lane].written + self.lane_size:
+            # a lane's uncommitted rows never exceed a lane, so the reservation stays
+            # within written + 2 * lane_size of the last commit, the bound an open
+            # checks (_counters.check_reserved), whenever the writer dies
+            self.commit()
+        if reserved is not None:
+            self._reserved[lane] = reserved
+            _rawio.flush_rows(self._reserved, lane, lane + 1)  # on disk before any row it covers
+        assert self._record is not None
+        self._record[2 + lane] = new_written  # in the page cache before any row it covers (progress.py)
+        if self._tree is not None:
+            self._mark_tree_dirty()  # before anything it marks is written
+
+        segments = self.layout.segments(lane, st.written, new_written)
+        for name, arr in arrays.items():
+            col = store.column(name)
+            off = 0
+            for a, b in segments:
+                col.write_range(a, arr[off : off + b - a])
+                off += b - a
+        if finals:
+            self._finals.write(lane, st, done, finals)
+        st = index.append(self._ends, lane, self.lane_size, st, rows=rows, done=done)
+        st, dropped_end = index.evict(self._ends, lane, self.lane_size, st, new_written - self.lane_size)
+        store.ledger = store.ledger.with_lane(lane, st)  # published whole: the view sees the rows from here
+        self._finals.discard(lane, st)
+        if self._tree is not None:
+            # overwritten and evicted rows leave the tree before the default is
+            # taken, so a new row gets the max of what stays live
+            assert self._marks is not None
+            for a, b in self.layout.segments(lane, max(0, new_written - rows - self.lane_size), dropped_end):
+                self._marks.range(a, b)
+                tree.set_range(self._tree, a, b, 0.0)
+            default = self._default_priority()
+            for a, b in segments:
+                self._marks.range(a, b)
+                tree.set_range(self._tree, a, b, default)
+
+    # -- disk room ---------------------------------------------------------------------------
+    def _reserve_space(self, lane: int, st: Lane, stop: int) -> None:
+        """Allocate the disk blocks the writes up to a lane's absolute row ``stop`` need.
+
+        Small blocks of rows, episode ends and priority leaves are stored through
+        memory maps of sparse files, and a store into a hole on a full disk can only
+        be a SIGBUS. So blocks are allocated (``posix_fallocate``; ``OSError(ENOSPC)``
+        when there is no room) with the reservation, before it advances: the rows
+        ``[written, stop)`` of the lane's first pass through the ring (a version 3
+        store's final rows too; version 4 allocates each final slot as it writes it:
+        ``finals.py``), and the ``index/ends`` slots of the episodes that can end in
+        them (one per row at most). Once a lane has wrapped, what it rewrites is
+        allocated already; ``index/reserved`` at creation; the tree's node rows
+        over those rows with them (the tree file is created sparse)."""
+        w, t = st.written, st.ep_tail
+        if w < self.lane_size:
+            base, hi = lane * self.lane_size, min(stop, self.lane_size)
+            for name in self._row_arrays(with_tree=True):
+                self.store.array(name).allocate(base + w, base + hi)
+            for a, b in tree.node_rows(self._tree, base + w, base + hi) if self._tree is not None else ():
+                self.store.array("priority/nodes").allocate(a, b)
+            if self._tree is not None:  # the marks of those rows' blocks (touched.py)
+                self._marks_array.allocate((base + w) // tree.BLOCK, (base + hi - 1) // tree.BLOCK + 1)
+        slots = 2 * self.lane_size
+        if t < slots:
+            self.store.array("index/ends").allocate(lane * slots + t, lane * slots + min(t + stop - w, slots))
+
+    def _row_arrays(self, *, with_tree: bool) -> list[str]:
+        """The raw arrays with one row per store row that ``extend`` writes (every
+        column array when ``with_tree`` is False: what a commit flushes)."""
+        store = self.store
+        skip_compressed = with_tree and store.compression is not None  # zarr allocates its own chunks
+        names = [f"columns/{n}" for n in store.columns if not skip_compressed or n in fmt.RESERVED_NAMES]
+        if with_tree and not store.finals_by_episode:  # version 3: a final row per row (finals.py flushes them)
+            names += [f"final/{k}" for k in store.next_keys]
+        return names + (["priority/leaves"] if with_tree and self._tree is not None else [])
+
+    def _room_rows(self) -> int:
+        """How far the reservation runs ahead of the cursor: ``config.reserve_fraction``
+        of a lane, but at most ``_ROOM_BYTES`` of disk to allocate (1/16 of a 3e9-row
+        lane would make a sparse store dense at once). Not cached: it is needed once a
+        window, and a cached_property would turn the instance's attribute storage into
+        a dict (CPython 3.11), which slowed every ``extend`` by 0.6 us."""
+        store = self.store
+        cols = [c for n, c in store.columns.items() if store.compression is None or n in fmt.RESERVED_NAMES]
+        cols += [store.columns[k] for k in store.next_keys if not store.finals_by_episode]
+        row_bytes = sum(int(np.prod(c.shape, dtype=np.int64)) * np.dtype(c.dtype).itemsize for c in cols)
+        row_bytes += 8 + (4 if self._tree is not None else 0)  # an episode-end slot, a float32 leaf
+        ahead = max(1, int(self.lane_size * config.reserve_fraction))
+        return max(1, min(ahead, _ROOM_BYTES // row_bytes))
