@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
@@ -260,16 +260,16 @@ class Buffer:
         return gather(self._store, idx, keys)
 
     # -- writing -----------------------------------------------------------------------
-    def extend(self, steps: Mapping[str, Any], stream: int = 0, final_obs: Mapping[str, Any] | None = None) -> None:
-        """Append ``T`` consecutive rows of one lane.
+    def extend(self, steps: Mapping[str, Any], stream: int | Sequence[int] | np.ndarray = 0, final_obs: Mapping[str, Any] | None = None) -> None:
+        """Append ``T`` consecutive rows of one lane, or of each of ``K`` lanes at once.
 
         Parameters
         ----------
         steps:
-            Column name -> array ``[T, *shape]`` (numpy, torch or nested lists).
-            ``terminated`` / ``truncated`` may be omitted (then False).
+            Column name -> array ``[T, *shape]`` (``[K, T, *shape]`` for K streams; numpy,
+            torch or nested lists). ``terminated`` / ``truncated`` may be omitted (then False).
         stream:
-            The lane, ``0 <= stream < num_streams``.
+            The lane, ``0 <= stream < num_streams``, or K distinct lanes: as K calls in order, checked first.
         final_obs:
             Next-derived column -> ``[E, *shape]``: the observation after the last
             step of each of the ``E`` episodes that end inside ``steps``, in order.
