@@ -36,6 +36,8 @@ True
 
 from __future__ import annotations
 
+import mmap
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -88,7 +90,8 @@ def reopen_last_episodes(store: Store, lanes: Sequence[int] | np.ndarray) -> np.
 
     >>> import tempfile, numpy as np, mmbuffer as mb
     >>> buf = mb.create(tempfile.mkdtemp() + "/r", {"obs": ((), "float32")}, capacity=8, num_streams=2)
-    >>> buf.extend({"obs": [[0.0, 1.0], [5.0, 6.0]], "truncated": [[0, 1], [0, 0]]}, stream=[0, 1], final_obs={"obs": [2.0]})
+    >>> ends = np.array([[False, True], [False, False]])
+    >>> buf.extend({"obs": [[0.0, 1.0], [5.0, 6.0]], "truncated": ends}, stream=[0, 1], final_obs={"obs": [2.0]})
     >>> reopen_last_episodes(buf.store, [0, 1]).tolist(), buf.num_episodes
     ([True, False], 0)
     """
@@ -237,7 +240,14 @@ class Appending:
         single-lane ``extend`` calls in that order (the same rows, index, final
         observations, reservation, priorities; the same commit when one of them would
         commit first), but every check runs, and every refusal is raised, before
-        anything changes; the bookkeeping is vectorized over the lanes."""
+        anything changes; the bookkeeping is vectorized over the lanes.
+
+        >>> import tempfile, mmbuffer as mb
+        >>> buf = mb.create(tempfile.mkdtemp() + "/k", {"x": ((), "int64")}, capacity=6, num_streams=3, next_keys=())
+        >>> buf.extend({"x": [[1, 2], [3, 4]]}, stream=[2, 0])  # 2 rows to stream 2, 2 to stream 0
+        >>> buf.get(np.arange(6), ["x"])["x"].tolist(), [st.written for st in buf.store.lanes]
+        ([3, 4, 0, 0, 1, 2], [2, 0, 2])
+        """
         store, n = self.store, self.lane_size
         lanes = _check_streams(streams, store.num_streams)
         arrays, done = _validate_batch(store, steps, len(lanes))
@@ -376,12 +386,17 @@ class Appending:
         ``finals.py``), and the ``index/ends`` slots of the episodes that can end in
         them (one per row at most). Once a lane has wrapped, what it rewrites is
         allocated already; ``index/reserved`` at creation; the tree's node rows
-        over those rows with them (the tree file is created sparse)."""
+        over those rows with them (the tree file is created sparse). The mapped
+        arrays' pages under those rows are then faulted in for writing in one call
+        (``_populate``): the window's page faults in bulk, not one by one in the
+        extends that follow."""
         w, t = st.written, st.ep_tail
         if w < self.lane_size:
             base, hi = lane * self.lane_size, min(stop, self.lane_size)
             for name in self._row_arrays(with_tree=True):
                 self.store.array(name).allocate(base + w, base + hi)
+            for name in self._row_arrays(with_tree=True):  # and faulted in at once, once all are allocated
+                _populate(self.store.array(name).mapped(), base + w, base + hi)
             for a, b in tree.node_rows(self._tree, base + w, base + hi) if self._tree is not None else ():
                 self.store.array("priority/nodes").allocate(a, b)
             if self._tree is not None:  # the marks of those rows' blocks (touched.py)
@@ -418,7 +433,8 @@ class Appending:
 def _check_streams(streams: object, num_streams: int) -> np.ndarray:
     """``streams`` as distinct lanes (int64), or ``InvalidArgumentError``."""
     arr = np.asarray(streams) if not isinstance(streams, (str, bytes)) else np.asarray([streams])
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu") or ((arr < 0) | (arr >= num_streams)).any():
+    flags = isinstance(streams, Sequence) and any(isinstance(s, (bool, np.bool_)) for s in streams)
+    if flags or arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu") or ((arr < 0) | (arr >= num_streams)).any():
         raise errors.InvalidArgumentError(
             f"stream: expected an integer or a sequence of integers in [0, {num_streams}), got {streams!r}"
         )
@@ -449,3 +465,30 @@ def _validate_batch(store: Store, steps: Mapping[str, Any], k_count: int) -> tup
         flat[name] = arr.reshape(-1, *arr.shape[2:]) if col is not None else arr
     arrays, done = validate_steps(store.columns, flat)
     return arrays, done.reshape(k_count, length or 0)
+
+
+
+_POPULATE_WRITE = 23  # MADV_POPULATE_WRITE (Linux 5.14+)
+_madvise: Any = None
+
+
+def _populate(mapped: np.ndarray | None, start: int, stop: int) -> None:
+    """Fault in the pages under rows ``[start, stop)`` of a mapped array for writing, in
+    one ``madvise(MADV_POPULATE_WRITE)``: about half the cost of the fault per page that
+    the stores of ``extend`` would take (a fresh page of the reservation window, 2-3 us
+    each on the dev VM). The data is unchanged (the blocks are allocated: zeros); where
+    the call is refused (another OS, an older kernel, no memory) nothing happens and
+    the stores fault as before."""
+    global _madvise
+    if mapped is None or stop <= start or not sys.platform.startswith("linux"):
+        return
+    if _madvise is None:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        _madvise = libc.madvise
+    row = mapped.strides[0] if mapped.ndim else mapped.itemsize
+    lo, hi = mapped.ctypes.data + start * row, mapped.ctypes.data + stop * row
+    lo -= lo % mmap.PAGESIZE
+    _madvise(lo, hi - lo, _POPULATE_WRITE)
