@@ -1,8 +1,8 @@
 """The write half of :meth:`mmbuffer.torchrl.ReplayBuffer.extend`: a collector's
 batch, read and checked (``keys.read_batch``), cut into per-stream segments
-(``streams.py``) and written: one multi-stream store ``extend`` when each
-environment's row is one segment of its own stream (a collector's usual batch),
-else one ``extend`` per segment (rules in :mod:`mmbuffer.torchrl`'s docstring).
+(``streams.py``) and written: one multi-stream store ``extend`` when each of
+several environments' rows is one segment of its own stream (a collector's usual
+batch), else one ``extend`` per segment (rules in :mod:`mmbuffer.torchrl`'s docstring).
 
 ``Pending`` is the writer's state between batches: the streams whose last episode
 ends provisionally (``held``), those ending in an open episode other code wrote
@@ -48,9 +48,11 @@ def write(
 ) -> np.ndarray:
     """Write planned segments to their streams; the global row of each batch row
     (``shape``: the batch's ``[E, T]``). When each environment row is one segment of
-    its own stream (a collector's usual batch), one multi-stream ``extend`` writes
-    them all (``_write_rows``); else one ``extend`` per segment."""
-    if len(segs) == shape[0] and len({s.piece.stream for s in segs}) == len(segs) and all(
+    its own stream (a collector's usual batch of several environments), one
+    multi-stream ``extend`` writes them all (``_write_rows``); else one ``extend``
+    per segment (for a single segment that is faster: 0.375 against 0.58 ms for a
+    ``[1, 1000]`` batch on the dev VM, 2026-11-25)."""
+    if len(segs) > 1 and len(segs) == shape[0] and len({s.piece.stream for s in segs}) == len(segs) and all(
         s.piece.env == e and s.piece.start == 0 and s.piece.stop == shape[1] for e, s in enumerate(segs)
     ):
         return _write_rows(buf, layout, segs, values, shape, state)
