@@ -50,13 +50,21 @@ def _one_by_one(buf: mb.Buffer, lanes: np.ndarray, steps: dict, final: dict) -> 
         off += n
 
 
-@pytest.mark.parametrize("priorities", [None, mb.PriorityConfig(alpha=0.6)])
-def test_the_same_store_as_single_lane_extends_in_order(tmp_path, priorities):
+@pytest.mark.parametrize(
+    "priorities, compression, columns",
+    [
+        (None, None, COLUMNS),
+        (mb.PriorityConfig(alpha=0.6), None, COLUMNS),
+        (None, "zstd", COLUMNS),  # zarr chunks: written a lane at a time
+        (None, None, {"obs": mb.Column((3,), "float32", codec="zstd"), "act": ((), "int64")}),  # shards, in lane order
+    ],
+)
+def test_the_same_store_as_single_lane_extends_in_order(tmp_path, priorities, compression, columns):
     """Every file (columns, final observations, episode index, reservation, progress
     record, priority tree, manifest) byte for byte, through wraps, evictions, the
     commits an extend makes on its own and priorities set between calls."""
-    one = mb.create(tmp_path / "one", COLUMNS, capacity=64, num_streams=4, priorities=priorities)
-    many = mb.create(tmp_path / "many", COLUMNS, capacity=64, num_streams=4, priorities=priorities)
+    kw = dict(capacity=64, num_streams=4, priorities=priorities, compression=compression)
+    one, many = mb.create(tmp_path / "one", columns, **kw), mb.create(tmp_path / "many", columns, **kw)
     rng = np.random.default_rng(1)
     for i, (lanes, steps, final) in enumerate(_batches(0, 40, 3, 5, 4)):
         _one_by_one(one, lanes, steps, final)
