@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
@@ -260,30 +260,30 @@ class Buffer:
         return gather(self._store, idx, keys)
 
     # -- writing -----------------------------------------------------------------------
-    def extend(self, steps: Mapping[str, Any], stream: int = 0, final_obs: Mapping[str, Any] | None = None) -> None:
-        """Append ``T`` consecutive rows of one lane.
+    def extend(self, steps: Mapping[str, Any], stream: int | Sequence[int] | np.ndarray = 0, final_obs: Mapping[str, Any] | None = None) -> None:
+        """Append ``T`` consecutive rows of one lane, or of each of ``K`` lanes at once.
 
         Parameters
         ----------
         steps:
-            Column name -> array ``[T, *shape]`` (numpy, torch or nested lists).
-            ``terminated`` / ``truncated`` may be omitted (then False).
+            Column name -> array ``[T, *shape]`` (``[K, T, *shape]`` for K streams; numpy, torch or nested lists). ``terminated`` / ``truncated`` may be omitted (then False).
         stream:
-            The lane, ``0 <= stream < num_streams``.
+            The lane, ``0 <= stream < num_streams``, or K distinct lanes: as K calls in order, checked first.
         final_obs:
-            Next-derived column -> ``[E, *shape]``: the observation after the last
-            step of each of the ``E`` episodes that end inside ``steps``, in order.
+            Next-derived column -> ``[E, *shape]``: the observation after the last step of each of the ``E`` episodes that end inside ``steps``, in order (lane by lane).
 
         Raises
         ------
         ReadOnlyError, SchemaError, InvalidArgumentError, CapacityError
             Before anything is written.
         DiskFullError
-            No disk space for the rows (``Writer._reserve_space``); the store is as
-            before the call, and the call may be repeated once space is freed.
+            No disk space for the rows (``Writer._reserve_space``); the store is as before the call, and the call may be repeated once space is freed.
 
-        A block that would leave more than a lane of a stream's rows uncommitted
-        commits the rows extended before it first.
+        A block that would leave more than a lane of a stream's rows uncommitted commits the rows extended before it first.
+
+        >>> import tempfile, mmbuffer as mb; b = mb.create(tempfile.mkdtemp() + "/e", {"x": ((), "int64")}, capacity=4, num_streams=2, next_keys=())
+        >>> b.extend({"x": [[1, 2], [3, 4]]}, stream=[1, 0]); b.get(np.arange(4), ["x"])["x"].tolist()
+        [3, 4, 1, 2]
         """
         self._writing("extend").extend(steps, stream, final_obs)
 

@@ -34,7 +34,7 @@ Why ``lane_size`` slots, and why that is enough:
 The open episode's tail. A writer that knows the next observation of the open
 episode's last row (the TorchRL drop-in) ends the episode there provisionally, its
 final observation in the slot of ``ep_tail``, and undoes that end before the
-episode goes on (``reopen.py``): the episode keeps its sequence number, so when it
+episode goes on (``appending.py``): the episode keeps its sequence number, so when it
 ends for good its final observation goes to the same slot, and ``end_open_episode``
 finds the provisional one there again. A commit makes the slot of the open episode
 durable with the others (:meth:`FinalsWriter.flush`).
@@ -160,10 +160,25 @@ class FinalsWriter:
                 col.write_range(a, arr[off : off + b - a])
                 off += b - a
 
+    def write_many(self, lanes: np.ndarray, seqs: np.ndarray, last: np.ndarray, finals: Mapping[str, np.ndarray]) -> None:
+        """:meth:`write` for episodes of several lanes at once: the final observation
+        ``finals[c][i]`` of episode ``seqs[i]`` of lane ``lanes[i]``, whose last row is
+        the absolute row ``last[i]`` of its lane (slots allocated by ``reserve``)."""
+        at = self.layout.rows(lanes, seqs if self.by_episode else last)  # a ring of lane_size slots, or the row
+        for name, arr in finals.items():
+            col = self.store.column(f"final/{name}")
+            if col.mapped() is not None:
+                col.write_at(at, arr)
+                continue
+            for lane in np.unique(lanes).tolist():  # a backend written in each lane's order
+                pick = np.flatnonzero(lanes == lane)
+                for a, b, off in _runs(at[pick]):
+                    col.write_range(a, arr[pick[off : off + b - a]])
+
     def flush(self, lane: int, was: Lane, now: Lane) -> None:
         """Make the final observations written since the commit ``was`` durable: the
         slots of episodes ``was.ep_tail .. now.ep_tail``, the open episode's included
-        (a provisional end that ``reopen.py`` undid for the commit keeps it there)."""
+        (a provisional end that ``appending.py`` undid for the commit keeps it there)."""
         if not self.by_episode:
             for a, b in self.layout.segments(lane, was.written, now.written):
                 for name in self.names:
@@ -196,3 +211,12 @@ class FinalsWriter:
             for name in self.names:
                 self.store.array(name).discard(a, b)
         self._freed[lane] = hi
+
+
+def _runs(rows: np.ndarray) -> list[tuple[int, int, int]]:
+    """``(start, stop, offset)`` of each run of consecutive ``rows`` (sorted within a
+    lane's ring but for one wrap), ``offset`` its first position in ``rows``."""
+    cut = np.flatnonzero(np.diff(rows) != 1) + 1
+    starts = np.concatenate(([0], cut)).astype(np.int64)
+    stops = np.concatenate((cut, [len(rows)])).astype(np.int64)
+    return [(int(rows[a]), int(rows[a]) + int(b - a), int(a)) for a, b in zip(starts, stops)]

@@ -84,6 +84,13 @@ def slots(lane: int, lane_size: int, seqs: np.ndarray) -> np.ndarray:
     return np.asarray(_slot(lane, lane_size, np.asarray(seqs, dtype=np.int64)))
 
 
+def lane_slots(lanes: np.ndarray, lane_size: int, seqs: np.ndarray) -> np.ndarray:
+    """:func:`slots` of many lanes at once: the position in ``ends`` of episode
+    ``seqs[i]`` of lane ``lanes[i]`` (broadcast together)."""
+    out: np.ndarray = np.asarray(lanes, dtype=np.int64) * 2 * lane_size + np.asarray(seqs, dtype=np.int64) % (2 * lane_size)
+    return out
+
+
 def slot_ranges(lane: int, lane_size: int, lo: int, hi: int) -> list[tuple[int, int]]:
     """``[start, stop)`` ranges of ``ends`` holding the episodes ``lo <= seq < hi`` of
     a lane (at most two: its slots are a ring of ``2 * lane_size``)."""

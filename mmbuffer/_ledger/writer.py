@@ -42,19 +42,23 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import os
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .._disk import files as _files, rawio as _rawio
 from .. import errors, tree
-from . import closing, counters as _counters, index, progress, touched, zarr_view
+from .._disk import files as _files
 from .._disk import format as fmt
-from .._disk.checks import as_numpy, check_stream, row_ids, validate_final, validate_steps
+from .._disk import rawio as _rawio
+from .._disk.checks import (
+    as_numpy,
+    row_ids,
+)
 from .._disk.guards import acquire_lock, locked, locked_write, raise_typed
-from ..config import config
+from . import closing, index, progress, touched, zarr_view
+from . import counters as _counters
+from .appending import Appending
 from .finals import FinalsWriter
 from .index import Lane
 from .manifest import MAX_COUNTER
@@ -62,7 +66,6 @@ from .snapshot import Ledger
 from .store import Store, check_rows
 
 __all__ = ["Writer", "priority_shape", "release_lock", "take_lock"]
-_ROOM_BYTES = 1 << 24  # disk allocated ahead of a lane's cursor, at most (see Writer._room_rows)
 
 
 def take_lock(path: Path) -> int:
@@ -99,7 +102,7 @@ def priority_shape(pri: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
         ) from None
 
 
-class Writer:
+class Writer(Appending):
     """Writes rows, keeps the index and the tree in step, commits, and recovers.
 
     ``Writer(store, lock_fd)`` takes over the lock taken with :func:`take_lock`
@@ -196,68 +199,6 @@ class Writer:
                 tree.set_range(self._tree, a, b, 0.0)
 
     # -- writing -------------------------------------------------------------------------
-    @locked_write("extend")
-    def extend(self, steps: Mapping[str, Any], stream: int = 0, final_obs: Mapping[str, Any] | None = None) -> None:
-        """Append ``T`` consecutive rows of one lane (see ``Buffer.extend``)."""
-        self.check_writable("extend")
-        store = self.store
-        lane = check_stream(stream, store.num_streams)
-        arrays, done = validate_steps(store.columns, steps)
-        rows = len(done)
-        if rows == 0:
-            return
-        finals = validate_final(store.columns, store.next_keys, final_obs, int(done.sum()))
-        st = store.lanes[lane]
-        index.check_fits(st, self._ends, lane, self.lane_size, done)
-
-        new_written = st.written + rows
-        if new_written > MAX_COUNTER:  # what an open would refuse is never written
-            raise errors.CapacityError(
-                f"extend: stream {lane}: expected at most {MAX_COUNTER} rows ever written to a stream "
-                f"(2**62), got {st.written} + {rows}"
-            )
-        reserved = min(new_written + self._room_rows(), MAX_COUNTER) if new_written > int(self._reserved[lane]) else None
-        if reserved is not None:
-            self._reserve_space(lane, st, reserved)  # a full disk refuses here, before any change
-        self._finals.reserve(lane, st, len(next(iter(finals.values()))) if finals else 0)  # and here
-        if new_written > store.committed[lane].written + self.lane_size:
-            # a lane's uncommitted rows never exceed a lane, so the reservation stays
-            # within written + 2 * lane_size of the last commit, the bound an open
-            # checks (_counters.check_reserved), whenever the writer dies
-            self.commit()
-        if reserved is not None:
-            self._reserved[lane] = reserved
-            _rawio.flush_rows(self._reserved, lane, lane + 1)  # on disk before any row it covers
-        assert self._record is not None
-        self._record[2 + lane] = new_written  # in the page cache before any row it covers (progress.py)
-        if self._tree is not None:
-            self._mark_tree_dirty()  # before anything it marks is written
-
-        segments = self.layout.segments(lane, st.written, new_written)
-        for name, arr in arrays.items():
-            col = store.column(name)
-            off = 0
-            for a, b in segments:
-                col.write_range(a, arr[off : off + b - a])
-                off += b - a
-        if finals:
-            self._finals.write(lane, st, done, finals)
-        st = index.append(self._ends, lane, self.lane_size, st, rows=rows, done=done)
-        st, dropped_end = index.evict(self._ends, lane, self.lane_size, st, new_written - self.lane_size)
-        store.ledger = store.ledger.with_lane(lane, st)  # published whole: the view sees the rows from here
-        self._finals.discard(lane, st)
-        if self._tree is not None:
-            # overwritten and evicted rows leave the tree before the default is
-            # taken, so a new row gets the max of what stays live
-            assert self._marks is not None
-            for a, b in self.layout.segments(lane, max(0, new_written - rows - self.lane_size), dropped_end):
-                self._marks.range(a, b)
-                tree.set_range(self._tree, a, b, 0.0)
-            default = self._default_priority()
-            for a, b in segments:
-                self._marks.range(a, b)
-                tree.set_range(self._tree, a, b, default)
-
     @locked_write("commit")
     def commit(self) -> int:
         """Make every extended row durable and visible to readers; return the generation
@@ -447,54 +388,3 @@ class Writer:
 
     def __del__(self) -> None:
         self.release()
-
-    # -- disk room ---------------------------------------------------------------------------
-    def _reserve_space(self, lane: int, st: Lane, stop: int) -> None:
-        """Allocate the disk blocks the writes up to a lane's absolute row ``stop`` need.
-
-        Small blocks of rows, episode ends and priority leaves are stored through
-        memory maps of sparse files, and a store into a hole on a full disk can only
-        be a SIGBUS. So blocks are allocated (``posix_fallocate``; ``OSError(ENOSPC)``
-        when there is no room) with the reservation, before it advances: the rows
-        ``[written, stop)`` of the lane's first pass through the ring (a version 3
-        store's final rows too; version 4 allocates each final slot as it writes it:
-        ``finals.py``), and the ``index/ends`` slots of the episodes that can end in
-        them (one per row at most). Once a lane has wrapped, what it rewrites is
-        allocated already; ``index/reserved`` at creation; the tree's node rows
-        over those rows with them (the tree file is created sparse)."""
-        w, t = st.written, st.ep_tail
-        if w < self.lane_size:
-            base, hi = lane * self.lane_size, min(stop, self.lane_size)
-            for name in self._row_arrays(with_tree=True):
-                self.store.array(name).allocate(base + w, base + hi)
-            for a, b in tree.node_rows(self._tree, base + w, base + hi) if self._tree is not None else ():
-                self.store.array("priority/nodes").allocate(a, b)
-            if self._tree is not None:  # the marks of those rows' blocks (touched.py)
-                self._marks_array.allocate((base + w) // tree.BLOCK, (base + hi - 1) // tree.BLOCK + 1)
-        slots = 2 * self.lane_size
-        if t < slots:
-            self.store.array("index/ends").allocate(lane * slots + t, lane * slots + min(t + stop - w, slots))
-
-    def _row_arrays(self, *, with_tree: bool) -> list[str]:
-        """The raw arrays with one row per store row that ``extend`` writes (every
-        column array when ``with_tree`` is False: what a commit flushes)."""
-        store = self.store
-        skip_compressed = with_tree and store.compression is not None  # zarr allocates its own chunks
-        names = [f"columns/{n}" for n in store.columns if not skip_compressed or n in fmt.RESERVED_NAMES]
-        if with_tree and not store.finals_by_episode:  # version 3: a final row per row (finals.py flushes them)
-            names += [f"final/{k}" for k in store.next_keys]
-        return names + (["priority/leaves"] if with_tree and self._tree is not None else [])
-
-    def _room_rows(self) -> int:
-        """How far the reservation runs ahead of the cursor: ``config.reserve_fraction``
-        of a lane, but at most ``_ROOM_BYTES`` of disk to allocate (1/16 of a 3e9-row
-        lane would make a sparse store dense at once). Not cached: it is needed once a
-        window, and a cached_property would turn the instance's attribute storage into
-        a dict (CPython 3.11), which slowed every ``extend`` by 0.6 us."""
-        store = self.store
-        cols = [c for n, c in store.columns.items() if store.compression is None or n in fmt.RESERVED_NAMES]
-        cols += [store.columns[k] for k in store.next_keys if not store.finals_by_episode]
-        row_bytes = sum(int(np.prod(c.shape, dtype=np.int64)) * np.dtype(c.dtype).itemsize for c in cols)
-        row_bytes += 8 + (4 if self._tree is not None else 0)  # an episode-end slot, a float32 leaf
-        ahead = max(1, int(self.lane_size * config.reserve_fraction))
-        return max(1, min(ahead, _ROOM_BYTES // row_bytes))

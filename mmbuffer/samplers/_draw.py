@@ -161,7 +161,7 @@ class SliceCounts:
         if lc is None or lv.ep_head < lc.base or lv.ep_head > lc.upto or lv.ep_tail < lc.upto:
             lc = self.lanes[lane] = _LaneCounts(base=lv.ep_head)
         newest = lc.upto - 1  # the newest episode counted: a writer may have undone its end and
-        # set it again later (_ledger/reopen.py): then it is counted anew
+        # set it again later (_ledger/appending.py): then it is counted anew
         if lv.ep_head <= newest and int(index.ends_at(view.ends, lane, view.lane_size, np.array(newest))) != lc.last_end:
             lc.size -= 1
         if lv.ep_tail > lc.upto:

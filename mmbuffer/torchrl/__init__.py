@@ -35,7 +35,7 @@ before its end, with no stream to continue it, ends as truncated there.
 Every row is stored, and sampleable, when ``extend`` returns, with its index. A
 stream's open episode ends provisionally at its last row: truncated, with that
 row's ``("next", obs)`` as final observation; when the next batch continues the
-episode, that end is undone (``mmbuffer._ledger.reopen``) and the episode goes on
+episode, that end is undone (``mmbuffer._ledger.appending``) and the episode goes on
 (unless it would outgrow a lane: then it stays ended there, truncated).
 ``commit`` keeps open episodes open (readers see them up to their last row but
 one); ``close``, ``state_dict`` and ``dumps`` make the provisional ends

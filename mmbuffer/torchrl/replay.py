@@ -18,7 +18,7 @@ from .. import errors, samplers
 from ..buffer import Buffer
 from .._read.gather import Batch
 from ..opening import open as open_buffer
-from .._ledger.reopen import end_open_episode, reopen_last_episode
+from .._ledger.appending import end_open_episode, reopen_last_episode
 from ..schema import PriorityConfig
 import mmbuffer.torchrl.access as access  # modules, not "from .": that names the package
 import mmbuffer.torchrl.checkpoint as checkpoint
@@ -228,13 +228,13 @@ class ReplayBuffer:
         assert self._buf is not None and self._layout is not None
         buf = self._buf
         values, ends, truncated, traj = read_batch(td, self._layout, buf, self.priority_key, self._traj_key, found)
-        segments, over = writing.planned(buf, self._pending, values, ends, truncated, traj, self.path)
+        segments, over = writing.planned(buf, self._pending, ends, truncated, traj, self.path)
         if over:
             # commit first (provisional ends become truncations), before the store would
             # commit on its own with an episode open; then plan again
             self.commit()
-            segments, _ = writing.planned(buf, self._pending, values, ends, truncated, traj, self.path)
-        index = writing.write(buf, self._layout, segments, ends.shape, self._pending)
+            segments, _ = writing.planned(buf, self._pending, ends, truncated, traj, self.path)
+        index = writing.write(buf, self._layout, segments, values, ends.shape, self._pending)
         self._dirty = True
         return torch.from_numpy(index.reshape(tuple(td.batch_size)))
 

@@ -17,7 +17,7 @@ from .. import errors
 class Held:
     """A stream whose last episode ends provisionally (truncated at its last row, its
     ``("next", ...)`` kept as final observation) until the next batch says whether it
-    goes on; then that end is undone (``_ledger.reopen``) and the episode continues."""
+    goes on; then that end is undone (``_ledger.appending``) and the episode continues."""
 
     traj: int | None
     length: int  # rows of the episode so far
@@ -36,16 +36,20 @@ class Piece:
 
 @dataclass(slots=True)
 class Segment:
-    """What one piece writes: its ``rows`` with their episode ends (the last row ends
-    provisionally when its episode goes on: ``after``), and whether it first undoes
-    the provisional end of its stream (``reopen``)."""
+    """What one piece writes: its rows' episode ends (the last row ends provisionally
+    when its episode goes on: ``after``), and whether it first undoes the provisional
+    end of its stream (``reopen``); its rows are :meth:`rows` of the batch."""
 
     piece: Piece
-    rows: dict[str, np.ndarray]
     end: np.ndarray
     trunc: np.ndarray
     after: Held | None
     reopen: bool
+
+    def rows(self, values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The piece's rows of the batch's ``values`` (views)."""
+        p = self.piece
+        return {k: v[p.env, p.start : p.stop] for k, v in values.items()}
 
 
 def plan(ends: np.ndarray, traj: np.ndarray | None, num_streams: int, held: dict[int, Held]) -> list[Piece]:
@@ -98,7 +102,6 @@ def plan(ends: np.ndarray, traj: np.ndarray | None, num_streams: int, held: dict
 
 def segments(
     pieces: list[Piece],
-    values: dict[str, np.ndarray],
     ends: np.ndarray,
     truncated: np.ndarray,
     traj: np.ndarray | None,
@@ -108,28 +111,44 @@ def segments(
     dangling: set[int],
     where: Path,
 ) -> list[Segment]:
-    """Per piece, in order: the rows to write to its stream, their flags (the last
+    """Per piece, in order: what it writes to its stream, its rows' flags (the last
     row ends provisionally when its episode is open), and whether the stream's
     provisional end is undone first (the episode goes on, and still fits a lane);
     every refusal is raised here, before anything is written."""
     out = []
     held = dict(held)
     totals: dict[int, int] = {}
-    for p in pieces:
-        rows = {k: v[p.env, p.start : p.stop] for k, v in values.items()}
-        end = ends[p.env, p.start : p.stop].copy()
-        trunc = truncated[p.env, p.start : p.stop].copy()
+    whole = len(pieces) == ends.shape[0] and all(p.env == e and p.start == 0 and p.stop == ends.shape[1] for e, p in enumerate(pieces))
+    if whole:  # one piece a row (a collector's usual batch): the flags' summaries in a few numpy calls
+        end2, trunc2 = ends.copy(), truncated.copy()
+        has: list[bool] = np.asarray(end2.any(axis=1)).tolist()
+        first: list[int] = end2.argmax(axis=1).tolist()
+        last: list[int] = (ends.shape[1] - 1 - end2[:, ::-1].argmax(axis=1)).tolist()
+        traj_first = None if traj is None else traj[:, 0].tolist()
+        traj_last = None if traj is None else traj[:, -1].tolist()
+    for i, p in enumerate(pieces):
+        if whole:
+            end, trunc = end2[i], trunc2[i]
+            tf = None if traj_first is None else traj_first[i]
+            tl = None if traj_last is None else traj_last[i]
+            d_first, d_last = (first[i], last[i]) if has[i] else (None, None)
+        else:
+            end = ends[p.env, p.start : p.stop].copy()
+            trunc = truncated[p.env, p.start : p.stop].copy()
+            done = np.flatnonzero(end)
+            d_first, d_last = (int(done[0]), int(done[-1])) if done.size else (None, None)
+            tf = None if traj is None else int(traj[p.env, p.start])
+            tl = None if traj is None else int(traj[p.env, p.stop - 1])
         n = len(end)
         before = held.pop(p.stream, None)
-        done = np.flatnonzero(end)
         reopen = before is not None and (
-            (p.continues or traj is None or before.traj == int(traj[p.env, p.start]))
-            and before.length + (int(done[0]) + 1 if done.size else n) <= lane_size  # rows up to the first end
+            (p.continues or traj is None or before.traj == tf)
+            and before.length + (d_first + 1 if d_first is not None else n) <= lane_size  # rows up to the first end
         )
         after = None
         if not end[-1]:
-            length = n - int(done[-1]) - 1 if done.size else n + (before.length if reopen and before is not None else 0)
-            after = Held(None if traj is None else int(traj[p.env, p.stop - 1]), length)
+            length = n - d_last - 1 if d_last is not None else n + (before.length if reopen and before is not None else 0)
+            after = Held(tl, length)
             end[-1] = trunc[-1] = True  # provisional: undone if the episode goes on
             held[p.stream] = after
         totals[p.stream] = totals.get(p.stream, 0) + n
@@ -143,5 +162,5 @@ def segments(
                 f"data: stream {p.stream} of the store at {where} ends in an open episode written by other code; "
                 "expected none (its next observation is unknown, so no new episode can follow it)"
             )
-        out.append(Segment(p, rows, end, trunc, after, reopen))
+        out.append(Segment(p, end, trunc, after, reopen))
     return out

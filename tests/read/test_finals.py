@@ -170,7 +170,7 @@ def test_long_episodes_take_the_disk_of_their_frames_plus_one_final_each(tmp_pat
 PROVISIONAL = textwrap.dedent(
     """
     import os, sys, numpy as np, mmbuffer as mb
-    from mmbuffer._ledger.reopen import end_open_episode, reopen_last_episode
+    from mmbuffer._ledger.appending import end_open_episode, reopen_last_episode
     sys.path.insert(0, sys.argv[2])
     from test_finals import final_of, obs_of
     buf = mb.open(sys.argv[1])
@@ -189,7 +189,7 @@ def test_the_open_episodes_provisional_end_keeps_its_slot(tmp_path):
     """The TorchRL drop-in's open tail: an episode ended provisionally (its last row's
     next observation as final), reopened, committed, ended again: the final observation
     written before the commit is found again, by the next writer after a crash too."""
-    from mmbuffer._ledger.reopen import end_open_episode
+    from mmbuffer._ledger.appending import end_open_episode
 
     make(tmp_path / "s", streams=1, lane_size=50).close()
     out = subprocess.run([sys.executable, "-c", PROVISIONAL, str(tmp_path / "s"), os.path.dirname(__file__)],
