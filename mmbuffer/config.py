@@ -41,7 +41,7 @@ class Config:
     madvise_random: bool = True
     reserve_fraction: float = 1 / 16
     decode_cache_bytes: int = 256 << 20
-    private_tree_bytes: int = 256 << 20
+    private_tree_bytes: int = 512 << 20
 
 
 def _from_env() -> Config:

@@ -30,7 +30,7 @@ page fault (a shared map's page is write-protected again once written back: 303
 minor faults per PER update step after a commit, HISTORY.md), and dropped
 (``MADV_DONTNEED``: the file's, now committed, pages are read again) when a commit
 leaves more than ``config.private_tree_bytes`` of them (``MMBUFFER_PRIVATE_TREE_BYTES``,
-256 MiB by default; :attr:`Marks.bound` per writer). Between commits the private
+512 MiB by default: the whole tree of a 1e8-row store; :attr:`Marks.bound` per writer). Between commits the private
 memory is also the pages changed since the last commit, whatever the bound.
 
 Cost: a ``np.unique`` of the touched blocks per update (no store into the marks file
@@ -43,8 +43,10 @@ blocks span, one ``pwrite`` per run of changed pages, two fdatasyncs. Marks cost
 
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -105,20 +107,20 @@ class Marks:
         self.range(0, len(self.marks) * tree.BLOCK)
 
     def write(self, pt: tree.PriorityTree) -> int:
-        """Put the tree's changed pages in its files, durably: mark their blocks in
-        ``priority/touched`` and create ``priority/DIRTY`` (durably), then ``pwrite``
+        """Put the tree's changed pages in its files, durably: create ``priority/DIRTY``
+        (durably) and mark their blocks in ``priority/touched``, then ``pwrite``
         the pages this writer's private map changed among those the recorded blocks
         span and fdatasync the files. A kill from here to :meth:`committed` leaves
         the marks for recovery to repair (:func:`repair`). Returns the pages written."""
         blocks = np.unique(np.concatenate(self._blocks)) if self._blocks else np.zeros(0, np.int64)
         if self._arrays is None or not (len(blocks) or self._ranges):
             return 0
-        self.marks[blocks] = 1  # in the page cache, for a recovery of this boot (no msync)
-        for lo, hi in self._ranges:
-            self.marks[lo:hi] = 1
         if self._dirty is not None and not self._dirty.exists():
             self._dirty.touch()
             _files.fsync_dir(self._dirty.parent)
+        self.marks[blocks] = 1  # in the page cache, for a recovery of this boot (no msync)
+        for lo, hi in self._ranges:
+            self.marks[lo:hi] = 1
         done = 0
         for arr, candidates, kept in zip(self._arrays, _pages.pages(pt, blocks, self._ranges), self._kept(pt)):
             written = arr.write_private(candidates)
@@ -133,6 +135,11 @@ class Marks:
             self._pages = tuple(np.zeros(-(-a.nbytes // mmap.PAGESIZE), dtype=bool) for a in pt.arrays)  # type: ignore[assignment]
         assert self._pages is not None
         return self._pages
+
+    def writer(self, pt: tree.PriorityTree) -> Callable[[], int]:
+        """:meth:`write` of ``pt``, to call later (a commit calls it once its new manifest
+        is written and synced, just before the rename: ``Writer._write_manifest``)."""
+        return functools.partial(self.write, pt)
 
     def committed(self) -> None:
         """The commit is in place: remove ``priority/DIRTY``, clear the marks the last

@@ -277,9 +277,8 @@ class Writer:
             # the ring slots of the episodes added since the last commit
             for a, b in index.slot_ranges(lane, self.lane_size, was.ep_tail, now.ep_tail):
                 ends.flush(a, b)
-        if self._tree is not None and self._marks is not None and self._tree_dirty:
-            self._marks.write(self._tree)  # the changed tree pages, fdatasync'ed (touched.py)
-        self._write_manifest(ledger)  # the generation advances once it is written
+        tree_pages = self._marks.writer(self._tree) if self._tree is not None and self._marks is not None and self._tree_dirty else None
+        self._write_manifest(ledger, tree_pages)  # the generation advances once it is written
         store.ledger = ledger.committed_as(ledger.generation + 1)
         if self._tree is not None and self._tree_dirty:
             self._tree_dirty = False
@@ -288,13 +287,14 @@ class Writer:
         zarr_view.publish(self.path, self.layout, store.committed, store.generation, store.manifest.format_version)
         return store.generation
 
-    def _write_manifest(self, ledger: Ledger) -> None:
+    def _write_manifest(self, ledger: Ledger, tree_pages: Any = None) -> None:
         """Replace ``manifest.json`` by ``ledger``'s lanes as its next commit (a failed
-        attempt leaves no ``.partial`` behind: ``atomic_write_json``)."""
+        attempt leaves no ``.partial`` behind: ``atomic_write_json``); ``tree_pages``
+        writes the tree's changed pages once the new manifest is on disk, before its rename."""
         state = dataclasses.replace(
             self.store.manifest, generation=ledger.generation + 1, lanes=ledger.lanes, attrs=self.store.attrs
         )
-        _files.atomic_write_json(self.path / fmt.MANIFEST, state.to_json())
+        _files.atomic_write_json(self.path / fmt.MANIFEST, state.to_json(), before_rename=tree_pages)
 
     # -- priorities ------------------------------------------------------------------------
     @locked

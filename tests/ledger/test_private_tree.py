@@ -16,6 +16,7 @@ import pytest
 
 import mmbuffer as mb
 from mmbuffer import tree
+from mmbuffer._ledger.verify import verify
 
 CAP = 20_000
 HANG_S = 300  # only reports a hang, not a speed requirement
@@ -113,7 +114,8 @@ def test_a_kill_between_commits_leaves_the_committed_tree_and_repairs_nothing(tm
 
 def test_readers_see_committed_sums_only(tmp_path):
     """A reader's map of the tree (another map of the same file, as in another process)
-    does not change while the writer updates priorities and extends; it shows the
+    does not change while the writer updates priorities and extends, and ``verify``
+    from it finds the tree whole (no "uncommitted changes" note); it shows the
     writer's tree, bit for bit, once the writer commits."""
     path = tmp_path / "s"
     _store(path)
@@ -130,6 +132,8 @@ def test_readers_see_committed_sums_only(tmp_path):
             assert tree.total(mine) != tree.total(theirs)  # the writer sees its changes
             assert np.array_equal(theirs.nodes, before[0]) and np.array_equal(theirs.leaves, before[1])
             assert (path / "priority" / "DIRTY").exists() is False  # nothing for a crash to repair
+            report = verify(ro.store)  # a reader judges the live store: its tree is whole
+            assert report["ok"] and report["tree_drift"] == 0.0 and not report["notes"], report
             buf.commit()
         assert np.array_equal(theirs.nodes, mine.nodes) and np.array_equal(theirs.leaves, mine.leaves)
 

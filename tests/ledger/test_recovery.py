@@ -103,7 +103,7 @@ def _check_tree(buf):
 
 
 @pytest.mark.parametrize("kind", list(STORES))
-def test_sigkill_loses_only_what_the_last_extends_reached(tmp_path, kind, monkeypatch):
+def test_sigkill_loses_only_what_the_last_extends_reached(tmp_path, kind, monkeypatch, caplog):
     """A live writer that has wrapped its ring (committing after every extend of each
     lane) is SIGKILLed at a random instant; the next writer keeps every committed
     episode whose rows the dead writer's last extends could not reach (it starts at or
@@ -113,8 +113,10 @@ def test_sigkill_loses_only_what_the_last_extends_reached(tmp_path, kind, monkey
 
     Proves where its kills landed: all after the child wrapped every lane and
     committed, most mid-write (an extend or commit begun since the last commit).
-    A prioritized store's tree is repaired in the blocks the dead writer marked
-    (``_ledger/touched.py``), never rebuilt whole, and is then exactly a rebuild's."""
+    A prioritized store's tree is never rebuilt whole and is then exactly a rebuild's:
+    after a kill between commits no block is repaired (the writer's changes were in
+    its private pages), after one inside a commit's tree write the marked blocks are
+    (``_ledger/touched.py``)."""
     from mmbuffer import tree
     from mmbuffer._ledger.verify import verify
 
@@ -128,7 +130,7 @@ def test_sigkill_loses_only_what_the_last_extends_reached(tmp_path, kind, monkey
     mb.create(path, {"x": mb.Column((), "int64", codec=options.pop("codec", None))}, capacity=streams * lane_size,
               num_streams=streams, next_keys=("x",), **options).close()
     rng = np.random.default_rng(1)
-    mid_write = committed_total = kept_total = expected_total = window_total = 0
+    mid_write = committed_total = kept_total = expected_total = window_total = between_commits = 0
     for trial in range(KILL_TRIALS):
         report = tmp_path / f"report{trial}"
         proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path), str(report), str(trial)],
@@ -165,8 +167,16 @@ def test_sigkill_loses_only_what_the_last_extends_reached(tmp_path, kind, monkey
                 _, s, w, n = line.split()
                 reach[int(s)] = max(reach[int(s)], int(w) + int(n))
         assert all(r - w <= 37 for r, (w, _) in zip(reach, episodes))  # one extend per lane past the commit
-        with mb.open(path) as buf:  # the next writer recovers
+        in_tree_write = (path / "priority" / "DIRTY").exists()  # killed inside a commit's tree write
+        caplog.clear()
+        with caplog.at_level("INFO", logger="mmbuffer"), mb.open(path) as buf:  # the next writer recovers
             assert rebuilds == [], "recovery rebuilt the whole tree"
+            repaired = [m for m in caplog.messages if "blocks repaired" in m]
+            if not in_tree_write:  # between commits the file holds the committed tree: nothing to repair
+                assert repaired in ([], ["priority tree: 0 blocks repaired after an interrupted writer"])
+                between_commits += buf.priorities is not None
+            else:  # the blocks that commit marked before its first pwrite
+                assert len(repaired) == 1 and int(repaired[0].split()[2]) > 0, repaired
             if buf.priorities is not None:
                 _check_tree(buf)
             kept = _recovered_episodes(buf)
@@ -183,6 +193,8 @@ def test_sigkill_loses_only_what_the_last_extends_reached(tmp_path, kind, monkey
         with mb.open(path, mode="r") as ro:  # a reader after recovery sees what the writer kept
             assert [len(k) for k in _recovered_episodes(ro)] == [len(k) for k in kept]
     assert mid_write >= 0.6 * KILL_TRIALS, f"only {mid_write} of {KILL_TRIALS} kills landed mid-write"
+    if "priorities" in options:  # this writer commits after every round: many kills land in a commit
+        assert between_commits >= 1, f"no kill of {KILL_TRIALS} landed between commits"
     # the reservation window alone would have given up more committed episodes than recovery did
     assert kept_total > window_total, (kept_total, window_total)
     assert committed_total - kept_total <= committed_total - expected_total
