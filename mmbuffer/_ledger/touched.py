@@ -7,7 +7,9 @@ The writer maps the tree's two arrays copy-on-write (``Store`` with ``mode="a"``
 and sums live in its anonymous memory, the file (which readers map shared) keeps the
 last commit's tree, and a SIGKILL between commits leaves nothing to repair. A
 :class:`Marks` records, in memory, the ``tree.BLOCK``-leaf blocks each change
-touches. At commit, :meth:`Marks.write` sets those blocks' bytes in
+touches. At commit, once the new manifest is written and synced (before its rename:
+a full disk has refused the commit by then, before the tree file changed;
+``Writer._write_manifest``), :meth:`Marks.write` sets those blocks' bytes in
 ``priority/touched`` (uint8, one per block, a memory-mapped file; no msync),
 creates ``priority/DIRTY`` durably, ``pwrite``s the pages of the two arrays those
 blocks span that this process holds a private copy of (``/proc/self/pagemap``:
@@ -28,10 +30,12 @@ block (:meth:`Marks.all`).
 The private pages are kept after a commit, so the next stores into them take no
 page fault (a shared map's page is write-protected again once written back: 303
 minor faults per PER update step after a commit, HISTORY.md), and dropped
-(``MADV_DONTNEED``: the file's, now committed, pages are read again) when a commit
-leaves more than ``config.private_tree_bytes`` of them (``MMBUFFER_PRIVATE_TREE_BYTES``,
-512 MiB by default: the whole tree of a 1e8-row store; :attr:`Marks.bound` per writer). Between commits the private
-memory is also the pages changed since the last commit, whatever the bound.
+(``MADV_DONTNEED``: the file's, now committed, pages are read again; the leaves'
+first, the nodes' only if they alone exceed the bound) when a commit leaves more
+than ``config.private_tree_bytes`` of them (``MMBUFFER_PRIVATE_TREE_BYTES``,
+512 MiB by default: the whole tree of a 1e8-row store; :attr:`Marks.bound` per
+writer). Between commits the private memory is also the pages changed since the
+last commit, whatever the bound.
 
 Cost: a ``np.unique`` of the touched blocks per update (no store into the marks file
 until commit); at commit, a pagemap read per run of 512-page windows that the
@@ -107,20 +111,20 @@ class Marks:
         self.range(0, len(self.marks) * tree.BLOCK)
 
     def write(self, pt: tree.PriorityTree) -> int:
-        """Put the tree's changed pages in its files, durably: create ``priority/DIRTY``
-        (durably) and mark their blocks in ``priority/touched``, then ``pwrite``
+        """Put the tree's changed pages in its files, durably: mark their blocks in
+        ``priority/touched`` and create ``priority/DIRTY`` (durably), then ``pwrite``
         the pages this writer's private map changed among those the recorded blocks
         span and fdatasync the files. A kill from here to :meth:`committed` leaves
         the marks for recovery to repair (:func:`repair`). Returns the pages written."""
         blocks = np.unique(np.concatenate(self._blocks)) if self._blocks else np.zeros(0, np.int64)
         if self._arrays is None or not (len(blocks) or self._ranges):
             return 0
-        if self._dirty is not None and not self._dirty.exists():
-            self._dirty.touch()
-            _files.fsync_dir(self._dirty.parent)
         self.marks[blocks] = 1  # in the page cache, for a recovery of this boot (no msync)
         for lo, hi in self._ranges:
             self.marks[lo:hi] = 1
+        if self._dirty is not None and not self._dirty.exists():  # DIRTY present: marks present
+            self._dirty.touch()
+            _files.fsync_dir(self._dirty.parent)
         done = 0
         for arr, candidates, kept in zip(self._arrays, _pages.pages(pt, blocks, self._ranges), self._kept(pt)):
             written = arr.write_private(candidates)
@@ -143,8 +147,9 @@ class Marks:
 
     def committed(self) -> None:
         """The commit is in place: remove ``priority/DIRTY``, clear the marks the last
-        :meth:`write` made, and drop the private pages if they exceed :attr:`bound`
-        bytes (``MMBUFFER_PRIVATE_TREE_BYTES``; their content is in the file now)."""
+        :meth:`write` made, and if the private pages exceed :attr:`bound` bytes
+        (``MMBUFFER_PRIVATE_TREE_BYTES``; their content is in the file now) drop the
+        leaves' ones, and the nodes' too if those alone still exceed it."""
         if self._dirty is not None:
             self._dirty.unlink(missing_ok=True)
         for lo, hi in self._ranges:
@@ -152,11 +157,15 @@ class Marks:
         for blocks in self._blocks:
             self.marks[blocks] = 0
         self._ranges, self._blocks = [], []
-        if self._arrays is not None and self.private_pages * mmap.PAGESIZE > self.bound:
-            for arr in self._arrays:
-                arr.drop_private()
-            self.private_pages, self._pages = 0, None
-            self.drops += 1
+        if self._arrays is None or self._pages is None or self.private_pages * mmap.PAGESIZE <= self.bound:
+            return
+        self.drops += 1
+        for arr, kept in zip(self._arrays, self._pages):  # the leaves first: every update stores
+            arr.drop_private()  # into a node row per level, into one leaf block
+            self.private_pages -= int(np.count_nonzero(kept))
+            kept[:] = False
+            if self.private_pages * mmap.PAGESIZE <= self.bound:
+                break
 
     def repair(self, pt: tree.PriorityTree, layout: Layout, lanes: tuple[Lane, ...]) -> int:
         """Recompute the blocks marked in the file (:func:`repair`) and record them for
