@@ -9,16 +9,17 @@ last commit's tree, and a SIGKILL between commits leaves nothing to repair. A
 :class:`Marks` records, in memory, the ``tree.BLOCK``-leaf blocks each change
 touches. At commit, once the new manifest is written and synced (before its rename:
 a full disk has refused the commit by then, before the tree file changed;
-``Writer._write_manifest``), :meth:`Marks.write` sets those blocks' bytes in
-``priority/touched`` (uint8, one per block, a memory-mapped file; no msync),
-creates ``priority/DIRTY`` durably, ``pwrite``s the pages of the two arrays those
+``Writer._write_manifest``), :meth:`Marks.write` creates ``priority/DIRTY``
+durably, sets those blocks' bytes in ``priority/touched`` (uint8, one per block, a
+memory-mapped file; no msync), ``pwrite``s the pages of the two arrays those
 blocks span that this process holds a private copy of (``/proc/self/pagemap``:
 ``rawio.private_pages``; a ``pwrite``, so a full disk is an error, never a SIGBUS;
 the tree's blocks are allocated with the reservation anyway) and fdatasyncs both
-files; the manifest is renamed; :meth:`Marks.committed` removes ``DIRTY`` and
-clears the marks. That window, the only one in which the file's tree can disagree
-with itself, lasts the ``pwrite``s of the changed pages and two fdatasyncs
-(benchmarks/RESULTS.md, "commit ms"). A kill inside it leaves ``DIRTY`` and the
+files; the manifest is renamed; :meth:`Marks.committed` clears the marks and
+removes ``DIRTY`` (so no mark is set while no ``DIRTY`` is present). That window,
+the only one in which the file's tree can disagree with itself, lasts the
+``pwrite``s of the changed pages, two fdatasyncs and the rename (431 ms of a 438 ms
+commit after 100 PER steps of 256 at 1e8: benchmarks/RESULTS.md). A kill inside it leaves ``DIRTY`` and the
 marks: recovery (same boot: the page cache holds every mark, as ``index/progress``,
 ``progress.trusted``) recomputes only the marked blocks, zeroing the leaves the
 recovered ledger does not hold live, and their ancestors (:func:`repair`), plus the
@@ -111,20 +112,20 @@ class Marks:
         self.range(0, len(self.marks) * tree.BLOCK)
 
     def write(self, pt: tree.PriorityTree) -> int:
-        """Put the tree's changed pages in its files, durably: mark their blocks in
-        ``priority/touched`` and create ``priority/DIRTY`` (durably), then ``pwrite``
+        """Put the tree's changed pages in its files, durably: create ``priority/DIRTY``
+        (durably) and mark their blocks in ``priority/touched``, then ``pwrite``
         the pages this writer's private map changed among those the recorded blocks
         span and fdatasync the files. A kill from here to :meth:`committed` leaves
         the marks for recovery to repair (:func:`repair`). Returns the pages written."""
         blocks = np.unique(np.concatenate(self._blocks)) if self._blocks else np.zeros(0, np.int64)
         if self._arrays is None or not (len(blocks) or self._ranges):
             return 0
+        if self._dirty is not None and not self._dirty.exists():  # no DIRTY: no mark set
+            self._dirty.touch()
+            _files.fsync_dir(self._dirty.parent)
         self.marks[blocks] = 1  # in the page cache, for a recovery of this boot (no msync)
         for lo, hi in self._ranges:
             self.marks[lo:hi] = 1
-        if self._dirty is not None and not self._dirty.exists():  # DIRTY present: marks present
-            self._dirty.touch()
-            _files.fsync_dir(self._dirty.parent)
         done = 0
         for arr, candidates, kept in zip(self._arrays, _pages.pages(pt, blocks, self._ranges), self._kept(pt)):
             written = arr.write_private(candidates)
@@ -146,17 +147,17 @@ class Marks:
         return functools.partial(self.write, pt)
 
     def committed(self) -> None:
-        """The commit is in place: remove ``priority/DIRTY``, clear the marks the last
-        :meth:`write` made, and if the private pages exceed :attr:`bound` bytes
+        """The commit is in place: clear the marks the last :meth:`write` made, remove
+        ``priority/DIRTY``, and if the private pages exceed :attr:`bound` bytes
         (``MMBUFFER_PRIVATE_TREE_BYTES``; their content is in the file now) drop the
         leaves' ones, and the nodes' too if those alone still exceed it."""
-        if self._dirty is not None:
-            self._dirty.unlink(missing_ok=True)
         for lo, hi in self._ranges:
             self.marks[lo:hi] = 0
         for blocks in self._blocks:
             self.marks[blocks] = 0
         self._ranges, self._blocks = [], []
+        if self._dirty is not None:  # last: while no DIRTY is present, no mark is set
+            self._dirty.unlink(missing_ok=True)
         if self._arrays is None or self._pages is None or self.private_pages * mmap.PAGESIZE <= self.bound:
             return
         self.drops += 1

@@ -116,7 +116,9 @@ def test_sigkill_loses_only_what_the_last_extends_reached(tmp_path, kind, monkey
     A prioritized store's tree is never rebuilt whole and is then exactly a rebuild's:
     after a kill between commits no block is repaired (the writer's changes were in
     its private pages), after one inside a commit's tree write the marked blocks are
-    (``_ledger/touched.py``)."""
+    (``_ledger/touched.py``). This writer commits after every round, so either kind
+    of kill may land in a run of 5; ``test_private_tree.py`` and the test below make
+    each on purpose."""
     from mmbuffer import tree
     from mmbuffer._ledger.verify import verify
 
@@ -130,7 +132,7 @@ def test_sigkill_loses_only_what_the_last_extends_reached(tmp_path, kind, monkey
     mb.create(path, {"x": mb.Column((), "int64", codec=options.pop("codec", None))}, capacity=streams * lane_size,
               num_streams=streams, next_keys=("x",), **options).close()
     rng = np.random.default_rng(1)
-    mid_write = committed_total = kept_total = expected_total = window_total = between_commits = 0
+    mid_write = committed_total = kept_total = expected_total = window_total = 0
     for trial in range(KILL_TRIALS):
         report = tmp_path / f"report{trial}"
         proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path), str(report), str(trial)],
@@ -174,9 +176,8 @@ def test_sigkill_loses_only_what_the_last_extends_reached(tmp_path, kind, monkey
             repaired = [m for m in caplog.messages if "blocks repaired" in m]
             if not in_tree_write:  # between commits the file holds the committed tree: nothing to repair
                 assert repaired in ([], ["priority tree: 0 blocks repaired after an interrupted writer"])
-                between_commits += buf.priorities is not None
-            else:  # the blocks that commit marked before its first pwrite
-                assert len(repaired) == 1 and int(repaired[0].split()[2]) > 0, repaired
+            else:  # the blocks that commit marked (none if the kill came before its marks)
+                assert len(repaired) == 1, repaired
             if buf.priorities is not None:
                 _check_tree(buf)
             kept = _recovered_episodes(buf)
@@ -193,8 +194,6 @@ def test_sigkill_loses_only_what_the_last_extends_reached(tmp_path, kind, monkey
         with mb.open(path, mode="r") as ro:  # a reader after recovery sees what the writer kept
             assert [len(k) for k in _recovered_episodes(ro)] == [len(k) for k in kept]
     assert mid_write >= 0.6 * KILL_TRIALS, f"only {mid_write} of {KILL_TRIALS} kills landed mid-write"
-    if "priorities" in options:  # this writer commits after every round: many kills land in a commit
-        assert between_commits >= 1, f"no kill of {KILL_TRIALS} landed between commits"
     # the reservation window alone would have given up more committed episodes than recovery did
     assert kept_total > window_total, (kept_total, window_total)
     assert committed_total - kept_total <= committed_total - expected_total
