@@ -20,7 +20,10 @@ the start: a store into a mapped tree page that the kernel has written back sinc
 the last store faults again (the page is write-protected once clean), so the
 update's cost depends on how long the kernel lets the tree's pages stay dirty
 (``vm.dirty_background_*``, ``vm.dirty_expire_centisecs``; HISTORY.md, issue 12).
-When TorchRL's
+``--commit-every N`` commits
+every N steps of that loop (a learner that wants its priorities durable; each
+commit's time is reported apart, the steps after it carry whatever it costs them:
+page faults). When TorchRL's
 PrioritizedSampler is available (see ``_torchrl_baseline.py``) it runs at the
 capacities up to ``--torchrl-max``.
 
@@ -135,9 +138,12 @@ buf.warm()  # the whole tree at sequential disk speed, mapped
 t_warm = time.perf_counter() - t0
 # steady state: a learner samples and updates for a while, so the tree's pages are
 # mapped and dirty; time the later half of a fixed-duration loop
-t_idx, t_tot, t_upd, faults, dirty = [], [], [], [], []
+t_idx, t_tot, t_upd, faults, dirty, t_commit = [], [], [], [], [], []
+every = int(sys.argv[4])  # commit every this many steps (0: never); commits are timed apart
 end = time.time() + float(sys.argv[3])
 while time.time() < end or len(t_idx) < reps:
+    if every and len(t_idx) % every == 0:
+        t0 = time.perf_counter(); buf.commit(); t_commit.append(time.perf_counter() - t0)
     f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     t0 = time.perf_counter(); rows, w, _ = buf.sample_indices(256, g, prioritized=True); t1 = time.perf_counter()
     buf.update_priorities(torch.from_numpy(rows), torch.from_numpy(rng.random(256))); t2 = time.perf_counter()
@@ -167,6 +173,7 @@ with open("/proc/self/status") as f:
 med = statistics.median
 print(json.dumps({"open": t_open, "cold_index": med(t_cold), "warm": t_warm, "steps": steps, "p90_index": p90_idx, "p90_update": p90_upd, "index": med(t_idx), "total": med(t_tot), "update": med(t_upd),
                   "update_max": med(t_max), "faults_per_step": faults_per_step,
+                  "commit": med(t_commit[len(t_commit) // 2:]) if t_commit else float("nan"),
                   "dirty_mib": statistics.median(dirty[len(dirty) // 2:] or [0]) / 2**20, "rss": mem["VmRSS"], "anon": mem["RssAnon"], "file": mem["RssFile"]}))
 """
 
@@ -249,6 +256,8 @@ def main() -> None:
     parser.add_argument("--torchrl-max", type=count, default=100_000_000, help="largest capacity run against TorchRL")
     parser.add_argument("--slices", action="store_true", help="prioritized slices under low acceptance instead")
     parser.add_argument("--rounds", type=int, default=1, help="alternate mmbuffer and TorchRL this many times")
+    parser.add_argument("--commit-every", type=int, default=0, help="commit every N sample+update steps "
+                        "(0: never); the commits are timed apart, the steps after them are in the step times")
     parser.add_argument("--create-capacity", type=float, default=3e9, help="0: skip the create measurement")
     args = parser.parse_args()
     root = scratch()
@@ -273,7 +282,7 @@ def main() -> None:
         rounds = args.rounds if cap <= args.torchrl_max else 1
         for r in range(rounds):
             drop_cache(path / "priority")
-            res = json.loads(run_python(WORKER, str(path), str(args.reps), str(args.seconds)))
+            res = json.loads(run_python(WORKER, str(path), str(args.reps), str(args.seconds), str(args.commit_every)))
             row = {
                 "capacity": cap,
                 "round": r + 1,
@@ -288,6 +297,8 @@ def main() -> None:
                 "sample+gather ms": res["total"] * 1e3,
                 "update ms": res["update"] * 1e3,
                 "p90 update ms": res["p90_update"] * 1e3,
+                "commit every": args.commit_every or "never",
+                "commit ms (median)": res["commit"] * 1e3,
                 "page faults / step": res["faults_per_step"],
                 "dirty + writeback MiB (machine)": res["dirty_mib"],
                 "lower max ms": res["update_max"] * 1e3,

@@ -6,9 +6,12 @@ wrapped. A child process then opens it, updates 100,000 priorities, extends 2,00
 rows, reports, and is SIGKILLed (the issue-22 scenario). Measured in a fresh
 process, with the store's pages dropped from the page cache first (each file
 fdatasync'ed, then ``POSIX_FADV_DONTNEED``: the store only, not the machine's cache):
-the time of ``mb.open`` (recovery included, and the import of torch it triggers) and of the first
-``sample(32, prioritized=True)``, and the committed rows still live against the rows
-the last commit held. ``--code DIR`` runs the writer, the kill and the reopen with
+the time of ``mb.open`` (recovery included) and of the first ``sample(32, prioritized=True)``,
+in a process that has imported torch and loaded the kernels (a tiny store's prioritized
+sample) before the clock starts (``--no-preload``: from process start, import of torch and
+numba's kernel load included), and the committed rows still live against the rows the last
+commit held. ``--fill N`` writes N rows instead of 1.25 x ``--rows`` (a sparse store: the
+capacity's tree, N rows of it live). ``--code DIR`` runs the writer, the kill and the reopen with
 the ``mmbuffer`` package found in ``DIR`` (a checkout of another commit: ``git archive
 REV mmbuffer | tar -x -C DIR``), so a baseline is measured in the same run.
 
@@ -35,12 +38,12 @@ from _common import count, header, table  # noqa: E402
 
 FILL = """
 import sys, numpy as np, mmbuffer as mb
-path, rows = sys.argv[1], int(sys.argv[2])
+path, rows, fill = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 buf = mb.create(path, {"x": ((), "int64")}, capacity=rows, next_keys=(), priorities=mb.PriorityConfig())
-block = min(1_000_000, rows // 4)
+block = min(1_000_000, max(fill // 4, 1000))
 done = np.arange(block) % 1000 == 999
 w = 0
-while w < rows + rows // 4:
+while w < fill:
     buf.extend({"x": w + np.arange(block), "terminated": done})
     buf.commit()
     w += block
@@ -61,16 +64,23 @@ time.sleep(600)
 """
 
 REOPEN = """
-import json, sys, time
+import json, sys, tempfile, time
 t0 = time.perf_counter()
-import numpy as np, mmbuffer as mb
+import numpy as np, torch, mmbuffer as mb
+if sys.argv[2] == "preload":  # torch imported and the kernels loaded (a tiny store's sample) before the clock
+    with mb.create(tempfile.mkdtemp() + "/t", {"x": ((), "int64")}, capacity=4096, next_keys=(),
+                   priorities=mb.PriorityConfig()) as tiny:
+        tiny.extend({"x": np.arange(3000), "terminated": np.arange(3000) % 100 == 99})
+        tiny.update_priorities(tiny.sample(32), np.ones(32))
+        tiny.commit()
+        tiny.sample(32, prioritized=True)
 t1 = time.perf_counter()
 buf = mb.open(sys.argv[1])
 t2 = time.perf_counter()
 buf.sample(32, prioritized=True)
 t3 = time.perf_counter()
-print(json.dumps({"open s": t2 - t1, "first prioritized sample s": t3 - t2, "live rows": len(buf),
-                  "code": mb.__file__}))
+print(json.dumps({"before open s": t1 - t0, "open s": t2 - t1, "first prioritized sample s": t3 - t2,
+                  "live rows": len(buf), "code": mb.__file__}))
 buf.close()
 """
 
@@ -123,10 +133,10 @@ with mb.open(sys.argv[1], mode="r") as ro:
     return json.loads(run(code, script, path).stdout)
 
 
-def one(code: Path, rows: int, tmp: Path, warm: bool) -> dict[str, object]:
+def one(code: Path, rows: int, tmp: Path, warm: bool, fill: int, preload: bool) -> dict[str, object]:
     path = tmp / f"s{abs(hash(str(code))) % 10_000}"
     t0 = time.perf_counter()
-    run(code, FILL, path, rows)
+    run(code, FILL, path, rows, fill)
     fill_s = time.perf_counter() - t0
     proc = subprocess.Popen([sys.executable, "-c", KILLED, str(path)], env={**os.environ, "PYTHONPATH": str(code)},
                             stdout=subprocess.PIPE, text=True, cwd=tempfile.gettempdir())
@@ -136,13 +146,16 @@ def one(code: Path, rows: int, tmp: Path, warm: bool) -> dict[str, object]:
     before = committed_rows(code, path)
     if not warm:
         drop_store_cache(path)
-    out = json.loads(run(code, REOPEN, path).stdout)
+    out = json.loads(run(code, REOPEN, path, "preload" if preload else "cold").stdout)
     extend_us = float(run(code, EXTEND).stdout) * 1e6
     lost = before["committed rows"] - out["live rows"]
     assert out["code"].startswith(str(code)), (out["code"], code)  # the code asked for ran
-    return {"code": str(code), "rows": rows, "cache": "warm" if warm else "cold", "fill s": round(fill_s, 1), **before,
+    return {"code": str(code), "rows": rows, "rows written": fill, "cache": "warm" if warm else "cold",
+            "clock from": "mb.open (torch, kernels loaded)" if preload else "process start",
+            "fill s": round(fill_s, 1), **before, "import (+ kernel load) s": round(out["before open s"], 3),
             "kept after reopen": out["live rows"], "committed rows lost": lost,
             "open s": round(out["open s"], 3), "first PER sample s": round(out["first prioritized sample s"], 3),
+            "open + first sample s": round(out["open s"] + out["first prioritized sample s"], 3),
             "extend(1 row) us": round(extend_us, 2)}
 
 
@@ -152,10 +165,15 @@ def main() -> None:
     p.add_argument("--code", type=Path, action="append", help="a folder holding the mmbuffer package (repeatable)")
     p.add_argument("--warm", action="store_true", help="keep the store's pages cached (a kill and an open at once)")
     p.add_argument("--dir", type=Path, default=None, help="where to put the stores (default: a temporary folder)")
+    p.add_argument("--fill", type=count, default=None, help="rows written before the kill (default 1.25 x --rows: "
+                   "the ring wrapped); fewer: a sparse store")
+    p.add_argument("--no-preload", action="store_true", help="start the clock at process start (import torch, "
+                   "numba's kernel load included), not at mb.open in a process that has both")
     args = p.parse_args()
+    fill = args.fill if args.fill is not None else args.rows + args.rows // 4
     codes = [c.resolve() for c in (args.code or [Path(__file__).resolve().parents[1]])]
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        results = [one(code, args.rows, Path(tmp), args.warm) for code in codes]
+        results = [one(code, args.rows, Path(tmp), args.warm, fill, not args.no_preload) for code in codes]
     header("bench_recovery")
     table(results)
 

@@ -29,12 +29,19 @@ class Config:
     decode_cache_bytes:
         Bytes of decoded chunks each column with a codec keeps per process
         (``_disk/columns/sharded.py``), shared by every batch.
+    private_tree_bytes:
+        Bytes of private (anonymous) copies of priority-tree pages a writer keeps
+        after a commit (``_ledger/touched.py``): kept, a later store into the page
+        takes no page fault; above this bound a commit drops them all
+        (``MMBUFFER_PRIVATE_TREE_BYTES``). The pages changed since the last commit
+        are private until it, whatever the bound.
     """
 
     chunk_bytes: int = 1 << 20
     madvise_random: bool = True
     reserve_fraction: float = 1 / 16
     decode_cache_bytes: int = 256 << 20
+    private_tree_bytes: int = 512 << 20
 
 
 def _from_env() -> Config:

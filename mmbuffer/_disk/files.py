@@ -20,6 +20,7 @@ import json
 import mmap
 import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
@@ -40,8 +41,10 @@ def read_json_in(root: Path, rel: str) -> Any:
         raise errors.CorruptStoreError(f"{where}: not valid JSON ({exc})") from None
 
 
-def atomic_write_json(path: Path, obj: Any, *, durable: bool = True) -> None:
+def atomic_write_json(path: Path, obj: Any, *, durable: bool = True, before_rename: Callable[[], object] | None = None) -> None:
     """Write JSON to ``path.partial``, fsync, rename over ``path``, fsync the directory.
+    ``before_rename`` runs between the fsync and the rename (a commit's last durable
+    writes: a full disk has refused the JSON by then, before anything else changed).
 
     The ``.partial`` file is created afresh (``O_EXCL | O_NOFOLLOW``, after
     unlinking whatever was there), so a link planted under that name is replaced,
@@ -68,6 +71,8 @@ def atomic_write_json(path: Path, obj: Any, *, durable: bool = True) -> None:
                     os.fsync(fd)
             finally:
                 os.close(fd)
+            if before_rename is not None:
+                before_rename()
             os.rename(tmp, path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
         except BaseException as exc:
             try:

@@ -35,13 +35,17 @@ _MADV_POPULATE_READ: Final = 22  # Linux >= 5.14; Python 3.11's mmap module lack
 PWRITE_MIN_BYTES: Final = 1 << 16
 
 
-def open_raw_fd(root: Path, name: str, *, writable: bool, expect: fmt.Expect | None = None) -> tuple[np.ndarray, int]:
+def open_raw_fd(
+    root: Path, name: str, *, writable: bool, expect: fmt.Expect | None = None, private: bool = False
+) -> tuple[np.ndarray, int]:
     """Memory-map the raw array ``root/name`` as ``[rows, *row_shape]``; also return
     the descriptor of its shard file (the caller closes it).
 
     ``zarr.json`` is checked against ``expect`` (:func:`check_array_meta`); every
     file is opened without following links and the map is made from that
-    descriptor, never by path again.
+    descriptor, never by path again. ``private=True`` (with ``writable``) maps it
+    copy-on-write (``MAP_PRIVATE``): stores stay in this process's anonymous memory
+    until :func:`write_private` writes them to the file.
     """
     meta = _files.read_json_in(root, f"{name}/zarr.json")
     shape, dtype, shard_rows = fmt.check_array_meta(root / name / "zarr.json", meta, expect, raw=True)
@@ -58,7 +62,8 @@ def open_raw_fd(root: Path, name: str, *, writable: bool, expect: fmt.Expect | N
                 f"{root / rel}: file seems not fully written: expected at least {need} bytes, got {size}"
             )
         nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
-        handle = mmap.mmap(fd, nbytes, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
+        access = (mmap.ACCESS_COPY if private else mmap.ACCESS_WRITE) if writable else mmap.ACCESS_READ
+        handle = mmap.mmap(fd, nbytes, access=access)
     except BaseException:
         os.close(fd)
         raise
@@ -177,6 +182,73 @@ def populate(arr: np.ndarray, *, random: bool = True) -> None:
         int(arr.reshape(-1).view(np.uint8)[::page].max())  # one read per page, in order
     if madvise is not None:
         madvise(addr, size, mmap.MADV_RANDOM if random else mmap.MADV_NORMAL)
+
+
+def private_pages(mm: np.ndarray, candidates: np.ndarray) -> np.ndarray:
+    """Which of the ``candidates`` (page numbers from the start of ``mm``'s map, sorted,
+    unique) this process holds a private copy of: the pages a store through a
+    copy-on-write map (``open_raw_fd(private=True)``) changed, read from
+    ``/proc/self/pagemap`` (present and not a file page, or swapped), one read per
+    run of 512-page windows. Where pagemap cannot be read, every candidate."""
+    handle = _mmap_of(mm)
+    if handle is None or not len(candidates):
+        return candidates[:0]
+    page = mmap.PAGESIZE
+    first = np.frombuffer(handle, dtype=np.uint8).ctypes.data // page  # the map's first page
+    try:
+        fd = os.open("/proc/self/pagemap", os.O_RDONLY)
+    except OSError:
+        return candidates
+    try:
+        windows = np.unique(candidates >> 9)
+        cut = np.flatnonzero(np.diff(windows) != 1) + 1
+        flags = np.zeros(len(candidates), dtype=bool)
+        for run in np.split(windows, cut):  # a read per run of windows: O(runs), not per page
+            lo, hi = int(run[0]) << 9, min((int(run[-1]) + 1) << 9, -(-len(handle) // page))
+            raw = np.frombuffer(os.pread(fd, 8 * (hi - lo), 8 * (first + lo)), dtype=np.uint64)
+            private = ((raw >> np.uint64(63)) & 1).astype(bool) & ~((raw >> np.uint64(61)) & 1).astype(bool)
+            private |= ((raw >> np.uint64(62)) & 1).astype(bool)
+            a, b = np.searchsorted(candidates, [lo, hi]).tolist()
+            flags[a:b] = private[candidates[a:b] - lo]
+        return candidates[flags]
+    finally:
+        os.close(fd)
+
+
+def write_private(fd: int, mm: np.ndarray, pages: np.ndarray) -> int:
+    """``pwrite`` the ``pages`` (page numbers from the start of ``mm``'s map, sorted,
+    unique) of a copy-on-write map to its file ``fd``, one call per run of
+    consecutive pages (a ``pwrite``, never a store through a shared map: a full disk
+    is an ``OSError``, not a SIGBUS); returns the bytes written. The private copies
+    stay (:func:`drop_private` drops them)."""
+    handle = _mmap_of(mm)
+    if handle is None or not len(pages):
+        return 0
+    page, size = mmap.PAGESIZE, len(handle)
+    view = memoryview(handle)
+    cut = np.flatnonzero(np.diff(pages) != 1) + 1
+    starts = np.concatenate(([0], cut)).tolist()
+    stops = np.concatenate((cut, [len(pages)])).tolist()
+    first = pages.tolist()
+    total = 0
+    try:
+        for a, b in zip(starts, stops):  # one syscall per run of pages
+            lo, hi = first[a] * page, min((first[b - 1] + 1) * page, size)
+            data = view[lo:hi]
+            while len(data):
+                done = os.pwrite(fd, data, lo)
+                data, lo, total = data[done:], lo + done, total + done
+    finally:
+        view.release()
+    return total
+
+
+def drop_private(mm: np.ndarray) -> None:
+    """Drop a copy-on-write map's private pages (``MADV_DONTNEED``): the next access
+    reads the file's page again. Only after their content was written to the file."""
+    handle = _mmap_of(mm)
+    if handle is not None and hasattr(mmap, "MADV_DONTNEED"):
+        handle.madvise(mmap.MADV_DONTNEED)
 
 
 def is_mapped(arr: object) -> bool:

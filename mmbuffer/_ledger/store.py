@@ -142,9 +142,18 @@ class Store:
         self.reserved = self._mapped("index/reserved", (self.num_streams, (), int64))
         self.priority_tree: tree.PriorityTree | None = None
         if self.priorities is not None:
-            levels = {k: self._mapped(f"priority/{k}", (s[0], tuple(s[1:]), np.dtype(t))) for k, (s, t) in tree.layout(cap).items()}
+            # the writer's map is copy-on-write: its changes reach the file at commit (touched.py)
+            levels = {k: self._mapped(f"priority/{k}", (s[0], tuple(s[1:]), np.dtype(t)), private=writable) for k, (s, t) in tree.layout(cap).items()}
             self.priority_tree = tree.PriorityTree(**levels)
             _safe_io.lexists(root, "priority/DIRTY")  # a link there would be touched through
+
+    def tree_arrays(self) -> tuple[RawArray, RawArray] | None:
+        """The priority tree's ``leaves`` and ``nodes`` arrays (None without priorities)."""
+        if self.priority_tree is None:
+            return None
+        leaves, nodes = self._arrays["priority/leaves"], self._arrays["priority/nodes"]
+        assert isinstance(leaves, RawArray) and isinstance(nodes, RawArray)
+        return leaves, nodes
 
     def _written_now(self) -> np.ndarray:
         """Every lane's ``written`` cursor in the ledger now (where a column with a codec
@@ -155,10 +164,10 @@ class Store:
             memo = self._written_memo = (ledger, np.array([st.written for st in ledger.lanes], dtype=np.int64))
         return memo[1]
 
-    def _mapped(self, name: str, expect: fmt.Expect) -> np.ndarray:
+    def _mapped(self, name: str, expect: fmt.Expect, private: bool = False) -> np.ndarray:
         """Open a ledger array (index, reservation, tree level) and return its mapped rows:
         the pure functions of ``index.py`` and ``mmbuffer.tree`` update it in place."""
-        arr = self._arrays[name] = RawArray.open(self.path, name, writable=self.mode == "a", expect=expect)
+        arr = self._arrays[name] = RawArray.open(self.path, name, writable=self.mode == "a", expect=expect, private=private)
         mapped = arr.mapped()
         if mapped is None:  # a backend that maps nothing cannot hold the ledger (yet)
             raise errors.InvalidArgumentError(f"{self.path / name}: expected a memory-mapped array, got {type(arr).__name__}")

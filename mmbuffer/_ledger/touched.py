@@ -1,51 +1,72 @@
-"""Which tree blocks changed since the last commit: ``priority/touched``, so that a
-writer killed between commits is repaired in O(work since the commit), not by a
-rebuild of the whole tree.
+"""The writer's private tree pages and ``priority/touched``: the tree file only ever
+holds committed sums, and a kill inside a commit's own tree write is repaired in
+O(blocks that commit wrote), not by a rebuild of the whole tree.
 
-A commit leaves the tree consistent with its ledger (every node recomputed from its
-children; every leaf outside the live rows 0). Between commits the writer changes
-leaves and their ancestors in place, through the shared map, and a kill can leave a
-node half-updated and leaves of rows that are not committed. Before it changes
-a block of ``tree.BLOCK`` leaves, the writer sets that block's byte in
-``priority/touched`` (uint8, one per block, a memory-mapped file; no msync): after
-a kill the page cache holds every mark made before it, so recovery recomputes only
-the marked blocks, zeroing the leaves there that the recovered ledger does not hold
-live, and their ancestors (:func:`repair`), plus the rows of the committed
-episodes it gives up. Like ``index/progress`` the marks are trusted only in the boot
-that made them (``progress.trusted``); after a power cut, or when a store has no
-marks (``priority/DIRTY`` present, marks absent), the tree is rebuilt whole, as
-before. A commit clears the marks it made (after its manifest is in place);
-``rebuild`` paths mark every block first, so a kill inside one leaves a tree the
-next recovery rebuilds again.
+The writer maps the tree's two arrays copy-on-write (``Store`` with ``mode="a"``,
+``_disk/rawio.open_raw_fd(private=True)``): between commits its changes to leaves
+and sums live in its anonymous memory, the file (which readers map shared) keeps the
+last commit's tree, and a SIGKILL between commits leaves nothing to repair. A
+:class:`Marks` records, in memory, the ``tree.BLOCK``-leaf blocks each change
+touches. At commit, once the new manifest is written and synced (before its rename:
+a full disk has refused the commit by then, before the tree file changed;
+``Writer._write_manifest``), :meth:`Marks.write` creates ``priority/DIRTY``
+durably, sets those blocks' bytes in ``priority/touched`` (uint8, one per block, a
+memory-mapped file; no msync), ``pwrite``s the pages of the two arrays those
+blocks span that this process holds a private copy of (``/proc/self/pagemap``:
+``rawio.private_pages``; a ``pwrite``, so a full disk is an error, never a SIGBUS;
+the tree's blocks are allocated with the reservation anyway) and fdatasyncs both
+files; the manifest is renamed; :meth:`Marks.committed` clears the marks and
+removes ``DIRTY`` (so no mark is set while no ``DIRTY`` is present). That window,
+the only one in which the file's tree can disagree with itself, lasts the
+``pwrite``s of the changed pages, two fdatasyncs and the rename (431 ms of a 438 ms
+commit after 100 PER steps of 256 at 1e8: benchmarks/RESULTS.md). A kill inside it leaves ``DIRTY`` and the
+marks: recovery (same boot: the page cache holds every mark, as ``index/progress``,
+``progress.trusted``) recomputes only the marked blocks, zeroing the leaves the
+recovered ledger does not hold live, and their ancestors (:func:`repair`), plus the
+rows of the committed episodes it gives up; it logs how many blocks it recomputed
+(``mmbuffer`` logger, INFO). After a power cut with ``DIRTY`` present, or a store
+that has no marks yet, the tree is rebuilt whole. ``rebuild`` paths record every
+block (:meth:`Marks.all`).
 
-Why marks and not the private tree pages docs/design.md allows (the writer's changes
-kept in anonymous memory, written at commit): the marks are a small change with the
-same recovery bound, O(blocks touched since the commit), and leave the tree's
-sharing with readers as it is; private pages would also take the tree out of the
-kernel's writeback between commits (the 6e8 page faults of benchmarks/RESULTS.md)
-and spare recovery the reads of the touched blocks, and remain to be built.
+The private pages are kept after a commit, so the next stores into them take no
+page fault (a shared map's page is write-protected again once written back: 303
+minor faults per PER update step after a commit, HISTORY.md), and dropped
+(``MADV_DONTNEED``: the file's, now committed, pages are read again; the leaves'
+first, the nodes' only if they alone exceed the bound) when a commit leaves more
+than ``config.private_tree_bytes`` of them (``MMBUFFER_PRIVATE_TREE_BYTES``,
+512 MiB by default: the whole tree of a 1e8-row store; :attr:`Marks.bound` per
+writer). Between commits the private memory is also the pages changed since the
+last commit, whatever the bound.
 
-Cost: one byte store per touched block (a slice for a range), about 1/64 of the
-leaves' bytes on disk, allocated as the leaves are (``Writer._reserve_space``);
-recovery reads the marks (capacity / 64 bytes, 1.5 MB at 1e8 rows) and recomputes
-64 leaves and the ancestors per marked block.
+Cost: a ``np.unique`` of the touched blocks per update (no store into the marks file
+until commit); at commit, a pagemap read per run of 512-page windows that the
+blocks span, one ``pwrite`` per run of changed pages, two fdatasyncs. Marks cost
+1/64 of the leaves' bytes on disk, allocated as the leaves are
+(``Writer._reserve_space``); recovery reads them (capacity / 64 bytes, 1.5 MB at
+1e8 rows) and recomputes 64 leaves and the ancestors per marked block.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import mmap
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from .. import tree
-from .._disk import rawio as _rawio
+from .._disk import files as _files, rawio as _rawio
 from .._disk.columns import RawArray
+from ..config import config
+from ..tree import _pages
 from .index import Lane
 from .layout import Layout
 from .progress import open_or_add
 
 NAME = "priority/touched"
+_log = logging.getLogger("mmbuffer")
 _CHUNK = 1 << 16  # blocks recomputed per vectorized pass in repair
 
 
@@ -60,37 +81,102 @@ def open_marks(root: Path, capacity: int) -> tuple[RawArray, np.ndarray, bool]:
 
 
 class Marks:
-    """The marks of one writer: what it set since its last commit, to clear at the next."""
+    """One writer's record of the tree blocks it changed since its last commit, and the
+    commit's write of them: the tree's arrays are mapped copy-on-write in the writer
+    (``Store(private_tree=True)``), so its changes stay in its own memory until
+    :meth:`write` puts the changed pages in the file."""
 
-    def __init__(self, marks: np.ndarray) -> None:
+    def __init__(self, marks: np.ndarray, arrays: tuple[RawArray, RawArray] | None = None, dirty: Path | None = None) -> None:
         self.marks = marks
+        self._arrays = arrays  # the tree's leaves and nodes, as mapped by the writer
+        self._dirty = dirty  # priority/DIRTY: present while a commit writes the tree
         self._ranges: list[tuple[int, int]] = []
         self._blocks: list[np.ndarray] = []
+        self.private_pages = 0  # pages this writer holds a private copy of (both arrays)
+        self._pages: tuple[np.ndarray, np.ndarray] | None = None  # which ones (_kept)
+        self.bound = config.private_tree_bytes  # above this many private bytes, a commit drops them
+        self.drops = 0  # how many commits dropped the private pages
+        self.repaired = 0  # blocks the last recovery recomputed (repair)
 
     def rows(self, rows: np.ndarray) -> None:
-        """Mark the blocks of ``rows`` (before their leaves change)."""
-        blocks = np.unique(np.asarray(rows, dtype=np.int64).reshape(-1) // tree.BLOCK)
-        self.marks[blocks] = 1
-        self._blocks.append(blocks)
+        """Record the blocks of ``rows`` (before their leaves change)."""
+        self._blocks.append(np.unique(np.asarray(rows, dtype=np.int64).reshape(-1) // tree.BLOCK))
 
     def range(self, start: int, stop: int) -> None:
-        """Mark the blocks of rows ``[start, stop)``."""
+        """Record the blocks of rows ``[start, stop)``."""
         if stop > start:
-            lo, hi = start // tree.BLOCK, (stop - 1) // tree.BLOCK + 1
-            self.marks[lo:hi] = 1
-            self._ranges.append((lo, hi))
+            self._ranges.append((start // tree.BLOCK, (stop - 1) // tree.BLOCK + 1))
 
     def all(self) -> None:
-        """Mark every block (before a whole rebuild)."""
+        """Record every block (before a whole rebuild)."""
         self.range(0, len(self.marks) * tree.BLOCK)
 
-    def clear(self) -> None:
-        """Clear the marks made since the last commit (the commit is in place)."""
+    def write(self, pt: tree.PriorityTree) -> int:
+        """Put the tree's changed pages in its files, durably: create ``priority/DIRTY``
+        (durably) and mark their blocks in ``priority/touched``, then ``pwrite``
+        the pages this writer's private map changed among those the recorded blocks
+        span and fdatasync the files. A kill from here to :meth:`committed` leaves
+        the marks for recovery to repair (:func:`repair`). Returns the pages written."""
+        blocks = np.unique(np.concatenate(self._blocks)) if self._blocks else np.zeros(0, np.int64)
+        if self._arrays is None or not (len(blocks) or self._ranges):
+            return 0
+        if self._dirty is not None and not self._dirty.exists():  # no DIRTY: no mark set
+            self._dirty.touch()
+            _files.fsync_dir(self._dirty.parent)
+        self.marks[blocks] = 1  # in the page cache, for a recovery of this boot (no msync)
+        for lo, hi in self._ranges:
+            self.marks[lo:hi] = 1
+        done = 0
+        for arr, candidates, kept in zip(self._arrays, _pages.pages(pt, blocks, self._ranges), self._kept(pt)):
+            written = arr.write_private(candidates)
+            self.private_pages += len(written) - int(np.count_nonzero(kept[written]))
+            kept[written] = True
+            done += len(written)
+        return done
+
+    def _kept(self, pt: tree.PriorityTree) -> tuple[np.ndarray, np.ndarray]:
+        """Per array, which pages this writer holds a private copy of (one flag per page)."""
+        if self._pages is None:
+            self._pages = tuple(np.zeros(-(-a.nbytes // mmap.PAGESIZE), dtype=bool) for a in pt.arrays)  # type: ignore[assignment]
+        assert self._pages is not None
+        return self._pages
+
+    def writer(self, pt: tree.PriorityTree) -> Callable[[], int]:
+        """:meth:`write` of ``pt``, to call later (a commit calls it once its new manifest
+        is written and synced, just before the rename: ``Writer._write_manifest``)."""
+        return functools.partial(self.write, pt)
+
+    def committed(self) -> None:
+        """The commit is in place: clear the marks the last :meth:`write` made, remove
+        ``priority/DIRTY``, and if the private pages exceed :attr:`bound` bytes
+        (``MMBUFFER_PRIVATE_TREE_BYTES``; their content is in the file now) drop the
+        leaves' ones, and the nodes' too if those alone still exceed it."""
         for lo, hi in self._ranges:
             self.marks[lo:hi] = 0
         for blocks in self._blocks:
             self.marks[blocks] = 0
         self._ranges, self._blocks = [], []
+        if self._dirty is not None:  # last: while no DIRTY is present, no mark is set
+            self._dirty.unlink(missing_ok=True)
+        if self._arrays is None or self._pages is None or self.private_pages * mmap.PAGESIZE <= self.bound:
+            return
+        self.drops += 1
+        for arr, kept in zip(self._arrays, self._pages):  # the leaves first: every update stores
+            arr.drop_private()  # into a node row per level, into one leaf block
+            self.private_pages -= int(np.count_nonzero(kept))
+            kept[:] = False
+            if self.private_pages * mmap.PAGESIZE <= self.bound:
+                break
+
+    def repair(self, pt: tree.PriorityTree, layout: Layout, lanes: tuple[Lane, ...]) -> int:
+        """Recompute the blocks marked in the file (:func:`repair`) and record them for
+        the next :meth:`write`; return (and keep in :attr:`repaired`) how many."""
+        marked = np.flatnonzero(self.marks).astype(np.int64)
+        self.repaired = repair(pt, self.marks, layout, lanes)
+        if len(marked):
+            self._blocks.append(marked)
+        _log.info("priority tree: %d blocks repaired after an interrupted writer", self.repaired)
+        return self.repaired
 
     def clear_all(self) -> None:
         """Clear every mark (recovery, once the tree is whole): only the set bytes are

@@ -130,7 +130,7 @@ class Writer(Appending):
             self._record_array, self._record = progress.open_record(self.path, store.num_streams)
             if self._tree is not None:
                 self._marks_array, marks, self._marks_added = touched.open_marks(self.path, store.capacity)
-                self._marks = touched.Marks(marks)
+                self._marks = touched.Marks(marks, store.tree_arrays(), self.path / "priority" / "DIRTY")
             self._recover()
         except BaseException:  # the caller gets no writer: nothing else would release the lock
             self.release()
@@ -169,13 +169,13 @@ class Writer(Appending):
         torn = kept != before.lanes
         self.store.ledger = Ledger(kept, before.committed, before.generation)
         if self._tree is not None and self._marks is not None and (torn or (self.path / "priority" / "DIRTY").exists()):
-            if same_boot:  # O(work since the commit): the given-up episodes and the marked blocks
+            if same_boot or not (self.path / "priority" / "DIRTY").exists():  # O(work since the commit)
                 self._mark_tree_dirty()
                 for lane, (was, now) in enumerate(zip(before.lanes, kept)):
                     for a, b in self.layout.segments(lane, was.first_start, now.first_start):
                         self._marks.range(a, b)
                         tree.set_range(self._tree, a, b, 0.0)
-                touched.repair(self._tree, self._marks.marks, self.layout, kept)
+                self._marks.repair(self._tree, self.layout, kept)  # blocks a commit's tree write left
             else:  # after a reboot the marks may be stale: the whole tree, marked first
                 self._marks_array.allocate(0, len(self._marks.marks))  # no hole under the marks
                 self._marks.all()
@@ -218,26 +218,24 @@ class Writer(Appending):
             # the ring slots of the episodes added since the last commit
             for a, b in index.slot_ranges(lane, self.lane_size, was.ep_tail, now.ep_tail):
                 ends.flush(a, b)
-        if self._tree is not None:
-            for arr in self._tree.arrays:
-                _rawio.flush_rows(arr, 0, len(arr))
-        self._write_manifest(ledger)  # the generation advances once it is written
+        tree_pages = self._marks.writer(self._tree) if self._tree is not None and self._marks is not None and self._tree_dirty else None
+        self._write_manifest(ledger, tree_pages)  # the generation advances once it is written
         store.ledger = ledger.committed_as(ledger.generation + 1)
         if self._tree is not None and self._tree_dirty:
-            (self.path / "priority" / "DIRTY").unlink(missing_ok=True)
             self._tree_dirty = False
             if self._marks is not None:
-                self._marks.clear()
+                self._marks.committed()
         zarr_view.publish(self.path, self.layout, store.committed, store.generation, store.manifest.format_version)
         return store.generation
 
-    def _write_manifest(self, ledger: Ledger) -> None:
+    def _write_manifest(self, ledger: Ledger, tree_pages: Any = None) -> None:
         """Replace ``manifest.json`` by ``ledger``'s lanes as its next commit (a failed
-        attempt leaves no ``.partial`` behind: ``atomic_write_json``)."""
+        attempt leaves no ``.partial`` behind: ``atomic_write_json``); ``tree_pages``
+        writes the tree's changed pages once the new manifest is on disk, before its rename."""
         state = dataclasses.replace(
             self.store.manifest, generation=ledger.generation + 1, lanes=ledger.lanes, attrs=self.store.attrs
         )
-        _files.atomic_write_json(self.path / fmt.MANIFEST, state.to_json())
+        _files.atomic_write_json(self.path / fmt.MANIFEST, state.to_json(), before_rename=tree_pages)
 
     # -- priorities ------------------------------------------------------------------------
     @locked
@@ -313,12 +311,9 @@ class Writer(Appending):
             return self._default_priority()
 
     def _mark_tree_dirty(self) -> None:
-        """Create ``priority/DIRTY`` (durably: its directory is synced) before the tree
-        changes, whose pages the kernel may write back at any time."""
-        if not self._tree_dirty:
-            (self.path / "priority" / "DIRTY").touch()
-            _files.fsync_dir(self.path / "priority")
-            self._tree_dirty = True
+        """Note that the tree changed since the commit: the changes stay in this writer's
+        copy-on-write map until the commit writes them (``touched.Marks.write``)."""
+        self._tree_dirty = True
 
     # -- repair ------------------------------------------------------------------------------
     @locked_write("verify --repair")

@@ -11,7 +11,8 @@ Its modules, one job each: ``_layout`` (geometry, :class:`PriorityTree`,
 :func:`set_range`, :func:`rebuild`), ``_query`` (:func:`total`,
 :func:`min_live`, :func:`max_live`, :func:`find_prefix`, :func:`sample`),
 ``_ranges`` (:func:`range_sums`, :func:`find_in_ranges`), ``_nodes`` (leaves
-gathered by block) and ``_check`` (:func:`check`).
+gathered by block), ``_pages`` (the pages a write of some blocks changes) and
+``_check`` (:func:`check`).
 
 Layout
 ------
@@ -89,7 +90,9 @@ is otherwise read a random 4 KiB page at a time). One writer; readers in other
 processes may map the files read-only and see writes at once, so a read
 during a write can see a block whose leaves disagree with its sum:
 :func:`find_prefix` still never returns a zero leaf while its block has a
-nonzero one, but such probabilities are approximate.
+nonzero one, but such probabilities are approximate. (A store's writer maps its tree
+copy-on-write and writes the changed pages at commit, ``_ledger/touched.py``:
+readers of a store see committed sums only, ``_pages`` says which pages.)
 
 Examples
 --------

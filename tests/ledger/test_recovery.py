@@ -103,7 +103,7 @@ def _check_tree(buf):
 
 
 @pytest.mark.parametrize("kind", list(STORES))
-def test_sigkill_loses_only_what_the_last_extends_reached(tmp_path, kind, monkeypatch):
+def test_sigkill_loses_only_what_the_last_extends_reached(tmp_path, kind, monkeypatch, caplog):
     """A live writer that has wrapped its ring (committing after every extend of each
     lane) is SIGKILLed at a random instant; the next writer keeps every committed
     episode whose rows the dead writer's last extends could not reach (it starts at or
@@ -113,8 +113,12 @@ def test_sigkill_loses_only_what_the_last_extends_reached(tmp_path, kind, monkey
 
     Proves where its kills landed: all after the child wrapped every lane and
     committed, most mid-write (an extend or commit begun since the last commit).
-    A prioritized store's tree is repaired in the blocks the dead writer marked
-    (``_ledger/touched.py``), never rebuilt whole, and is then exactly a rebuild's."""
+    A prioritized store's tree is never rebuilt whole and is then exactly a rebuild's:
+    after a kill between commits no block is repaired (the writer's changes were in
+    its private pages), after one inside a commit's tree write the marked blocks are
+    (``_ledger/touched.py``). This writer commits after every round, so either kind
+    of kill may land in a run of 5; ``test_private_tree.py`` and the test below make
+    each on purpose."""
     from mmbuffer import tree
     from mmbuffer._ledger.verify import verify
 
@@ -165,8 +169,15 @@ def test_sigkill_loses_only_what_the_last_extends_reached(tmp_path, kind, monkey
                 _, s, w, n = line.split()
                 reach[int(s)] = max(reach[int(s)], int(w) + int(n))
         assert all(r - w <= 37 for r, (w, _) in zip(reach, episodes))  # one extend per lane past the commit
-        with mb.open(path) as buf:  # the next writer recovers
+        in_tree_write = (path / "priority" / "DIRTY").exists()  # killed inside a commit's tree write
+        caplog.clear()
+        with caplog.at_level("INFO", logger="mmbuffer"), mb.open(path) as buf:  # the next writer recovers
             assert rebuilds == [], "recovery rebuilt the whole tree"
+            repaired = [m for m in caplog.messages if "blocks repaired" in m]
+            if not in_tree_write:  # between commits the file holds the committed tree: nothing to repair
+                assert repaired in ([], ["priority tree: 0 blocks repaired after an interrupted writer"])
+            else:  # the blocks that commit marked (none if the kill came before its marks)
+                assert len(repaired) == 1, repaired
             if buf.priorities is not None:
                 _check_tree(buf)
             kept = _recovered_episodes(buf)
@@ -243,15 +254,22 @@ CRASH = textwrap.dedent(
         rows = k * 600 + np.arange(600)
         buf.extend({"x": rows * 10, "terminated": rows % 9 == 8}, final_obs={"x": rows[rows % 9 == 8] * 10 + 1})
         buf.update_priorities(buf.sample(20), np.random.default_rng(k).random(20) + 0.5)
-    os._exit(0)  # a crash: no commit, no close
+    from mmbuffer._disk import rawio
+    real = rawio.write_private
+    def dying(fd, mm, pages):  # half of the leaves' changed pages reach the file, then the kill
+        real(fd, mm, pages[: len(pages) // 2])
+        os.kill(os.getpid(), 9)
+    rawio.write_private = dying
+    buf.commit()  # killed inside its tree write
     """
 )
 
 
 @pytest.mark.parametrize("reboot", [False, True])
-def test_a_killed_writers_tree_is_repaired_where_it_changed_or_rebuilt_after_a_reboot(tmp_path, monkeypatch, reboot):
-    """Killed between commits with rows and priorities changed since: the next writer
-    repairs the tree in the blocks marked since the commit (no whole rebuild); when the
+def test_a_killed_writers_tree_is_repaired_where_it_changed_or_rebuilt_after_a_reboot(tmp_path, monkeypatch, caplog, reboot):
+    """Killed inside a commit's tree write (half the changed leaf pages written, none
+    of the nodes), the window where the file's tree may disagree with itself: the next
+    writer repairs the tree in the blocks that commit marked (no whole rebuild); when the
     marks are of another boot (simulated: the record's boot id changed, as a reboot
     changes the kernel's), it rebuilds the whole tree. Either way the tree is then
     exactly a rebuild's, with leaves on the live rows only."""
@@ -260,8 +278,9 @@ def test_a_killed_writers_tree_is_repaired_where_it_changed_or_rebuilt_after_a_r
 
     path = tmp_path / "s"
     mb.create(path, {"x": ((), "int64")}, capacity=5000, next_keys=("x",), priorities=mb.PriorityConfig()).close()
-    subprocess.run([sys.executable, "-c", CRASH, str(path)], check=True, timeout=300)
-    assert (path / "priority" / "DIRTY").exists()  # the tree changed since the last commit
+    child = subprocess.run([sys.executable, "-c", CRASH, str(path)], timeout=300)
+    assert child.returncode == -signal.SIGKILL  # killed where it was meant to be
+    assert (path / "priority" / "DIRTY").exists()  # inside a commit's tree write
     marks = np.fromfile(path / "priority" / "touched" / "c" / "0", dtype=np.uint8)[: -(-5000 // 64)]
     assert 0 < marks.sum() < len(marks) or reboot  # some blocks marked, not all
     if reboot:
@@ -272,8 +291,10 @@ def test_a_killed_writers_tree_is_repaired_where_it_changed_or_rebuilt_after_a_r
     rebuilds = []
     real_rebuild = tree.rebuild
     monkeypatch.setattr(tree, "rebuild", lambda *a, **k: (rebuilds.append(1), real_rebuild(*a, **k))[1])
-    with mb.open(path) as buf:
+    with caplog.at_level("INFO", logger="mmbuffer"), mb.open(path) as buf:
         assert rebuilds == ([1] if reboot else [])
+        repaired = [r for r in caplog.messages if "blocks repaired" in r]
+        assert repaired == ([] if reboot else [f"priority tree: {int(marks.sum())} blocks repaired after an interrupted writer"])
         _check_tree(buf)
         assert buf.view().written.tolist() == [4800]  # the rows after the last commit are gone
         assert not np.asarray(np.fromfile(path / "priority" / "touched" / "c" / "0", dtype=np.uint8)[: len(marks)]).any()

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ... import errors
 from .. import files as _files, rawio as _rawio
 from .. import format as fmt
 from .base import ColumnArray
@@ -25,17 +26,21 @@ from .base import ColumnArray
 class RawArray(ColumnArray):
     """A mapped array and the descriptor it was mapped from (pwrite, pread, fadvise)."""
 
-    def __init__(self, mm: np.ndarray, fd: int | None, where: Path | None = None) -> None:
+    def __init__(self, mm: np.ndarray, fd: int | None, where: Path | None = None, private: bool = False) -> None:
         self._mm = mm
         self._fd = fd
         self._where = where  # the shard file, named in errors
+        self.private = private  # mapped copy-on-write: stores reach the file only by write_private
         self.shape = tuple(mm.shape)
         self.dtype = mm.dtype
 
     @classmethod
-    def open(cls, root: Path, name: str, *, writable: bool, expect: fmt.Expect | None = None) -> RawArray:
-        mm, fd = _rawio.open_raw_fd(root, name, writable=writable, expect=expect)
-        return cls(mm, fd, root.joinpath(name, "c", *(["0"] * mm.ndim)))
+    def open(
+        cls, root: Path, name: str, *, writable: bool, expect: fmt.Expect | None = None, private: bool = False
+    ) -> RawArray:
+        """Map ``root/name``; ``private=True`` (with ``writable``) copy-on-write (``rawio.open_raw_fd``)."""
+        mm, fd = _rawio.open_raw_fd(root, name, writable=writable, expect=expect, private=private)
+        return cls(mm, fd, root.joinpath(name, "c", *(["0"] * mm.ndim)), private and writable)
 
     def read(self, rows: np.ndarray) -> np.ndarray:
         return np.asarray(self._mm[rows])
@@ -81,7 +86,31 @@ class RawArray(ColumnArray):
         _files.free_rows(self._fd, self._mm.strides[0], start, stop)
 
     def release(self) -> None:
-        _rawio.release(self._mm)
+        if not self.private:  # a private map's pages may hold what is not in the file yet
+            _rawio.release(self._mm)
+
+    def write_private(self, candidates: np.ndarray) -> np.ndarray:
+        """Write the pages among ``candidates`` (sorted page numbers) that this copy-on-write
+        map changed to the file, fdatasync it; return the page numbers written.
+
+        The private copies stay: a later store into them takes no page fault."""
+        if not self.private:
+            return candidates[:0]
+        if self._fd is None:  # closed: what the private map holds cannot reach the file
+            raise errors.ReadOnlyError(f"{self._where}: write_private: expected an open array, got a closed one")
+        pages = _rawio.private_pages(self._mm, candidates)
+        if len(pages):
+            try:
+                _rawio.write_private(self._fd, self._mm, pages)
+                os.fdatasync(self._fd)
+            except OSError as exc:  # name the file: pwrite's error does not
+                raise OSError(exc.errno, exc.strerror, str(self._where)) from None
+        return pages
+
+    def drop_private(self) -> None:
+        """Drop the copy-on-write map's private pages (written by ``write_private`` first)."""
+        if self.private:
+            _rawio.drop_private(self._mm)
 
     def drop_cache(self, start: int, stop: int) -> None:
         if self._fd is not None:
