@@ -25,7 +25,9 @@ observation in ``next_obs``). The newest steps of each env (63 at most) are
 held in memory and written as one block; the newest stays until the next
 ``add`` shows whether its episode goes on. Sampling reads held steps from
 memory, so every added step samples with its ``next_obs``. In RAM: those steps
-only (``optimize_memory_usage`` is accepted and changes nothing). SB3's arrays
+only (``optimize_memory_usage`` is accepted and changes nothing), and with a codec
+the core's decoded-chunk cache (``MMBUFFER_DECODE_CACHE_BYTES``, 256 MiB per
+column by default; docs/format.md). SB3's arrays
 (``observations``, ``next_observations``, ``actions``, ``rewards``, ``dones``,
 ``timeouts``) are read-only views of the store (:mod:`mmbuffer.sb3.views`).
 

@@ -692,10 +692,12 @@ def test_dqn_cnn_on_ale_pong_frame_stack_trains(tmp_path):
     assert du_bytes(tmp_path / "pong") < stacked / 2
 
 
-def test_dqn_frame_stack_training_bit_identical_to_sb3_buffer(tmp_path):
+@pytest.mark.parametrize("codec", [None, "zstd"])
+def test_dqn_frame_stack_training_bit_identical_to_sb3_buffer(tmp_path, codec):
     """DQN CnnPolicy on Pong with VecFrameStack(4), same seed: SB3's buffer of stacked
-    observations or the drop-in storing single frames train the same weights, bit for bit
-    (the ring wraps, episodes end by timeouts)."""
+    observations or the drop-in storing single frames (raw or zstd, as bench_sb3.py
+    trains it) train the same weights, bit for bit (the ring wraps, episodes end by
+    timeouts)."""
     ale_py = pytest.importorskip("ale_py")
     from stable_baselines3.common.vec_env import VecFrameStack
 
@@ -711,8 +713,11 @@ def test_dqn_frame_stack_training_bit_identical_to_sb3_buffer(tmp_path):
 
     theirs, _ = train()
     mine, model = train(replay_buffer_class=mmbuffer.sb3.ReplayBuffer,
-                        replay_buffer_kwargs={"path": str(tmp_path / "r"), "frame_stack": 4, "commit_every": 50})
+                        replay_buffer_kwargs={"path": str(tmp_path / "r"), "frame_stack": 4, "commit_every": 50,
+                                              **({} if codec is None else {"codec": codec})})
     assert model._n_updates > 30 and all(torch.equal(a, b) for a, b in zip(theirs, mine))
+    with mb.open(tmp_path / "r", mode="r") as store:  # the store the run wrote has the codec asked for
+        assert store.attrs["sb3"].get("codec") == codec
     model.replay_buffer.close()
 
 
