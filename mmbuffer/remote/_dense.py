@@ -25,20 +25,22 @@ array. An array whose file is not exactly that layout is sent whole, as before.
 >>> sent, packed, replaced = pack(d / "s", rels)
 >>> "index/ends/c/0" in replaced, sorted(packed)[:2]
 (True, ['columns/terminated', 'columns/truncated'])
->>> data = rebuild("index/ends", packed["index/ends"], sent, sent.get)
->>> data == (d / "s" / "index/ends/c/0").read_bytes()
+>>> out = io.BytesIO()
+>>> rebuild("index/ends", packed["index/ends"], sent, sent.get, out)
+>>> out.getvalue() == (d / "s" / "index/ends/c/0").read_bytes()
 True
 """
 
 from __future__ import annotations
 
 import hashlib
+import io  # noqa: F401 - the doctest
 import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -190,11 +192,12 @@ def pack(store: Path, rels: list[str]) -> tuple[dict[str, bytes], dict[str, Pack
     return sent, packed, replaced
 
 
-def rebuild(array: str, record: Packed, entries: Mapping[str, Any], get: Callable[[str], bytes | None], *,
-            old: bytes | None = None, same: frozenset[str] = frozenset()) -> bytes:
-    """The shard file of ``array``, rebuilt from its published chunks and checked against
-    ``record``. ``entries``: the snapshot's objects (a chunk not there is zeros); ``get``:
-    a chunk's verified bytes (compressed). ``old``: the file rebuilt before from the same
+def rebuild(array: str, record: Packed, entries: Mapping[str, Any], get: Callable[[str], bytes | None],
+            out: BinaryIO, *, old: BinaryIO | None = None, same: frozenset[str] = frozenset()) -> None:
+    """Write the shard file of ``array`` to ``out``, rebuilt from its published chunks one
+    at a time (chunks of zeros are skipped: a sparse file), and check it against ``record``.
+    ``entries``: the snapshot's objects (a chunk not there is zeros); ``get``: a chunk's
+    verified bytes (compressed). ``old``: the file rebuilt before from the same
     ``zarr.json`` (a refresh), whose chunks named in ``same`` (unchanged) are copied, not fetched."""
     where = f"{array} (rebuilt from its chunks)"
     try:
@@ -202,33 +205,41 @@ def rebuild(array: str, record: Packed, entries: Mapping[str, Any], get: Callabl
     except (ValueError, RecursionError):
         raise errors.CorruptStoreError(f"{where}: zarr.json: not valid JSON") from None
     layout = _layout(array, meta)
-    if record.size != layout.chunks * layout.chunk_bytes + len(_shard_index(layout)):
+    tail = _shard_index(layout)
+    if record.size != layout.chunks * layout.chunk_bytes + len(tail):
         raise errors.CorruptStoreError(f"{where}: expected a shard of {layout.chunks * layout.chunk_bytes} bytes "
                                        f"and its index, the table says {record.size}")
-    view = np.zeros(layout.chunks * layout.chunk_bytes, np.uint8)
-    if old is not None and len(old) < view.size:
-        old = None
+    h = hashlib.blake2b(digest_size=16)
+    zeros = bytes(layout.chunk_bytes)
+    part = np.empty(layout.chunk_bytes, np.uint8)
     codec = None
     for k in range(layout.chunks):
         rel = chunk_rels(array, k, len(layout.shape))
-        if rel not in entries:
-            continue  # all zeros
-        if old is not None and rel in same:
-            view[k * layout.chunk_bytes:(k + 1) * layout.chunk_bytes] = np.frombuffer(
-                old, np.uint8, layout.chunk_bytes, k * layout.chunk_bytes)
-            continue
-        data = get(rel)
-        if data is None:
-            raise errors.CorruptStoreError(f"{rel}: expected the chunk the snapshot names, found nothing")
-        codec = codec or _zstd()
-        part = view[k * layout.chunk_bytes:(k + 1) * layout.chunk_bytes]
-        try:
-            codec.decode(data, out=part)  # never more than the chunk's bytes
-        except (ValueError, RuntimeError) as exc:
-            raise errors.CorruptStoreError(f"{rel}: expected a zstd chunk of {layout.chunk_bytes} bytes ({exc})") from None
-    out = view.tobytes() + _shard_index(layout)
-    got = hashlib.blake2b(out, digest_size=16).hexdigest()
-    if len(out) != record.size or got != record.digest:
+        data: bytes | None = None
+        if rel in entries and old is not None and rel in same:
+            old.seek(k * layout.chunk_bytes)
+            data = old.read(layout.chunk_bytes)
+            if len(data) != layout.chunk_bytes:
+                raise errors.CorruptStoreError(f"{where}: the previous mirror's file is short; remove the cache")
+        elif rel in entries:
+            blob = get(rel)
+            if blob is None:
+                raise errors.CorruptStoreError(f"{rel}: expected the chunk the snapshot names, found nothing")
+            codec = codec or _zstd()
+            part[:] = 0
+            try:
+                codec.decode(blob, out=part)  # never more than the chunk's bytes
+            except (ValueError, RuntimeError) as exc:
+                raise errors.CorruptStoreError(f"{rel}: expected a zstd chunk of {layout.chunk_bytes} bytes ({exc})") from None
+            data = part.tobytes()
+        if data is None:  # all zeros: a hole
+            h.update(zeros)
+            out.seek(layout.chunk_bytes, 1)
+        else:
+            h.update(data)
+            out.write(data)
+    h.update(tail)
+    out.write(tail)
+    if h.hexdigest() != record.digest:
         raise errors.CorruptStoreError(f"{where}: expected BLAKE2b-128 {record.digest} ({record.size} bytes), "
-                                       f"got {got} ({len(out)} bytes)")
-    return bytes(out)
+                                       f"got {h.hexdigest()}")

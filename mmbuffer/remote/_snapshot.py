@@ -26,6 +26,7 @@ is reused by every process on the machine (DataLoader workers, ranks).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -166,21 +167,23 @@ def mirror(fetch: Callable[[list[str]], dict[str, bytes | None]], snapshot: str,
         same = [r for r in rels if previous is not None and previous[1].get(r) == table.get(r)
                 and (previous[0] / r).is_file()]
         todo = [r for r in rels if r not in set(same)]
+        plans: list[tuple[str, str, dict[str, bytes], frozenset[str], Path | None]] = []
         for array, shard in packed.items():  # unchanged: linked; else rebuilt from the chunks that changed
             rec = table.packed[array]
-            before = previous[1].packed.get(array) if previous is not None else None
-            old = previous[0] / shard if previous is not None and before is not None and before.meta == rec.meta \
-                and (previous[0] / shard).is_file() else None
-            if old is not None and before == rec and (old.parent.parent / "zarr.json").is_file():
-                same += [f"{array}/zarr.json", shard]
-                continue
+            before, old = None, None
+            if previous is not None:
+                before, old = previous[1].packed.get(array), previous[0] / shard
+                if before is None or before.meta != rec.meta or not old.is_file():
+                    old = None
+                elif before == rec and (previous[0] / array / "zarr.json").is_file():
+                    same += [f"{array}/zarr.json", shard]
+                    continue
             chunks = [r for r in table.entries if r.startswith(f"{array}/c/")]
             kept = frozenset(r for r in chunks if old is not None and previous is not None
                              and previous[1].get(r) == table.get(r))
-            got = _fetch_checked(fetch, table, [r for r in chunks if r not in kept], cache)
+            plans.append((array, shard, _fetch_checked(fetch, table, [r for r in chunks if r not in kept], cache),
+                          kept, old if kept else None))
             blobs[f"{array}/zarr.json"] = rec.meta.encode()
-            blobs[shard] = rebuild(array, rec, table.entries, got.get,
-                                          old=old.read_bytes() if kept and old is not None else None, same=kept)
         blobs.update(_fetch_checked(fetch, table, todo, cache))
 
         def write() -> None:
@@ -188,6 +191,10 @@ def mirror(fetch: Callable[[list[str]], dict[str, bytes | None]], snapshot: str,
             try:
                 for rel, data in blobs.items():
                     write_file(tmp / rel, data, cache.base)
+                for array, shard, got, kept, old in plans:  # rebuilt one chunk at a time, then checked whole
+                    (tmp / shard).parent.mkdir(parents=True, exist_ok=True)
+                    with open(tmp / shard, "wb") as out, (open(old, "rb") if old else contextlib.nullcontext()) as prev:
+                        rebuild(array, table.packed[array], table.entries, got.get, out, old=prev, same=kept)
                 for rel in same:  # immutable files of the pinned previous mirror: linked (copied across devices)
                     assert previous is not None
                     (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -201,8 +208,8 @@ def mirror(fetch: Callable[[list[str]], dict[str, bytes | None]], snapshot: str,
                     shutil.rmtree(tmp)
 
         # linked files take no new space; counted anyway (the next scan counts each inode once)
-        cache.admit(sum(len(b) for b in blobs.values()) + sum((previous[0] / r).stat().st_size for r in same
-                                                                if previous is not None), write)
+        cache.admit(sum(len(b) for b in blobs.values()) + sum(table.packed[p[0]].size for p in plans)
+                    + sum((previous[0] / r).stat().st_size for r in same if previous is not None), write)
     return final
 
 
