@@ -36,12 +36,13 @@ digest changed (the rest is hard linked from the mirror open before). Final
 observations are compressed like the columns in a snapshot: only the chunks of their
 episodes' slots are shipped.
 
-What a real multi-node deployment still needs (not built here): the episode index
-(``index/ends``, 16 bytes per row of capacity) and the done flags are single dense
-objects, rewritten whole by an incremental publish and fetched whole by a reader (at
-1e6 rows, 1% new rows: 22 MB written, 12% of a full publish, 17 MB of it the index);
-a publish still compresses the whole store locally before comparing digests (O(store)
-CPU); the Icechunk engine never expires old commits (``Repository.expire_snapshots`` +
+Both engines publish incrementally: only objects whose digest changed are sent, and the
+raw arrays (episode index, flags, tree) go as zstd chunks that the reader rebuilds bit
+for bit (``_dense.py``); at 1e6 rows a publish after 1% new rows sends 2.4% of a full
+publish's bytes, at 1e7 rows 1.1% (benchmarks/RESULTS.md). What a real multi-node
+deployment still needs (not built here): a publish still compresses the whole store
+locally before comparing digests (O(store) CPU), and the object table lists every
+object (O(store / chunk) bytes per publish); the Icechunk engine never expires old commits (``Repository.expire_snapshots`` +
 ``garbage_collect`` are the tools); writer groups owning disjoint arrays of one
 repository, prefetch ahead of the sampler across refreshes, and resumable distributed
 sampling over a newer snapshot are not built.

@@ -2,9 +2,10 @@
 
 ``mb.convert.publish(src, url, engine="icechunk")`` keeps the store at ``url`` as an
 Icechunk repository (Zarr on object storage, serializable commits by conditional PUT).
-A publish compresses the store locally (``copy``), compares each object's BLAKE2b-128
-digest with the table of the previous commit, writes only the objects that changed
-(new rows' chunks, the index and tree chunks they touched) into one writable session,
+A publish compresses the store locally (``copy``), packs the raw arrays (index, flags,
+tree) into zstd chunks (``_dense.py``), compares each object's BLAKE2b-128 digest with
+the table of the previous commit, writes only the objects that changed (new rows'
+chunks, the index and tree chunks they touched) into one writable session,
 and commits it: readers see the previous commit or the new one, never a mix. The
 commit names its parent, so a second publisher that began from the same commit gets
 :class:`~mmbuffer.errors.LockedError` (Icechunk's ``ConflictError``) and changes

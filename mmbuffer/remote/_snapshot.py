@@ -1,21 +1,28 @@
 """Published stores on object storage: immutable snapshots behind one pointer object.
 
-Layout under the URL (a Zarr v3 group; each snapshot is a complete mmbuffer store,
-itself a Zarr group that zarr-python, xarray or tensorstore read directly)::
+Layout under the URL (a Zarr v3 group)::
 
     URL/zarr.json                 group metadata
-    URL/current.json              {"format": "mmbuffer-remote", "snapshot": ID, ...}
-    URL/snapshots/ID/...          one published store, never modified once written
-    URL/snapshots/ID/objects.json its object table: size and digest of every object
+    URL/current.json              {"format": "mmbuffer-remote", "version": 3, "snapshot": ID, ...}
+    URL/snapshots/ID/...          the objects this snapshot sent, never modified once written
+    URL/snapshots/ID/objects.json its object table: size and digest of every object of the
+                                  store, and for an object sent before, the snapshot holding it
                                   (the pointer holds the table's digest: ``_objects.py``)
 
-Publishing uploads a new snapshot completely, then replaces ``current.json`` with one
-PUT (atomic on S3, GCS, Azure): a reader sees the old snapshot or the new one, never
-a half-written store. One publisher per URL at a time (nothing arbitrates two here;
+Publishing uploads the objects whose digest differs from the previous snapshot's (the
+raw arrays as chunks, ``_dense.py``), the table naming where the others are, the
+manifest last, then replaces ``current.json`` with one PUT (atomic on S3, GCS, Azure):
+a reader sees the old snapshot or the new one, never a half-written store. The first
+snapshot holds every object: zarr-python, xarray or tensorstore read it directly;
+later ones are whole through their table (or publish with ``engine="icechunk"``, whose
+store zarr reads at every commit). A pointer of version 2 (every snapshot complete,
+dense raw arrays: mmbuffer before 2026-11-25) is still read, and a publish on top of it
+names its objects instead of sending them again. One publisher per URL at a time (nothing arbitrates two here;
 ``engine="icechunk"``, ``_icechunk.py``, refuses the second). A reader pins the snapshot it opened; ``refresh()`` moves to
-the newest. Publishing keeps the ``keep`` newest snapshots and deletes older ones it
+the newest. Publishing keeps the ``keep`` newest snapshots and drops older ones it
 wrote (their ``manifest.json`` first: a reader that finds it gone after a read knows
-its data may be missing and raises instead of returning zeros, see ``check_alive``).
+its data may be missing and raises instead of returning zeros, see ``check_alive``),
+then deletes every object of theirs that no kept snapshot names.
 
 The small parts of a snapshot (manifest, episode index, priority tree, final
 observations, ``terminated``/``truncated``; everything but the data columns' chunks)
