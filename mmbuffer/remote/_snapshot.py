@@ -252,7 +252,12 @@ def publish_dir(fs: Any, root: str, url: str, store: Path, *, keep: int, generat
             raise errors.StoreExistsError(
                 f"{url}: expected an empty prefix or a store mmbuffer published, got other objects; nothing was changed"
             ) from None
-    before = None if previous is None else load_table(fs, root, url, str(previous["snapshot"]), str(previous["objects"]))
+    before: Table | None = None
+    if previous is not None:
+        try:
+            before = load_table(fs, root, url, str(previous["snapshot"]), str(previous["objects"]))
+        except (errors.CorruptStoreError, errors.StoreNotFoundError):
+            before = None  # a damaged previous snapshot: this one sends everything, and is whole by itself
     seq = 1 if previous is None else int(previous["sequence"]) + 1
     snapshot = f"{seq:010d}-{uuid.uuid4().hex[:12]}"
     snap_root = join(root, SNAPSHOTS, snapshot)
