@@ -179,6 +179,21 @@ def test_an_older_published_snapshot_still_opens_and_an_unknown_version_is_refus
         mb.open(url, mode="r", cache_dir=tmp_path / "c2")
 
 
+def test_a_publish_over_a_damaged_snapshot_sends_everything_and_is_whole(tmp_path, server, fs):
+    bucket = new_bucket(server[0])
+    url = f"s3://{bucket}/store"
+    make(tmp_path / "local", rows=20_000)
+    first, full = publish(server, tmp_path / "local", url, "snapshots")
+    key = f"{bucket}/store/snapshots/{first['snapshot']}/objects.json"
+    fs.pipe_file(key, fs.cat_file(key) + b" ")  # no longer the table the pointer names
+    extend(tmp_path / "local", 20_000, 200)
+    second, sent = publish(server, tmp_path / "local", url, "snapshots")
+    table = json.loads(fs.cat_file(f"{bucket}/store/snapshots/{second['snapshot']}/objects.json"))
+    assert not any(len(v) == 3 for v in table["objects"].values()) and sent > 0.9 * full  # names nothing of it
+    with mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None) as ro:
+        same_reads(ro, tmp_path / "local")
+
+
 def test_a_table_of_an_unknown_version_is_refused_naming_it(tmp_path):
     from mmbuffer.remote._objects import parse_table
 
@@ -214,3 +229,68 @@ def test_zarr_reads_the_chunked_index_of_a_published_store_without_mmbuffer(tmp_
         local = zarr.open_group(str(tmp_path / "local"), mode="r")
         for name in ("index/ends", "columns/terminated", "columns/x"):
             np.testing.assert_array_equal(group[name][:], local[name][:])
+
+
+_PUBLISHER = """
+import sys, dataclasses
+from mmbuffer._disk import format as fmt
+fmt.config = dataclasses.replace(fmt.config, chunk_bytes=4096)
+import mmbuffer as mb
+import s3fs
+print("ready", flush=True)
+mb.convert.publish(sys.argv[1], sys.argv[2], engine="snapshots", keep=2, progress=False)
+"""
+
+
+@pytest.mark.slow
+def test_an_incremental_publisher_killed_at_random_instants_leaves_a_whole_snapshot(tmp_path, server, fs):
+    """50 publishers of the object-table engine killed (SIGKILL) at random instants (in the
+    upload, the table, the pointer or the prune), alternating two stores that share most
+    chunks: after each, a reader opens exactly one of them (never a mix, never a missing
+    object), and a restarted publisher completes."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    url = f"s3://{new_bucket(server[0])}/store"
+    make(tmp_path / "a", rows=20_000)
+    make(tmp_path / "b", rows=20_000)
+    extend(tmp_path / "b", 20_000, 400)  # b = a + 2% new rows: incremental publishes both ways
+    states = {}
+    for which in "ab":
+        with mb.open(tmp_path / which, mode="r") as local:
+            states[which] = local.get(np.arange(len(local)), keys=["x"])["x"].numpy()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(p) for p in sys.path if p]))
+
+    def start(which: str) -> subprocess.Popen:
+        p = subprocess.Popen([sys.executable, "-c", _PUBLISHER, str(tmp_path / which), url], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        assert p.stdout is not None and p.stdout.readline() == b"ready\n"
+        p.stdout.close()
+        return p
+
+    assert start("a").wait() == 0
+    p = start("b")
+    t0 = time.perf_counter()
+    assert p.wait() == 0
+    span = time.perf_counter() - t0  # one incremental publish, as in the loop
+    rng = np.random.default_rng(0)
+    kills = published = i = 0
+    while kills < 50 and i < 150:
+        which, i = "ab"[i % 2], i + 1
+        p = start(which)
+        try:
+            p.wait(timeout=float(rng.uniform(0.1, 1.5)) * span)
+            published += p.returncode == 0
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            kills += 1
+        with mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None) as ro:
+            got = ro.get(np.arange(len(ro)), keys=["x"])["x"].numpy()
+        assert any(np.array_equal(got, s) for s in states.values()), i  # one store whole, never a mix
+    assert kills >= 50 and published >= 1
+    assert start("b").wait() == 0
+    with mb.open(url, mode="r", cache_dir=tmp_path / "c2", pool=None) as ro:
+        same_reads(ro, tmp_path / "b")
