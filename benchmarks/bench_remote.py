@@ -14,11 +14,13 @@ loopback (moto's server mode, started here), and measures, in the same run:
 * pool refill throughput: decoded MB per second of a block fetch (zstd chunks through
   zarr + s3fs), measured on the first fill of the pool.
 
-With ``--publish``, instead: the cost of publishing after 1% new rows against a full
-publish, for both engines (``snapshots``: a full copy per publish; ``icechunk``: only
-the objects whose digest changed, one commit), in the same run: seconds (including the
-local zstd copy, O(store) for both) and bytes added under the URL (the bucket's size
-before and after, so Icechunk's own snapshot and manifest files count).
+With ``--publish``, instead: the cost of publishing after 1% new rows (``--steps``
+times) against a full publish, for both engines (``snapshots``: objects whose digest
+changed, the others named in the table; ``icechunk``: the same, one commit), in the same
+run: seconds (including the local zstd copy, O(store) for both), the bytes of every PUT
+request the server received (counted by the server: object bodies and multipart parts,
+so Icechunk's own snapshot and manifest files count) and bytes added under the URL (the
+bucket's size before and after; pruned snapshots make it smaller).
 
 moto is a Python server: its throughput, not S3's, bounds the remote figures here.
 Run: ``python benchmarks/bench_remote.py [--rows 1000000] [--publish]``.
@@ -58,8 +60,8 @@ def build(path: Path, rows: int, episode: int) -> None:
                        final_obs={"obs": np.zeros((int(done.sum()), 17), np.float32)})
 
 
-def publish_costs(tmp: Path, endpoint: str, rows: int, episode: int) -> None:
-    """Full publish, then 1% new rows and a second publish, per engine (module docstring)."""
+def publish_costs(tmp: Path, endpoint: str, counter: object, rows: int, episode: int, steps: int) -> None:
+    """Full publish, then 1% new rows and a publish, ``steps`` times, per engine (module docstring)."""
     import fsspec
 
     from s3server import new_bucket
@@ -75,7 +77,7 @@ def publish_costs(tmp: Path, endpoint: str, rows: int, episode: int) -> None:
                     "reward": rng.standard_normal(n, dtype=np.float32), "terminated": done},
                    final_obs={"obs": np.zeros((int(done.sum()), 17), np.float32)})
 
-    with mb.create(local, cols, capacity=int(rows * 1.05)) as buf:
+    with mb.create(local, cols, capacity=int(rows * (1 + 0.01 * steps) + episode)) as buf:
         for start in range(0, rows, 250_000):
             add(buf, start, min(250_000, rows - start))
     fs = fsspec.filesystem("s3", endpoint_url=endpoint, skip_instance_cache=True)
@@ -85,21 +87,23 @@ def publish_costs(tmp: Path, endpoint: str, rows: int, episode: int) -> None:
         fs.invalidate_cache()
         return int(sum(fs.du(url[5:], total=False).values())) if fs.exists(url[5:]) else 0
 
-    out: dict[tuple[str, str], tuple[float, int]] = {}
-    for step in ("full", "after 1% new rows"):
+    out: dict[tuple[str, str], tuple[float, int, int, int]] = {}
+    for step in ["full"] + [f"after 1% new rows ({i})" for i in range(1, steps + 1)]:
         if step != "full":
             with mb.open(local) as buf:
-                add(buf, rows, rows // 100)
+                add(buf, rows + (int(step[-2]) - 1) * (rows // 100), rows // 100)
         for engine, url in urls.items():  # interleaved: both engines publish the same state
-            before = size(url)
+            before, put0, n0 = size(url), counter.put_bytes, counter.puts  # type: ignore[attr-defined]
             t0 = time.perf_counter()
             mb.convert.publish(local, url, engine=engine, progress=False)
-            out[(engine, step)] = (time.perf_counter() - t0, size(url) - before)
-    print(f"| engine | publish | seconds | MB added under the URL | vs full |")
-    print("|---|---|---:|---:|---:|")
-    for (engine, step), (sec, added) in out.items():
-        full = out[(engine, "full")][1]
-        print(f"| {engine} | {step} | {sec:.1f} | {added / 1e6:.2f} | {added / full:.3f} |")
+            sec = time.perf_counter() - t0
+            out[(engine, step)] = (sec, size(url) - before, counter.put_bytes - put0,  # type: ignore[attr-defined]
+                                   counter.puts - n0)  # type: ignore[attr-defined]
+    print("| engine | publish | seconds | bytes PUT (MB) | PUT requests | vs full (bytes PUT) | MB added under the URL |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for (engine, step), (sec, added, sent, puts) in out.items():
+        full = out[(engine, "full")][2]
+        print(f"| {engine} | {step} | {sec:.1f} | {sent / 1e6:.2f} | {puts} | {sent / full:.3f} | {added / 1e6:.2f} |")
 
 
 def rate(buf: mb.Buffer, batches: int, b: int, length: int, seed: int = 0) -> float:
@@ -122,13 +126,14 @@ def main() -> None:
     ap.add_argument("--pool-blocks", type=int, default=2, help="PoolConfig.blocks (default 2: the pool rotates)")
     ap.add_argument("--rotate-every", type=int, nargs="+", default=[8, 32, 128], help="PoolConfig.rotate_every values")
     ap.add_argument("--publish", action="store_true", help="measure publish costs only (full vs after 1%% new rows)")
+    ap.add_argument("--steps", type=int, default=2, help="--publish: publishes after 1%% new rows each (default 2)")
     args = ap.parse_args()
-    from s3server import moto_s3, new_bucket
+    from s3server import counting_moto_s3, moto_s3, new_bucket
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     if args.publish:
-        with tempfile.TemporaryDirectory() as tmp, moto_s3() as endpoint:
-            publish_costs(Path(tmp), endpoint, args.rows, args.episode)
+        with tempfile.TemporaryDirectory() as tmp, counting_moto_s3() as (endpoint, counter):
+            publish_costs(Path(tmp), endpoint, counter, args.rows, args.episode, args.steps)
         return
     with tempfile.TemporaryDirectory() as tmp, moto_s3() as endpoint:
         local = Path(tmp) / "local"

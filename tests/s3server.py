@@ -12,12 +12,25 @@ import pytest
 
 
 @contextlib.contextmanager
-def moto_s3() -> Iterator[str]:
-    """Start the server, point the ``AWS_*`` environment at it; yield the endpoint URL."""
+def moto_s3(wrap=None) -> Iterator[str]:
+    """Start the server, point the ``AWS_*`` environment at it; yield the endpoint URL.
+    ``wrap``: applied to the server's WSGI application (a middleware, e.g. ``PutCounter``)."""
     pytest.importorskip("s3fs")
     server_mod = pytest.importorskip("moto.server")
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    cls = server_mod.ThreadedMotoServer
+    if wrap is not None:
+        from werkzeug.serving import make_server
+
+        class Wrapped(server_mod.ThreadedMotoServer):
+            def _server_entry(self) -> None:
+                app = wrap(server_mod.DomainDispatcherApplication(server_mod.create_backend_app))
+                self._server = make_server(self._ip_address, self._port, app, True)
+                self._server_ready_event.set()
+                self._server.serve_forever()
+
+        cls = Wrapped
+    server = cls(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"
@@ -43,3 +56,35 @@ def new_bucket(endpoint: str) -> str:
     name = f"b-{uuid.uuid4().hex[:12]}"
     boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=name)
     return name
+
+
+class PutCounter:
+    """WSGI middleware counting the requests that send bodies to the server: ``puts`` and
+    ``put_bytes`` (PUT: objects and multipart parts), ``posts`` and ``post_bytes``."""
+
+    def __init__(self, app):
+        self.app = app
+        self.puts = self.put_bytes = self.posts = self.post_bytes = 0
+
+    def __call__(self, environ, start_response):
+        method = environ.get("REQUEST_METHOD")
+        if method in ("PUT", "POST"):
+            n = int(environ.get("HTTP_X_AMZ_DECODED_CONTENT_LENGTH") or environ.get("CONTENT_LENGTH") or 0)
+            if method == "PUT":
+                self.puts, self.put_bytes = self.puts + 1, self.put_bytes + n
+            else:
+                self.posts, self.post_bytes = self.posts + 1, self.post_bytes + n
+        return self.app(environ, start_response)
+
+
+@contextlib.contextmanager
+def counting_moto_s3() -> Iterator[tuple[str, PutCounter]]:
+    """:func:`moto_s3` whose server counts the bytes sent to it (``PutCounter``)."""
+    counter: list[PutCounter] = []
+
+    def wrap(app):
+        counter.append(PutCounter(app))
+        return counter[0]
+
+    with moto_s3(wrap=wrap) as endpoint:
+        yield endpoint, counter[0]

@@ -36,12 +36,13 @@ digest changed (the rest is hard linked from the mirror open before). Final
 observations are compressed like the columns in a snapshot: only the chunks of their
 episodes' slots are shipped.
 
-What a real multi-node deployment still needs (not built here): the episode index
-(``index/ends``, 16 bytes per row of capacity) and the done flags are single dense
-objects, rewritten whole by an incremental publish and fetched whole by a reader (at
-1e6 rows, 1% new rows: 22 MB written, 12% of a full publish, 17 MB of it the index);
-a publish still compresses the whole store locally before comparing digests (O(store)
-CPU); the Icechunk engine never expires old commits (``Repository.expire_snapshots`` +
+Both engines publish incrementally: only objects whose digest changed are sent, and the
+raw arrays (episode index, flags, tree) go as zstd chunks that the reader rebuilds bit
+for bit (``_dense.py``); at 1e6 rows a publish after 1% new rows sends 2.4% of a full
+publish's bytes, at 1e7 rows 1.1% (benchmarks/RESULTS.md). What a real multi-node
+deployment still needs (not built here): a publish still compresses the whole store
+locally before comparing digests (O(store) CPU), and the object table lists every
+object (O(store / chunk) bytes per publish); the Icechunk engine never expires old commits (``Repository.expire_snapshots`` +
 ``garbage_collect`` are the tools); writer groups owning disjoint arrays of one
 repository, prefetch ahead of the sampler across refreshes, and resumable distributed
 sampling over a newer snapshot are not built.
@@ -59,7 +60,7 @@ from typing import Any
 
 from .. import errors, samplers
 from .._disk.columns.remote import RemoteArray
-from .._disk.urls import filesystem
+from .._disk.urls import filesystem, options_for
 from .._ledger.manifest import load_manifest
 from .._ledger.store import Store
 from .._disk import format as fmt
@@ -133,7 +134,7 @@ class RemoteSource:
                      "zarr.json": json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}).encode()}
         else:
             table = load_table(self.fs, self.root, self.url, snap, str(pointer["objects"]))
-            fetch_many = _snapshot.fetch_objects(self.fs, self.root, snap, self.url)
+            fetch_many = _snapshot.fetch_objects(self.fs, self.root, table, self.url)
         pin = self.files.pin(self.cache / f"{snap}.pin")
         try:
             before = (previous, self.table) if previous is not None and self.table.entries else None
@@ -142,52 +143,57 @@ class RemoteSource:
             os.close(pin)
             raise
 
-    def _repo_column(self, snap: str, table: Table, name: str, expect: Any) -> RemoteArray:
-        """A data column of an Icechunk commit, read through its verified store."""
+    def _column(self, snap: str, table: Table, name: str, expect: Any, base: Any, fetch: Callable[[str], bytes],
+                alive: Callable[[], None] | None) -> RemoteArray:
+        """A data column of a snapshot, every object (its ``zarr.json`` too) read through
+        the verified, cached store over ``base`` (the engine's own store)."""
         import zarr
 
-        assert self.repo is not None
-        repo = self.repo
-        store = VerifiedStore(repo.session(snap).store, prefix=name + "/", table=table, cache=self.files,
-                              fetch=lambda rel: repo.fetch(snap, rel))
+        store = VerifiedStore(base, prefix=name + "/", table=table, cache=self.files, fetch=fetch, alive=alive)
         where = f"{self.url}@{snap}/{name}"
         entry = table.get(f"{name}/zarr.json")
         if entry is None:
             raise table.missing(f"{name}/zarr.json")
-        meta = json.loads(self.files.object(entry[1], entry[0], lambda: repo.fetch(snap, f"{name}/zarr.json"),
-                                            lambda data: table.check(f"{name}/zarr.json", data)))
-        raw = isinstance(meta.get("codecs"), list) and bool(meta["codecs"]) and isinstance(meta["codecs"][0], dict) \
-            and meta["codecs"][0].get("name") == "sharding_indexed"
+        with remote_errors(self.url):
+            meta = json.loads(store.read_object(f"{name}/zarr.json") or b"null")
+        raw = isinstance(meta, dict) and isinstance(meta.get("codecs"), list) and bool(meta["codecs"]) \
+            and isinstance(meta["codecs"][0], dict) and meta["codecs"][0].get("name") == "sharding_indexed"
         fmt.check_array_meta(Path(name), meta, expect, raw=raw)
-        return RemoteArray(zarr.open_array(store=store, mode="r"), where, cache_bytes=64 << 20, alive=None)
+        try:
+            array = zarr.open_array(store=store, mode="r")
+        except errors.MMBufferError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - zarr's errors are untyped for us
+            raise errors.CorruptStoreError(f"{where}: zarr cannot open the array ({type(exc).__name__}: {exc})") from None
+        return RemoteArray(array, where, cache_bytes=64 << 20, alive=alive)
 
     def _open(self, pointer: Mapping[str, Any], lock: threading.RLock,
               mirrored: tuple[Path, Table, int] | None = None) -> Store:
         snap = str(pointer["snapshot"])
         local, table, pin = mirrored if mirrored is not None else self._mirror(pointer)
         snap_url = f"{self.url}/{_snapshot.SNAPSHOTS}/{snap}"
-        snap_root = f"{self.root}/{_snapshot.SNAPSHOTS}/{snap}"
         opened: dict[str, RemoteArray] = {}
         fs = self.fs
 
         def alive() -> None:
             _snapshot.check_alive(fs, self.root, snap, self.url)
 
-        def fetch(rel: str) -> bytes:
-            data: bytes = fs.cat_file(f"{snap_root}/{rel}")
+        def fetch(rel: str) -> bytes:  # from the snapshot that holds it (this one, or an earlier one)
+            data: bytes = fs.cat_file(f"{self.root}/{_snapshot.SNAPSHOTS}/{table.holder(rel)}/{rel}")
             return data
 
         def opener(name: str, expect: Any) -> RemoteArray:
             if self.repo is not None:
-                arr = self._repo_column(snap, table, name, expect)
-                opened[name.split("/", 1)[1]] = arr
-                return arr
+                repo = self.repo
+                arr = self._column(snap, table, name, expect, repo.session(snap).store,
+                                   lambda rel: repo.fetch(snap, rel), None)
+            else:
+                from zarr.storage import FsspecStore
 
-            def wrap(store: Any) -> VerifiedStore:
-                return VerifiedStore(store, prefix=name + "/", table=table, cache=self.files, fetch=fetch, alive=alive)
-
-            arr = RemoteArray.open(snap_url, name, writable=False, expect=expect,
-                                   storage_options=self.storage_options, alive=alive, wrap=wrap)
+                col_url = f"{snap_url}/{name}"  # never read: every get goes through the table
+                base = FsspecStore.from_url(col_url, storage_options=options_for(col_url, self.storage_options),
+                                            read_only=True)
+                arr = self._column(snap, table, name, expect, base, fetch, alive)
             opened[name.split("/", 1)[1]] = arr
             return arr
 
@@ -219,7 +225,7 @@ class RemoteSource:
             def fetch_many(rels: list[str]) -> dict[str, bytes | None]:
                 return {rel: _or_none(repo.fetch, snap, rel) for rel in rels}
         else:
-            fetch_many = _snapshot.fetch_objects(self.fs, self.root, snap, self.url)
+            fetch_many = _snapshot.fetch_objects(self.fs, self.root, table, self.url)
         rels, problems, total = sorted(table.entries), [], 0
         for start in range(0, len(rels), 64):
             for rel, data in fetch_many(rels[start:start + 64]).items():

@@ -2,9 +2,10 @@
 
 ``mb.convert.publish(src, url, engine="icechunk")`` keeps the store at ``url`` as an
 Icechunk repository (Zarr on object storage, serializable commits by conditional PUT).
-A publish compresses the store locally (``copy``), compares each object's BLAKE2b-128
-digest with the table of the previous commit, writes only the objects that changed
-(new rows' chunks, the index and tree chunks they touched) into one writable session,
+A publish compresses the store locally (``copy``), packs the raw arrays (index, flags,
+tree) into zstd chunks (``_dense.py``), compares each object's BLAKE2b-128 digest with
+the table of the previous commit, writes only the objects that changed (new rows'
+chunks, the index and tree chunks they touched) into one writable session,
 and commits it: readers see the previous commit or the new one, never a mix. The
 commit names its parent, so a second publisher that began from the same commit gets
 :class:`~mmbuffer.errors.LockedError` (Icechunk's ``ConflictError``) and changes
@@ -39,7 +40,8 @@ from typing import Any
 
 from .. import errors
 from .._disk import format as fmt
-from ._objects import OBJECTS, Table, digest, file_digest, remote_errors, table_bytes
+from ._dense import pack
+from ._objects import OBJECTS, Table, digest, file_digest, parse_table, remote_errors, table_bytes
 
 __all__ = ["Repo", "is_repo", "publish_repo"]
 
@@ -136,8 +138,10 @@ class Repo:
         if raw is None or digest(raw) != pointer["objects"]:
             raise errors.CorruptStoreError(f"{self.url}@{snap}/{TABLE}: expected BLAKE2b-128 {pointer['objects']} "
                                            f"(named by the commit), got {None if raw is None else digest(raw)}")
-        body = json.loads(raw)
-        return Table({k: (int(v[0]), str(v[1])) for k, v in body["objects"].items()}, self.url, snap)
+        table = parse_table(raw, f"{self.url}@{snap}/{TABLE}", self.url, snap)
+        if table.holders:
+            raise errors.CorruptStoreError(f"{self.url}@{snap}/{TABLE}: expected no objects held elsewhere in a repository")
+        return table
 
     def fetch(self, snapshot: str, rel: str) -> bytes:
         with remote_errors(self.url):
@@ -189,9 +193,12 @@ def publish_repo(url: str, store: Path, storage_options: Mapping[str, Any] | Non
         raw = _read_table(session.store)
         old = json.loads(raw)["objects"] if raw else {}
     files = sorted(p for p in store.rglob("*") if p.is_file() and not p.is_symlink() and p.name != fmt.LOCK)
-    paths = {p.relative_to(store).as_posix(): p for p in files}
-    entries = {rel: file_digest(p) for rel, p in paths.items() if rel not in (fmt.MANIFEST, "zarr.json", OBJECTS)}
-    table = table_bytes(entries)
+    paths: dict[str, Path | bytes] = {p.relative_to(store).as_posix(): p for p in files}
+    chunked, packed, replaced = pack(store, sorted(paths))  # raw arrays as chunks: only changed ones go
+    paths = {rel: p for rel, p in paths.items() if rel not in replaced} | dict(chunked)
+    entries = {rel: (len(p), digest(p)) if isinstance(p, bytes) else file_digest(p) for rel, p in paths.items()
+               if rel not in (fmt.MANIFEST, "zarr.json", OBJECTS)}
+    table = table_bytes(entries, None, packed)
     seq = int(prev_attrs["sequence"]) + 1 if prev_attrs else 1
     root = json.loads((store / "zarr.json").read_bytes())
     root.setdefault("attributes", {})[_ATTR] = {
@@ -204,7 +211,9 @@ def publish_repo(url: str, store: Path, storage_options: Mapping[str, Any] | Non
         (f"{TABLE}/zarr.json", _table_meta(len(table))), (f"{TABLE}/c/0", table)]
     sent = 0
     for key, data in writes:
-        data = data or paths[key].read_bytes()
+        if not data:
+            value = paths[key]
+            data = value if isinstance(value, bytes) else value.read_bytes()
         _sync(session.store.set(key, proto.buffer.from_bytes(data)))
         sent += len(data)
     for rel in sorted(set(old) - set(entries), reverse=True):

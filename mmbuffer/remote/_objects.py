@@ -2,7 +2,10 @@
 
 Every published snapshot carries ``objects.json`` (``OBJECTS``): for each object of the
 snapshot (relative name) its size and BLAKE2b-128 digest, computed from the local files
-before upload. The pointer (``current.json``) records the digest of ``objects.json``
+before upload. Version 2 of the table adds, per object, the earlier snapshot that holds
+it when this one did not send it again (``holders``: an unchanged object is never sent
+twice), and the raw arrays published as chunks (``packed``: :mod:`._dense`); a version 1
+table (every object in its own snapshot, no packed arrays) reads as before. The pointer (``current.json``) records the digest of ``objects.json``
 itself, so the chain pointer -> table -> object is checked end to end: a flipped,
 truncated, missing or swapped-in object (one from another snapshot) is a
 :class:`~mmbuffer.errors.CorruptStoreError` naming the object and its column, never
@@ -28,14 +31,16 @@ from pathlib import Path
 from typing import Any
 
 from .. import errors
+from ._dense import Packed
 
-__all__ = ["OBJECTS", "Table", "digest", "load_table", "remote_errors", "table_bytes"]
+__all__ = ["OBJECTS", "Table", "digest", "load_table", "parse_table", "remote_errors", "table_bytes"]
 
 OBJECTS = "objects.json"
 _FORMAT = "mmbuffer-objects"
 _HASH = "blake2b-128"
 _HEX = re.compile(r"^[0-9a-f]{32}$")
 _LIMIT = 1 << 30
+_SNAPSHOT = re.compile(r"^[0-9]{10}-[0-9a-f]{12}$")
 
 
 def digest(data: bytes | memoryview) -> str:
@@ -54,10 +59,15 @@ def file_digest(path: Path) -> tuple[int, str]:
     return size, h.hexdigest()
 
 
-def table_bytes(entries: Mapping[str, tuple[int, str]]) -> bytes:
-    """The ``objects.json`` of a snapshot holding ``entries`` (relative name -> (size, digest))."""
-    body = {"format": _FORMAT, "version": 1, "hash": _HASH,
-            "objects": {k: [int(s), d] for k, (s, d) in sorted(entries.items())}}
+def table_bytes(entries: Mapping[str, tuple[int, str]], holders: Mapping[str, str] | None = None,
+                packed: Mapping[str, Packed] | None = None) -> bytes:
+    """The ``objects.json`` of a snapshot holding ``entries`` (relative name -> (size,
+    digest)); ``holders``: objects kept in an earlier snapshot (name -> its id);
+    ``packed``: raw arrays published as chunks (:mod:`._dense`)."""
+    held = dict(holders or {})
+    body = {"format": _FORMAT, "version": 2, "hash": _HASH,
+            "objects": {k: [int(s), d] + ([held[k]] if k in held else []) for k, (s, d) in sorted(entries.items())},
+            "packed": {k: v.to_json() for k, v in sorted((packed or {}).items())}}
     return json.dumps(body, separators=(",", ":")).encode()
 
 
@@ -70,13 +80,20 @@ def column_of(rel: str) -> str:
 class Table:
     """The checked object table of one snapshot of ``url``."""
 
-    def __init__(self, entries: dict[str, tuple[int, str]], url: str, snapshot: str) -> None:
+    def __init__(self, entries: dict[str, tuple[int, str]], url: str, snapshot: str,
+                 holders: dict[str, str] | None = None, packed: dict[str, Packed] | None = None) -> None:
         self.entries = entries
         self.url = url
         self.snapshot = snapshot
+        self.holders = holders or {}  # objects an earlier snapshot holds: name -> its id
+        self.packed = packed or {}  # raw arrays published as chunks: array -> record (_dense.py)
+
+    def holder(self, rel: str) -> str:
+        """The snapshot whose folder holds ``rel`` (this one, or an earlier one)."""
+        return self.holders.get(rel, self.snapshot)
 
     def where(self, rel: str) -> str:
-        return f"{self.url}/snapshots/{self.snapshot}/{rel} (column {column_of(rel)})"
+        return f"{self.url}/snapshots/{self.holder(rel)}/{rel} (column {column_of(rel)})"
 
     def get(self, rel: str) -> tuple[int, str] | None:
         return self.entries.get(rel)
@@ -107,19 +124,37 @@ def load_table(fs: Any, root: str, url: str, snapshot: str, want: str) -> Table:
                                             "(removed by a newer publish, or never completed)") from None
     if digest(raw) != want:
         raise errors.CorruptStoreError(f"{where}: expected BLAKE2b-128 {want} (named by the pointer), got {digest(raw)}")
+    return parse_table(raw, where, url, snapshot)
+
+
+def parse_table(raw: bytes, where: str, url: str, snapshot: str) -> Table:
+    """The table in ``raw`` (its digest already checked), every field checked."""
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError) as exc:  # pragma: no cover - the digest matched what mmbuffer wrote
         raise errors.CorruptStoreError(f"{where}: not valid JSON ({exc})") from None
     if not isinstance(body, dict) or body.get("format") != _FORMAT or body.get("hash") != _HASH:
         raise errors.CorruptStoreError(f"{where}: expected format {_FORMAT!r} with hash {_HASH!r}")
+    version = body.get("version")
+    if version not in (1, 2):
+        raise errors.FormatVersionError(f"{where}: version: expected 1 or 2, got {version!r}; upgrade mmbuffer")
+    objects, packed = body.get("objects") or {}, body.get("packed") or {}
+    if not isinstance(objects, dict) or not isinstance(packed, dict) or (version == 1 and packed):
+        raise errors.CorruptStoreError(f"{where}: expected objects (and, in version 2, packed) as JSON objects")
     entries: dict[str, tuple[int, str]] = {}
-    for rel, value in dict(body.get("objects") or {}).items():
-        if (not isinstance(value, list) or len(value) != 2 or not isinstance(value[0], int) or value[0] < 0
-                or not isinstance(value[1], str) or not _HEX.match(value[1])):
-            raise errors.CorruptStoreError(f"{where}: {rel}: expected [size, digest], got {value!r}")
+    holders: dict[str, str] = {}
+    for rel, value in objects.items():
+        n = len(value) if isinstance(value, list) else 0
+        if (n not in ((2,) if version == 1 else (2, 3)) or not isinstance(value[0], int) or isinstance(value[0], bool)
+                or value[0] < 0 or not isinstance(value[1], str) or not _HEX.match(value[1])
+                or (n == 3 and not (isinstance(value[2], str) and _SNAPSHOT.match(value[2])))):
+            raise errors.CorruptStoreError(f"{where}: {rel}: expected [size, digest] or [size, digest, snapshot id], "
+                                           f"got {value!r}")
         entries[str(rel)] = (value[0], value[1])
-    return Table(entries, url, snapshot)
+        if n == 3:
+            holders[str(rel)] = value[2]
+    records = {str(k): Packed.from_json(f"{where}: packed {k}", v) for k, v in packed.items()}
+    return Table(entries, url, snapshot, holders, records)
 
 
 @contextlib.contextmanager

@@ -1,21 +1,28 @@
 """Published stores on object storage: immutable snapshots behind one pointer object.
 
-Layout under the URL (a Zarr v3 group; each snapshot is a complete mmbuffer store,
-itself a Zarr group that zarr-python, xarray or tensorstore read directly)::
+Layout under the URL (a Zarr v3 group)::
 
     URL/zarr.json                 group metadata
-    URL/current.json              {"format": "mmbuffer-remote", "snapshot": ID, ...}
-    URL/snapshots/ID/...          one published store, never modified once written
-    URL/snapshots/ID/objects.json its object table: size and digest of every object
+    URL/current.json              {"format": "mmbuffer-remote", "version": 3, "snapshot": ID, ...}
+    URL/snapshots/ID/...          the objects this snapshot sent, never modified once written
+    URL/snapshots/ID/objects.json its object table: size and digest of every object of the
+                                  store, and for an object sent before, the snapshot holding it
                                   (the pointer holds the table's digest: ``_objects.py``)
 
-Publishing uploads a new snapshot completely, then replaces ``current.json`` with one
-PUT (atomic on S3, GCS, Azure): a reader sees the old snapshot or the new one, never
-a half-written store. One publisher per URL at a time (nothing arbitrates two here;
+Publishing uploads the objects whose digest differs from the previous snapshot's (the
+raw arrays as chunks, ``_dense.py``), the table naming where the others are, the
+manifest last, then replaces ``current.json`` with one PUT (atomic on S3, GCS, Azure):
+a reader sees the old snapshot or the new one, never a half-written store. The first
+snapshot holds every object: zarr-python, xarray or tensorstore read it directly;
+later ones are whole through their table (or publish with ``engine="icechunk"``, whose
+store zarr reads at every commit). A pointer of version 2 (every snapshot complete,
+dense raw arrays: mmbuffer before 2026-11-25) is still read, and a publish on top of it
+names its objects instead of sending them again. One publisher per URL at a time (nothing arbitrates two here;
 ``engine="icechunk"``, ``_icechunk.py``, refuses the second). A reader pins the snapshot it opened; ``refresh()`` moves to
-the newest. Publishing keeps the ``keep`` newest snapshots and deletes older ones it
+the newest. Publishing keeps the ``keep`` newest snapshots and drops older ones it
 wrote (their ``manifest.json`` first: a reader that finds it gone after a read knows
-its data may be missing and raises instead of returning zeros, see ``check_alive``).
+its data may be missing and raises instead of returning zeros, see ``check_alive``),
+then deletes every object of theirs that no kept snapshot names.
 
 The small parts of a snapshot (manifest, episode index, priority tree, final
 observations, ``terminated``/``truncated``; everything but the data columns' chunks)
@@ -26,6 +33,7 @@ is reused by every process on the machine (DataLoader workers, ranks).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -40,15 +48,17 @@ from typing import Any
 from .. import errors
 from .._disk import format as fmt
 from .._disk.urls import join
+from ._dense import pack, rebuild, shard_rel
 from ._cache import Cache, write_file
-from ._objects import OBJECTS, Table, file_digest, remote_errors, table_bytes, digest
+from ._objects import OBJECTS, Table, digest, file_digest, load_table, parse_table, remote_errors, table_bytes
 
 __all__ = ["POINTER", "cache_base", "cache_root", "check_alive", "mirror", "publish_dir", "read_pointer"]
 
 POINTER = "current.json"
 SNAPSHOTS = "snapshots"
 _FORMAT = "mmbuffer-remote"
-_VERSION = 2
+_VERSION = 3  # 3: objects held by earlier snapshots, raw arrays as chunks (object table version 2)
+_READS = (2, 3)
 _ID = re.compile(r"^[0-9]{10}-[0-9a-f]{12}$")
 _REL = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*(/[A-Za-z0-9_][A-Za-z0-9_.\-]*)*$")
 _DATA_CHUNKS = re.compile(r"^columns/([^/]+)/c(/|$)")
@@ -77,9 +87,9 @@ def read_pointer(fs: Any, root: str, url: str) -> dict[str, Any]:
         raise errors.CorruptStoreError(f"{where}: snapshot: expected an id like 0000000001-0123456789ab, got {snap!r}")
     if not isinstance(seq, int) or isinstance(seq, bool) or seq != int(snap[:10]):
         raise errors.CorruptStoreError(f"{where}: sequence: expected {int(snap[:10])} (the snapshot's), got {seq!r}")
-    if obj.get("version") != _VERSION:
-        raise errors.FormatVersionError(f"{where}: version: expected {_VERSION} (object checksums), got "
-                                        f"{obj.get('version')!r}; publish the store again")
+    if obj.get("version") not in _READS:
+        raise errors.FormatVersionError(f"{where}: version: expected one of {list(_READS)} (2: object checksums, 3: "
+                                        f"incremental), got {obj.get('version')!r}; upgrade mmbuffer or publish again")
     objects = obj.get("objects")
     if not isinstance(objects, str) or not re.match(r"^[0-9a-f]{32}$", objects):
         raise errors.CorruptStoreError(f"{where}: objects: expected the BLAKE2b-128 of the object table, got {objects!r}")
@@ -113,16 +123,18 @@ def cache_root(base: Path, url: str) -> Path:
     return base / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:20]
 
 
-def fetch_objects(fs: Any, root: str, snapshot: str, url: str) -> Callable[[list[str]], dict[str, bytes | None]]:
-    """Fetch a batch of a snapshot's objects concurrently (None: missing)."""
-    snap_root = join(root, SNAPSHOTS, snapshot)
+def fetch_objects(fs: Any, root: str, table: Table, url: str) -> Callable[[list[str]], dict[str, bytes | None]]:
+    """Fetch a batch of a snapshot's objects concurrently, each from the snapshot that
+    holds it (None: missing; then ``StoreNotFoundError`` if the snapshot was pruned)."""
+    snapshot = table.snapshot
 
     def fetch(rels: list[str]) -> dict[str, bytes | None]:
+        paths = {rel: join(root, SNAPSHOTS, table.holder(rel), rel) for rel in rels}
         with remote_errors(url):
-            got = fs.cat([join(snap_root, r) for r in rels], on_error="return")
+            got = fs.cat(list(paths.values()), on_error="return") if paths else {}
         out: dict[str, bytes | None] = {}
-        for rel in rels:
-            data = got.get(join(snap_root, rel))
+        for rel, path in paths.items():
+            data = got.get(path)
             out[rel] = data if isinstance(data, bytes) else None
         if any(v is None for v in out.values()):
             check_alive(fs, root, snapshot, url)
@@ -145,32 +157,51 @@ def mirror(fetch: Callable[[list[str]], dict[str, bytes | None]], snapshot: str,
     with cache.locked(f"locks/{snapshot}"):  # one download per host: the others wait, then reuse it
         if (final / fmt.MANIFEST).is_file() and not final.is_symlink():
             return final
+        packed = {array: shard_rel(array, rec) for array, rec in table.packed.items()}
+        for array in packed:
+            if not _REL.match(array) or any(p in (".", "..") for p in array.split("/")):
+                raise errors.CorruptStoreError(f"{url}: packed array {array!r}: expected a name inside the snapshot")
+        parts = tuple(f"{a}/" for a in packed)
         rels = []
         for rel in sorted(table.entries):
             if not _REL.match(rel) or any(p in (".", "..") for p in rel.split("/")):
                 raise errors.CorruptStoreError(f"{url}: object {rel!r}: expected a name inside the snapshot")
             m = _DATA_CHUNKS.match(rel)
-            if rel == fmt.LOCK or rel == OBJECTS or (m and m.group(1) not in fmt.RESERVED_NAMES):
-                continue  # data chunks are read remotely, a stale LOCK means nothing here
+            if rel == fmt.LOCK or rel == OBJECTS or (m and m.group(1) not in fmt.RESERVED_NAMES) or rel.startswith(parts):
+                continue  # data chunks are read remotely, a stale LOCK means nothing here, packed arrays are rebuilt
             rels.append(rel)
         blobs: dict[str, bytes] = dict(extra or {})
         same = [r for r in rels if previous is not None and previous[1].get(r) == table.get(r)
                 and (previous[0] / r).is_file()]
         todo = [r for r in rels if r not in set(same)]
-        for start in range(0, len(todo), 64):  # fetched concurrently, 64 at a time
-            batch = todo[start:start + 64]
-            for rel, data in fetch(batch).items():
-                if data is None:
-                    raise table.missing(rel)
-                table.check(rel, data)
-                blobs[rel] = data
-                cache.mirror_bytes += len(data)
+        plans: list[tuple[str, str, dict[str, bytes], frozenset[str], Path | None]] = []
+        for array, shard in packed.items():  # unchanged: linked; else rebuilt from the chunks that changed
+            rec = table.packed[array]
+            before, old = None, None
+            if previous is not None:
+                before, old = previous[1].packed.get(array), previous[0] / shard
+                if before is None or before.meta != rec.meta or not old.is_file():
+                    old = None
+                elif before == rec and (previous[0] / array / "zarr.json").is_file():
+                    same += [f"{array}/zarr.json", shard]
+                    continue
+            chunks = [r for r in table.entries if r.startswith(f"{array}/c/")]
+            kept = frozenset(r for r in chunks if old is not None and previous is not None
+                             and previous[1].get(r) == table.get(r))
+            plans.append((array, shard, _fetch_checked(fetch, table, [r for r in chunks if r not in kept], cache),
+                          kept, old if kept else None))
+            blobs[f"{array}/zarr.json"] = rec.meta.encode()
+        blobs.update(_fetch_checked(fetch, table, todo, cache))
 
         def write() -> None:
             tmp = Path(tempfile.mkdtemp(prefix=f".{snapshot}.partial-", dir=folder))
             try:
                 for rel, data in blobs.items():
                     write_file(tmp / rel, data, cache.base)
+                for array, shard, got, kept, old in plans:  # rebuilt one chunk at a time, then checked whole
+                    (tmp / shard).parent.mkdir(parents=True, exist_ok=True)
+                    with open(tmp / shard, "wb") as out, (open(old, "rb") if old else contextlib.nullcontext()) as prev:
+                        rebuild(array, table.packed[array], table.entries, got.get, out, old=prev, same=kept)
                 for rel in same:  # immutable files of the pinned previous mirror: linked (copied across devices)
                     assert previous is not None
                     (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -184,15 +215,32 @@ def mirror(fetch: Callable[[list[str]], dict[str, bytes | None]], snapshot: str,
                     shutil.rmtree(tmp)
 
         # linked files take no new space; counted anyway (the next scan counts each inode once)
-        cache.admit(sum(len(b) for b in blobs.values()) + sum(table.entries[r][0] for r in same), write)
+        cache.admit(sum(len(b) for b in blobs.values()) + sum(table.packed[p[0]].size for p in plans)
+                    + sum((previous[0] / r).stat().st_size for r in same if previous is not None), write)
     return final
+
+
+def _fetch_checked(fetch: Callable[[list[str]], dict[str, bytes | None]], table: Table, rels: list[str],
+                   cache: Cache) -> dict[str, bytes]:
+    """``rels`` fetched 64 at a time (concurrently), each checked against ``table``."""
+    out: dict[str, bytes] = {}
+    for start in range(0, len(rels), 64):
+        for rel, data in fetch(rels[start:start + 64]).items():
+            if data is None:
+                raise table.missing(rel)
+            table.check(rel, data)
+            out[rel] = data
+            cache.mirror_bytes += len(data)
+    return out
 
 
 def publish_dir(fs: Any, root: str, url: str, store: Path, *, keep: int, generation: int) -> dict[str, Any]:
     """Upload the local store ``store`` as the next snapshot of ``url``; point to it; prune.
 
-    Refuses (``StoreExistsError``, nothing changed) a URL that holds objects but no
-    mmbuffer pointer.
+    Only objects that differ from the previous snapshot's are sent; the others are
+    named in the table with the snapshot that holds them. Raw arrays go as chunks
+    (:mod:`._dense`). Refuses (``StoreExistsError``, nothing changed) a URL that holds
+    objects but no mmbuffer pointer.
     """
     fs.invalidate_cache()
     try:
@@ -204,17 +252,33 @@ def publish_dir(fs: Any, root: str, url: str, store: Path, *, keep: int, generat
             raise errors.StoreExistsError(
                 f"{url}: expected an empty prefix or a store mmbuffer published, got other objects; nothing was changed"
             ) from None
+    before: Table | None = None
+    if previous is not None:
+        try:
+            before = load_table(fs, root, url, str(previous["snapshot"]), str(previous["objects"]))
+        except (errors.CorruptStoreError, errors.StoreNotFoundError):
+            before = None  # a damaged previous snapshot: this one sends everything, and is whole by itself
     seq = 1 if previous is None else int(previous["sequence"]) + 1
     snapshot = f"{seq:010d}-{uuid.uuid4().hex[:12]}"
     snap_root = join(root, SNAPSHOTS, snapshot)
-    files = sorted(p for p in store.rglob("*") if p.is_file() and not p.is_symlink() and p.name != fmt.LOCK)
-    rels = [p.relative_to(store).as_posix() for p in files]
-    table = table_bytes({rel: file_digest(f) for rel, f in zip(rels, files, strict=True)})
-    # the object table, then the manifest last, so a snapshot without it is never taken for a whole one
-    order = sorted(range(len(rels)), key=lambda i: rels[i] == fmt.MANIFEST)
-    fs.put([str(files[i]) for i in order[:-1]], [join(snap_root, rels[i]) for i in order[:-1]])
+    files = {p.relative_to(store).as_posix(): p for p in store.rglob("*")
+             if p.is_file() and not p.is_symlink() and p.name != fmt.LOCK}
+    sent, packed, replaced = pack(store, sorted(files))
+    local: dict[str, Path | bytes] = {rel: p for rel, p in files.items() if rel not in replaced}
+    local.update(sent)
+    entries = {rel: (len(v), digest(v)) if isinstance(v, bytes) else file_digest(v) for rel, v in local.items()}
+    holders = {rel: before.holder(rel) for rel in entries
+               if before is not None and rel != fmt.MANIFEST and before.get(rel) == entries[rel]}
+    table = table_bytes(entries, holders, packed)
+    # new objects, the object table, then the manifest last, so a snapshot without it is never taken for a whole one
+    new = sorted((rel for rel in entries if rel not in holders and rel != fmt.MANIFEST))
+    paths = [r for r in new if isinstance(local[r], Path)]
+    fs.put([str(local[r]) for r in paths], [join(snap_root, r) for r in paths])
+    blobs = {join(snap_root, r): local[r] for r in new if isinstance(local[r], bytes)}
+    if blobs:
+        fs.pipe(blobs)
     fs.pipe_file(join(snap_root, OBJECTS), table)
-    fs.put(str(files[order[-1]]), join(snap_root, rels[order[-1]]))
+    fs.put(str(local[fmt.MANIFEST]), join(snap_root, fmt.MANIFEST))
     group = json.dumps(_GROUP).encode()
     if previous is None:
         fs.pipe({join(root, "zarr.json"): group, join(root, SNAPSHOTS, "zarr.json"): group})
@@ -222,7 +286,9 @@ def publish_dir(fs: Any, root: str, url: str, store: Path, *, keep: int, generat
                "objects": digest(table)}
     write_pointer(fs, root, pointer)
     pruned = _prune(fs, root, keep, snapshot)
-    return {"url": url, "snapshot": snapshot, "sequence": seq, "pruned": pruned}
+    written = sum(entries[r][0] for r in new) + entries[fmt.MANIFEST][0] + len(table)
+    return {"url": url, "snapshot": snapshot, "sequence": seq, "pruned": pruned, "objects_written": len(new) + 2,
+            "bytes_written": written}
 
 
 def write_pointer(fs: Any, root: str, pointer: dict[str, Any]) -> None:
@@ -231,20 +297,36 @@ def write_pointer(fs: Any, root: str, pointer: dict[str, Any]) -> None:
 
 
 def _prune(fs: Any, root: str, keep: int, current: str) -> list[str]:
-    """Delete all but ``current`` and the ``keep - 1`` snapshots published before it,
-    and any snapshot never pointed to (a publish that failed before its pointer);
-    only ids mmbuffer writes, each ``manifest.json`` first."""
+    """Drop all but ``current`` and the ``keep - 1`` snapshots published before it, and
+    any snapshot never pointed to (a publish that failed before its pointer); only ids
+    mmbuffer writes. A dropped snapshot loses its ``manifest.json`` first (so its readers
+    raise instead of reading zeros), then every object no kept snapshot names; what a
+    kept snapshot names stays in the dropped one's folder."""
     base = join(root, SNAPSHOTS)
     ids = sorted(name for name in (str(p).rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(base, detail=False)) if _ID.match(name))
     older = [i for i in ids if int(i[:10]) < int(current[:10])]
     kept = set(older[len(older) - (keep - 1):] if keep > 1 else []) | {current}
     old = [i for i in ids if i not in kept]
+    named: set[str] = set()  # objects of kept snapshots, as paths under base
+    for snap in kept:
+        try:
+            raw = fs.cat_file(join(base, snap, OBJECTS))
+            table = parse_table(raw, join(base, snap, OBJECTS), "", snap)
+        except (FileNotFoundError, errors.MMBufferError):
+            if snap != current:
+                continue  # not a whole snapshot (a failed publish): it names nothing
+            raise
+        named.update(f"{table.holder(rel)}/{rel}" for rel in table.entries)
+        named.update((f"{snap}/{OBJECTS}", f"{snap}/{fmt.MANIFEST}"))
     for snap in old:
         try:
             fs.rm_file(join(base, snap, fmt.MANIFEST))
         except FileNotFoundError:
             pass
     for snap in old:
-        fs.rm(join(base, snap), recursive=True)
+        prefix = join(base, snap)
+        drop = [p for p in fs.find(prefix) if f"{snap}/{str(p)[len(prefix) + 1:]}" not in named]
+        if drop:
+            fs.rm(drop)
     fs.invalidate_cache()
     return old

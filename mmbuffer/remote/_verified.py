@@ -37,7 +37,9 @@ class VerifiedStore(WrapperStore[Any]):
         return VerifiedStore(store, prefix=self._prefix, table=self._table, cache=self._cache, fetch=self._fetch,
                              alive=self._alive)
 
-    def _object(self, rel: str) -> bytes | None:
+    def read_object(self, rel: str) -> bytes | None:
+        """The verified object ``rel`` (relative to the snapshot), or None if the table
+        does not name it."""
         assert self._table is not None and self._cache is not None and self._fetch is not None
         entry = self._table.get(rel)
         if entry is None:
@@ -57,7 +59,7 @@ class VerifiedStore(WrapperStore[Any]):
         return self._cache.object(key, size, download, lambda data: table.check(rel, data))
 
     async def get(self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None) -> Buffer | None:
-        data = await asyncio.to_thread(self._object, self._prefix + key)
+        data = await asyncio.to_thread(self.read_object, self._prefix + key)
         if data is None:
             return None
         if isinstance(byte_range, RangeByteRequest):

@@ -101,10 +101,10 @@ def test_a_second_publisher_from_the_same_commit_is_refused_and_changes_nothing(
     real = _icechunk.table_bytes
     won = {}
 
-    def meanwhile(entries):  # publisher B commits while publisher A is between its session and its commit
+    def meanwhile(*args):  # publisher B commits while publisher A is between its session and its commit
         monkeypatch.setattr(_icechunk, "table_bytes", real)
         won.update(mb.convert.publish(tmp_path / "b", url, progress=False))
-        return real(entries)
+        return real(*args)
 
     monkeypatch.setattr(_icechunk, "table_bytes", meanwhile)
     with pytest.raises(errors.LockedError, match=f"{url}: expected to be the only publisher"):
@@ -130,9 +130,9 @@ def test_a_flipped_chunk_in_the_repository_is_a_typed_error(tmp_path, s3):
     for key in chunks:  # every chunk object Icechunk wrote, but the object table's
         data = fs.cat_file(key)
         fs.pipe_file(key, data[:-1] + bytes([data[-1] ^ 1]))
-    with pytest.raises(errors.CorruptStoreError, match=r"\(column \w+\): expected"):
+    with pytest.raises(errors.CorruptStoreError, match=r"\(column obs\): expected"):
         with mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None) as ro:
-            everything(ro)
+            ro.get(np.arange(ro.capacity), keys=["obs"])  # x's chunks are small: Icechunk keeps them inline
 
 
 def test_the_pool_samples_an_icechunk_store(tmp_path, s3):

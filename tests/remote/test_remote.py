@@ -8,6 +8,8 @@ snapshot pinning and refresh, and the column conformance suite on ``RemoteArray`
 from __future__ import annotations
 
 import hashlib
+import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -327,9 +329,18 @@ def test_publish_keeps_three_snapshots_and_a_failed_publish_stays_invisible(tmp_
     for _ in range(4):
         publish_to(tmp_path / "local", url, progress=False)
     fs = fsspec.filesystem("s3", endpoint_url=s3)
-    fs.invalidate_cache()
-    snaps = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/store/snapshots") if not p.endswith("zarr.json"))
+
+    def whole() -> list[str]:  # snapshots with their manifest (a dropped one keeps only objects the kept ones name)
+        fs.invalidate_cache()
+        return sorted(p.rsplit("/", 2)[-2] for p in fs.glob(f"{bucket}/store/snapshots/*/manifest.json"))
+
+    snaps = whole()
     assert [s[:10] for s in snaps] == ["0000000002", "0000000003", "0000000004"]
+    first = next(p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/store/snapshots") if "/0000000001-" in p)
+    held = {p.split(f"/{first}/", 1)[1] for p in fs.find(f"{bucket}/store/snapshots/{first}")}
+    tables = [json.loads(fs.cat_file(f"{bucket}/store/snapshots/{s}/objects.json"))["objects"] for s in snaps]
+    named = {rel for t in tables for rel, v in t.items() if v[2:] == [first]}
+    assert held == named and "manifest.json" not in held and "objects.json" not in held  # what the kept ones name
     ro = mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None)
     assert ro.remote.snapshot == snaps[-1]
     mirrors = sorted(p.name for p in ro.remote.cache.iterdir())
@@ -345,14 +356,12 @@ def test_publish_keeps_three_snapshots_and_a_failed_publish_stays_invisible(tmp_
     with pytest.raises(OSError):
         publish_to(tmp_path / "local", url, progress=False)
     monkeypatch.undo()
-    fs.invalidate_cache()
-    assert len(fs.ls(f"{bucket}/store/snapshots")) == 5  # uploaded: a fourth snapshot besides zarr.json
+    assert len(whole()) == 4  # uploaded: a fourth snapshot
     assert ro.refresh() is False and ro.remote.snapshot == snaps[-1]  # the half-published snapshot is invisible
     assert ro.get(np.arange(3))["x"].tolist() == [0, 1, 2]
     done = publish_to(tmp_path / "local", url, progress=False)  # the orphan goes, the pointed-to one stays
-    fs.invalidate_cache()
-    now = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/store/snapshots") if not p.endswith("zarr.json"))
-    assert now == sorted([snaps[1], snaps[2], done["snapshot"]]) and done["sequence"] == 5
+    assert whole() == sorted([snaps[1], snaps[2], done["snapshot"]]) and done["sequence"] == 5
+    assert ro.get(np.arange(3))["x"].tolist() == [0, 1, 2]  # snapshot 4 is kept: its objects too
     ro.close()
 
 
@@ -401,11 +410,12 @@ def test_refresh_fetches_only_the_small_parts_that_changed(tmp_path, bucket):
     assert ro.refresh()
     fetched = ro.remote.files.mirror_bytes - fetched
     new, mirror = ro.remote.table.entries, Path(ro.path)
-    small = [p.relative_to(mirror).as_posix() for p in mirror.rglob("*") if p.is_file()]
+    small = [r for r in new if not re.match(r"^columns/(obs|x)/c/", r)]  # all but the data chunks (read remotely)
     changed = [r for r in small if old.get(r) != new[r]]
     assert 0 < len(changed) < len(small)
+    assert any(r.startswith("index/ends/c/") for r in small if r not in changed)  # index chunks kept, not fetched
     assert fetched == sum(new[r][0] for r in changed)  # exactly what changed
-    kept = next(r for r in small if r not in changed)
+    kept = next(r for r in small if r not in changed and (mirror / r).is_file())
     assert (mirror / kept).stat().st_nlink == 2  # linked from the previous mirror, not fetched
     with mb.open(tmp_path / "local", mode="r") as local:
         rows = np.arange(ro.capacity)

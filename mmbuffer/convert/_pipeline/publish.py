@@ -119,15 +119,18 @@ def publish(src: Any, url: str, *, compression: str | None = "zstd", storage_opt
     """Publish the store ``src`` (a path or an open ``Buffer``) at ``url`` as its next snapshot.
 
     The store is copied (``mb.convert.copy``, verified) into a temporary directory
-    with ``compression``, uploaded under ``url/snapshots/<id>/``, and ``url/current.json``
-    is then replaced in one request; the ``keep`` newest snapshots stay. Returns the
-    copy's summary with ``url``, ``snapshot``, ``sequence`` and ``pruned``.
+    with ``compression``; the objects whose digest differs from the previous snapshot's
+    are uploaded under ``url/snapshots/<id>/`` (the table names where the others are),
+    and ``url/current.json`` is then replaced in one request; the ``keep`` newest
+    snapshots stay. The raw arrays (index, flags, tree) go as chunks
+    (``mmbuffer.remote._dense``). Returns the copy's summary with ``url``, ``snapshot``,
+    ``sequence``, ``pruned``, ``objects_written`` and ``bytes_written``.
 
     ``engine="icechunk"`` (``mmbuffer.remote._icechunk``) commits to an Icechunk
     repository instead: only the objects that changed since the last commit are
-    written (``objects_written``, ``bytes_written``), the commit is atomic, and a
-    concurrent second publisher gets ``LockedError``. ``engine=None`` keeps what the URL
-    holds (an Icechunk repository stays one), else ``"snapshots"`` (full copies).
+    written, the commit is atomic, and a concurrent second publisher gets
+    ``LockedError``. ``engine=None`` keeps what the URL holds (an Icechunk repository
+    stays one), else ``"snapshots"``.
     """
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise errors.InvalidArgumentError(f"keep: expected an integer >= 1, got {keep!r}")
