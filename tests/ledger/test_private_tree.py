@@ -22,11 +22,13 @@ CAP = 20_000
 HANG_S = 300  # only reports a hang, not a speed requirement
 
 # Commits once, saves the committed leaves and reports "C"; then extends and updates
-# priorities without committing, reports "U" after each round, until killed.
+# priorities without committing, reports "U" after each of ``rounds`` rounds, and waits
+# to be killed (more rounds would reach the extend that commits on its own: the 7th
+# 3000-row extend takes the lane's uncommitted rows past the lane).
 KILLED = textwrap.dedent(
     """
-    import os, sys, numpy as np, mmbuffer as mb
-    path, report = sys.argv[1], sys.argv[2]
+    import os, sys, time, numpy as np, mmbuffer as mb
+    path, report, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
     buf = mb.open(path)
     rng = np.random.default_rng(0)
     def extend(n):
@@ -40,11 +42,13 @@ KILLED = textwrap.dedent(
     np.save(report + ".nodes.npy", np.array(buf.store.priority_tree.nodes))
     with open(report, "a") as f:
         f.write("C\\n")
-    while True:  # past the lane: rows overwritten, episodes evicted, priorities changed; never committed
+    for _ in range(rounds):  # past the lane: rows overwritten, episodes evicted, priorities changed
         extend(3000)
         buf.update_priorities(buf.sample(4096), rng.random(4096) + 5.0)
         with open(report, "a") as f:
             f.write("U\\n")
+    while True:  # never committed
+        time.sleep(1)
     """
 )
 
@@ -55,10 +59,11 @@ def _store(path):
 
 def _run_until(path, report, rounds):
     """Start the writer, wait for its commit and ``rounds`` uncommitted rounds after it, kill it."""
-    proc = subprocess.Popen([sys.executable, "-c", KILLED, str(path), str(report)], stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", KILLED, str(path), str(report), str(rounds)], stderr=subprocess.PIPE,
+                            text=True)
     try:
         deadline = time.monotonic() + HANG_S
-        while not (report.exists() and report.read_text().count("U") >= rounds):
+        while not (report.exists() and report.read_text().count("U") == rounds):
             assert proc.poll() is None, f"the writer exited:\n{proc.stderr.read()}"
             assert time.monotonic() < deadline, "hang (only reports a hang)"
             time.sleep(0.01)
@@ -69,7 +74,7 @@ def _run_until(path, report, rounds):
         proc.stderr.close()
     assert proc.returncode == -signal.SIGKILL
     lines = report.read_text().split()
-    assert lines[0] == "C" and lines.count("U") >= rounds  # killed after its commit, with changes since
+    assert lines[0] == "C" and lines.count("U") == rounds  # killed after its commit, with changes since
     return np.load(str(report) + ".leaves.npy"), np.load(str(report) + ".nodes.npy")
 
 
