@@ -246,6 +246,7 @@ SUITES = {
     "pixels_ale": "real ALE frames: disk, RSS, add and 4-stack sampling against SB3 and TorchRL buffers",
     "recovery": "committed rows lost and reopen time after a writer is SIGKILLed mid-extend",
     "small_batch": "sample(32) and sample(256) against SB3's and TorchRL's in-RAM buffers",
+    "sb3": "the SB3 drop-in: DQN wall clock on ALE, RSS at 1M and save/load against SB3's own buffer",
     "sb3_frame_stack": "the SB3 drop-in with frame_stack on ALE frames against SB3's own buffer",
     "codec": "zstd columns on ALE frames: disk per transition, decode, sample and extend against raw",
     "finals_disk": "disk of an 84x84 pixel store: frames against final observations (--baseline DIR)",
