@@ -30,7 +30,7 @@ block (:meth:`Marks.all`).
 
 The private pages are kept after a commit, so the next stores into them take no
 page fault (a shared map's page is write-protected again once written back: 303
-minor faults per PER update step after a commit, HISTORY.md), and dropped
+minor faults per PER update step after a commit, benchmarks/HISTORY.md), and dropped
 (``MADV_DONTNEED``: the file's, now committed, pages are read again; the leaves'
 first, the nodes' only if they alone exceed the bound) when a commit leaves more
 than ``config.private_tree_bytes`` of them (``MMBUFFER_PRIVATE_TREE_BYTES``,
