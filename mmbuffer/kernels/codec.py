@@ -57,7 +57,7 @@ def _table() -> np.ndarray:
 
 
 _TABLE = _table()
-TABLE = _TABLE  # the tables, and the compiled CRC below, for the other shard kernels (images.py)
+TABLE = _TABLE  # the tables, for the other shard kernels (images.py)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -76,7 +76,30 @@ def _crc(buf: Any, start: int, n: int, table: Any) -> int:
     return int(crc ^ np.uint32(0xFFFFFFFF))
 
 
-crc_kernel = _crc
+
+@numba.njit(nogil=True, cache=True)
+def _checked_chunk(buf: Any, size: int, index_at: int, ci: int, table: Any) -> tuple[int, int, int]:
+    """Inner chunk ``ci`` of the shard in ``buf`` (``size`` bytes, its index at
+    ``index_at``): ``(offset, bytes without the crc32c, 0)``, or ``(0, 0, why)`` when the
+    shard is too short (1), its index entry is out of bounds (2) or the chunk's crc32c
+    differs (3)."""
+    if index_at < HEADER:
+        return 0, 0, 1
+    off = np.int64(0)
+    nb = np.int64(0)
+    for b in range(7, -1, -1):
+        off = (off << 8) | np.int64(buf[index_at + 16 * ci + b])
+        nb = (nb << 8) | np.int64(buf[index_at + 16 * ci + 8 + b])
+    if off < HEADER or nb < 5 or off > index_at or nb > index_at - off:
+        return 0, 0, 2
+    stored = (np.int64(buf[off + nb - 4]) | (np.int64(buf[off + nb - 3]) << 8) | (np.int64(buf[off + nb - 2]) << 16)
+              | (np.int64(buf[off + nb - 1]) << 24))
+    if _crc(buf, int(off), int(nb - 4), table) != stored:
+        return 0, 0, 3
+    return int(off), int(nb - 4), 0
+
+
+checked_chunk = _checked_chunk  # for the other shard kernels (images.py)
 
 
 def crc32c(data: np.ndarray) -> int:
@@ -391,26 +414,16 @@ def _decode_rows(
             f = (c * inner) // shard_rows
             ci = c % per_shard
             size = file_size[f]
-            at = size - 16 * per_shard - 4
-            if file_addr[f] == 0 or at < HEADER:
+            if file_addr[f] == 0:
                 fail[0], fail[1], fail[2] = f, ci, 1
                 return -1
-            buf = _carray(_pointer(file_addr[f]), size)
-            off = np.int64(0)
-            nb = np.int64(0)
-            for b in range(7, -1, -1):
-                off = (off << 8) | np.int64(buf[at + 16 * ci + b])
-                nb = (nb << 8) | np.int64(buf[at + 16 * ci + 8 + b])
-            if off < HEADER or nb < 5 or off > at or nb > at - off:
-                fail[0], fail[1], fail[2] = f, ci, 2
-                return -1
-            stored = np.int64(buf[off + nb - 4]) | (np.int64(buf[off + nb - 3]) << 8) | (np.int64(buf[off + nb - 2]) << 16) | (np.int64(buf[off + nb - 1]) << 24)
-            if _crc(buf, int(off), int(nb - 4), table) != stored:
-                fail[0], fail[1], fail[2] = f, ci, 3
+            off, nb, why = _checked_chunk(_carray(_pointer(file_addr[f]), size), size, size - 16 * per_shard - 4, ci, table)
+            if why:
+                fail[0], fail[1], fail[2] = f, ci, why
                 return -1
             if kind == 0:
-                got = _call(fn, dctx, scratch_at, chunk_bytes, file_addr[f] + off, nb - 4, 0)
-            elif _validate(check, file_addr[f] + off, nb - 4, nbytes_at) != 0 or nbytes[0] != chunk_bytes:
+                got = _call(fn, dctx, scratch_at, chunk_bytes, file_addr[f] + off, nb, 0)
+            elif _validate(check, file_addr[f] + off, nb, nbytes_at) != 0 or nbytes[0] != chunk_bytes:
                 got = -1
             else:
                 got = _blosc(fn, file_addr[f] + off, scratch_at, chunk_bytes)

@@ -34,7 +34,7 @@ from typing import Any
 import numba
 import numpy as np
 
-from .codec import HEADER, MAGIC, TABLE, crc32c, crc_kernel as _crc
+from .codec import HEADER, MAGIC, TABLE, checked_chunk as _checked_chunk, crc32c
 from .intrinsics import pointer as _ptr
 
 _carray: Any = numba.carray  # type: ignore[attr-defined]
@@ -135,24 +135,14 @@ def _plan(rows: Any, versions: Any, positions: Any, shard_rows: int, file_addr: 
             f = r // shard_rows
             ci = r % shard_rows
             size = file_size[f]
-            at = size - 16 * shard_rows - 4
-            if file_addr[f] == 0 or at < HEADER:
+            if file_addr[f] == 0:
                 fail[0], fail[1], fail[2] = f, ci, 1
                 return -1
-            buf = _carray(_ptr(file_addr[f]), size)
-            off = np.int64(0)
-            nb = np.int64(0)
-            for b in range(7, -1, -1):
-                off = (off << 8) | np.int64(buf[at + 16 * ci + b])
-                nb = (nb << 8) | np.int64(buf[at + 16 * ci + 8 + b])
-            if off < HEADER or nb < 5 or off > at or nb > at - off:
-                fail[0], fail[1], fail[2] = f, ci, 2
+            off, nb, why = _checked_chunk(_carray(_ptr(file_addr[f]), size), size, size - 16 * shard_rows - 4, ci, table)
+            if why:
+                fail[0], fail[1], fail[2] = f, ci, why
                 return -1
-            stored = np.int64(buf[off + nb - 4]) | (np.int64(buf[off + nb - 3]) << 8) | (np.int64(buf[off + nb - 2]) << 16) | (np.int64(buf[off + nb - 1]) << 24)
-            if _crc(buf, int(off), int(nb - 4), table) != stored:
-                fail[0], fail[1], fail[2] = f, ci, 3
-                return -1
-            todo[m, 0], todo[m, 1], todo[m, 2], todo[m, 3], todo[m, 4] = r, v, f, off, nb - 4
+            todo[m, 0], todo[m, 1], todo[m, 2], todo[m, 3], todo[m, 4] = r, v, f, off, nb
             todo[m, 5] = positions[order[i]]
             where = -1 - m
             m += 1

@@ -18,6 +18,7 @@ import torch
 import mmbuffer as mb
 from mmbuffer import errors
 from mmbuffer._disk import format as fmt
+from killing import kill_at_random_instants, publisher, timed
 from s3server import moto_s3, new_bucket
 
 pytest.importorskip("s3fs")
@@ -163,47 +164,23 @@ def test_a_publisher_killed_at_random_instants_leaves_a_whole_commit(tmp_path, s
     """50 publishers killed (SIGKILL) at random instants, alternating two stores: after
     each, a reader opens exactly one of them (never a mix), and a restarted publisher
     commits."""
-    import os
-    import subprocess
-    import sys
-    import time
-
     url = f"s3://{new_bucket(s3)}/repo"
     make(tmp_path / "a")
     make(tmp_path / "b", episodes=60)
     extend(tmp_path / "b", 20, start=10**6, seed=3)
     with mb.open(tmp_path / "a", mode="r") as a, mb.open(tmp_path / "b", mode="r") as b:
         states = {"a": everything(a), "b": everything(b)}
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(p) for p in sys.path if p]))
+    start = publisher(_PUBLISHER, url)
+    span = timed(start, tmp_path / "a")  # one whole publish
 
-    def start(which: str) -> subprocess.Popen:
-        p = subprocess.Popen([sys.executable, "-c", _PUBLISHER, str(tmp_path / which), url], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-        assert p.stdout is not None and p.stdout.readline() == b"ready\n"  # imports done: the publish begins
-        p.stdout.close()
-        return p
-
-    p = start("a")
-    t0 = time.perf_counter()
-    assert p.wait() == 0
-    span = time.perf_counter() - t0  # one whole publish
-    rng = np.random.default_rng(0)
-    kills = published = i = 0
-    while kills < 50 and i < 150:
-        which, i = "ab"[i % 2], i + 1
-        p = start(which)
-        try:
-            p.wait(timeout=float(rng.uniform(0.2, 1.0)) * span)
-            published += p.returncode == 0
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-            kills += 1
+    def read():
         with mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None) as ro:
-            got = everything(ro)
-        assert any(np.array_equal(got, s) for s in states.values()), i  # one store whole, never a mix
-    assert kills >= 50 and published >= 1  # killed at 50 instants, and some publishes completed between
-    assert start("b").wait() == 0  # a restarted publisher commits on top of whatever survived
+            return everything(ro)
+
+    published = kill_at_random_instants(start, [tmp_path / "a", tmp_path / "b"], read, list(states.values()),
+                                        kills=50, span=span, fraction=(0.2, 1.0))
+    assert published >= 1  # some publishes completed between the kills
+    assert start(tmp_path / "b").wait() == 0  # a restarted publisher commits on top of whatever survived
     with mb.open(url, mode="r", cache_dir=tmp_path / "c2", pool=None) as ro:
         np.testing.assert_array_equal(everything(ro), states["b"])
 

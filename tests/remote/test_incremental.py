@@ -21,6 +21,7 @@ import torch
 import mmbuffer as mb
 from mmbuffer import errors
 from mmbuffer._disk import format as fmt
+from killing import kill_at_random_instants, publisher, timed
 from s3server import counting_moto_s3, new_bucket
 
 pytest.importorskip("s3fs")
@@ -248,11 +249,6 @@ def test_an_incremental_publisher_killed_at_random_instants_leaves_a_whole_snaps
     upload, the table, the pointer or the prune), alternating two stores that share most
     chunks: after each, a reader opens exactly one of them (never a mix, never a missing
     object), and a restarted publisher completes."""
-    import os
-    import subprocess
-    import sys
-    import time
-
     url = f"s3://{new_bucket(server[0])}/store"
     make(tmp_path / "a", rows=20_000)
     make(tmp_path / "b", rows=20_000)
@@ -261,36 +257,17 @@ def test_an_incremental_publisher_killed_at_random_instants_leaves_a_whole_snaps
     for which in "ab":
         with mb.open(tmp_path / which, mode="r") as local:
             states[which] = local.get(np.arange(len(local)), keys=["x"])["x"].numpy()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(p) for p in sys.path if p]))
+    start = publisher(_PUBLISHER, url)
+    assert start(tmp_path / "a").wait() == 0
+    span = timed(start, tmp_path / "b")  # one incremental publish, as in the loop
 
-    def start(which: str) -> subprocess.Popen:
-        p = subprocess.Popen([sys.executable, "-c", _PUBLISHER, str(tmp_path / which), url], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-        assert p.stdout is not None and p.stdout.readline() == b"ready\n"
-        p.stdout.close()
-        return p
-
-    assert start("a").wait() == 0
-    p = start("b")
-    t0 = time.perf_counter()
-    assert p.wait() == 0
-    span = time.perf_counter() - t0  # one incremental publish, as in the loop
-    rng = np.random.default_rng(0)
-    kills = published = i = 0
-    while kills < 25 and i < 75:
-        which, i = "ab"[i % 2], i + 1
-        p = start(which)
-        try:
-            p.wait(timeout=float(rng.uniform(0.1, 1.5)) * span)
-            published += p.returncode == 0
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-            kills += 1
+    def read():
         with mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None) as ro:
-            got = ro.get(np.arange(len(ro)), keys=["x"])["x"].numpy()
-        assert any(np.array_equal(got, s) for s in states.values()), i  # one store whole, never a mix
-    assert kills >= 25 and published >= 1
-    assert start("b").wait() == 0
+            return ro.get(np.arange(len(ro)), keys=["x"])["x"].numpy()
+
+    published = kill_at_random_instants(start, [tmp_path / "a", tmp_path / "b"], read, list(states.values()),
+                                        kills=25, span=span, fraction=(0.1, 1.5))
+    assert published >= 1
+    assert start(tmp_path / "b").wait() == 0
     with mb.open(url, mode="r", cache_dir=tmp_path / "c2", pool=None) as ro:
         same_reads(ro, tmp_path / "b")

@@ -1,0 +1,58 @@
+"""Publishers SIGKILLed at random instants: the loop the kill tests of both engines share."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+
+def publisher(script: str, url: str) -> Callable[[Path], subprocess.Popen]:
+    """A starter of ``python -c script STORE url`` that returns once the child printed
+    ``ready`` (its imports are done: the publish begins)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(p) for p in sys.path if p]))
+
+    def start(store: Path) -> subprocess.Popen:
+        p = subprocess.Popen([sys.executable, "-c", script, str(store), url], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        assert p.stdout is not None and p.stdout.readline() == b"ready\n"
+        p.stdout.close()
+        return p
+
+    return start
+
+
+def timed(start: Callable[[Path], subprocess.Popen], store: Path) -> float:
+    """Seconds one whole publish of ``store`` takes (it must succeed)."""
+    p = start(store)
+    t0 = time.perf_counter()
+    assert p.wait() == 0
+    return time.perf_counter() - t0
+
+
+def kill_at_random_instants(start: Callable[[Path], subprocess.Popen], stores: list[Path], read: Callable[[], np.ndarray],
+                            states: list[np.ndarray], kills: int, span: float, fraction: tuple[float, float]) -> int:
+    """Publish ``stores`` in turn, SIGKILLing each publisher still running after a random
+    ``fraction`` of ``span`` seconds, until ``kills`` were killed (at most 3 tries per
+    kill); after each, ``read()`` must be one of ``states`` whole, never a mix. Returns
+    how many publishes completed between the kills."""
+    rng = np.random.default_rng(0)
+    killed = published = i = 0
+    while killed < kills and i < 3 * kills:
+        p, i = start(stores[i % len(stores)]), i + 1
+        try:
+            p.wait(timeout=float(rng.uniform(*fraction)) * span)
+            published += p.returncode == 0
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            killed += 1
+        got = read()
+        assert any(np.array_equal(got, s) for s in states), i  # one store whole, never a mix
+    assert killed >= kills, f"{killed} of {kills} publishers killed in {i} tries"
+    return published
