@@ -39,7 +39,7 @@ from .intrinsics import pointer as _ptr
 
 _carray: Any = numba.carray  # type: ignore[attr-defined]
 
-__all__ = ["THREADS", "decode_rows", "encode_shard"]
+__all__ = ["THREADS", "decode_rows", "encode_frame", "encode_shard", "roundtrip"]
 
 THREADS = max(1, min(4, os.cpu_count() or 1))  # decoding threads per batch (the caller's is one of them)
 _POOL: dict[int, ThreadPoolExecutor] = {}  # by process id: a forked child (DataLoader workers) starts its own
@@ -54,10 +54,32 @@ def _pool() -> ThreadPoolExecutor:
     return pool
 
 
-def _frame(frames: np.ndarray, i: int) -> np.ndarray:
-    """Frame ``i`` as libjpeg takes and gives it: ``(H, W)`` for one channel, else ``(H, W, 3)``."""
-    f: np.ndarray = frames[i]
-    return f.reshape(f.shape[:2]) if f.ndim == 3 and f.shape[2] == 1 else f
+def _as_libjpeg(frame: np.ndarray) -> np.ndarray:
+    """``frame`` as libjpeg takes and gives it: ``(H, W)`` for one channel, else ``(H, W, 3)``."""
+    return frame.reshape(frame.shape[:2]) if frame.ndim == 3 and frame.shape[2] == 1 else frame
+
+
+def encode_frame(frame: np.ndarray, quality: int) -> bytes:
+    """One ``uint8`` frame (``(H, W)``, ``(H, W, 1)`` or ``(H, W, 3)``) as a JPEG image at
+    ``quality``: what a shard stores for it, and what the zarr codec writes."""
+    import imagecodecs
+
+    return bytes(imagecodecs.jpeg8_encode(np.ascontiguousarray(_as_libjpeg(frame)), level=quality))
+
+
+def roundtrip(frames: np.ndarray, quality: int) -> np.ndarray:
+    """``frames`` (``[n, *row]`` uint8) encoded as a shard stores them and decoded as a
+    read returns them (both deterministic), on the pool."""
+    import imagecodecs
+
+    out = np.empty_like(frames)
+
+    def work(start: int, stop: int, step: int) -> None:
+        for i in range(start, stop, step):
+            out[i] = np.asarray(imagecodecs.jpeg8_decode(encode_frame(frames[i], quality))).reshape(frames.shape[1:])
+
+    _spread(work, len(frames))
+    return out
 
 
 def _spread(work: Any, n: int) -> None:
@@ -81,14 +103,12 @@ def encode_shard(quality: int, frames: np.ndarray, version: int) -> bytes:
     """One shard file of ``frames`` (``[chunks, *row]`` uint8): the header (magic,
     ``version``), each frame as a JPEG image at ``quality`` plus its crc32c, the index
     (offset, bytes per chunk) and its crc32c. Frames are encoded on the pool."""
-    import imagecodecs
-
     n = len(frames)
     blobs: list[bytes] = [b""] * n
 
     def work(start: int, stop: int, step: int) -> None:
         for i in range(start, stop, step):
-            blob = bytes(imagecodecs.jpeg8_encode(np.ascontiguousarray(_frame(frames, i)), level=quality))
+            blob = encode_frame(frames[i], quality)
             blobs[i] = blob + crc32c(np.frombuffer(blob, np.uint8)).to_bytes(4, "little")
 
     _spread(work, n)
@@ -217,7 +237,7 @@ def decode_rows(rows: np.ndarray, versions: np.ndarray, positions: np.ndarray, s
     def work(start: int, stop: int, step: int) -> None:
         for i in range(start, stop, step):
             f, off, nb = int(todo[i, 2]), int(todo[i, 3]), int(todo[i, 4])
-            dst = _frame(frames, int(todo[i, 5]))
+            dst = _as_libjpeg(frames[int(todo[i, 5])])
             try:
                 got = imagecodecs.jpeg8_decode(maps[f][off : off + nb], out=dst)
             except Exception:  # noqa: BLE001 - any refusal of libjpeg (a hostile but crc-valid chunk)

@@ -75,12 +75,10 @@ def roundtrip(column: str, frames: np.ndarray, quality: int) -> np.ndarray:
     """``frames`` (``[n, *row]`` uint8) encoded at ``quality`` and decoded, as a shard
     stores and a read returns them (encoding and decoding are deterministic): what
     ``mmbuffer copy`` compares a lossy column's read-back with."""
-    ic = imagecodecs(column)
-    out = np.empty_like(frames)
-    for i in range(len(frames)):  # a verification pass, once per copied row
-        img = frames[i].reshape(frames.shape[1:3]) if frames.ndim == 4 and frames.shape[3] == 1 else frames[i]
-        out[i] = np.asarray(ic.jpeg8_decode(ic.jpeg8_encode(np.ascontiguousarray(img), level=quality))).reshape(frames.shape[1:])
-    return out
+    from ...kernels import images
+
+    imagecodecs(column)  # or the typed error naming the column
+    return images.roundtrip(frames, quality)
 
 
 def register_zarr_codecs() -> None:
@@ -134,10 +132,11 @@ def _codec_class() -> type[Any]:
             return chunk_spec.prototype.nd_buffer.from_ndarray_like(np.asarray(out).reshape(chunk_spec.shape))
 
         async def _encode_single(self, chunk_array: Any, chunk_spec: Any) -> Any:
-            ic = imagecodecs("zarr")
-            arr = np.ascontiguousarray(chunk_array.as_ndarray_like())
-            frame = arr.reshape(arr.shape[-3:-1] if arr.shape[-1] == 1 and arr.ndim == 4 else arr.shape[1:])
-            return chunk_spec.prototype.buffer.from_bytes(bytes(ic.jpeg8_encode(frame, level=self.level)))
+            from ...kernels import images
+
+            imagecodecs("zarr")
+            frame = np.asarray(chunk_array.as_ndarray_like())[0]  # an inner chunk is one row
+            return chunk_spec.prototype.buffer.from_bytes(images.encode_frame(frame, self.level))
 
         def compute_encoded_size(self, input_byte_length: int, chunk_spec: Any) -> int:
             raise NotImplementedError
