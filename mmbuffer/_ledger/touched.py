@@ -68,6 +68,7 @@ from .progress import open_or_add
 NAME = "priority/touched"
 _log = logging.getLogger("mmbuffer")
 _CHUNK = 1 << 16  # blocks recomputed per vectorized pass in repair
+_COMPACT = 1 << 16  # recorded entries (blocks, or ranges) that start a merge of what is recorded
 
 
 def nblocks(capacity: int) -> int:
@@ -92,6 +93,8 @@ class Marks:
         self._dirty = dirty  # priority/DIRTY: present while a commit writes the tree
         self._ranges: list[tuple[int, int]] = []
         self._blocks: list[np.ndarray] = []
+        self._held = 0  # entries in _blocks; _compact keeps both lists O(blocks of the tree)
+        self._limit = _COMPACT
         self.private_pages = 0  # pages this writer holds a private copy of (both arrays)
         self._pages: tuple[np.ndarray, np.ndarray] | None = None  # which ones (_kept)
         self.bound = config.private_tree_bytes  # above this many private bytes, a commit drops them
@@ -101,11 +104,32 @@ class Marks:
     def rows(self, rows: np.ndarray) -> None:
         """Record the blocks of ``rows`` (before their leaves change)."""
         self._blocks.append(np.unique(np.asarray(rows, dtype=np.int64).reshape(-1) // tree.BLOCK))
+        self._held += len(self._blocks[-1])
+        if self._held > self._limit:
+            self._compact()
 
     def range(self, start: int, stop: int) -> None:
         """Record the blocks of rows ``[start, stop)``."""
         if stop > start:
             self._ranges.append((start // tree.BLOCK, (stop - 1) // tree.BLOCK + 1))
+            if len(self._ranges) > _COMPACT:
+                self._compact()
+
+    def _compact(self) -> None:
+        """Merge what is recorded (a writer that updates priorities for hours without a
+        commit would otherwise hold one array per update): the blocks as one sorted
+        unique array, the ranges as disjoint ones. Amortized O(1) per recorded block."""
+        if self._blocks:
+            self._blocks = [np.unique(np.concatenate(self._blocks))]
+            self._held = len(self._blocks[0])
+            self._limit = max(_COMPACT, 2 * self._held)
+        if len(self._ranges) > 1:
+            r = np.array(self._ranges, dtype=np.int64)
+            r = r[np.argsort(r[:, 0], kind="stable")]
+            reach = np.maximum.accumulate(r[:, 1])
+            new = np.flatnonzero(np.r_[True, r[1:, 0] > reach[:-1]])
+            stops = reach[np.r_[new[1:] - 1, len(r) - 1]]
+            self._ranges = list(zip(r[new, 0].tolist(), stops.tolist()))
 
     def all(self) -> None:
         """Record every block (before a whole rebuild)."""
@@ -155,7 +179,7 @@ class Marks:
             self.marks[lo:hi] = 0
         for blocks in self._blocks:
             self.marks[blocks] = 0
-        self._ranges, self._blocks = [], []
+        self._ranges, self._blocks, self._held, self._limit = [], [], 0, _COMPACT
         if self._dirty is not None:  # last: while no DIRTY is present, no mark is set
             self._dirty.unlink(missing_ok=True)
         if self._arrays is None or self._pages is None or self.private_pages * mmap.PAGESIZE <= self.bound:
@@ -175,6 +199,7 @@ class Marks:
         self.repaired = repair(pt, self.marks, layout, lanes)
         if len(marked):
             self._blocks.append(marked)
+            self._held += len(marked)
         _log.info("priority tree: %d blocks repaired after an interrupted writer", self.repaired)
         return self.repaired
 
@@ -182,7 +207,7 @@ class Marks:
         """Clear every mark (recovery, once the tree is whole): only the set bytes are
         written, so untouched regions of the file stay holes."""
         self.marks[np.flatnonzero(self.marks)] = 0
-        self._ranges, self._blocks = [], []
+        self._ranges, self._blocks, self._held, self._limit = [], [], 0, _COMPACT
 
 
 def repair(pt: tree.PriorityTree, marks: np.ndarray, layout: Layout, lanes: tuple[Lane, ...]) -> int:

@@ -211,3 +211,34 @@ def test_a_private_page_is_never_left_unwritten(tmp_path):
             mine, theirs = buf.store.priority_tree, ro.store.priority_tree
             assert np.array_equal(theirs.leaves, mine.leaves) and np.array_equal(theirs.nodes, mine.nodes)
             assert tree.check(theirs) == 0.0
+
+
+def test_what_a_writer_records_between_commits_stays_bounded_by_the_tree(tmp_path):
+    """Hours of priority updates (and one-row extends) without a commit: the blocks and
+    ranges the writer records for its next commit are merged as they pile up, so they
+    hold at most the tree's blocks (plus one merge threshold), not one array per update;
+    the commit after them still writes every change (the file equals the writer's map)."""
+    from mmbuffer._ledger import touched
+
+    path = tmp_path / "s"
+    _store(path)
+    rng = np.random.default_rng(4)
+    blocks = -(-CAP // tree.BLOCK)
+    with mb.open(path) as buf, mb.open(path, mode="r") as ro:
+        buf.extend({"x": np.arange(15_000), "terminated": np.arange(15_000) % 50 == 49})
+        buf.commit()
+        marks = buf._writer._marks
+        recorded = 0
+        for _ in range(1000):
+            rows = rng.integers(0, 15_000, 2048)
+            recorded += len(np.unique(rows // tree.BLOCK))
+            buf.update_priorities(rows, rng.random(2048) * 3)
+        for i in range(touched._COMPACT + 10):  # one-row extends: a range each
+            marks.range(i % CAP, i % CAP + 1)
+        assert recorded > 2 * touched._COMPACT  # without the merges, more than this was held
+        assert sum(len(b) for b in marks._blocks) <= blocks + touched._COMPACT
+        assert len(marks._ranges) <= blocks
+        buf.commit()
+        mine, theirs = buf.store.priority_tree, ro.store.priority_tree
+        assert np.array_equal(theirs.leaves, mine.leaves) and np.array_equal(theirs.nodes, mine.nodes)
+        assert not np.fromfile(path / "priority" / "touched" / "c" / "0", dtype=np.uint8)[:blocks].any()
