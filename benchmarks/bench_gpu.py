@@ -102,13 +102,22 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+TRACE: list[str] = []  # with --trace: one line per mode, printed after the table
+
+
 def timed(batches: Iterator[Any], step: Callable[[Any], None] | None, warmup: int, n: int) -> float:
-    """Items per second over ``n`` items after ``warmup`` (the GPU drained at both ends)."""
+    """Items per second over ``n`` items after ``warmup`` (the GPU drained at both ends).
+
+    With ``--trace`` it also records, for the training thread, the time spent in
+    ``next()`` per step, its CPU time against the wall clock, its involuntary context
+    switches, the rate in each quarter of the window and the GPU's clocks."""
     for _ in range(warmup):
         b = next(batches)
         if step is not None:
             step(b)
     sync()
+    if TRACE_ON:
+        return _traced(batches, step, n)
     t0 = time.perf_counter()
     for _ in range(n):
         b = next(batches)
@@ -116,6 +125,99 @@ def timed(batches: Iterator[Any], step: Callable[[Any], None] | None, warmup: in
             step(b)
     sync()
     return n / (time.perf_counter() - t0)
+
+
+TRACE_ON = False
+CURRENT = [""]  # the mode being timed, for the trace lines
+
+
+def topology() -> list[frozenset[int]]:
+    """This process's CPUs grouped by physical core (SMT siblings together)."""
+    cores: dict[frozenset[int], None] = {}
+    for cpu in sorted(os.sched_getaffinity(0)):
+        try:
+            text = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip()
+        except OSError:
+            text = str(cpu)
+        sib: set[int] = set()
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            sib.update(range(int(lo), int(hi or lo) + 1))
+        cores[frozenset(sib & os.sched_getaffinity(0))] = None
+    return list(cores)
+
+
+def pin_apart() -> tuple[set[int], set[int]]:
+    """Put the training process's threads on the first half of the physical cores and
+    every child process (the stream's workers, the forkserver) on the others."""
+    import psutil
+
+    cores = topology()
+    half = max(1, len(cores) // 2)
+    train = set().union(*cores[:half])
+    rest = set().union(*cores[half:]) or train
+    for tid in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(tid), train)
+    for child in psutil.Process().children(recursive=True):
+        try:
+            for t in child.threads():
+                os.sched_setaffinity(t.id, rest)
+        except (psutil.Error, OSError):
+            pass
+    return train, rest
+
+
+def unpin(cpus: set[int]) -> None:
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:
+            pass
+
+
+def _traced(batches: Iterator[Any], step: Callable[[Any], None] | None, n: int) -> float:
+    import resource
+
+    import numpy as np
+
+    clocks0 = gpu_clocks()
+    waits = np.empty(n)
+    ends = np.empty(n)
+    r0 = resource.getrusage(resource.RUSAGE_THREAD)
+    c0 = time.thread_time()
+    t0 = time.perf_counter()
+    for i in range(n):
+        a = time.perf_counter()
+        b = next(batches)
+        waits[i] = time.perf_counter() - a
+        if step is not None:
+            step(b)
+        ends[i] = time.perf_counter()
+    sync()
+    wall = time.perf_counter() - t0
+    cpu = time.thread_time() - c0
+    r1 = resource.getrusage(resource.RUSAGE_THREAD)
+    q = np.array_split(np.diff(np.concatenate([[t0], ends])), 4)
+    quarters = "/".join(f"{len(x) / x.sum():.0f}" for x in q)
+    TRACE.append(
+        f"{CURRENT[0]}: next() p50 {np.median(waits) * 1e3:.3f} ms, p99 {np.percentile(waits, 99) * 1e3:.2f} ms, max {waits.max() * 1e3:.1f} ms, "
+        f"{waits.sum() / wall:.1%} of the wall; training thread CPU {cpu / wall:.0%} of the wall, "
+        f"{r1.ru_nivcsw - r0.ru_nivcsw} involuntary / {r1.ru_nvcsw - r0.ru_nvcsw} voluntary switches, "
+        f"{r1.ru_minflt - r0.ru_minflt} minor faults; steps/s by quarter {quarters}; GPU clocks {clocks0} -> {gpu_clocks()}"
+    )
+    return n / wall
+
+
+def gpu_clocks() -> str:
+    """SM / memory clock (MHz) and temperature, from nvidia-smi (outside any timed window)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,temperature.gpu", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+    return out.replace(", ", "/")
 
 
 def batch_bytes(b: Any) -> int:
@@ -136,6 +238,7 @@ def main() -> int:
     p.add_argument("--modes", default=DEFAULT_MODES)
     p.add_argument("--label", default="this checkout")
     p.add_argument("--path", type=Path, default=None, help="a store built earlier by this script (else a temporary one)")
+    p.add_argument("--trace", action="store_true", help="also record where the training thread's time goes (printed after the table)")
     p.add_argument("--cpu-dry-run", action="store_true", help="run every mode on the CPU, tiny: checks the script, measures nothing")
     args = p.parse_args()
     if args.cpu_dry_run:
@@ -146,8 +249,9 @@ def main() -> int:
         return 0
     else:
         dev = torch.device("cuda", torch.cuda.current_device())
-    global DEVICE
+    global DEVICE, TRACE_ON
     DEVICE = dev
+    TRACE_ON = args.trace
     modes = [m for m in args.modes.split(",") if m]
     tmp = None
     path = args.path
@@ -206,10 +310,25 @@ def main() -> int:
                     yield buf.sample_slices(B, L, generator=g).to(dev, non_blocking=True)
             report(f"{tag}sync: sample_slices + .to(cuda)", timed(sync_batches(), step, args.warmup, args.steps), None if alone else hidden)
         elif kind.startswith("stream-proc"):
-            procs = int(kind[11:])
+            pin = kind.endswith("pin")
+            procs = int(kind[11:].removesuffix("pin"))
+            t_open = time.perf_counter()
             with mb.stream(buf, B, L, device=dev, generator=g, processes=procs) as s:
-                rate = timed(iter(s), step, args.warmup, args.steps)
-            report(f"{tag}mb.stream(device=cuda, processes={procs})", rate, None if alone else hidden)
+                first = next(iter(s))
+                started = time.perf_counter() - t_open
+                del first
+                where = ""
+                if pin:
+                    train, rest = pin_apart()
+                    where = f", training on CPUs {sorted(train)}, workers on {sorted(rest)}"
+                try:
+                    rate = timed(iter(s), step, args.warmup, args.steps)
+                finally:
+                    if pin:
+                        unpin(all_cpus)
+            if TRACE_ON:
+                TRACE[-1] += f"; first batch {started * 1e3:.0f} ms after mb.stream(){where}"
+            report(f"{tag}mb.stream(device=cuda, processes={procs}{', pinned apart' if pin else ''})", rate, None if alone else hidden)
         elif kind.startswith("stream"):
             workers = int(kind[6:] or 0) or None
             extra = {} if workers is None else {"workers": workers}
@@ -245,11 +364,21 @@ def main() -> int:
         else:
             print(f"| unknown mode {mode!r} | | | |")
 
+    all_cpus = set(os.sched_getaffinity(0))
+    if TRACE_ON:
+        cores = topology()
+        print(f"CPUs {len(all_cpus)} in {len(cores)} physical cores; GPU clocks (SM/mem MHz, °C) {gpu_clocks()}")
     for mode in modes:
+        CURRENT[0] = mode
         try:
             run_mode(mode)
         except Exception as exc:  # one failing mode must not hide the others' figures
             print(f"| {mode} | failed: {type(exc).__name__}: {exc} | | |", flush=True)
+    if TRACE:
+        print()
+        print("Where the training thread's time went (--trace):")
+        for line in TRACE:
+            print(f"- {line}")
     buf.close()
     if tmp is not None:
         import shutil

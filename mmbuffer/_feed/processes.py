@@ -325,13 +325,18 @@ class ProcessRing:
             self._path = None
 
 
+#: Modules the forkserver imports once; ``warm`` loads the kernels there, so that no
+#: worker loads them itself. The forkserver ignores a name it cannot import.
+PRELOAD = (__name__, f"{__package__}.warm")
+
+
 def _context() -> Any:
     """``forkserver`` (workers fork from a server process that has imported this
     module once: ~0.1 s a worker instead of a fresh interpreter importing torch),
     else ``spawn``. Neither inherits CUDA state."""
     if "forkserver" in get_all_start_methods():
         ctx = get_context("forkserver")
-        ctx.set_forkserver_preload([__name__, f"{__package__}._procwarm"])
+        ctx.set_forkserver_preload(list(PRELOAD))
         return ctx
     return get_context("spawn")
 

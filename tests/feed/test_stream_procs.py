@@ -173,3 +173,15 @@ def test_cuda_processes_copy_from_a_page_locked_ring(store: mb.Buffer) -> None:
         assert b["obs"].device.type == "cuda"
         rows = store.get(b.indices.cpu().reshape(-1))
         assert torch.equal(b["obs"].cpu(), rows["obs"].reshape(8, 4, 3))
+
+
+def test_the_forkserver_preloads_modules_that_exist() -> None:
+    """The forkserver ignores a preload name it cannot import; a renamed module once
+    left every worker loading the kernels itself (about a second each)."""
+    import importlib.util
+
+    from mmbuffer._feed import processes
+
+    assert processes.PRELOAD
+    for name in processes.PRELOAD:
+        assert importlib.util.find_spec(name) is not None, name
