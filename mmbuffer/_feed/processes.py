@@ -24,10 +24,14 @@ when the last process unmaps it.
   torch's global generator) and ``w``: the same generator state gives the same
   batches.
 * **Main process.** ``get`` receives the next slot from its worker; with CUDA it
-  issues one copy of the block on a side stream and records an event, and the
-  slot goes back to its worker once that event has passed (pending events are
-  polled at every ``get``); without CUDA the block is copied out and the slot
-  goes back at once. No threads.
+  issues one copy of the block on the current stream of ``device`` (so the step
+  that follows is ordered after it, as with ``batch.to(device, non_blocking=True)``
+  in a loader loop) and records the slot's event, and the slot goes back to its
+  worker once that event has passed (pending events are polled at every
+  ``get``); without CUDA the block is copied out and the slot goes back at once.
+  No threads. A CUDA ``get`` is a handful of calls (it runs on the training
+  thread, between steps): no stream or device context, no new event, the views
+  made by :meth:`~mmbuffer._feed.blocks.BlockLayout.views`.
 * **Errors.** A worker's exception is re-raised by ``get`` (same type for
   mmbuffer's errors and builtin ones, with its message); a worker that died is a
   ``ChildProcessError``, never a hang.
@@ -146,7 +150,8 @@ class ProcessRing:
         self._map: mmap.mmap | None = None
         self._memory: torch.Tensor | None = None
         self._blocks: list[torch.Tensor] = []
-        self._cursors: list[torch.Tensor] = []
+        self._cursors: list[np.ndarray] = []
+        self._events: list[Any] = []  # CUDA: one event per slot, recorded after its copy
 
     # -- start ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -170,7 +175,9 @@ class ProcessRing:
             starts = [s * self._slot_bytes for s in range(self._per * self._n)]
             self._blocks = [memory[at : at + self.layout.nbytes] for at in starts]
             cursors = [at + self._cursor_at for at in starts]
-            self._cursors = [memory[at : at + 8 * self._lanes].view(torch.int64) for at in cursors]
+            self._cursors = [memory[at : at + 8 * self._lanes].view(torch.int64).numpy() for at in cursors]
+            if self._cuda:
+                self._events = [torch.cuda.Event() for _ in starts]  # type: ignore[no-untyped-call]
             self._spawn()
             for w in range(self._n):
                 msg = self._receive(w, _START_S)
@@ -189,7 +196,6 @@ class ProcessRing:
         if int(code) != 0:
             raise errors.InvalidArgumentError(f"device: expected host memory CUDA can page-lock, got cudaHostRegister error {code}")
         self._registered = ptr
-        self._side = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
 
     def _spawn(self) -> None:
         ctx = _context()
@@ -225,18 +231,17 @@ class ProcessRing:
                 break  # a message, or the worker ended: _receive tells which
         msg = self._receive(w, None)
         slot = self._decode(w, msg)
-        written = self._cursors[slot].numpy().copy()
+        written = self._cursors[slot].copy()
         self._delivered += 1
         if not self._cuda:
             batch = PackedBatch(self._blocks[slot].clone(), self.layout, written)
             self._give_back(slot)
             return batch, None
-        with torch.cuda.device(self._device), torch.cuda.stream(self._side):
-            moved = self._blocks[slot].to(self._device, non_blocking=True)
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(self._side)
+        moved = self._blocks[slot].to(self._device, non_blocking=True)  # on the device's current stream
+        event = self._events[slot]
+        event.record(torch.cuda.current_stream(self._device))
         self._pending.append((slot, event))
-        return PackedBatch(moved, self.layout, written), event
+        return PackedBatch(moved, self.layout, written), None
 
     def _receive(self, w: int, timeout: float | None) -> bytes:
         """The next message of worker ``w``; ``ChildProcessError`` if it died first."""

@@ -200,7 +200,8 @@ def stream(
         an accelerator).
     device:
         Move each batch there: CUDA through a ring of pinned blocks and one copy
-        per batch on a side stream, others with ``non_blocking=True``.
+        per batch (threads: on a side stream; ``processes``: on the device's
+        current stream), others with ``non_blocking=True``.
     num_batches:
         Stop after that many batches; None streams until ``close()``.
     generator:

@@ -556,3 +556,23 @@ def test_pool_orders_items_by_ticket_and_reraises_in_place():
     with pytest.raises(ValueError, match="before the ticket"):
         q.get()
     q.close()
+
+
+@pytest.mark.parametrize("offset", [0, 64, 4096])
+def test_block_views_are_the_batch_wherever_the_block_lies(tmp_path, offset):
+    """``BlockLayout.views`` builds each tensor from one dtype view of the block (a
+    ring's slot lies at an offset in a larger tensor): exactly the batch packed there."""
+    from mmbuffer._feed.blocks import BlockLayout
+
+    buf = _store(tmp_path / "s")
+    b = buf.sample_slices(8, 4, generator=torch.Generator().manual_seed(1))
+    layout = BlockLayout.of(b)
+    room = torch.zeros(layout.nbytes + 8192, dtype=torch.uint8)
+    block = room[offset : offset + layout.nbytes]
+    packed = layout.pack(b, block)
+    for k, v in b.data.items():
+        assert packed[k].dtype == v.dtype and packed[k].is_contiguous()
+        assert torch.equal(packed[k], v), k
+    assert torch.equal(packed.indices, b.indices) and torch.equal(packed.weights, b.weights)
+    assert torch.equal(packed.mask, b.mask)
+    assert room[:offset].count_nonzero() == 0 and room[offset + layout.nbytes :].count_nonzero() == 0
