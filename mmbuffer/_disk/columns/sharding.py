@@ -30,6 +30,7 @@ number below it that divides the lane size): the inner-chunk size trades disk fo
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any, Final
 
@@ -85,6 +86,14 @@ def create(root: Path, name: str, rows: int, row_shape: tuple[int, ...], dtype: 
     row_bytes = int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize
     lossy = fmt.parse_codec(name, codec)[0] == "jpeg"
     inner, shard = shard_geometry(row_bytes, lane_size, 1 if lossy else inner_bytes)  # JPEG: one image per chunk
+    meant = min(shard_geometry(row_bytes, 1 << 62, inner_bytes)[0], lane_size)  # without the divisor rule
+    if not lossy and inner * 4 <= meant:
+        warnings.warn(
+            f"column {name!r}: lanes of {lane_size} rows have no divisor near {meant}, so its {codec} chunks hold "
+            f"{inner} row(s) each (compression and one-row extends suffer); choose a capacity whose lanes "
+            f"(capacity // num_streams) are a multiple of {meant} rows",
+            UserWarning, stacklevel=4,  # the caller of mb.create
+        )
     zarr.create_array(
         str(root), name=f"columns/{name}", shape=(rows, *row_shape), dtype=dtype,
         chunks=(inner, *row_shape), shards=(shard, *row_shape), compressors=compressors("zstd" if lossy else codec, dtype),
