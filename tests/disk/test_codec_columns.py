@@ -438,3 +438,26 @@ def test_locate_kernel_matches_a_row_by_row_reference(seed):
     done = np.setdiff1d(np.arange(len(flat)), todo[2])
     assert np.array_equal(out[done], want[done])  # staged rows copied, never-written rows zero
     assert len(want_todo) and len(done) > len(flat) // 10  # both kinds were exercised
+
+
+def test_final_observations_of_a_codec_column_stay_raw_and_sparse(tmp_path):
+    """docs/format.md, "Final observations": a codec column's ``final/<col>`` is a raw
+    sharded array (the ``bytes`` codec only), holding the frames given at episode ends."""
+    path = tmp_path / "s"
+    ends = np.zeros(10, bool)
+    ends[[4, 9]] = True
+    finals = np.stack([np.full((84, 84), 7, np.uint8), np.full((84, 84), 9, np.uint8)])
+    with mb.create(path, {"pixels": mb.Column((84, 84), "uint8", codec="zstd")}, capacity=1000,
+                   next_keys=("pixels",)) as buf:
+        buf.extend({"pixels": np.ones((10, 84, 84), np.uint8), "terminated": ends, "truncated": np.zeros(10, bool)},
+                   final_obs={"pixels": finals})
+        buf.commit()
+        got = buf.get(np.array([4, 9]), keys=["next_pixels"])["next_pixels"].numpy()
+    assert np.array_equal(got, finals)
+    meta = json.loads((path / "final" / "pixels" / "zarr.json").read_text())
+    assert meta["codecs"][0]["name"] == "sharding_indexed"
+    assert meta["codecs"][0]["configuration"]["codecs"] == [{"name": "bytes"}]
+    column = json.loads((path / "columns" / "pixels" / "zarr.json").read_text())
+    assert any(c["name"] == "zstd" for c in column["codecs"][0]["configuration"]["codecs"])  # the column: zstd
+    shard = path / "final" / "pixels" / "c" / "0" / "0" / "0"
+    assert os.stat(shard).st_blocks * 512 < 1000 * 84 * 84 // 4  # sparse: not the capacity's frames
