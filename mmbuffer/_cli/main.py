@@ -229,6 +229,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 SUITES = {
     "store": "append, gather and reopen against plain numpy memmaps",
     "sampling": "slice and transition sampling against TorchRL, by store size",
+    "flat": "slice index, sample and online extend + sample at 1e9 stored rows against 1e6, interleaved",
     "priority": "prioritized sample + update against TorchRL's PrioritizedSampler",
     "convert": "D4RL conversion throughput and memory",
     "export": "export to D4RL HDF5 and Minari, and back",
