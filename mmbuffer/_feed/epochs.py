@@ -36,7 +36,10 @@ import numpy as np
 from .._disk.checks import check_int
 from .._read import frames
 from .._read.frames import Stacks
+from .. import errors
+from .._ledger.snapshot import Draw, View
 from .._read.gather import Batch, resolve_keys
+from .resume import remap
 from ..buffer import Buffer
 from ..samplers.epoch import EpochCursor, shard_size
 
@@ -83,6 +86,7 @@ class EpochSampler:
         self.slice_len = None if slice_len is None else check_int("slice_len", slice_len, 1)
         self._cursor = EpochCursor(Path(buf.path), name, seed=seed, slice_len=self.slice_len, shard=shard)
         self.keys = resolve_keys(buf.store, keys)
+        self._lanes: tuple[tuple[int, int], ...] | None = None  # set by restore()
 
     @property
     def epoch(self) -> int:
@@ -90,9 +94,47 @@ class EpochSampler:
         return self._cursor.state.epoch
 
     @property
+    def num_items(self) -> int:
+        """Items of the current epoch (-1 before it starts)."""
+        return self._cursor.state.num_items
+
+    @property
     def position(self) -> int:
         """Items of the current epoch already delivered to this shard."""
         return self._cursor.state.position
+
+    def start(self, view: View) -> tuple[tuple[int, int], ...] | None:
+        """Fix the current epoch's item count from ``view`` if it has not started;
+        return ``(first row, items)`` per stream when ``view`` holds exactly the epoch's
+        items (else None: the epoch started on another snapshot)."""
+        self._cursor.begin(view)
+        items = self._cursor.lane_items(view)
+        if int(items.sum()) != self._cursor.state.num_items:
+            return None
+        return tuple((int(f), int(n)) for f, n in zip(view.first_starts, items))
+
+    def restore(self, epoch: int, position: int, num_items: int, lanes: tuple[tuple[int, int], ...] | None) -> None:
+        """Go to ``position`` of epoch ``epoch`` of ``num_items`` items (saved), whose
+        streams held ``lanes`` ((first row, items) each) when it started: on a newer
+        snapshot the remaining items are served at the same rows (``_feed/resume.py``
+        :func:`remap`); a snapshot that lost them raises ``RowNotLiveError``."""
+        st = self._cursor.state
+        st.epoch, st.position, st.num_items = epoch, position, num_items
+        self._lanes = lanes
+        view = self.buf.view()
+        if lanes is None and num_items > self._cursor.items(view):
+            raise errors.RowNotLiveError(
+                f"{self.buf.path}: resuming an epoch: expected its {num_items} items, got {self._cursor.items(view)}")
+        self._map_ranks(view, np.zeros(0, dtype=np.int64))  # refuses a snapshot without the items now
+        self._cursor.save()
+
+    def _map_ranks(self, view: View, ranks: np.ndarray) -> np.ndarray:
+        if self._lanes is None:
+            return ranks
+        first, items = view.first_starts, self._cursor.lane_items(view)
+        if tuple((int(f), int(n)) for f, n in zip(first, items)) == self._lanes:
+            return ranks
+        return remap(ranks, self._lanes, first, items, f"{self.buf.path}: resuming an epoch")
 
     def reset(self) -> None:
         """Forget the saved state: the next iteration starts epoch 0."""
@@ -116,9 +158,14 @@ class EpochSampler:
             cur.save()
             yield batch
         cur.end_epoch()
+        self._lanes = None
         cur.save()
 
     def _batch(self, ranks: np.ndarray) -> Batch:
         with self.buf.lock:
             # ranks resolve against the view of now: a reader re-reads overwritten items this way
-            return self.buf.read_batch(lambda p: self._cursor.resolve(self.buf.view(), ranks[p]), len(ranks), self.keys, stack=self.stack)
+            def draw(p: np.ndarray) -> Draw:
+                view = self.buf.view()
+                return self._cursor.resolve(view, self._map_ranks(view, ranks[p]))
+
+            return self.buf.read_batch(draw, len(ranks), self.keys, stack=self.stack)

@@ -254,12 +254,13 @@ class RemoteSource:
             raise errors.CorruptStoreError(f"{self.url}: snapshot {pointer['snapshot']}: expected the schema opened, {old}, got {new}")
         return self._open(pointer, lock, mirrored)
 
-    def set_shard(self, index: int, count: int, *, epoch: int = 0) -> None:
+    def set_shard(self, index: int, count: int, *, epoch: int = 0, draws: int = 0) -> None:
         """Read the pool's blocks as shard ``index`` of ``count`` (rank * workers + worker),
-        in the order of ``epoch`` (``BufferDataset`` calls it in each worker)."""
+        in the order of ``epoch`` (``BufferDataset`` calls it in each worker); ``draws``:
+        as after that many draws (a resumed pass)."""
         self.shard, self.pool_epoch = (index, count), epoch
         if self.pool is not None:
-            self.pool.set_shard(index, count, epoch=epoch)
+            self.pool.set_shard(index, count, epoch=epoch, draws=draws)
 
     def route(self, spec: samplers.Sampler) -> samplers.Sampler:
         """``spec`` conditioned on the pool's blocks (``spec`` itself without a pool, and
