@@ -248,7 +248,7 @@ class BufferDataset(IterableDataset[Batch]):
             A state of another version, dataset or configuration, naming the field,
             the expected and the received value.
         """
-        loaded = PassState.load(dict(state), {
+        loaded = PassState.load(dict(state) if isinstance(state, Mapping) else state, {
             "mode": "epoch" if self.epoch else "random", "seed": self.seed, "batch_size": self.batch_size,
             "slice_len": self.slice_len, "sampler": repr(self.sampler), "store": str(self.path)})
         self._set_epoch = loaded.set_epoch
