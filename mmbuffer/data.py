@@ -328,11 +328,12 @@ class BufferDataset(IterableDataset[Batch]):
         assert state is not None
         if loaded is not None:
             sampler.restore(loaded.epoch, loaded.position, loaded.num_items, loaded.lanes)
-        lanes = sampler.start(buf.view())
         if loaded is not None and loaded.num_items >= 0:
             lanes = loaded.lanes  # the epoch's own snapshot, not this one
-        elif loaded is not None:  # the state was taken before its epoch started: it starts now
-            state = state.advanced(generation=buf.generation if buf.remote is None else buf.remote.sequence)
+        else:
+            lanes = sampler.start(buf.view())
+            if loaded is not None:  # the state was taken before its epoch started: it starts now
+                state = state.advanced(generation=buf.generation if buf.remote is None else buf.remote.sequence)
         state = state.advanced(epoch=sampler.epoch, position=sampler.position, num_items=sampler.num_items, lanes=lanes)
         self._state = state
         for n, batch in enumerate(sampler):

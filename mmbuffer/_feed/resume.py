@@ -8,8 +8,10 @@ A pass is a function of counters, never of a stored index array:
   is O(1): nothing is drawn or read for them. A remote store's chunk pool is placed
   at its ``k``-th draw (``ChunkPool.set_shard(..., draws=k)``).
 - epoch mode: the epoch's keyed permutation (``samplers/epoch.py``) at ``(epoch,
-  position, num_items)``, plus the per-lane ``(first row, items)`` of the snapshot the
-  epoch started on, so that a newer snapshot can be checked and mapped (:func:`remap`).
+  position, num_items)``, plus per stream the ``(first row, items, fingerprint)`` of
+  the snapshot the epoch started on (the fingerprint: a digest of the stored columns at
+  the rows of the stream's first and last items), so that a newer snapshot can be
+  checked and mapped (:func:`remap`).
 
 :class:`PassState` is what ``BufferDataset.state_dict()`` returns, as a dict of
 JSON-able values (about 400 bytes, plus 2 integers per stream in epoch mode);
@@ -38,6 +40,9 @@ KIND = "mmbuffer.data.BufferDataset"
 VERSION = 1
 _BIG = 1 << 63
 
+#: per stream at an epoch's start: (first row, items, fingerprint of the rows of its first and last items)
+Lanes = tuple[tuple[int, int, str], ...]
+
 
 @dataclass(frozen=True, slots=True)
 class PassState:
@@ -61,7 +66,7 @@ class PassState:
     epoch: int  # epoch mode: completed epochs of this shard
     position: int  # epoch mode: items of the epoch delivered to this shard
     num_items: int  # epoch mode: items of the epoch (-1: not started)
-    lanes: tuple[tuple[int, int], ...] | None  # epoch mode: (first row, items) per stream at the epoch's start
+    lanes: Lanes | None  # epoch mode: per stream at the epoch's start (see ``Lanes``)
 
     def to_dict(self) -> dict[str, Any]:
         out = {"kind": KIND, "version": VERSION, **asdict(self)}
@@ -98,12 +103,13 @@ class PassState:
         lanes = obj["lanes"]
         if lanes is not None:
             ok = isinstance(lanes, list) and all(
-                isinstance(x, list) and len(x) == 2 and all(_is_int(v) and 0 <= v < _BIG for v in x) for x in lanes)
+                isinstance(x, list) and len(x) == 3 and all(_is_int(v) and 0 <= v < _BIG for v in x[:2])
+                and isinstance(x[2], str) and len(x[2]) <= 64 for x in lanes)
             if not ok or sum(x[1] for x in lanes) != obj["num_items"]:
                 raise errors.InvalidArgumentError(
-                    f"state['lanes']: expected [first row, items] per stream, items summing to num_items "
+                    f"state['lanes']: expected [first row, items, fingerprint] per stream, items summing to num_items "
                     f"{obj['num_items']}, got {lanes!r:.120}")
-            lanes = tuple((int(a), int(b)) for a, b in lanes)
+            lanes = tuple((int(a), int(b), str(c)) for a, b, c in lanes)
         if obj["mode"] == "epoch" and obj["num_items"] >= 0 and obj["position"] > obj["num_items"]:
             raise errors.InvalidArgumentError(
                 f"state['position']: expected at most num_items {obj['num_items']}, got {obj['position']}")

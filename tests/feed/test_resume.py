@@ -239,6 +239,32 @@ def test_state_of_a_store_rolled_back_or_recreated_is_refused(tmp_path, epoch):
         list(resumed)
 
 
+def test_epoch_state_on_other_data_at_the_same_rows_is_refused(tmp_path):
+    """A store re-created at the path with the same streams, rows and generation, but
+    other values: the fingerprint of each stream's first and last items tells them apart."""
+    path = _store(tmp_path / "s", rows=100, streams=2)
+    ds = BufferDataset(path, 8, epoch=True)
+    it = iter(ds)
+    next(it)
+    state = ds.state_dict()
+    del it
+    import shutil
+
+    shutil.rmtree(path)
+    with mb.create(path, {"x": ((), "int64"), "obs": ((2,), "float32")}, capacity=4096, num_streams=2) as buf:
+        _append(buf, 0, 0, 50, 40)
+        x = np.arange(2048, 2098)
+        buf.extend({"x": x, "obs": np.stack([x, x], 1).astype("float32"),  # obs differs: [x, x], not [x, -x]
+                    "truncated": (x - 2048) % 40 == 39}, stream=1, final_obs={"obs": np.zeros((1, 2))})
+    with mb.open(path, "r") as ro:
+        assert ro.generation == state["generation"] and ro.view().first_starts.tolist() == [0, 0]
+        assert [n for _, n, _ in state["lanes"]] == ro.view().transitions.tolist()  # same rows counts
+    resumed = BufferDataset(path, 8, epoch=True)
+    resumed.load_state_dict(state)
+    with pytest.raises(errors.RowNotLiveError, match="stream 1: expected the data fingerprinted"):
+        list(resumed)
+
+
 # -- foreign or tampered states ---------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("field", "value", "message"),
@@ -255,7 +281,7 @@ def test_state_of_a_store_rolled_back_or_recreated_is_refused(tmp_path, epoch):
         ("delivered", "5", r"expected an integer"),
         ("pass_key", True, r"expected an integer"),
         ("worker", 2, r"expected an integer in \[0, 1\)"),
-        ("lanes", [[0, "x"]], "expected \\[first row, items\\]"),
+        ("lanes", [[0, 100, 5]], "expected \\[first row, items, fingerprint\\]"),
         ("position", 10**20, "expected an integer"),
     ],
 )
