@@ -36,6 +36,26 @@ batches, which a restart skips); :meth:`BufferDataset.reset` forgets them.
 Exactly-once needs every worker to see the same store: use it on stores that are
 not being written (offline training).
 
+Resuming (both modes, local or remote stores): :meth:`BufferDataset.state_dict`,
+taken in the process that iterates (in-process, ``num_workers=0``, or in each worker
+by ``torchdata``'s ``StatefulDataLoader``), is a small dict of JSON-able counters
+(``_feed/resume.py``: version, configuration, the pass's key, batches delivered, and
+in epoch mode the epoch's position and per-stream ``(first row, items,
+fingerprint)``); :meth:`BufferDataset.load_state_dict` makes the next pass deliver
+exactly the batches the saved one had not, in the same order. Random mode: batch
+``k`` of a pass is drawn with a generator keyed by ``(pass key, k)``, so the
+delivered batches are skipped without being drawn (a remote pool starts at its
+``k``-th draw); on the same snapshot the rest is bit-identical, on a newer one the
+rest is drawn by the same keys from the newer data. Epoch mode: the epoch goes on
+over the items of the snapshot it started on, at the same rows, on a newer snapshot
+too (its new items wait for the next epoch); if that snapshot lost some of them (a
+ring that wrapped) or holds other data at their rows (a store re-created, or
+republished with renumbered rows: the fingerprint tells), or the store is at an
+earlier generation than the state, iterating raises ``RowNotLiveError``, never other
+rows. A state of another version, store, seed, sampler, size, mode, rank, world size
+or worker count is ``InvalidArgumentError`` naming the field (a change of worker
+count is refused: resume with the workers the state was saved with).
+
 >>> import tempfile, numpy as np, torch, mmbuffer as mb
 >>> from mmbuffer.data import BufferDataset
 >>> path = tempfile.mkdtemp() + "/d"
@@ -47,6 +67,14 @@ not being written (offline training).
 >>> ds = BufferDataset(path, 6, epoch=True)
 >>> sorted(torch.cat([b["x"] for b in ds]).tolist()) == list(range(20))
 True
+>>> ds = BufferDataset(path, 4, num_batches=5)
+>>> it = iter(ds); first = [next(it)["x"] for _ in range(2)]
+>>> state = ds.state_dict()           # into the checkpoint; a crash, a new process:
+>>> again = BufferDataset(path, 4, num_batches=5)
+>>> again.load_state_dict(state)
+>>> rest = [b["x"] for b in again]    # the 3 batches not delivered, as an uninterrupted pass
+>>> len(rest), all(torch.equal(a, b["x"]) for a, b in zip(rest, it))
+(3, True)
 """
 
 from __future__ import annotations
