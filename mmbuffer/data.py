@@ -314,7 +314,8 @@ class BufferDataset(IterableDataset[Batch]):
                 raise errors.RowNotLiveError(
                     f"{self.path}: expected a snapshot at or after generation {loaded.generation} (the state's), got "
                     f"{generation}: the store was rolled back or re-created; the pass cannot go on")
-            state = loaded
+            # random mode draws the rest from the data of now; an epoch keeps the snapshot it started on
+            state = loaded if self.epoch else loaded.advanced(generation=generation, snapshot=snapshot)
         if remote is not None:  # a remote store's chunk pool: each (rank, worker) reads its own blocks
             remote.set_shard(rank * nw + wid, world * nw, epoch=self._set_epoch,
                              draws=0 if self.epoch else state.delivered)
@@ -334,8 +335,10 @@ class BufferDataset(IterableDataset[Batch]):
         assert state is not None
         first = k = state.delivered
         while budget is None or k - first < budget:
-            if self.refresh_every and k and k % self.refresh_every == 0:
-                buf.refresh()
+            if self.refresh_every and k and k % self.refresh_every == 0 and buf.refresh():
+                remote = buf.remote
+                state = state.advanced(generation=buf.generation if remote is None else remote.sequence,
+                                       snapshot="" if remote is None else remote.snapshot)
             block = None if layout is None else layout.empty()
             generator = batch_generator(state.pass_key, k)  # batch k is a function of the key and k
             batch = read_into(buf, self.sampler, self.batch_size, names, generator, block=block, layout=layout, stack=stack)

@@ -39,6 +39,7 @@ from .. import errors
 KIND = "mmbuffer.data.BufferDataset"
 VERSION = 1
 _BIG = 1 << 63
+_MASK = (1 << 64) - 1
 
 #: per stream at an epoch's start: (first row, items, fingerprint of the rows of its first and last items)
 Lanes = tuple[tuple[int, int, str], ...]
@@ -130,13 +131,24 @@ def pass_key(parts: list[int]) -> int:
 
 
 def batch_generator(key: int, k: int) -> torch.Generator:
-    """The generator of batch ``k`` of the pass keyed ``key``.
+    """The generator of batch ``k`` of the pass keyed ``key``: seeded with splitmix64 of
+    ``(key, k)`` (a few microseconds a batch; ``SeedSequence`` took 20).
 
     >>> a, b = batch_generator(5, 0), batch_generator(5, 1)
     >>> torch.equal(torch.rand(3, generator=a), torch.rand(3, generator=batch_generator(5, 0)))
     True
+    >>> torch.equal(torch.rand(3, generator=batch_generator(5, 0)), torch.rand(3, generator=b))
+    False
     """
-    return torch.Generator().manual_seed(pass_key([key, k]))
+    return torch.Generator().manual_seed(_splitmix(_splitmix(key) ^ k) >> 1)
+
+
+def _splitmix(x: int) -> int:
+    """splitmix64 (the increment, then the finalizer) on Python integers."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
 
 
 def remap(ranks: np.ndarray, old: tuple[tuple[int, int], ...], first: np.ndarray, items: np.ndarray,

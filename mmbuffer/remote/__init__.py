@@ -44,8 +44,10 @@ deployment still needs (not built here): a publish still compresses the whole st
 locally before comparing digests (O(store) CPU), and the object table lists every
 object (O(store / chunk) bytes per publish); the Icechunk engine never expires old commits (``Repository.expire_snapshots`` +
 ``garbage_collect`` are the tools); writer groups owning disjoint arrays of one
-repository, prefetch ahead of the sampler across refreshes, and resumable distributed
-sampling over a newer snapshot are not built.
+repository and prefetch ahead of the sampler across refreshes are not built.
+Resumable distributed sampling (``BufferDataset.state_dict``, also over a newer
+snapshot) is ``mmbuffer/data.py``'s; the pool takes part through ``set_shard(...,
+draws=k)``, which starts it holding the blocks of its ``k``-th draw.
 """
 
 from __future__ import annotations

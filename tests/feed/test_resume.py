@@ -96,6 +96,30 @@ def test_random_resume_is_bit_identical_and_draws_only_the_rest(tmp_path, slice_
     assert len(again) == 12 and not torch.equal(again[0].indices, full[0].indices)
 
 
+def test_random_resume_on_a_newer_snapshot_draws_the_rest_from_it(tmp_path):
+    path = _store(tmp_path / "s", rows=200)
+
+    def dataset():
+        return BufferDataset(path, 64, num_batches=10, seed=1)
+
+    ds = dataset()
+    it = iter(ds)
+    [next(it) for _ in range(4)]
+    state = ds.state_dict()
+    del it
+    with mb.open(path) as w:
+        _append(w, 0, 200, 2000, 40)  # ten times the rows: the newer snapshot is mostly new rows
+    runs = []
+    for _ in range(2):
+        resumed = dataset()
+        resumed.load_state_dict(state)
+        runs.append(list(resumed))
+        assert resumed.state_dict()["generation"] == 2  # the rest came from the newer snapshot
+    assert len(runs[0]) == 6 and _equal(runs[0], runs[1])  # the same keys: the same batches again
+    drawn = torch.cat([b.indices for b in runs[0]])
+    assert int((drawn >= 200).sum()) > len(drawn) // 2 and torch.equal(torch.cat([b["x"] for b in runs[0]]), drawn)
+
+
 def test_state_dict_needs_a_pass_in_this_process(tmp_path):
     path = _store(tmp_path / "s", rows=100)
     ds = BufferDataset(path, 8, num_batches=4)
