@@ -351,6 +351,8 @@ class BufferDataset(IterableDataset[Batch]):
             yield batch
 
     def _epoch(self, buf: Buffer, index: int, count: int, budget: int | None, loaded: PassState | None) -> Iterator[Batch]:
+        """Set the epoch up now (so that a state taken before the first batch already
+        names the epoch and its snapshot), then iterate it lazily."""
         sampler = EpochSampler(
             buf, self.batch_size, self.slice_len, seed=self.seed,
             name=f"{self.name}-{index}of{count}", shard=(index, count), keys=self.keys, stack=self.stack,
@@ -365,8 +367,13 @@ class BufferDataset(IterableDataset[Batch]):
             lanes = sampler.start(buf.view())
             if loaded is not None:  # the state was taken before its epoch started: it starts now
                 state = state.advanced(generation=buf.generation if buf.remote is None else buf.remote.sequence)
-        state = state.advanced(epoch=sampler.epoch, position=sampler.position, num_items=sampler.num_items, lanes=lanes)
-        self._state = state
+        self._state = state.advanced(epoch=sampler.epoch, position=sampler.position, num_items=sampler.num_items,
+                                     lanes=lanes)
+        return self._epoch_batches(sampler, budget)
+
+    def _epoch_batches(self, sampler: EpochSampler, budget: int | None) -> Iterator[Batch]:
+        state = self._state
+        assert state is not None
         for n, batch in enumerate(sampler):
             if budget is not None and n >= budget:
                 return

@@ -181,6 +181,22 @@ def test_stateful_dataloader_two_ranks_two_workers(tmp_path, epoch):
             assert not set(w0) & set(w1)
 
 
+def test_stateful_dataloader_resumes_a_later_epoch_before_a_worker_delivered(tmp_path):
+    """The checkpoint comes after the first batch of epoch 1: worker 1 has delivered
+    nothing yet, and its state must still name epoch 1 (the one the store's sampler
+    files are at), not epoch 0."""
+    path = _store(tmp_path / "s", rows=300, episode=30)
+    for name in ("a", "b"):  # epoch 0 of both, to its end
+        _stateful_run(BufferDataset(path, 16, epoch=True, seed=4, name=name))
+    full, _ = _stateful_run(BufferDataset(path, 16, epoch=True, seed=4, name="a"))
+    head, state = _stateful_run(BufferDataset(path, 16, epoch=True, seed=4, name="b"), stop=1)
+    worker1 = state["_snapshot"]["_worker_snapshots"]["worker_1"]["dataset_state"]
+    assert (worker1["delivered"], worker1["epoch"], worker1["num_items"]) == (0, 1, 300)
+    rest, _ = _stateful_run(BufferDataset(path, 16, epoch=True, seed=4, name="b"), state=state, seed=1)
+    assert _equal(head + rest, full)
+    assert sorted(_items(full)) == list(range(300))
+
+
 def test_worker_count_change_is_refused(tmp_path):
     path = _store(tmp_path / "s", rows=200)
     head, state = _stateful_run(BufferDataset(path, 8, num_batches=20), stop=3)
