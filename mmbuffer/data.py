@@ -84,21 +84,20 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from . import errors, samplers
 from ._disk.checks import check_int
+from ._disk.urls import is_url, location
 from ._feed.blocks import BlockLayout, PackedBatch, read_into
-from .buffer import Buffer
 from ._feed.epochs import EpochSampler
 from ._feed.resume import PassState, batch_generator, pass_key
 from ._read import frames
 from ._read.gather import Batch, resolve_keys
+from .buffer import Buffer
 from .opening import open as open_store
 from .samplers import Sampler
-from ._disk.urls import is_url, location
 
 __all__ = ["BufferDataset"]
 

@@ -28,23 +28,22 @@ for stores that are not written during the epoch (offline training).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-
-import hashlib
 
 import numpy as np
 import torch
 
+from .. import errors
 from .._disk.checks import check_int
+from .._ledger.snapshot import Draw, View
 from .._read import frames
 from .._read.frames import Stacks
-from .. import errors
-from .._ledger.snapshot import Draw, View
 from .._read.gather import Batch, resolve_keys
-from .resume import Lanes, remap
 from ..buffer import Buffer
 from ..samplers.epoch import EpochCursor, shard_size
+from .resume import Lanes, remap
 
 
 class EpochSampler:

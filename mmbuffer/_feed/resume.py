@@ -201,7 +201,7 @@ def _expect(obj: dict[str, Any], name: str, want: Any) -> None:
         raise errors.InvalidArgumentError(f"state['{name}']: expected {want!r}, got {obj.get(name)!r:.80}")
 
 
-_EXAMPLE: dict[str, Any] = dict(
+_EXAMPLE: dict[str, Any] = dict(  # noqa: C408 - keyword form reads as PassState(...)
     mode="random", seed=0, set_epoch=0, batch_size=8, slice_len=None, sampler="Uniform()", store="/s", rank=0,
     world_size=1, worker=0, num_workers=1, generation=1, snapshot="", pass_key=7, delivered=3, epoch=0,
     position=0, num_items=-1, lanes=None,

@@ -199,7 +199,7 @@ def test_stateful_dataloader_resumes_a_later_epoch_before_a_worker_delivered(tmp
 
 def test_worker_count_change_is_refused(tmp_path):
     path = _store(tmp_path / "s", rows=200)
-    head, state = _stateful_run(BufferDataset(path, 8, num_batches=20), stop=3)
+    _, state = _stateful_run(BufferDataset(path, 8, num_batches=20), stop=3)
     sdl = pytest.importorskip("torchdata.stateful_dataloader")
     loader = sdl.StatefulDataLoader(BufferDataset(path, 8, num_batches=20), batch_size=None, num_workers=1,
                                     multiprocessing_context="fork")

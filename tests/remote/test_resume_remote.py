@@ -15,14 +15,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from s3server import moto_s3, new_bucket
 
 import mmbuffer as mb
 from mmbuffer import errors
 from mmbuffer._disk import format as fmt
-from s3server import moto_s3, new_bucket
 
 pytest.importorskip("s3fs")
-from mmbuffer.remote import PoolConfig  # noqa: E402
+from mmbuffer.remote import PoolConfig
 
 SMALL = PoolConfig(blocks=2, block_bytes=1, rotate_every=2, prefetch=1)  # a block = one chunk of 128 rows
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
