@@ -36,6 +36,26 @@ batches, which a restart skips); :meth:`BufferDataset.reset` forgets them.
 Exactly-once needs every worker to see the same store: use it on stores that are
 not being written (offline training).
 
+Resuming (both modes, local or remote stores): :meth:`BufferDataset.state_dict`,
+taken in the process that iterates (in-process, ``num_workers=0``, or in each worker
+by ``torchdata``'s ``StatefulDataLoader``), is a small dict of JSON-able counters
+(``_feed/resume.py``: version, configuration, the pass's key, batches delivered, and
+in epoch mode the epoch's position and per-stream ``(first row, items,
+fingerprint)``); :meth:`BufferDataset.load_state_dict` makes the next pass deliver
+exactly the batches the saved one had not, in the same order. Random mode: batch
+``k`` of a pass is drawn with a generator keyed by ``(pass key, k)``, so the
+delivered batches are skipped without being drawn (a remote pool starts at its
+``k``-th draw); on the same snapshot the rest is bit-identical, on a newer one the
+rest is drawn by the same keys from the newer data. Epoch mode: the epoch goes on
+over the items of the snapshot it started on, at the same rows, on a newer snapshot
+too (its new items wait for the next epoch); if that snapshot lost some of them (a
+ring that wrapped) or holds other data at their rows (a store re-created, or
+republished with renumbered rows: the fingerprint tells), or the store is at an
+earlier generation than the state, iterating raises ``RowNotLiveError``, never other
+rows. A state of another version, store, seed, sampler, size, mode, rank, world size
+or worker count is ``InvalidArgumentError`` naming the field (a change of worker
+count is refused: resume with the workers the state was saved with).
+
 >>> import tempfile, numpy as np, torch, mmbuffer as mb
 >>> from mmbuffer.data import BufferDataset
 >>> path = tempfile.mkdtemp() + "/d"
@@ -47,6 +67,14 @@ not being written (offline training).
 >>> ds = BufferDataset(path, 6, epoch=True)
 >>> sorted(torch.cat([b["x"] for b in ds]).tolist()) == list(range(20))
 True
+>>> ds = BufferDataset(path, 4, num_batches=5)
+>>> it = iter(ds); first = [next(it)["x"] for _ in range(2)]
+>>> state = ds.state_dict()           # into the checkpoint; a crash, a new process:
+>>> again = BufferDataset(path, 4, num_batches=5)
+>>> again.load_state_dict(state)
+>>> rest = [b["x"] for b in again]    # the 3 batches not delivered, as an uninterrupted pass
+>>> len(rest), all(torch.equal(a, b["x"]) for a, b in zip(rest, it))
+(3, True)
 """
 
 from __future__ import annotations
@@ -56,20 +84,20 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from . import errors, samplers
 from ._disk.checks import check_int
+from ._disk.urls import is_url, location
 from ._feed.blocks import BlockLayout, PackedBatch, read_into
-from .buffer import Buffer
 from ._feed.epochs import EpochSampler
+from ._feed.resume import PassState, batch_generator, pass_key
 from ._read import frames
 from ._read.gather import Batch, resolve_keys
+from .buffer import Buffer
 from .opening import open as open_store
 from .samplers import Sampler
-from ._disk.urls import is_url, location
 
 __all__ = ["BufferDataset"]
 
@@ -195,6 +223,8 @@ class BufferDataset(IterableDataset[Batch]):
         self._passes = 0
         self._buf: Buffer | None = None
         self._pid = -1
+        self._state: PassState | None = None  # the pass this process iterates
+        self._loaded: PassState | None = None  # load_state_dict's, for the next pass
 
     # -- configuration -------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -213,6 +243,44 @@ class BufferDataset(IterableDataset[Batch]):
         wid, nw = (0, 1) if info is None else (info.id, info.num_workers)
         return rank * nw + wid, world * nw
 
+    # -- resuming ------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Where this process's pass stands: a small dict of JSON-able values (module
+        docstring, "Resuming"). Call it in the process that iterates: in-process, with
+        ``num_workers=0``, or through ``torchdata``'s ``StatefulDataLoader``, which calls it
+        in each worker.
+
+        Raises
+        ------
+        InvalidArgumentError
+            No pass was started in this process (with ``DataLoader`` workers, the main
+            process's dataset never sees their progress).
+        """
+        state = self._loaded if self._loaded is not None else self._state
+        if state is None:
+            raise errors.InvalidArgumentError(
+                "state_dict: expected a dataset iterated in this process (in-process, num_workers=0, or in a "
+                "DataLoader worker through torchdata's StatefulDataLoader), got one that never started a pass here")
+        return state.to_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume the pass ``state`` (from :meth:`state_dict`) at the next iteration:
+        the batches it had not delivered, in the same order. Fields that must match
+        this dataset (mode, seed, sizes, sampler, store) are checked now; the rank,
+        world size and workers when the pass starts.
+
+        Raises
+        ------
+        InvalidArgumentError
+            A state of another version, dataset or configuration, naming the field,
+            the expected and the received value.
+        """
+        loaded = PassState.load(dict(state) if isinstance(state, Mapping) else state, {
+            "mode": "epoch" if self.epoch else "random", "seed": self.seed, "batch_size": self.batch_size,
+            "slice_len": self.slice_len, "sampler": repr(self.sampler), "store": str(self.path)})
+        self._set_epoch = loaded.set_epoch
+        self._loaded = loaded
+
     # -- iteration -----------------------------------------------------------------------
     def __iter__(self) -> Iterator[Batch]:
         buf = self._open()
@@ -222,45 +290,93 @@ class BufferDataset(IterableDataset[Batch]):
         rank, world = self._rank_world()
         passes = self._passes
         self._passes += 1
+        loaded, self._loaded = self._loaded, None  # a loaded state resumes one pass: this one
         budget = None if self.num_batches is None else _split(self.num_batches, wid, nw)
-        if buf.remote is not None:  # a remote store's chunk pool: each (rank, worker) reads its own blocks
-            buf.remote.set_shard(rank * nw + wid, world * nw, epoch=self._set_epoch)
-        if self.epoch:
-            return self._epoch(buf, rank * nw + wid, world * nw, budget)
+        remote = buf.remote
+        snapshot = "" if remote is None else remote.snapshot
+        generation = buf.generation if remote is None else remote.sequence
         # DataLoader draws a fresh base seed per pass from torch's global RNG (so
         # torch.manual_seed makes runs reproducible); persistent workers and
         # in-process iteration count their passes
         base = 0 if info is None else (int(info.seed) - int(info.id)) % 2**63
-        seq = np.random.SeedSequence([self.seed, self._set_epoch, rank, wid, base, passes])
-        generator = torch.Generator().manual_seed(int(seq.generate_state(1, np.uint64)[0]))
-        return self._random(buf, generator, budget)
+        state = PassState(
+            "epoch" if self.epoch else "random", self.seed, self._set_epoch, self.batch_size, self.slice_len,
+            repr(self.sampler), str(self.path), rank, world, wid, nw, generation, snapshot,
+            pass_key([self.seed, self._set_epoch, rank, wid, base, passes]), 0, 0, 0, -1, None)
+        if loaded is not None:
+            for name in ("rank", "world_size", "worker", "num_workers"):
+                if getattr(loaded, name) != getattr(state, name):
+                    raise errors.InvalidArgumentError(
+                        f"state['{name}']: expected {getattr(state, name)} (this pass's), got {getattr(loaded, name)}: "
+                        "resume with the ranks and DataLoader workers the state was saved with")
+            if loaded.generation > generation:
+                raise errors.RowNotLiveError(
+                    f"{self.path}: expected a snapshot at or after generation {loaded.generation} (the state's), got "
+                    f"{generation}: the store was rolled back or re-created; the pass cannot go on")
+            # random mode draws the rest from the data of now; an epoch keeps the snapshot it started on
+            state = loaded if self.epoch else loaded.advanced(generation=generation, snapshot=snapshot)
+        if remote is not None:  # a remote store's chunk pool: each (rank, worker) reads its own blocks
+            remote.set_shard(rank * nw + wid, world * nw, epoch=self._set_epoch,
+                             draws=0 if self.epoch else state.delivered)
+        self._state = state
+        if budget is not None:
+            budget = max(0, budget - state.delivered)
+        if self.epoch:
+            return self._epoch(buf, rank * nw + wid, world * nw, budget, loaded)
+        return self._random(buf, budget)
 
-    def _random(self, buf: Buffer, generator: torch.Generator, budget: int | None) -> Iterator[Batch]:
+    def _random(self, buf: Buffer, budget: int | None) -> Iterator[Batch]:
         names = resolve_keys(buf.store, self.keys)
         stack = frames.for_store(self.stack, buf.store)
         self.sampler.check(buf)
         layout: BlockLayout | None = None
-        n = 0
-        while budget is None or n < budget:
-            if self.refresh_every and n and n % self.refresh_every == 0:
-                buf.refresh()
+        state = self._state
+        assert state is not None
+        first = k = state.delivered
+        while budget is None or k - first < budget:
+            if self.refresh_every and k and k % self.refresh_every == 0 and buf.refresh():
+                remote = buf.remote
+                state = state.advanced(generation=buf.generation if remote is None else remote.sequence,
+                                       snapshot="" if remote is None else remote.snapshot)
             block = None if layout is None else layout.empty()
+            generator = batch_generator(state.pass_key, k)  # batch k is a function of the key and k
             batch = read_into(buf, self.sampler, self.batch_size, names, generator, block=block, layout=layout, stack=stack)
             if not isinstance(batch, PackedBatch):  # the first batch fixes the layout
                 own = BlockLayout.of(batch)
                 layout = layout or own
                 batch = own.pack(batch)
+            k += 1
+            self._state = state = state.advanced(delivered=k)  # counted before it leaves
             yield batch
-            n += 1
 
-    def _epoch(self, buf: Buffer, index: int, count: int, budget: int | None) -> Iterator[Batch]:
+    def _epoch(self, buf: Buffer, index: int, count: int, budget: int | None, loaded: PassState | None) -> Iterator[Batch]:
+        """Set the epoch up now (so that a state taken before the first batch already
+        names the epoch and its snapshot), then iterate it lazily."""
         sampler = EpochSampler(
             buf, self.batch_size, self.slice_len, seed=self.seed,
             name=f"{self.name}-{index}of{count}", shard=(index, count), keys=self.keys, stack=self.stack,
         )
+        state = self._state
+        assert state is not None
+        if loaded is not None:
+            sampler.restore(loaded.epoch, loaded.position, loaded.num_items, loaded.lanes)
+        if loaded is not None and loaded.num_items >= 0:
+            lanes = loaded.lanes  # the epoch's own snapshot, not this one
+        else:
+            lanes = sampler.start(buf.view())
+            if loaded is not None:  # the state was taken before its epoch started: it starts now
+                state = state.advanced(generation=buf.generation if buf.remote is None else buf.remote.sequence)
+        self._state = state.advanced(epoch=sampler.epoch, position=sampler.position, num_items=sampler.num_items,
+                                     lanes=lanes)
+        return self._epoch_batches(sampler, budget)
+
+    def _epoch_batches(self, sampler: EpochSampler, budget: int | None) -> Iterator[Batch]:
+        state = self._state
+        assert state is not None
         for n, batch in enumerate(sampler):
             if budget is not None and n >= budget:
                 return
+            self._state = state = state.advanced(delivered=state.delivered + 1, position=sampler.position)
             yield BlockLayout.of(batch).pack(batch)
 
     # -- helpers -------------------------------------------------------------------------

@@ -28,17 +28,22 @@ for stores that are not written during the epoch (offline training).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
+import torch
 
+from .. import errors
 from .._disk.checks import check_int
+from .._ledger.snapshot import Draw, View
 from .._read import frames
 from .._read.frames import Stacks
 from .._read.gather import Batch, resolve_keys
 from ..buffer import Buffer
 from ..samplers.epoch import EpochCursor, shard_size
+from .resume import Lanes, remap
 
 
 class EpochSampler:
@@ -83,6 +88,7 @@ class EpochSampler:
         self.slice_len = None if slice_len is None else check_int("slice_len", slice_len, 1)
         self._cursor = EpochCursor(Path(buf.path), name, seed=seed, slice_len=self.slice_len, shard=shard)
         self.keys = resolve_keys(buf.store, keys)
+        self._lanes: Lanes | None = None  # set by restore()
 
     @property
     def epoch(self) -> int:
@@ -90,9 +96,78 @@ class EpochSampler:
         return self._cursor.state.epoch
 
     @property
+    def num_items(self) -> int:
+        """Items of the current epoch (-1 before it starts)."""
+        return self._cursor.state.num_items
+
+    @property
     def position(self) -> int:
         """Items of the current epoch already delivered to this shard."""
         return self._cursor.state.position
+
+    def start(self, view: View) -> Lanes | None:
+        """Fix the current epoch's item count from ``view`` if it has not started;
+        return ``(first row, items, fingerprint)`` per stream when ``view`` holds
+        exactly the epoch's items (else None: the epoch started on another snapshot).
+        The fingerprint is a digest of the stored columns at the rows of the stream's
+        first and last items (2 items read per stream)."""
+        self._cursor.begin(view)
+        items = self._cursor.lane_items(view)
+        if int(items.sum()) != self._cursor.state.num_items:
+            return None
+        cum = np.concatenate([[0], np.cumsum(items)])
+        prints = self._fingerprints(view, [np.array([cum[i], cum[i + 1] - 1]) for i in range(len(items))])
+        return tuple((int(f), int(n), p) for f, n, p in zip(view.first_starts, items, prints))
+
+    def restore(self, epoch: int, position: int, num_items: int, lanes: Lanes | None) -> None:
+        """Go to ``position`` of epoch ``epoch`` of ``num_items`` items (saved), whose
+        streams were ``lanes`` (:meth:`start`) when it started: on a newer snapshot the
+        remaining items are served at the same rows (``_feed/resume.py`` :func:`remap`);
+        a snapshot that lost them, or holds other data at their rows (a store rewritten,
+        or republished with its rows renumbered), raises ``RowNotLiveError``."""
+        st = self._cursor.state
+        st.epoch, st.position, st.num_items = epoch, position, num_items
+        self._lanes = lanes
+        view = self.buf.view()
+        if lanes is None:
+            if num_items > self._cursor.items(view):
+                raise errors.RowNotLiveError(
+                    f"{self.buf.path}: resuming an epoch: expected its {num_items} items, got {self._cursor.items(view)}")
+        else:
+            cum = np.concatenate([[0], np.cumsum([n for _, n, _ in lanes])])
+            ends = [self._map_ranks(view, np.array([cum[i], cum[i + 1] - 1])) for i in range(len(lanes))]
+            for lane, (old, new) in enumerate(zip(lanes, self._fingerprints(view, ends))):
+                if old[2] != new:
+                    raise errors.RowNotLiveError(
+                        f"{self.buf.path}: resuming an epoch: stream {lane}: expected the data fingerprinted {old[2]!r} "
+                        f"at its first and last items, got {new!r}: the store was rewritten or republished with its "
+                        "rows renumbered; the rest of this epoch cannot be served (start a new epoch: drop the state)")
+        self._cursor.save()
+
+    def _fingerprints(self, view: View, ends: list[np.ndarray]) -> list[str]:
+        """A digest of the stored columns at the rows of item ranks ``ends[lane]`` per stream."""
+        keys = [k for k in self.buf.columns if k not in ("terminated", "truncated")]
+        out = []
+        for ranks in ends:
+            if len(ranks) == 0 or ranks[-1] < ranks[0]:
+                out.append("")
+                continue
+            rows = np.asarray(self._cursor.resolve(view, ranks).rows)
+            data = self.buf.get(torch.from_numpy(rows.reshape(-1)), keys=keys)
+            digest = hashlib.blake2b(rows.shape.__repr__().encode(), digest_size=8)
+            for k in sorted(data):
+                digest.update(data[k].numpy().tobytes())
+            out.append(digest.hexdigest())
+        return out
+
+    def _map_ranks(self, view: View, ranks: np.ndarray) -> np.ndarray:
+        if self._lanes is None:
+            return ranks
+        first, items = view.first_starts, self._cursor.lane_items(view)
+        old = tuple((f, n) for f, n, _ in self._lanes)
+        if tuple((int(f), int(n)) for f, n in zip(first, items)) == old:
+            return ranks
+        return remap(ranks, old, first, items, f"{self.buf.path}: resuming an epoch")
 
     def reset(self) -> None:
         """Forget the saved state: the next iteration starts epoch 0."""
@@ -116,9 +191,14 @@ class EpochSampler:
             cur.save()
             yield batch
         cur.end_epoch()
+        self._lanes = None
         cur.save()
 
     def _batch(self, ranks: np.ndarray) -> Batch:
         with self.buf.lock:
             # ranks resolve against the view of now: a reader re-reads overwritten items this way
-            return self.buf.read_batch(lambda p: self._cursor.resolve(self.buf.view(), ranks[p]), len(ranks), self.keys, stack=self.stack)
+            def draw(p: np.ndarray) -> Draw:
+                view = self.buf.view()
+                return self._cursor.resolve(view, self._map_ranks(view, ranks[p]))
+
+            return self.buf.read_batch(draw, len(ranks), self.keys, stack=self.stack)

@@ -44,8 +44,10 @@ deployment still needs (not built here): a publish still compresses the whole st
 locally before comparing digests (O(store) CPU), and the object table lists every
 object (O(store / chunk) bytes per publish); the Icechunk engine never expires old commits (``Repository.expire_snapshots`` +
 ``garbage_collect`` are the tools); writer groups owning disjoint arrays of one
-repository, prefetch ahead of the sampler across refreshes, and resumable distributed
-sampling over a newer snapshot are not built.
+repository and prefetch ahead of the sampler across refreshes are not built.
+Resumable distributed sampling (``BufferDataset.state_dict``, also over a newer
+snapshot) is ``mmbuffer/data.py``'s; the pool takes part through ``set_shard(...,
+draws=k)``, which starts it holding the blocks of its ``k``-th draw.
 """
 
 from __future__ import annotations
@@ -254,12 +256,13 @@ class RemoteSource:
             raise errors.CorruptStoreError(f"{self.url}: snapshot {pointer['snapshot']}: expected the schema opened, {old}, got {new}")
         return self._open(pointer, lock, mirrored)
 
-    def set_shard(self, index: int, count: int, *, epoch: int = 0) -> None:
+    def set_shard(self, index: int, count: int, *, epoch: int = 0, draws: int = 0) -> None:
         """Read the pool's blocks as shard ``index`` of ``count`` (rank * workers + worker),
-        in the order of ``epoch`` (``BufferDataset`` calls it in each worker)."""
+        in the order of ``epoch`` (``BufferDataset`` calls it in each worker); ``draws``:
+        as after that many draws (a resumed pass)."""
         self.shard, self.pool_epoch = (index, count), epoch
         if self.pool is not None:
-            self.pool.set_shard(index, count, epoch=epoch)
+            self.pool.set_shard(index, count, epoch=epoch, draws=draws)
 
     def route(self, spec: samplers.Sampler) -> samplers.Sampler:
         """``spec`` conditioned on the pool's blocks (``spec`` itself without a pool, and

@@ -95,6 +95,7 @@ class ChunkPool:
         self.shard = (0, 1)
         self.epoch = 0
         self.draws = 0
+        self._skip = 0
         self.fetched_bytes = 0
         self._cache = cache
         self._reserved = 0
@@ -117,12 +118,15 @@ class ChunkPool:
             return perm[[index % len(perm)]]
         return perm[index::count]
 
-    def set_shard(self, index: int, count: int, *, epoch: int = 0) -> None:
-        """Become shard ``index`` of ``count``, from ``epoch``; the pool refills lazily."""
+    def set_shard(self, index: int, count: int, *, epoch: int = 0, draws: int = 0) -> None:
+        """Become shard ``index`` of ``count``, from ``epoch``; the pool refills lazily.
+        ``draws``: start as the pool is after that many draws (a resumed pass: the
+        blocks it holds then, not those before)."""
         if not (0 <= index < count):
             raise errors.InvalidArgumentError(f"shard: expected 0 <= index < count, got ({index}, {count})")
         self._stop()
         self.shard, self.epoch, self.draws = (index, count), epoch, 0
+        self._skip = draws
         self._started = False
 
     # -- life cycle ----------------------------------------------------------------------
@@ -135,6 +139,10 @@ class ChunkPool:
         self._pos = 0
         held = min(self.config.blocks, len(self._seq))
         slots = held + (self.config.prefetch if len(self._seq) > held else 0)
+        if self._skip and slots > held:  # a resumed pass: the blocks rotated in by its earlier draws
+            turns = (self._skip - 1) // self.config.rotate_every
+            self.epoch += turns // len(self._seq)
+            self._seq, self._pos = self.order(self.epoch), turns % len(self._seq)
         self._unmap()
         shapes = {name: (slots * self.block_rows, *col.row_shape) for name, col in self.columns.items()}
         sizes = {name: int(np.prod(shape, dtype=np.int64)) * self.columns[name].dtype.itemsize
@@ -195,7 +203,9 @@ class ChunkPool:
         """One draw: start the pool, or every ``rotate_every`` draws rotate one block."""
         if not self._started:
             self._start()
-            return
+            if not self._skip:
+                return
+            self.draws, self._skip = self._skip - 1, 0  # then this draw counts as draw number _skip
         self.draws += 1
         if self.draws % self.config.rotate_every or not self._pending:
             return

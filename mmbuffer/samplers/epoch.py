@@ -126,10 +126,15 @@ class EpochCursor:
 
     def items(self, view: View) -> int:
         """Items of ``view``: sampleable transitions, or valid strict windows."""
+        return int(self.lane_items(view).sum())
+
+    def lane_items(self, view: View) -> np.ndarray:
+        """Items of ``view`` per stream (ranks count them stream by stream)."""
         if self.state.slice_len is None:
-            return int(sampling.transition_counts(view).sum())
+            return sampling.transition_counts(view).astype(np.int64)
         closed, opened = self.counts.totals(view)
-        return int((closed + opened).sum())
+        per_lane: np.ndarray = closed + opened
+        return per_lane
 
     def begin(self, view: View) -> int:
         """Fix the epoch's item count if it has not started; return this shard's items."""
