@@ -33,7 +33,11 @@ capacities up to ``--torchrl-max``.
 ``--rounds N`` alternates the mmbuffer worker and TorchRL N times per capacity (a
 shared, loaded machine drifts: each round's ratio compares neighbours in time)
 and reports every round and the medians; the ratio is TorchRL's (sample +
-update) time over mmbuffer's, so above 1 means mmbuffer is faster.
+update) time over mmbuffer's, so above 1 means mmbuffer is faster. With
+``--commit-every N`` a second ratio charges each step its share of the commits
+(median commit / N): TorchRL's trees in RAM never write anything. ``--code DIR``
+(repeatable) runs the mmbuffer worker once per round for each folder holding an
+``mmbuffer`` package (a before/after comparison in the same rounds).
 
 First, unless ``--create-capacity 0``: ``mb.create`` of an empty prioritized
 store of ``--create-capacity`` rows (3e9) in a fresh process: its time, the
@@ -55,6 +59,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -171,7 +176,7 @@ buf.close()
 with open("/proc/self/status") as f:
     mem = {l.split(":")[0]: int(l.split()[1]) / 1024 for l in f if l.startswith(("VmRSS:", "RssAnon:", "RssFile:"))}
 med = statistics.median
-print(json.dumps({"open": t_open, "cold_index": med(t_cold), "warm": t_warm, "steps": steps, "p90_index": p90_idx, "p90_update": p90_upd, "index": med(t_idx), "total": med(t_tot), "update": med(t_upd),
+print(json.dumps({"code": mb.__file__, "open": t_open, "cold_index": med(t_cold), "warm": t_warm, "steps": steps, "p90_index": p90_idx, "p90_update": p90_upd, "index": med(t_idx), "total": med(t_tot), "update": med(t_upd),
                   "update_max": med(t_max), "faults_per_step": faults_per_step,
                   "commit": med(t_commit[len(t_commit) // 2:]) if t_commit else float("nan"),
                   "dirty_mib": statistics.median(dirty[len(dirty) // 2:] or [0]) / 2**20, "rss": mem["VmRSS"], "anon": mem["RssAnon"], "file": mem["RssFile"]}))
@@ -206,6 +211,13 @@ def create_cost(root: Path, capacity: int) -> None:
 
 
 IMPORT_RSS = "import torch, mmbuffer\nprint([int(l.split()[1]) / 1024 for l in open('/proc/self/status') if l.startswith('RssAnon:')][0])"
+
+
+def run_worker(code: Path, *args: str) -> str:
+    """Run ``WORKER`` in a fresh interpreter importing mmbuffer from ``code``."""
+    env = {**os.environ, "PYTHONPATH": str(code)}
+    out = subprocess.run([sys.executable, "-c", WORKER, *args], capture_output=True, text=True, check=True, env=env)
+    return out.stdout
 
 
 def slices(root: Path, capacities: list[int], reps: int) -> None:
@@ -259,7 +271,10 @@ def main() -> None:
     parser.add_argument("--commit-every", type=int, default=0, help="commit every N sample+update steps "
                         "(0: never); the commits are timed apart, the steps after them are in the step times")
     parser.add_argument("--create-capacity", type=float, default=3e9, help="0: skip the create measurement")
+    parser.add_argument("--code", type=Path, action="append", help="a folder holding the mmbuffer package to "
+                        "run the worker with (repeatable; default: this checkout)")
     args = parser.parse_args()
+    codes = [c.resolve() for c in (args.code or [Path(__file__).resolve().parents[1]])]
     root = scratch()
     header("bench_priority")
     print(writeback_settings() + "\n")
@@ -281,43 +296,49 @@ def main() -> None:
         built = build(path, cap)
         rounds = args.rounds if cap <= args.torchrl_max else 1
         for r in range(rounds):
-            drop_cache(path / "priority")
-            res = json.loads(run_python(WORKER, str(path), str(args.reps), str(args.seconds), str(args.commit_every)))
-            row = {
-                "capacity": cap,
-                "round": r + 1,
-                "build s": built,
-                "tree B/row": tree.nbytes(cap) / cap,
-                "open ms": res["open"] * 1e3,
-                "first 50 samples idx ms": res["cold_index"] * 1e3,
-                "warm s": res["warm"],
-                "steps": res["steps"],
-                "sample idx ms": res["index"] * 1e3,
-                "p90 idx ms": res["p90_index"] * 1e3,
-                "sample+gather ms": res["total"] * 1e3,
-                "update ms": res["update"] * 1e3,
-                "p90 update ms": res["p90_update"] * 1e3,
-                "commit every": args.commit_every or "never",
-                "commit ms (median)": res["commit"] * 1e3,
-                "page faults / step": res["faults_per_step"],
-                "dirty + writeback MiB (machine)": res["dirty_mib"],
-                "lower max ms": res["update_max"] * 1e3,
-                "RSS MiB": res["rss"],
-                "anon RSS - imports MiB": res["anon"] - base_rss,
-                "file-backed RSS MiB": res["file"],
-            }
-            if cap <= args.torchrl_max:
-                t = trl.prioritized_sampler_times(cap, 256, reps=50)
-                if t is not None:
+            trl_t = trl.prioritized_sampler_times(cap, 256, reps=50) if cap <= args.torchrl_max else None
+            for code in codes:
+                drop_cache(path / "priority")
+                res = json.loads(run_worker(code, str(path), str(args.reps), str(args.seconds), str(args.commit_every)))
+                row = {
+                    "capacity": cap,
+                    "round": r + 1,
+                    "code": res["code"].removesuffix("/mmbuffer/__init__.py"),
+                    "build s": built,
+                    "tree B/row": tree.nbytes(cap) / cap,
+                    "open ms": res["open"] * 1e3,
+                    "first 50 samples idx ms": res["cold_index"] * 1e3,
+                    "warm s": res["warm"],
+                    "steps": res["steps"],
+                    "sample idx ms": res["index"] * 1e3,
+                    "p90 idx ms": res["p90_index"] * 1e3,
+                    "sample+gather ms": res["total"] * 1e3,
+                    "update ms": res["update"] * 1e3,
+                    "p90 update ms": res["p90_update"] * 1e3,
+                    "commit every": args.commit_every or "never",
+                    "commit ms (median)": res["commit"] * 1e3,
+                    "page faults / step": res["faults_per_step"],
+                    "dirty + writeback MiB (machine)": res["dirty_mib"],
+                    "lower max ms": res["update_max"] * 1e3,
+                    "RSS MiB": res["rss"],
+                    "anon RSS - imports MiB": res["anon"] - base_rss,
+                    "file-backed RSS MiB": res["file"],
+                }
+                step = res["index"] + res["update"]
+                with_commits = step + (res["commit"] / args.commit_every if args.commit_every else 0.0)
+                row["step incl. commit share ms"] = with_commits * 1e3
+                if trl_t is not None:
+                    t = trl_t
                     row["torchrl sample ms"] = t["sample_index_s"] * 1e3
                     row["torchrl update ms"] = t["update_s"] * 1e3
                     row["torchrl lower-max ms"] = t.get("update_touching_max_s", float("nan")) * 1e3
                     row["torchrl RSS MiB"] = t["rss_bytes"] / 2**20
-                    row["x TorchRL (sample+update)"] = (t["sample_index_s"] + t["update_s"]) / (res["index"] + res["update"])
-                else:
+                    row["x TorchRL (sample+update)"] = (t["sample_index_s"] + t["update_s"]) / step
+                    row["x TorchRL incl. commit share"] = (t["sample_index_s"] + t["update_s"]) / with_commits
+                elif cap <= args.torchrl_max:
                     print("torchrl not installed")
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     print()
     table(rows)
 

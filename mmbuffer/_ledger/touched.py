@@ -38,8 +38,9 @@ than ``config.private_tree_bytes`` of them (``MMBUFFER_PRIVATE_TREE_BYTES``,
 writer). Between commits the private memory is also the pages changed since the
 last commit, whatever the bound.
 
-Cost: a ``np.unique`` of the touched blocks per update (no store into the marks file
-until commit); at commit, a pagemap read per run of 512-page windows that the
+Cost: a flag per touched block per update, in an in-memory array of one byte per block
+(no store into the marks file until commit; its pages are allocated on first store,
+1.5 MiB at most at 1e8 rows); at commit, a scan of those flags, a pagemap read per run of 512-page windows that the
 blocks span, one ``pwrite`` per run of changed pages, two fdatasyncs. Marks cost
 1/64 of the leaves' bytes on disk, allocated as the leaves are
 (``Writer._reserve_space``); recovery reads them (capacity / 64 bytes, 1.5 MB at
@@ -68,7 +69,8 @@ from .progress import open_or_add
 NAME = "priority/touched"
 _log = logging.getLogger("mmbuffer")
 _CHUNK = 1 << 16  # blocks recomputed per vectorized pass in repair
-_COMPACT = 1 << 16  # recorded entries (blocks, or ranges) that start a merge of what is recorded
+_COMPACT = 1 << 16  # recorded ranges that start a merge of them
+_SHIFT = tree.BLOCK.bit_length() - 1  # row -> block
 
 
 def nblocks(capacity: int) -> int:
@@ -92,9 +94,7 @@ class Marks:
         self._arrays = arrays  # the tree's leaves and nodes, as mapped by the writer
         self._dirty = dirty  # priority/DIRTY: present while a commit writes the tree
         self._ranges: list[tuple[int, int]] = []
-        self._blocks: list[np.ndarray] = []
-        self._held = 0  # entries in _blocks; _compact keeps both lists O(blocks of the tree)
-        self._limit = _COMPACT
+        self._pending = np.zeros(len(marks), dtype=bool)  # blocks changed since the commit (pages on first store)
         self.private_pages = 0  # pages this writer holds a private copy of (both arrays)
         self._pages: tuple[np.ndarray, np.ndarray] | None = None  # which ones (_kept)
         self.bound = config.private_tree_bytes  # above this many private bytes, a commit drops them
@@ -102,11 +102,9 @@ class Marks:
         self.repaired = 0  # blocks the last recovery recomputed (repair)
 
     def rows(self, rows: np.ndarray) -> None:
-        """Record the blocks of ``rows`` (before their leaves change)."""
-        self._blocks.append(np.unique(np.asarray(rows, dtype=np.int64).reshape(-1) // tree.BLOCK))
-        self._held += len(self._blocks[-1])
-        if self._held > self._limit:
-            self._compact()
+        """Record the blocks of ``rows`` (before their leaves change): one flag per block,
+        so a PER step costs a scatter of its batch, not a sort (``np.unique``)."""
+        self._pending[np.asarray(rows, dtype=np.int64).reshape(-1) >> _SHIFT] = True
 
     def range(self, start: int, stop: int) -> None:
         """Record the blocks of rows ``[start, stop)``."""
@@ -116,13 +114,9 @@ class Marks:
                 self._compact()
 
     def _compact(self) -> None:
-        """Merge what is recorded (a writer that updates priorities for hours without a
-        commit would otherwise hold one array per update): the blocks as one sorted
-        unique array, the ranges as disjoint ones. Amortized O(1) per recorded block."""
-        if self._blocks:
-            self._blocks = [np.unique(np.concatenate(self._blocks))]
-            self._held = len(self._blocks[0])
-            self._limit = max(_COMPACT, 2 * self._held)
+        """Merge the recorded ranges into disjoint ones (a writer that extends one row at a
+        time for hours without a commit would otherwise hold one range per extend; the
+        blocks are flags, bounded by the tree). Amortized O(1) per recorded range."""
         if len(self._ranges) > 1:
             r = np.array(self._ranges, dtype=np.int64)
             r = r[np.argsort(r[:, 0], kind="stable")]
@@ -141,7 +135,7 @@ class Marks:
         the pages this writer's private map changed among those the recorded blocks
         span and fdatasync the files. A kill from here to :meth:`committed` leaves
         the marks for recovery to repair (:func:`repair`). Returns the pages written."""
-        blocks = np.unique(np.concatenate(self._blocks)) if self._blocks else np.zeros(0, np.int64)
+        blocks = np.flatnonzero(self._pending).astype(np.int64)  # sorted, unique
         if self._arrays is None or not (len(blocks) or self._ranges):
             return 0
         if self._dirty is not None and not self._dirty.exists():  # no DIRTY: no mark set
@@ -177,9 +171,10 @@ class Marks:
         leaves' ones, and the nodes' too if those alone still exceed it."""
         for lo, hi in self._ranges:
             self.marks[lo:hi] = 0
-        for blocks in self._blocks:
-            self.marks[blocks] = 0
-        self._ranges, self._blocks, self._held, self._limit = [], [], 0, _COMPACT
+        blocks = np.flatnonzero(self._pending)
+        self.marks[blocks] = 0
+        self._pending[blocks] = False
+        self._ranges = []
         if self._dirty is not None:  # last: while no DIRTY is present, no mark is set
             self._dirty.unlink(missing_ok=True)
         if self._arrays is None or self._pages is None or self.private_pages * mmap.PAGESIZE <= self.bound:
@@ -197,9 +192,7 @@ class Marks:
         the next :meth:`write`; return (and keep in :attr:`repaired`) how many."""
         marked = np.flatnonzero(self.marks).astype(np.int64)
         self.repaired = repair(pt, self.marks, layout, lanes)
-        if len(marked):
-            self._blocks.append(marked)
-            self._held += len(marked)
+        self._pending[marked] = True
         _log.info("priority tree: %d blocks repaired after an interrupted writer", self.repaired)
         return self.repaired
 
@@ -207,7 +200,8 @@ class Marks:
         """Clear every mark (recovery, once the tree is whole): only the set bytes are
         written, so untouched regions of the file stay holes."""
         self.marks[np.flatnonzero(self.marks)] = 0
-        self._ranges, self._blocks, self._held, self._limit = [], [], 0, _COMPACT
+        self._ranges = []
+        self._pending[np.flatnonzero(self._pending)] = False
 
 
 def repair(pt: tree.PriorityTree, marks: np.ndarray, layout: Layout, lanes: tuple[Lane, ...]) -> int:

@@ -214,10 +214,11 @@ def test_a_private_page_is_never_left_unwritten(tmp_path):
 
 
 def test_what_a_writer_records_between_commits_stays_bounded_by_the_tree(tmp_path):
-    """Hours of priority updates (and one-row extends) without a commit: the blocks and
-    ranges the writer records for its next commit are merged as they pile up, so they
-    hold at most the tree's blocks (plus one merge threshold), not one array per update;
-    the commit after them still writes every change (the file equals the writer's map)."""
+    """Hours of priority updates (and one-row extends) without a commit: the blocks the
+    writer records for its next commit are one flag per block of the tree and the ranges
+    are merged as they pile up, so they hold at most the tree's blocks, not one array per
+    update; the commit after them still writes every change (the file equals the
+    writer's map) and clears every flag."""
     from mmbuffer._ledger import touched
 
     path = tmp_path / "s"
@@ -236,9 +237,10 @@ def test_what_a_writer_records_between_commits_stays_bounded_by_the_tree(tmp_pat
         for i in range(touched._COMPACT + 10):  # one-row extends: a range each
             marks.range(i % CAP, i % CAP + 1)
         assert recorded > 2 * touched._COMPACT  # without the merges, more than this was held
-        assert sum(len(b) for b in marks._blocks) <= blocks + touched._COMPACT
+        assert marks._pending.shape == (blocks,) and marks._pending.any()
         assert len(marks._ranges) <= blocks
         buf.commit()
+        assert not marks._pending.any()
         mine, theirs = buf.store.priority_tree, ro.store.priority_tree
         assert np.array_equal(theirs.leaves, mine.leaves) and np.array_equal(theirs.nodes, mine.nodes)
         assert not np.fromfile(path / "priority" / "touched" / "c" / "0", dtype=np.uint8)[:blocks].any()
