@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import errors, samplers
+from .._disk.columns import ColumnArray, ShardedArray
 from .._disk.columns.remote import RemoteArray
 from .._disk.urls import filesystem, options_for
 from .._ledger.manifest import load_manifest
@@ -68,7 +69,7 @@ from . import _icechunk, _snapshot
 from ._cache import Cache
 from ._objects import Table, load_table, remote_errors
 from ._pool import ChunkPool, PoolConfig, PooledSampler
-from ._verified import VerifiedStore
+from ._verified import VerifiedStore, mapped_objects
 
 __all__ = ["ChunkPool", "PoolConfig", "RemoteSource", "pool_config"]
 
@@ -182,11 +183,18 @@ class RemoteSource:
             data: bytes = fs.cat_file(f"{self.root}/{_snapshot.SNAPSHOTS}/{table.holder(rel)}/{rel}")
             return data
 
-        def opener(name: str, expect: Any) -> RemoteArray:
+        def opener(name: str, expect: Any) -> ColumnArray:
+            get: Callable[[str], bytes] = fetch
             if self.repo is not None:
                 repo = self.repo
-                arr = self._column(snap, table, name, expect, repo.session(snap).store,
-                                   lambda rel: repo.fetch(snap, rel), None)
+                get = lambda rel: repo.fetch(snap, rel)  # noqa: E731
+            codec = manifest.codecs.get(name.split("/", 1)[1])
+            if codec is not None:  # shards decoded in place by the local reader's kernels, each object verified
+                return ShardedArray(local, name.split("/", 1)[1], writable=False, expect=expect, codec=codec,
+                                    lane_size=manifest.lane_size, written=[st.written for st in manifest.lanes],
+                                    shards=mapped_objects(table, self.files, get, alive if self.repo is None else None))
+            if self.repo is not None:
+                arr = self._column(snap, table, name, expect, repo.session(snap).store, get, None)
             else:
                 from zarr.storage import FsspecStore
 
@@ -198,8 +206,9 @@ class RemoteSource:
             return arr
 
         try:
+            manifest = load_manifest(local)
             with remote_errors(self.url):
-                store = Store(local, "r", columns=opener, lock=lock)
+                store = Store(local, "r", columns=opener, lock=lock, manifest=manifest)
             pool = None
             if self.pool_config is not None and opened:
                 pool = ChunkPool(opened, store.view(), store.capacity, self.pool_config, self.cache, self.files)
