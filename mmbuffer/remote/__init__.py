@@ -22,6 +22,14 @@ environment), one dependency covers S3, GCS, Azure, HTTP and local files, and
 zarr-python's ``FsspecStore`` is its mature store (obstore is faster per request,
 but the pool makes few, large requests, where the two are alike).
 
+A column with a codec (``mb.Column(..., codec="zstd" | "lz4" | "jpeg:95")``) is read as
+locally (:class:`mmbuffer._disk.columns.ShardedArray`): its staging rows come with the
+mirror, and each shard file is the snapshot's object, fetched whole once per host,
+checked against the table, mapped read-only from the cache and decoded in place by the
+same compiled kernels (exactly the inner chunks a batch needs); so samples, slices and
+frame stacks are the local store's, JPEG included (publishing keeps the local shard files
+where the copy holds every row where the source does: ``publish``'s ``lossy_shards_kept``).
+
 Sampling reads from a :class:`PoolConfig` pool of whole blocks (``_pool.py`` says
 how that changes the distribution); ``pool=None`` reads exactly, on demand.
 Publishing (``mb.convert.copy(src, url)``, ``mb.convert.publish``: ``convert/_pipeline/publish.py``)

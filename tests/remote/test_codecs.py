@@ -201,3 +201,34 @@ def test_a_flipped_byte_in_a_codec_shard_object_is_a_corrupt_store_error_naming_
             assert "problem:" in capsys.readouterr().out
         finally:
             fs.pipe_file(key, good)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["snapshots", "icechunk"])
+def test_a_publish_after_one_percent_new_rows_sends_only_changed_codec_objects(tmp_path, server, engine):
+    """As the raw-column test (``test_incremental.py``): after 1% new rows a publish sends at
+    most 5% of a full publish's bytes, counted by the server; the reader then reads what
+    the local store holds."""
+    if engine == "icechunk":
+        pytest.importorskip("icechunk")
+    rows, counter = 20_000, server[1]
+    make(tmp_path / "local", rows, capacity=22_000, streams=1, episode=250, cam=32)
+    url = f"s3://{new_bucket(server[0])}/store"
+    before = counter.put_bytes
+    mb.convert.publish(tmp_path / "local", url, engine=engine, progress=False)
+    full = counter.put_bytes - before
+    ro = mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None)
+    with mb.open(tmp_path / "local") as buf:
+        extend(buf, rows, rows // 100, streams=1, episode=250, cam=32)
+    before = counter.put_bytes
+    second = mb.convert.publish(tmp_path / "local", url, engine=engine, progress=False)
+    sent = counter.put_bytes - before
+    assert second["sequence"] == 2 and second["lossy_shards_kept"] > 0
+    assert 0 < sent <= 0.05 * full, (sent, full)
+    print(f"{engine}: full publish {full} B, after 1% new rows {sent} B ({sent / full:.2%})")
+    assert ro.refresh() is True
+    with mb.open(tmp_path / "local", mode="r") as local:
+        assert len(ro) == len(local) > rows
+        pick = np.r_[np.random.default_rng(0).choice(rows, 500, replace=False), np.arange(rows - 300, len(local))]
+        assert_same(ro.get(pick), local.get(pick))
+    ro.close()

@@ -124,7 +124,9 @@ def publish(src: Any, url: str, *, compression: str | None = "zstd", storage_opt
     and ``url/current.json`` is then replaced in one request; the ``keep`` newest
     snapshots stay. The raw arrays (index, flags, tree) go as chunks
     (``mmbuffer.remote._dense``). Returns the copy's summary with ``url``, ``snapshot``,
-    ``sequence``, ``pruned``, ``objects_written`` and ``bytes_written``.
+    ``sequence``, ``pruned``, ``objects_written``, ``bytes_written`` and
+    ``lossy_shards_kept`` (JPEG shard files sent as the source holds them:
+    :func:`keep_lossy_shards`).
 
     ``engine="icechunk"`` (``mmbuffer.remote._icechunk``) commits to an Icechunk
     repository instead: only the objects that changed since the last commit are
@@ -159,7 +161,15 @@ def keep_lossy_shards(src: Any, dst: Path) -> int:
     episode was evicted), so a published frame is the local store's, not a re-encoding
     of its decode (JPEG loses a little at each encode). Each file is taken only if its
     header names the shard the copy's names; returns how many were taken (elsewhere the
-    copy's re-encoded files stay: a store whose ring has wrapped is published re-encoded)."""
+    copy's re-encoded files stay: a store whose ring has wrapped is published re-encoded).
+
+    >>> import tempfile, numpy as np, mmbuffer as mb
+    >>> d = tempfile.mkdtemp()
+    >>> mb.create(d + "/s", {"x": ((), "int64")}, capacity=8, next_keys=()).close()
+    >>> _ = mb.convert.copy(d + "/s", d + "/c", progress=False)
+    >>> keep_lossy_shards(d + "/s", Path(d + "/c"))  # no JPEG column: nothing to keep
+    0
+    """
     from ..._disk import safe_io as _safe_io
     from ..._disk.columns.sharding import shard_header
     from ..._disk.format import parse_codec
