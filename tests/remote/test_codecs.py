@@ -232,3 +232,58 @@ def test_a_publish_after_one_percent_new_rows_sends_only_changed_codec_objects(t
         pick = np.r_[np.random.default_rng(0).choice(rows, 500, replace=False), np.arange(rows - 300, len(local))]
         assert_same(ro.get(pick), local.get(pick))
     ro.close()
+
+
+def test_a_snapshot_column_holds_at_most_max_maps_shard_objects(tmp_path, small_inner_chunks):
+    """``ShardedArray(shards=...)`` (what a snapshot's codec column is) lets go of the oldest
+    shard objects beyond ``max_maps`` and fetches them again when a later read needs them;
+    every read is still the local store's."""
+    make(tmp_path / "local", 600, capacity=1024, streams=1)
+    calls: list[str] = []
+
+    def shards(rel: str) -> np.ndarray | None:
+        calls.append(rel)
+        path = tmp_path / "local" / rel
+        return np.frombuffer(path.read_bytes(), np.uint8) if path.is_file() else None
+
+    with mb.open(tmp_path / "local", mode="r") as local:
+        written = [lane.written for lane in local.store.committed]
+        col = ShardedArray(tmp_path / "local", "frames", writable=False, expect=(1024, (84, 84), np.dtype(np.uint8)),
+                           codec="zstd", lane_size=1024, written=written, shards=shards, max_maps=2)
+        files = sum(p.is_file() for p in (tmp_path / "local" / "columns" / "frames" / "c").rglob("*"))
+        meta = json.loads((tmp_path / "local" / "columns" / "frames" / "zarr.json").read_text())
+        shard = meta["chunk_grid"]["configuration"]["chunk_shape"][0]
+        assert files == 600 // shard >= 4  # several complete shard files
+        rows = np.arange(600)
+        want = local.get(rows, ["frames"])["frames"].numpy()
+        np.testing.assert_array_equal(col.read(rows), want)  # one read needs them all: all held for it
+        assert len(calls) == len(set(calls)) >= files
+        n = len(calls)
+        for start in range(0, files * shard, shard):  # one shard per read: the oldest let go each time
+            np.testing.assert_array_equal(col.read(rows[start:start + shard]), want[start:start + shard])
+        assert len(calls) - n >= files - 2  # fetched again: at most 2 were still held
+        col.close()
+
+
+def test_a_wrapped_ring_publishes_its_episodes_with_jpeg_re_encoded(tmp_path, server, small_inner_chunks):
+    """Once the ring has wrapped, the copy a publish sends holds the live episodes from row 0
+    (other rows than the local store's): the lossless columns are still bit-identical
+    episode by episode, and the JPEG column is re-encoded from the local decode (no shard
+    file kept), within ``jpeg.tolerance``."""
+    from mmbuffer._disk.columns.jpeg import tolerance
+
+    make(tmp_path / "local", 1000, capacity=1024, streams=1)
+    with mb.open(tmp_path / "local") as buf:  # wrapped: the oldest episodes evicted
+        extend(buf, 1000, 500, streams=1, episode=97)
+    url = f"s3://{new_bucket(server[0])}/store"
+    summary = mb.convert.publish(tmp_path / "local", url, progress=False)
+    assert summary["lossy_shards_kept"] == 0
+    with mb.open(tmp_path / "local", mode="r") as local, mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None) as ro:
+        (ls, ll), (rs, rl) = local.episodes(), ro.episodes()
+        assert torch.equal(ll, rl) and not torch.equal(ls, rs)  # the same episodes, at other rows
+        for a, b, n in zip(ls.tolist(), rs.tolist(), ll.tolist()):
+            here, there = local.get(np.arange(a, a + n) % 1024), ro.get(np.arange(b, b + n) % 1024)  # one lane
+            for k in ("frames", "raw_frames", "state", "action", "next_frames"):
+                assert torch.equal(here[k], there[k]), k
+            err = (here["cam"].float() - there["cam"].float()).abs().mean(dim=(1, 2, 3))
+            assert float(err.max()) <= tolerance(95)

@@ -70,7 +70,7 @@ class ShardedArray(ColumnArray):
     def __init__(self, root: Path, name: str, *, writable: bool, expect: fmt.Expect, codec: str, lane_size: int,
                  written: Sequence[int], cursors: Callable[[], np.ndarray] | None = None,
                  cache_bytes: int | None = None, shards: Callable[[str], np.ndarray | None] | None = None,
-                 max_maps: int = 256) -> None:
+                 max_maps: int = 128) -> None:
         self._root, self._name, self._where = root, name, root / "columns" / name
         self._writable = writable
         rows, row_shape, dtype = expect
@@ -174,6 +174,8 @@ class ShardedArray(ColumnArray):
         from ...kernels import staging
 
         S = self._shard
+        if len(self._held) > self._max_maps:  # objects of a snapshot: keep those this read needs
+            self._let_go(set(np.unique(flat // S).tolist()))
         written = self._cursors() if self._cursors is not None else self._written
         todo, stale = staging.locate(flat, written, self._lane, S, self._tags, self._ver,
                                      self._stage.reshape(len(self._stage), -1).view(np.uint8),
@@ -187,8 +189,6 @@ class ShardedArray(ColumnArray):
         f = rows // S
         for s in np.unique(f[self._ver[f] != kk]).tolist():  # a shard file replaced since this process mapped it
             self._remap(s)
-        if len(self._held) > self._max_maps:  # objects of a snapshot: let go of the oldest this batch does not need
-            self._let_go(set(np.unique(f).tolist()))
         ver = self._ver[f]
         if (ver < kk).any():  # a shard the ledger says is complete is not on disk
             b = int(np.flatnonzero(ver < kk)[0])
