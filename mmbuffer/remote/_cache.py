@@ -278,13 +278,14 @@ class Cache:
     def _map(path: Path, size: int, check: Callable[[bytes | memoryview], None]) -> np.ndarray | None:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except (FileNotFoundError, PermissionError):
+        except OSError:  # absent, unreadable or a link: fetched (and rewritten) through ``object``
             return None
         try:
             if os.fstat(fd).st_size != size or size == 0:
                 return None
             handle = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
-            os.utime(fd)  # last use, for LRU
+            with contextlib.suppress(OSError):
+                os.utime(fd)  # last use, for LRU (another user's file keeps its time)
         finally:
             os.close(fd)
         data = np.frombuffer(handle, np.uint8)

@@ -194,7 +194,9 @@ def keep_lossy_shards(src: Any, dst: Path) -> int:
             fd = _safe_io.open_file(Path(where), rel)  # no link followed; one read: a live writer replaces files whole
             with os.fdopen(fd, "rb") as f:
                 data = f.read()
-            if shard_header(data) is not None and shard_header(data) == shard_header(mine.read_bytes()[:16]):
+            with open(mine, "rb") as f:
+                head = f.read(16)
+            if shard_header(data) is not None and shard_header(data) == shard_header(head):
                 tmp = mine.with_name(mine.name + ".partial")
                 tmp.write_bytes(data)
                 os.replace(tmp, mine)
