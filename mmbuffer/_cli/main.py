@@ -23,19 +23,27 @@ def _disk_usage(path: Path) -> tuple[int, int]:
     return used, apparent
 
 
-def _column_disk(path: Path, name: str, codec: str | None, rows: int) -> dict[str, Any]:
+def _column_disk(path: Path, name: str, codec: str | None, rows: int,
+                 objects: dict[str, tuple[int, str]] | None = None) -> dict[str, Any]:
     """A column's bytes on disk: ``disk_used`` (allocated: its array and, with a codec,
     its raw staging rows, ``staging_used``) and ``bytes_per_row``: with a codec the
-    shard files' bytes per row they hold (the encoded size), else allocated per live row."""
+    shard files' bytes per row they hold (the encoded size), else allocated per live row.
+    ``objects``: a published snapshot's object table (``path`` its mirror): its sizes."""
     from .._disk import files as _files
 
-    used = _disk_usage(path / "columns" / name)[0]
+    def size(rel: str) -> int:
+        if objects is None:
+            return _disk_usage(path / rel)[0]
+        return sum(n for r, (n, _) in objects.items() if r.startswith(rel + "/"))
+
+    used = size(f"columns/{name}")
     if codec is None:
         return {"disk_used": used, "bytes_per_row": used / rows if rows else None}
-    staging = _disk_usage(path / "staging" / name)[0]
+    staging = size(f"staging/{name}")
     # the store was opened (its zarr.json checked) before this is read
     shard_rows = int(_files.read_json_in(path, f"columns/{name}/zarr.json")["chunk_grid"]["configuration"]["chunk_shape"][0])
-    shards = [os.stat(os.path.join(root, f)).st_size for root, _, fs in os.walk(path / "columns" / name / "c") for f in fs]
+    shards = [os.stat(os.path.join(root, f)).st_size for root, _, fs in os.walk(path / "columns" / name / "c") for f in fs] \
+        if objects is None else [n for r, (n, _) in objects.items() if r.startswith(f"columns/{name}/c/")]
     held = len(shards) * shard_rows
     return {"disk_used": used + staging, "staging_used": staging, "shard_rows": held,
             "bytes_per_row": sum(shards) / held if held else None}
@@ -66,9 +74,11 @@ def info(path: str) -> dict[str, Any]:
     from .._ledger.store import Store
 
     extra: dict[str, Any] = {}
+    objects, where = None, Path(path)
     if is_url(path):
         source, buf = _remote(path)
         used = apparent = sum(size for size, _ in source.table.entries.values())
+        objects, where = source.table.entries, Path(buf.path)
         extra = {"snapshot": source.snapshot, "sequence": source.sequence,
                  "engine": "icechunk" if source.repo is not None else "snapshots"}
         source.close()
@@ -85,7 +95,7 @@ def info(path: str) -> dict[str, Any]:
         "num_streams": buf.num_streams,
         "compression": buf.compression,
         "columns": {k: {"shape": list(c.shape), "dtype": c.dtype, "codec": c.codec,
-                        **_column_disk(Path(path), k, c.codec, len(buf))} for k, c in buf.columns.items()},
+                        **_column_disk(where, k, c.codec, len(buf), objects)} for k, c in buf.columns.items()},
         "next_keys": list(buf.next_keys),
         "disk_used": used,
         "disk_apparent": apparent,
@@ -242,6 +252,7 @@ SUITES = {
     "gather": "sample + gather of slices and transitions against memcpy and numpy fancy indexing",
     "gpu": "a TD-MPC2-sized GPU training loop fed by mb.stream and DataLoader (needs CUDA)",
     "remote": "sampling a store on object storage (S3 on loopback) against local disk",
+    "remote_ceiling": "remote sampling (cache cold) against plain GETs of the same objects; cold start by store size",
     "ray": "rows/s ingested from Ray actors, and the learner's sample latency meanwhile",
     "pixels": "frame-stacked sampling of 84x84 frames against the same sample without a stack",
     "pixels_ale": "real ALE frames: disk, RSS, add and 4-stack sampling against SB3 and TorchRL buffers",

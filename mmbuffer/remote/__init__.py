@@ -22,6 +22,14 @@ environment), one dependency covers S3, GCS, Azure, HTTP and local files, and
 zarr-python's ``FsspecStore`` is its mature store (obstore is faster per request,
 but the pool makes few, large requests, where the two are alike).
 
+A column with a codec (``mb.Column(..., codec="zstd" | "lz4" | "jpeg:95")``) is read as
+locally (:class:`mmbuffer._disk.columns.ShardedArray`): its staging rows come with the
+mirror, and each shard file is the snapshot's object, fetched whole once per host,
+checked against the table, mapped read-only from the cache and decoded in place by the
+same compiled kernels (exactly the inner chunks a batch needs); so samples, slices and
+frame stacks are the local store's, JPEG included (publishing keeps the local shard files
+where the copy holds every row where the source does: ``publish``'s ``lossy_shards_kept``).
+
 Sampling reads from a :class:`PoolConfig` pool of whole blocks (``_pool.py`` says
 how that changes the distribution); ``pool=None`` reads exactly, on demand.
 Publishing (``mb.convert.copy(src, url)``, ``mb.convert.publish``: ``convert/_pipeline/publish.py``)
@@ -61,6 +69,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import errors, samplers
+from .._disk.columns import ColumnArray, ShardedArray
 from .._disk.columns.remote import RemoteArray
 from .._disk.urls import filesystem, options_for
 from .._ledger.manifest import load_manifest
@@ -70,7 +79,7 @@ from . import _icechunk, _snapshot
 from ._cache import Cache
 from ._objects import Table, load_table, remote_errors
 from ._pool import ChunkPool, PoolConfig, PooledSampler
-from ._verified import VerifiedStore
+from ._verified import VerifiedStore, mapped_objects
 
 __all__ = ["ChunkPool", "PoolConfig", "RemoteSource", "pool_config"]
 
@@ -184,11 +193,18 @@ class RemoteSource:
             data: bytes = fs.cat_file(f"{self.root}/{_snapshot.SNAPSHOTS}/{table.holder(rel)}/{rel}")
             return data
 
-        def opener(name: str, expect: Any) -> RemoteArray:
+        def opener(name: str, expect: Any) -> ColumnArray:
+            get: Callable[[str], bytes] = fetch
             if self.repo is not None:
                 repo = self.repo
-                arr = self._column(snap, table, name, expect, repo.session(snap).store,
-                                   lambda rel: repo.fetch(snap, rel), None)
+                get = lambda rel: repo.fetch(snap, rel)  # noqa: E731
+            codec = manifest.codecs.get(name.split("/", 1)[1])
+            if codec is not None:  # shards decoded in place by the local reader's kernels, each object verified
+                return ShardedArray(local, name.split("/", 1)[1], writable=False, expect=expect, codec=codec,
+                                    lane_size=manifest.lane_size, written=[st.written for st in manifest.lanes],
+                                    shards=mapped_objects(table, self.files, get, alive if self.repo is None else None))
+            if self.repo is not None:
+                arr = self._column(snap, table, name, expect, repo.session(snap).store, get, None)
             else:
                 from zarr.storage import FsspecStore
 
@@ -200,8 +216,9 @@ class RemoteSource:
             return arr
 
         try:
+            manifest = load_manifest(local)
             with remote_errors(self.url):
-                store = Store(local, "r", columns=opener, lock=lock)
+                store = Store(local, "r", columns=opener, lock=lock, manifest=manifest)
             pool = None
             if self.pool_config is not None and opened:
                 pool = ChunkPool(opened, store.view(), store.capacity, self.pool_config, self.cache, self.files)

@@ -43,12 +43,15 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import mmap
 import os
 import re
 import shutil
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
+import numpy as np
 
 from .. import errors
 
@@ -254,6 +257,44 @@ class Cache:
             self.downloads += 1
             check(data)
             self.admit(size, lambda: write_file(path, data, self.base))
+        return data
+
+    def mapped(self, key: str, size: int, fetch: Callable[[], bytes],
+               check: Callable[[bytes | memoryview], None]) -> np.ndarray:
+        """:meth:`object` as read-only bytes mapped from the cache (checked once, when mapped):
+        the page cache holds them once for every process of the host. A mapped object
+        that eviction unlinks stays readable until it is let go (files here are only
+        ever replaced whole, never truncated: no SIGBUS)."""
+        path = self.base / "objects" / key[:2] / key
+        got = self._map(path, size, check)
+        if got is None:
+            data = self.object(key, size, fetch, check)
+            got = self._map(path, size, check)
+            if got is None:  # evicted at once (a limit below the object): served from memory
+                got = np.frombuffer(data, np.uint8)
+        return got
+
+    @staticmethod
+    def _map(path: Path, size: int, check: Callable[[bytes | memoryview], None]) -> np.ndarray | None:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:  # absent, unreadable or a link: fetched (and rewritten) through ``object``
+            return None
+        try:
+            if os.fstat(fd).st_size != size or size == 0:
+                return None
+            handle = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+            with contextlib.suppress(OSError):
+                os.utime(fd)  # last use, for LRU (another user's file keeps its time)
+        finally:
+            os.close(fd)
+        data = np.frombuffer(handle, np.uint8)
+        try:
+            check(memoryview(handle))
+        except errors.CorruptStoreError:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            return None
         return data
 
     @staticmethod

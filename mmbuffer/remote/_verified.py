@@ -15,6 +15,7 @@ import asyncio
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import numpy as np
 from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, SuffixByteRequest
 from zarr.core.buffer import Buffer, BufferPrototype
 from zarr.storage import WrapperStore
@@ -22,7 +23,7 @@ from zarr.storage import WrapperStore
 from ._cache import Cache
 from ._objects import Table, remote_errors
 
-__all__ = ["VerifiedStore"]
+__all__ = ["VerifiedStore", "mapped_objects"]
 
 
 class VerifiedStore(WrapperStore[Any]):
@@ -44,19 +45,9 @@ class VerifiedStore(WrapperStore[Any]):
         entry = self._table.get(rel)
         if entry is None:
             return None  # not in the snapshot: a chunk never written
-        size, key = entry
-        table, fetch, alive = self._table, self._fetch, self._alive
-
-        def download() -> bytes:
-            try:
-                with remote_errors(table.url):
-                    return fetch(rel)
-            except FileNotFoundError:
-                if alive is not None:
-                    alive()  # removed by a newer publish: StoreNotFoundError
-                raise table.missing(rel) from None
-
-        return self._cache.object(key, size, download, lambda data: table.check(rel, data))
+        table = self._table
+        return self._cache.object(entry[1], entry[0], _download(table, self._fetch, self._alive, rel),
+                                  lambda data: table.check(rel, data))
 
     async def get(self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None) -> Buffer | None:
         data = await asyncio.to_thread(self.read_object, self._prefix + key)
@@ -77,3 +68,30 @@ class VerifiedStore(WrapperStore[Any]):
     async def exists(self, key: str) -> bool:
         assert self._table is not None
         return self._table.get(self._prefix + key) is not None
+
+
+def mapped_objects(table: Table, cache: Cache, fetch: Callable[[str], bytes],
+                   alive: Callable[[], None] | None) -> Callable[[str], np.ndarray | None]:
+    """``rel -> `` the verified object ``rel`` mapped read-only from the host's cache (a
+    shard a compiled decoder reads in place), or None if ``table`` does not name it."""
+
+    def mapped(rel: str) -> np.ndarray | None:
+        entry = table.get(rel)
+        if entry is None:
+            return None
+        return cache.mapped(entry[1], entry[0], _download(table, fetch, alive, rel), lambda data: table.check(rel, data))
+
+    return mapped
+
+
+def _download(table: Table, fetch: Callable[[str], bytes], alive: Callable[[], None] | None, rel: str) -> Callable[[], bytes]:
+    def download() -> bytes:
+        try:
+            with remote_errors(table.url):
+                return fetch(rel)
+        except FileNotFoundError:
+            if alive is not None:
+                alive()  # removed by a newer publish: StoreNotFoundError
+            raise table.missing(rel) from None
+
+    return download

@@ -69,7 +69,8 @@ class ShardedArray(ColumnArray):
 
     def __init__(self, root: Path, name: str, *, writable: bool, expect: fmt.Expect, codec: str, lane_size: int,
                  written: Sequence[int], cursors: Callable[[], np.ndarray] | None = None,
-                 cache_bytes: int | None = None) -> None:
+                 cache_bytes: int | None = None, shards: Callable[[str], np.ndarray | None] | None = None,
+                 max_maps: int = 128) -> None:
         self._root, self._name, self._where = root, name, root / "columns" / name
         self._writable = writable
         rows, row_shape, dtype = expect
@@ -92,6 +93,9 @@ class ShardedArray(ColumnArray):
         self._size = np.zeros(files, np.int64)  # its size
         self._ver = np.full(files, -1, np.int64)  # and the absolute shard it holds (-1: none)
         self._maps: list[Any] = [None] * files
+        self._shards = shards  # rel -> the shard object's bytes (None: not in the snapshot), else files under root
+        self._held: dict[int, None] = {}  # shard files mapped from ``shards``, oldest first
+        self._max_maps = max(1, max_maps)
         self._cursors = cursors
         self._written = np.array(written, dtype=np.int64)  # the writer's cursors (its own rows)
         self._durable = self._written.copy()  # the cursors of the last flush (the commit)
@@ -116,21 +120,15 @@ class ShardedArray(ColumnArray):
     def _remap(self, f: int) -> None:
         """Map shard file ``f`` afresh (the writer may have replaced it), header and index checked."""
         self._addr[f], self._size[f], self._ver[f], self._maps[f] = 0, 0, -1, None
+        self._held.pop(f, None)
         rel = self._rel(f)
-        if not _safe_io.lexists(self._root, rel):
+        per = self._shard // self._inner
+        data = self._shards(rel) if self._shards is not None else self._map_file(rel, 16 + 16 * per + 4)
+        if data is None:
             return
-        fd = _safe_io.open_file(self._root, rel)
-        try:
-            size = os.fstat(fd).st_size
-            per = self._shard // self._inner
-            if size < 16 + 16 * per + 4:
-                raise errors.CorruptStoreError(f"{self._root / rel}: column {self._name!r}: file seems not fully written: expected at least {16 + 16 * per + 4} bytes, got {size}")
-            handle = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
-        finally:
-            os.close(fd)
-        if config.madvise_random and hasattr(mmap, "MADV_RANDOM"):
-            handle.madvise(mmap.MADV_RANDOM)
-        data = np.frombuffer(handle, np.uint8)
+        size = len(data)
+        if size < 16 + 16 * per + 4:
+            raise errors.CorruptStoreError(f"{self._root / rel}: column {self._name!r}: file seems not fully written: expected at least {16 + 16 * per + 4} bytes, got {size}")
         from ...kernels import codec
 
         index = data[size - 16 * per - 4 : size - 4]
@@ -141,6 +139,24 @@ class ShardedArray(ColumnArray):
             )
         self._maps[f] = data
         self._addr[f], self._size[f], self._ver[f] = data.ctypes.data, size, int(data[8:16].view("<i8")[0])
+        if self._shards is not None:
+            self._held[f] = None
+
+    def _map_file(self, rel: str, least: int) -> np.ndarray | None:
+        """The shard file ``rel`` mapped (None: no file; zeros of its size when shorter than ``least``, which the caller refuses)."""
+        if not _safe_io.lexists(self._root, rel):
+            return None
+        fd = _safe_io.open_file(self._root, rel)
+        try:
+            size = os.fstat(fd).st_size
+            if size < least:
+                return np.zeros(size, np.uint8)
+            handle = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+        finally:
+            os.close(fd)
+        if config.madvise_random and hasattr(mmap, "MADV_RANDOM"):
+            handle.madvise(mmap.MADV_RANDOM)
+        return np.frombuffer(handle, np.uint8)
 
     # -- reading ---------------------------------------------------------------------------
     def read(self, rows: np.ndarray) -> np.ndarray:
@@ -158,6 +174,8 @@ class ShardedArray(ColumnArray):
         from ...kernels import staging
 
         S = self._shard
+        if len(self._held) > self._max_maps:  # objects of a snapshot: keep those this read needs
+            self._let_go(set(np.unique(flat // S).tolist()))
         written = self._cursors() if self._cursors is not None else self._written
         todo, stale = staging.locate(flat, written, self._lane, S, self._tags, self._ver,
                                      self._stage.reshape(len(self._stage), -1).view(np.uint8),
@@ -182,6 +200,11 @@ class ShardedArray(ColumnArray):
         if not keep.all():
             out[at[~keep]] = 0
         self._decode(rows[keep], kk[keep], at[keep], out)
+
+    def _let_go(self, keep: set[int]) -> None:
+        for s in [s for s in self._held if s not in keep][: len(self._held) - self._max_maps]:
+            del self._held[s]
+            self._addr[s], self._size[s], self._ver[s], self._maps[s] = 0, 0, -1, None
 
     def _decode(self, rows: np.ndarray, versions: np.ndarray, positions: np.ndarray, out: np.ndarray) -> None:
         from ...kernels import codec
@@ -361,6 +384,7 @@ class ShardedArray(ColumnArray):
         with self._lock:
             self._addr[:], self._size[:], self._ver[:] = 0, 0, -1
             self._maps = [None] * len(self._maps)
+            self._held.clear()
             self._cache = None
             self._stage_arr.release()
 

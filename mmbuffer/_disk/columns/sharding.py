@@ -57,6 +57,13 @@ def shard_geometry(row_bytes: int, lane_size: int, inner_bytes: int | None = Non
     return inner, inner * chunks
 
 
+def shard_header(data: bytes) -> int | None:
+    """The absolute shard number a shard file's 16-byte header names (None: not a header)."""
+    if len(data) < 16 or data[:8] != b"MMBSHRD1":
+        return None
+    return int.from_bytes(data[8:16], "little", signed=True)
+
+
 def compressor_meta(codec: str, dtype: np.dtype) -> dict[str, Any]:
     """The ``zarr.json`` entry of ``codec``'s compressor (``fmt.parse_codec``'s names)."""
     kind, level = fmt.parse_codec("codec", codec)

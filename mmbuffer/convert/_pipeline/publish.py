@@ -124,7 +124,9 @@ def publish(src: Any, url: str, *, compression: str | None = "zstd", storage_opt
     and ``url/current.json`` is then replaced in one request; the ``keep`` newest
     snapshots stay. The raw arrays (index, flags, tree) go as chunks
     (``mmbuffer.remote._dense``). Returns the copy's summary with ``url``, ``snapshot``,
-    ``sequence``, ``pruned``, ``objects_written`` and ``bytes_written``.
+    ``sequence``, ``pruned``, ``objects_written``, ``bytes_written`` and
+    ``lossy_shards_kept`` (JPEG shard files sent as the source holds them:
+    :func:`keep_lossy_shards`).
 
     ``engine="icechunk"`` (``mmbuffer.remote._icechunk``) commits to an Icechunk
     repository instead: only the objects that changed since the last commit are
@@ -141,6 +143,7 @@ def publish(src: Any, url: str, *, compression: str | None = "zstd", storage_opt
         engine = "icechunk" if _icechunk_installed() and _icechunk.is_repo(url.rstrip("/"), storage_options) else "snapshots"
     with tempfile.TemporaryDirectory(prefix="mmbuffer-publish-", dir=tmp_dir) as tmp:
         summary = copy_local(src, Path(tmp) / "store", compression=compression, **copy_options)
+        summary["lossy_shards_kept"] = keep_lossy_shards(src, Path(tmp) / "store")
         generation = load_manifest(Path(tmp) / "store").generation
         if engine == "icechunk":
             summary.update(_icechunk.publish_repo(url.rstrip("/"), Path(tmp) / "store", storage_options,
@@ -150,6 +153,55 @@ def publish(src: Any, url: str, *, compression: str | None = "zstd", storage_opt
                                                  generation=generation))
     summary["out"] = url
     return summary
+
+
+def keep_lossy_shards(src: Any, dst: Path) -> int:
+    """Put the source's own shard files of its lossy (JPEG) columns into the copy ``dst``
+    where the copy holds every row where the source does (same geometry and cursors: no
+    episode was evicted), so a published frame is the local store's, not a re-encoding
+    of its decode (JPEG loses a little at each encode). Each file is taken only if its
+    header names the shard the copy's names; returns how many were taken (elsewhere the
+    copy's re-encoded files stay: a store whose ring has wrapped is published re-encoded).
+
+    >>> import tempfile, numpy as np, mmbuffer as mb
+    >>> d = tempfile.mkdtemp()
+    >>> mb.create(d + "/s", {"x": ((), "int64")}, capacity=8, next_keys=()).close()
+    >>> _ = mb.convert.copy(d + "/s", d + "/c", progress=False)
+    >>> keep_lossy_shards(d + "/s", Path(d + "/c"))  # no JPEG column: nothing to keep
+    0
+    """
+    from ..._disk import safe_io as _safe_io
+    from ..._disk.columns.sharding import shard_header
+    from ..._disk.format import parse_codec
+
+    where = getattr(src, "path", src) if not is_url(getattr(src, "path", src)) else None
+    if where is None or getattr(src, "remote", None) is not None:
+        return 0
+    try:
+        before, after = load_manifest(Path(where)), load_manifest(dst)
+    except errors.MMBufferError:
+        return 0
+    if (before.capacity, before.num_streams, tuple(before.lanes)) != (after.capacity, after.num_streams, tuple(after.lanes)):
+        return 0
+    taken = 0
+    for name, codec in after.codecs.items():
+        if before.codecs.get(name) != codec or parse_codec(name, codec)[0] != "jpeg":
+            continue
+        for mine in sorted((dst / "columns" / name / "c").rglob("*")):
+            rel = mine.relative_to(dst).as_posix()
+            if not mine.is_file() or not _safe_io.lexists(Path(where), rel):
+                continue
+            fd = _safe_io.open_file(Path(where), rel)  # no link followed; one read: a live writer replaces files whole
+            with os.fdopen(fd, "rb") as f:
+                data = f.read()
+            with open(mine, "rb") as f:
+                head = f.read(16)
+            if shard_header(data) is not None and shard_header(data) == shard_header(head):
+                tmp = mine.with_name(mine.name + ".partial")
+                tmp.write_bytes(data)
+                os.replace(tmp, mine)
+                taken += 1
+    return taken
 
 
 def copy_url(src: Any, dst: Any, *, storage_options: Mapping[str, Any] | None = None,

@@ -1,0 +1,213 @@
+"""Remote sampling against the transport's ceiling, and a new reader's cold start by store size.
+
+On an S3-compatible server on loopback (moto's server mode, started here), in one run:
+
+* **sampling vs a plain GET** (``--rows`` rows, obs 17 float32, action 6, reward, published
+  zstd, the ``bench_remote.py`` store): a reader with an empty cache (``cache_dir`` new, cache
+  cold) draws ``--batches`` x ``sample_slices(B, L)``, exact (``pool=None``: chunks fetched on
+  demand) and through the default pool (the first fill: ``pool.advance()``); its figure is the
+  bytes of the objects it fetched (what landed in ``cache_dir/objects``) per second of
+  sampling. The baseline fetches the *same* objects from the same server with fsspec: one
+  ranged GET each (``cat_file(path, start=0, end=size)``), one whole-object GET each
+  (``cat_file(path)``), both one after the other as the sampler asks, and all at once
+  (``fs.cat(paths)``, concurrent). Contender and baselines alternate ``--repeats`` times.
+* **codec columns** (``--codec-rows``, 84x84 uint8 frames, zstd): ``sample(32, stack 4)`` from
+  the published store against the local one, alternating (host cache warm), and its first
+  call with the cache cold.
+* **cold start** at each of ``--sizes`` (default 1e5 and 1e6 rows): ``mb.open(url)`` with a
+  new ``cache_dir``, then the first ``sample_slices(B, L)``; exact and with the default pool;
+  the bytes it fetched before the first sample (mirror + objects).
+
+moto is a Python server: its throughput, not S3's, bounds every figure here.
+Run: ``python benchmarks/bench_remote_ceiling.py [--rows 1e6] [--sizes 1e5,1e6]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import mmbuffer as mb  # noqa: E402
+from _common import count, counts  # noqa: E402
+from bench_remote import build  # noqa: E402
+
+
+def tree_bytes(path: Path) -> int:
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs) if path.exists() else 0
+
+
+def sample_cold(url: str, cache: Path, batches: int, b: int, length: int, pool: bool) -> tuple[float, int, list[str]]:
+    """Seconds of sampling with an empty cache, bytes of the objects fetched, and their names."""
+    ro = mb.open(url, mode="r", cache_dir=cache, pool="default" if pool else None)
+    g = torch.Generator().manual_seed(1)
+    before = tree_bytes(cache / "objects")
+    t0 = time.perf_counter()
+    if pool:
+        assert ro.remote is not None and ro.remote.pool is not None
+        ro.remote.pool.advance()  # the first fill, fetched in order
+    for _ in range(batches):
+        ro.sample_slices(b, length, generator=g)
+    sec = time.perf_counter() - t0
+    got = tree_bytes(cache / "objects") - before
+    assert ro.remote is not None
+    table = ro.remote.table
+    held = {p.name for p in (cache / "objects").rglob("*") if p.is_file()}
+    names = [f"{table.holder(rel)}/{rel}" for rel, (_, key) in table.entries.items() if key in held]
+    ro.close()
+    return sec, got, names
+
+
+def gets(fs: object, root: str, names: list[str]) -> dict[str, float]:
+    """Seconds to fetch ``names`` with plain GETs: ranged, whole, and all at once."""
+    paths = [f"{root}/snapshots/{n}" for n in names]
+    sizes = {p: fs.size(p) for p in paths}  # type: ignore[attr-defined]
+    out = {}
+    t0 = time.perf_counter()
+    for p in paths:
+        fs.cat_file(p, start=0, end=sizes[p])  # type: ignore[attr-defined]
+    out["ranged GET, one by one"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for p in paths:
+        fs.cat_file(p)  # type: ignore[attr-defined]
+    out["whole-object GET, one by one"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    fs.cat(paths)  # type: ignore[attr-defined]
+    out["whole-object GETs, concurrent (fs.cat)"] = time.perf_counter() - t0
+    return out
+
+
+def cold_start(url: str, cache: Path, b: int, length: int, pool: bool) -> tuple[float, float, float, int, int]:
+    """With an empty cache: seconds to open, from open to the end of a first ``sample_slices(1, L)``
+    and of a first ``sample_slices(B, L)``; bytes of the mirror (small parts) and of the objects fetched."""
+    t0 = time.perf_counter()
+    ro = mb.open(url, mode="r", cache_dir=cache, pool="default" if pool else None)
+    opened = time.perf_counter() - t0
+    ro.sample_slices(1, length, generator=torch.Generator().manual_seed(0))
+    one = time.perf_counter() - t0
+    ro.sample_slices(b, length, generator=torch.Generator().manual_seed(1))
+    full = time.perf_counter() - t0
+    ro.close()
+    objects = tree_bytes(cache / "objects")
+    return opened, one, full, tree_bytes(cache) - objects, objects
+
+
+def codec_sampling(tmp: Path, endpoint: str, rows: int, reps: int) -> None:
+    """``sample(32, stack={"frames": 4})`` from a zstd 84x84 column: local store against the
+    published one (``pool=None``: shard objects mapped from the host cache, decoded by the
+    local reader's kernels), alternating; the remote one first with its cache cold."""
+    from s3server import new_bucket
+
+    local = tmp / "pixels"
+    with mb.create(local, {"frames": mb.Column((84, 84), "uint8", codec="zstd"), "action": ((), "int64")},
+                   capacity=rows, next_keys=("frames",)) as buf:
+        step = np.arange(rows)
+        img = np.zeros((rows, 84, 84), np.uint8)
+        img[:, 70:74, 20:64] = 200
+        img[np.arange(rows), 14 + step % 50, 4 + (step * 3) % 76] = 255
+        img[:, 0, 0] = step % 251
+        done = step % 500 == 499
+        buf.extend({"frames": img, "action": step % 6, "terminated": done},
+                   final_obs={"frames": np.zeros((int(done.sum()), 84, 84), np.uint8)})
+    url = f"s3://{new_bucket(endpoint)}/pixels"
+    mb.convert.publish(local, url, progress=False)
+    lo = mb.open(local, mode="r")
+    ro = mb.open(url, mode="r", cache_dir=tmp / "pixels-cache", pool=None)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):  # the kernels loaded, the local decode cache warm
+        lo.sample(256, g, stack={"frames": 4})
+    t0 = time.perf_counter()
+    ro.sample(32, g, stack={"frames": 4})
+    cold = time.perf_counter() - t0
+    for _ in range(50):  # every shard object in the host cache and mapped
+        ro.sample(256, g, stack={"frames": 4})
+    times: dict[str, list[float]] = {"local": [], "remote": []}
+    for _ in range(reps):
+        for name, buf in (("local", lo), ("remote", ro)):
+            t0 = time.perf_counter()
+            for _ in range(20):
+                buf.sample(32, g, stack={"frames": 4})
+            times[name].append((time.perf_counter() - t0) / 20)
+    loc, rem = statistics.median(times["local"]), statistics.median(times["remote"])
+    print(f"\nzstd 84x84 frames, {rows:,} rows: sample(32, stack 4) local {loc * 1e3:.2f} ms, remote (host cache "
+          f"warm) {rem * 1e3:.2f} ms ({rem / loc:.2f}x local); remote first call, cache cold: {cold * 1e3:.0f} ms")
+    lo.close(), ro.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=count, default=1_000_000, help="rows of the store sampled against the GETs")
+    ap.add_argument("--sizes", type=counts, default=[100_000, 1_000_000], help="store sizes of the cold start")
+    ap.add_argument("--episode", type=int, default=1000)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--slice-len", type=int, default=16)
+    ap.add_argument("--batches", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--part", choices=("all", "ceiling", "cold", "codec"), default="all")
+    ap.add_argument("--codec-rows", type=count, default=100_000, help="rows of the zstd pixel store (--part codec)")
+    args = ap.parse_args()
+    import fsspec
+
+    from s3server import moto_s3, new_bucket
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    print(f"load before: {open('/proc/loadavg').read().strip()}")
+    with tempfile.TemporaryDirectory() as tmp, moto_s3() as endpoint:
+        urls: dict[int, str] = {}
+        if args.part in ("all", "codec"):
+            codec_sampling(Path(tmp), endpoint, args.codec_rows, 2 * args.repeats + 1)
+        sizes = set(args.sizes) if args.part in ("all", "cold") else set()
+        for rows in sorted(sizes | ({args.rows} if args.part in ("all", "ceiling") else set())):
+            build(Path(tmp) / f"local-{rows}", rows, args.episode)
+            urls[rows] = f"s3://{new_bucket(endpoint)}/store"
+            t0 = time.perf_counter()
+            mb.convert.copy(Path(tmp) / f"local-{rows}", urls[rows], progress=False)
+            print(f"rows={rows}: published in {time.perf_counter() - t0:.1f} s")
+        fs = fsspec.filesystem("s3", endpoint_url=endpoint, skip_instance_cache=True, use_listings_cache=False)
+        url, root = urls.get(args.rows, ""), urls.get(args.rows, "")[5:]
+        runs: dict[str, list[float]] = {}
+        n = 0
+        for rep in range(args.repeats if args.part in ("all", "ceiling") else 0):  # contender and baselines alternate
+            for pool in (False, True):
+                n += 1
+                sec, got, names = sample_cold(url, Path(tmp) / f"cache-{n}", args.batches, args.batch, args.slice_len, pool)
+                mode = "default pool, first fill + draws" if pool else "exact (pool=None)"
+                runs.setdefault(f"mb sampling, {mode}", []).append(got / sec)
+                for what, s in gets(fs, root, names).items():
+                    runs.setdefault(f"{what} ({mode}'s objects)", []).append(got / s)
+                print(f"rep {rep} {mode}: {len(names)} objects, {got / 1e6:.1f} MB in {sec:.2f} s")
+        if runs:
+            print(f"\nrows={args.rows}, {args.batches} x sample_slices({args.batch}, {args.slice_len}), cache cold, "
+                  f"median of {args.repeats}")
+            print("| what | MB/s (objects' bytes) |")
+            print("|---|---:|")
+        for what, v in runs.items():
+            print(f"| {what} | {statistics.median(v) / 1e6:.1f} |")
+        if sizes:
+            print(f"\n| rows | pool | open (s) | open to 1st sample_slices(1, {args.slice_len}) (s) | open to 1st "
+                  f"sample_slices({args.batch}, {args.slice_len}) (s) | mirror (MB) | objects fetched (MB) |")
+            print("|---:|---|---:|---:|---:|---:|---:|")
+        for rep in range(args.repeats if args.part in ("all", "cold") else 0):
+            for rows in sorted(args.sizes):  # sizes alternate
+                for pool in (False, True):
+                    n += 1
+                    o, one, full, mirror, got = cold_start(urls[rows], Path(tmp) / f"cache-{n}", args.batch,
+                                                           args.slice_len, pool)
+                    print(f"| {rows:,} | {'default' if pool else 'None'} | {o:.2f} | {one:.2f} | {full:.2f} | "
+                          f"{mirror / 1e6:.1f} | {got / 1e6:.1f} |")
+    print(f"load after: {open('/proc/loadavg').read().strip()}")
+
+
+if __name__ == "__main__":
+    main()
