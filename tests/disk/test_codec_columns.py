@@ -461,3 +461,41 @@ def test_final_observations_of_a_codec_column_stay_raw_and_sparse(tmp_path):
     assert any(c["name"] == "zstd" for c in column["codecs"][0]["configuration"]["codecs"])  # the column: zstd
     shard = path / "final" / "pixels" / "c" / "0" / "0" / "0"
     assert os.stat(shard).st_blocks * 512 < 1000 * 84 * 84 // 4  # sparse: not the capacity's frames
+
+
+READ_UNDER_A_LOW_FD_LIMIT = textwrap.dedent(
+    """
+    import os, resource, sys
+    import numpy as np, mmbuffer as mb
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    with mb.open(sys.argv[1], mode="r") as buf:
+        rows = np.random.default_rng(0).permutation(len(buf))
+        most = 0
+        for part in np.array_split(rows, 40):
+            got = buf.get(part, keys=["frames"])["frames"].numpy()
+            assert (got[:, 0, 0] == (part // 8) % 251).all()
+            most = max(most, len(os.listdir("/proc/self/fd")))
+    print(most)
+    """
+)
+
+
+def test_a_store_of_more_shard_files_than_file_descriptors_reads_whole(tmp_path):
+    """Each mapped shard file holds a file descriptor: a column keeps at most an eighth
+    of the soft ``RLIMIT_NOFILE`` mapped (``sharded.default_max_maps``), so a reader
+    under a limit of 256 reads a store of over 512 shard files (before: a
+    ``CorruptStoreError`` ... ``Too many open files``)."""
+    streams, lane = 600, 8  # this file's small shards: several shard files a lane
+    path = tmp_path / "s"
+    with mb.create(path, {"frames": mb.Column((64, 128), "uint8", codec="zstd")}, capacity=streams * lane,
+                   num_streams=streams, next_keys=()) as buf:
+        rows = np.arange(streams * lane).reshape(streams, lane)
+        frames = np.broadcast_to((((rows // 8) % 251).astype(np.uint8))[:, :, None, None], (streams, lane, 64, 128))
+        buf.extend({"frames": np.ascontiguousarray(frames), "terminated": np.ones((streams, lane), bool),
+                    "truncated": np.zeros((streams, lane), bool)}, stream=list(range(streams)))
+    files = [f for f in (path / "columns" / "frames" / "c").rglob("*") if f.is_file()]
+    assert len(files) >= 2 * 256  # more shard files than the reader may hold descriptors
+    out = subprocess.run([sys.executable, "-c", READ_UNDER_A_LOW_FD_LIMIT, str(path)], capture_output=True, text=True,
+                         timeout=300, cwd=os.getcwd())
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout) <= 256

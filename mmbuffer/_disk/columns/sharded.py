@@ -64,13 +64,26 @@ from .raw import RawArray
 __all__ = ["ShardedArray"]
 
 
+def default_max_maps() -> int:
+    """Shard files a column keeps mapped at most: each map holds a file descriptor
+    (Python's ``mmap`` keeps a duplicate), so an eighth of the soft ``RLIMIT_NOFILE``
+    (128 at the common 1,024), the oldest let go beyond it; a million 84x84 frames
+    are about 2,000 shard files."""
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return 4096
+    return max(16, min(4096, soft // 8))
+
+
 class ShardedArray(ColumnArray):
     """A column with a codec (see the module docstring)."""
 
     def __init__(self, root: Path, name: str, *, writable: bool, expect: fmt.Expect, codec: str, lane_size: int,
                  written: Sequence[int], cursors: Callable[[], np.ndarray] | None = None,
                  cache_bytes: int | None = None, shards: Callable[[str], np.ndarray | None] | None = None,
-                 max_maps: int = 128) -> None:
+                 max_maps: int | None = None) -> None:
         self._root, self._name, self._where = root, name, root / "columns" / name
         self._writable = writable
         rows, row_shape, dtype = expect
@@ -94,8 +107,8 @@ class ShardedArray(ColumnArray):
         self._ver = np.full(files, -1, np.int64)  # and the absolute shard it holds (-1: none)
         self._maps: list[Any] = [None] * files
         self._shards = shards  # rel -> the shard object's bytes (None: not in the snapshot), else files under root
-        self._held: dict[int, None] = {}  # shard files mapped from ``shards``, oldest first
-        self._max_maps = max(1, max_maps)
+        self._held: dict[int, None] = {}  # shard files mapped, oldest first
+        self._max_maps = max(1, default_max_maps() if max_maps is None else max_maps)
         self._cursors = cursors
         self._written = np.array(written, dtype=np.int64)  # the writer's cursors (its own rows)
         self._durable = self._written.copy()  # the cursors of the last flush (the commit)
@@ -139,8 +152,7 @@ class ShardedArray(ColumnArray):
             )
         self._maps[f] = data
         self._addr[f], self._size[f], self._ver[f] = data.ctypes.data, size, int(data[8:16].view("<i8")[0])
-        if self._shards is not None:
-            self._held[f] = None
+        self._held[f] = None
 
     def _map_file(self, rel: str, least: int) -> np.ndarray | None:
         """The shard file ``rel`` mapped (None: no file; zeros of its size when shorter than ``least``, which the caller refuses)."""
@@ -174,7 +186,7 @@ class ShardedArray(ColumnArray):
         from ...kernels import staging
 
         S = self._shard
-        if len(self._held) > self._max_maps:  # objects of a snapshot: keep those this read needs
+        if len(self._held) > self._max_maps:  # keep those this read needs, let the oldest others go
             self._let_go(set(np.unique(flat // S).tolist()))
         written = self._cursors() if self._cursors is not None else self._written
         todo, stale = staging.locate(flat, written, self._lane, S, self._tags, self._ver,
