@@ -67,7 +67,7 @@ from .buffer import Buffer
 from ._feed.epochs import EpochSampler
 from ._read import frames
 from ._read.gather import Batch, resolve_keys
-from .opening import open as open_store
+from .opening import open_buffer as open_store
 from .samplers import Sampler
 from ._disk.urls import is_url, location
 

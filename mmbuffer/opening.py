@@ -17,15 +17,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import errors
 from .buffer import Buffer
+
+if TYPE_CHECKING:
+    from .groups import GroupBuffer
 from ._ledger.create import create_store
 from .schema import PriorityConfig
 from ._disk.urls import is_url, local_path
 
-__all__ = ["create", "open"]
+__all__ = ["create", "open", "open_buffer"]
 
 
 def create(
@@ -77,20 +80,51 @@ def create(
 def open(  # noqa: A001 - API name
     path: str | os.PathLike[str], mode: str = "a", *, cache_dir: str | os.PathLike[str] | None = None,
     storage_options: Mapping[str, Any] | None = None, pool: Any = "default", cache_limit: int | None = None,
-) -> Buffer:
+) -> Buffer | GroupBuffer:
     """Open an existing store: ``mode="a"`` the single writer, ``mode="r"`` a reader.
 
     A URL (``s3://bucket/prefix/store``, ``gs://``, ``file://``, any fsspec URL) opens a
     published store read-only (a ``Buffer`` over a :class:`~mmbuffer.remote.RemoteSource`); ``cache_dir``,
     ``cache_limit`` (bytes held there at most; None: unbounded), ``storage_options`` and ``pool``
-    are its options (a local path takes none of them).
+    are its options (a local path takes none of them). A URL that writers publish to by
+    name (``mb.convert.publish(path, url, writer=...)``) opens as one read-only
+    :class:`~mmbuffer.groups.GroupBuffer` sampling the union of their stores.
     """
+    try:
+        return open_buffer(path, mode, cache_dir=cache_dir, storage_options=storage_options, pool=pool,
+                           cache_limit=cache_limit)
+    except _GroupFound:
+        from .groups import GroupBuffer
+        from .remote import pool_config
+
+        return GroupBuffer(str(path), cache_dir=cache_dir, storage_options=storage_options,
+                           pool=pool_config(str(path), mode, pool), cache_limit=cache_limit)
+
+
+class _GroupFound(errors.InvalidArgumentError):
+    """``open_buffer`` found a writer group where it needs one store."""
+
+
+def open_buffer(
+    path: str | os.PathLike[str], mode: str = "a", *, cache_dir: str | os.PathLike[str] | None = None,
+    storage_options: Mapping[str, Any] | None = None, pool: Any = "default", cache_limit: int | None = None,
+) -> Buffer:
+    """``open`` for one store (what the library's own callers use): a writer group's URL
+    is refused (``InvalidArgumentError``)."""
     if is_url(path):
         from .remote import RemoteSource, pool_config
 
         config = pool_config(str(path), mode, pool)
-        return Buffer(path, "r", source=RemoteSource(
-            str(path), cache_dir=cache_dir, storage_options=storage_options, pool=config, cache_limit=cache_limit))
+        try:
+            return Buffer(path, "r", source=RemoteSource(
+                str(path), cache_dir=cache_dir, storage_options=storage_options, pool=config, cache_limit=cache_limit))
+        except errors.StoreNotFoundError:
+            from .groups import is_group
+
+            if not is_group(str(path), storage_options):
+                raise
+        raise _GroupFound(f"path: expected one store, got the writer group {str(path)!r} (mb.open(url) reads it "
+                          "as a GroupBuffer)")
     if cache_dir is not None or storage_options is not None or pool != "default" or cache_limit is not None:
         raise errors.InvalidArgumentError(
             f"cache_dir, cache_limit, storage_options, pool: expected none of them for the local path {str(path)!r} (they are for URLs)"

@@ -47,7 +47,7 @@ from . import errors
 from .buffer import Buffer
 from ._read.gather import Batch
 from .opening import create
-from .opening import open as open_store
+from .opening import open_buffer as open_store
 from ._ledger.store import PriorityConfig
 
 # ``ray`` is imported inside the functions: this module imports (and its doctest

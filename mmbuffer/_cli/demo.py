@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..opening import open_buffer
+
 OBS, ACT = 4, 2
 
 
@@ -94,7 +96,7 @@ def run_demo(directory: str | Path | None = None, episodes: int = 400, quiet: bo
     buf.close()
 
     t0 = time.perf_counter()
-    ro = mb.open(path, mode="r")
+    ro = open_buffer(path, mode="r")  # a local store: a Buffer
     t_open = time.perf_counter() - t0
     again = ro.sample_slices(8, 16, generator=torch.Generator().manual_seed(1))
     report = verify(ro)

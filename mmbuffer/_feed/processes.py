@@ -342,7 +342,7 @@ def _work(spec: tuple[Any, ...], conn: Any) -> None:
     (path, sampler, size, names, layout, ring, slot_bytes, cursor_at, lanes, slots, seed, quota, generation, stack) = spec
     torch.set_num_threads(1)
     try:
-        from ..opening import open as open_store
+        from ..opening import open_buffer as open_store
 
         with open(ring, "r+b") as f:
             mapped = mmap.mmap(f.fileno(), 0)

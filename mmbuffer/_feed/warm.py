@@ -17,7 +17,7 @@ def warm() -> None:
     import numpy as np
 
     from ..opening import create
-    from ..opening import open as open_store
+    from ..opening import open_buffer as open_store
     from ..schema import PriorityConfig
 
     folder = tempfile.mkdtemp(prefix="mmbuffer-warm-")

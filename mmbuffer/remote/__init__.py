@@ -83,12 +83,15 @@ class RemoteSource:
     lock never changes. ``snapshot`` is the id of the snapshot opened last. Every object
     read is checked against the snapshot's object table (``_objects.py``) and kept in
     the host's bounded cache (``_cache.py``; ``cache_limit`` bytes, None: unbounded).
+    ``pointer``: a callable naming the snapshot to open (a writer group's, ``_group.py``)
+    instead of the URL's ``current.json``.
     """
 
     def __init__(self, url: str, *, cache_dir: str | os.PathLike[str] | None = None,
                  storage_options: Mapping[str, Any] | None = None, pool: PoolConfig | None = None,
-                 cache_limit: int | None = None) -> None:
+                 cache_limit: int | None = None, pointer: Callable[[], dict[str, Any]] | None = None) -> None:
         self.url = url.rstrip("/")
+        self._given = pointer  # where the snapshot to open is named (a writer group's pointer), else the URL's own
         self.storage_options = dict(storage_options or {})
         self.fs, self.root = filesystem(self.url, self.storage_options)
         self.files = Cache(_snapshot.cache_base(cache_dir), cache_limit)
@@ -102,6 +105,8 @@ class RemoteSource:
         self.table = Table({}, self.url, "")  # the open snapshot's object table
 
     def _pointer(self) -> dict[str, Any]:
+        if self._given is not None:
+            return self._given()
         if self.repo is not None:
             return self.repo.pointer()
         try:

@@ -58,7 +58,7 @@ import numpy as np
 from .. import errors
 from ..buffer import Buffer
 from ..opening import create as create_buffer
-from ..opening import open as open_buffer
+from ..opening import open_buffer as open_buffer
 from ..schema import Column, PriorityConfig
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ import torch
 from .. import errors, samplers
 from ..buffer import Buffer
 from .._read.gather import Batch
-from ..opening import open as open_buffer
+from ..opening import open_buffer as open_buffer
 from .._ledger.appending import end_open_episode, reopen_last_episode
 from ..schema import PriorityConfig
 import mmbuffer.torchrl.access as access  # modules, not "from .": that names the package

@@ -27,7 +27,7 @@ from ..._disk.checks import check_column_codec
 from ...buffer import Buffer
 from ...errors import InvalidArgumentError
 from ...opening import create
-from ...opening import open as open_buffer
+from ...opening import open_buffer as open_buffer
 from ...schema import Column, PriorityConfig
 from .frame import SEGMENT_BYTES, Writer, crc_hex, crc_update, mismatch, progress_bar, same_bytes, write_and_verify
 from .lanes import check_layout, deal, lane_rows_fit, runs

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import InvalidArgumentError, StoreNotFoundError
-from ...opening import open as open_buffer
+from ...opening import open_buffer as open_buffer
 from .frame import SEGMENT_BYTES
 from .reader import DEFAULT_CHUNK_BYTES, FLAGS
 from .sniff import sniff
