@@ -43,8 +43,10 @@ publish's bytes, at 1e7 rows 1.1% (benchmarks/RESULTS.md). What a real multi-nod
 deployment still needs (not built here): a publish still compresses the whole store
 locally before comparing digests (O(store) CPU), and the object table lists every
 object (O(store / chunk) bytes per publish); the Icechunk engine never expires old commits (``Repository.expire_snapshots`` +
-``garbage_collect`` are the tools); writer groups owning disjoint arrays of one
-repository, prefetch ahead of the sampler across refreshes, and resumable distributed
+``garbage_collect`` are the tools); writer groups
+(``_group.py``: each host's store under its own prefix, one ``group.json`` swapped by
+compare-and-swap) are built on the snapshot engine only, not as disjoint arrays of one
+Icechunk repository; prefetch ahead of the sampler across refreshes, and resumable distributed
 sampling over a newer snapshot are not built.
 """
 

@@ -113,15 +113,13 @@ def _read_raw(fs: Any, root: str, url: str) -> tuple[bytes | None, str | None]:
             from fsspec.asyn import sync
 
             bucket, key, _ = fs.split_path(path)
-
-            async def get() -> tuple[bytes, str]:
-                resp = await fs._call_s3("get_object", Bucket=bucket, Key=key)
-                return bytes(await resp["Body"].read()), str(resp["ETag"])
-
             try:
-                raw, token = sync(fs.loop, get)
+                resp = fs.call_s3("get_object", Bucket=bucket, Key=key)  # body and ETag of one version
             except FileNotFoundError:
                 return None, None
+            body = resp["Body"]
+            raw, token = bytes(sync(fs.loop, body.read, _LIMIT + 1)), str(resp["ETag"])
+            body.close()
             return raw, token
         try:
             raw = fs.cat_file(path, start=0, end=_LIMIT + 1)
