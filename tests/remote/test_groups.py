@@ -232,6 +232,11 @@ def test_prioritized_draws_across_writers_follow_the_priorities(tmp_path, url):
         chi2 = float(((counts - expected) ** 2 / expected).sum())
         assert chi2 < stats.chi2.ppf(1 - 1e-6, df=49), chi2
         np.testing.assert_allclose(batch.weights.numpy(), (leaves.min() / leaves[union]) ** 0.5, rtol=1e-5)
+        sl = g.sample_slices(2_000, 4, prioritized=True, beta=0.5, generator=torch.Generator().manual_seed(3))
+        w, rows = g.locate(sl.indices[:, 0].numpy())
+        start = np.where(w == 0, rows, 20 + rows)
+        assert (rows % EP <= EP - 4).all()  # valid starts only: windows inside one episode of one writer
+        np.testing.assert_allclose(sl.weights.numpy(), (leaves.min() / leaves[start]) ** 0.5, rtol=1e-5)
         share = float((g.locate(g.sample(n, generator=torch.Generator().manual_seed(2)).indices.numpy())[0] == 0).mean())
         assert abs(share - 0.4) < 6 * np.sqrt(0.4 * 0.6 / n), share
     a.close()
