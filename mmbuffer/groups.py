@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterable, Mapping
 from typing import Any, Self
 
@@ -98,12 +99,21 @@ class GroupBuffer:
             raise errors.StoreNotFoundError(f"{self.url}: expected a writer group with a published writer, got none yet")
         if {n: str(p["snapshot"]) for n, p in named.items()} == self._snapshots:
             return False
-        new: dict[str, Buffer] = {}
+        new: dict[str, Buffer] = {n: b for n, b in self._buffers.items()
+                                  if n in named and self._snapshots.get(n) == named[n]["snapshot"]}
         try:
-            for name, pointer in named.items():
-                old = self._buffers.get(name)
-                keep = old is not None and self._snapshots.get(name) == pointer["snapshot"]
-                new[name] = old if keep and old is not None else self._open_writer(name, pointer)
+            todo = [n for n in named if n not in new]
+            with ThreadPoolExecutor(max_workers=min(8, max(1, len(todo)))) as pool:  # the mirrors' requests overlap
+                futures = {n: pool.submit(self._open_writer, n, named[n]) for n in todo}
+            failed: BaseException | None = None
+            for n in todo:  # every opened one joins ``new`` (closed below if another failed)
+                exc = futures[n].exception()
+                if exc is None:
+                    new[n] = futures[n].result()
+                failed = failed or exc
+            if failed is not None:
+                raise failed
+            new = {n: new[n] for n in named}
             first = next(iter(new))
             for name, buf in new.items():
                 want, got = _schema(new[first]), _schema(buf)

@@ -289,3 +289,34 @@ def test_killed_publishers_leave_the_group_readable_and_resume(tmp_path, url):
 @pytest.mark.slow
 def test_killed_publishers_leave_the_group_readable_and_resume_at_length(tmp_path, url):
     _kill_and_resume(tmp_path, url, int(os.environ.get("MMBUFFER_KILL_TRIALS", 25)))
+
+
+def test_a_refresh_moves_every_writer_or_none(tmp_path, url, monkeypatch):
+    """A refresh whose second writer cannot be opened leaves the group where it was
+    (every writer at the snapshots it had, the same sequence); the next one succeeds."""
+    a, b = make_local(tmp_path / "a", 0, 20), make_local(tmp_path / "b", 1, 30)
+    for buf, name in ((a, "host-0"), (b, "host-1")):
+        mb.convert.publish(buf, url, writer=name, progress=False)
+    g = mb.open(url, mode="r", cache_dir=tmp_path / "cache", pool=None)
+    before, seq = dict(g.buffers), g.sequence
+    for buf, name in ((a, "host-0"), (b, "host-1")):
+        buf.extend({"x": 2_000_000 + np.arange(10), "terminated": np.arange(10) == 9})
+        buf.commit()
+        mb.convert.publish(buf, url, writer=name, progress=False)
+    real = type(g)._open_writer
+
+    def fails_for_host_1(self, name, pointer):
+        if name == "host-1":
+            raise errors.RemoteAccessError("host-1: unreachable (injected)")
+        return real(self, name, pointer)
+
+    monkeypatch.setattr(type(g), "_open_writer", fails_for_host_1)
+    with pytest.raises(errors.RemoteAccessError, match="injected"):
+        g.refresh()
+    assert g.buffers == before and g.sequence == seq and len(g) == 50
+    monkeypatch.setattr(type(g), "_open_writer", real)
+    assert g.refresh() and len(g) == 70 and g.sequence > seq
+    assert not g.refresh()  # nothing newer
+    g.close()
+    a.close()
+    b.close()
