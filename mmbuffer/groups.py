@@ -146,29 +146,36 @@ class GroupBuffer:
     # -- what the union is ------------------------------------------------------------------
     @property
     def writers(self) -> tuple[str, ...]:
+        """The writers' names, sorted."""
         return tuple(self._buffers)
 
     @property
     def buffers(self) -> dict[str, Buffer]:
+        """Name -> the writer's read-only ``Buffer``."""
         return dict(self._buffers)
 
     @property
     def columns(self) -> dict[str, Any]:
+        """The columns every writer shares."""
         return next(iter(self._buffers.values())).columns
 
     @property
     def priorities(self) -> Any:
+        """The priority settings every writer shares (or None)."""
         return next(iter(self._buffers.values())).priorities
 
     @property
     def capacity(self) -> int:
+        """Rows over all writers' capacities (union ids lie below it)."""
         return sum(b.capacity for b in self._buffers.values())
 
     def __len__(self) -> int:
+        """Rows over all writers."""
         return sum(len(b) for b in self._buffers.values())
 
     @property
     def num_episodes(self) -> int:
+        """Live episodes over all writers."""
         return sum(b.num_episodes for b in self._buffers.values())
 
     def locate(self, indices: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -243,6 +250,7 @@ class GroupBuffer:
                      place(masks) if masks else None)
 
     def close(self) -> None:
+        """Close every writer's buffer (their pins and pools)."""
         with self.lock:
             for buf in self._buffers.values():
                 buf.close()

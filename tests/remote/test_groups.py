@@ -274,6 +274,7 @@ def _kill_and_resume(tmp_path: Path, url: str, kills: int) -> None:
             seq = json.loads(group_body(url))["writers"].get("host-0", {}).get("pointer", {}) or {}
             assert int(seq.get("sequence", 0)) >= last
             last = int(seq.get("sequence", 0))
+    assert last >= 1  # the first kill came after host-0's first publish: inside its publishing loop
     p = start_writer(store, url, "host-0", 0, 1)  # the restarted writer resumes
     assert p.wait() == 0, p.args
     with mb.open(url, mode="r", cache_dir=tmp_path / "cache", pool=None) as g:
