@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from .buffer import Buffer
     from ._feed.epochs import EpochSampler
     from ._read.gather import Batch
-    from .opening import create, open
+    from .opening import create, open, open_group
     from ._disk.columns.jpeg import register_zarr_codecs
     from ._ledger.store import Column, PriorityConfig
     from ._feed.stream import Stream, stream
@@ -46,6 +46,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "EpochSampler": ("._feed.epochs", "EpochSampler"),
     "losses": (".losses", None),
     "open": (".opening", "open"),
+    "open_group": (".opening", "open_group"),
     "PriorityConfig": (".schema", "PriorityConfig"),
     "register_zarr_codecs": ("._disk.columns.jpeg", "register_zarr_codecs"),
     "samplers": (".samplers", None),
@@ -67,6 +68,7 @@ __all__ = [
     "errors",
     "losses",
     "open",
+    "open_group",
     "stream",
     "Stream",
     "__version__",

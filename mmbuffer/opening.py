@@ -17,15 +17,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import errors
 from .buffer import Buffer
+
+if TYPE_CHECKING:
+    from .groups import GroupBuffer
 from ._ledger.create import create_store
 from .schema import PriorityConfig
 from ._disk.urls import is_url, local_path
 
-__all__ = ["create", "open"]
+__all__ = ["create", "open", "open_group"]
 
 
 def create(
@@ -83,16 +86,40 @@ def open(  # noqa: A001 - API name
     A URL (``s3://bucket/prefix/store``, ``gs://``, ``file://``, any fsspec URL) opens a
     published store read-only (a ``Buffer`` over a :class:`~mmbuffer.remote.RemoteSource`); ``cache_dir``,
     ``cache_limit`` (bytes held there at most; None: unbounded), ``storage_options`` and ``pool``
-    are its options (a local path takes none of them).
+    are its options (a local path takes none of them). A URL that writers publish to by
+    name (``mb.convert.publish(path, url, writer=...)``) is a group: :func:`open_group`
+    opens it, ``open`` refuses it (``InvalidArgumentError`` naming ``open_group``).
     """
     if is_url(path):
         from .remote import RemoteSource, pool_config
 
         config = pool_config(str(path), mode, pool)
-        return Buffer(path, "r", source=RemoteSource(
-            str(path), cache_dir=cache_dir, storage_options=storage_options, pool=config, cache_limit=cache_limit))
+        try:
+            return Buffer(path, "r", source=RemoteSource(
+                str(path), cache_dir=cache_dir, storage_options=storage_options, pool=config, cache_limit=cache_limit))
+        except errors.StoreNotFoundError:
+            from .groups import is_group
+
+            if not is_group(str(path), storage_options):
+                raise
+        raise errors.InvalidArgumentError(f"path: expected one store, got the writer group {str(path)!r} "
+                                          "(open it with mb.open_group(url))")
     if cache_dir is not None or storage_options is not None or pool != "default" or cache_limit is not None:
         raise errors.InvalidArgumentError(
             f"cache_dir, cache_limit, storage_options, pool: expected none of them for the local path {str(path)!r} (they are for URLs)"
         )
     return Buffer(path, mode)
+
+
+def open_group(
+    url: str, *, cache_dir: str | os.PathLike[str] | None = None, storage_options: Mapping[str, Any] | None = None,
+    pool: Any = "default", cache_limit: int | None = None,
+) -> GroupBuffer:
+    """Open the writer group at ``url`` (``mb.convert.publish(path, url, writer=...)``) as one
+    read-only :class:`~mmbuffer.groups.GroupBuffer` sampling the union of its writers'
+    stores; the options are :func:`open`'s for a URL. Not a group: ``StoreNotFoundError``."""
+    from .groups import GroupBuffer
+    from .remote import pool_config
+
+    return GroupBuffer(str(url), cache_dir=cache_dir, storage_options=storage_options,
+                       pool=pool_config(str(url), "r", pool), cache_limit=cache_limit)

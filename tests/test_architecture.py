@@ -122,7 +122,7 @@ LAYERS = [
     ["mmbuffer.convert.readers"],
     ["mmbuffer.convert._pipeline"],
     ["mmbuffer._feed"],
-    ["mmbuffer.opening"],
+    ["mmbuffer.opening", "mmbuffer.groups"],
     ["mmbuffer.buffer"],
     ["mmbuffer.remote", "mmbuffer.losses"],
     ["mmbuffer._read"],

@@ -253,6 +253,7 @@ SUITES = {
     "gpu": "a TD-MPC2-sized GPU training loop fed by mb.stream and DataLoader (needs CUDA)",
     "remote": "sampling a store on object storage (S3 on loopback) against local disk",
     "remote_ceiling": "remote sampling (cache cold) against plain GETs of the same objects; cold start by store size",
+    "groups": "writer groups: group publish, open and sample(256) against one store (S3 on loopback)",
     "ray": "rows/s ingested from Ray actors, and the learner's sample latency meanwhile",
     "pixels": "frame-stacked sampling of 84x84 frames against the same sample without a stack",
     "pixels_ale": "real ALE frames: disk, RSS, add and 4-stack sampling against SB3 and TorchRL buffers",

@@ -51,8 +51,10 @@ publish's bytes, at 1e7 rows 1.1% (benchmarks/RESULTS.md). What a real multi-nod
 deployment still needs (not built here): a publish still compresses the whole store
 locally before comparing digests (O(store) CPU), and the object table lists every
 object (O(store / chunk) bytes per publish); the Icechunk engine never expires old commits (``Repository.expire_snapshots`` +
-``garbage_collect`` are the tools); writer groups owning disjoint arrays of one
-repository and prefetch ahead of the sampler across refreshes are not built.
+``garbage_collect`` are the tools); writer groups
+(``_group.py``: each host's store under its own prefix, one ``group.json`` swapped by
+compare-and-swap) are built on the snapshot engine only, not as disjoint arrays of one
+Icechunk repository; prefetch ahead of the sampler across refreshes is not built.
 Resumable distributed sampling (``BufferDataset.state_dict``, also over a newer
 snapshot) is ``mmbuffer/data.py``'s; the pool takes part through ``set_shard(...,
 draws=k)``, which starts it holding the blocks of its ``k``-th draw.
@@ -94,12 +96,15 @@ class RemoteSource:
     lock never changes. ``snapshot`` is the id of the snapshot opened last. Every object
     read is checked against the snapshot's object table (``_objects.py``) and kept in
     the host's bounded cache (``_cache.py``; ``cache_limit`` bytes, None: unbounded).
+    ``pointer``: a callable naming the snapshot to open (a writer group's, ``_group.py``)
+    instead of the URL's ``current.json``.
     """
 
     def __init__(self, url: str, *, cache_dir: str | os.PathLike[str] | None = None,
                  storage_options: Mapping[str, Any] | None = None, pool: PoolConfig | None = None,
-                 cache_limit: int | None = None) -> None:
+                 cache_limit: int | None = None, pointer: Callable[[], dict[str, Any]] | None = None) -> None:
         self.url = url.rstrip("/")
+        self._given = pointer  # where the snapshot to open is named (a writer group's pointer), else the URL's own
         self.storage_options = dict(storage_options or {})
         self.fs, self.root = filesystem(self.url, self.storage_options)
         self.files = Cache(_snapshot.cache_base(cache_dir), cache_limit)
@@ -113,6 +118,8 @@ class RemoteSource:
         self.table = Table({}, self.url, "")  # the open snapshot's object table
 
     def _pointer(self) -> dict[str, Any]:
+        if self._given is not None:
+            return self._given()
         if self.repo is not None:
             return self.repo.pointer()
         try:

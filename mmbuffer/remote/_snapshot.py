@@ -52,7 +52,8 @@ from ._dense import pack, rebuild, shard_rel
 from ._cache import Cache, write_file
 from ._objects import OBJECTS, Table, digest, file_digest, load_table, parse_table, remote_errors, table_bytes
 
-__all__ = ["POINTER", "cache_base", "cache_root", "check_alive", "mirror", "publish_dir", "read_pointer"]
+__all__ = ["POINTER", "cache_base", "cache_root", "check_alive", "check_pointer", "mirror", "prune", "publish_dir",
+           "read_pointer", "upload_snapshot"]
 
 POINTER = "current.json"
 SNAPSHOTS = "snapshots"
@@ -80,6 +81,11 @@ def read_pointer(fs: Any, root: str, url: str) -> dict[str, Any]:
         obj = json.loads(raw)
     except (ValueError, RecursionError) as exc:
         raise errors.CorruptStoreError(f"{where}: not valid JSON ({exc})") from None
+    return check_pointer(obj, where)
+
+
+def check_pointer(obj: Any, where: str) -> dict[str, Any]:
+    """``obj`` if it is a valid pointer (``where`` names it in the errors)."""
     if not isinstance(obj, dict) or obj.get("format") != _FORMAT:
         raise errors.CorruptStoreError(f"{where}: format: expected {_FORMAT!r}, got {obj.get('format') if isinstance(obj, dict) else obj!r}")
     snap, seq = obj.get("snapshot"), obj.get("sequence")
@@ -252,6 +258,16 @@ def publish_dir(fs: Any, root: str, url: str, store: Path, *, keep: int, generat
             raise errors.StoreExistsError(
                 f"{url}: expected an empty prefix or a store mmbuffer published, got other objects; nothing was changed"
             ) from None
+    pointer, summary = upload_snapshot(fs, root, url, store, previous, generation=generation)
+    write_pointer(fs, root, pointer)
+    summary["pruned"] = prune(fs, root, keep, pointer["snapshot"])
+    return summary
+
+
+def upload_snapshot(fs: Any, root: str, url: str, store: Path, previous: Mapping[str, Any] | None, *,
+                    generation: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Upload ``store`` as the snapshot after ``previous`` (a checked pointer, or None):
+    its pointer (not written) and the summary. The snapshot is whole once this returns."""
     before: Table | None = None
     if previous is not None:
         try:
@@ -284,11 +300,9 @@ def publish_dir(fs: Any, root: str, url: str, store: Path, *, keep: int, generat
         fs.pipe({join(root, "zarr.json"): group, join(root, SNAPSHOTS, "zarr.json"): group})
     pointer = {"format": _FORMAT, "version": _VERSION, "snapshot": snapshot, "sequence": seq, "generation": generation,
                "objects": digest(table)}
-    write_pointer(fs, root, pointer)
-    pruned = _prune(fs, root, keep, snapshot)
     written = sum(entries[r][0] for r in new) + entries[fmt.MANIFEST][0] + len(table)
-    return {"url": url, "snapshot": snapshot, "sequence": seq, "pruned": pruned, "objects_written": len(new) + 2,
-            "bytes_written": written}
+    return pointer, {"url": url, "snapshot": snapshot, "sequence": seq, "pruned": [], "objects_written": len(new) + 2,
+                     "bytes_written": written}
 
 
 def write_pointer(fs: Any, root: str, pointer: dict[str, Any]) -> None:
@@ -296,7 +310,7 @@ def write_pointer(fs: Any, root: str, pointer: dict[str, Any]) -> None:
     fs.pipe_file(join(root, POINTER), json.dumps(pointer).encode())
 
 
-def _prune(fs: Any, root: str, keep: int, current: str) -> list[str]:
+def prune(fs: Any, root: str, keep: int, current: str) -> list[str]:
     """Drop all but ``current`` and the ``keep - 1`` snapshots published before it, and
     any snapshot never pointed to (a publish that failed before its pointer); only ids
     mmbuffer writes. A dropped snapshot loses its ``manifest.json`` first (so its readers

@@ -338,6 +338,12 @@ def valid_ranges(view: View, slice_len: int | None, strict: bool) -> tuple[np.nd
     return np.concatenate(lo), np.concatenate(hi)
 
 
+def valid_mass(view: View, ptree: tree.PriorityTree, slice_len: int | None, strict: bool) -> float:
+    """The priority of the rows ``sampleable`` accepts (what ``exact`` draws over)."""
+    lo, hi = valid_ranges(view, slice_len, strict)
+    return float(tree.range_sums(ptree, lo, hi).sum()) if lo.shape[0] else 0.0
+
+
 def _none_valid(slice_len: int | None, ptree: tree.PriorityTree) -> errors.MMBufferError:
     got = f"got none (priority on them 0, on all live rows {tree.total(ptree):g})"
     if slice_len is not None:

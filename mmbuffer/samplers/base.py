@@ -72,6 +72,14 @@ class Sampler(abc.ABC):
     ) -> Draw:
         """``n`` items drawn from ``snapshot`` (see the module docstring)."""
 
+    def mass(self, snapshot: View, state: SamplerState) -> float:
+        """The total weight this spec gives the sampleable items of ``snapshot`` (rows,
+        windows, episodes or priority): a union of stores (a writer group,
+        ``mmbuffer.groups``) draws from each in proportion to it. The default refuses."""
+        raise errors.InvalidArgumentError(
+            f"sampler: expected Uniform, Slices, Prioritized or PrioritizedSlices to draw from a union of stores, "
+            f"got {type(self).__name__}")
+
     def check(self, store: ReadableStore) -> None:
         """Refuse, with a typed error, a store this sampler cannot draw from
         (called before drawing; the default accepts every store)."""

@@ -41,6 +41,9 @@ class Prioritized(Sampler):
         rows, weights = sampling.prioritized(snapshot, tree_of(snapshot), n, self.beta, generator)
         return Draw(rows, weights, None, snapshot.written)
 
+    def mass(self, snapshot: View, state: SamplerState) -> float:
+        return sampling.valid_mass(snapshot, tree_of(snapshot), None, True)
+
 
 @dataclass(frozen=True, slots=True)
 class PrioritizedSlices(Sampler):
@@ -71,3 +74,6 @@ class PrioritizedSlices(Sampler):
         avail = sampling.rows_left(snapshot, lane, absolute)
         rows, mask = sampling.window(snapshot, lane, absolute, avail, self.slice_len)
         return Draw(rows, weights, mask, snapshot.written)
+
+    def mass(self, snapshot: View, state: SamplerState) -> float:
+        return sampling.valid_mass(snapshot, tree_of(snapshot), self.slice_len, self.strict)

@@ -49,6 +49,10 @@ class Slices(Sampler):
         rows, mask = sampling.slices(snapshot, slice_counts(state, self.slice_len, self.strict, self.weighting), n, generator)
         return Draw(rows, ones(n), mask, snapshot.written)
 
+    def mass(self, snapshot: View, state: SamplerState) -> float:
+        closed, opened = slice_counts(state, self.slice_len, self.strict, self.weighting).totals(snapshot)
+        return float((closed + opened).sum())
+
 
 def slice_counts(state: SamplerState, slice_len: int, strict: bool, weighting: str) -> sampling.SliceCounts:
     """The buffer's counts of eligible starts for these settings (non-strict counts do

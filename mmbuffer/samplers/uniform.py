@@ -25,3 +25,6 @@ class Uniform(Sampler):
 
     def indices(self, snapshot: View, n: int, generator: torch.Generator | None, state: SamplerState) -> Draw:
         return Draw(sampling.uniform(snapshot, n, generator), ones(n), None, snapshot.written)
+
+    def mass(self, snapshot: View, state: SamplerState) -> float:
+        return float(snapshot.total_transitions)

@@ -17,7 +17,7 @@ from ... import errors
 from ..._disk.urls import filesystem, is_url
 from ..._ledger.manifest import load_manifest
 from ...opening import open as open_buffer
-from ...remote import _icechunk, _snapshot
+from ...remote import _group, _icechunk, _snapshot
 from ...schema import PriorityConfig
 from .copy import copy_local
 
@@ -39,6 +39,7 @@ def copy(
     num_streams: int | None = None,
     priorities: PriorityConfig | None | str = "keep",
     codec: Mapping[str, str | None] | None | str = "keep",
+    writer: str | None = None,
 ) -> dict[str, Any]:
     """Copy a store into a new one with another encoding, size, streams or priorities.
 
@@ -86,6 +87,9 @@ def copy(
         (every column raw, memory-mapped: decoded once, for training) or a mapping
         such as ``{"pixels": "zstd:5"}`` changing the named columns (``None``: raw);
         an unknown column or codec is refused by name before anything is written.
+    writer
+        Only with a URL ``dst``: publish as this writer of the writer group at ``dst``
+        (:func:`publish`).
 
     Returns
     -------
@@ -108,6 +112,10 @@ def copy(
     options: dict[str, Any] = dict(compression=compression, chunk_rows=chunk_rows, overwrite=overwrite, progress=progress,
                                    verify=verify, capacity=capacity, num_streams=num_streams, priorities=priorities,
                                    codec=codec)
+    if writer is not None:
+        if not is_url(dst):
+            raise errors.InvalidArgumentError(f"writer: expected it only with a URL dst (a writer group), got dst={dst!r}")
+        options["writer"] = writer
     if is_url(src) or is_url(dst):  # object storage: published / fetched here
         return copy_url(src, dst, **options)
     return copy_local(src, dst, **options)
@@ -115,7 +123,7 @@ def copy(
 
 def publish(src: Any, url: str, *, compression: str | None = "zstd", storage_options: Mapping[str, Any] | None = None,
             keep: int = _SNAPSHOTS_KEPT, tmp_dir: str | os.PathLike[str] | None = None, engine: str | None = None,
-            **copy_options: Any) -> dict[str, Any]:
+            writer: str | None = None, lease: float = 300.0, **copy_options: Any) -> dict[str, Any]:
     """Publish the store ``src`` (a path or an open ``Buffer``) at ``url`` as its next snapshot.
 
     The store is copied (``mb.convert.copy``, verified) into a temporary directory
@@ -133,19 +141,37 @@ def publish(src: Any, url: str, *, compression: str | None = "zstd", storage_opt
     written, the commit is atomic, and a concurrent second publisher gets
     ``LockedError``. ``engine=None`` keeps what the URL holds (an Icechunk repository
     stays one), else ``"snapshots"``.
+
+    ``writer="host-3"`` publishes as that writer of the *writer group* at ``url``
+    (``mmbuffer.remote._group``; s3:// or file://, engine ``"snapshots"``): the store goes
+    under ``url/writers/host-3/`` and ``url/group.json`` is swapped by compare-and-swap, so
+    writers on many hosts publish side by side and ``mb.open(url)`` samples their union
+    (:class:`mmbuffer.groups.GroupBuffer`). A second publisher of the same name (another
+    host, or another store) while this one's ``lease`` (seconds, renewed at each publish)
+    runs gets ``LockedError``; the summary adds ``writer``, ``epoch``, ``group_sequence``.
     """
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise errors.InvalidArgumentError(f"keep: expected an integer >= 1, got {keep!r}")
     if engine not in (None, "snapshots", "icechunk"):
         raise errors.InvalidArgumentError(f"engine: expected None, 'snapshots' or 'icechunk', got {engine!r}")
     fs, root = filesystem(url, storage_options)
+    holder = ""
+    if writer is not None:
+        _group.check_writer(writer)
+        if engine not in (None, "snapshots"):
+            raise errors.InvalidArgumentError(f"engine: expected None or 'snapshots' with writer= (a writer group), "
+                                              f"got {engine!r}")
+        engine, holder = "group", _group.holder_of(src)
     if engine is None and url.split("://", 1)[0] in ("s3", "s3a", "file", "local"):
         engine = "icechunk" if _icechunk_installed() and _icechunk.is_repo(url.rstrip("/"), storage_options) else "snapshots"
     with tempfile.TemporaryDirectory(prefix="mmbuffer-publish-", dir=tmp_dir) as tmp:
         summary = copy_local(src, Path(tmp) / "store", compression=compression, **copy_options)
         summary["lossy_shards_kept"] = keep_lossy_shards(src, Path(tmp) / "store")
         generation = load_manifest(Path(tmp) / "store").generation
-        if engine == "icechunk":
+        if engine == "group":
+            summary.update(_group.publish_writer(fs, root, url.rstrip("/"), Path(tmp) / "store", writer=str(writer),
+                                                 holder=holder, lease=lease, keep=keep, generation=generation))
+        elif engine == "icechunk":
             summary.update(_icechunk.publish_repo(url.rstrip("/"), Path(tmp) / "store", storage_options,
                                                   generation=generation))
         else:
