@@ -312,3 +312,56 @@ def test_a_read_only_dqn_trains_on_what_an_actor_committed(tmp_path):
     assert learner.replay_buffer.size() == 100
     actor.replay_buffer.close()
     learner.replay_buffer.close()
+
+
+def test_a_dict_reader_samples_the_committed_steps_of_each_key(tmp_path):
+    space = spaces.Dict({"a": spaces.Box(-1e9, 1e9, (2,)), "b": spaces.Box(-1e9, 1e9, (1,))})
+    kw = {"device": "cpu", "path": tmp_path / "replay"}
+    actor = mmbuffer.sb3.DictReplayBuffer(30, space, spaces.Discrete(2), commit_every=10, **kw)
+    learner = None
+    for t in range(95):
+        obs = {"a": np.full((1, 2), t, np.float32), "b": np.full((1, 1), -t, np.float32)}
+        nxt = {"a": obs["a"] + 1, "b": obs["b"] - 1}
+        actor.add(obs, nxt, np.array([t % 2]), np.array([float(t)]), np.array([False]), [{}])
+        if t == 9:
+            learner = mmbuffer.sb3.DictReplayBuffer(30, space, spaces.Discrete(2), mode="r", **kw)
+        if learner is not None and t % 10 == 9:
+            s = learner.sample(64)
+            steps = s.rewards[:, 0]
+            assert learner.size() == min(t + 1, 30) and steps.max() <= t
+            assert torch.equal(s.observations["a"][:, 0], steps) and torch.equal(s.observations["b"][:, 0], -steps)
+            assert torch.equal(s.next_observations["a"][:, 1], steps + 1) and torch.equal(s.next_observations["b"][:, 0], -steps - 1)
+    assert learner is not None and learner.full
+    learner.close()
+    actor.close()
+
+
+def test_a_reader_reloads_the_commit_only_when_the_writer_committed(tmp_path, monkeypatch):
+    """``sample`` stats ``manifest.json``; ``Buffer.refresh`` (a manifest read) runs only
+    after a commit replaced it (the once-a-second fallback set out of reach here)."""
+    import mmbuffer.sb3.follow as follow
+
+    monkeypatch.setattr(follow, "RECHECK_SECONDS", 1e9)
+    refreshes = []
+    real = mb.Buffer.refresh
+
+    def counted(self):
+        refreshes.append(self.path)
+        return real(self)
+
+    monkeypatch.setattr(mb.Buffer, "refresh", counted)
+    path = tmp_path / "replay"
+    actor = mmbuffer.sb3.ReplayBuffer(100, BOX, spaces.Discrete(2), device="cpu", path=path, commit_every=5)
+    for t in range(5):
+        _add(actor, t)
+    learner = mmbuffer.sb3.ReplayBuffer(100, BOX, spaces.Discrete(2), device="cpu", path=path, mode="r")
+    for _ in range(50):
+        learner.sample(4)
+    assert refreshes == [] and learner.size() == 5
+    for t in range(5, 10):
+        _add(actor, t)  # commits at 10
+    for _ in range(50):
+        learner.sample(4)
+    assert refreshes == [path] and learner.size() == 10
+    learner.close()
+    actor.close()
