@@ -47,6 +47,12 @@ process may also just pass the same ``path``: an existing store is reopened,
 checked against the spaces and sizes (``SchemaError`` if they differ), and
 training resumes at its cursor.
 
+A learner in another process: ``replay_buffer_kwargs={"path": ..., "mode": "r"}``
+opens the store another process's buffer adds to, read-only (``add`` is
+``ReadOnlyError``); ``sample``, ``size()``, ``pos`` and ``full`` follow that
+writer's commits, and sampling never returns an uncommitted or torn row (the rule:
+:mod:`mmbuffer.sb3.follow`).
+
 Prioritized replay: ``PrioritizedReplayBuffer`` with ``PrioritizedDQN`` (SB3's DQN
 feeding TD errors back), see :mod:`mmbuffer.sb3.prioritized`.
 

@@ -98,10 +98,18 @@ class PrioritizedReplayBuffer(ReplayBuffer):
 
     def sample(self, batch_size: int, env: VecNormalize | None = None) -> PrioritizedReplayBufferSamples:  # type: ignore[override]
         """``batch_size`` rows drawn with probability ``p_i / sum p`` and their
-        importance weights ``(N P(i)) ** -beta / max``."""
-        rows, weights, written = self._lanes.reader().sample_indices(batch_size, prioritized=True, beta=self.beta)
-        envs, steps = self._lanes.rows_steps(rows)  # the store's rows as they are (none held)
-        base = self._transitions(self._lanes.gather_steps(envs, steps, self._keys(), held=False), env)
+        importance weights ``(N P(i)) ** -beta / max``. A reader (``mode="r"``): by the
+        priorities the writer committed, intact rows only (:mod:`mmbuffer.sb3.follow`)."""
+        if self._lanes.read_only:
+            self._follow()
+            items = self._draw_rows(batch_size)
+            got, items = self._read_intact(items, lambda m, reserved: self._draw_rows(m))
+            rows, weights, written = items["rows"], items["weights"], items["written"][0]
+        else:
+            rows, weights, written = self._lanes.reader().sample_indices(batch_size, prioritized=True, beta=self.beta)
+            envs, steps = self._lanes.rows_steps(rows)  # the store's rows as they are (none held)
+            got = self._lanes.gather_steps(envs, steps, self._keys(), held=False)
+        base = self._transitions(got, env)
         indices = torch.from_numpy(rows)
         self._remember(indices, written)
         return PrioritizedReplayBufferSamples(
@@ -109,10 +117,25 @@ class PrioritizedReplayBuffer(ReplayBuffer):
             weights=torch.as_tensor(weights.reshape(-1, 1), device=self.device), indices=indices,
         )
 
+    def _draw_rows(self, m: int) -> dict[str, np.ndarray]:
+        """A reader's draw of ``m`` rows by priority, as ``follow.read_intact`` items."""
+        lanes = self._lanes
+        rows, weights, written = lanes.reader().sample_indices(m, prioritized=True, beta=self.beta)
+        envs, at = rows // lanes.lane, rows % lanes.lane
+        last = written[envs] - 1  # the lanes' committed cursors: row -> step
+        return {"envs": envs, "steps": last - (last - at) % lanes.lane, "rows": rows, "weights": weights,
+                "written": np.broadcast_to(written, (m, len(written))).copy()}
+
     def update_priorities(self, indices: torch.Tensor, priorities: Any) -> None:
         """Set the priorities (``|TD error|``, before ``eps`` and ``alpha``) of the rows a
         ``sample`` returned (``indices``: its ``indices``); ``[B]`` or ``[B, 1]``.
-        Rows overwritten since that sample are left alone."""
+        Rows overwritten since that sample are left alone. ``ReadOnlyError`` in a
+        reader (``mode="r"``): the priorities are the writer's to set."""
+        if self._lanes.read_only:
+            raise errors.ReadOnlyError(
+                f"update_priorities: expected a buffer opened with mode='a' (the one that adds), got mode='r': the "
+                f"priorities of {self.path} are set by the process that writes it; nothing was changed"
+            )
         entry = self._written.get(id(indices))
         written = entry[1] if entry is not None and entry[0]() is indices else None
         pri = torch.as_tensor(priorities).detach().to(torch.float64).cpu().reshape(-1)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ import torch
 from .. import errors
 from .._ledger.closing import close_first
 from ..schema import PriorityConfig
+from .follow import draw_intact, read_intact, span
 from .rows import Lanes
 from .stacks import FrameStack
 from .views import ColumnView
@@ -60,8 +62,8 @@ class _OnDisk:
     action_space: spaces.Space[Any]
     obs_shape: Any
     action_dim: int
-    pos: int
-    full: bool
+    _pos: int
+    _full: bool
     device: torch.device
     n_envs: int
     optimize_memory_usage: bool
@@ -86,8 +88,13 @@ class _OnDisk:
         frame_stack: int | None = None,
         channels_order: str | None = None,
         codec: Any = None,
+        mode: str = "a",
     ) -> None:
         # SB3's __init__ is not called: it allocates every array in RAM
+        if mode not in ("a", "r"):
+            raise errors.InvalidArgumentError(
+                f"mode: expected 'a' (this buffer adds) or 'r' (a learner reading a store another process adds to), got {mode!r}"
+            )
         if path is None:
             raise errors.InvalidArgumentError(
                 'path: expected the store directory, replay_buffer_kwargs={"path": "runs/replay"}, got None'
@@ -125,7 +132,7 @@ class _OnDisk:
         self._lanes = Lanes(
             Path(path).absolute(), columns, tuple(self._obs_columns()), buffer_size=self.buffer_size, n_envs=self.n_envs,
             commit_every=commit_every, commit_seconds=commit_seconds, priorities=self._priority_config(),
-            block=self._hold_steps, stack=self._stack, codec=codec,
+            block=self._hold_steps, stack=self._stack, codec=codec, read_only=mode == "r",
         )
         # what __setstate__ calls __init__ with (path absolute: a pickle may be loaded elsewhere)
         self._init_kwargs: dict[str, Any] = {
@@ -133,7 +140,7 @@ class _OnDisk:
             "device": str(self.device), "n_envs": self.n_envs, "optimize_memory_usage": self.optimize_memory_usage,
             "handle_timeout_termination": self.handle_timeout_termination, "path": str(self._lanes.path),
             "commit_every": self._lanes.commit_every, "commit_seconds": self._lanes.commit_seconds,
-            "frame_stack": frame_stack, "channels_order": channels_order, "codec": codec,
+            "frame_stack": frame_stack, "channels_order": channels_order, "codec": codec, "mode": mode,
         }
         self._cursor()
         self._finalizer = weakref.finalize(self, self._lanes.close)  # a buffer garbage-collected mid-run
@@ -145,7 +152,36 @@ class _OnDisk:
 
     def _cursor(self) -> None:
         adds = self._lanes.adds
-        self.pos, self.full = adds % self.buffer_size, adds >= self.buffer_size
+        self._pos, self._full = adds % self.buffer_size, adds >= self.buffer_size
+
+    def _follow(self) -> None:
+        """A reader: move to the writer's newest commit (``follow.py``)."""
+        if self._lanes.read_only:
+            self._lanes.follow()
+            self._cursor()
+
+    @property
+    def mode(self) -> str:
+        """``"a"``: this buffer adds (one buffer per store); ``"r"``: a learner reading a
+        store another process adds to, following its commits (:mod:`mmbuffer.sb3.follow`)."""
+        return "r" if self._lanes.read_only else "a"
+
+    @property
+    def pos(self) -> int:
+        """SB3's next slot (a reader: as of the writer's newest commit)."""
+        self._follow()
+        return self._pos
+
+    @property
+    def full(self) -> bool:
+        """Whether every slot was written (a reader: as of the writer's newest commit)."""
+        self._follow()
+        return self._full
+
+    def size(self) -> int:
+        """SB3's ``size()``: steps per env held, at most ``buffer_size`` (a reader: committed)."""
+        self._follow()
+        return self.buffer_size if self._full else self._pos
 
     # -- what SB3 calls ------------------------------------------------------------------
     @property
@@ -190,7 +226,13 @@ class _OnDisk:
         infos: list[dict[str, Any]],
     ) -> None:
         """One step of every env, as SB3's ``add`` (``next_obs`` the true final
-        observation at an episode end, as SB3's ``_store_transition`` gives it)."""
+        observation at an episode end, as SB3's ``_store_transition`` gives it).
+        ``ReadOnlyError`` in a reader (``mode="r"``), before anything is written."""
+        if self._lanes.read_only:
+            raise errors.ReadOnlyError(
+                f"add: expected a buffer opened with mode='a' (the actor's), got mode='r': {self.path} is written "
+                "by another process and read by this learner; nothing was added"
+            )
         n = self.n_envs
         row = self._obs_row(obs)
         row.update({
@@ -231,7 +273,16 @@ class _OnDisk:
     def sample(self, batch_size: int, env: VecNormalize | None = None) -> Any:
         """``batch_size`` transitions drawn as SB3 draws them (``np.random``): a slot
         below ``size()``, then an env; every slot samples, ``optimize_memory_usage``
-        or not (the next observations are all kept)."""
+        or not (the next observations are all kept). A reader (``mode="r"``): the
+        writer's committed steps, intact ones only (:mod:`mmbuffer.sb3.follow`)."""
+        if self._lanes.read_only:
+            self._follow()
+            if self._lanes.adds == 0:
+                raise errors.EmptyBufferError(f"sample: expected committed steps in {self.path}, got none yet")
+            slots = np.random.randint(0, self.buffer_size if self._full else self._pos, size=batch_size)
+            envs = np.random.randint(0, high=self.n_envs, size=(batch_size,)).astype(np.int64)
+            items = {"envs": envs, "steps": self._lanes.steps_at(slots)}
+            return self._transitions(self._read_intact(items, self._redraw)[0], env)
         upper_bound = self.buffer_size if self.full else self.pos
         batch_inds = np.random.randint(0, upper_bound, size=batch_size)
         return self._get_samples(batch_inds, env=env)
@@ -240,10 +291,37 @@ class _OnDisk:
         self, batch_inds: np.ndarray, env: VecNormalize | None = None, env_indices: np.ndarray | None = None,
     ) -> Any:
         """SB3's ``_get_samples``: ``env_indices`` drawn with ``np.random`` as SB3 draws
-        them when not given."""
+        them when not given. A reader refuses a slot whose rows the writer is
+        rewriting with ``RowNotLiveError`` (:mod:`mmbuffer.sb3.follow`)."""
         if env_indices is None:
             env_indices = np.random.randint(0, high=self.n_envs, size=(len(batch_inds),))
+        if self._lanes.read_only:
+            self._follow()
+            items = {"envs": np.array(env_indices, dtype=np.int64), "steps": self._lanes.steps_at(batch_inds)}
+            return self._transitions(self._read_intact(items, None)[0], env)
         return self._transitions(self._lanes.gather(np.asarray(env_indices), np.asarray(batch_inds), self._keys()), env)
+
+    def _read_intact(
+        self, items: dict[str, np.ndarray], redraw: Callable[[int, np.ndarray], dict[str, np.ndarray] | None] | None,
+    ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """A reader's gather of ``items`` (``envs``, ``steps``), checked against the writer
+        (``follow.read_intact``)."""
+        lanes, keys = self._lanes, self._keys()
+        return read_intact(
+            lanes.reader(), items, lambda e, s: lanes.gather_steps(e, s, keys), lanes.lane, self._older(), redraw,
+        )
+
+    def _older(self) -> int:
+        return span(None if self._stack is None else self._stack.k)
+
+    def _redraw(self, m: int, reserved: np.ndarray) -> dict[str, np.ndarray] | None:
+        """``m`` steps drawn uniformly among the committed intact ones (a newer commit
+        first when there is none)."""
+        lanes = self._lanes
+        got = draw_intact(m, lanes.adds, self.buffer_size, reserved, lanes.lane, self._older())
+        if got is None and lanes.follow(force=True):
+            got = draw_intact(m, lanes.adds, self.buffer_size, lanes.reader().reservation(), lanes.lane, self._older())
+        return got
 
     def _keys(self) -> list[str]:
         obs_cols = list(self._obs_columns())
@@ -329,7 +407,9 @@ class ReplayBuffer(_OnDisk, sb3_buffers.ReplayBuffer):  # type: ignore[misc, ove
     the env's ``VecFrameStack``: one frame stored a step, stacks rebuilt at
     sampling, see :mod:`mmbuffer.sb3.stacks`) with ``channels_order`` (None: as
     ``VecFrameStack`` detects it); ``codec`` (``"zstd"``, ``"lz4"``, ...: the
-    observation column's codec, ``mb.Column(..., codec=codec)``; None: raw).
+    observation column's codec, ``mb.Column(..., codec=codec)``; None: raw);
+    ``mode`` (``"a"``, default: this buffer adds; ``"r"``: a learner reading a store
+    another process adds to, see :mod:`mmbuffer.sb3.follow`).
     """
 
 

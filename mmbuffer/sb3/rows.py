@@ -61,6 +61,8 @@ from ..opening import create as create_buffer
 from ..opening import open as open_buffer
 from ..schema import Column, PriorityConfig
 
+from .follow import Follower
+
 if TYPE_CHECKING:
     from .stacks import FrameStack
 
@@ -81,6 +83,8 @@ class Lanes:
     store's writer lock), for reading at the first ``gather`` when nothing writes
     in this object. ``close`` commits and releases it; the object opens it again
     when used again (``__getstate__`` of the SB3 classes relies on that).
+    ``read_only``: a learner's view of a store another process writes, opened at
+    once and moved to its newest commit by ``follow`` (``follow.py``).
     """
 
     def __init__(
@@ -98,8 +102,10 @@ class Lanes:
         block: int = 64,
         stack: FrameStack | None = None,
         codec: str | None = None,
+        read_only: bool = False,
     ) -> None:
         self.path = Path(path)
+        self.read_only = bool(read_only)
         self.columns = {k: (tuple(s), str(np.dtype(d))) for k, (s, d) in columns.items()}
         self.obs_columns = tuple(obs_columns)
         self.buffer_size, self.n_envs = int(buffer_size), int(n_envs)
@@ -133,7 +139,15 @@ class Lanes:
         self._since = 0  # adds since the last commit
         self._last_commit = time.monotonic()
         self.adds = 0  # steps added per env, over the store's life
-        if self.path.exists():
+        if self.read_only:  # a learner following another process's commits (follow.py)
+            self._follower = Follower(self.path)
+            self._buf = open_buffer(self.path, mode="r")  # StoreNotFoundError when missing
+            try:
+                self.adds = self._check(self._buf)
+            except BaseException:
+                self._release()
+                raise
+        elif self.path.exists():
             with open_buffer(self.path, mode="r") as buf:
                 self.adds = self._check(buf)
 
@@ -159,6 +173,8 @@ class Lanes:
         """The store opened for writing (created when missing)."""
         if self._buf is not None and self._buf.mode == "a":
             return self._buf
+        if self.read_only:
+            raise errors.ReadOnlyError(f"{self.path}: opened with mode='r' (a learner reading another process's store): nothing is written")
         self._release()
         if not self.path.exists():
             self._buf = create_buffer(
@@ -192,6 +208,22 @@ class Lanes:
                 raise errors.EmptyBufferError(f"{self.path}: expected a store, got none yet (the first add creates it)")
             self._buf = open_buffer(self.path, mode="r")
         return self._buf
+
+    def follow(self, force: bool = False) -> bool:
+        """A reader (``read_only``): move ``adds`` to the writer's newest commit when one
+        may have landed (``follow.Follower``; ``force``: reload now). Return whether ``adds``
+        changed. The lanes' committed steps are equal after every commit of an SB3 buffer;
+        were they not, the smallest is followed (the others' newer steps are not drawn)."""
+        if not self.read_only:
+            return False
+        fresh = self._buf is None
+        buf = self.reader()
+        if not (fresh or force or self._follower.due()):
+            return False
+        if not fresh:
+            buf.refresh()
+        before, self.adds = self.adds, int(buf.view().written.min())
+        return self.adds != before
 
     def _release(self) -> None:
         if self._buf is not None:
@@ -267,6 +299,8 @@ class Lanes:
 
     def set_held_done(self, value: float) -> None:
         """Set ``done`` of the newest step of every env (SB3's ``dones[pos - 1] = True``)."""
+        if self.read_only:
+            raise errors.ReadOnlyError(f"dones: {self.path} is opened with mode='r' (a learner reading another process's store)")
         if self._h == 0:
             raise errors.InvalidArgumentError("dones: expected a newest step held in memory to mark done, got none")
         self._pend["done"][self._h - 1] = value
