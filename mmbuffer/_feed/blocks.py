@@ -109,7 +109,7 @@ class BlockLayout:
             got = wholes.get(dtype)
             if got is None:
                 whole = block[: self.nbytes].view(dtype)
-                got = wholes[dtype] = (whole, whole.storage_offset())
+                got = wholes[dtype] = (whole, int(whole.storage_offset()))
             view = got[0].as_strided(shape, strides, got[1] + at)
             if kind == "data":
                 out["data"][name] = view
