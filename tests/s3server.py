@@ -88,3 +88,22 @@ def counting_moto_s3() -> Iterator[tuple[str, PutCounter]]:
 
     with moto_s3(wrap=wrap) as endpoint:
         yield endpoint, counter[0]
+
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """A loopback S3 server for a test module (``from s3server import s3``)."""
+    with moto_s3() as endpoint:
+        yield endpoint
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch):
+    """Dense arrays published as 1 KiB chunks, so that small stores span many objects:
+    every test of a module that imports it (``from s3server import small_chunks``)."""
+    import dataclasses
+
+    from mmbuffer._disk import format as fmt
+
+    monkeypatch.setattr(fmt, "config", dataclasses.replace(fmt.config, chunk_bytes=1024))

@@ -19,27 +19,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from s3server import new_bucket
+from s3server import s3, small_chunks  # noqa: F401 - fixtures
 
 import mmbuffer as mb
 from mmbuffer import errors
 from mmbuffer._disk import format as fmt
-from s3server import moto_s3, new_bucket
 
 pytest.importorskip("s3fs")
 from mmbuffer.remote import PoolConfig  # noqa: E402
 
 SMALL = PoolConfig(blocks=2, block_bytes=1, rotate_every=2, prefetch=1)
 
-
-@pytest.fixture(scope="module")
-def s3():
-    with moto_s3() as endpoint:
-        yield endpoint
-
-
-@pytest.fixture(autouse=True)
-def small_chunks(monkeypatch):
-    monkeypatch.setattr(fmt, "config", dataclasses.replace(fmt.config, chunk_bytes=1024))
 
 
 @pytest.fixture

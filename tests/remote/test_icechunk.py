@@ -14,12 +14,13 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from killing import kill_at_random_instants, publisher, timed
+from s3server import new_bucket
+from s3server import s3, small_chunks  # noqa: F401 - fixtures
 
 import mmbuffer as mb
 from mmbuffer import errors
 from mmbuffer._disk import format as fmt
-from killing import kill_at_random_instants, publisher, timed
-from s3server import moto_s3, new_bucket
 
 pytest.importorskip("s3fs")
 icechunk = pytest.importorskip("icechunk")
@@ -27,16 +28,6 @@ from mmbuffer.remote import PoolConfig, _icechunk  # noqa: E402
 
 SMALL = PoolConfig(blocks=2, block_bytes=1, rotate_every=2, prefetch=1)
 
-
-@pytest.fixture(scope="module")
-def s3():
-    with moto_s3() as endpoint:
-        yield endpoint
-
-
-@pytest.fixture(autouse=True)
-def small_chunks(monkeypatch):
-    monkeypatch.setattr(fmt, "config", dataclasses.replace(fmt.config, chunk_bytes=1024))
 
 
 def extend(path, episodes: int, length: int = 25, start: int = 0, seed: int = 0) -> None:

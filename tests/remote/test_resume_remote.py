@@ -8,18 +8,17 @@ items of the snapshot it started on; one whose items the newer snapshot lost is 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from s3server import moto_s3, new_bucket
+from s3server import new_bucket
+from s3server import s3, small_chunks  # noqa: F401 - fixtures
 
 import mmbuffer as mb
 from mmbuffer import errors
-from mmbuffer._disk import format as fmt
 
 pytest.importorskip("s3fs")
 from mmbuffer.remote import PoolConfig
@@ -27,16 +26,6 @@ from mmbuffer.remote import PoolConfig
 SMALL = PoolConfig(blocks=2, block_bytes=1, rotate_every=2, prefetch=1)  # a block = one chunk of 128 rows
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
 
-
-@pytest.fixture(scope="module")
-def s3():
-    with moto_s3() as endpoint:
-        yield endpoint
-
-
-@pytest.fixture(autouse=True)
-def small_chunks(monkeypatch):
-    monkeypatch.setattr(fmt, "config", dataclasses.replace(fmt.config, chunk_bytes=1024))
 
 
 def _extend(buf: mb.Buffer, first: int, rows: int, stream: int = 0) -> None:
