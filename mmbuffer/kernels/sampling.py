@@ -36,6 +36,28 @@ def _search_right(a: Any, x: int) -> int:
 
 
 @numba.njit(nogil=True, cache=True)
+def _search_right_many(a: Any, xs: Any, out: Any) -> None:
+    """``out[i] = np.searchsorted(a, xs[i], side="right")`` for every ``i``, level by
+    level over all of them: each level's loads are independent of each other, so the
+    cache misses of a large ``a`` (a 1e9-row store's episode counts) overlap instead of
+    waiting one after another as in a search per item."""
+    m = xs.shape[0]
+    n = a.shape[0]
+    for i in range(m):
+        out[i] = 0
+    if n == 0:
+        return
+    while n > 1:  # the answer of item i lies in [out[i], out[i] + n]
+        half = n >> 1
+        for i in range(m):
+            b = out[i]
+            out[i] = b + half if a[b + half] <= xs[i] else b
+        n -= half
+    for i in range(m):
+        out[i] += a[out[i]] <= xs[i]
+
+
+@numba.njit(nogil=True, cache=True)
 def _uniform_rows(bits: Any, counts: Any, first: Any, lane_size: int, out: Any) -> None:
     lanes = counts.shape[0]
     cum = np.empty(lanes, np.int64)
@@ -59,7 +81,23 @@ def _slice_rows(
     slots = 2 * lane_size
     ring = lane * slots
     c0 = cum[ep_head - cum_base]
-    for i in range(local.shape[0]):
+    # the searches first, all together (``_search_right_many``), then each slice
+    n = local.shape[0]
+    mine = np.zeros(n, np.bool_)
+    count = 0
+    for i in range(n):
+        mine[i] = (lane_of.shape[0] == 0 or lane_of[i] == lane) and local[i] < closed
+        count += mine[i]
+    xs = np.empty(count, np.int64)
+    q = 0
+    for i in range(n):
+        if mine[i]:
+            xs[q] = local[i] + c0
+            q += 1
+    found = np.empty(count, np.int64)
+    _search_right_many(cum, xs, found)
+    q = 0  # the next search's place
+    for i in range(n):
         if lane_of.shape[0] and lane_of[i] != lane:
             continue
         r = local[i]
@@ -67,8 +105,9 @@ def _slice_rows(
             start = open_start + (r - closed)
             avail = visible_end - start
         else:
-            x = r + c0
-            k = _search_right(cum, x) - 1
+            x = xs[q]
+            k = found[q] - 1
+            q += 1
             seq = cum_base + min(k, ep_tail - 1 - cum_base)
             end = ends[ring + seq % slots]
             ep_start = first_start if seq == ep_head else ends[ring + (seq - 1) % slots]
