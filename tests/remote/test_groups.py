@@ -286,13 +286,10 @@ def _kill_and_resume(tmp_path: Path, url: str, kills: int) -> None:
     b.close()
 
 
-def test_killed_publishers_leave_the_group_readable_and_resume(tmp_path, url):
-    _kill_and_resume(tmp_path, url, 4)
-
-
 @pytest.mark.slow
-def test_killed_publishers_leave_the_group_readable_and_resume_at_length(tmp_path, url):
-    _kill_and_resume(tmp_path, url, int(os.environ.get("MMBUFFER_KILL_TRIALS", 25)))
+def test_killed_publishers_leave_the_group_readable_and_resume(tmp_path, url):
+    """6 kills (``MMBUFFER_KILL_TRIALS`` runs more; 12 in benchmarks/HISTORY.md)."""
+    _kill_and_resume(tmp_path, url, int(os.environ.get("MMBUFFER_KILL_TRIALS", 6)))
 
 
 def test_a_refresh_moves_every_writer_or_none(tmp_path, url, monkeypatch):
