@@ -211,15 +211,15 @@ def test_a_publish_after_one_percent_new_rows_sends_only_changed_codec_objects(t
     the local store holds."""
     if engine == "icechunk":
         pytest.importorskip("icechunk")
-    rows, counter = 20_000, server[1]
-    make(tmp_path / "local", rows, capacity=22_000, streams=1, episode=250, cam=32)
+    rows, counter = 12_288, server[1]
+    make(tmp_path / "local", rows, capacity=13_312, streams=1, episode=256, cam=32)
     url = f"s3://{new_bucket(server[0])}/store"
     before = counter.put_bytes
     mb.convert.publish(tmp_path / "local", url, engine=engine, progress=False)
     full = counter.put_bytes - before
     ro = mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None)
     with mb.open(tmp_path / "local") as buf:
-        extend(buf, rows, rows // 100, streams=1, episode=250, cam=32)
+        extend(buf, rows, rows // 100, streams=1, episode=256, cam=32)
     before = counter.put_bytes
     second = mb.convert.publish(tmp_path / "local", url, engine=engine, progress=False)
     sent = counter.put_bytes - before
