@@ -57,7 +57,9 @@ def _rank_main(rank: int, path: str, out: str, remote: dict) -> None:
 
 
 def run_ranks(path: str, out: Path, **remote) -> list[dict]:
-    ctx = mp.get_context("fork")
+    # spawn, not fork: forking this multi-threaded process (a loopback S3 server, fsspec
+    # and zarr I/O threads) can copy a lock another thread holds, and a rank then hangs
+    ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_rank_main, args=(r, path, str(out), remote)) for r in range(WORLD)]
     for p in procs:
         p.start()
