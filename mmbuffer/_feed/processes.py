@@ -142,7 +142,7 @@ class ProcessRing:
         seeds = np.random.SeedSequence(base).spawn(processes)
         self._seeds = [int(s.generate_state(1, np.uint64)[0]) for s in seeds]
         self._args = (str(buf.path), sampler, size, names, limit, stack)
-        self._pending: deque[tuple[int, Any]] = deque()  # (slot, event) of copies in flight
+        self._pending: deque[int] = deque()  # slots whose copies are in flight (their events: ``_events``)
         self._path: Path | None = None
         self._procs: list[Any] = []
         self._conns: list[Any] = []
@@ -223,9 +223,9 @@ class ProcessRing:
             self._reclaim()
             if conn.poll(0):
                 break
-            mine = [item for item in self._pending if item[0] // self._per == w]
+            mine = [slot for slot in self._pending if slot // self._per == w]
             if len(mine) == self._per:  # every slot of w is still being copied: wait for the oldest
-                mine[0][1].synchronize()
+                self._events[mine[0]].synchronize()
                 continue
             if connection.wait([conn, self._procs[w].sentinel], POLL_S):
                 break  # a message, or the worker ended: _receive tells which
@@ -238,9 +238,8 @@ class ProcessRing:
             self._give_back(slot)
             return batch, None
         moved = self._blocks[slot].to(self._device, non_blocking=True)  # on the device's current stream
-        event = self._events[slot]
-        event.record(torch.cuda.current_stream(self._device))
-        self._pending.append((slot, event))
+        self._events[slot].record(torch.cuda.current_stream(self._device))
+        self._pending.append(slot)
         return PackedBatch(moved, self.layout, written), None
 
     def _receive(self, w: int, timeout: float | None) -> bytes:
@@ -278,8 +277,8 @@ class ProcessRing:
 
     def _reclaim(self) -> None:
         """Hand back the slots whose copies have finished, oldest first."""
-        while self._pending and self._pending[0][1].query():
-            self._give_back(self._pending.popleft()[0])
+        while self._pending and self._events[self._pending[0]].query():
+            self._give_back(self._pending.popleft())
 
     def _give_back(self, slot: int) -> None:
         try:
@@ -310,8 +309,8 @@ class ProcessRing:
             if p.is_alive():
                 p.kill()
                 p.join()
-        for _, event in self._pending:
-            event.synchronize()
+        for slot in self._pending:
+            self._events[slot].synchronize()
         self._pending.clear()
         if self._registered is not None:
             torch.cuda.cudart().cudaHostUnregister(self._registered)  # type: ignore[no-untyped-call]
