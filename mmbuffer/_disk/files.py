@@ -33,11 +33,17 @@ _RENAME_NOREPLACE: Final = 1
 
 def read_json_in(root: Path, rel: str) -> Any:
     """Parse JSON file ``root/rel`` of a store, opened without following links."""
-    where = root / rel
-    data = _safe_io.read_bytes(root, rel)
+    return parse_json(_safe_io.read_bytes(root, rel), root / rel)
+
+
+def parse_json(data: bytes, where: object, limit: int | None = None) -> Any:
+    """JSON from untrusted bytes; ``CorruptStoreError`` naming ``where`` when there are
+    more than ``limit`` bytes, or they are not valid JSON (bad UTF-8, absurd nesting)."""
+    if limit is not None and len(data) > limit:
+        raise errors.CorruptStoreError(f"{where}: expected at most {limit} bytes, got more")
     try:
         return json.loads(data)
-    except (ValueError, RecursionError) as exc:  # bad JSON, bad UTF-8, absurd nesting
+    except (ValueError, RecursionError) as exc:
         raise errors.CorruptStoreError(f"{where}: not valid JSON ({exc})") from None
 
 

@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import errors
+from .._disk.files import parse_json
 from .._disk.urls import join
 from . import _snapshot
 from ._objects import digest, remote_errors
@@ -197,12 +198,7 @@ def _transact(fs: Any, root: str, url: str, change: Callable[[dict[str, Any] | N
 # -- reading ------------------------------------------------------------------------------
 def parse_group(raw: bytes, where: str) -> dict[str, Any]:
     """The checked body of a ``group.json`` (untrusted: every field checked)."""
-    if len(raw) > _LIMIT:
-        raise errors.CorruptStoreError(f"{where}: expected at most {_LIMIT} bytes, got more")
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        raise errors.CorruptStoreError(f"{where}: not valid JSON ({exc})") from None
+    body = parse_json(raw, where, _LIMIT)
     if not isinstance(body, dict) or body.get("format") != _FORMAT:
         raise errors.CorruptStoreError(f"{where}: format: expected {_FORMAT!r}")
     if body.get("version") != _VERSION:

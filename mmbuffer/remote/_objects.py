@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import errors
+from .._disk.files import parse_json
 from ._dense import Packed
 
 __all__ = ["OBJECTS", "Table", "digest", "load_table", "parse_table", "remote_errors", "table_bytes"]
@@ -129,10 +130,7 @@ def load_table(fs: Any, root: str, url: str, snapshot: str, want: str) -> Table:
 
 def parse_table(raw: bytes, where: str, url: str, snapshot: str) -> Table:
     """The table in ``raw`` (its digest already checked), every field checked."""
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError) as exc:  # pragma: no cover - the digest matched what mmbuffer wrote
-        raise errors.CorruptStoreError(f"{where}: not valid JSON ({exc})") from None
+    body = parse_json(raw, where)
     if not isinstance(body, dict) or body.get("format") != _FORMAT or body.get("hash") != _HASH:
         raise errors.CorruptStoreError(f"{where}: expected format {_FORMAT!r} with hash {_HASH!r}")
     version = body.get("version")

@@ -47,6 +47,7 @@ from typing import Any
 
 from .. import errors
 from .._disk import format as fmt
+from .._disk.files import parse_json
 from .._disk.urls import join
 from ._dense import pack, rebuild, shard_rel
 from ._cache import Cache, write_file
@@ -75,13 +76,7 @@ def read_pointer(fs: Any, root: str, url: str) -> dict[str, Any]:
             raw = fs.cat_file(join(root, POINTER), start=0, end=_POINTER_LIMIT + 1)
     except FileNotFoundError:
         raise errors.StoreNotFoundError(f"{where}: expected a store published by mmbuffer (mb.convert.copy(src, url)), found no pointer") from None
-    if len(raw) > _POINTER_LIMIT:
-        raise errors.CorruptStoreError(f"{where}: expected at most {_POINTER_LIMIT} bytes, got more")
-    try:
-        obj = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        raise errors.CorruptStoreError(f"{where}: not valid JSON ({exc})") from None
-    return check_pointer(obj, where)
+    return check_pointer(parse_json(raw, where, _POINTER_LIMIT), where)
 
 
 def check_pointer(obj: Any, where: str) -> dict[str, Any]:
