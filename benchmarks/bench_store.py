@@ -157,11 +157,11 @@ print(t2 - t1, rss, t3 - t2, n, e, rss0)
 """
 
 
-def bench_reopen(paths: list[Path]) -> list[dict[str, object]]:
+def bench_reopen(paths: list[Path], reopens: int) -> list[dict[str, object]]:
     out = []
     for path in paths:
-        samples = [run_python(REOPEN, str(path)).split() for _ in range(5)]
-        med = sorted(samples, key=lambda s: float(s[0]))[2]
+        samples = [run_python(REOPEN, str(path)).split() for _ in range(reopens)]
+        med = sorted(samples, key=lambda s: float(s[0]))[reopens // 2]
         out.append({"store rows": int(med[3]), "episodes": int(med[4]), "open ms": float(med[0]) * 1e3,
                     "RSS after import MiB": float(med[5]), "RSS after open MiB": float(med[1]),
                     "first sample (256x64) ms": float(med[2]) * 1e3})
@@ -173,6 +173,7 @@ def main() -> None:
     parser.add_argument("--rows", type=count, default=100_000_000, help="rows of the large store (1e8 notation accepted)")
     parser.add_argument("--append-rows", type=count, default=20_000_000,
                         help="rows appended per block size (blocks of 1, 1000 and 100k rows, each at most this)")
+    parser.add_argument("--reopens", type=int, default=5, help="fresh processes that open each store (the median is shown)")
     args = parser.parse_args()
     rows = args.rows
     root = scratch()
@@ -187,7 +188,7 @@ def main() -> None:
     build_big(big, rows)
     print(f"built the {rows:,}-row store in {time.perf_counter() - t0:.1f} s (RSS of this process {rss_mb():.0f} MiB)\n")
     table(bench_get(big, rows, rng))
-    table(bench_reopen([small, big]))
+    table(bench_reopen([small, big], args.reopens))
 
 
 if __name__ == "__main__":

@@ -82,7 +82,7 @@ print(json.dumps(out))
 
 @pytest.mark.slow
 def test_concurrent_creates_make_one_whole_store_and_typed_losers(tmp_path):
-    trials, procs = 12, 4
+    trials, procs = 6, 4
     outcomes = _result(_run(CREATE_RACE, tmp_path, trials, procs))
     assert outcomes == [["created"] + ["exists"] * (procs - 1)] * trials
     for t in range(trials):

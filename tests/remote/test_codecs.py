@@ -211,8 +211,8 @@ def test_a_publish_after_one_percent_new_rows_sends_only_changed_codec_objects(t
     the local store holds."""
     if engine == "icechunk":
         pytest.importorskip("icechunk")
-    rows, counter = 12_288, server[1]
-    make(tmp_path / "local", rows, capacity=13_312, streams=1, episode=256, cam=32)
+    rows, counter = 6_144, server[1]
+    make(tmp_path / "local", rows, capacity=6_656, streams=1, episode=256, cam=32)
     url = f"s3://{new_bucket(server[0])}/store"
     before = counter.put_bytes
     mb.convert.publish(tmp_path / "local", url, engine=engine, progress=False)

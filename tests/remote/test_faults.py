@@ -171,7 +171,7 @@ def test_cache_limit_far_below_the_store_evicts_and_reads_stay_right(tmp_path, s
             mb.open(tmp_path / "local", mode="r") as local:
         g = np.random.default_rng(0)
         peak = 0
-        for _ in range(30):
+        for _ in range(12):
             rows = g.integers(0, len(ro), 200)
             ro.store.column("obs").release()  # the in-memory chunk cache: every read goes to the host cache
             got = ro.get(rows, keys=["obs"])["obs"]

@@ -153,7 +153,7 @@ mb.convert.publish(sys.argv[1], sys.argv[2], engine="icechunk", progress=False)
 
 @pytest.mark.slow
 def test_a_publisher_killed_at_random_instants_leaves_a_whole_commit(tmp_path, s3):
-    """15 publishers (``MMBUFFER_KILL_TRIALS`` runs more) killed (SIGKILL) at random instants, alternating two stores: after
+    """10 publishers (``MMBUFFER_KILL_TRIALS`` runs more) killed (SIGKILL) at random instants, alternating two stores: after
     each, a reader opens exactly one of them (never a mix), and a restarted publisher
     commits."""
     url = f"s3://{new_bucket(s3)}/repo"
@@ -170,7 +170,7 @@ def test_a_publisher_killed_at_random_instants_leaves_a_whole_commit(tmp_path, s
             return everything(ro)
 
     published = kill_at_random_instants(start, [tmp_path / "a", tmp_path / "b"], read, list(states.values()),
-                                        kills=int(os.environ.get("MMBUFFER_KILL_TRIALS", 15)), span=span, fraction=(0.2, 1.0))
+                                        kills=int(os.environ.get("MMBUFFER_KILL_TRIALS", 10)), span=span, fraction=(0.2, 1.0))
     assert published >= 1  # some publishes completed between the kills
     assert start(tmp_path / "b").wait() == 0  # a restarted publisher commits on top of whatever survived
     with mb.open(url, mode="r", cache_dir=tmp_path / "c2", pool=None) as ro:

@@ -18,6 +18,7 @@ from ..._disk.urls import filesystem, is_url
 from ..._ledger.manifest import load_manifest
 from ...opening import open as open_buffer
 from ...remote import _group, _icechunk, _snapshot
+from ...remote._objects import remote_errors
 from ...schema import PriorityConfig
 from .copy import copy_local
 
@@ -163,7 +164,10 @@ def publish(src: Any, url: str, *, compression: str | None = "zstd", storage_opt
                                               f"got {engine!r}")
         engine, holder = "group", _group.holder_of(src)
     if engine is None and url.split("://", 1)[0] in ("s3", "s3a", "file", "local"):
-        engine = "icechunk" if _icechunk_installed() and _icechunk.is_repo(url.rstrip("/"), storage_options) else "snapshots"
+        with remote_errors(url):  # one request with the caller's settings (Icechunk's own retries take seconds)
+            ours = fs.exists(f"{root}/{_snapshot.POINTER}")
+        engine = "icechunk" if not ours and _icechunk_installed() and _icechunk.is_repo(url.rstrip("/"), storage_options) \
+            else "snapshots"
     with tempfile.TemporaryDirectory(prefix="mmbuffer-publish-", dir=tmp_dir) as tmp:
         summary = copy_local(src, Path(tmp) / "store", compression=compression, **copy_options)
         summary["lossy_shards_kept"] = keep_lossy_shards(src, Path(tmp) / "store")
