@@ -345,7 +345,7 @@ class Buffer:
         is closed this way then (``mmbuffer/_ledger/closing.py``).
         """
         if self._source is not None:
-            self._source.stop()  # a background refresh first: it takes the lock briefly
+            self._source.stop()  # a background refresh ends first (what it opened is closed)
         with self.lock:
             try:
                 if self._writer is not None:

@@ -272,7 +272,10 @@ class RemoteSource:
             with remote_errors(self.url):
                 store = Store(local, "r", columns=opener, lock=self._lock, manifest=manifest)
             if self.pool_config is not None and opened:
-                pool = ChunkPool(opened, store.view(), store.capacity, self.pool_config, self.cache, self.files)
+                # the view without the facade's lock (``view`` is ``@locked``): nobody else sees this store
+                # yet, and a thread holding the lock may be waiting for this prepare (refresh, close)
+                view = Store.view.__wrapped__(store)  # type: ignore[attr-defined]
+                pool = ChunkPool(opened, view, store.capacity, self.pool_config, self.cache, self.files)
                 pool.set_shard(*shard, epoch=epoch)
             for arr in opened.values():
                 arr.attach(pool)
@@ -366,8 +369,7 @@ class RemoteSource:
         return PooledSampler(spec, self.pool)
 
     def stop(self) -> None:
-        """End refreshing: wait for a prepare running, close what it opened, join its thread
-        (the facade calls it before taking its lock to close: a prepare takes it briefly)."""
+        """End refreshing: wait for a prepare running, close what it opened, join its thread."""
         self._refresher.close()
 
     def close_snapshot(self) -> None:

@@ -8,9 +8,9 @@ running) and adopts; ``refresh(wait=False)`` starts the prepare in a background
 thread and returns False at once; a later call adopts it (True) once ready. An
 error of a background prepare is raised, as it was, by the next ``refresh`` call
 (never lost); whatever it opened is closed. Two threads never both adopt one
-prepare, and a prepare never overlaps another or an adoption. :meth:`close` waits
-for a running prepare (call it without holding the reader's lock: a prepare takes
-it briefly), closes its result and joins its thread.
+prepare, and a prepare never overlaps another or an adoption. A prepare never takes the reader's lock
+(so a thread holding it may wait for one). :meth:`close` waits for a running prepare,
+closes its result and joins its thread.
 
 >>> done = []
 >>> r = Refresher(lambda: "v2", done.append, lambda v: None)
@@ -24,6 +24,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from typing import Generic, TypeVar
+
+from .. import errors
 
 __all__ = ["Refresher"]
 
@@ -60,8 +62,6 @@ class Refresher(Generic[P]):
     def refresh(self, wait: bool = True) -> bool:
         """Adopt a newer snapshot; return whether one was adopted (module docstring)."""
         if not isinstance(wait, bool):
-            from .. import errors
-
             raise errors.InvalidArgumentError(f"wait: expected True or False, got {wait!r}")
         while True:
             with self._cond:
@@ -73,7 +73,11 @@ class Refresher(Generic[P]):
                     if not wait:
                         job.thread = threading.Thread(target=self._run, args=(job,), name="mmbuffer-refresh",
                                                       daemon=True)
-                        job.thread.start()
+                        try:
+                            job.thread.start()
+                        except BaseException:
+                            self._job = None  # no thread: nothing to wait for
+                            raise
                         return False
             if mine:
                 self._run(job)

@@ -247,3 +247,29 @@ def test_a_writer_group_refreshes_in_the_background(tmp_path, gated, gate):
     assert refresh_threads() == []
     del g
     assert cache_fds(tmp_path / "cache") == []
+
+
+def test_a_thread_holding_the_buffers_lock_may_wait_for_a_refresh(tmp_path, gated, gate):
+    """A prepare never takes the buffer's lock: a thread that holds it (several calls as one
+    step) may call refresh() or close() while a background prepare runs."""
+    ro, _, second = two_snapshots(tmp_path, gated, gate, pool=SMALL)
+    done: list[object] = []
+
+    def step() -> None:
+        with ro.lock:
+            assert ro.refresh(wait=False) is False and gate.entered.wait(60)
+            gate.open()
+            done.append(ro.refresh())  # waits for the background prepare, adopts it
+            done.append(ro.remote.snapshot)
+            write(tmp_path / "local", NEW + 100, 10)
+            mb.convert.copy(tmp_path / "local", ro.remote.url, compression="zstd", progress=False)
+            assert ro.refresh(wait=False) is False
+            ro.close()  # waits for that one too, and closes what it opened
+            done.append(refresh_threads())
+
+    worker = threading.Thread(target=step, daemon=True)
+    worker.start()
+    worker.join(120)
+    assert not worker.is_alive() and done == [True, second, []]
+    del ro
+    assert cache_fds(tmp_path / "cache") == []
