@@ -18,25 +18,43 @@ On an S3-compatible server on loopback (moto's server mode, started here), in on
   new ``cache_dir``, then the first ``sample_slices(B, L)``; exact and with the default pool;
   the bytes it fetched before the first sample (mirror + objects).
 
+* **refresh beside sampling** (``--part refresh``, ``--refresh-rows`` rows of the same columns,
+  default pool): a learner thread draws ``sample_slices(B, L)`` back to back; the reader moves
+  from snapshot 1 to snapshot 2 (1% new rows) while it samples: ``refresh()`` in a second thread
+  ("thread"), ``refresh(wait=False)`` polled by the learner between draws ("poll"), or
+  ``refresh()`` called by the learner itself ("learner", a single thread that waits). The sample
+  latencies (p50/p99/max) from the refresh's start to 20 draws after it returned are set against
+  those of the same number of draws just before, without a refresh (same reader, same run); with
+  the time the refresh took, and the bytes it fetched (mirror + chunk objects, through the pool's
+  refill) against those of the reader's cold open (open + first fill). ``--code DIR`` (repeated)
+  runs each reader in a fresh interpreter importing mmbuffer from ``DIR`` (e.g. a checkout of the
+  previous commit: before/after in one run, codes and repeats alternating); the reader's cache is
+  new each run (cold), the page cache warm.
+
 moto is a Python server: its throughput, not S3's, bounds every figure here.
-Run: ``python benchmarks/bench_remote_ceiling.py [--rows 1e6] [--sizes 1e5,1e6]``.
+Run: ``python benchmarks/bench_remote_ceiling.py [--rows 1e6] [--sizes 1e5,1e6]``;
+``python benchmarks/bench_remote_ceiling.py --part refresh --code /tmp/base --code .``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if "--refresh-worker" not in sys.argv:  # a worker imports mmbuffer from its PYTHONPATH (--code)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mmbuffer as mb  # noqa: E402
@@ -145,6 +163,109 @@ def codec_sampling(tmp: Path, endpoint: str, rows: int, reps: int) -> None:
     lo.close(), ro.close()
 
 
+def refresh_worker(spec: dict) -> dict:
+    """One reader on snapshot 1 of ``spec["url"]`` moving to snapshot 2 while it samples (``--part refresh``)."""
+    from mmbuffer.remote import PoolConfig, RemoteSource
+
+    cache, cur = Path(spec["cache"]), [spec["p1"]]
+    src = RemoteSource(spec["url"], cache_dir=cache, pool=PoolConfig(), pointer=lambda: cur[0])
+    ro = mb.Buffer(spec["url"], "r", source=src)
+    g, b, length, n = torch.Generator().manual_seed(0), spec["batch"], spec["slice_len"], spec["draws"]
+
+    def one() -> float:
+        t = time.perf_counter()
+        ro.sample_slices(b, length, generator=g)
+        return time.perf_counter() - t
+
+    one()  # the pool's first fill
+    cold = src.files.mirror_bytes + tree_bytes(cache / "objects")
+    for _ in range(10):
+        one()
+    base = [one() for _ in range(n)]
+    cur[0] = spec["p2"]
+    mirror0, objects0 = src.files.mirror_bytes, tree_bytes(cache / "objects")
+    lat: list[float] = []
+    t0 = time.perf_counter()
+    if spec["mode"] == "thread":
+        took: list[float] = []
+        th = threading.Thread(target=lambda: (ro.refresh(), took.append(time.perf_counter() - t0)))
+        th.start()
+        while th.is_alive():
+            lat.append(one())
+        th.join()
+        sec = took[0]
+    elif spec["mode"] == "poll":
+        while not ro.refresh(wait=False):
+            lat.append(one())
+        sec = time.perf_counter() - t0
+    else:  # the learner calls refresh() itself: its draw waits for it
+        ro.refresh()
+        sec = time.perf_counter() - t0
+        lat.append(sec + one())
+    lat += [one() for _ in range(20)]
+    assert src.sequence == spec["p2"]["sequence"], "the reader did not move"
+    mirror = src.files.mirror_bytes - mirror0
+    fetched = mirror + tree_bytes(cache / "objects") - objects0
+    ro.close()
+
+    def stats(v: list[float]) -> list[float]:
+        return [float(np.percentile(v, 50)) * 1e3, float(np.percentile(v, 99)) * 1e3, max(v) * 1e3]
+
+    return {"base": stats(base), "during": stats(lat),
+            "draws": len(lat), "refresh_s": sec, "fetched": fetched, "mirror": mirror,
+            "cold": cold}
+
+
+def refresh_part(tmp: Path, endpoint: str, args: argparse.Namespace) -> None:
+    """Publish snapshot 1 and 2 (1% new rows), then alternate codes and modes (``refresh_worker``)."""
+    import fsspec
+
+    from s3server import new_bucket
+
+    rows, episode = args.refresh_rows, args.episode
+    local, url = tmp / "refresh-local", f"s3://{new_bucket(endpoint)}/refresh"
+    fs = fsspec.filesystem("s3", endpoint_url=endpoint, skip_instance_cache=True, use_listings_cache=False)
+    rng = np.random.default_rng(0)
+    pointers = []
+    with mb.create(local, {"obs": ((17,), "float32"), "action": ((6,), "float32"), "reward": ((), "float32")},
+                   capacity=rows + rows // 50 + episode) as buf:
+        for n in (rows, rows // 100):
+            t = np.arange(n)
+            buf.extend({"obs": rng.standard_normal((n, 17), dtype=np.float32),
+                        "action": rng.standard_normal((n, 6), dtype=np.float32),
+                        "reward": rng.standard_normal(n, dtype=np.float32), "terminated": t % episode == episode - 1},
+                       final_obs={"obs": np.zeros((int((t % episode == episode - 1).sum()), 17), np.float32)})
+            buf.commit()
+            mb.convert.copy(local, url, progress=False)
+            pointers.append(json.loads(fs.cat_file(url[5:] + "/current.json")))
+    codes = [str(c.resolve()) for c in (args.code or [Path(__file__).resolve().parents[1]])]
+    runs: dict[tuple[str, str], list[dict]] = {}
+    k = 0
+    for rep in range(args.repeats):
+        for code in codes:
+            new = "def refresh(self, wait" in (Path(code) / "mmbuffer/buffer.py").read_text()
+            for mode in ("thread", "poll", "learner") if new else ("thread", "learner"):
+                k += 1
+                spec = {"url": url, "p1": pointers[0], "p2": pointers[1], "cache": str(tmp / f"rcache-{k}"),
+                        "batch": args.batch, "slice_len": args.slice_len, "draws": 200, "mode": mode}
+                out = subprocess.run([sys.executable, __file__, "--refresh-worker", json.dumps(spec)], check=True,
+                                     capture_output=True, text=True, env={**os.environ, "PYTHONPATH": code})
+                res = json.loads(out.stdout.strip().splitlines()[-1])
+                runs.setdefault((code, mode), []).append(res)
+                print(f"rep {rep} {code} {mode}: {res}")
+    print(f"\nrefresh of {rows:,} rows to a snapshot with 1% new rows, default pool, sample_slices({args.batch}, "
+          f"{args.slice_len}) in the learner thread; latencies ms (median over {args.repeats} runs)")
+    print("| code | refresh | draws during | p50 / p99 / max without | p50 / p99 / max during | refresh (s) | "
+          "fetched (MB): mirror + objects | cold open (MB) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for (code, mode), res in runs.items():
+        med = lambda key, i=None: statistics.median(r[key] if i is None else r[key][i] for r in res)  # noqa: E731
+        print(f"| {code} | {mode} | {med('draws'):.0f} | {med('base', 0):.2f} / {med('base', 1):.2f} / "
+              f"{med('base', 2):.2f} | {med('during', 0):.2f} / {med('during', 1):.2f} / {med('during', 2):.2f} | "
+              f"{med('refresh_s'):.2f} | {med('fetched') / 1e6:.2f}: {med('mirror') / 1e6:.2f} + "
+              f"{(med('fetched') - med('mirror')) / 1e6:.2f} | {med('cold') / 1e6:.2f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=count, default=1_000_000, help="rows of the store sampled against the GETs")
@@ -154,9 +275,16 @@ def main() -> None:
     ap.add_argument("--slice-len", type=int, default=16)
     ap.add_argument("--batches", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--part", choices=("all", "ceiling", "cold", "codec"), default="all")
+    ap.add_argument("--part", choices=("all", "ceiling", "cold", "codec", "refresh"), default="all")
+    ap.add_argument("--refresh-rows", type=count, default=200_000, help="rows of the store refreshed (--part refresh)")
+    ap.add_argument("--code", type=Path, action="append", help="--part refresh: a folder holding the mmbuffer "
+                    "package to run the readers with (repeat it to compare; default: this checkout)")
+    ap.add_argument("--refresh-worker", help=argparse.SUPPRESS)
     ap.add_argument("--codec-rows", type=count, default=100_000, help="rows of the zstd pixel store (--part codec)")
     args = ap.parse_args()
+    if args.refresh_worker:
+        print(json.dumps(refresh_worker(json.loads(args.refresh_worker))))
+        return
     import fsspec
 
     from s3server import moto_s3, new_bucket
@@ -165,6 +293,8 @@ def main() -> None:
     print(f"load before: {open('/proc/loadavg').read().strip()}")
     with tempfile.TemporaryDirectory() as tmp, moto_s3() as endpoint:
         urls: dict[int, str] = {}
+        if args.part in ("all", "refresh"):
+            refresh_part(Path(tmp), endpoint, args)
         if args.part in ("all", "codec"):
             codec_sampling(Path(tmp), endpoint, args.codec_rows, 2 * args.repeats + 1)
         sizes = set(args.sizes) if args.part in ("all", "cold") else set()

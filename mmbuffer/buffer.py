@@ -77,7 +77,7 @@ class Buffer:
         self._source = source  # a published store's snapshots (mmbuffer.remote), or None
         self._writer: Writer | None = None
         if source is not None:
-            self._adopt(source.open(self.lock))
+            self._adopt(source.open(self.lock, self._swap))
         else:
             self._adopt(self._open_local(Path(path), mode))
         self._sampler_state = samplers.SamplerState()  # what specs derive from the index (slice counts, epochs)
@@ -192,22 +192,20 @@ class Buffer:
         """The stored priorities ``(p + eps) ** alpha`` of ``rows`` (see ``Store.leaf_priorities``)."""
         return self._store.leaf_priorities(rows)
 
-    def refresh(self) -> bool:
-        """Reload the last commit (readers); return whether it changed. Opened from a URL:
-        move to the newest published snapshot (a new store swapped in under the same
-        lock; batches already returned keep their data; another schema is refused with
-        ``CorruptStoreError`` and the buffer stays where it was)."""
+    def refresh(self, wait: bool = True) -> bool:
+        """Reload the last commit (readers); return whether it changed. From a URL: move to the
+        newest snapshot, fetched and opened while samples read the old one, swapped in under
+        :attr:`lock` (another schema: ``CorruptStoreError``, nothing moves). ``wait=False``: in a
+        background thread, False at once; a later call adopts it (True) or raises its error."""
         if self._source is None:
             return self._store.refresh()
-        with self.lock:
-            new = self._source.refresh(self._store, self.lock)
-            if new is None:
-                return False
-            old = self._store
-            self._adopt(new)
-            self._sampler_state.clear()
-            old.close()
-            return True
+        return self._source.refresh(wait)
+
+    def _swap(self, store: Store) -> None:  # the source's newer snapshot, with the lock held
+        old = self._store
+        self._adopt(store)
+        self._sampler_state.clear()
+        old.close()
 
     def warm(self) -> None:
         """Read the priority tree into memory and map it (see ``Store.warm``)."""
@@ -337,7 +335,6 @@ class Buffer:
         return generation
 
     # -- closing -----------------------------------------------------------------------
-    @locked
     def close(self) -> None:
         """Commit (writer) and release the lock; the object is unusable afterwards.
 
@@ -347,13 +344,16 @@ class Buffer:
         call ``commit`` before ``close``. A writer still open at interpreter exit
         is closed this way then (``mmbuffer/_ledger/closing.py``).
         """
-        try:
-            if self._writer is not None:
-                self._writer.close()
-        finally:
-            self._store.close()
-            if self._source is not None:
-                self._source.close()
+        if self._source is not None:
+            self._source.stop()  # a background refresh ends first (what it opened is closed)
+        with self.lock:
+            try:
+                if self._writer is not None:
+                    self._writer.close()
+            finally:
+                self._store.close()
+                if self._source is not None:
+                    self._source.close()
 
     def __enter__(self) -> Self:
         return self

@@ -55,6 +55,7 @@ from .buffer import Buffer
 from .remote import RemoteSource
 from .remote import _group
 from .remote._group import entries, read_group, writer_url
+from .remote._refresh import Refresher
 
 __all__ = ["GroupBuffer", "is_group"]
 
@@ -86,19 +87,26 @@ class GroupBuffer:
         self._masses: dict[tuple[str, samplers.Sampler], float] = {}
         self.sequence = -1
         self.offsets: dict[str, int] = {}
-        self._swap(read_group(self._fs, self._root, self.url)[0])
+        self._refresher: Refresher[tuple[dict[str, Any], dict[str, Buffer]]] = Refresher(
+            self._newer, self._take, self._discard)
+        first = self._newer()
+        assert first is not None  # nothing open yet: every named writer is new
+        self._take(first)
 
     # -- snapshots ------------------------------------------------------------------------
     def _open_writer(self, name: str, pointer: dict[str, Any]) -> Buffer:
         src = RemoteSource(writer_url(self.url, name), pointer=lambda: pointer, **self._options)
         return Buffer(src.url, "r", source=src)
 
-    def _swap(self, body: Mapping[str, Any]) -> bool:
+    def _newer(self) -> tuple[dict[str, Any], dict[str, Buffer]] | None:
+        """``group.json`` now and every writer's buffer on its snapshot (the changed ones
+        opened beside the open ones, which stay as they are), or None when nothing changed."""
+        body = read_group(self._fs, self._root, self.url)[0]
         named = entries(body)
         if not named:
             raise errors.StoreNotFoundError(f"{self.url}: expected a writer group with a published writer, got none yet")
         if {n: str(p["snapshot"]) for n, p in named.items()} == self._snapshots:
-            return False
+            return None
         new: dict[str, Buffer] = {n: b for n, b in self._buffers.items()
                                   if n in named and self._snapshots.get(n) == named[n]["snapshot"]}
         try:
@@ -121,27 +129,34 @@ class GroupBuffer:
                     raise errors.SchemaError(
                         f"{self.url}: writer {name!r}: expected the schema of writer {first!r}, {want}, got {got}")
         except BaseException:
-            for name, buf in new.items():
-                if buf is not self._buffers.get(name):
-                    buf.close()
+            self._discard((body, new))
             raise
-        closed = [b for n, b in self._buffers.items() if new.get(n) is not b]
-        self._states = {n: s for n, s in self._states.items() if new.get(n) is self._buffers.get(n)}
-        self._buffers, self.sequence = new, int(body["sequence"])
-        self._snapshots = {n: str(p["snapshot"]) for n, p in named.items()}
-        self._masses.clear()
-        starts = np.cumsum([0] + [b.capacity for b in new.values()])
-        self.offsets = {n: int(s) for n, s in zip(new, starts)}
-        for buf in closed:
-            buf.close()
-        return True
+        return body, new
 
-    def refresh(self) -> bool:
-        """Move every writer to the snapshots ``group.json`` names now (all or none);
-        return whether anything changed."""
-        body = read_group(self._fs, self._root, self.url)[0]
+    def _discard(self, prepared: tuple[dict[str, Any], dict[str, Buffer]]) -> None:
+        for name, buf in prepared[1].items():
+            if buf is not self._buffers.get(name):
+                buf.close()
+
+    def _take(self, prepared: tuple[dict[str, Any], dict[str, Buffer]]) -> None:
+        body, new = prepared
         with self.lock:
-            return self._swap(body)
+            closed = [b for n, b in self._buffers.items() if new.get(n) is not b]
+            self._states = {n: s for n, s in self._states.items() if new.get(n) is self._buffers.get(n)}
+            self._buffers, self.sequence = new, int(body["sequence"])
+            self._snapshots = {n: str(b.remote.snapshot) for n, b in new.items() if b.remote is not None}
+            self._masses.clear()
+            starts = np.cumsum([0] + [b.capacity for b in new.values()])
+            self.offsets = {n: int(s) for n, s in zip(new, starts)}
+            for buf in closed:
+                buf.close()
+
+    def refresh(self, wait: bool = True) -> bool:
+        """Move every writer to the snapshots ``group.json`` names now (all or none);
+        return whether anything changed. The changed writers are opened while samples read
+        the old ones, then swapped in under :attr:`lock`; ``wait=False``: opened in a
+        background thread, adopted by a later call (as ``Buffer.refresh``)."""
+        return self._refresher.refresh(wait)
 
     # -- what the union is ------------------------------------------------------------------
     @property
@@ -250,7 +265,8 @@ class GroupBuffer:
                      place(masks) if masks else None)
 
     def close(self) -> None:
-        """Close every writer's buffer (their pins and pools)."""
+        """Close every writer's buffer (their pins and pools), after a refresh under way."""
+        self._refresher.close()
         with self.lock:
             for buf in self._buffers.values():
                 buf.close()

@@ -10,6 +10,16 @@
 >>> ro = mb.open(url, mode="r", cache_dir=d + "/cache")
 >>> ro.num_episodes, ro.sample(8).data["x"].shape
 (4, torch.Size([8]))
+>>> with mb.open(d + "/local") as w:  # the writer goes on, and publishes again
+...     w.extend({"x": np.arange(10), "terminated": np.arange(10) == 9})
+>>> mb.convert.copy(d + "/local", url, compression="zstd", progress=False)["sequence"]
+2
+>>> ro.refresh(wait=False)  # prepared in a background thread: the old snapshot serves meanwhile
+False
+>>> while not ro.refresh(wait=False):  # a later call adopts it
+...     _ = ro.sample(8)
+>>> ro.num_episodes
+5
 >>> ro.close()
 
 ``mb.open(url, mode="r", cache_dir=..., storage_options=..., pool=...)`` returns a read-only
@@ -40,7 +50,8 @@ Safety: every object read is checked against its snapshot's object table
 ``cache_limit``, LRU eviction, one download per object per host, typed errors for a
 full or unwritable ``cache_dir``); ``engine="icechunk"`` publishes incrementally and
 transactionally (``_icechunk.py``); ``refresh()`` fetches only the small parts whose
-digest changed (the rest is hard linked from the mirror open before). Final
+digest changed (the rest is hard linked from the mirror open before) and opens the new
+snapshot beside sampling, swapping it in briefly (``_refresh.py``). Final
 observations are compressed like the columns in a snapshot: only the chunks of their
 episodes' slots are shipped.
 
@@ -62,10 +73,12 @@ draws=k)``, which starts it holding the blocks of its ``k``-th draw.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -81,9 +94,30 @@ from . import _icechunk, _snapshot
 from ._cache import Cache
 from ._objects import Table, load_table, remote_errors
 from ._pool import ChunkPool, PoolConfig, PooledSampler
+from ._refresh import Refresher
 from ._verified import VerifiedStore, mapped_objects
 
 __all__ = ["ChunkPool", "PoolConfig", "RemoteSource", "pool_config"]
+
+
+@dataclass
+class Opened:
+    """A snapshot opened beside the current one: its store, pool, pin (fd) and table;
+    ``shard``/``epoch``: the pool's shard when it was opened."""
+
+    store: Store
+    pool: ChunkPool | None
+    snapshot: str
+    sequence: int
+    pin: int
+    table: Table
+    shard: tuple[int, int]
+    epoch: int
+
+    def close(self) -> None:
+        """Close what it opened (a prepare refused, or one left unadopted)."""
+        _close(self.store, self.pool, self.pin)
+        self.pin = -1
 
 
 class RemoteSource:
@@ -116,6 +150,10 @@ class RemoteSource:
         self._pin = -1
         self.repo: _icechunk.Repo | None = None  # set when the URL holds an Icechunk repository
         self.table = Table({}, self.url, "")  # the open snapshot's object table
+        self._path = Path()  # the open snapshot's mirror
+        self._lock = threading.RLock()  # the facade's (open)
+        self._swap: Callable[[Store], None] | None = None
+        self._refresher: Refresher[Opened] = Refresher(self._newer, self._take, Opened.close)
 
     def _pointer(self) -> dict[str, Any]:
         if self._given is not None:
@@ -131,11 +169,13 @@ class RemoteSource:
         self.repo = _icechunk.Repo(self.url, self.storage_options)
         return self.repo.pointer()
 
-    def open(self, lock: threading.RLock) -> Store:
-        """The Store of the snapshot the pointer names now, guarded by ``lock``."""
-        return self._open(self._pointer(), lock)
+    def open(self, lock: threading.RLock, swap: Callable[[Store], None] | None = None) -> Store:
+        """The Store of the snapshot the pointer names now, guarded by ``lock``; ``swap(store)``
+        (called with ``lock`` held): how :meth:`refresh` hands the facade a newer one."""
+        self._lock, self._swap = lock, swap
+        return self._adopt(self._prepare(self._pointer()))
 
-    def _mirror(self, pointer: Mapping[str, Any], previous: Path | None = None) -> tuple[Path, Table, int]:
+    def _mirror(self, pointer: Mapping[str, Any], previous: tuple[Path, Table] | None = None) -> tuple[Path, Table, int]:
         """The snapshot's checked table and local mirror, pinned (the pin's fd); files
         unchanged since ``previous`` (the mirror open now) are linked from it."""
         snap = str(pointer["snapshot"])
@@ -155,7 +195,7 @@ class RemoteSource:
             fetch_many = _snapshot.fetch_objects(self.fs, self.root, table, self.url)
         pin = self.files.pin(self.cache / f"{snap}.pin")
         try:
-            before = (previous, self.table) if previous is not None and self.table.entries else None
+            before = previous if previous is not None and previous[1].entries else None
             return _snapshot.mirror(fetch_many, snap, self.url, self.cache, self.files, table, extra, before), table, pin
         except BaseException:
             os.close(pin)
@@ -185,8 +225,10 @@ class RemoteSource:
             raise errors.CorruptStoreError(f"{where}: zarr cannot open the array ({type(exc).__name__}: {exc})") from None
         return RemoteArray(array, where, cache_bytes=64 << 20, alive=alive)
 
-    def _open(self, pointer: Mapping[str, Any], lock: threading.RLock,
-              mirrored: tuple[Path, Table, int] | None = None) -> Store:
+    def _prepare(self, pointer: Mapping[str, Any], mirrored: tuple[Path, Table, int] | None = None, *,
+                 fill: bool = False) -> Opened:
+        """The snapshot ``pointer`` names, opened beside the one open now (whose state it
+        leaves alone; :meth:`_adopt` swaps it in); ``fill``: its pool's first blocks fetched."""
         snap = str(pointer["snapshot"])
         local, table, pin = mirrored if mirrored is not None else self._mirror(pointer)
         snap_url = f"{self.url}/{_snapshot.SNAPSHOTS}/{snap}"
@@ -222,23 +264,38 @@ class RemoteSource:
             opened[name.split("/", 1)[1]] = arr
             return arr
 
+        store: Store | None = None
+        pool: ChunkPool | None = None
+        shard, epoch = self.shard, self.pool_epoch
         try:
             manifest = load_manifest(local)
             with remote_errors(self.url):
-                store = Store(local, "r", columns=opener, lock=lock, manifest=manifest)
-            pool = None
+                store = Store(local, "r", columns=opener, lock=self._lock, manifest=manifest)
             if self.pool_config is not None and opened:
-                pool = ChunkPool(opened, store.view(), store.capacity, self.pool_config, self.cache, self.files)
-                pool.set_shard(*self.shard, epoch=self.pool_epoch)
+                # the view without the facade's lock (``view`` is ``@locked``): nobody else sees this store
+                # yet, and a thread holding the lock may be waiting for this prepare (refresh, close)
+                view = Store.view.__wrapped__(store)  # type: ignore[attr-defined]
+                pool = ChunkPool(opened, view, store.capacity, self.pool_config, self.cache, self.files)
+                pool.set_shard(*shard, epoch=epoch)
+            for arr in opened.values():
+                arr.attach(pool)
+            if fill and pool is not None:
+                with contextlib.suppress(errors.EmptyBufferError):  # raised by the first draw, as without fill
+                    pool.advance()  # starts it: the first blocks come before the swap, not in a draw after it
         except BaseException:
-            os.close(pin)
+            _close(store, pool, pin)
             raise
-        for arr in opened.values():
-            arr.attach(pool)
-        self.close()  # the previous snapshot's pool and pin: its store is swapped out under the same lock
-        self.pool, self.snapshot, self.sequence, self._pin = pool, snap, int(pointer["sequence"]), pin
-        self.table = table
-        return store
+        return Opened(store, pool, snap, int(pointer["sequence"]), pin, table, shard, epoch)
+
+    def _adopt(self, new: Opened) -> Store:
+        """Read ``new`` from now on (with the facade's lock held); the previous snapshot's
+        pool and pin are released (its store is the facade's to close)."""
+        self.close_snapshot()
+        self.pool, self.snapshot, self.sequence, self._pin = new.pool, new.snapshot, new.sequence, new.pin
+        self.table, self._path = new.table, new.store.path
+        if new.pool is not None and (new.shard, new.epoch) != (self.shard, self.pool_epoch):
+            new.pool.set_shard(*self.shard, epoch=self.pool_epoch)  # set_shard ran during the prepare
+        return new.store
 
     def check_objects(self) -> tuple[int, int, list[str]]:
         """Fetch every object of the open snapshot anew and check it against the snapshot's
@@ -264,21 +321,37 @@ class RemoteSource:
                     problems.append(str(exc))
         return len(rels), total, problems
 
-    def refresh(self, current: Store, lock: threading.RLock) -> Store | None:
-        """The newest published snapshot as a new Store, or None when ``current`` is it.
+    def refresh(self, wait: bool = True) -> bool:
+        """Move to the newest published snapshot; return whether it moved.
 
-        A snapshot with another schema is refused (``CorruptStoreError``): the facade
-        keeps ``current``. Call with ``lock`` held; close ``current`` after the swap.
+        The snapshot is fetched and opened without the facade's lock (samples read the
+        old one meanwhile), then swapped in under it (``swap``); ``wait=False``: in a
+        background thread, adopted by a later call (``_refresh.py``). A snapshot with
+        another schema is refused (``CorruptStoreError``) and the source stays where it was.
         """
+        return self._refresher.refresh(wait)
+
+    def _newer(self) -> Opened | None:
+        """The newest snapshot opened beside the current one, or None when it is open."""
         pointer = self._pointer()
         if pointer["snapshot"] == self.snapshot:
             return None
-        mirrored = self._mirror(pointer, Path(current.path))
-        old, new = load_manifest(Path(current.path)).schema(), load_manifest(mirrored[0]).schema()
-        if old != new:
+        mirrored = self._mirror(pointer, (self._path, self.table))
+        try:
+            old, new = load_manifest(self._path).schema(), load_manifest(mirrored[0]).schema()
+            if old != new:
+                raise errors.CorruptStoreError(
+                    f"{self.url}: snapshot {pointer['snapshot']}: expected the schema opened, {old}, got {new}")
+        except BaseException:
             os.close(mirrored[2])
-            raise errors.CorruptStoreError(f"{self.url}: snapshot {pointer['snapshot']}: expected the schema opened, {old}, got {new}")
-        return self._open(pointer, lock, mirrored)
+            raise
+        return self._prepare(pointer, mirrored, fill=self.pool is not None and self.pool.fetched_bytes > 0)
+
+    def _take(self, new: Opened) -> None:
+        with self._lock:
+            store = self._adopt(new)
+            if self._swap is not None:
+                self._swap(store)
 
     def set_shard(self, index: int, count: int, *, epoch: int = 0, draws: int = 0) -> None:
         """Read the pool's blocks as shard ``index`` of ``count`` (rank * workers + worker),
@@ -295,13 +368,22 @@ class RemoteSource:
             return spec
         return PooledSampler(spec, self.pool)
 
-    def close(self) -> None:
+    def stop(self) -> None:
+        """End refreshing: wait for a prepare running, close what it opened, join its thread."""
+        self._refresher.close()
+
+    def close_snapshot(self) -> None:
+        """Release the open snapshot's pool and pin (its mirror may be evicted then)."""
         if self.pool is not None:
             self.pool.close()
             self.pool = None
         if self._pin >= 0:
-            os.close(self._pin)  # the mirror may be evicted now
+            os.close(self._pin)
             self._pin = -1
+
+    def close(self) -> None:
+        self.stop()
+        self.close_snapshot()
 
     def __repr__(self) -> str:
         return f"RemoteSource({self.url!r}, snapshot={self.snapshot!r}, pool={self.pool_config!r})"
@@ -320,6 +402,15 @@ def pool_config(url: str, mode: str, pool: Any) -> PoolConfig | None:
     if pool is not None and not isinstance(pool, PoolConfig):
         raise errors.InvalidArgumentError(f"pool: expected an mb.remote.PoolConfig or None, got {pool!r}")
     return pool
+
+
+def _close(store: Store | None, pool: ChunkPool | None, pin: int) -> None:
+    if pool is not None:
+        pool.close()
+    if store is not None:
+        store.close()
+    if pin >= 0:
+        os.close(pin)
 
 
 def _or_none(fetch: Callable[[str, str], bytes], snap: str, rel: str) -> bytes | None:
