@@ -169,8 +169,11 @@ def test_info_into_a_closed_pipe_ends_without_a_traceback(tmp_path):
 
 
 def test_ctrl_c_ends_without_a_traceback(tmp_path):
+    # Ctrl-C as in a terminal: a shell without job control starts a background job (and so
+    # this pytest and its children) with SIGINT ignored, which Python then keeps ignored
     with subprocess.Popen([sys.executable, "-m", "mmbuffer", "demo", str(tmp_path / "d"), "--episodes", "1000000"],
-                          env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as proc:
+                          env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) as proc:
         try:
             deadline = time.monotonic() + 240
             while not (tmp_path / "d" / "replay").exists() and proc.poll() is None and time.monotonic() < deadline:

@@ -38,15 +38,17 @@ def timed(start: Callable[[Path], subprocess.Popen], store: Path) -> float:
 def kill_at_random_instants(start: Callable[[Path], subprocess.Popen], stores: list[Path], read: Callable[[], np.ndarray],
                             states: list[np.ndarray], kills: int, span: float, fraction: tuple[float, float]) -> int:
     """Publish ``stores`` in turn, SIGKILLing each publisher still running after a random
-    ``fraction`` of ``span`` seconds, until ``kills`` were killed (at most 3 tries per
-    kill); after each, ``read()`` must be one of ``states`` whole, never a mix. Returns
-    how many publishes completed between the kills."""
+    ``fraction`` of ``span`` seconds, until ``kills`` were killed and one publish completed
+    (at most 3 tries per kill; once the kills are done, a try waits 4 times as long: on a
+    loaded machine a publish can outlast every drawn instant); after each, ``read()``
+    must be one of ``states`` whole, never a mix. Returns how many publishes completed
+    between the kills."""
     rng = np.random.default_rng(0)
     killed = published = i = 0
-    while killed < kills and i < 3 * kills:
+    while (killed < kills or not published) and i < 3 * kills:
         p, i = start(stores[i % len(stores)]), i + 1
         try:
-            p.wait(timeout=float(rng.uniform(*fraction)) * span)
+            p.wait(timeout=float(rng.uniform(*fraction)) * span * (1 if killed < kills else 4))
             published += p.returncode == 0
         except subprocess.TimeoutExpired:
             p.kill()
