@@ -246,7 +246,7 @@ mb.convert.publish(sys.argv[1], sys.argv[2], engine="snapshots", keep=2, progres
 
 @pytest.mark.slow
 def test_an_incremental_publisher_killed_at_random_instants_leaves_a_whole_snapshot(tmp_path, server, fs):
-    """6 publishers (``MMBUFFER_KILL_TRIALS`` runs more) of the object-table engine killed (SIGKILL) at random instants (in the
+    """4 publishers (``MMBUFFER_KILL_TRIALS`` runs more) of the object-table engine killed (SIGKILL) at random instants (in the
     upload, the table, the pointer or the prune), alternating two stores that share most
     chunks: after each, a reader opens exactly one of them (never a mix, never a missing
     object), and a restarted publisher completes."""
@@ -267,7 +267,7 @@ def test_an_incremental_publisher_killed_at_random_instants_leaves_a_whole_snaps
             return ro.get(np.arange(len(ro)), keys=["x"])["x"].numpy()
 
     published = kill_at_random_instants(start, [tmp_path / "a", tmp_path / "b"], read, list(states.values()),
-                                        kills=int(os.environ.get("MMBUFFER_KILL_TRIALS", 6)), span=span, fraction=(0.1, 1.5))
+                                        kills=int(os.environ.get("MMBUFFER_KILL_TRIALS", 4)), span=span, fraction=(0.1, 1.5))
     assert published >= 1
     assert start(tmp_path / "b").wait() == 0
     with mb.open(url, mode="r", cache_dir=tmp_path / "c2", pool=None) as ro:
