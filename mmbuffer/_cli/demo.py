@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +48,11 @@ def rollout(rng: np.random.Generator, max_len: int = 200) -> tuple[dict[str, np.
     return steps, states[length - 1]
 
 
-def run_demo(directory: str | Path | None = None, episodes: int = 400, quiet: bool = False) -> dict[str, Any]:
+def run_demo(directory: str | Path | None = None, episodes: int = 400, quiet: bool = False,
+             interrupted: Callable[[], bool] = lambda: False) -> dict[str, Any]:
     """Run the demo in ``directory`` (a fresh temporary one by default): ``episodes``
-    (>= 1, else ``InvalidArgumentError`` before anything is created) over 4 streams."""
+    (>= 1, else ``InvalidArgumentError`` before anything is created) over 4 streams.
+    ``interrupted``: asked before each episode; True raises ``KeyboardInterrupt``."""
     import mmbuffer as mb
     from mmbuffer._ledger.verify import verify
 
@@ -70,6 +73,8 @@ def run_demo(directory: str | Path | None = None, episodes: int = 400, quiet: bo
     t0 = time.perf_counter()
     rows = 0
     for ep in range(episodes):
+        if interrupted():
+            raise KeyboardInterrupt
         steps, final = rollout(rng)
         buf.extend(steps, stream=ep % streams, final_obs={"obs": final[None]})
         rows += len(steps["reward"])

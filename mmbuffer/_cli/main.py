@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -232,8 +234,28 @@ def _verify_url(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    run_demo(args.dir, episodes=args.episodes)
+    run_demo(args.dir, episodes=args.episodes, interrupted=lambda: _SIGINT.seen)
     return 0
+
+
+class _Interrupt:
+    """SIGINT as ``KeyboardInterrupt`` (what Python does), remembered in ``seen``: one
+    that lands in a callback (an import's module lock, numba's compiler) is swallowed
+    there by the interpreter, so a long-running command also asks ``seen``."""
+
+    seen = False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.seen = True
+        raise KeyboardInterrupt
+
+    def unraisable(self, info: Any) -> None:
+        """``sys.unraisablehook``: a swallowed interrupt is not reported as a traceback."""
+        if not isinstance(info.exc_value, KeyboardInterrupt):
+            sys.__unraisablehook__(info)
+
+
+_SIGINT = _Interrupt()
 
 
 SUITES = {
@@ -337,6 +359,12 @@ def main(argv: list[str] | None = None) -> int:
     from .. import errors
 
     argv = sys.argv[1:] if argv is None else list(argv)
+    ours = threading.current_thread() is threading.main_thread() \
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    if ours:
+        _SIGINT.seen, hook = False, sys.unraisablehook
+        signal.signal(signal.SIGINT, _SIGINT)
+        sys.unraisablehook = _SIGINT.unraisable
     try:
         args = build_parser().parse_args(argv)
         return int(args.func(args))
@@ -352,3 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 141
+    finally:
+        if ours:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            sys.unraisablehook = hook
