@@ -81,7 +81,7 @@ from . import _icechunk, _snapshot
 from ._cache import Cache
 from ._objects import Table, load_table, remote_errors
 from ._pool import ChunkPool, PoolConfig, PooledSampler
-from ._verified import VerifiedStore, mapped_objects
+from ._verified import ChunkRows, VerifiedStore, mapped_objects
 
 __all__ = ["ChunkPool", "PoolConfig", "RemoteSource", "pool_config"]
 
@@ -167,7 +167,9 @@ class RemoteSource:
         the verified, cached store over ``base`` (the engine's own store)."""
         import zarr
 
-        store = VerifiedStore(base, prefix=name + "/", table=table, cache=self.files, fetch=fetch, alive=alive)
+        many = _snapshot.fetch_objects(self.fs, self.root, table, self.url, probe=True) if self.repo is None else None
+        store = VerifiedStore(base, prefix=name + "/", table=table, cache=self.files, fetch=fetch, alive=alive,
+                              fetch_many=many)
         where = f"{self.url}@{snap}/{name}"
         entry = table.get(f"{name}/zarr.json")
         if entry is None:
@@ -183,7 +185,10 @@ class RemoteSource:
             raise
         except Exception as exc:  # noqa: BLE001 - zarr's errors are untyped for us
             raise errors.CorruptStoreError(f"{where}: zarr cannot open the array ({type(exc).__name__}: {exc})") from None
-        return RemoteArray(array, where, cache_bytes=64 << 20, alive=alive)
+        arr = RemoteArray(array, where, cache_bytes=64 << 20, alive=alive)
+        if ChunkRows.fits(array):  # exact reads: a batch's chunks fetched together (a pool, if any, replaces it)
+            arr.attach(ChunkRows(array, store, where, cache_bytes=64 << 20))
+        return arr
 
     def _open(self, pointer: Mapping[str, Any], lock: threading.RLock,
               mirrored: tuple[Path, Table, int] | None = None) -> Store:
@@ -196,9 +201,7 @@ class RemoteSource:
         def alive() -> None:
             _snapshot.check_alive(fs, self.root, snap, self.url)
 
-        def fetch(rel: str) -> bytes:  # from the snapshot that holds it (this one, or an earlier one)
-            data: bytes = fs.cat_file(f"{self.root}/{_snapshot.SNAPSHOTS}/{table.holder(rel)}/{rel}")
-            return data
+        fetch = _snapshot.object_fetch(fs, self.root, table)  # from the snapshot that holds it (this one, or an earlier one)
 
         def opener(name: str, expect: Any) -> ColumnArray:
             get: Callable[[str], bytes] = fetch
@@ -234,7 +237,8 @@ class RemoteSource:
             os.close(pin)
             raise
         for arr in opened.values():
-            arr.attach(pool)
+            if pool is not None:
+                arr.attach(pool)
         self.close()  # the previous snapshot's pool and pin: its store is swapped out under the same lock
         self.pool, self.snapshot, self.sequence, self._pin = pool, snap, int(pointer["sequence"]), pin
         self.table = table
