@@ -52,7 +52,7 @@ from .._disk.files import parse_json
 from .._disk.urls import join
 from ._dense import pack, rebuild, shard_rel
 from ._cache import Cache, write_file
-from ._objects import OBJECTS, Table, digest, file_digest, load_table, parse_table, remote_errors, table_bytes
+from ._objects import OBJECTS, FetchMany, Table, digest, file_digest, load_table, parse_table, remote_errors, table_bytes
 
 __all__ = ["POINTER", "cache_base", "cache_root", "check_alive", "check_pointer", "fetch_objects", "mirror", "object_fetch",
            "prune", "publish_dir", "read_pointer", "upload_snapshot"]
@@ -153,16 +153,15 @@ def object_fetch(fs: Any, root: str, table: Table) -> Callable[[str], bytes]:
     return fetch
 
 
-def fetch_objects(fs: Any, root: str, table: Table, url: str, *,
-                  probe: bool = False) -> Callable[[list[str]], dict[str, bytes | None]]:
+def fetch_objects(fs: Any, root: str, table: Table, url: str) -> FetchMany:
     """Fetch a batch of a snapshot's objects concurrently, each from the snapshot that
     holds it, one ranged GET each (None: missing; then ``StoreNotFoundError`` if the
-    snapshot was pruned). ``probe``: the existence check of the snapshot (its manifest,
-    :func:`check_alive`) goes in the same concurrent batch, so a snapshot removed before
-    the batch began is a ``StoreNotFoundError`` at no extra round trip."""
+    snapshot was pruned). ``probe=True``: the existence check of the snapshot (its
+    manifest, :func:`check_alive`) goes in the same concurrent batch, so a snapshot
+    removed before the batch began is a ``StoreNotFoundError`` at no extra round trip."""
     snapshot = table.snapshot
 
-    def fetch(rels: list[str]) -> dict[str, bytes | None]:
+    def fetch(rels: list[str], probe: bool = False) -> dict[str, bytes | None]:
         paths, starts, ends = _ranges(root, table, rels)
         if probe:
             paths, starts, ends = paths + [join(root, SNAPSHOTS, snapshot, fmt.MANIFEST)], starts + [0], ends + [1]

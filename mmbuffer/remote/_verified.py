@@ -31,7 +31,7 @@ from zarr.storage import WrapperStore
 
 from .. import errors
 from ._cache import Cache
-from ._objects import Table, remote_errors
+from ._objects import FetchMany, Table, remote_errors
 
 __all__ = ["ChunkRows", "VerifiedStore", "mapped_objects"]
 
@@ -45,7 +45,7 @@ def _ahead() -> ThreadPoolExecutor:
     use in each process: a forked child does not inherit its parent's threads)."""
     with _AHEAD_LOCK:
         if not _AHEAD or _AHEAD[0][0] != os.getpid():
-            _AHEAD[:] = [(os.getpid(), ThreadPoolExecutor(max_workers=2, thread_name_prefix="mmbuffer-fetch"))]
+            _AHEAD[:] = [(os.getpid(), ThreadPoolExecutor(max_workers=2, thread_name_prefix="mmbuffer-fetch"))]  # 2: two columns read at once
         return _AHEAD[0][1]
 
 
@@ -54,7 +54,7 @@ class VerifiedStore(WrapperStore[Any]):
 
     def __init__(self, store: Any, *, prefix: str = "", table: Table | None = None, cache: Cache | None = None,
                  fetch: Callable[[str], bytes] | None = None, alive: Callable[[], None] | None = None,
-                 fetch_many: Callable[[list[str]], dict[str, bytes | None]] | None = None,
+                 fetch_many: FetchMany | None = None,
                  ready: dict[str, bytes] | None = None) -> None:
         super().__init__(store)
         self._prefix, self._table, self._cache, self._fetch, self._alive = prefix, table, cache, fetch, alive
@@ -65,11 +65,12 @@ class VerifiedStore(WrapperStore[Any]):
         return VerifiedStore(store, prefix=self._prefix, table=self._table, cache=self._cache, fetch=self._fetch,
                              alive=self._alive, fetch_many=self._fetch_many, ready=self._ready)
 
-    def prefetch(self, rels: Iterable[str]) -> int:
+    def prefetch(self, rels: Iterable[str], *, probe: bool = True) -> int:
         """Fetch the objects among ``rels`` (relative to the column) that the host cache lacks
         with one call of ``fetch_many`` (concurrent requests), verify and keep them, and hold
         them for the next read of each (no read back from disk); the number fetched. A
-        missing object is ``CorruptStoreError`` (``StoreNotFoundError``: snapshot removed)."""
+        missing object is ``CorruptStoreError`` (``StoreNotFoundError``: snapshot removed);
+        ``probe``: check the snapshot's existence in the same batch."""
         if self._fetch_many is None:
             return 0
         assert self._table is not None and self._cache is not None
@@ -82,7 +83,7 @@ class VerifiedStore(WrapperStore[Any]):
                 names[entry[1]], want[entry[1]] = self._prefix + rel, entry[0]
 
         def fetch(keys: list[str]) -> dict[str, bytes]:
-            got = many([names[k] for k in keys])
+            got = many([names[k] for k in keys], probe)
             out = {}
             for key in keys:
                 data = got.get(names[key])
@@ -244,16 +245,17 @@ class ChunkRows:
         pieces = self._pieces(missing)
         tail = (0,) * len(self._row_shape)
 
-        def prefetch(piece: np.ndarray) -> None:
-            self._store.prefetch([self._array.metadata.encode_chunk_key((int(c), *tail)) for c in missing[piece]])
+        def prefetch(piece: np.ndarray, probe: bool) -> None:
+            self._store.prefetch([self._array.metadata.encode_chunk_key((int(c), *tail)) for c in missing[piece]],
+                                 probe=probe)
 
         ahead: list[Future[None]] = []
-        try:
-            ahead.append(_ahead().submit(prefetch, pieces[0]))
+        try:  # the first piece's requests carry the snapshot's check
+            ahead.append(_ahead().submit(prefetch, pieces[0], True))
             for i, piece in enumerate(pieces):  # piece i decoded while piece i + 1 is fetched
                 ahead[i].result()
                 if i + 1 < len(pieces):
-                    ahead.append(_ahead().submit(prefetch, pieces[i + 1]))
+                    ahead.append(_ahead().submit(prefetch, pieces[i + 1], False))
                 first, count = int(missing[piece[0]]), len(piece)
                 values = self._read(first * self._cr, min((first + count) * self._cr, self._rows))
                 whole = len(values) // self._cr
