@@ -56,27 +56,6 @@ def tree_bytes(path: Path) -> int:
     return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs) if path.exists() else 0
 
 
-def sample_cold(url: str, cache: Path, batches: int, b: int, length: int, pool: bool) -> tuple[float, int, list[str]]:
-    """Seconds of sampling with an empty cache, bytes of the objects fetched, and their names."""
-    ro = mb.open(url, mode="r", cache_dir=cache, pool="default" if pool else None)
-    g = torch.Generator().manual_seed(1)
-    before = tree_bytes(cache / "objects")
-    t0 = time.perf_counter()
-    if pool:
-        assert ro.remote is not None and ro.remote.pool is not None
-        ro.remote.pool.advance()  # the first fill, fetched in order
-    for _ in range(batches):
-        ro.sample_slices(b, length, generator=g)
-    sec = time.perf_counter() - t0
-    got = tree_bytes(cache / "objects") - before
-    assert ro.remote is not None
-    table = ro.remote.table
-    held = {p.name for p in (cache / "objects").rglob("*") if p.is_file()}
-    names = [f"{table.holder(rel)}/{rel}" for rel, (_, key) in table.entries.items() if key in held]
-    ro.close()
-    return sec, got, names
-
-
 _CHILD = r"""
 import json, sys, tempfile, time
 from pathlib import Path
@@ -143,7 +122,9 @@ def server_process() -> Iterator[str]:
 
 def sample_child(code: Path, url: str, cache: Path, batches: int, b: int, length: int,
                  pool: bool) -> tuple[float, int, list[str]]:
-    """:func:`sample_cold` in a fresh process importing mmbuffer from ``code`` (a checkout)."""
+    """In a fresh process importing mmbuffer from ``code`` (a checkout), with an empty cache: seconds
+    of ``batches`` x ``sample_slices(b, length)`` (with ``pool``: after the pool's first fill),
+    bytes of the objects fetched (what landed in ``cache/objects``), and their names."""
     out = subprocess.run([sys.executable, "-c", _CHILD, url, str(cache), str(batches), str(b), str(length),
                           str(int(pool))], env={**os.environ, "PYTHONPATH": str(code)}, capture_output=True,
                          text=True, check=False, cwd=code)  # cwd: "-c" puts it first on sys.path

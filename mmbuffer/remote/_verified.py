@@ -20,8 +20,8 @@ import asyncio
 import contextlib
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np

@@ -13,14 +13,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from s3server import RequestCounter, moto_s3, new_bucket
-from s3server import small_chunks  # noqa: F401 - fixture
+from s3server import (
+    RequestCounter,
+    moto_s3,
+    new_bucket,
+    small_chunks,  # noqa: F401 - fixture
+)
 
 import mmbuffer as mb
 from mmbuffer import errors
 
 pytest.importorskip("s3fs")
-from mmbuffer.remote import _verified  # noqa: E402
+from mmbuffer.remote import _verified
 
 KEYS = ["obs", "x"]
 
@@ -94,7 +98,7 @@ def test_a_cold_read_sends_one_ranged_get_per_object_and_one_existence_check_per
 
 
 def test_pieces_fetched_ahead_of_the_decode_and_a_small_slab_read_right(tmp_path, server, monkeypatch):
-    endpoint, counter = server
+    endpoint, _ = server
     local, url = publish(tmp_path, endpoint)
     monkeypatch.setattr(_verified, "_PIECE", 1)  # one chunk per batch of requests: the next fetched while one decodes
     init = _verified.ChunkRows.__init__
