@@ -11,6 +11,10 @@ On an S3-compatible server on loopback (moto's server mode, started here), in on
   ranged GET each (``cat_file(path, start=0, end=size)``), one whole-object GET each
   (``cat_file(path)``), both one after the other as the sampler asks, and all at once
   (``fs.cat(paths)``, concurrent). Contender and baselines alternate ``--repeats`` times.
+  The server runs in a process of its own; each reader runs in a fresh process (its kernels
+  loaded on a small local store before the clock starts), so ``--base PATH`` (another checkout,
+  e.g. ``git worktree add /tmp/base main``) runs that tree's reader against the same server,
+  alternating with this one's; the GETs run in this process.
 * **codec columns** (``--codec-rows``, 84x84 uint8 frames, zstd): ``sample(32, stack 4)`` from
   the published store against the local one, alternating (host cache warm), and its first
   call with the cache cold.
@@ -39,6 +43,7 @@ Run: ``python benchmarks/bench_remote_ceiling.py [--rows 1e6] [--sizes 1e5,1e6]`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -48,6 +53,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -66,29 +72,86 @@ def tree_bytes(path: Path) -> int:
     return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs) if path.exists() else 0
 
 
-def sample_cold(url: str, cache: Path, batches: int, b: int, length: int, pool: bool) -> tuple[float, int, list[str]]:
-    """Seconds of sampling with an empty cache, bytes of the objects fetched, and their names."""
-    ro = mb.open(url, mode="r", cache_dir=cache, pool="default" if pool else None)
-    g = torch.Generator().manual_seed(1)
-    before = tree_bytes(cache / "objects")
-    t0 = time.perf_counter()
-    if pool:
-        assert ro.remote is not None and ro.remote.pool is not None
-        ro.remote.pool.advance()  # the first fill, fetched in order
-    for _ in range(batches):
-        ro.sample_slices(b, length, generator=g)
-    sec = time.perf_counter() - t0
-    got = tree_bytes(cache / "objects") - before
-    assert ro.remote is not None
-    table = ro.remote.table
-    held = {p.name for p in (cache / "objects").rglob("*") if p.is_file()}
-    names = [f"{table.holder(rel)}/{rel}" for rel, (_, key) in table.entries.items() if key in held]
-    ro.close()
-    return sec, got, names
+_CHILD = r"""
+import json, sys, tempfile, time
+from pathlib import Path
+import numpy as np, torch
+import mmbuffer as mb
+url, cache, batches, b, length, pool = sys.argv[1], Path(sys.argv[2]), *map(int, sys.argv[3:7])
+with tempfile.TemporaryDirectory() as d:  # the compiled kernels loaded before the clock starts
+    with mb.create(Path(d) / "w", {"x": ((), "float32")}, capacity=256) as w:
+        w.extend({"x": np.arange(200), "terminated": np.arange(200) % 50 == 49})
+        w.sample_slices(8, length, generator=torch.Generator().manual_seed(0))
+size = lambda p: sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.exists() else 0
+ro = mb.open(url, mode="r", cache_dir=cache, pool="default" if pool else None)
+g = torch.Generator().manual_seed(1)
+before = size(cache / "objects")
+t0 = time.perf_counter()
+if pool:
+    ro.remote.pool.advance()  # the first fill, fetched in order
+for _ in range(batches):
+    ro.sample_slices(b, length, generator=g)
+sec = time.perf_counter() - t0
+got = size(cache / "objects") - before
+held = {p.name for p in (cache / "objects").rglob("*") if p.is_file()}
+table = ro.remote.table
+names = [f"{table.holder(rel)}/{rel}" for rel, (_, key) in table.entries.items() if key in held]
+ro.close()
+print(json.dumps({"sec": sec, "bytes": got, "names": names}))
+"""
+
+_SERVER = r"""
+import logging, sys
+from moto.server import ThreadedMotoServer
+logging.getLogger("werkzeug").setLevel(logging.ERROR)
+server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+server.start()
+host, port = server.get_host_and_port()
+print(f"http://{host}:{port}", flush=True)
+sys.stdin.read()
+server.stop()
+"""
+
+
+@contextlib.contextmanager
+def server_process() -> Iterator[str]:
+    """moto's S3 server in a process of its own (not sharing this one's GIL); the ``AWS_*``
+    environment pointed at it; yields the endpoint."""
+    proc = subprocess.Popen([sys.executable, "-c", _SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdin is not None
+    endpoint = proc.stdout.readline().strip()
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_ENDPOINT_URL": endpoint,
+           "AWS_REGION": "us-east-1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield endpoint
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        proc.stdin.close()
+        proc.wait(30)
+
+
+def sample_child(code: Path, url: str, cache: Path, batches: int, b: int, length: int,
+                 pool: bool) -> tuple[float, int, list[str]]:
+    """In a fresh process importing mmbuffer from ``code`` (a checkout), with an empty cache: seconds
+    of ``batches`` x ``sample_slices(b, length)`` (with ``pool``: after the pool's first fill),
+    bytes of the objects fetched (what landed in ``cache/objects``), and their names."""
+    out = subprocess.run([sys.executable, "-c", _CHILD, url, str(cache), str(batches), str(b), str(length),
+                          str(int(pool))], env={**os.environ, "PYTHONPATH": str(code)}, capture_output=True,
+                         text=True, check=False, cwd=code)  # cwd: "-c" puts it first on sys.path
+    if out.returncode:
+        raise RuntimeError(f"the reader of {code} failed:\n{out.stderr[-3000:]}")
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    return float(got["sec"]), int(got["bytes"]), list(got["names"])
 
 
 def gets(fs: object, root: str, names: list[str]) -> dict[str, float]:
-    """Seconds to fetch ``names`` with plain GETs: ranged, whole, and all at once."""
+    """Seconds to fetch ``names`` with plain GETs: ranged, whole, and all at once (whole, ranged)."""
     paths = [f"{root}/snapshots/{n}" for n in names]
     sizes = {p: fs.size(p) for p in paths}  # type: ignore[attr-defined]
     out = {}
@@ -103,6 +166,9 @@ def gets(fs: object, root: str, names: list[str]) -> dict[str, float]:
     t0 = time.perf_counter()
     fs.cat(paths)  # type: ignore[attr-defined]
     out["whole-object GETs, concurrent (fs.cat)"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    fs.cat_ranges(paths, [0] * len(paths), [sizes[p] for p in paths])  # type: ignore[attr-defined]
+    out["ranged GETs, concurrent (fs.cat_ranges)"] = time.perf_counter() - t0
     return out
 
 
@@ -281,6 +347,10 @@ def main() -> None:
                     "package to run the readers with (repeat it to compare; default: this checkout)")
     ap.add_argument("--refresh-worker", help=argparse.SUPPRESS)
     ap.add_argument("--codec-rows", type=count, default=100_000, help="rows of the zstd pixel store (--part codec)")
+    ap.add_argument("--base", type=Path, default=None,
+                    help="another checkout whose reader alternates with this one's (--part ceiling)")
+    ap.add_argument("--server", choices=("process", "inprocess"), default="process",
+                    help="moto in a process of its own, or a thread of this one (before 2026-11-26 04:00)")
     args = ap.parse_args()
     if args.refresh_worker:
         print(json.dumps(refresh_worker(json.loads(args.refresh_worker))))
@@ -291,7 +361,7 @@ def main() -> None:
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     print(f"load before: {open('/proc/loadavg').read().strip()}")
-    with tempfile.TemporaryDirectory() as tmp, moto_s3() as endpoint:
+    with tempfile.TemporaryDirectory() as tmp, (server_process() if args.server == "process" else moto_s3()) as endpoint:
         urls: dict[int, str] = {}
         if args.part in ("all", "refresh"):
             refresh_part(Path(tmp), endpoint, args)
@@ -308,22 +378,31 @@ def main() -> None:
         url, root = urls.get(args.rows, ""), urls.get(args.rows, "")[5:]
         runs: dict[str, list[float]] = {}
         n = 0
-        for rep in range(args.repeats if args.part in ("all", "ceiling") else 0):  # contender and baselines alternate
+        codes = [("this tree", Path(__file__).resolve().parents[1])] + ([("base", args.base)] if args.base else [])
+        for rep in range(args.repeats if args.part in ("all", "ceiling") else 0):  # contenders and baselines alternate
             for pool in (False, True):
-                n += 1
-                sec, got, names = sample_cold(url, Path(tmp) / f"cache-{n}", args.batches, args.batch, args.slice_len, pool)
                 mode = "default pool, first fill + draws" if pool else "exact (pool=None)"
-                runs.setdefault(f"mb sampling, {mode}", []).append(got / sec)
+                for name, code in codes if rep % 2 == 0 else codes[::-1]:
+                    n += 1
+                    sec, got, names = sample_child(code, url, Path(tmp) / f"cache-{n}", args.batches, args.batch,
+                                                   args.slice_len, pool)
+                    runs.setdefault(f"mb sampling, {mode}, {name}", []).append(got / sec)
+                    print(f"rep {rep} {mode} {name}: {len(names)} objects, {got / 1e6:.1f} MB in {sec:.2f} s")
                 for what, s in gets(fs, root, names).items():
                     runs.setdefault(f"{what} ({mode}'s objects)", []).append(got / s)
-                print(f"rep {rep} {mode}: {len(names)} objects, {got / 1e6:.1f} MB in {sec:.2f} s")
+                print(f"  {open('/proc/loadavg').read().strip()}")
         if runs:
             print(f"\nrows={args.rows}, {args.batches} x sample_slices({args.batch}, {args.slice_len}), cache cold, "
-                  f"median of {args.repeats}")
-            print("| what | MB/s (objects' bytes) |")
-            print("|---|---:|")
+                  f"median of {args.repeats}; server: {args.server}")
+            print("| what | MB/s (objects' bytes) | / ranged GET | / whole GET |")
+            print("|---|---:|---:|---:|")
         for what, v in runs.items():
-            print(f"| {what} | {statistics.median(v) / 1e6:.1f} |")
+            mode = what.split(", ", 1)[1].rsplit(", ", 1)[0] if what.startswith("mb ") else ""
+            ranged = runs.get(f"ranged GET, one by one ({mode}'s objects)")
+            whole = runs.get(f"whole-object GET, one by one ({mode}'s objects)")
+            ratio = (f" | {statistics.median(v) / statistics.median(ranged):.2f} | "
+                     f"{statistics.median(v) / statistics.median(whole):.2f}") if ranged and whole else " | | "
+            print(f"| {what} | {statistics.median(v) / 1e6:.1f}{ratio} |")
         if sizes:
             print(f"\n| rows | pool | open (s) | open to 1st sample_slices(1, {args.slice_len}) (s) | open to 1st "
                   f"sample_slices({args.batch}, {args.slice_len}) (s) | mirror (MB) | objects fetched (MB) |")

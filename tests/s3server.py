@@ -77,6 +77,33 @@ class PutCounter:
         return self.app(environ, start_response)
 
 
+class RequestCounter:
+    """WSGI middleware counting every request by method and by what it asks for:
+    ``count("GET", "manifest")`` (a snapshot's ``manifest.json``: the existence check),
+    ``count("GET", "object")`` (anything else), ``count("HEAD")``; ``reset()`` starts over."""
+
+    def __init__(self, app):
+        import threading
+
+        self.app = app
+        self._lock = threading.Lock()
+        self.seen: list[tuple[str, str]] = []
+
+    def reset(self) -> None:
+        with self._lock:
+            self.seen = []
+
+    def count(self, method: str, kind: str | None = None) -> int:
+        with self._lock:
+            return sum(1 for m, k in self.seen if m == method and kind in (None, k))
+
+    def __call__(self, environ, start_response):
+        kind = "manifest" if environ.get("PATH_INFO", "").endswith("/manifest.json") else "object"
+        with self._lock:
+            self.seen.append((environ.get("REQUEST_METHOD", ""), kind))
+        return self.app(environ, start_response)
+
+
 @contextlib.contextmanager
 def counting_moto_s3() -> Iterator[tuple[str, PutCounter]]:
     """:func:`moto_s3` whose server counts the bytes sent to it (``PutCounter``)."""

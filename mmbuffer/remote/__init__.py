@@ -95,7 +95,7 @@ from ._cache import Cache
 from ._objects import Table, load_table, remote_errors
 from ._pool import ChunkPool, PoolConfig, PooledSampler
 from ._refresh import Refresher
-from ._verified import VerifiedStore, mapped_objects
+from ._verified import ChunkRows, VerifiedStore, mapped_objects
 
 __all__ = ["ChunkPool", "PoolConfig", "RemoteSource", "pool_config"]
 
@@ -207,7 +207,9 @@ class RemoteSource:
         the verified, cached store over ``base`` (the engine's own store)."""
         import zarr
 
-        store = VerifiedStore(base, prefix=name + "/", table=table, cache=self.files, fetch=fetch, alive=alive)
+        many = _snapshot.fetch_objects(self.fs, self.root, table, self.url) if self.repo is None else None
+        store = VerifiedStore(base, prefix=name + "/", table=table, cache=self.files, fetch=fetch, alive=alive,
+                              fetch_many=many)
         where = f"{self.url}@{snap}/{name}"
         entry = table.get(f"{name}/zarr.json")
         if entry is None:
@@ -223,7 +225,10 @@ class RemoteSource:
             raise
         except Exception as exc:  # noqa: BLE001 - zarr's errors are untyped for us
             raise errors.CorruptStoreError(f"{where}: zarr cannot open the array ({type(exc).__name__}: {exc})") from None
-        return RemoteArray(array, where, cache_bytes=64 << 20, alive=alive)
+        arr = RemoteArray(array, where, cache_bytes=64 << 20, alive=alive)
+        if ChunkRows.fits(array):  # exact reads: a batch's chunks fetched together (a pool, if any, replaces it)
+            arr.attach(ChunkRows(array, store, where, cache_bytes=64 << 20))
+        return arr
 
     def _prepare(self, pointer: Mapping[str, Any], mirrored: tuple[Path, Table, int] | None = None, *,
                  fill: bool = False) -> Opened:
@@ -238,9 +243,7 @@ class RemoteSource:
         def alive() -> None:
             _snapshot.check_alive(fs, self.root, snap, self.url)
 
-        def fetch(rel: str) -> bytes:  # from the snapshot that holds it (this one, or an earlier one)
-            data: bytes = fs.cat_file(f"{self.root}/{_snapshot.SNAPSHOTS}/{table.holder(rel)}/{rel}")
-            return data
+        fetch = _snapshot.object_fetch(fs, self.root, table)  # from the snapshot that holds it (this one, or an earlier one)
 
         def opener(name: str, expect: Any) -> ColumnArray:
             get: Callable[[str], bytes] = fetch
@@ -277,8 +280,9 @@ class RemoteSource:
                 view = Store.view.__wrapped__(store)  # type: ignore[attr-defined]
                 pool = ChunkPool(opened, view, store.capacity, self.pool_config, self.cache, self.files)
                 pool.set_shard(*shard, epoch=epoch)
-            for arr in opened.values():
-                arr.attach(pool)
+            if pool is not None:  # else each column keeps its exact reader (ChunkRows)
+                for arr in opened.values():
+                    arr.attach(pool)
             if fill and pool is not None:
                 with contextlib.suppress(errors.EmptyBufferError):  # raised by the first draw, as without fill
                     pool.advance()  # starts it: the first blocks come before the swap, not in a draw after it

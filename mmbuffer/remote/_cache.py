@@ -48,7 +48,7 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -258,6 +258,34 @@ class Cache:
             check(data)
             self.admit(size, lambda: write_file(path, data, self.base))
         return data
+
+    def fetch_absent(self, want: Mapping[str, int], fetch: Callable[[list[str]], Mapping[str, bytes]],
+                     check: Callable[[str, bytes], None]) -> dict[str, bytes]:
+        """The objects of ``want`` (digest -> size) that the cache lacks, fetched with one call
+        of ``fetch`` (digests -> bytes: concurrent requests), each checked, then kept; under
+        their stripes' locks (taken in order), so each is downloaded once per host. Returns
+        what this call fetched, for the caller to use without reading it back."""
+        absent = [k for k, size in want.items() if not self._holds(k, size)]
+        if not absent:
+            return {}
+        with contextlib.ExitStack() as held:
+            for stripe in sorted({k[:3] for k in absent}):
+                held.enter_context(self.locked(f"locks/{stripe}"))
+            absent = [k for k in absent if not self._holds(k, want[k])]  # another process's, meanwhile
+            got = dict(fetch(absent)) if absent else {}
+            for key in absent:
+                check(key, got[key])
+            self.downloads += len(got)
+            for key, data in got.items():  # one at a time: a limit below the batch evicts its first ones
+                path = self.base / "objects" / key[:2] / key
+                self.admit(len(data), lambda: write_file(path, data, self.base))  # noqa: B023 - called at once
+        return got
+
+    def _holds(self, key: str, size: int) -> bool:
+        try:
+            return (self.base / "objects" / key[:2] / key).stat().st_size == size
+        except OSError:
+            return False
 
     def mapped(self, key: str, size: int, fetch: Callable[[], bytes],
                check: Callable[[bytes | memoryview], None]) -> np.ndarray:

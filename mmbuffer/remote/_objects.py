@@ -28,13 +28,13 @@ import json
 import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from .. import errors
 from .._disk.files import parse_json
 from ._dense import Packed
 
-__all__ = ["OBJECTS", "Table", "digest", "load_table", "parse_table", "remote_errors", "table_bytes"]
+__all__ = ["OBJECTS", "FetchMany", "Table", "digest", "load_table", "parse_table", "remote_errors", "table_bytes"]
 
 OBJECTS = "objects.json"
 _FORMAT = "mmbuffer-objects"
@@ -58,6 +58,13 @@ def file_digest(path: Path) -> tuple[int, str]:
             h.update(piece)
             size += len(piece)
     return size, h.hexdigest()
+
+
+class FetchMany(Protocol):
+    """Fetch a batch of a snapshot's objects at once (concurrent requests): name -> bytes,
+    None where missing; ``probe``: check in the same batch that the snapshot still exists."""
+
+    def __call__(self, rels: list[str], probe: bool = False) -> dict[str, bytes | None]: ...
 
 
 def table_bytes(entries: Mapping[str, tuple[int, str]], holders: Mapping[str, str] | None = None,

@@ -34,6 +34,7 @@ is reused by every process on the machine (DataLoader workers, ranks).
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -51,10 +52,10 @@ from .._disk.files import parse_json
 from .._disk.urls import join
 from ._dense import pack, rebuild, shard_rel
 from ._cache import Cache, write_file
-from ._objects import OBJECTS, Table, digest, file_digest, load_table, parse_table, remote_errors, table_bytes
+from ._objects import OBJECTS, FetchMany, Table, digest, file_digest, load_table, parse_table, remote_errors, table_bytes
 
-__all__ = ["POINTER", "cache_base", "cache_root", "check_alive", "check_pointer", "mirror", "prune", "publish_dir",
-           "read_pointer", "upload_snapshot"]
+__all__ = ["POINTER", "cache_base", "cache_root", "check_alive", "check_pointer", "fetch_objects", "mirror", "object_fetch",
+           "prune", "publish_dir", "read_pointer", "upload_snapshot"]
 
 POINTER = "current.json"
 SNAPSHOTS = "snapshots"
@@ -100,9 +101,12 @@ def check_pointer(obj: Any, where: str) -> dict[str, Any]:
 def check_alive(fs: Any, root: str, snapshot: str, url: str) -> None:
     """Raise ``StoreNotFoundError`` if ``snapshot`` was deleted by a newer publish.
 
-    Called after reading chunks: deletion removes ``manifest.json`` first, so if it
-    is still there, every chunk read before was intact (zarr reads a missing chunk
-    as zeros, which must never reach a sample).
+    Deletion removes ``manifest.json`` first. Every object read is verified against the
+    snapshot's table, so a chunk gone is never zeros (``CorruptStoreError``, or this
+    error when the snapshot went); the check tells a reader its snapshot is gone:
+    after each block the pool fetches, in the same batch of requests as the chunks of an
+    exact read (``fetch_objects(probe=True)``), and whenever an object is missing.
+    Rows a reader already holds (verified) are still served.
     """
     try:  # a ranged GET, never a cached listing
         with remote_errors(url):
@@ -124,24 +128,66 @@ def cache_root(base: Path, url: str) -> Path:
     return base / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:20]
 
 
-def fetch_objects(fs: Any, root: str, table: Table, url: str) -> Callable[[list[str]], dict[str, bytes | None]]:
+def _ranges(root: str, table: Table, rels: list[str]) -> tuple[list[str], list[int | None], list[int | None]]:
+    """Paths and byte ranges of ``rels``: each object asked for with one ranged GET of the
+    size the table records (fsspec's whole-object read asks for the size with a HEAD
+    first: two requests per object); an empty object whole."""
+    paths, starts, ends = [], [], []
+    for rel in rels:
+        entry = table.get(rel)
+        paths.append(join(root, SNAPSHOTS, table.holder(rel), rel))
+        starts.append(0 if entry is not None and entry[0] else None)
+        ends.append(entry[0] if entry is not None and entry[0] else None)
+    return paths, starts, ends
+
+
+def object_fetch(fs: Any, root: str, table: Table) -> Callable[[str], bytes]:
+    """``rel -> `` the bytes of one object of ``table``'s snapshot, by one ranged GET from
+    the snapshot that holds it (``FileNotFoundError`` if missing)."""
+
+    def fetch(rel: str) -> bytes:
+        (path,), (start,), (end,) = _ranges(root, table, [rel])
+        data: bytes = fs.cat_file(path, start=start, end=end)
+        return data
+
+    return fetch
+
+
+def fetch_objects(fs: Any, root: str, table: Table, url: str) -> FetchMany:
     """Fetch a batch of a snapshot's objects concurrently, each from the snapshot that
-    holds it (None: missing; then ``StoreNotFoundError`` if the snapshot was pruned)."""
+    holds it, one ranged GET each (None: missing; then ``StoreNotFoundError`` if the
+    snapshot was pruned). ``probe=True``: the existence check of the snapshot (its
+    manifest, :func:`check_alive`) goes in the same concurrent batch, so a snapshot
+    removed before the batch began is a ``StoreNotFoundError`` at no extra round trip."""
     snapshot = table.snapshot
 
-    def fetch(rels: list[str]) -> dict[str, bytes | None]:
-        paths = {rel: join(root, SNAPSHOTS, table.holder(rel), rel) for rel in rels}
+    def fetch(rels: list[str], probe: bool = False) -> dict[str, bytes | None]:
+        paths, starts, ends = _ranges(root, table, rels)
+        if probe:
+            paths, starts, ends = paths + [join(root, SNAPSHOTS, snapshot, fmt.MANIFEST)], starts + [0], ends + [1]
         with remote_errors(url):
-            got = fs.cat(list(paths.values()), on_error="return") if paths else {}
+            got = fs.cat_ranges(paths, starts, ends, on_error="return") if paths else []
+            for data in got:  # a refused request or an unreachable server: typed here, never "missing"
+                if isinstance(data, BaseException) and _transport(data):
+                    raise data
         out: dict[str, bytes | None] = {}
-        for rel, path in paths.items():
-            data = got.get(path)
+        for rel, data in zip(rels, got):
+            if isinstance(data, OSError) and data.errno == errno.EINVAL:
+                data = b""  # a range past the end: an object shorter than the table says (size check refuses it)
             out[rel] = data if isinstance(data, bytes) else None
-        if any(v is None for v in out.values()):
+        if (probe and not isinstance(got[-1], bytes)) or any(v is None for v in out.values()):
             check_alive(fs, root, snapshot, url)
         return out
 
     return fetch
+
+
+def _transport(exc: BaseException) -> bool:
+    """An exception of the transport (refused credentials, a server out of reach), not of one object."""
+    if isinstance(exc, FileNotFoundError):
+        return False
+    return isinstance(exc, (PermissionError, ConnectionError, TimeoutError)) or type(exc).__module__.split(".", 1)[0] in (
+        "botocore", "aiobotocore", "aiohttp", "urllib3", "requests")
 
 
 def mirror(fetch: Callable[[list[str]], dict[str, bytes | None]], snapshot: str, url: str, folder: Path, cache: Cache,

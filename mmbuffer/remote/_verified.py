@@ -7,12 +7,21 @@ digest first. A key the table does not name is a chunk never written (zarr reads
 fill value) and is not requested at all; a named object that is missing, changed or
 swapped is a ``CorruptStoreError`` naming it and its column (or ``StoreNotFoundError``
 when a newer publish removed the snapshot).
+
+Exact reads (``pool=None``) go through :class:`ChunkRows`: the chunks a read needs that
+the host cache lacks are fetched together (:meth:`VerifiedStore.prefetch`: one batch of
+concurrent ranged GETs with the snapshot's existence check in it), verified, kept, and
+handed to zarr's decode without being read back from disk.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import threading
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -20,23 +29,76 @@ from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, Suf
 from zarr.core.buffer import Buffer, BufferPrototype
 from zarr.storage import WrapperStore
 
+from .. import errors
 from ._cache import Cache
-from ._objects import Table, remote_errors
+from ._objects import FetchMany, Table, remote_errors
 
-__all__ = ["VerifiedStore", "mapped_objects"]
+__all__ = ["ChunkRows", "VerifiedStore", "mapped_objects"]
+
+_PIECE = 8 << 20  # bytes of decoded chunks fetched per batch of requests (the next is fetched while one decodes)
+_AHEAD: list[tuple[int, ThreadPoolExecutor]] = []
+_AHEAD_LOCK = threading.Lock()
+
+
+def _ahead() -> ThreadPoolExecutor:
+    """The threads that fetch the next piece of a read while one is decoded (made on first
+    use in each process: a forked child does not inherit its parent's threads)."""
+    with _AHEAD_LOCK:
+        if not _AHEAD or _AHEAD[0][0] != os.getpid():
+            _AHEAD[:] = [(os.getpid(), ThreadPoolExecutor(max_workers=2, thread_name_prefix="mmbuffer-fetch"))]  # 2: two columns read at once
+        return _AHEAD[0][1]
 
 
 class VerifiedStore(WrapperStore[Any]):
     """``store`` (a read-only ``FsspecStore`` of one column) with verified, cached reads."""
 
     def __init__(self, store: Any, *, prefix: str = "", table: Table | None = None, cache: Cache | None = None,
-                 fetch: Callable[[str], bytes] | None = None, alive: Callable[[], None] | None = None) -> None:
+                 fetch: Callable[[str], bytes] | None = None, alive: Callable[[], None] | None = None,
+                 fetch_many: FetchMany | None = None,
+                 ready: dict[str, bytes] | None = None) -> None:
         super().__init__(store)
         self._prefix, self._table, self._cache, self._fetch, self._alive = prefix, table, cache, fetch, alive
+        self._fetch_many = fetch_many  # a batch of objects at once (concurrent requests), or None
+        self._ready = {} if ready is None else ready  # digest -> bytes fetched and verified by prefetch, not yet read
 
     def _with_store(self, store: Any) -> VerifiedStore:
         return VerifiedStore(store, prefix=self._prefix, table=self._table, cache=self._cache, fetch=self._fetch,
-                             alive=self._alive)
+                             alive=self._alive, fetch_many=self._fetch_many, ready=self._ready)
+
+    def prefetch(self, rels: Iterable[str], *, probe: bool = True) -> int:
+        """Fetch the objects among ``rels`` (relative to the column) that the host cache lacks
+        with one call of ``fetch_many`` (concurrent requests), verify and keep them, and hold
+        them for the next read of each (no read back from disk); the number fetched. A
+        missing object is ``CorruptStoreError`` (``StoreNotFoundError``: snapshot removed);
+        ``probe``: check the snapshot's existence in the same batch."""
+        if self._fetch_many is None:
+            return 0
+        assert self._table is not None and self._cache is not None
+        table, many = self._table, self._fetch_many
+        names: dict[str, str] = {}  # digest -> the first object with that content
+        want: dict[str, int] = {}
+        for rel in rels:
+            entry = table.get(self._prefix + rel)
+            if entry is not None and entry[1] not in names:
+                names[entry[1]], want[entry[1]] = self._prefix + rel, entry[0]
+
+        def fetch(keys: list[str]) -> dict[str, bytes]:
+            got = many([names[k] for k in keys], probe)
+            out = {}
+            for key in keys:
+                data = got.get(names[key])
+                if data is None:
+                    raise table.missing(names[key])
+                out[key] = data
+            return out
+
+        fetched = self._cache.fetch_absent(want, fetch, lambda key, data: table.check(names[key], data))
+        self._ready.update(fetched)
+        return len(fetched)
+
+    def forget(self) -> None:
+        """Drop what :meth:`prefetch` held and no read took."""
+        self._ready.clear()
 
     def read_object(self, rel: str) -> bytes | None:
         """The verified object ``rel`` (relative to the snapshot), or None if the table
@@ -45,6 +107,9 @@ class VerifiedStore(WrapperStore[Any]):
         entry = self._table.get(rel)
         if entry is None:
             return None  # not in the snapshot: a chunk never written
+        ready = self._ready.pop(entry[1], None)
+        if ready is not None:
+            return ready  # fetched and verified by prefetch just before
         table = self._table
         return self._cache.object(entry[1], entry[0], _download(table, self._fetch, self._alive, rel),
                                   lambda data: table.check(rel, data))
@@ -95,3 +160,130 @@ def _download(table: Table, fetch: Callable[[str], bytes], alive: Callable[[], N
             raise table.missing(rel) from None
 
     return download
+
+
+class ChunkRows:
+    """Rows of one remote column served from whole decoded chunks (exact reads, ``pool=None``).
+
+    A read takes the chunks its rows lie in; those not held are fetched together
+    (:meth:`VerifiedStore.prefetch`: one batch of concurrent requests, every object
+    verified and kept in the host cache), decoded by zarr run by run, and kept in a slab
+    of about ``cache_bytes`` (least recently used chunks leave first; a read needing more
+    chunks than that grows it); the rows are then gathered from the slab in one indexing.
+    A ``RowSource`` of :class:`~mmbuffer._disk.columns.remote.RemoteArray`: rows outside
+    the array are left to it (it raises ``IndexError``).
+
+    >>> import tempfile, numpy as np, mmbuffer as mb
+    >>> d = tempfile.mkdtemp()
+    >>> with mb.create(d + "/s", {"x": ((), "float32")}, capacity=64, next_keys=()) as buf:
+    ...     buf.extend({"x": np.arange(40), "terminated": np.arange(40) % 10 == 9})
+    >>> _ = mb.convert.copy(d + "/s", "file://" + d + "/pub", progress=False)
+    >>> ro = mb.open("file://" + d + "/pub", mode="r", cache_dir=d + "/c", pool=None)
+    >>> n = ro.remote.files.downloads
+    >>> ro.get(np.arange(3, 6))["x"].tolist(), ro.remote.files.downloads - n  # x's one chunk, fetched
+    ([3.0, 4.0, 5.0], 1)
+    >>> ro.get(np.arange(6))["x"].tolist()[:2], ro.remote.files.downloads - n  # held: nothing fetched
+    ([0.0, 1.0], 1)
+    >>> ro.close()
+    """
+
+    def __init__(self, array: Any, store: VerifiedStore, where: str, *, cache_bytes: int) -> None:
+        self._array, self._store, self._where = array, store, where
+        self._rows, self._cr = int(array.shape[0]), int(array.chunks[0])
+        self._row_shape = tuple(int(n) for n in array.shape[1:])
+        self._dtype = np.dtype(array.dtype)
+        row_bytes = max(1, int(np.prod(self._row_shape, dtype=np.int64)) * self._dtype.itemsize)
+        self._chunk_bytes = row_bytes * self._cr
+        self._slots = max(1, cache_bytes // self._chunk_bytes)
+        self._slab = np.empty((0, self._cr, *self._row_shape), dtype=self._dtype)
+        self._slot_of = np.full(-(-self._rows // self._cr), -1, dtype=np.int64)  # chunk -> slot
+        self._chunk_in = np.zeros(0, dtype=np.int64)  # slot -> chunk (-1: free)
+        self._used = np.zeros(0, dtype=np.int64)  # slot -> last read that used it
+        self._clock = 0
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def fits(array: Any) -> bool:
+        """Whether ``array``'s chunks hold whole rows (what this reader assumes)."""
+        return len(array.shape) >= 1 and int(array.shape[0]) > 0 and tuple(array.chunks[1:]) == tuple(array.shape[1:])
+
+    def serve(self, name: str, rows: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Fill ``out`` at ``rows`` (those inside the array); return that mask."""
+        flat = np.asarray(rows, dtype=np.int64)
+        ok: np.ndarray = (flat >= 0) & (flat < self._rows)
+        if not ok.any():
+            return ok
+        at = flat[ok]
+        chunks = at // self._cr
+        with self._lock:
+            need = np.unique(chunks)
+            self._hold(need)
+            slots = self._slot_of[chunks]
+            out[ok] = self._slab[slots, at - chunks * self._cr]
+            self._clock += 1
+            self._used[self._slot_of[need]] = self._clock
+        return ok
+
+    def _hold(self, need: np.ndarray) -> None:
+        """Make every chunk of ``need`` (sorted) held: fetch, decode and place the others."""
+        missing = need[self._slot_of[need] < 0]
+        if missing.size == 0:
+            return
+        total = max(self._slots, len(need))
+        if len(self._chunk_in) < total:  # first use, or a read wider than the slab
+            slab = np.empty((total, self._cr, *self._row_shape), dtype=self._dtype)
+            slab[: len(self._chunk_in)] = self._slab
+            self._slab = slab
+            self._chunk_in = np.concatenate([self._chunk_in, np.full(total - len(self._chunk_in), -1, np.int64)])
+            self._used = np.concatenate([self._used, np.zeros(total - len(self._used), np.int64)])
+        held = self._slot_of[need]
+        free = np.setdiff1d(np.arange(len(self._chunk_in)), held[held >= 0])
+        slots = free[np.argsort(self._used[free], kind="stable")][: len(missing)]
+        gone = self._chunk_in[slots]
+        self._slot_of[gone[gone >= 0]] = -1
+        self._chunk_in[slots] = -1
+        pieces = self._pieces(missing)
+        tail = (0,) * len(self._row_shape)
+
+        def prefetch(piece: np.ndarray, probe: bool) -> None:
+            self._store.prefetch([self._array.metadata.encode_chunk_key((int(c), *tail)) for c in missing[piece]],
+                                 probe=probe)
+
+        ahead: list[Future[None]] = []
+        try:  # the first piece's requests carry the snapshot's check
+            ahead.append(_ahead().submit(prefetch, pieces[0], True))
+            for i, piece in enumerate(pieces):  # piece i decoded while piece i + 1 is fetched
+                ahead[i].result()
+                if i + 1 < len(pieces):
+                    ahead.append(_ahead().submit(prefetch, pieces[i + 1], False))
+                first, count = int(missing[piece[0]]), len(piece)
+                values = self._read(first * self._cr, min((first + count) * self._cr, self._rows))
+                whole = len(values) // self._cr
+                if whole:
+                    self._slab[slots[piece[:whole]]] = values[: whole * self._cr].reshape(whole, self._cr, *self._row_shape)
+                if whole < count:  # the array's last, partial chunk
+                    self._slab[slots[piece[-1]], : len(values) - whole * self._cr] = values[whole * self._cr:]
+                self._slot_of[missing[piece]] = slots[piece]
+                self._chunk_in[slots[piece]] = missing[piece]
+        finally:
+            for future in ahead:  # a failed read: the fetch ahead is awaited before its objects are dropped
+                future.cancel()
+                with contextlib.suppress(BaseException):
+                    future.result()
+            self._store.forget()
+
+    def _pieces(self, missing: np.ndarray) -> list[np.ndarray]:
+        """Positions in ``missing`` grouped into runs of consecutive chunks of at most
+        ``_PIECE`` bytes each (one zarr read and one batch of requests per piece)."""
+        per = max(1, _PIECE // max(1, self._chunk_bytes))
+        runs = np.split(np.arange(len(missing)), np.flatnonzero(np.diff(missing) != 1) + 1)
+        return [run[i:i + per] for run in runs for i in range(0, len(run), per)]
+
+    def _read(self, start: int, stop: int) -> np.ndarray:
+        try:
+            values: np.ndarray = np.asarray(self._array[start:stop])
+        except errors.MMBufferError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a chunk that cannot be decoded
+            raise errors.CorruptStoreError(f"{self._where}: a chunk cannot be read ({type(exc).__name__}: {exc})") from None
+        return values
