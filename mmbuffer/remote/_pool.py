@@ -260,6 +260,9 @@ class ChunkPool:
         """About the share of live rows the pool holds (to size the rejection draws)."""
         return min(1.0, len(self._held) * self.block_rows / self.live_rows)
 
+    def release(self) -> None:
+        """Nothing: the held blocks are files under the cache directory (page cache)."""
+
     def serve(self, name: str, rows: np.ndarray, out: np.ndarray) -> np.ndarray:
         """Fill ``out`` at the rows the pool holds; return that mask (``RowSource``)."""
         if not self._started or name not in self._maps:

@@ -224,6 +224,13 @@ class ChunkRows:
             self._used[self._slot_of[need]] = self._clock
         return ok
 
+    def release(self) -> None:
+        """Drop the decoded chunks (the next read takes them from the host cache)."""
+        with self._lock:
+            self._slab = self._slab[:0]
+            self._slot_of[:] = -1
+            self._chunk_in, self._used = self._chunk_in[:0], self._used[:0]
+
     def _hold(self, need: np.ndarray) -> None:
         """Make every chunk of ``need`` (sorted) held: fetch, decode and place the others."""
         missing = need[self._slot_of[need] < 0]

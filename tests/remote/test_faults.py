@@ -301,8 +301,8 @@ def test_an_object_changed_in_the_host_cache_is_fetched_anew(tmp_path, s3):
         assert cached
         for p in cached:
             p.write_bytes(flip(p.read_bytes()))  # bit rot, or another user, on the local disk
-    # a new reader of the same host cache (the first one holds the rows it decoded in memory)
-    with mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None) as ro:
+        ro.store.column("x").release()  # the decoded chunks: the next read goes to the host cache
+        ro.store.column("obs").release()
         before = ro.remote.files.downloads
         np.testing.assert_array_equal(read_everything(ro)["x"].numpy(), want)
         assert ro.remote.files.downloads > before  # refetched from the server, checked again

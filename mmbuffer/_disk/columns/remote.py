@@ -8,8 +8,9 @@ chunks are fetched concurrently and decoded) into a small LRU cache of decoded
 chunks. That is the exact, on-demand mode; the pool is the fast one.
 
 zarr reads a missing chunk as the fill value. A snapshot deleted while it is read
-would therefore read as zeros: after every fetch the backend calls ``alive()``,
-which raises if the snapshot is gone (``mmbuffer.remote``).
+would therefore read as zeros: after every fetch through this backend it calls
+``alive()``, which raises if the snapshot is gone (``mmbuffer.remote``; its exact
+reader, ``ChunkRows``, sends that check with the fetch's own requests).
 
 Writable too (zarr writes whole chunks), so the conformance suite of
 ``tests/disk/test_columns.py`` runs on it; mmbuffer itself only reads remote columns.
@@ -34,9 +35,12 @@ __all__ = ["RemoteArray", "RowSource"]
 
 
 class RowSource(Protocol):
-    """Rows held locally (the chunk pool): fills ``out`` where it can, returns that mask."""
+    """Rows held locally (the chunk pool, or exact reads' decoded chunks): fills ``out``
+    where it can, returns that mask; ``release`` drops what it holds in process memory."""
 
     def serve(self, name: str, rows: np.ndarray, out: np.ndarray) -> np.ndarray: ...
+
+    def release(self) -> None: ...
 
 
 class RemoteArray(ColumnArray):
@@ -170,3 +174,5 @@ class RemoteArray(ColumnArray):
     def release(self) -> None:
         with self._lock:
             self._cache.clear()
+        if self._source is not None:
+            self._source.release()
