@@ -117,21 +117,14 @@ server.stop()
 def server_process() -> Iterator[str]:
     """moto's S3 server in a process of its own (not sharing this one's GIL); the ``AWS_*``
     environment pointed at it; yields the endpoint."""
+    from s3server import aws_env
+
     proc = subprocess.Popen([sys.executable, "-c", _SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None and proc.stdin is not None
-    endpoint = proc.stdout.readline().strip()
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_ENDPOINT_URL": endpoint,
-           "AWS_REGION": "us-east-1"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     try:
-        yield endpoint
+        with aws_env(proc.stdout.readline().strip()) as endpoint:
+            yield endpoint
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         proc.stdin.close()
         proc.wait(30)
 

@@ -7,6 +7,7 @@ import logging
 import os
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -33,7 +34,16 @@ def moto_s3(wrap=None) -> Iterator[str]:
     server = cls(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
+    try:
+        with aws_env(f"http://{host}:{port}") as endpoint:
+            yield endpoint
+    finally:
+        server.stop()
+
+
+@contextlib.contextmanager
+def aws_env(endpoint: str) -> Iterator[str]:
+    """The ``AWS_*`` environment pointed at ``endpoint`` (test credentials), restored after."""
     env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_ENDPOINT_URL": endpoint,
            "AWS_REGION": "us-east-1"}
     saved = {k: os.environ.get(k) for k in env}
@@ -46,7 +56,6 @@ def moto_s3(wrap=None) -> Iterator[str]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        server.stop()
 
 
 def new_bucket(endpoint: str) -> str:
@@ -105,12 +114,13 @@ class RequestCounter:
 
 
 @contextlib.contextmanager
-def counting_moto_s3() -> Iterator[tuple[str, PutCounter]]:
-    """:func:`moto_s3` whose server counts the bytes sent to it (``PutCounter``)."""
-    counter: list[PutCounter] = []
+def counting_moto_s3(counter_cls=None) -> Iterator[tuple[str, Any]]:
+    """:func:`moto_s3` whose server counts what it is sent: ``counter_cls`` (default
+    :class:`PutCounter`, the bytes; :class:`RequestCounter`, every request) wraps it."""
+    counter: list[Any] = []
 
     def wrap(app):
-        counter.append(PutCounter(app))
+        counter.append((counter_cls or PutCounter)(app))
         return counter[0]
 
     with moto_s3(wrap=wrap) as endpoint:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from s3server import (
     RequestCounter,
-    moto_s3,
+    counting_moto_s3,
     new_bucket,
     small_chunks,  # noqa: F401 - fixture
 )
@@ -31,14 +31,8 @@ KEYS = ["obs", "x"]
 
 @pytest.fixture(scope="module")
 def server():
-    counters: list[RequestCounter] = []
-
-    def wrap(app):
-        counters.append(RequestCounter(app))
-        return counters[0]
-
-    with moto_s3(wrap=wrap) as endpoint:
-        yield endpoint, counters[0]
+    with counting_moto_s3(RequestCounter) as (endpoint, counter):
+        yield endpoint, counter
 
 
 def publish(tmp_path: Path, endpoint: str, episodes: int = 40, length: int = 25) -> tuple[Path, str]:
