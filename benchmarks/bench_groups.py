@@ -12,8 +12,10 @@ stores of ``--rows`` rows each (obs 17 float32, reward; episodes of ``--episode`
   ``cache_dir`` (cold: every small part fetched);
 * ``sample(256)`` (exact reads, ``pool=None``) from both, alternated, after a warm-up.
 
+``--engine icechunk`` publishes both the plain store and the group through Icechunk (the
+group: one repository, a commit per publish under the writer's folder; no ``group.json``).
 Medians; moto is a Python server: its throughput, not S3's, bounds the absolute figures.
-Run: ``python benchmarks/bench_groups.py [--rows 100000] [--rounds 5]``.
+Run: ``python benchmarks/bench_groups.py [--rows 100000] [--rounds 5] [--engine icechunk]``.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ def main() -> None:
     ap.add_argument("--rows", type=count, default=100_000)
     ap.add_argument("--episode", type=int, default=500)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--engine", choices=("snapshots", "icechunk"), default="snapshots")
     args = ap.parse_args()
     from s3server import moto_s3, new_bucket
 
@@ -65,10 +68,11 @@ def main() -> None:
         with mb.create(tmp / "all", cols, capacity=3 * cap) as buf:
             add(buf, 0, 3 * rows, ep, rng)
         single, group, big = (f"s3://{new_bucket(endpoint)}/s" for _ in range(3))
-        mb.convert.publish(tmp / "w0", single, progress=False)
+        engine = args.engine
+        mb.convert.publish(tmp / "w0", single, progress=False, engine=engine)
         for w in range(3):
-            mb.convert.publish(tmp / f"w{w}", group, writer=f"host-{w}", progress=False)
-        mb.convert.publish(tmp / "all", big, progress=False)
+            mb.convert.publish(tmp / f"w{w}", group, writer=f"host-{w}", progress=False, engine=engine)
+        mb.convert.publish(tmp / "all", big, progress=False, engine=engine)
         pub: dict[str, list[float]] = {"single": [], "group": []}
         for r in range(args.rounds):
             with mb.open(tmp / "w0") as buf:
@@ -76,7 +80,7 @@ def main() -> None:
             order = [("single", {}), ("group", {"writer": "host-0"})]
             for name, kw in order if r % 2 == 0 else order[::-1]:
                 t0 = time.perf_counter()
-                mb.convert.publish(tmp / "w0", single if name == "single" else group, progress=False, **kw)
+                mb.convert.publish(tmp / "w0", single if name == "single" else group, progress=False, engine=engine, **kw)
                 pub[name].append(time.perf_counter() - t0)
         opened: dict[str, list[float]] = {"single": [], "group": []}
         sampled: dict[str, list[float]] = {"single": [], "group": []}
@@ -94,7 +98,7 @@ def main() -> None:
                     ro.sample(256, generator=g)
                 sampled[name].append((time.perf_counter() - t0) / 5)
                 ro.close()
-    print(f"rows per writer {rows:,}, 3 writers; rounds {args.rounds}; medians")
+    print(f"rows per writer {rows:,}, 3 writers; engine {args.engine}; rounds {args.rounds}; medians")
     print("| measure | group | one store | ratio |")
     print("|---|---:|---:|---:|")
     for label, table, unit in (("publish after 1% new rows (s)", pub, 1.0), ("open, cold cache (ms)", opened, 1e3),

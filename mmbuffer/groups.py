@@ -19,7 +19,8 @@ weights are normalised against the union's smallest live priority:
 contiguous: item ``j`` comes from the writer drawn for it); ``indices`` are union ids, ``offsets[w] + row`` (``locate`` splits them).
 The split is exact for the spec; a writer with a chunk pool (``pool=``) draws its share
 as a pooled buffer does. ``refresh()`` moves every writer to the group's newest
-snapshot at once, or to none of it.
+snapshot at once, or to none of it. A group published with ``engine="icechunk"`` is one
+Icechunk repository (``mmbuffer.remote._icegroup``): its writers are read at one commit.
 
 >>> import tempfile, numpy as np, torch, mmbuffer as mb
 >>> d = tempfile.mkdtemp()
@@ -53,7 +54,7 @@ from ._disk.urls import filesystem
 from ._read.gather import Batch
 from .buffer import Buffer
 from .remote import RemoteSource
-from .remote import _group
+from .remote import _group, _icegroup
 from .remote._group import entries, read_group, writer_url
 from .remote._refresh import Refresher
 
@@ -61,9 +62,20 @@ __all__ = ["GroupBuffer", "is_group"]
 
 
 def is_group(url: str, storage_options: Mapping[str, Any] | None = None) -> bool:
-    """Whether ``url`` holds a writer group (its ``group.json``)."""
+    """Whether ``url`` holds a writer group (its ``group.json``, or an Icechunk repository
+    of writers)."""
     fs, root = filesystem(url.rstrip("/"), storage_options)
-    return _group.is_group(fs, root, url)
+    return _group.is_group(fs, root, url) or (_icechunk_scheme(url) and _icegroup.is_group_repo(url.rstrip("/"), storage_options))
+
+
+def _icechunk_scheme(url: str) -> bool:
+    if url.split("://", 1)[0] not in ("s3", "s3a", "file", "local"):
+        return False
+    try:
+        import icechunk  # noqa: F401
+    except ImportError:  # pragma: no cover - the "cloud" extra
+        return False
+    return True
 
 
 class GroupBuffer:
@@ -81,6 +93,10 @@ class GroupBuffer:
         self.lock = threading.RLock()
         self._options = dict(cache_dir=cache_dir, storage_options=storage_options, pool=pool, cache_limit=cache_limit)
         self._fs, self._root = filesystem(self.url, storage_options)
+        self._repo: _icegroup.GroupRepo | None = None  # a group in one Icechunk repository
+        if not _group.is_group(self._fs, self._root, self.url) and _icechunk_scheme(self.url) \
+                and _icegroup.is_group_repo(self.url, storage_options):
+            self._repo = _icegroup.GroupRepo(self.url, storage_options)
         self._buffers: dict[str, Buffer] = {}
         self._snapshots: dict[str, str] = {}
         self._states: dict[str, samplers.SamplerState] = {}
@@ -95,14 +111,19 @@ class GroupBuffer:
 
     # -- snapshots ------------------------------------------------------------------------
     def _open_writer(self, name: str, pointer: dict[str, Any]) -> Buffer:
-        src = RemoteSource(writer_url(self.url, name), pointer=lambda: pointer, **self._options)
+        repo = None if self._repo is None else self._repo.writer(name)
+        src = RemoteSource(writer_url(self.url, name), pointer=lambda: pointer, repo=repo, **self._options)
         return Buffer(src.url, "r", source=src)
 
     def _newer(self) -> tuple[dict[str, Any], dict[str, Buffer]] | None:
         """``group.json`` now and every writer's buffer on its snapshot (the changed ones
         opened beside the open ones, which stay as they are), or None when nothing changed."""
-        body = read_group(self._fs, self._root, self.url)[0]
-        named = entries(body)
+        if self._repo is not None:
+            body = self._repo.read()
+            named = body["writers"]
+        else:
+            body = read_group(self._fs, self._root, self.url)[0]
+            named = entries(body)
         if not named:
             raise errors.StoreNotFoundError(f"{self.url}: expected a writer group with a published writer, got none yet")
         if {n: str(p["snapshot"]) for n, p in named.items()} == self._snapshots:

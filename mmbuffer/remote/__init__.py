@@ -62,10 +62,11 @@ publish's bytes, at 1e7 rows 1.1% (benchmarks/RESULTS.md). What a real multi-nod
 deployment still needs (not built here): a publish still compresses the whole store
 locally before comparing digests (O(store) CPU), and the object table lists every
 object (O(store / chunk) bytes per publish); the Icechunk engine never expires old commits (``Repository.expire_snapshots`` +
-``garbage_collect`` are the tools); writer groups
-(``_group.py``: each host's store under its own prefix, one ``group.json`` swapped by
-compare-and-swap) are built on the snapshot engine only, not as disjoint arrays of one
-Icechunk repository; prefetch ahead of the sampler across refreshes is not built.
+``garbage_collect`` are the tools); prefetch ahead of the sampler across refreshes is
+not built. Writer groups exist on both engines: ``_group.py`` (each host's store under
+its own prefix, one ``group.json`` swapped by compare-and-swap) and ``_icegroup.py``
+(each host's store under its own folder of one Icechunk repository, commits rebased
+over other writers').
 Resumable distributed sampling (``BufferDataset.state_dict``, also over a newer
 snapshot) is ``mmbuffer/data.py``'s; the pool takes part through ``set_shard(...,
 draws=k)``, which starts it holding the blocks of its ``k``-th draw.
@@ -131,12 +132,14 @@ class RemoteSource:
     read is checked against the snapshot's object table (``_objects.py``) and kept in
     the host's bounded cache (``_cache.py``; ``cache_limit`` bytes, None: unbounded).
     ``pointer``: a callable naming the snapshot to open (a writer group's, ``_group.py``)
-    instead of the URL's ``current.json``.
+    instead of the URL's ``current.json``; ``repo``: the Icechunk repository it is read
+    from (a writer of a group in one repository, ``_icegroup.py``).
     """
 
     def __init__(self, url: str, *, cache_dir: str | os.PathLike[str] | None = None,
                  storage_options: Mapping[str, Any] | None = None, pool: PoolConfig | None = None,
-                 cache_limit: int | None = None, pointer: Callable[[], dict[str, Any]] | None = None) -> None:
+                 cache_limit: int | None = None, pointer: Callable[[], dict[str, Any]] | None = None,
+                 repo: _icechunk.Repo | None = None) -> None:
         self.url = url.rstrip("/")
         self._given = pointer  # where the snapshot to open is named (a writer group's pointer), else the URL's own
         self.storage_options = dict(storage_options or {})
@@ -148,7 +151,7 @@ class RemoteSource:
         self.shard, self.pool_epoch = (0, 1), 0
         self.snapshot, self.sequence = "", -1
         self._pin = -1
-        self.repo: _icechunk.Repo | None = None  # set when the URL holds an Icechunk repository
+        self.repo = repo  # set when the URL holds an Icechunk repository (a group's writer: given)
         self.table = Table({}, self.url, "")  # the open snapshot's object table
         self._path = Path()  # the open snapshot's mirror
         self._lock = threading.RLock()  # the facade's (open)

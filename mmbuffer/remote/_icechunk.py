@@ -43,14 +43,15 @@ from .._disk import format as fmt
 from ._dense import pack
 from ._objects import OBJECTS, Table, digest, file_digest, parse_table, remote_errors, table_bytes
 
-__all__ = ["Repo", "is_repo", "publish_repo"]
+__all__ = ["BRANCH", "Repo", "get", "head_attrs", "is_repo", "list_dir", "load", "open_for_publish", "publish_repo", "put",
+           "stage", "storage"]
 
 BRANCH = "main"
 TABLE = "mmbuffer_objects"
 _ATTR = "mmbuffer"
 
 
-def _icechunk() -> Any:
+def load() -> Any:
     try:
         import icechunk
     except ImportError:  # pragma: no cover - the "cloud" extra
@@ -60,7 +61,7 @@ def _icechunk() -> Any:
 
 def storage(url: str, storage_options: Mapping[str, Any] | None) -> Any:
     """The Icechunk storage of ``url`` (``s3://`` with ``storage_options``/``AWS_*``, or ``file://``)."""
-    ic = _icechunk()
+    ic = load()
     scheme, _, rest = url.partition("://")
     opts = dict(storage_options or {})
     if scheme in ("file", "local"):
@@ -90,34 +91,51 @@ def _sync(coro: Any) -> Any:
     return sync(coro)
 
 
-def _get(store: Any, key: str) -> bytes | None:
+def get(store: Any, key: str) -> bytes | None:
     from zarr.core.buffer import default_buffer_prototype
 
     buf = _sync(store.get(key, default_buffer_prototype()))
     return None if buf is None else bytes(buf.to_bytes())
 
 
+def put(store: Any, key: str, value: Any) -> None:
+    """``store[key] = value`` (a zarr buffer) in a writable session's store."""
+    _sync(store.set(key, value))
+
+
+def list_dir(store: Any, prefix: str) -> list[str]:
+    """The names directly under ``prefix`` (ending in ``/``) in a session's store."""
+    async def names() -> list[str]:
+        return [k async for k in store.list_dir(prefix)]
+
+    return list(_sync(names()))
+
+
 def is_repo(url: str, storage_options: Mapping[str, Any] | None) -> bool:
     """Whether ``url`` holds an Icechunk repository."""
     with remote_errors(url):
-        return bool(_icechunk().Repository.exists(storage(url, storage_options)))
+        return bool(load().Repository.exists(storage(url, storage_options)))
 
 
 class Repo:
     """The commits of an Icechunk repository at ``url``, as a reader sees them."""
 
-    def __init__(self, url: str, storage_options: Mapping[str, Any] | None) -> None:
-        self.url = url
-        with remote_errors(url):
-            self.repo = _icechunk().Repository.open(storage(url, storage_options))
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None, *, prefix: str = "",
+                 repo: Any = None) -> None:
+        self.url, self.prefix = url, prefix  # prefix: a writer's folder in a writer group's repository
+        if repo is None:
+            with remote_errors(url):
+                repo = load().Repository.open(storage(url, storage_options))
+        self.repo = repo
         self._sessions: dict[str, Any] = {}
+        self._commits: dict[str, str] = {}  # a group writer's snapshot label -> the commit it is read at
 
     def pointer(self) -> dict[str, Any]:
         """The tip of ``main``: ``snapshot`` (Icechunk's id), ``sequence``, ``objects``, ``manifest``."""
         with remote_errors(self.url):
             snap = str(self.repo.lookup_branch(BRANCH))
             session = self.repo.readonly_session(snapshot_id=snap)
-        raw = _get(session.store, "zarr.json")
+        raw = get(session.store, "zarr.json")
         attrs = (json.loads(raw).get("attributes") or {}).get(_ATTR) if raw else None
         if not isinstance(attrs, dict) or not isinstance(attrs.get("manifest"), dict):
             raise errors.StoreNotFoundError(f"{self.url}: expected a store published by mmbuffer (engine='icechunk'), "
@@ -129,12 +147,14 @@ class Repo:
     def session(self, snapshot: str) -> Any:
         if snapshot not in self._sessions:
             with remote_errors(self.url):
-                self._sessions[snapshot] = self.repo.readonly_session(snapshot_id=snapshot)
+                self._sessions[snapshot] = self.repo.readonly_session(snapshot_id=self._commits.get(snapshot, snapshot))
         return self._sessions[snapshot]
 
     def table(self, pointer: Mapping[str, Any]) -> Table:
         snap = str(pointer["snapshot"])
-        raw = _read_table(self.session(snap).store)
+        if "commit" in pointer:  # a group writer's: its label is read at that commit
+            self._commits[snap] = str(pointer["commit"])
+        raw = _read_table(self.session(snap).store, self.prefix)
         if raw is None or digest(raw) != pointer["objects"]:
             raise errors.CorruptStoreError(f"{self.url}@{snap}/{TABLE}: expected BLAKE2b-128 {pointer['objects']} "
                                            f"(named by the commit), got {None if raw is None else digest(raw)}")
@@ -145,18 +165,18 @@ class Repo:
 
     def fetch(self, snapshot: str, rel: str) -> bytes:
         with remote_errors(self.url):
-            data = _get(self.session(snapshot).store, rel)
+            data = get(self.session(snapshot).store, self.prefix + rel)
         if data is None:
             raise FileNotFoundError(rel)
         return data
 
 
-def _read_table(store: Any) -> bytes | None:
-    meta = _get(store, f"{TABLE}/zarr.json")
+def _read_table(store: Any, prefix: str = "") -> bytes | None:
+    meta = get(store, f"{prefix}{TABLE}/zarr.json")
     if meta is None:
         return None
     n = int(json.loads(meta)["shape"][0])
-    return (_get(store, f"{TABLE}/c/0") or b"")[:n] if n else b""
+    return (get(store, f"{prefix}{TABLE}/c/0") or b"")[:n] if n else b""
 
 
 def _table_meta(n: int) -> bytes:
@@ -166,12 +186,10 @@ def _table_meta(n: int) -> bytes:
                        "fill_value": 0, "codecs": [{"name": "bytes"}], "attributes": {}}).encode()
 
 
-def publish_repo(url: str, store: Path, storage_options: Mapping[str, Any] | None, *, generation: int) -> dict[str, Any]:
-    """Commit the local store ``store`` as the next version at ``url``: only changed objects are written."""
-    ic = _icechunk()
-    from zarr.core.buffer import default_buffer_prototype
-
-    proto = default_buffer_prototype()
+def open_for_publish(url: str, storage_options: Mapping[str, Any] | None) -> Any:
+    """The Icechunk repository at ``url``, created if the prefix is empty (``StoreExistsError``
+    if it holds other objects)."""
+    ic = load()
     with remote_errors(url):
         where = storage(url, storage_options)
         if not ic.Repository.exists(where):
@@ -182,15 +200,30 @@ def publish_repo(url: str, store: Path, storage_options: Mapping[str, Any] | Non
                 raise errors.StoreExistsError(
                     f"{url}: expected an empty prefix or an Icechunk repository mmbuffer published, got other objects "
                     "(a store published with engine='snapshots'?); nothing was changed")
-        repo = ic.Repository.open_or_create(where)
-        session = repo.writable_session(BRANCH)
-    head = _get(session.store, "zarr.json")
-    prev_attrs = (json.loads(head).get("attributes") or {}).get(_ATTR) if head else None
-    if head is not None and not isinstance(prev_attrs, dict):
-        raise errors.StoreExistsError(f"{url}: expected an empty repository or one mmbuffer published; nothing was changed")
+        return ic.Repository.open_or_create(where)
+
+
+def head_attrs(session: Any, prefix: str = "") -> tuple[bool, dict[str, Any] | None]:
+    """Whether ``prefix`` holds a group in ``session``, and its ``mmbuffer`` attributes
+    (a store published there; None if none)."""
+    head = get(session.store, f"{prefix}zarr.json")
+    if head is None:
+        return False, None
+    attrs = (json.loads(head).get("attributes") or {}).get(_ATTR)
+    return True, attrs if isinstance(attrs, dict) else None
+
+
+def stage(session: Any, store: Path, attrs: Mapping[str, Any], prefix: str = "", *, previous: bool) -> tuple[int, int]:
+    """Write into ``session`` the local ``store`` under ``prefix``: its objects whose digest
+    differs from the table published there before (``previous``), its root ``zarr.json``
+    with ``attrs`` and the new table's digest as attributes ``mmbuffer``, the table, and
+    deletions of objects it no longer has. Returns (objects written, bytes written)."""
+    from zarr.core.buffer import default_buffer_prototype
+
+    proto = default_buffer_prototype()
     old: dict[str, list[Any]] = {}
-    if prev_attrs:
-        raw = _read_table(session.store)
+    if previous:
+        raw = _read_table(session.store, prefix)
         old = json.loads(raw)["objects"] if raw else {}
     files = sorted(p for p in store.rglob("*") if p.is_file() and not p.is_symlink() and p.name != fmt.LOCK)
     paths: dict[str, Path | bytes] = {p.relative_to(store).as_posix(): p for p in files}
@@ -199,11 +232,8 @@ def publish_repo(url: str, store: Path, storage_options: Mapping[str, Any] | Non
     entries = {rel: (len(p), digest(p)) if isinstance(p, bytes) else file_digest(p) for rel, p in paths.items()
                if rel not in (fmt.MANIFEST, "zarr.json", OBJECTS)}
     table = table_bytes(entries, None, packed)
-    seq = int(prev_attrs["sequence"]) + 1 if prev_attrs else 1
     root = json.loads((store / "zarr.json").read_bytes())
-    root.setdefault("attributes", {})[_ATTR] = {
-        "manifest": json.loads((store / fmt.MANIFEST).read_bytes()), "sequence": seq, "generation": generation,
-        "objects": digest(table)}
+    root.setdefault("attributes", {})[_ATTR] = {**attrs, "objects": digest(table)}
     # parents before children (Icechunk refuses a node whose group does not exist), then the chunks
     changed = sorted((rel for rel in entries if old.get(rel) != list(entries[rel])),
                      key=lambda r: (not r.endswith("zarr.json"), r.count("/"), r))
@@ -214,10 +244,26 @@ def publish_repo(url: str, store: Path, storage_options: Mapping[str, Any] | Non
         if not data:
             value = paths[key]
             data = value if isinstance(value, bytes) else value.read_bytes()
-        _sync(session.store.set(key, proto.buffer.from_bytes(data)))
+        _sync(session.store.set(prefix + key, proto.buffer.from_bytes(data)))
         sent += len(data)
     for rel in sorted(set(old) - set(entries), reverse=True):
-        _sync(session.store.delete(rel))
+        _sync(session.store.delete(prefix + rel))
+    return len(changed), sent
+
+
+def publish_repo(url: str, store: Path, storage_options: Mapping[str, Any] | None, *, generation: int) -> dict[str, Any]:
+    """Commit the local store ``store`` as the next version at ``url``: only changed objects are written."""
+    ic = load()
+    repo = open_for_publish(url, storage_options)
+    with remote_errors(url):
+        session = repo.writable_session(BRANCH)
+    exists, prev_attrs = head_attrs(session)
+    if exists and prev_attrs is None:
+        raise errors.StoreExistsError(f"{url}: expected an empty repository or one mmbuffer published; nothing was changed")
+    seq = int(prev_attrs["sequence"]) + 1 if prev_attrs else 1
+    manifest = json.loads((store / fmt.MANIFEST).read_bytes())
+    written, sent = stage(session, store, {"manifest": manifest, "sequence": seq, "generation": generation},
+                          previous=prev_attrs is not None)
     try:
         with remote_errors(url):
             snap = session.commit(f"mmbuffer publish {seq} (generation {generation})")
@@ -225,5 +271,5 @@ def publish_repo(url: str, store: Path, storage_options: Mapping[str, Any] | Non
         raise errors.LockedError(
             f"{url}: expected to be the only publisher, got a commit by another one since this publish began "
             f"({exc}); nothing was changed by this publish") from None
-    return {"url": url, "snapshot": str(snap), "sequence": seq, "pruned": [], "objects_written": len(changed),
+    return {"url": url, "snapshot": str(snap), "sequence": seq, "pruned": [], "objects_written": written,
             "bytes_written": sent}

@@ -105,7 +105,7 @@ def test_writers_publish_at_once_and_the_reader_sees_whole_unions(tmp_path, url)
         x = b.data["x"]
         assert bool(((x[:, 1:] - x[:, :-1]) == 1).all()) and bool((x[:, 0] % EP <= EP - 5).all())
     for p in procs:
-        assert p.wait() == 0, p.args
+        assert p.wait() == 0, (p.returncode, p.args)
     g.refresh()
     assert g.writers == ("host-0", "host-1", "host-2") and check_whole(g) == 3 * 4 * 30
     assert json.loads(group_body(url))["sequence"] == 3 * 4 * 2  # a claim and a swap per publish, none lost

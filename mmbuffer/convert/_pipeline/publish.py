@@ -17,7 +17,7 @@ from ... import errors
 from ..._disk.urls import filesystem, is_url
 from ..._ledger.manifest import load_manifest
 from ...opening import open as open_buffer
-from ...remote import _group, _icechunk, _snapshot
+from ...remote import _group, _icechunk, _icegroup, _snapshot
 from ...remote._objects import remote_errors
 from ...schema import PriorityConfig
 from .copy import copy_local
@@ -144,12 +144,16 @@ def publish(src: Any, url: str, *, compression: str | None = "zstd", storage_opt
     stays one), else ``"snapshots"``.
 
     ``writer="host-3"`` publishes as that writer of the *writer group* at ``url``
-    (``mmbuffer.remote._group``; s3:// or file://, engine ``"snapshots"``): the store goes
-    under ``url/writers/host-3/`` and ``url/group.json`` is swapped by compare-and-swap, so
-    writers on many hosts publish side by side and ``mb.open(url)`` samples their union
-    (:class:`mmbuffer.groups.GroupBuffer`). A second publisher of the same name (another
-    host, or another store) while this one's ``lease`` (seconds, renewed at each publish)
-    runs gets ``LockedError``; the summary adds ``writer``, ``epoch``, ``group_sequence``.
+    (s3:// or file://): the store goes under ``url/writers/host-3/``, so writers on many
+    hosts publish side by side and ``mb.open_group(url)`` samples their union
+    (:class:`mmbuffer.groups.GroupBuffer`). With engine ``"snapshots"``
+    (``mmbuffer.remote._group``) ``url/group.json`` is swapped by compare-and-swap; the
+    summary adds ``group_sequence``. With ``"icechunk"`` (``mmbuffer.remote._icegroup``)
+    the group is one Icechunk repository and each publish one commit, rebased over other
+    writers' commits. A second publisher of the same name (another host, or another
+    store) while this one's ``lease`` (seconds, renewed at each publish) runs, or one
+    whose publish overlaps this one's, gets ``LockedError``; the summary adds ``writer``
+    and ``epoch``. ``engine=None`` keeps what the URL holds, else ``"snapshots"``.
     """
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise errors.InvalidArgumentError(f"keep: expected an integer >= 1, got {keep!r}")
@@ -159,15 +163,11 @@ def publish(src: Any, url: str, *, compression: str | None = "zstd", storage_opt
     holder = ""
     if writer is not None:
         _group.check_writer(writer)
-        if engine not in (None, "snapshots"):
-            raise errors.InvalidArgumentError(f"engine: expected None or 'snapshots' with writer= (a writer group), "
-                                              f"got {engine!r}")
-        engine, holder = "group", _group.holder_of(src)
-    if engine is None and url.split("://", 1)[0] in ("s3", "s3a", "file", "local"):
-        with remote_errors(url):  # one request with the caller's settings (Icechunk's own retries take seconds)
-            ours = fs.exists(f"{root}/{_snapshot.POINTER}")
-        engine = "icechunk" if not ours and _icechunk_installed() and _icechunk.is_repo(url.rstrip("/"), storage_options) \
-            else "snapshots"
+        holder = _group.holder_of(src)
+        engine = "icechunk-group" if (engine or _held(fs, root, url, _group.GROUP, storage_options)) == "icechunk" \
+            else "group"
+    if engine is None:
+        engine = _held(fs, root, url, _snapshot.POINTER, storage_options)
     with tempfile.TemporaryDirectory(prefix="mmbuffer-publish-", dir=tmp_dir) as tmp:
         summary = copy_local(src, Path(tmp) / "store", compression=compression, **copy_options)
         summary["lossy_shards_kept"] = keep_lossy_shards(src, Path(tmp) / "store")
@@ -175,6 +175,10 @@ def publish(src: Any, url: str, *, compression: str | None = "zstd", storage_opt
         if engine == "group":
             summary.update(_group.publish_writer(fs, root, url.rstrip("/"), Path(tmp) / "store", writer=str(writer),
                                                  holder=holder, lease=lease, keep=keep, generation=generation))
+        elif engine == "icechunk-group":
+            summary.update(_icegroup.publish_writer_repo(url.rstrip("/"), Path(tmp) / "store", storage_options,
+                                                         writer=str(writer), holder=holder, lease=lease,
+                                                         generation=generation))
         elif engine == "icechunk":
             summary.update(_icechunk.publish_repo(url.rstrip("/"), Path(tmp) / "store", storage_options,
                                                   generation=generation))
@@ -183,6 +187,24 @@ def publish(src: Any, url: str, *, compression: str | None = "zstd", storage_opt
                                                  generation=generation))
     summary["out"] = url
     return summary
+
+
+def _held(fs: Any, root: str, url: str, marker: str, storage_options: Mapping[str, Any] | None) -> str:
+    """The engine of what ``url`` holds: ``"icechunk"`` for an Icechunk repository, else
+    ``"snapshots"`` (``marker``, its pointer or ``group.json``, is there; or nothing is)."""
+    if url.split("://", 1)[0] not in ("s3", "s3a", "file", "local"):
+        return "snapshots"
+    with remote_errors(url):  # requests with the caller's settings (Icechunk's own retries take seconds)
+        if fs.exists(f"{root}/{marker}"):
+            return "snapshots"
+        fs.invalidate_cache(root)  # another process may have published since this process last listed it
+        try:
+            empty = not fs.ls(root)
+        except FileNotFoundError:
+            empty = True
+    if empty or not _icechunk_installed():
+        return "snapshots"
+    return "icechunk" if _icechunk.is_repo(url.rstrip("/"), storage_options) else "snapshots"
 
 
 def keep_lossy_shards(src: Any, dst: Path) -> int:
