@@ -19,7 +19,7 @@ from mmbuffer import errors
 
 pytest.importorskip("s3fs")
 icechunk = pytest.importorskip("icechunk")
-from mmbuffer.remote import _icechunk  # noqa: E402
+from mmbuffer.remote import _icechunk, _icegroup  # noqa: E402
 
 EP = 10
 
@@ -82,6 +82,8 @@ def test_writers_commit_side_by_side_and_a_reader_sees_one_commit(tmp_path, s3, 
     import zarr  # the group without mmbuffer: zarr through Icechunk's store
 
     repo = icechunk.Repository.open(_icechunk.storage(url, None))
+    pointers = _icegroup.GroupRepo(url, None).read()["writers"]  # what open_group reads: every writer at the tip
+    assert {p["commit"] for p in pointers.values()} == {repo.lookup_branch("main")} == {mine["snapshot"]}
     group = zarr.open_group(repo.readonly_session("main").store, mode="r")
     np.testing.assert_array_equal(group["writers/host-1/columns/x"][:30], 1_000_000 + np.arange(30))
     assert group["writers/host-0"].attrs["mmbuffer"]["sequence"] == 2
