@@ -210,7 +210,8 @@ class RemoteSource:
         the verified, cached store over ``base`` (the engine's own store)."""
         import zarr
 
-        many = _snapshot.fetch_objects(self.fs, self.root, table, self.url) if self.repo is None else None
+        many = _snapshot.fetch_objects(self.fs, self.root, table, self.url) if self.repo is None \
+            else self.repo.fetch_many(snap)
         store = VerifiedStore(base, prefix=name + "/", table=table, cache=self.files, fetch=fetch, alive=alive,
                               fetch_many=many)
         where = f"{self.url}@{snap}/{name}"

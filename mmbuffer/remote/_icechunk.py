@@ -32,6 +32,7 @@ the published store without mmbuffer.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from collections.abc import Mapping
@@ -41,7 +42,7 @@ from typing import Any
 from .. import errors
 from .._disk import format as fmt
 from ._dense import pack
-from ._objects import OBJECTS, Table, digest, file_digest, parse_table, remote_errors, table_bytes
+from ._objects import OBJECTS, FetchMany, Table, digest, file_digest, parse_table, remote_errors, table_bytes
 
 __all__ = ["BRANCH", "Repo", "get", "head_attrs", "is_repo", "list_dir", "load", "open_for_publish", "publish_repo", "put",
            "stage", "storage"]
@@ -162,6 +163,26 @@ class Repo:
         if table.holders:
             raise errors.CorruptStoreError(f"{self.url}@{snap}/{TABLE}: expected no objects held elsewhere in a repository")
         return table
+
+    def fetch_many(self, snapshot: str) -> FetchMany:
+        """Fetch a batch of objects of ``snapshot`` concurrently (one request each through
+        Icechunk's store, all in flight at once): name -> bytes, None where missing.
+        ``probe`` asks nothing more: a commit stays whole while the repository keeps it."""
+        from zarr.core.buffer import default_buffer_prototype
+
+        proto = default_buffer_prototype()
+
+        def fetch(rels: list[str], probe: bool = False) -> dict[str, bytes | None]:
+            store = self.session(snapshot).store
+
+            async def every() -> list[Any]:
+                return list(await asyncio.gather(*(store.get(self.prefix + rel, proto) for rel in rels)))
+
+            with remote_errors(self.url):
+                got = _sync(every())
+            return {rel: None if b is None else bytes(b.to_bytes()) for rel, b in zip(rels, got)}
+
+        return fetch
 
     def fetch(self, snapshot: str, rel: str) -> bytes:
         with remote_errors(self.url):

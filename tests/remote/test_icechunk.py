@@ -108,6 +108,39 @@ def test_a_second_publisher_from_the_same_commit_is_refused_and_changes_nothing(
         np.testing.assert_array_equal(everything(ro), everything(b))
 
 
+def test_an_exact_read_fetches_the_chunks_it_lacks_together(tmp_path, s3, monkeypatch):
+    """A cold exact read (``pool=None``) of an Icechunk store asks for its missing chunks in
+    batches (``Repo.fetch_many``: all in flight at once), never one object at a time."""
+    url = f"s3://{new_bucket(s3)}/repo"
+    make(tmp_path / "a")
+    mb.convert.publish(tmp_path / "a", url, engine="icechunk", progress=False)
+    singles, batches = [], []
+    real_fetch, real_many = _icechunk.Repo.fetch, _icechunk.Repo.fetch_many
+
+    def fetch(self, snapshot, rel):
+        singles.append(rel)
+        return real_fetch(self, snapshot, rel)
+
+    def fetch_many(self, snapshot):
+        inner = real_many(self, snapshot)
+
+        def counted(rels, probe=False):
+            batches.append(list(rels))
+            return inner(rels, probe)
+
+        return counted
+
+    monkeypatch.setattr(_icechunk.Repo, "fetch", fetch)
+    monkeypatch.setattr(_icechunk.Repo, "fetch_many", fetch_many)
+    with mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None) as ro, mb.open(tmp_path / "a", mode="r") as lo:
+        before, singles[:] = ro.remote.files.downloads, []
+        np.testing.assert_array_equal(everything(ro), everything(lo))
+        fetched = ro.remote.files.downloads - before
+    assert fetched > 10  # many chunks (1 KiB each), fetched by this read
+    assert [r for r in singles if not r.endswith("zarr.json")] == []
+    assert sum(len(b) for b in batches) == fetched and len(batches) < fetched
+
+
 def test_a_flipped_chunk_in_the_repository_is_a_typed_error(tmp_path, s3):
     import fsspec
 
