@@ -166,6 +166,10 @@ class GroupBuffer:
             self._states = {n: s for n, s in self._states.items() if new.get(n) is self._buffers.get(n)}
             self._buffers, self.sequence = new, int(body["sequence"])
             self._snapshots = {n: str(b.remote.snapshot) for n, b in new.items() if b.remote is not None}
+            if self._repo is not None:  # writers kept as they were are read at the new commit (older ones expire)
+                for n, b in new.items():
+                    if b.remote is not None and b.remote.repo is not None:
+                        b.remote.repo.follow(str(b.remote.snapshot), str(body["writers"][n]["commit"]))
             self._masses.clear()
             starts = np.cumsum([0] + [b.capacity for b in new.values()])
             self.offsets = {n: int(s) for n, s in zip(new, starts)}

@@ -61,9 +61,10 @@ for bit (``_dense.py``); at 1e6 rows a publish after 1% new rows sends 2.4% of a
 publish's bytes, at 1e7 rows 1.1% (benchmarks/RESULTS.md). What a real multi-node
 deployment still needs (not built here): a publish still compresses the whole store
 locally before comparing digests (O(store) CPU), and the object table lists every
-object (O(store / chunk) bytes per publish); the Icechunk engine never expires old commits (``Repository.expire_snapshots`` +
-``garbage_collect`` are the tools); prefetch ahead of the sampler across refreshes is
-not built. Writer groups exist on both engines: ``_group.py`` (each host's store under
+object (O(store / chunk) bytes per publish); prefetch ahead of the sampler across
+refreshes is not built. Both engines keep the ``keep`` newest snapshots or commits
+(Icechunk's through ``expire_snapshots`` + ``garbage_collect``, ``_icechunk.expire``); a
+reader on an older one gets ``StoreNotFoundError`` when it needs a deleted object. Writer groups exist on both engines: ``_group.py`` (each host's store under
 its own prefix, one ``group.json`` swapped by compare-and-swap) and ``_icegroup.py``
 (each host's store under its own folder of one Icechunk repository, commits rebased
 over other writers').
@@ -229,7 +230,8 @@ class RemoteSource:
             raise
         except Exception as exc:  # noqa: BLE001 - zarr's errors are untyped for us
             raise errors.CorruptStoreError(f"{where}: zarr cannot open the array ({type(exc).__name__}: {exc})") from None
-        arr = RemoteArray(array, where, cache_bytes=64 << 20, alive=alive)
+        # an Icechunk commit's missing object is refused by the table's check (alive() then), never read as zeros
+        arr = RemoteArray(array, where, cache_bytes=64 << 20, alive=alive if self.repo is None else None)
         if ChunkRows.fits(array):  # exact reads: a batch's chunks fetched together (a pool, if any, replaces it)
             arr.attach(ChunkRows(array, store, where, cache_bytes=64 << 20))
         return arr
@@ -244,8 +246,11 @@ class RemoteSource:
         opened: dict[str, RemoteArray] = {}
         fs = self.fs
 
-        def alive() -> None:
-            _snapshot.check_alive(fs, self.root, snap, self.url)
+        def alive() -> None:  # StoreNotFoundError if a newer publish removed the snapshot
+            if self.repo is not None:
+                self.repo.check_alive(snap)
+            else:
+                _snapshot.check_alive(fs, self.root, snap, self.url)
 
         fetch = _snapshot.object_fetch(fs, self.root, table)  # from the snapshot that holds it (this one, or an earlier one)
 
@@ -258,9 +263,9 @@ class RemoteSource:
             if codec is not None:  # shards decoded in place by the local reader's kernels, each object verified
                 return ShardedArray(local, name.split("/", 1)[1], writable=False, expect=expect, codec=codec,
                                     lane_size=manifest.lane_size, written=[st.written for st in manifest.lanes],
-                                    shards=mapped_objects(table, self.files, get, alive if self.repo is None else None))
+                                    shards=mapped_objects(table, self.files, get, alive))
             if self.repo is not None:
-                arr = self._column(snap, table, name, expect, repo.session(snap).store, get, None)
+                arr = self._column(snap, table, name, expect, repo.session(snap).store, get, alive)
             else:
                 from zarr.storage import FsspecStore
 

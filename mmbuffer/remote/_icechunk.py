@@ -33,9 +33,10 @@ the published store without mmbuffer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,7 @@ from .._disk import format as fmt
 from ._dense import pack
 from ._objects import OBJECTS, FetchMany, Table, digest, file_digest, parse_table, remote_errors, table_bytes
 
-__all__ = ["BRANCH", "Repo", "get", "head_attrs", "is_repo", "list_dir", "load", "open_for_publish", "publish_repo", "put",
+__all__ = ["BRANCH", "Repo", "get", "head_attrs", "is_repo", "list_dir", "load", "open_for_publish", "publish_repo", "put", "expire",
            "stage", "storage"]
 
 BRANCH = "main"
@@ -147,15 +148,27 @@ class Repo:
 
     def session(self, snapshot: str) -> Any:
         if snapshot not in self._sessions:
-            with remote_errors(self.url):
+            with self.reading(snapshot):
                 self._sessions[snapshot] = self.repo.readonly_session(snapshot_id=self._commits.get(snapshot, snapshot))
         return self._sessions[snapshot]
+
+    @contextlib.contextmanager
+    def reading(self, snapshot: str) -> Iterator[None]:
+        """Icechunk's errors typed (``remote_errors``); one that leaves ``snapshot`` unreadable
+        because a newer publish expired its commit is ``StoreNotFoundError`` (:meth:`check_alive`)."""
+        try:
+            with remote_errors(self.url):
+                yield
+        except errors.CorruptStoreError:
+            self.check_alive(snapshot)
+            raise
 
     def table(self, pointer: Mapping[str, Any]) -> Table:
         snap = str(pointer["snapshot"])
         if "commit" in pointer:  # a group writer's: its label is read at that commit
             self._commits[snap] = str(pointer["commit"])
-        raw = _read_table(self.session(snap).store, self.prefix)
+        with self.reading(snap):
+            raw = _read_table(self.session(snap).store, self.prefix)
         if raw is None or digest(raw) != pointer["objects"]:
             raise errors.CorruptStoreError(f"{self.url}@{snap}/{TABLE}: expected BLAKE2b-128 {pointer['objects']} "
                                            f"(named by the commit), got {None if raw is None else digest(raw)}")
@@ -164,10 +177,29 @@ class Repo:
             raise errors.CorruptStoreError(f"{self.url}@{snap}/{TABLE}: expected no objects held elsewhere in a repository")
         return table
 
+    def follow(self, snapshot: str, commit: str) -> None:
+        """Read ``snapshot`` (a group writer's label, unchanged) at ``commit`` from now on: a
+        newer commit that still holds it (an older one may be expired by a publish)."""
+        if self._commits.get(snapshot, commit) != commit:
+            self._commits[snapshot] = commit
+            self._sessions.pop(snapshot, None)  # reads in flight keep the session they hold
+
+    def check_alive(self, snapshot: str) -> None:
+        """``StoreNotFoundError`` when the commit ``snapshot`` is read at is no longer in the
+        branch's history: a newer publish expired it (``keep``) and its objects may be
+        deleted, so a missing one is not an error of the store; ``refresh()`` moves on."""
+        commit = self._commits.get(snapshot, snapshot)
+        with remote_errors(self.url):
+            kept = {str(c.id) for c in self.repo.ancestry(branch=BRANCH)}
+        if commit not in kept:
+            raise errors.StoreNotFoundError(
+                f"{self.url}@{snapshot}: expected the commit this reader opened, got none: a newer publish expired it "
+                "(publish's keep); call refresh()")
+
     def fetch_many(self, snapshot: str) -> FetchMany:
         """Fetch a batch of objects of ``snapshot`` concurrently (one request each through
         Icechunk's store, all in flight at once): name -> bytes, None where missing.
-        ``probe`` asks nothing more: a commit stays whole while the repository keeps it."""
+        ``probe`` asks nothing more (a missing object asks whether the commit was expired)."""
         from zarr.core.buffer import default_buffer_prototype
 
         proto = default_buffer_prototype()
@@ -178,14 +210,16 @@ class Repo:
             async def every() -> list[Any]:
                 return list(await asyncio.gather(*(store.get(self.prefix + rel, proto) for rel in rels)))
 
-            with remote_errors(self.url):
+            with self.reading(snapshot):
                 got = _sync(every())
+            if any(b is None for b in got):
+                self.check_alive(snapshot)
             return {rel: None if b is None else bytes(b.to_bytes()) for rel, b in zip(rels, got)}
 
         return fetch
 
     def fetch(self, snapshot: str, rel: str) -> bytes:
-        with remote_errors(self.url):
+        with self.reading(snapshot):
             data = get(self.session(snapshot).store, self.prefix + rel)
         if data is None:
             raise FileNotFoundError(rel)
@@ -272,8 +306,29 @@ def stage(session: Any, store: Path, attrs: Mapping[str, Any], prefix: str = "",
     return len(changed), sent
 
 
-def publish_repo(url: str, store: Path, storage_options: Mapping[str, Any] | None, *, generation: int) -> dict[str, Any]:
-    """Commit the local store ``store`` as the next version at ``url``: only changed objects are written."""
+def expire(repo: Any, url: str, keep: int, grace: float = 0.0) -> list[str]:
+    """Once ``main`` holds ``2 * keep`` commits, expire those older than its ``keep`` newest
+    and delete the objects no commit left holds (Icechunk's ``expire_snapshots`` and
+    ``garbage_collect``; every ``keep`` publishes, so the scan is amortized). Objects
+    written in the last ``grace`` seconds stay whatever holds them (another writer's
+    publish under way). Returns the expired commits' ids."""
+    import datetime
+
+    with remote_errors(url):
+        commits = [c for c in repo.ancestry(branch=BRANCH)][:-1]  # the last: the repository's first, empty
+        if len(commits) < 2 * keep:
+            return []
+        cutoff = commits[keep - 1].written_at
+        expired = repo.expire_snapshots(older_than=cutoff)
+        now = datetime.datetime.now(datetime.timezone.utc)
+        repo.garbage_collect(min(cutoff, now - datetime.timedelta(seconds=grace)))
+    return sorted(str(e) for e in expired)
+
+
+def publish_repo(url: str, store: Path, storage_options: Mapping[str, Any] | None, *, generation: int,
+                 keep: int = 3) -> dict[str, Any]:
+    """Commit the local store ``store`` as the next version at ``url``: only changed objects are
+    written; the ``keep`` newest commits stay readable (:func:`expire`)."""
     ic = load()
     repo = open_for_publish(url, storage_options)
     with remote_errors(url):
@@ -292,5 +347,5 @@ def publish_repo(url: str, store: Path, storage_options: Mapping[str, Any] | Non
         raise errors.LockedError(
             f"{url}: expected to be the only publisher, got a commit by another one since this publish began "
             f"({exc}); nothing was changed by this publish") from None
-    return {"url": url, "snapshot": str(snap), "sequence": seq, "pruned": [], "objects_written": written,
-            "bytes_written": sent}
+    return {"url": url, "snapshot": str(snap), "sequence": seq, "pruned": expire(repo, url, keep),
+            "objects_written": written, "bytes_written": sent}

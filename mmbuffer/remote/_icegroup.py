@@ -74,9 +74,11 @@ def _kind(session: Any, url: str) -> bool:
 
 
 def publish_writer_repo(url: str, store: Path, storage_options: Mapping[str, Any] | None, *, writer: str,
-                        holder: str, lease: float, generation: int) -> dict[str, Any]:
+                        holder: str, lease: float, generation: int, keep: int = 3) -> dict[str, Any]:
     """Commit the local ``store`` as writer ``writer``'s next version in the group repository
-    at ``url`` (created if the prefix is empty): only its changed objects are written."""
+    at ``url`` (created if the prefix is empty): only its changed objects are written; the
+    ``keep`` newest commits of the group stay readable, and objects younger than ``lease``
+    (another writer's publish under way) are never deleted (``_icechunk.expire``)."""
     ic = icechunk_repo.load()
     name = check_writer(writer)
     if not lease > 0:
@@ -117,8 +119,8 @@ def publish_writer_repo(url: str, store: Path, storage_options: Mapping[str, Any
                     f"of the same writer since this publish began ({', '.join(paths[:3])}); nothing was changed "
                     "by this publish") from None
             continue  # another writer created the group's nodes first: begin again on its commit
-        return {"url": url, "snapshot": str(snap), "sequence": seq, "pruned": [], "objects_written": written,
-                "bytes_written": sent, "writer": name, "epoch": epoch}
+        return {"url": url, "snapshot": str(snap), "sequence": seq, "pruned": icechunk_repo.expire(repo, url, keep, lease),
+                "objects_written": written, "bytes_written": sent, "writer": name, "epoch": epoch}
     raise errors.LockedError(f"{url}: expected to commit writer {name!r}, got {_TRIES} conflicts in a row")
 
 

@@ -141,6 +141,31 @@ def test_an_exact_read_fetches_the_chunks_it_lacks_together(tmp_path, s3, monkey
     assert sum(len(b) for b in batches) == fetched and len(batches) < fetched
 
 
+def test_publishes_keep_the_newest_commits_and_a_reader_of_an_expired_one_is_told_to_refresh(tmp_path, s3):
+    """``keep=2``: once the branch holds 4 commits, those older than its 2 newest are expired
+    and the objects only they held deleted; a reader still on an expired commit gets
+    ``StoreNotFoundError`` (never rows of a deleted object, never a corrupt-store error), and
+    ``refresh()`` brings it to the newest."""
+    url = f"s3://{new_bucket(s3)}/repo"
+    make(tmp_path / "a")
+    first = mb.convert.publish(tmp_path / "a", url, engine="icechunk", keep=2, progress=False)
+    old = mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None)  # on the first commit; nothing read yet
+    pruned = []
+    for i in range(4):
+        extend(tmp_path / "a", 2, start=10**6 + 100 * i, seed=i)
+        pruned += mb.convert.publish(tmp_path / "a", url, engine="icechunk", keep=2, progress=False)["pruned"]
+    repo = icechunk.Repository.open(_icechunk.storage(url, None))
+    assert [c.message.split(" (")[0] for c in repo.ancestry(branch="main")][:-1] == [  # 1 and 2 expired after the 4th
+        f"mmbuffer publish {n}" for n in (5, 4, 3)]
+    assert first["snapshot"] in pruned and len(pruned) == 2
+    with pytest.raises(errors.StoreNotFoundError, match="expired it"):
+        old.get(np.arange(old.capacity))  # every column: some of their objects were deleted
+    assert old.refresh()
+    with mb.open(tmp_path / "a", mode="r") as local:
+        np.testing.assert_array_equal(everything(old), everything(local))
+    old.close()
+
+
 def test_a_flipped_chunk_in_the_repository_is_a_typed_error(tmp_path, s3):
     import fsspec
 

@@ -179,3 +179,26 @@ def test_publishers_killed_at_random_instants_leave_every_writer_whole(tmp_path,
                             span=span, fraction=(0.2, 1.0))
     assert start(stores[1]).wait() == 0
     np.testing.assert_array_equal(read(), states[1])
+
+
+def test_expired_commits_leave_the_group_readable_and_kept_writers_follow_the_tip(tmp_path, s3):
+    """``keep=2`` in a group: after host-1's publishes expire the commit a reader opened,
+    its refresh reopens host-1 and reads the unchanged host-0 at the newest commit."""
+    url = f"s3://{new_bucket(s3)}/group"
+    a, b = make_local(tmp_path / "a", 0, 20), make_local(tmp_path / "b", 1, 30)
+    publish(a, url, "host-0", keep=2)
+    publish(b, url, "host-1", keep=2)
+    g = mb.open_group(url, cache_dir=tmp_path / "cache", pool=None)
+    kept = g.buffers["host-0"]
+    pruned = []
+    for _ in range(3):
+        add(b, 1, 10)
+        pruned += publish(b, url, "host-1", keep=2)["pruned"]
+    assert len(pruned) == 2 and len(history(url)) == 4  # 3 commits and the repository's first
+    assert g.refresh() and g.buffers["host-0"] is kept
+    kept.remote.repo.check_alive(kept.remote.snapshot)  # host-0 is read at a commit the branch keeps
+    assert xs(g) == {"host-0": list(range(20)), "host-1": [1_000_000 + i for i in range(60)]}
+    g.close()
+    a.close()
+    b.close()
+

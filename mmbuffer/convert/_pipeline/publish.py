@@ -140,7 +140,9 @@ def publish(src: Any, url: str, *, compression: str | None = "zstd", storage_opt
     ``engine="icechunk"`` (``mmbuffer.remote._icechunk``) commits to an Icechunk
     repository instead: only the objects that changed since the last commit are
     written, the commit is atomic, and a concurrent second publisher gets
-    ``LockedError``. ``engine=None`` keeps what the URL holds (an Icechunk repository
+    ``LockedError``; once the branch holds ``2 * keep`` commits, those older than the
+    ``keep`` newest are expired and the objects only they held deleted (``pruned``:
+    their ids; in a writer group, objects younger than ``lease`` always stay). ``engine=None`` keeps what the URL holds (an Icechunk repository
     stays one), else ``"snapshots"``.
 
     ``writer="host-3"`` publishes as that writer of the *writer group* at ``url``
@@ -178,10 +180,10 @@ def publish(src: Any, url: str, *, compression: str | None = "zstd", storage_opt
         elif engine == "icechunk-group":
             summary.update(_icegroup.publish_writer_repo(url.rstrip("/"), Path(tmp) / "store", storage_options,
                                                          writer=str(writer), holder=holder, lease=lease,
-                                                         generation=generation))
+                                                         generation=generation, keep=keep))
         elif engine == "icechunk":
             summary.update(_icechunk.publish_repo(url.rstrip("/"), Path(tmp) / "store", storage_options,
-                                                  generation=generation))
+                                                  generation=generation, keep=keep))
         else:
             summary.update(_snapshot.publish_dir(fs, root, url.rstrip("/"), Path(tmp) / "store", keep=keep,
                                                  generation=generation))
