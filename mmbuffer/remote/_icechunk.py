@@ -311,12 +311,13 @@ def expire(repo: Any, url: str, keep: int, grace: float = 0.0) -> list[str]:
     and delete the objects no commit left holds (Icechunk's ``expire_snapshots`` and
     ``garbage_collect``; every ``keep`` publishes, so the scan is amortized). Objects
     written in the last ``grace`` seconds stay whatever holds them (another writer's
-    publish under way). Returns the expired commits' ids."""
+    publish under way). A repository with other branches or tags (someone else's history)
+    is left as it is. Returns the expired commits' ids."""
     import datetime
 
     with remote_errors(url):
         commits = [c for c in repo.ancestry(branch=BRANCH)][:-1]  # the last: the repository's first, empty
-        if len(commits) < 2 * keep:
+        if len(commits) < 2 * keep or set(repo.list_branches()) != {BRANCH} or repo.list_tags():
             return []
         cutoff = commits[keep - 1].written_at
         expired = repo.expire_snapshots(older_than=cutoff)

@@ -164,6 +164,11 @@ def test_publishes_keep_the_newest_commits_and_a_reader_of_an_expired_one_is_tol
     with mb.open(tmp_path / "a", mode="r") as local:
         np.testing.assert_array_equal(everything(old), everything(local))
     old.close()
+    repo.create_tag("mine", repo.lookup_branch("main"))  # someone else's reference: nothing expires now
+    for i in range(4):
+        extend(tmp_path / "a", 1, start=2 * 10**6 + 100 * i, seed=i)
+        assert mb.convert.publish(tmp_path / "a", url, engine="icechunk", keep=2, progress=False)["pruned"] == []
+    assert len(list(repo.ancestry(branch="main"))) == 8
 
 
 def test_a_flipped_chunk_in_the_repository_is_a_typed_error(tmp_path, s3):
