@@ -103,7 +103,7 @@ def _store(ns: Any, nu: Any, nf: Any, g: int, c: int, s: float, code: int, mx: f
 
 @_jit
 def _touch(ns: Any, g: int) -> Any:
-    """Load the 4 cache lines of node row ``g`` (a prefetch: see :func:`_find`)."""
+    """Load the 4 cache lines of node row ``g`` (a prefetch: see :func:`descend`)."""
     return ns[g, 0] + ns[g, 8] + ns[g, 16] + ns[g, 24]
 
 
@@ -176,7 +176,7 @@ def _fill(leaf: Any, lo: int, hi: int, value: Any) -> None:
 
 # --------------------------------------------------------------------- descent
 @_jit
-def _find(leaf: Any, ns: Any, offs: Any, targets: Any, out_idx: Any, out_val: Any) -> tuple[int, float]:
+def descend(leaf: Any, ns: Any, offs: Any, targets: Any, out_idx: Any, out_val: Any) -> tuple[int, float]:
     """Leaf holding each target mass; returns how many descents met an empty row
     (and the sum of the prefetching loads, which keeps the compiler from dropping them).
 
@@ -378,7 +378,7 @@ def find(leaf: npt.NDArray[np.float32], nodes: npt.NDArray[np.float64], offs: In
     that met an empty row (a torn read)."""
     idx = np.empty(targets.shape[0], np.int64)
     val = np.empty(targets.shape[0], np.float32)
-    empty, _ = _find(leaf, nodes, offs, targets, idx, val)
+    empty, _ = descend(leaf, nodes, offs, targets, idx, val)
     return idx, val, int(empty)
 
 
