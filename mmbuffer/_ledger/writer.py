@@ -104,6 +104,19 @@ def priority_shape(pri: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
         ) from None
 
 
+_loaded: tuple[Any, Any] | None = None  # (kernels.priority, kernels.tree), once imported
+
+
+def _kernels() -> tuple[Any, Any]:
+    """The PER kernels, imported on first use (kernels/__init__.py says why)."""
+    global _loaded
+    if _loaded is None:
+        from ..kernels import priority, tree as tree_kernels
+
+        _loaded = priority, tree_kernels
+    return _loaded
+
+
 class Writer(Appending):
     """Writes rows, keeps the index and the tree in step, commits, and recovers.
 
@@ -283,8 +296,7 @@ class Writer(Appending):
         if snap.shape != now.shape:
             raise errors.InvalidArgumentError(
                 f"written_at: expected {now.shape[0]} lane cursors, got shape {np.shape(written_at)}")
-        from ..kernels import priority, tree as tree_kernels  # on use (kernels/__init__.py)
-
+        priority, tree_kernels = _kernels()
         status, rows, leaves = priority.prepare(idx, np.ascontiguousarray(pri), capacity, self.lane_size, now,
                                                 view.first_starts, snap, cfg.eps, cfg.alpha, transform)
         if status == priority.BAD_VALUE:

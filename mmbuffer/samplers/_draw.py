@@ -437,7 +437,8 @@ def prioritized(
     the smallest live priority (the tree's min, O(1)), so weights are in
     ``(0, 1]`` and do not depend on ``slice_len``.
     """
-    u = torch.rand(batch_size, generator=generator, dtype=torch.float64).numpy()  # tree.sample's uniforms
+    u = np.empty(batch_size, np.float64)  # tree.sample's uniforms: ``torch.rand`` is ``uniform_`` on a
+    torch.from_numpy(u).uniform_(generator=generator)  # new tensor (as ``_bits``)
     v = ptree.views  # the first round, its checks and weights: one compiled call (kernels/priority.py)
     status, pending, rows, values, ok, weights = _per().draw(
         v.leaf, v.nodes, v.offs, u, view.lane_size, view.written, view.first_starts, view.transitions, beta)
