@@ -111,7 +111,8 @@ def _kernels() -> tuple[Any, Any]:
     """The PER kernels, imported on first use (kernels/__init__.py says why)."""
     global _loaded
     if _loaded is None:
-        from ..kernels import priority, tree as tree_kernels
+        from ..kernels import priority
+        from ..kernels import tree as tree_kernels
 
         _loaded = priority, tree_kernels
     return _loaded

@@ -87,8 +87,7 @@ def _draw(leaf: Any, ns: Any, nu: Any, offs: Any, u: Any, lane_size: int, writte
             leaves[again[i]] = v2[i]
     code = np.uint32(0)
     for c in range(16):
-        if nu[0, 32 + c] > code:
-            code = nu[0, 32 + c]
+        code = max(code, nu[0, 32 + c])
     least = np.inf
     if code:  # tree.min_live: the float32 whose bits the min code encodes
         least = np.float64(np.array([np.uint32(INF_BITS) - code]).view(np.float32)[0])
