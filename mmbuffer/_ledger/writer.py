@@ -90,6 +90,8 @@ def release_lock(fd: int) -> None:
 def priority_shape(pri: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """``pri`` broadcast to the indices' ``shape``: it may have that shape, a leading
     part of it, or that shape plus trailing dimensions of size 1."""
+    if pri.shape == shape:
+        return pri
     if pri.ndim < len(shape) and shape[: pri.ndim] == pri.shape:
         pri = pri.reshape(pri.shape + (1,) * (len(shape) - pri.ndim))
     elif pri.ndim > len(shape) and pri.shape[: len(shape)] == shape and all(d == 1 for d in pri.shape[len(shape) :]):
@@ -100,6 +102,20 @@ def priority_shape(pri: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
         raise errors.InvalidPriorityError(
             f"priorities: expected shape {shape} (or a leading part of it, or it with trailing 1s), got {tuple(pri.shape)}"
         ) from None
+
+
+_loaded: tuple[Any, Any] | None = None  # (kernels.priority, kernels.tree), once imported
+
+
+def _kernels() -> tuple[Any, Any]:
+    """The PER kernels, imported on first use (kernels/__init__.py says why)."""
+    global _loaded
+    if _loaded is None:
+        from ..kernels import priority
+        from ..kernels import tree as tree_kernels
+
+        _loaded = priority, tree_kernels
+    return _loaded
 
 
 class Writer(Appending):
@@ -246,56 +262,54 @@ class Writer(Appending):
         ``written`` counters at sampling time), or not live now, are ignored.
         Duplicates resolve to the last value.
         """
-        idx, pri = self._checked_priorities("update_priorities", indices, priorities)
-        keep = self._live_rows(idx, written_at)
-        cfg = self.store.priorities
-        assert self._tree is not None and cfg is not None and self._marks is not None  # checked above
-        self._mark_tree_dirty()
-        self._marks.rows(idx[keep])
-        tree.update(self._tree, idx[keep], (pri[keep] + cfg.eps) ** cfg.alpha)
+        self._set_priorities("update_priorities", indices, priorities, written_at, True)
 
     @locked
     def set_leaf_priorities(self, rows: Any, values: Any) -> None:
         """Set stored priorities directly, already ``(p + eps) ** alpha`` (see
         ``Buffer.set_leaf_priorities``)."""
-        idx, val = self._checked_priorities("set_leaf_priorities", rows, values)
-        keep = self._live_rows(idx, None)
-        assert self._tree is not None and self._marks is not None  # checked above
-        self._mark_tree_dirty()
-        self._marks.rows(idx[keep])
-        tree.update(self._tree, idx[keep], val[keep])
+        self._set_priorities("set_leaf_priorities", rows, values, None, False)
 
-    def _checked_priorities(self, what: str, indices: Any, priorities: Any) -> tuple[np.ndarray, np.ndarray]:
-        """Row ids and finite, non-negative values of the same size, or a typed error."""
+    def _set_priorities(self, what: str, indices: Any, priorities: Any, written_at: Any, transform: bool) -> None:
+        """Check the row ids and values, keep the rows live since ``written_at`` and
+        transform the values (one compiled call: ``kernels.priority.prepare``), then mark
+        the kept rows' blocks and update the tree; a refusal changes nothing."""
         self.check_writable(what)
-        if self._tree is None or self.store.priorities is None:
+        cfg = self.store.priorities
+        if self._tree is None or cfg is None or self._marks is None:
             raise errors.InvalidPriorityError(
                 f"{what}: expected a store created with priorities=mb.PriorityConfig(...), got priorities=None"
             )
         capacity = self.store.capacity
-        idx = row_ids(indices, capacity)
+        idx = np.ascontiguousarray(row_ids(indices, capacity))
         pri = as_numpy(priorities, "priorities").astype(np.float64, copy=False)
-        try:
-            pri = np.broadcast_to(pri.reshape(-1) if pri.size == idx.size else pri, idx.shape)
-        except ValueError:
-            raise errors.InvalidPriorityError(
-                f"priorities: expected {idx.size} values (one per index), got shape {tuple(pri.shape)}"
-            ) from None
-        bad = ~np.isfinite(pri) | (pri < 0)
-        if bad.any():
+        if pri.size != idx.size:
+            try:
+                np.broadcast_to(pri, idx.shape)
+            except ValueError:
+                raise errors.InvalidPriorityError(
+                    f"priorities: expected {idx.size} values (one per index), got shape {tuple(pri.shape)}"
+                ) from None
+        pri = pri.reshape(-1)
+        view = self.store.view()
+        now = view.written.copy()  # writable: numba's fastest dispatch, and one compiled type
+        snap = now if written_at is None else np.array(written_at, dtype=np.int64).reshape(-1)
+        if snap.shape != now.shape:
+            raise errors.InvalidArgumentError(
+                f"written_at: expected {now.shape[0]} lane cursors, got shape {np.shape(written_at)}")
+        priority, tree_kernels = _kernels()
+        status, rows, leaves = priority.prepare(idx, np.ascontiguousarray(pri), capacity, self.lane_size, now,
+                                                view.first_starts, snap, cfg.eps, cfg.alpha, transform)
+        if status == priority.BAD_VALUE:
+            bad = ~np.isfinite(pri) | (pri < 0)
             raise errors.InvalidPriorityError(f"priorities: expected finite values >= 0, got {pri[bad][:3].tolist()}")
-        return check_rows(idx, capacity), pri
-
-    def _live_rows(self, rows: np.ndarray, written_at: np.ndarray | None) -> np.ndarray:
-        """Rows that still hold what was sampled when the lanes' cursors were ``written_at``."""
-        lane = rows // self.lane_size
-        lanes = self.store.lanes
-        now = np.array([st.written for st in lanes], dtype=np.int64)
-        first = np.array([st.first_start for st in lanes], dtype=np.int64)
-        snap = (now if written_at is None else np.asarray(written_at, dtype=np.int64))[lane]
-        absolute = self.layout.absolute_at(rows, snap)  # the row's id then
-        live: np.ndarray = (snap > 0) & (absolute >= first[lane]) & (absolute < now[lane])
-        return live
+        if status == priority.BAD_INDEX:
+            check_rows(idx, capacity)  # raises, naming the rows
+        self._mark_tree_dirty()
+        self._marks.rows(rows)
+        if rows.shape[0]:
+            v = self._tree.views
+            tree_kernels.update(v.leaf, v.nodes, v.offs, rows, leaves)
 
     def _default_priority(self) -> float:
         cfg = self.store.priorities

@@ -1,9 +1,10 @@
 """Compiled hot-path kernels: the one place mmbuffer's numba code lives.
 
 Each submodule holds the kernels of one layer (``tree``: descent and update of the
-priority tree; ``sampling``: index sampling; ``gather``: copying rows into caller
-buffers) as ``@numba.njit(nogil=True, cache=True)`` functions over plain numpy
-arrays (memory maps included), plus a thin typed Python wrapper per kernel that the
+priority tree; ``priority``: a prioritized draw, an update's checks; ``sampling``:
+index sampling; ``gather``: copying rows into caller buffers) as
+``@numba.njit(nogil=True, cache=True)`` functions over plain numpy arrays (memory
+maps included), plus a thin typed Python wrapper per kernel that the
 layer above calls. The tests hold a naive reference for every kernel.
 
 Rules (why they exist):

@@ -20,6 +20,7 @@ from .slices import Slices
 from .uniform import Uniform
 
 _UNIFORM = Uniform()  # a value: one serves every call
+_PRIORITIZED: dict[float, Sampler] = {}  # Prioritized(beta) by beta: values too (a PER step's fixed cost)
 
 __all__ = ["Draw", "Epoch", "SamplerState", "Prioritized", "PrioritizedSlices", "Recent", "Sampler", "Slices", "Uniform", "from_flags", "resolve"]
 
@@ -38,7 +39,14 @@ def from_flags(
     PrioritizedSlices(slice_len=16, beta=0.4, strict=True)
     """
     if slice_len is None:
-        return Prioritized(beta) if prioritized else _UNIFORM
+        if not prioritized:
+            return _UNIFORM
+        spec = _PRIORITIZED.get(beta) if type(beta) is float else None
+        if spec is None:
+            spec = Prioritized(beta)  # checks beta
+            if type(beta) is float and len(_PRIORITIZED) < 64:
+                _PRIORITIZED[beta] = spec
+        return spec
     if prioritized:
         if weighting != "windows":
             raise errors.InvalidArgumentError(

@@ -437,13 +437,19 @@ def prioritized(
     the smallest live priority (the tree's min, O(1)), so weights are in
     ``(0, 1]`` and do not depend on ``slice_len``.
     """
-    if tree.total(ptree) <= 0:
+    u = np.empty(batch_size, np.float64)  # tree.sample's uniforms: ``torch.rand`` is ``uniform_`` on a
+    torch.from_numpy(u).uniform_(generator=generator)  # new tensor (as ``_bits``)
+    v = ptree.views  # the first round, its checks and weights: one compiled call (kernels/priority.py)
+    status, pending, rows, values, ok, weights = _per().draw(
+        v.leaf, v.nodes, v.offs, u, view.lane_size, view.written, view.first_starts, view.transitions, beta)
+    if status:
         raise errors.EmptyBufferError("sample: expected a store with positive priorities, got none")
-    rows, probs = tree.sample(ptree, batch_size, generator)
-    # leaves as the descent read them (a second gather from the map costs a cache miss a row)
-    values = probs * tree.total(ptree)
-    ok = sampleable(view, rows, slice_len, strict)
-    drawn, accepted = batch_size, int(ok.sum())
+    if slice_len is not None and strict and slice_len > 1:
+        ok &= sampleable(view, rows, slice_len, strict)
+        pending = int((~ok).sum())
+    if not pending:
+        return rows, weights
+    drawn, accepted = batch_size, batch_size - pending
     for _ in range(_REDRAW_ROUNDS):
         bad = np.flatnonzero(~ok)
         if bad.shape[0] == 0 or accepted < _MIN_ACCEPT * drawn:
@@ -457,3 +463,16 @@ def prioritized(
         rows[bad], values[bad] = exact(view, ptree, bad.shape[0], generator, slice_len, strict)
     weights = (values / tree.min_live(ptree)) ** (-beta)
     return rows, weights.astype(np.float32)
+
+
+_per_kernels: Any = None  # mmbuffer.kernels.priority, once imported
+
+
+def _per() -> Any:
+    """The compiled PER steps, imported on first use (kernels/__init__.py says why)."""
+    global _per_kernels
+    if _per_kernels is None:
+        from ..kernels import priority
+
+        _per_kernels = priority
+    return _per_kernels

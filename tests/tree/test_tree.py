@@ -196,6 +196,24 @@ def test_big_batches_with_heavy_duplicates() -> None:
         assert_same_as_rebuild(tr)
 
 
+def test_sorted_batches_equal_a_rebuild() -> None:
+    """A sorted batch (a prioritized draw's rows, stratified) takes the update kernel's
+    one-pass deduplication of blocks; zeros, -0.0 and denormals in the extremes."""
+    rng = np.random.default_rng(8)
+    for cap in (64, 1000, 70_001):
+        tr = T.init(cap)
+        ref = np.zeros(cap, np.float32)
+        for _ in range(20):
+            idx = np.sort(rng.integers(0, cap, int(rng.integers(1, 600))))
+            val = random_leaves(rng, idx.shape[0])
+            val[rng.random(idx.shape[0]) < 0.05] = -0.0
+            val[rng.random(idx.shape[0]) < 0.05] = 1e-45
+            T.update(tr, idx, val)
+            ref[idx] = val
+        assert_matches_reference(tr, ref)
+        assert_same_as_rebuild(tr)
+
+
 def test_min_and_max_follow_rises_and_falls() -> None:
     tr = T.init(4097)
     T.set_range(tr, 0, 4097, 1.0)
