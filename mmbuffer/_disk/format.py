@@ -132,9 +132,13 @@ from .. import errors
 from ..config import config
 
 FORMAT_NAME: Final = "mmbuffer"
-FORMAT_VERSION: Final = 4
-#: the versions this mmbuffer opens: 3 (final observations at rows) and 4 (by episode)
-READABLE_VERSIONS: Final = (3, 4)
+FORMAT_VERSION: Final = 5
+#: the versions this mmbuffer opens: 3 (final observations at rows), 4 (by episode),
+#: 5 (and a priority log: ``prilog.py``)
+READABLE_VERSIONS: Final = (3, 4, 5)
+#: the first version whose manifest may name a priority log (``prilog.py``); a writer
+#: migrates a version 4 store to it at its first commit
+PRIORITY_LOG: Final = 5
 #: the first version whose final observations are addressed by episode
 FINALS_BY_EPISODE: Final = 4
 MANIFEST: Final = "manifest.json"
