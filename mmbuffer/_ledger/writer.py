@@ -253,7 +253,24 @@ class Writer(Appending):
         zarr_view.publish(self.path, self.layout, store.committed, store.generation, store.manifest.format_version)
         return store.generation
 
-    def _write_manifest(self, ledger: Ledger, tree_write: Any = None, log: tuple[int, int] | None = None) -> None:
+    @locked_write("commit")
+    def checkpoint(self) -> None:
+        """Write the tree's pages changed since the last checkpoint and start an empty
+        priority log (``touched.Marks.plan``), so that the next open replays nothing:
+        with changes since the commit, as a commit; else without one (the manifest keeps
+        its generation and lanes: what is committed stays, only where it is kept moves;
+        a reader that replayed the old log holds its pages privately and its descriptor)."""
+        self.check_writable("commit")
+        marks = self._marks
+        if self.has_changes():
+            self.commit(checkpoint=True)
+        elif self._tree is not None and marks is not None and marks.since_checkpoint and marks.log is not None:
+            ledger = self.store.ledger
+            tree_write, log, _ = marks.plan(self._tree, self.path, ledger.generation, checkpoint=True)
+            self._write_manifest(ledger, tree_write, log, advance=False)
+            marks.committed(log, True, self.path)
+
+    def _write_manifest(self, ledger: Ledger, tree_write: Any = None, log: tuple[int, int] | None = None, advance: bool = True) -> None:
         """Replace ``manifest.json`` by ``ledger``'s lanes as its next commit (a failed
         attempt leaves no ``.partial`` behind: ``atomic_write_json``); ``tree_write``
         appends the priority log's record or writes the tree's changed pages once the
@@ -262,7 +279,7 @@ class Writer(Appending):
         old = self.store.manifest
         version = max(old.format_version, fmt.PRIORITY_LOG) if old.format_version >= fmt.FINALS_BY_EPISODE else old.format_version
         state = dataclasses.replace(
-            old, generation=ledger.generation + 1, lanes=ledger.lanes, attrs=self.store.attrs,
+            old, generation=ledger.generation + advance, lanes=ledger.lanes, attrs=self.store.attrs,
             format_version=version, priority_log=log if log is not None else old.priority_log,
         )
         _files.atomic_write_json(self.path / fmt.MANIFEST, state.to_json(), before_rename=tree_write)
@@ -374,8 +391,7 @@ class Writer(Appending):
         if self._lock_fd is None:
             return
         try:
-            if self.has_changes() or (self._marks is not None and self._marks.since_checkpoint):
-                self.commit(checkpoint=True)  # the next open replays no log
+            self.checkpoint()  # commits what changed; the next open replays no log
             self._release_reservation()
         finally:
             self.release()

@@ -336,3 +336,26 @@ def test_sigkill_in_a_loop_of_updates_and_commits_loses_no_committed_priority(tm
         with mb.open(path, mode="r") as ro:
             assert _same_tree(ro.view().tree, committed)
     assert in_log >= 1 and in_checkpoint >= 1, (in_log, in_checkpoint)
+
+
+def test_a_published_copy_carries_the_logged_priorities_and_zarr_sees_the_checkpoint(tmp_path):
+    """``copy(store, url)`` reads the source's priorities with the log applied and publishes
+    a checkpointed copy (its writer closes: empty log), so a remote reader samples by the
+    committed priorities; zarr, which knows no log, reads the last checkpoint's leaves
+    until the writer's next checkpoint (``close()`` makes one)."""
+    import zarr
+
+    path = _store(tmp_path / "s")
+    buf = mb.open(path)
+    buf.update_priorities(np.arange(0, CAP, 3), 7.0)
+    buf.commit()
+    committed = np.array(buf.store.priority_tree.leaves)
+    assert _manifest(path)["priority_log"]["bytes"] > 0
+    checkpoint_leaves = zarr.open_array(str(path / "priority" / "leaves"), mode="r")[:]
+    assert not np.array_equal(checkpoint_leaves, committed)  # zarr: the checkpoint's
+    url = "file://" + str(tmp_path / "pub")
+    mb.convert.copy(path, url, progress=False)
+    with mb.open(url, mode="r", cache_dir=tmp_path / "cache") as remote:
+        assert np.array_equal(remote.leaf_priorities(np.arange(CAP)), committed)
+    buf.close()
+    assert np.array_equal(zarr.open_array(str(path / "priority" / "leaves"), mode="r")[:], committed)
