@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from . import counters as _counters, finals, index
+from . import counters as _counters, finals, index, touched
 from .._disk import prilog, rawio as _rawio, safe_io as _safe_io
 from .. import errors, tree
 from .._disk import format as fmt
@@ -406,7 +406,7 @@ class Store:
                     where = str(self.path / prilog.name(ckpt))
                     rows, values = prilog.read_fd(self._log_fd, where, ckpt, start, nbytes, self.capacity)
                     self._log_private = True
-                    tree.update(self.priority_tree, rows, values)
+                    touched.replay(self.priority_tree, rows, values)
                 self._log_have = self._log_want
             return self.priority_tree
 

@@ -205,7 +205,7 @@ class Writer(Appending):
         rows, values = prilog.read(self.path, ckpt, 0, nbytes, capacity=self.store.capacity)
         if len(rows):
             self._marks.replayed(rows)
-            tree.update(self._tree, rows, values)
+            touched.replay(self._tree, rows, values)
 
     def _zero_invisible_priorities(self) -> None:
         """Give priority 0 to every row of a lane outside its live range."""

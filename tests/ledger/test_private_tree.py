@@ -37,7 +37,9 @@ KILLED = textwrap.dedent(
         buf.extend({"x": rows, "terminated": rows % 50 == 49})
     extend(15_000)
     buf.update_priorities(np.arange(0, 15_000, 3), rng.random(5000) + 0.1)
-    buf.commit()
+    buf.commit()  # a checkpoint: a record of 15,000 rows would outweigh their pages
+    buf.update_priorities(np.arange(1, 15_000, 97), rng.random(155) + 2.0)
+    buf.commit()  # a log-only commit
     np.save(report + ".leaves.npy", np.array(buf.store.priority_tree.leaves))
     np.save(report + ".nodes.npy", np.array(buf.store.priority_tree.nodes))
     with open(report, "a") as f:
