@@ -210,16 +210,17 @@ class Marks:
             return self.writer(pt), None, True
         ckpt, nbytes = self.log
         if not (checkpoint or self._full):
-            rows = self._logged_rows()
-            if not len(rows):  # nothing live changed (every update was of rows no longer live)
+            if not self._count:  # nothing live changed (every update was of rows no longer live)
                 return (lambda: 0), self.log, False
-            size = prilog.record_bytes(len(rows))
-            pages = self._note_pages(rows, [])
-            # a checkpoint when the log would pass its bound, when the pages changed since
-            # the last one pass the private bound, or when this record would be larger
-            # than those pages (a bulk extend's contiguous rows: 12 bytes a row in the
+            # decided before the rows are gathered (a bulk extend's million rows: a sort
+            # for nothing): a checkpoint when the log would pass its bound, when the pages
+            # changed since the last one pass the private bound, or when this record
+            # would be larger than those pages (contiguous rows: 12 bytes a row in the
             # log, 4.3 in the pages): writing them is then cheaper than logging
+            size = prilog.record_bytes(self._count)  # duplicates counted: at most this
+            pages = self._note_pages(np.concatenate(self._rows) if self._rows else np.empty(0, np.int64), self._spans)
             if nbytes + size <= self.log_bound and size <= pages * mmap.PAGESIZE <= self.bound:
+                rows = self._logged_rows()
                 record = prilog.encode(ckpt, generation, rows, np.asarray(pt.leaves[rows]))
 
                 def append() -> int:
