@@ -35,7 +35,9 @@ shared, loaded machine drifts: each round's ratio compares neighbours in time)
 and reports every round and the medians; the ratio is TorchRL's (sample +
 update) time over mmbuffer's, so above 1 means mmbuffer is faster. With
 ``--commit-every N`` a second ratio charges each step its share of the commits
-(median commit / N): TorchRL's trees in RAM never write anything. ``--code DIR``
+(mean commit / N, over every commit of the run plus the checkpoint they owe at its
+end: a store with a priority log checkpoints every K commits, and a run shorter than
+K commits pays a whole checkpoint): TorchRL's trees in RAM never write anything. ``--code DIR``
 (repeatable) runs the mmbuffer worker once per round for each folder holding an
 ``mmbuffer`` package (a before/after comparison in the same rounds).
 
@@ -156,6 +158,15 @@ while time.time() < end or len(t_idx) < reps:
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
     if len(t_idx) % 1000 == 0:  # the kernel's dirty page-cache bytes, machine-wide
         dirty.append(dirty_bytes())
+# the checkpoint the commits since the last one owe (a store with a priority log: its
+# commits append to the log and a checkpoint writes the tree's pages every K commits):
+# charged to the commits of this run, so a run shorter than K commits pays it in full
+writer = getattr(buf, "_writer", None)
+t_final = 0.0
+marks = getattr(writer, "_marks", None)
+if every and hasattr(writer, "checkpoint"):
+    t0 = time.perf_counter(); writer.checkpoint(); t_final = time.perf_counter() - t0
+checkpoints = getattr(marks, "checkpoints", len(t_commit))
 half = len(t_idx) // 2
 steps = len(t_idx)
 faults_per_step = sum(faults[half:]) / len(faults[half:])
@@ -179,6 +190,9 @@ med = statistics.median
 print(json.dumps({"code": mb.__file__, "open": t_open, "cold_index": med(t_cold), "warm": t_warm, "steps": steps, "p90_index": p90_idx, "p90_update": p90_upd, "index": med(t_idx), "total": med(t_tot), "update": med(t_upd),
                   "update_max": med(t_max), "faults_per_step": faults_per_step,
                   "commit": med(t_commit[len(t_commit) // 2:]) if t_commit else float("nan"),
+                  "commit_mean": (sum(t_commit) + t_final) / len(t_commit) if t_commit else float("nan"),
+                  "commit_max": max(t_commit + [t_final]) if t_commit else float("nan"), "commits": len(t_commit),
+                  "checkpoints": checkpoints, "final_checkpoint": t_final,
                   "dirty_mib": statistics.median(dirty[len(dirty) // 2:] or [0]) / 2**20, "rss": mem["VmRSS"], "anon": mem["RssAnon"], "file": mem["RssFile"]}))
 """
 
@@ -211,6 +225,29 @@ def create_cost(root: Path, capacity: int) -> None:
 
 
 IMPORT_RSS = "import torch, mmbuffer\nprint([int(l.split()[1]) / 1024 for l in open('/proc/self/status') if l.startswith('RssAnon:')][0])"
+
+
+def store_for(code: Path, path: Path) -> Path:
+    """``path``, or for code that cannot open its format version (code from before
+    format 5 and a store of version 5) a copy beside it rewritten as version 4 (its
+    priority log empty: the store was closed), made once: the older code then writes
+    its own store."""
+    env = {**os.environ, "PYTHONPATH": str(code)}
+    readable = json.loads(subprocess.run([sys.executable, "-c", "import json; from mmbuffer._disk import format as f; "
+                                          "print(json.dumps(list(f.READABLE_VERSIONS)))"],
+                                         capture_output=True, text=True, check=True, env=env).stdout)
+    manifest = json.loads((path / "manifest.json").read_text())
+    if manifest["format_version"] in readable:
+        return path
+    old = path.with_name(path.name + f"_v{max(readable)}")
+    if not (old / "manifest.json").exists():
+        shutil.rmtree(old, ignore_errors=True)
+        subprocess.run(["cp", "-a", "--sparse=always", str(path), str(old)], check=True)
+        assert manifest.get("priority_log", {"bytes": 0})["bytes"] == 0, "a store with a non-empty log"
+        manifest.pop("priority_log", None)
+        manifest["format_version"] = max(readable)
+        (old / "manifest.json").write_text(json.dumps(manifest))
+    return old
 
 
 def run_worker(code: Path, *args: str) -> str:
@@ -298,8 +335,9 @@ def main() -> None:
         for r in range(rounds):
             trl_t = trl.prioritized_sampler_times(cap, 256, reps=50) if cap <= args.torchrl_max else None
             for code in codes:
-                drop_cache(path / "priority")
-                res = json.loads(run_worker(code, str(path), str(args.reps), str(args.seconds), str(args.commit_every)))
+                at = store_for(code, path)
+                drop_cache(at / "priority")
+                res = json.loads(run_worker(code, str(at), str(args.reps), str(args.seconds), str(args.commit_every)))
                 row = {
                     "capacity": cap,
                     "round": r + 1,
@@ -317,6 +355,11 @@ def main() -> None:
                     "p90 update ms": res["p90_update"] * 1e3,
                     "commit every": args.commit_every or "never",
                     "commit ms (median)": res["commit"] * 1e3,
+                    "commit ms (mean, checkpoints incl.)": res.get("commit_mean", res["commit"]) * 1e3,
+                    "commit ms (max)": res.get("commit_max", float("nan")) * 1e3,
+                    "commits": res.get("commits", 0),
+                    "checkpoints": res.get("checkpoints", 0),
+                    "final checkpoint ms": res.get("final_checkpoint", 0.0) * 1e3,
                     "page faults / step": res["faults_per_step"],
                     "dirty + writeback MiB (machine)": res["dirty_mib"],
                     "lower max ms": res["update_max"] * 1e3,
@@ -325,7 +368,8 @@ def main() -> None:
                     "file-backed RSS MiB": res["file"],
                 }
                 step = res["index"] + res["update"]
-                with_commits = step + (res["commit"] / args.commit_every if args.commit_every else 0.0)
+                share = res.get("commit_mean", res["commit"])  # every commit's cost, checkpoints included
+                with_commits = step + (share / args.commit_every if args.commit_every else 0.0)
                 row["step incl. commit share ms"] = with_commits * 1e3
                 if trl_t is not None:
                     t = trl_t

@@ -15,6 +15,11 @@ capacity's tree, N rows of it live). ``--code DIR`` runs the writer, the kill an
 the ``mmbuffer`` package found in ``DIR`` (a checkout of another commit: ``git archive
 REV mmbuffer | tar -x -C DIR``), so a baseline is measured in the same run.
 
+``--log-commits N``: the child then makes N commits of 25,600 updated priorities each
+before the kill (with the priority log, format 5: a log of ~300 KB per commit, replayed
+at the reopen); a reader process opened before the reopen reports its first prioritized
+sample's time (the log's replay) and the anonymous memory that replay added.
+
 Also the cost per ``extend`` of one row (the writer's hot path), median of 5 runs of
 20,000 extends, for the same code.
 
@@ -59,6 +64,10 @@ b = buf.sample(100_000)
 buf.update_priorities(b, rng.random(100_000) + 0.5)
 w = int(buf.view().written[0])
 buf.extend({"x": w + np.arange(2000), "terminated": np.arange(2000) % 1000 == 999})
+for _ in range(int(sys.argv[2])):  # --log-commits: PER-like commits of 25,600 priorities each
+    b = buf.sample(25_600)
+    buf.update_priorities(b, rng.random(25_600) + 0.5)
+    buf.commit()
 print("ready", flush=True)
 time.sleep(600)
 """
@@ -82,6 +91,20 @@ t3 = time.perf_counter()
 print(json.dumps({"before open s": t1 - t0, "open s": t2 - t1, "first prioritized sample s": t3 - t2,
                   "live rows": len(buf), "code": mb.__file__}))
 buf.close()
+"""
+
+READER = """
+import json, sys, time
+import numpy as np, torch, mmbuffer as mb
+def anon():
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("RssAnon:")) / 1024
+ro = mb.open(sys.argv[1], mode="r")
+ro.sample(32)  # uniform: reads no priority log
+a0 = anon()
+t0 = time.perf_counter()
+ro.sample(32, prioritized=True)  # the first prioritized use replays the committed log
+t1 = time.perf_counter()
+print(json.dumps({"reader first PER sample s": t1 - t0, "reader anon MiB added": anon() - a0}))
 """
 
 EXTEND = """
@@ -133,17 +156,21 @@ with mb.open(sys.argv[1], mode="r") as ro:
     return json.loads(run(code, script, path).stdout)
 
 
-def one(code: Path, rows: int, tmp: Path, warm: bool, fill: int, preload: bool) -> dict[str, object]:
+def one(code: Path, rows: int, tmp: Path, warm: bool, fill: int, preload: bool, log_commits: int = 0) -> dict[str, object]:
     path = tmp / f"s{abs(hash(str(code))) % 10_000}"
     t0 = time.perf_counter()
     run(code, FILL, path, rows, fill)
     fill_s = time.perf_counter() - t0
-    proc = subprocess.Popen([sys.executable, "-c", KILLED, str(path)], env={**os.environ, "PYTHONPATH": str(code)},
+    proc = subprocess.Popen([sys.executable, "-c", KILLED, str(path), str(log_commits)], env={**os.environ, "PYTHONPATH": str(code)},
                             stdout=subprocess.PIPE, text=True, cwd=tempfile.gettempdir())
     assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     before = committed_rows(code, path)
+    log = json.loads((path / "manifest.json").read_text()).get("priority_log", {"bytes": 0})["bytes"]
+    if not warm:
+        drop_store_cache(path)
+    reader = json.loads(run(code, READER, path).stdout)
     if not warm:
         drop_store_cache(path)
     out = json.loads(run(code, REOPEN, path, "preload" if preload else "cold").stdout)
@@ -152,7 +179,8 @@ def one(code: Path, rows: int, tmp: Path, warm: bool, fill: int, preload: bool) 
     assert out["code"].startswith(str(code)), (out["code"], code)  # the code asked for ran
     return {"code": str(code), "rows": rows, "rows written": fill, "cache": "warm" if warm else "cold",
             "clock from": "mb.open (torch, kernels loaded)" if preload else "process start",
-            "fill s": round(fill_s, 1), **before, "import (+ kernel load) s": round(out["before open s"], 3),
+            "fill s": round(fill_s, 1), "commits before the kill": log_commits, "log MiB at the kill": round(log / 2**20, 1),
+            **{k: round(v, 3) for k, v in reader.items()}, **before, "import (+ kernel load) s": round(out["before open s"], 3),
             "kept after reopen": out["live rows"], "committed rows lost": lost,
             "open s": round(out["open s"], 3), "first PER sample s": round(out["first prioritized sample s"], 3),
             "open + first sample s": round(out["open s"] + out["first prioritized sample s"], 3),
@@ -167,13 +195,15 @@ def main() -> None:
     p.add_argument("--dir", type=Path, default=None, help="where to put the stores (default: a temporary folder)")
     p.add_argument("--fill", type=count, default=None, help="rows written before the kill (default 1.25 x --rows: "
                    "the ring wrapped); fewer: a sparse store")
+    p.add_argument("--log-commits", type=int, default=0, help="commits of 25,600 priorities each the child makes "
+                   "before the kill (a priority log of ~300 KB each, 32 MiB by default checkpoints)")
     p.add_argument("--no-preload", action="store_true", help="start the clock at process start (import torch, "
                    "numba's kernel load included), not at mb.open in a process that has both")
     args = p.parse_args()
     fill = args.fill if args.fill is not None else args.rows + args.rows // 4
     codes = [c.resolve() for c in (args.code or [Path(__file__).resolve().parents[1]])]
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        results = [one(code, args.rows, Path(tmp), args.warm, fill, not args.no_preload) for code in codes]
+        results = [one(code, args.rows, Path(tmp), args.warm, fill, not args.no_preload, args.log_commits) for code in codes]
     header("bench_recovery")
     table(results)
 

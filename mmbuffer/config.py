@@ -34,7 +34,13 @@ class Config:
         after a commit (``_ledger/touched.py``): kept, a later store into the page
         takes no page fault; above this bound a commit drops them all
         (``MMBUFFER_PRIVATE_TREE_BYTES``). The pages changed since the last commit
-        are private until it, whatever the bound.
+        are private until it, whatever the bound. It also bounds the pages a writer
+        changes between two checkpoints (``priority_log_bytes``).
+    priority_log_bytes:
+        Bytes of the priority log (``_disk/prilog.py``) past which a commit is a
+        checkpoint, writing the tree's changed pages and starting a new log
+        (``MMBUFFER_PRIORITY_LOG_BYTES``): a commit that is not one appends 12 bytes
+        per changed priority; an open replays up to this many bytes.
     """
 
     chunk_bytes: int = 1 << 20
@@ -42,6 +48,7 @@ class Config:
     reserve_fraction: float = 1 / 16
     decode_cache_bytes: int = 256 << 20
     private_tree_bytes: int = 512 << 20
+    priority_log_bytes: int = 32 << 20
 
 
 def _from_env() -> Config:

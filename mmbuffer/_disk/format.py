@@ -1,4 +1,4 @@
-"""The on-disk format of an mmbuffer store, format version 4 (``FORMAT_VERSION``).
+"""The on-disk format of an mmbuffer store, format version 5 (``FORMAT_VERSION``).
 
 A store is one directory that is also a valid **Zarr v3 group**, so zarr-python,
 tensorstore or xarray read it without mmbuffer. Nothing in it is a pickle::
@@ -21,8 +21,9 @@ tensorstore or xarray read it without mmbuffer. Nothing in it is a pickle::
       index/progress/      int64 [2 + num_streams]: boot id, then how far the writer
                            really wrote, per lane (``_ledger/progress.py``)
       priority/<level>/    priority tree arrays (``mmbuffer.tree``), when enabled
-      priority/touched/    uint8 [ceil(capacity / 64)]: the tree blocks the writer
-                           changed since its last commit (``_ledger/touched.py``)
+      priority/touched/    uint8 [ceil(capacity / 64)]: the tree blocks a checkpoint
+                           is writing (``_ledger/touched.py``)
+      priority/log-<c>     the priority log since checkpoint ``c`` (``prilog.py``)
       sampler/<name>.json  persisted sampler state (``samplers/epoch.py``)
       LOCK                 advisory lock file of the single writer (pid, host)
 
@@ -32,10 +33,8 @@ with the ``bytes`` codec and the shard index at the end. The first
 C-order numpy array, which mmbuffer memory-maps (and writes large blocks into
 with ``pwrite``), while a Zarr reader still makes
 partial reads through the shard index (one entry per inner chunk of about
-``config.chunk_bytes``). mmbuffer writes that index itself when it creates the file
-(every inner chunk present, crc32c like zarr's default), and allocates the file
-sparse, so an empty store of 3e9 rows costs no disk. One shard per array keeps a
-column one memory map: a gather is one fancy-index, never a split by shard.
+``config.chunk_bytes``), which mmbuffer writes at creation (crc32c, as zarr's
+default) in a sparse file: an empty store of 3e9 rows costs no disk.
 
 Compressed arrays (``compression="zstd"|"lz4"``) are ordinary chunked Zarr arrays
 read and written through zarr-python; they are for archives (see ``mmbuffer copy``).
@@ -76,12 +75,9 @@ Version history
     Priority tree of float32 leaves in blocks of 64 under a 16-ary tree of float64
     sums and running sums and float32 min/max (``mmbuffer.tree``): 4.41 bytes per row,
     one gathered row per level per draw. No other change.
-    Since then, without a version change (a store of either time reads the same):
-    ``index/reserved`` is kept at a dead writer's value by recovery (readers of an
-    older commit must keep away from the rows it may have rewritten) and stays
-    within ``written + 2 * lane_size`` of the last commit (``extend`` commits before
-    a lane's uncommitted rows exceed a lane); ``zarr.json`` files are checked as
-    above on open.
+    Since then, without a version change: ``index/reserved`` is kept at a dead
+    writer's value by recovery and stays within ``written + 2 * lane_size`` of the
+    last commit; ``zarr.json`` files are checked as above on open.
 3 (2026-11-23, issue 12)
     Priority tree as two arrays, ``priority/leaves`` (float32, as before) and
     ``priority/nodes`` (float64 [R, 32]: per row of 16 slots their float64 sums,
@@ -95,15 +91,12 @@ Version history
     the root group's ``"mmbuffer"`` attributes with the live rows and episodes
     (``zarr_view.py``, docs/format.md).
     Since then, without a version change: ``index/progress`` and ``priority/touched``
-    (issue 22), which only the writer reads; a writer that opens a store without it creates it (built
-    beside, renamed into place), and readers of any version ignore it.
+    (issue 22), which only the writer reads (it creates them in a store without them).
     Also without a version change (issue 23, 2026-11-25): a column may name its codec
     (``columns[name].codec``, ``"zstd"``, ``"zstd:<level>"`` or ``"lz4"``); such a column is a sharded
     Zarr array with a staging area (``staging/<name>/rows`` and ``tags``). A store without
     one is written and read exactly as before; a reader from before this change refuses a
-    manifest that names a codec (``CorruptStoreError``: it checks every column's keys).
-    Also (issue 23): the lossy ``"jpeg[:<quality>]"``, one frame per inner chunk coded
-    ``[numcodecs.imagecodecs_jpeg {level}, crc32c]`` (``columns/jpeg.py``); older readers refuse it.
+    manifest that names a codec (``CorruptStoreError``: it checks every column's keys); also the lossy ``"jpeg[:<quality>]"`` (``columns/jpeg.py``), which older readers refuse.
 4 (2026-11-25, issue 23)
     Final observations addressed by episode, not by row: ``final/<col>`` keeps, per
     lane, a ring of ``lane_size`` slots, episode ``k``'s final observation in slot
@@ -116,6 +109,13 @@ Version history
     chunks of used slots). Version 3 stores open, read and write as before (their
     manifest keeps ``format_version`` 3; ``mmbuffer copy`` makes a version 4 store of
     one); other versions are refused with ``FormatVersionError``.
+5 (2026-11-26, issue 26)
+    The priority log (``prilog.py``): a commit appends the changed leaf values to
+    ``priority/log-<c>`` and the manifest's ``priority_log`` ({checkpoint, bytes})
+    says how much of it counts; only a checkpoint writes the tree's pages. The tree
+    is the file's plus the log replayed, so version 4 code refuses it by the version.
+    A version 4 store opens and becomes version 5 at its first commit; a version 3
+    store stays 3 and writes no log (every commit writes the pages).
 """
 
 from __future__ import annotations
@@ -132,9 +132,13 @@ from .. import errors
 from ..config import config
 
 FORMAT_NAME: Final = "mmbuffer"
-FORMAT_VERSION: Final = 4
-#: the versions this mmbuffer opens: 3 (final observations at rows) and 4 (by episode)
-READABLE_VERSIONS: Final = (3, 4)
+FORMAT_VERSION: Final = 5
+#: the versions this mmbuffer opens: 3 (final observations at rows), 4 (by episode),
+#: 5 (and a priority log: ``prilog.py``)
+READABLE_VERSIONS: Final = (3, 4, 5)
+#: the first version whose manifest may name a priority log (``prilog.py``); a writer
+#: migrates a version 4 store to it at its first commit
+PRIORITY_LOG: Final = 5
 #: the first version whose final observations are addressed by episode
 FINALS_BY_EPISODE: Final = 4
 MANIFEST: Final = "manifest.json"

@@ -43,9 +43,10 @@ def open_raw_fd(
 
     ``zarr.json`` is checked against ``expect`` (:func:`check_array_meta`); every
     file is opened without following links and the map is made from that
-    descriptor, never by path again. ``private=True`` (with ``writable``) maps it
-    copy-on-write (``MAP_PRIVATE``): stores stay in this process's anonymous memory
-    until :func:`write_private` writes them to the file.
+    descriptor, never by path again. ``private=True`` maps it copy-on-write
+    (``MAP_PRIVATE``): stores stay in this process's anonymous memory until
+    :func:`write_private` writes them to the file (a writer) or :func:`drop_private`
+    drops them (a reader that replayed the priority log: ``_ledger/store.py``).
     """
     meta = _files.read_json_in(root, f"{name}/zarr.json")
     shape, dtype, shard_rows = fmt.check_array_meta(root / name / "zarr.json", meta, expect, raw=True)
@@ -62,7 +63,7 @@ def open_raw_fd(
                 f"{root / rel}: file seems not fully written: expected at least {need} bytes, got {size}"
             )
         nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
-        access = (mmap.ACCESS_COPY if private else mmap.ACCESS_WRITE) if writable else mmap.ACCESS_READ
+        access = mmap.ACCESS_COPY if private else mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
         handle = mmap.mmap(fd, nbytes, access=access)
     except BaseException:
         os.close(fd)

@@ -54,6 +54,9 @@ class Manifest:
     codecs: dict[str, str] = field(default_factory=dict)  # columns with a codec (columns/sharding.py)
     #: the store's format version: kept by every commit (a version 3 store stays one)
     format_version: int = fmt.FORMAT_VERSION
+    #: the priority log the commit counts (version 5, ``_disk/prilog.py``): its
+    #: checkpoint id and committed bytes; (0, 0) when none
+    priority_log: tuple[int, int] = (0, 0)
 
     @property
     def finals_by_episode(self) -> bool:
@@ -77,6 +80,8 @@ class Manifest:
             "priorities": self.priorities,
             "lanes": [st.to_json() for st in self.lanes],
             "attrs": self.attrs,
+            **({"priority_log": {"checkpoint": self.priority_log[0], "bytes": self.priority_log[1]}}
+               if self.format_version >= fmt.PRIORITY_LOG and self.priorities is not None else {}),
         }
 
     def schema(self) -> tuple[Any, ...]:
@@ -150,8 +155,15 @@ def parse(obj: object, file: str) -> Manifest:
             f"{file}: expected format_version {' or '.join(map(str, fmt.READABLE_VERSIONS))}, got {version!r}; "
             "this mmbuffer cannot read it"
         )
+    log = (0, 0)
+    if version >= fmt.PRIORITY_LOG and priorities is not None and "priority_log" in obj:
+        spec = obj["priority_log"]
+        if not isinstance(spec, dict) or set(spec) != {"checkpoint", "bytes"}:
+            raise bad("priority_log", "an object with checkpoint, bytes", spec)
+        log = (integer("priority_log.checkpoint", spec["checkpoint"], 0, MAX_COUNTER),
+               integer("priority_log.bytes", spec["bytes"], 0, MAX_COUNTER))
     return Manifest(generation, capacity, num_streams, lane_size, compression, columns, tuple(next_keys), priorities,
-                    states, attrs, codecs, int(version))
+                    states, attrs, codecs, int(version), log)
 
 
 def _columns(cols: object, capacity: int, bad: Any) -> tuple[dict[str, tuple[tuple[int, ...], np.dtype]], dict[str, str]]:

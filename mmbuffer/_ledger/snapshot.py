@@ -18,6 +18,7 @@ side needs of a store.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, Protocol
@@ -98,7 +99,9 @@ class View:
     layout: Layout
     written: np.ndarray  # int64 [num_streams], rows ever written per lane
     generation: int
-    tree: tree.PriorityTree | None = None
+    #: the priority tree, or (a reader's) a function returning it once the committed
+    #: priority log is applied (``Store._synced_tree``): see :attr:`tree`
+    tree_source: tree.PriorityTree | Callable[[], tree.PriorityTree | None] | None = None
     #: derived per lane, once per view (uniform draws read them on every call):
     #: sampleable transitions ``visible_end - first_start``, their total, ``first_start``
     #: (writable, as numba's dispatch types writable arrays fastest: never write them)
@@ -112,6 +115,13 @@ class View:
         object.__setattr__(self, "transitions", counts)
         object.__setattr__(self, "total_transitions", int(counts.sum()))
         object.__setattr__(self, "first_starts", first)
+
+    @property
+    def tree(self) -> tree.PriorityTree | None:
+        """The priority tree (None without priorities), the committed log applied: a
+        reader replays it at the first prioritized use, not at open."""
+        src = self.tree_source
+        return src() if callable(src) else src
 
     @property
     def lane_size(self) -> int:

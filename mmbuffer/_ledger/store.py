@@ -37,8 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from . import counters as _counters, finals, index
-from .._disk import rawio as _rawio, safe_io as _safe_io
+from . import counters as _counters, finals, index, touched
+from .._disk import prilog, rawio as _rawio, safe_io as _safe_io
 from .. import errors, tree
 from .._disk import format as fmt
 from .._disk.checks import row_ids
@@ -115,6 +115,17 @@ class Store:
         #: what is live, one frozen value: replaced whole by the writer and by refresh
         self.ledger = Ledger.of(tuple(manifest.lanes), manifest.generation)
         self._last_view: tuple[Ledger, bytes, View] | None = None  # ``view``'s memo
+        # a reader's priority log (_disk/prilog.py): the one its commit names and how much
+        # of it this process applied to its copy-on-write tree (at the first prioritized use)
+        self._log_fd: int | None = None
+        self._log_want = self._log_have = (manifest.priority_log[0], 0)
+        self._log_private = False  # whether the tree's map holds replayed pages
+        if self.priority_tree is not None and mode == "r":
+            try:
+                self._adopt_log(manifest)
+            except BaseException:
+                self.close()
+                raise
 
     def _open_arrays(self, manifest: Manifest) -> None:
         """Open the arrays the checked manifest names, each against what it implies."""
@@ -142,8 +153,9 @@ class Store:
         self.reserved = self._mapped("index/reserved", (self.num_streams, (), int64))
         self.priority_tree: tree.PriorityTree | None = None
         if self.priorities is not None:
-            # the writer's map is copy-on-write: its changes reach the file at commit (touched.py)
-            levels = {k: self._mapped(f"priority/{k}", (s[0], tuple(s[1:]), np.dtype(t)), private=writable) for k, (s, t) in tree.layout(cap).items()}
+            # copy-on-write: the writer's changes reach the file at a checkpoint (touched.py),
+            # a reader's replay of the priority log stays in its memory
+            levels = {k: self._mapped(f"priority/{k}", (s[0], tuple(s[1:]), np.dtype(t)), private=True) for k, (s, t) in tree.layout(cap).items()}
             self.priority_tree = tree.PriorityTree(**levels)
             _safe_io.lexists(root, "priority/DIRTY")  # a link there would be touched through
 
@@ -245,7 +257,8 @@ class Store:
             visible_end = st.written - (1 if self.next_keys and st.written > open_start else 0)
             lanes.append(LaneView(st.first_start, st.ep_head, st.ep_tail, open_start, visible_end))
         written.flags.writeable = False
-        return View(tuple(lanes), self.ends, self.layout, written, ledger.generation, self.priority_tree)
+        source = self._synced_tree if self.mode == "r" and self.priority_tree is not None else self.priority_tree
+        return View(tuple(lanes), self.ends, self.layout, written, ledger.generation, source)
 
     def episode_bounds(self, view: View | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Global start row and length of every live complete episode (lane order)."""
@@ -327,7 +340,9 @@ class Store:
                 "leaf_priorities: expected a store created with priorities=mb.PriorityConfig(...), got priorities=None"
             )
         idx = check_rows(row_ids(rows, self.capacity), self.capacity)
-        return np.asarray(self.priority_tree.leaves[idx])
+        pt = self._synced_tree()
+        assert pt is not None
+        return np.asarray(pt.leaves[idx])
 
     # -- a reader's refresh --------------------------------------------------------------
     @locked
@@ -343,9 +358,57 @@ class Store:
             raise errors.CorruptStoreError(f"{where}: expected the schema opened, {self.manifest.schema()}, got {manifest.schema()}")
         lanes = list(manifest.lanes)
         _counters.check_lanes(self.ends, self.reserved, lanes, self.lane_size, where, writer=False, since=list(self.committed))
+        if self.priority_tree is not None:
+            self._adopt_log(manifest)
         self.attrs = dict(manifest.attrs)
         self.ledger = Ledger.of(tuple(lanes), manifest.generation)
         return True
+
+    # -- a reader's priority log -----------------------------------------------------------
+    def _adopt_log(self, manifest: Manifest) -> None:
+        """Take the priority log ``manifest`` names (applied later: :meth:`_synced_tree`),
+        keeping a descriptor of its file: the writer removes it after the next checkpoint,
+        and the descriptor still reads it whole. A log removed between the manifest's read
+        and its open is that of an older commit: the newest manifest's is taken (its
+        priorities are then newer than the ledger, never older)."""
+        for attempt in range(3):
+            want = manifest.priority_log if manifest.format_version >= fmt.PRIORITY_LOG else (0, 0)
+            if want[0] == self._log_want[0] and (self._log_fd is not None or want[1] == 0):
+                self._log_want = want
+                return
+            try:
+                fd = prilog.open_log(self.path, *want)
+            except errors.CorruptStoreError:
+                newer = load_manifest(self.path)
+                if attempt == 2 or newer.priority_log[0] == want[0]:
+                    raise
+                manifest = newer
+                continue
+            if self._log_fd is not None:
+                os.close(self._log_fd)
+            self._log_fd, self._log_want = fd, want
+            return
+
+    def _synced_tree(self) -> tree.PriorityTree | None:
+        """The priority tree with the committed log applied (a reader replays what it has
+        not yet: the new records of its checkpoint's log, or after a new checkpoint its
+        copy-on-write pages dropped and the new log whole)."""
+        with self._lock:
+            if self._log_have != self._log_want and self.priority_tree is not None:
+                ckpt, nbytes = self._log_want
+                start = self._log_have[1] if self._log_have[0] == ckpt and self._log_have[1] <= nbytes else 0
+                if start == 0 and self._log_private:
+                    for arr in self.tree_arrays() or ():
+                        arr.drop_private()  # the file's pages: the new checkpoint's tree
+                    self._log_private = False
+                if nbytes > start:
+                    assert self._log_fd is not None
+                    where = str(self.path / prilog.name(ckpt))
+                    rows, values = prilog.read_fd(self._log_fd, where, ckpt, start, nbytes, self.capacity)
+                    self._log_private = True
+                    touched.replay(self.priority_tree, rows, values)
+                self._log_have = self._log_want
+            return self.priority_tree
 
     # -- memory ----------------------------------------------------------------------------
     def warm(self) -> None:
@@ -397,6 +460,9 @@ class Store:
         """Close every array's file handles (the maps stay valid while referenced)."""
         for arr in getattr(self, "_arrays", {}).values():
             arr.close()
+        fd, self._log_fd = getattr(self, "_log_fd", None), None
+        if fd is not None:
+            os.close(fd)
 
     def __del__(self) -> None:
         self.close()

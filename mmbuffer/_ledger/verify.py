@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .. import tree
+from .. import errors, tree
 from .._disk import format as fmt
 from . import index
 from .index import Lane
@@ -103,9 +103,14 @@ def verify(store: Checked, repair: bool = False) -> dict[str, Any]:
             bad = int(np.flatnonzero(have != want)[0])
             problems.append(f"stream {lane}: episode {seqs[bad]} ends at {have[bad]} in the index, {want[bad]} in the data")
     drift = 0.0
-    if snapshot.tree is not None:
+    try:
+        ptree = snapshot.tree  # a reader applies the committed priority log here (store.py)
+    except errors.CorruptStoreError as exc:
+        problems.append(f"priority log: {exc}")
+        ptree = None
+    if ptree is not None:
         settled, generation = _tree_settled(store) if store.mode == "r" else (True, 0)
-        drift = float(tree.check(snapshot.tree, spans=store.tree_spans()))
+        drift = float(tree.check(ptree, spans=store.tree_spans()))
         if store.mode == "r" and settled:
             settled = _tree_settled(store) == (True, generation)
         if drift > 1e-9 and settled:

@@ -50,6 +50,7 @@ import numpy as np
 from .. import errors, tree
 from .._disk import files as _files
 from .._disk import format as fmt
+from .._disk import prilog
 from .._disk import rawio as _rawio
 from .._disk.checks import (
     as_numpy,
@@ -146,7 +147,8 @@ class Writer(Appending):
             self._record_array, self._record = progress.open_record(self.path, store.num_streams)
             if self._tree is not None:
                 self._marks_array, marks, self._marks_added = touched.open_marks(self.path, store.capacity)
-                self._marks = touched.Marks(marks, store.tree_arrays(), self.path / "priority" / "DIRTY")
+                log = store.manifest.priority_log if store.manifest.format_version >= fmt.FINALS_BY_EPISODE else None
+                self._marks = touched.Marks(marks, store.tree_arrays(), self.path / "priority" / "DIRTY", log)
             self._recover()
         except BaseException:  # the caller gets no writer: nothing else would release the lock
             self.release()
@@ -165,9 +167,12 @@ class Writer(Appending):
         have rewritten. The episodes this keeps beyond what the open checked (those
         between the two limits) are checked first. The tree is repaired in the blocks
         marked since the commit (``touched.py``) when the marks are of this boot,
-        else rebuilt whole.
+        else rebuilt whole; the committed priority log is replayed first
+        (:meth:`_replay_log`), and after a repair or a rebuild the commit that settles
+        them is a checkpoint.
         """
         assert self._record is not None
+        self._replay_log()
         same_boot = progress.trusted(self._record) and not self._marks_added  # before start() rewrites it
         before = self.store.ledger
         limit = progress.limits(self._record, self._reserved, before.committed)
@@ -200,9 +205,23 @@ class Writer(Appending):
                 tree.rebuild(self._tree, spans=self.store.tree_spans())
             self._tree_dirty = True
         if torn or self._tree_dirty:
-            self.commit()
-            if self._marks is not None:
+            dirty = (self.path / "priority" / "DIRTY").exists()
+            self.commit(checkpoint=dirty)  # the file's tree pages are whole again only after a checkpoint
+            if self._marks is not None and dirty:
                 self._marks.clear_all()  # the dead writer's marks too, now that the tree is whole
+
+    def _replay_log(self) -> None:
+        """Apply the committed priority log (``_disk/prilog.py``) to this writer's
+        copy-on-write tree: the file holds the last checkpoint's tree; the records
+        since hold the committed leaf values. Their blocks are pending for the next
+        checkpoint (``touched.Marks.replayed``)."""
+        if self._tree is None or self._marks is None or self._marks.log is None:
+            return
+        ckpt, nbytes = self._marks.log
+        rows, values = prilog.read(self.path, ckpt, 0, nbytes, capacity=self.store.capacity)
+        if len(rows):
+            self._marks.replayed(rows)
+            touched.replay(self._tree, rows, values)
 
     def _zero_invisible_priorities(self) -> None:
         """Give priority 0 to every row of a lane outside its live range."""
@@ -216,9 +235,11 @@ class Writer(Appending):
 
     # -- writing -------------------------------------------------------------------------
     @locked_write("commit")
-    def commit(self) -> int:
+    def commit(self, *, checkpoint: bool = False) -> int:
         """Make every extended row durable and visible to readers; return the generation
-        (see ``Buffer.commit``)."""
+        (see ``Buffer.commit``). The changed priorities are appended to the priority
+        log, or with ``checkpoint`` (or when the log is full: ``touched.Marks.plan``)
+        the tree's changed pages are written."""
         self.check_writable("commit")
         store = self.store
         ledger = store.ledger
@@ -234,24 +255,51 @@ class Writer(Appending):
             # the ring slots of the episodes added since the last commit
             for a, b in index.slot_ranges(lane, self.lane_size, was.ep_tail, now.ep_tail):
                 ends.flush(a, b)
-        tree_pages = self._marks.writer(self._tree) if self._tree is not None and self._marks is not None and self._tree_dirty else None
-        self._write_manifest(ledger, tree_pages)  # the generation advances once it is written
+        tree_write, log, is_checkpoint = None, None, True
+        marks = self._marks
+        if self._tree is not None and marks is not None:
+            log = marks.log
+            if self._tree_dirty or (checkpoint and marks.since_checkpoint):
+                tree_write, log, is_checkpoint = marks.plan(self._tree, self.path, ledger.generation + 1, checkpoint=checkpoint)
+        self._write_manifest(ledger, tree_write, log)  # the generation advances once it is written
         store.ledger = ledger.committed_as(ledger.generation + 1)
-        if self._tree is not None and self._tree_dirty:
+        if tree_write is not None and marks is not None:
             self._tree_dirty = False
-            if self._marks is not None:
-                self._marks.committed()
+            marks.committed(log, is_checkpoint, self.path)
         zarr_view.publish(self.path, self.layout, store.committed, store.generation, store.manifest.format_version)
         return store.generation
 
-    def _write_manifest(self, ledger: Ledger, tree_pages: Any = None) -> None:
+    @locked_write("commit")
+    def checkpoint(self) -> None:
+        """Write the tree's pages changed since the last checkpoint and start an empty
+        priority log (``touched.Marks.plan``), so that the next open replays nothing:
+        with changes since the commit, as a commit; else without one (the manifest keeps
+        its generation and lanes: what is committed stays, only where it is kept moves;
+        a reader that replayed the old log holds its pages privately and its descriptor)."""
+        self.check_writable("commit")
+        marks = self._marks
+        if self.has_changes():
+            self.commit(checkpoint=True)
+        elif self._tree is not None and marks is not None and marks.since_checkpoint and marks.log is not None:
+            ledger = self.store.ledger
+            tree_write, log, _ = marks.plan(self._tree, self.path, ledger.generation, checkpoint=True)
+            self._write_manifest(ledger, tree_write, log, advance=False)
+            marks.committed(log, True, self.path)
+
+    def _write_manifest(self, ledger: Ledger, tree_write: Any = None, log: tuple[int, int] | None = None, advance: bool = True) -> None:
         """Replace ``manifest.json`` by ``ledger``'s lanes as its next commit (a failed
-        attempt leaves no ``.partial`` behind: ``atomic_write_json``); ``tree_pages``
-        writes the tree's changed pages once the new manifest is on disk, before its rename."""
+        attempt leaves no ``.partial`` behind: ``atomic_write_json``); ``tree_write``
+        appends the priority log's record or writes the tree's changed pages once the
+        new manifest is on disk, before its rename; ``log`` is the priority log the
+        manifest names. A version 4 store becomes a version 5 one (``format.py``)."""
+        old = self.store.manifest
+        version = max(old.format_version, fmt.PRIORITY_LOG) if old.format_version >= fmt.FINALS_BY_EPISODE else old.format_version
         state = dataclasses.replace(
-            self.store.manifest, generation=ledger.generation + 1, lanes=ledger.lanes, attrs=self.store.attrs
+            old, generation=ledger.generation + advance, lanes=ledger.lanes, attrs=self.store.attrs,
+            format_version=version, priority_log=log if log is not None else old.priority_log,
         )
-        _files.atomic_write_json(self.path / fmt.MANIFEST, state.to_json(), before_rename=tree_pages)
+        _files.atomic_write_json(self.path / fmt.MANIFEST, state.to_json(), before_rename=tree_write)
+        self.store.manifest = state
 
     # -- priorities ------------------------------------------------------------------------
     @locked
@@ -357,8 +405,7 @@ class Writer(Appending):
         if self._lock_fd is None:
             return
         try:
-            if self.has_changes():
-                self.commit()
+            self.checkpoint()  # commits what changed; the next open replays no log
             self._release_reservation()
         finally:
             self.release()

@@ -37,7 +37,9 @@ KILLED = textwrap.dedent(
         buf.extend({"x": rows, "terminated": rows % 50 == 49})
     extend(15_000)
     buf.update_priorities(np.arange(0, 15_000, 3), rng.random(5000) + 0.1)
-    buf.commit()
+    buf.commit()  # a checkpoint: a record of 15,000 rows would outweigh their pages
+    buf.update_priorities(np.arange(1, 15_000, 97), rng.random(155) + 2.0)
+    buf.commit()  # a log-only commit
     np.save(report + ".leaves.npy", np.array(buf.store.priority_tree.leaves))
     np.save(report + ".nodes.npy", np.array(buf.store.priority_tree.nodes))
     with open(report, "a") as f:
@@ -89,9 +91,10 @@ def test_a_kill_between_commits_leaves_the_committed_tree_and_repairs_nothing(tm
     assert not (path / "priority" / "DIRTY").exists()
     marks = np.fromfile(path / "priority" / "touched" / "c" / "0", dtype=np.uint8)[: -(-CAP // tree.BLOCK)]
     assert not marks.any()
-    with mb.open(path, mode="r") as ro:  # what a reader maps: the committed tree, bit for bit
-        assert np.array_equal(np.asarray(ro.store.priority_tree.leaves), leaves)
-        assert np.array_equal(np.asarray(ro.store.priority_tree.nodes), nodes)
+    with mb.open(path, mode="r") as ro:  # what a reader sees (the file and the log): the committed tree, bit for bit
+        assert ro.store.manifest.priority_log[1] > 0  # the commit was a log-only one
+        assert np.array_equal(np.asarray(ro.view().tree.leaves), leaves)
+        assert np.array_equal(np.asarray(ro.view().tree.nodes), nodes)
     rebuilt = tree.init(CAP)
     rebuilt.leaves[:] = leaves
     tree.rebuild(rebuilt)
@@ -128,8 +131,10 @@ def test_readers_see_committed_sums_only(tmp_path):
     with mb.open(path) as buf, mb.open(path, mode="r") as ro:
         buf.extend({"x": np.arange(8000), "terminated": np.arange(8000) % 40 == 39})
         buf.commit()
-        mine, theirs = buf.store.priority_tree, ro.store.priority_tree
+        mine = buf.store.priority_tree
         for _ in range(3):
+            ro.refresh()
+            theirs = ro.view().tree  # the file's tree and the committed log, replayed
             before = np.array(theirs.nodes), np.array(theirs.leaves)
             assert np.array_equal(before[0], mine.nodes) and np.array_equal(before[1], mine.leaves)
             buf.update_priorities(np.arange(0, 8000, 7), rng.random(1143) * 10 + 0.1)
@@ -140,6 +145,8 @@ def test_readers_see_committed_sums_only(tmp_path):
             report = verify(ro.store)  # a reader judges the live store: its tree is whole
             assert report["ok"] and report["tree_drift"] == 0.0 and not report["notes"], report
             buf.commit()
+        ro.refresh()
+        theirs = ro.view().tree
         assert np.array_equal(theirs.nodes, mine.nodes) and np.array_equal(theirs.leaves, mine.leaves)
 
 
@@ -157,7 +164,7 @@ BOUNDED = textwrap.dedent(
     kept = []
     for _ in range(30):
         buf.update_priorities(rng.integers(0, 200_000, 2000), rng.random(2000))
-        buf.commit()
+        buf._writer.commit(checkpoint=True)  # the pages written: kept or dropped (a log-only commit keeps them)
         kept.append(marks.private_pages * 4096)
     print(json.dumps({"bound": marks.bound, "kept": kept, "drops": marks.drops, "anon_growth": anon() - base,
                       "tree": int(sum(a.nbytes for a in buf.store.priority_tree.arrays))}))
@@ -193,8 +200,9 @@ def test_private_pages_stay_under_the_bound(tmp_path, bound):
 
 
 def test_a_private_page_is_never_left_unwritten(tmp_path):
-    """Whatever the writer changed since its commit (pagemap: pages this process holds
-    a private copy of), the commit writes: after it, the file equals the writer's map."""
+    """Whatever the writer changed since its checkpoint (pagemap: pages this process holds
+    a private copy of), the checkpoint writes: after it, the file equals the writer's map;
+    after a log-only commit, a reader's (the file plus the log) does."""
     path = tmp_path / "s"
     _store(path)
     rng = np.random.default_rng(3)
@@ -207,10 +215,14 @@ def test_a_private_page_is_never_left_unwritten(tmp_path):
                 buf.update_priorities(rng.integers(0, max(live, 1), 300), rng.random(300) * 3)
             if k % 4 == 1:
                 buf.set_leaf_priorities(np.arange(0, min(len(buf), CAP), 11), 0.5)
-            buf.commit()
-            mine, theirs = buf.store.priority_tree, ro.store.priority_tree
+            buf._writer.commit(checkpoint=k % 3 == 2)
+            ro.refresh()
+            mine, theirs = buf.store.priority_tree, ro.view().tree
             assert np.array_equal(theirs.leaves, mine.leaves) and np.array_equal(theirs.nodes, mine.nodes)
             assert tree.check(theirs) == 0.0
+            if k % 3 == 2:  # a checkpoint: the file itself
+                assert ro.store.manifest.priority_log == (0, 0) or buf.store.manifest.priority_log[1] == 0
+                assert np.array_equal(np.fromfile(path / "priority" / "leaves" / "c" / "0", "<f4", CAP), mine.leaves)
 
 
 def test_what_a_writer_records_between_commits_stays_bounded_by_the_tree(tmp_path):
@@ -239,8 +251,10 @@ def test_what_a_writer_records_between_commits_stays_bounded_by_the_tree(tmp_pat
         assert recorded > 2 * touched._COMPACT  # without the merges, more than this was held
         assert marks._pending.shape == (blocks,) and marks._pending.any()
         assert len(marks._ranges) <= blocks
-        buf.commit()
+        assert marks._count * 12 <= marks.log_bound  # the rows logged at the commit: bounded by the log's bound
+        buf._writer.commit(checkpoint=True)
         assert not marks._pending.any()
-        mine, theirs = buf.store.priority_tree, ro.store.priority_tree
+        ro.refresh()
+        mine, theirs = buf.store.priority_tree, ro.view().tree
         assert np.array_equal(theirs.leaves, mine.leaves) and np.array_equal(theirs.nodes, mine.nodes)
         assert not np.fromfile(path / "priority" / "touched" / "c" / "0", dtype=np.uint8)[:blocks].any()

@@ -255,13 +255,18 @@ CRASH = textwrap.dedent(
         rows = k * 600 + np.arange(600)
         buf.extend({"x": rows * 10, "terminated": rows % 9 == 8}, final_obs={"x": rows[rows % 9 == 8] * 10 + 1})
         buf.update_priorities(buf.sample(20), np.random.default_rng(k).random(20) + 0.5)
+        if k == 5:  # a checkpoint: the tree's pages in the file (later commits append to the log)
+            buf._writer.commit(checkpoint=True)
+        if k == 7:
+            buf.commit()
+    assert buf._writer._marks.log_commits >= 1 and buf.store.manifest.priority_log[1] > 0  # a log-only commit
     from mmbuffer._disk import rawio
     real = rawio.write_private
     def dying(fd, mm, pages):  # half of the leaves' changed pages reach the file, then the kill
         real(fd, mm, pages[: len(pages) // 2])
         os.kill(os.getpid(), 9)
     rawio.write_private = dying
-    buf.commit()  # killed inside its tree write
+    buf._writer.commit(checkpoint=True)  # killed inside its tree write
     """
 )
 

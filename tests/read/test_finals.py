@@ -294,10 +294,10 @@ def test_a_version_3_store_opens_reads_and_writes_its_own_layout(tmp_path, rng):
 def test_other_versions_are_refused_by_name(tmp_path):
     make(tmp_path / "s").close()
     manifest = json.loads((tmp_path / "s" / "manifest.json").read_text())
-    assert manifest["format_version"] == 4
-    for version in (2, 5):
+    assert manifest["format_version"] == 5
+    for version in (2, 6):
         (tmp_path / "s" / "manifest.json").write_text(json.dumps({**manifest, "format_version": version}))
-        with pytest.raises(errors.FormatVersionError, match=f"expected format_version 3 or 4, got {version}"):
+        with pytest.raises(errors.FormatVersionError, match=f"expected format_version 3 or 4 or 5, got {version}"):
             mb.open(tmp_path / "s", mode="r")
 
 

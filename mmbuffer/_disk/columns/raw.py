@@ -38,9 +38,9 @@ class RawArray(ColumnArray):
     def open(
         cls, root: Path, name: str, *, writable: bool, expect: fmt.Expect | None = None, private: bool = False
     ) -> RawArray:
-        """Map ``root/name``; ``private=True`` (with ``writable``) copy-on-write (``rawio.open_raw_fd``)."""
+        """Map ``root/name``; ``private=True`` copy-on-write (``rawio.open_raw_fd``)."""
         mm, fd = _rawio.open_raw_fd(root, name, writable=writable, expect=expect, private=private)
-        return cls(mm, fd, root.joinpath(name, "c", *(["0"] * mm.ndim)), private and writable)
+        return cls(mm, fd, root.joinpath(name, "c", *(["0"] * mm.ndim)), private)
 
     def read(self, rows: np.ndarray) -> np.ndarray:
         return np.asarray(self._mm[rows])
