@@ -4,9 +4,9 @@ tree (the writer's open, a reader, ``verify``) applies the committed log (issue 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -18,9 +18,9 @@ import pytest
 import mmbuffer as mb
 from mmbuffer import errors, tree
 from mmbuffer._ledger.verify import verify
+from sigkill import HANG_S, kill_when, wait_for
 
 CAP = 4096
-HANG_S = 300  # only reports a hang, not a speed requirement
 
 
 def _store(path, capacity=CAP):
@@ -295,24 +295,12 @@ def test_sigkill_in_a_loop_of_updates_and_commits_loses_no_committed_priority(tm
     for trial in range(KILL_TRIALS):
         report = tmp_path / f"report{trial}"
         proc = subprocess.Popen([sys.executable, "-c", KILLED, str(path), str(report)], stderr=subprocess.PIPE, text=True, env=env)
-        try:
-            deadline = time.monotonic() + HANG_S
-            while not (report.exists() and report.read_text().count("C") >= 2):
-                assert proc.poll() is None, f"the writer exited:\n{proc.stderr.read()}"
-                assert time.monotonic() < deadline, "hang (only reports a hang)"
-                time.sleep(0.005)
-            if trial % 2:  # a random instant
-                time.sleep(float(rng.random()) * 0.2)
-            else:  # inside a checkpoint's page write (20 ms long here), as soon as it begins
-                while not (path / "priority" / "DIRTY").exists():
-                    assert time.monotonic() < deadline, "hang (only reports a hang)"
-                    time.sleep(0.001)
-            proc.send_signal(signal.SIGKILL)
-        finally:
-            proc.kill()
-            proc.wait(timeout=60)
-            proc.stderr.close()
-        assert proc.returncode == -signal.SIGKILL
+        if trial % 2:  # a random instant
+            then = functools.partial(time.sleep, float(rng.random()) * 0.2)
+        else:  # inside a checkpoint's page write (20 ms long here), as soon as it begins
+            then = functools.partial(wait_for, proc, (path / "priority" / "DIRTY").exists, "a checkpoint", 0.001)
+        kill_when(proc, lambda: report.exists() and report.read_text().count("C") >= 2, then,
+                  waiting_for="two commits")
         gen = int(report.read_text().split()[-1])
         in_checkpoint += (path / "priority" / "DIRTY").exists()
         in_log += _manifest(path)["priority_log"]["bytes"] > 0

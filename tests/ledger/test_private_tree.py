@@ -5,11 +5,9 @@ sums (issue 22 item 3, issue 26 item 5)."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import numpy as np
 import pytest
@@ -17,9 +15,9 @@ import pytest
 import mmbuffer as mb
 from mmbuffer import tree
 from mmbuffer._ledger.verify import verify
+from sigkill import HANG_S, kill_when
 
 CAP = 20_000
-HANG_S = 300  # only reports a hang, not a speed requirement
 
 # Commits once, saves the committed leaves and reports "C"; then extends and updates
 # priorities without committing, reports "U" after each of ``rounds`` rounds, and waits
@@ -63,18 +61,8 @@ def _run_until(path, report, rounds):
     """Start the writer, wait for its commit and ``rounds`` uncommitted rounds after it, kill it."""
     proc = subprocess.Popen([sys.executable, "-c", KILLED, str(path), str(report), str(rounds)], stderr=subprocess.PIPE,
                             text=True)
-    try:
-        deadline = time.monotonic() + HANG_S
-        while not (report.exists() and report.read_text().count("U") == rounds):
-            assert proc.poll() is None, f"the writer exited:\n{proc.stderr.read()}"
-            assert time.monotonic() < deadline, "hang (only reports a hang)"
-            time.sleep(0.01)
-        proc.send_signal(signal.SIGKILL)
-    finally:
-        proc.kill()
-        proc.wait(timeout=60)
-        proc.stderr.close()
-    assert proc.returncode == -signal.SIGKILL
+    kill_when(proc, lambda: report.exists() and report.read_text().count("U") == rounds,
+              waiting_for=f"{rounds} uncommitted rounds", poll=0.01)
     lines = report.read_text().split()
     assert lines[0] == "C" and lines.count("U") == rounds  # killed after its commit, with changes since
     return np.load(str(report) + ".leaves.npy"), np.load(str(report) + ".nodes.npy")

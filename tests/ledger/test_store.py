@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -17,6 +16,7 @@ import zarr
 
 import mmbuffer as mb
 from conftest import tree_hash
+from sigkill import kill_when
 
 COLUMNS = {"obs": ((3,), "float32"), "action": ((), "int64"), "reward": ((), "float32")}
 
@@ -417,7 +417,6 @@ WRITER = textwrap.dedent(
     """
 )
 KILL_TRIALS = int(os.environ.get("MMBUFFER_KILL_TRIALS", "8"))  # the harness runs more: benchmarks/RESULTS.md
-HANG_S = 300  # only reports a hang (a child that never commits), not a speed requirement
 
 
 def _check_consistent(path):
@@ -480,19 +479,9 @@ def test_sigkill_at_any_instant_leaves_the_last_commit(tmp_path, priorities):
         with mb.open(path, mode="r") as ro:
             generation_before = ro.generation
         proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path), str(report)], stderr=subprocess.PIPE, text=True)
-        try:
-            deadline = time.monotonic() + HANG_S
-            while not any(line.startswith("C ") for line in _report(report)):
-                assert proc.poll() is None, f"the writer exited before its first commit:\n{proc.stderr.read()}"
-                assert time.monotonic() < deadline, f"hang: no commit reported in {HANG_S} s (only reports a hang)"
-                time.sleep(0.005)
-            time.sleep(float(rng.random()) * 0.25)  # about 0 to 60 commits later
-            proc.send_signal(signal.SIGKILL)
-        finally:
-            proc.kill()
-            proc.wait(timeout=60)
-            proc.stderr.close()
-        assert proc.returncode == -signal.SIGKILL  # it was still writing when the kill landed
+        pause = float(rng.random()) * 0.25  # about 0 to 60 commits later
+        kill_when(proc, lambda: any(line.startswith("C ") for line in _report(report)),
+                  lambda: time.sleep(pause), waiting_for="its first commit")
         lines = _report(report)
         commits = [line.split() for line in lines if line.startswith("C ")]
         gen, written = int(commits[-1][1]), [int(w) for w in commits[-1][2:]]
