@@ -299,7 +299,7 @@ def stage(session: Any, store: Path, attrs: Mapping[str, Any], prefix: str = "",
         if not data:
             value = paths[key]
             data = value if isinstance(value, bytes) else value.read_bytes()
-        _sync(session.store.set(prefix + key, proto.buffer.from_bytes(data)))
+        put(session.store, prefix + key, proto.buffer.from_bytes(data))
         sent += len(data)
     for rel in sorted(set(old) - set(entries), reverse=True):
         _sync(session.store.delete(prefix + rel))

@@ -45,7 +45,7 @@ from typing import Any
 from .. import errors
 from .._disk import format as fmt
 from . import _icechunk as icechunk_repo
-from ._group import WRITERS, check_writer
+from ._group import WRITERS, check_writer, writer_url
 from ._objects import remote_errors
 
 __all__ = ["ATTR", "GroupRepo", "is_group_repo", "publish_writer_repo"]
@@ -174,7 +174,7 @@ class GroupRepo:
 
     def writer(self, name: str) -> icechunk_repo.Repo:
         """A reader of writer ``name``'s store (its own sessions, the repository shared)."""
-        return icechunk_repo.Repo(f"{self.url}/{WRITERS}/{name}", None, prefix=f"{WRITERS}/{name}/",
+        return icechunk_repo.Repo(writer_url(self.url, name), None, prefix=f"{WRITERS}/{name}/",
                                   repo=self.root.repo)
 
 
