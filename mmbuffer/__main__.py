@@ -1,5 +1,3 @@
-import sys
+from ._cli.main import run
 
-from ._cli.main import main
-
-sys.exit(main())
+run()

@@ -320,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mmbuffer",
         description="On-disk, memory-mapped RL trajectory stores.",
         epilog="Each command has its own --help. Errors exit with status 2, a failed verify with 1, "
-        "an interrupt with 130.",
+        "an interrupt ends it by SIGINT (130 in a shell).",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("info", help="rows, episodes, columns, size on disk, priorities",
@@ -353,9 +353,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+INTERRUPTED = 130
+
+
+def run() -> None:
+    """The ``mmbuffer`` program: :func:`main`, then exit with its status. An interrupt
+    ends the process by SIGINT, as Python ends an uncaught ``KeyboardInterrupt``
+    (after ``atexit``): a shell sees 130, and a script looping over ``mmbuffer``
+    stops too instead of going on to its next command, which an ordinary exit
+    status 130 would let it do. ``main`` has said ``mmbuffer: interrupted``; the
+    interpreter prints no traceback."""
+    status = main()
+    if status == INTERRUPTED:
+        sys.excepthook = _quiet_interrupt
+        raise KeyboardInterrupt
+    sys.exit(status)
+
+
+def _quiet_interrupt(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+    if not issubclass(kind, KeyboardInterrupt):
+        sys.__excepthook__(kind, value, tb)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; return the exit status (KeyboardInterrupt: 130, a
-    closed output pipe, as in ``mmbuffer info PATH | head``: 141, without a traceback)."""
+    closed output pipe, as in ``mmbuffer info PATH | head``: 141, without a traceback).
+    The program itself is :func:`run`."""
     from .. import errors
 
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -373,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         print("mmbuffer: interrupted", file=sys.stderr)
-        return 130
+        return INTERRUPTED
     except BrokenPipeError:
         # the reader of our output went away (| head): say nothing more, and keep
         # the interpreter's final flush of stdout from failing again
