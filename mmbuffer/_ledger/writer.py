@@ -247,6 +247,8 @@ class Writer(Appending):
             raise errors.CapacityError(f"commit: expected a generation below {MAX_COUNTER} (2**62), got {ledger.generation}")
         ends = store.array("index/ends")
         for lane, (was, now) in enumerate(zip(ledger.committed, ledger.lanes)):
+            if was == now:  # nothing extended: no rows, final observations or ends to sync
+                continue
             segs = self.layout.segments(lane, was.written, now.written)
             for a, b in segs:
                 for name in self._row_arrays(with_tree=False):
