@@ -55,7 +55,7 @@ import numpy as np
 
 from .. import errors
 
-__all__ = ["Cache", "disk_errors"]
+__all__ = ["Cache", "disk_bytes", "disk_errors", "write_file"]
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _ID = re.compile(r"^[0-9]{10}-[0-9a-f]{12}$")
@@ -79,6 +79,11 @@ def disk_errors(base: Path, need: int) -> Iterator[None]:
         raise
 
 
+def disk_bytes(st: os.stat_result) -> int:
+    """The bytes a file takes on disk: its size, less its holes (a rebuilt index is sparse)."""
+    return min(st.st_size, st.st_blocks * 512) if st.st_blocks else st.st_size
+
+
 def _size(path: Path, seen: set[tuple[int, int]] | None = None) -> int:
     """Bytes of the files under ``path``, each inode once (mirrors share unchanged files
     with the mirror before them by hard link)."""
@@ -90,7 +95,7 @@ def _size(path: Path, seen: set[tuple[int, int]] | None = None) -> int:
                 st = os.lstat(os.path.join(dirpath, f))
                 if (st.st_dev, st.st_ino) not in seen:
                     seen.add((st.st_dev, st.st_ino))
-                    total += st.st_size
+                    total += disk_bytes(st)
     return total
 
 
@@ -101,7 +106,7 @@ def _own_bytes(path: Path) -> int:
         for f in files:
             with contextlib.suppress(OSError):
                 st = os.lstat(os.path.join(dirpath, f))
-                total += st.st_size if st.st_nlink == 1 else 0
+                total += disk_bytes(st) if st.st_nlink == 1 else 0
     return total
 
 

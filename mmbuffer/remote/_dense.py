@@ -17,6 +17,13 @@ against the recorded digest before the store code opens it: a wrong chunk, a wro
 record or a wrong rebuild is a :class:`~mmbuffer.errors.CorruptStoreError` naming the
 array. An array whose file is not exactly that layout is sent whole, as before.
 
+The digest is over the chunks' digests (``chunked``, object table version 3): the
+BLAKE2b-128 of the BLAKE2b-128 digests of every inner chunk's bytes, then of the shard
+index. A chunk of zeros has one digest, computed once, so checking a rebuilt file costs
+the chunks that hold something, not the array's capacity (the episode index is 16 bytes
+a row of capacity, mostly zeros: hashing it whole was most of a new reader's open at
+1e7 rows). Tables of version 2 record the digest of the file's bytes; they still read.
+
 >>> import tempfile, numpy as np, mmbuffer as mb
 >>> d = Path(tempfile.mkdtemp())
 >>> with mb.create(d / "s", {"x": ((), "float32")}, capacity=64, next_keys=()) as buf:
@@ -47,7 +54,7 @@ import numpy as np
 from .. import errors
 from .._disk import format as fmt
 
-__all__ = ["Packed", "chunk_rels", "pack", "rebuild", "shard_rel"]
+__all__ = ["Packed", "chunk_rels", "held_bytes", "pack", "rebuild", "shard_rel"]
 
 _ZSTD = {"name": "zstd", "configuration": {"level": 3, "checksum": False}}
 _DATA = re.compile(r"^columns/([^/]+)/")
@@ -56,22 +63,24 @@ _DATA = re.compile(r"^columns/([^/]+)/")
 @dataclass(frozen=True, slots=True)
 class Packed:
     """What the table records of one packed array: the original ``zarr.json`` text and
-    the size and BLAKE2b-128 digest of its shard file ``c/0[/0...]``."""
+    the size and BLAKE2b-128 digest of its shard file ``c/0[/0...]``; ``chunked``: the
+    digest of its chunks' digests (module docstring), else of its bytes (table version 2)."""
 
     meta: str
     size: int
     digest: str
+    chunked: bool = True
 
     def to_json(self) -> list[Any]:
         return [self.meta, self.size, self.digest]
 
     @staticmethod
-    def from_json(where: str, value: object) -> Packed:
+    def from_json(where: str, value: object, chunked: bool = True) -> Packed:
         if (not isinstance(value, list) or len(value) != 3 or not isinstance(value[0], str)
                 or not isinstance(value[1], int) or isinstance(value[1], bool) or value[1] < 0
                 or not isinstance(value[2], str) or not re.match(r"^[0-9a-f]{32}$", value[2])):
             raise errors.CorruptStoreError(f"{where}: expected [zarr.json text, size, digest], got {str(value)[:200]!r}")
-        return Packed(value[0], value[1], value[2])
+        return Packed(value[0], value[1], value[2], chunked)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +125,20 @@ def shard_rel(array: str, record: Packed) -> str:
     if not isinstance(shape, list) or not 1 <= len(shape) <= 32:
         raise errors.CorruptStoreError(f"{array} (packed): zarr.json: expected an array's metadata with a shape")
     return chunk_rels(array, 0, len(shape))
+
+
+def held_bytes(array: str, record: Packed, chunks: int) -> int:
+    """The disk a rebuilt shard of ``chunks`` chunks that hold something takes (the
+    chunks of zeros are holes): what the host cache counts for it."""
+    try:
+        layout = _layout(array, json.loads(record.meta))
+    except (ValueError, RecursionError):
+        return record.size  # refused by rebuild, before anything is written
+    return min(record.size, chunks * layout.chunk_bytes + layout.chunks * 16 + 4)
+
+
+def _chunk_digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=16).digest()
 
 
 def chunk_rels(array: str, k: int, ndim: int) -> str:
@@ -177,14 +200,14 @@ def pack(store: Path, rels: list[str]) -> tuple[dict[str, bytes], dict[str, Pack
         with open(path, "rb") as f:
             for k in range(layout.chunks):
                 data = f.read(layout.chunk_bytes)
-                h.update(data)
+                h.update(_chunk_digest(data))
                 if np.frombuffer(data, np.uint8).any():
                     codec = codec or _zstd()
                     chunks[chunk_rels(array, k, len(layout.shape))] = bytes(codec.encode(data))
             end = f.read()
         if end != tail:
             continue  # not the index mmbuffer writes: the file goes whole
-        h.update(end)
+        h.update(_chunk_digest(end))
         sent[rel] = _published_meta(meta)
         sent.update(chunks)
         packed[array] = Packed(text, path.stat().st_size, h.hexdigest())
@@ -211,6 +234,8 @@ def rebuild(array: str, record: Packed, entries: Mapping[str, Any], get: Callabl
                                        f"and its index, the table says {record.size}")
     h = hashlib.blake2b(digest_size=16)
     zeros = bytes(layout.chunk_bytes)
+    fold: Callable[[bytes], bytes] = _chunk_digest if record.chunked else (lambda data: data)
+    zero = fold(zeros)
     part = np.empty(layout.chunk_bytes, np.uint8)
     codec = None
     for k in range(layout.chunks):
@@ -233,12 +258,12 @@ def rebuild(array: str, record: Packed, entries: Mapping[str, Any], get: Callabl
                 raise errors.CorruptStoreError(f"{rel}: expected a zstd chunk of {layout.chunk_bytes} bytes ({exc})") from None
             data = part.tobytes()
         if data is None:  # all zeros: a hole
-            h.update(zeros)
+            h.update(zero)
             out.seek(layout.chunk_bytes, 1)
         else:
-            h.update(data)
+            h.update(fold(data))
             out.write(data)
-    h.update(tail)
+    h.update(fold(tail))
     out.write(tail)
     if h.hexdigest() != record.digest:
         raise errors.CorruptStoreError(f"{where}: expected BLAKE2b-128 {record.digest} ({record.size} bytes), "

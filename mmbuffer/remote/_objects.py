@@ -4,8 +4,9 @@ Every published snapshot carries ``objects.json`` (``OBJECTS``): for each object
 snapshot (relative name) its size and BLAKE2b-128 digest, computed from the local files
 before upload. Version 2 of the table adds, per object, the earlier snapshot that holds
 it when this one did not send it again (``holders``: an unchanged object is never sent
-twice), and the raw arrays published as chunks (``packed``: :mod:`._dense`); a version 1
-table (every object in its own snapshot, no packed arrays) reads as before. The pointer (``current.json``) records the digest of ``objects.json``
+twice), and the raw arrays published as chunks (``packed``: :mod:`._dense`); version 3
+records a packed array's digest over its chunks' digests (:mod:`._dense`). Tables of
+versions 1 (every object in its own snapshot, no packed arrays) and 2 read as before. The pointer (``current.json``) records the digest of ``objects.json``
 itself, so the chain pointer -> table -> object is checked end to end: a flipped,
 truncated, missing or swapped-in object (one from another snapshot) is a
 :class:`~mmbuffer.errors.CorruptStoreError` naming the object and its column, never
@@ -73,7 +74,7 @@ def table_bytes(entries: Mapping[str, tuple[int, str]], holders: Mapping[str, st
     digest)); ``holders``: objects kept in an earlier snapshot (name -> its id);
     ``packed``: raw arrays published as chunks (:mod:`._dense`)."""
     held = dict(holders or {})
-    body = {"format": _FORMAT, "version": 2, "hash": _HASH,
+    body = {"format": _FORMAT, "version": 3, "hash": _HASH,
             "objects": {k: [int(s), d] + ([held[k]] if k in held else []) for k, (s, d) in sorted(entries.items())},
             "packed": {k: v.to_json() for k, v in sorted((packed or {}).items())}}
     return json.dumps(body, separators=(",", ":")).encode()
@@ -141,11 +142,11 @@ def parse_table(raw: bytes, where: str, url: str, snapshot: str) -> Table:
     if not isinstance(body, dict) or body.get("format") != _FORMAT or body.get("hash") != _HASH:
         raise errors.CorruptStoreError(f"{where}: expected format {_FORMAT!r} with hash {_HASH!r}")
     version = body.get("version")
-    if version not in (1, 2):
-        raise errors.FormatVersionError(f"{where}: version: expected 1 or 2, got {version!r}; upgrade mmbuffer")
+    if version not in (1, 2, 3):
+        raise errors.FormatVersionError(f"{where}: version: expected 1, 2 or 3, got {version!r}; upgrade mmbuffer")
     objects, packed = body.get("objects") or {}, body.get("packed") or {}
     if not isinstance(objects, dict) or not isinstance(packed, dict) or (version == 1 and packed):
-        raise errors.CorruptStoreError(f"{where}: expected objects (and, in version 2, packed) as JSON objects")
+        raise errors.CorruptStoreError(f"{where}: expected objects (and, from version 2, packed) as JSON objects")
     entries: dict[str, tuple[int, str]] = {}
     holders: dict[str, str] = {}
     for rel, value in objects.items():
@@ -158,7 +159,7 @@ def parse_table(raw: bytes, where: str, url: str, snapshot: str) -> Table:
         entries[str(rel)] = (value[0], value[1])
         if n == 3:
             holders[str(rel)] = value[2]
-    records = {str(k): Packed.from_json(f"{where}: packed {k}", v) for k, v in packed.items()}
+    records = {str(k): Packed.from_json(f"{where}: packed {k}", v, chunked=version >= 3) for k, v in packed.items()}
     return Table(entries, url, snapshot, holders, records)
 
 

@@ -50,8 +50,8 @@ from .. import errors
 from .._disk import format as fmt
 from .._disk.files import parse_json
 from .._disk.urls import join
-from ._dense import pack, rebuild, shard_rel
-from ._cache import Cache, write_file
+from ._dense import held_bytes, pack, rebuild, shard_rel
+from ._cache import Cache, disk_bytes, write_file
 from ._objects import OBJECTS, FetchMany, Table, digest, file_digest, load_table, parse_table, remote_errors, table_bytes
 
 __all__ = ["POINTER", "cache_base", "cache_root", "check_alive", "check_pointer", "fetch_objects", "mirror", "object_fetch",
@@ -261,9 +261,11 @@ def mirror(fetch: Callable[[list[str]], dict[str, bytes | None]], snapshot: str,
                 if tmp.exists():
                     shutil.rmtree(tmp)
 
-        # linked files take no new space; counted anyway (the next scan counts each inode once)
-        cache.admit(sum(len(b) for b in blobs.values()) + sum(table.packed[p[0]].size for p in plans)
-                    + sum((previous[0] / r).stat().st_size for r in same if previous is not None), write)
+        # linked files take no new space; counted anyway (the next scan counts each inode once);
+        # a rebuilt shard counts its chunks that hold something (the rest are holes)
+        cache.admit(sum(len(b) for b in blobs.values())
+                    + sum(held_bytes(a, table.packed[a], len(got) + len(kept)) for a, _, got, kept, _ in plans)
+                    + sum(disk_bytes(os.lstat(previous[0] / r)) for r in same if previous is not None), write)
     return final
 
 

@@ -187,6 +187,20 @@ def test_a_cache_limit_below_what_must_be_held_is_a_typed_error(tmp_path, s3):
         mb.open(url, mode="r", cache_dir=tmp_path / "c", cache_limit=1000)
 
 
+def test_the_cache_counts_a_young_stores_index_by_the_disk_it_takes(tmp_path, s3):
+    """A store of large capacity and few rows: its rebuilt episode index (16 bytes a row of
+    capacity) is sparse, and ``cache_limit`` counts the disk it takes, not its length."""
+    url, _ = published(tmp_path, s3, capacity=1 << 20)  # 1,000 rows in a 16 MiB index
+    with mb.open(url, mode="r", cache_dir=tmp_path / "probe", pool=None) as probe:
+        ends = next((tmp_path / "probe").rglob("index/ends/c/0"))
+        used = probe.remote.files.used()
+    assert ends.stat().st_size >= 16 << 20 and used < 1 << 20  # a sparse file, counted by its blocks
+    with mb.open(url, mode="r", cache_dir=tmp_path / "c", cache_limit=4 << 20, pool=None) as ro, \
+            mb.open(tmp_path / "local", mode="r") as local:  # a limit far below the index's length
+        torch.testing.assert_close(read_everything(ro), read_everything(local), rtol=0, atol=0)
+        assert ro.remote.files.used() <= 4 << 20
+
+
 def _read_all(url: str, cache: str, queue) -> None:
     with mb.open(url, mode="r", cache_dir=cache, pool=None) as ro:
         x = ro.get(np.arange(ro.capacity), keys=["obs", "x"])["x"].numpy()  # every chunk of the ring

@@ -196,11 +196,51 @@ def test_a_publish_over_a_damaged_snapshot_sends_everything_and_is_whole(tmp_pat
         same_reads(ro, tmp_path / "local")
 
 
+def _resign(fs, root: str, snap: str, body: dict) -> None:
+    """Replace a snapshot's object table by ``body`` and point the pointer at its digest."""
+    raw = json.dumps(body, separators=(",", ":")).encode()
+    fs.pipe_file(f"{root}/snapshots/{snap}/{OBJECTS}", raw)
+    pointer = json.loads(fs.cat_file(f"{root}/current.json"))
+    fs.pipe_file(f"{root}/current.json", json.dumps(dict(pointer, objects=digest(raw))).encode())
+
+
+def test_packed_arrays_are_checked_by_their_chunks_digests_and_a_version_2_table_still_reads(tmp_path, server, fs):
+    """Version 3 records a packed array's digest over its chunks' digests (a chunk of zeros
+    is never hashed on the reader); a table of version 2 records the digest of the shard
+    file's bytes and still opens; a record that matches neither rebuild is refused."""
+    from mmbuffer.remote._dense import Packed, shard_rel
+
+    bucket = new_bucket(server[0])
+    url, root = f"s3://{bucket}/store", f"{bucket}/store"
+    make(tmp_path / "local", rows=20_000, priorities=True)
+    snap = publish(server, tmp_path / "local", url, "snapshots")[0]["snapshot"]
+    body = json.loads(fs.cat_file(f"{root}/snapshots/{snap}/{OBJECTS}"))
+    assert body["version"] == 3 and {"index/ends", "priority/leaves"} <= set(body["packed"])
+    files = {a: file_digest(tmp_path / "local" / shard_rel(a, Packed(*rec)))
+             for a, rec in body["packed"].items()}
+    for a, rec in body["packed"].items():
+        assert rec[1] == files[a][0] and rec[2] != files[a][1]  # same file, a digest of its chunks' digests
+    # version 2: the digests of the files' bytes
+    _resign(fs, root, snap, dict(body, version=2, packed={a: [rec[0], rec[1], files[a][1]] for a, rec in body["packed"].items()}))
+    with mb.open(url, mode="r", cache_dir=tmp_path / "v2", pool=None) as ro:
+        assert ro.remote.table.packed and not any(r.chunked for r in ro.remote.table.packed.values())
+        same_reads(ro, tmp_path / "local")
+    # a version 3 table whose record is the file's digest (or any other): refused, nothing mirrored
+    _resign(fs, root, snap, dict(body, packed=dict(body["packed"], **{"index/ends": [*body["packed"]["index/ends"][:2], files["index/ends"][1]]})))
+    with pytest.raises(errors.CorruptStoreError, match=r"index/ends \(rebuilt from its chunks\): expected BLAKE2b-128"):
+        mb.open(url, mode="r", cache_dir=tmp_path / "bad", pool=None)
+    assert not list((tmp_path / "bad").rglob("manifest.json"))
+    _resign(fs, root, snap, body)
+    with mb.open(url, mode="r", cache_dir=tmp_path / "v3", pool=None) as ro:
+        assert all(r.chunked for r in ro.remote.table.packed.values())
+        same_reads(ro, tmp_path / "local")
+
+
 def test_a_table_of_an_unknown_version_is_refused_naming_it(tmp_path):
     from mmbuffer.remote._objects import parse_table
 
-    raw = table_bytes({"a": (1, digest(b"a"))}).replace(b'"version":2', b'"version":7')
-    with pytest.raises(errors.FormatVersionError, match="objects.json: version: expected 1 or 2, got 7"):
+    raw = table_bytes({"a": (1, digest(b"a"))}).replace(b'"version":3', b'"version":7')
+    with pytest.raises(errors.FormatVersionError, match="objects.json: version: expected 1, 2 or 3, got 7"):
         parse_table(raw, "s3://b/s/snapshots/x/objects.json", "s3://b/s", "x")
 
 
