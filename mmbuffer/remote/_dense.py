@@ -135,7 +135,7 @@ def held_bytes(array: str, record: Packed, chunks: int) -> int:
         layout = _layout(array, json.loads(record.meta))
     except (ValueError, RecursionError):
         return record.size  # refused by rebuild, before anything is written
-    return min(record.size, chunks * layout.chunk_bytes + layout.chunks * 16 + 4)
+    return min(record.size, chunks * layout.chunk_bytes + len(_shard_index(layout)))
 
 
 def _chunk_digest(data: bytes) -> bytes:

@@ -29,8 +29,9 @@ observations; everything but the columns' chunks) are fetched whole into a local
 *mirror* directory under ``cache_dir`` and opened by the ordinary store code, with all
 its checks. The done flags (``terminated``/``truncated``, a byte a row) are read
 remotely chunk by chunk like the data columns, so what a new reader fetches before its
-first sample grows with the episodes, not the rows (and, with priorities, the tree). Snapshots are immutable, so a mirror
-is reused by every process on the machine (DataLoader workers, ranks).
+first sample grows with the episodes, not the rows (and, with priorities, the tree).
+Snapshots are immutable, so a mirror is reused by every process on the machine
+(DataLoader workers, ranks).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ _VERSION = 3  # 3: objects held by earlier snapshots, raw arrays as chunks (obje
 _READS = (2, 3)
 _ID = re.compile(r"^[0-9]{10}-[0-9a-f]{12}$")
 _REL = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*(/[A-Za-z0-9_][A-Za-z0-9_.\-]*)*$")
-_DATA_CHUNKS = re.compile(r"^columns/([^/]+)/c(/|$)")
+_COLUMN_CHUNKS = re.compile(r"^columns/([^/]+)/c(/|$)")
 _POINTER_LIMIT = 1 << 16
 _GROUP = {"zarr_format": 3, "node_type": "group", "attributes": {}}
 
@@ -206,7 +207,8 @@ def mirror(fetch: Callable[[list[str]], dict[str, bytes | None]], snapshot: str,
     with cache.locked(f"locks/{snapshot}"):  # one download per host: the others wait, then reuse it
         if (final / fmt.MANIFEST).is_file() and not final.is_symlink():
             return final
-        packed = {array: shard_rel(array, rec) for array, rec in table.packed.items() if not _DATA_CHUNKS.match(f"{array}/c/")}
+        packed = {array: shard_rel(array, rec) for array, rec in table.packed.items()
+                  if not _COLUMN_CHUNKS.match(f"{array}/c/")}  # the flags: read by chunk, like every column
         for array in packed:
             if not _REL.match(array) or any(p in (".", "..") for p in array.split("/")):
                 raise errors.CorruptStoreError(f"{url}: packed array {array!r}: expected a name inside the snapshot")
@@ -215,7 +217,7 @@ def mirror(fetch: Callable[[list[str]], dict[str, bytes | None]], snapshot: str,
         for rel in sorted(table.entries):
             if not _REL.match(rel) or any(p in (".", "..") for p in rel.split("/")):
                 raise errors.CorruptStoreError(f"{url}: object {rel!r}: expected a name inside the snapshot")
-            if rel == fmt.LOCK or rel == OBJECTS or _DATA_CHUNKS.match(rel) or rel.startswith(parts):
+            if rel == fmt.LOCK or rel == OBJECTS or _COLUMN_CHUNKS.match(rel) or rel.startswith(parts):
                 continue  # columns' chunks are read remotely, a stale LOCK means nothing here, packed arrays are rebuilt
             rels.append(rel)
         blobs: dict[str, bytes] = dict(extra or {})
