@@ -132,7 +132,7 @@ class Store:
         root, cap, writable = self.path, self.capacity, self.mode == "a"
         for name, (shape, dt) in manifest.columns.items():
             expect = (cap, shape, dt)
-            if self._open_column is not None:  # a published store's columns, the done flags too
+            if self._open_column is not None and name not in fmt.RESERVED_NAMES:  # the flags stay local and raw
                 self._arrays[f"columns/{name}"] = self._open_column(f"columns/{name}", expect)
                 continue
             if name in manifest.codecs:  # a column with a codec: shards, staging (columns/sharded.py)

@@ -273,8 +273,7 @@ class RemoteSource:
                 base = FsspecStore.from_url(col_url, storage_options=options_for(col_url, self.storage_options),
                                             read_only=True)
                 arr = self._column(snap, table, name, expect, base, fetch, alive)
-            if name.split("/", 1)[1] not in fmt.RESERVED_NAMES:  # the flags' chunks span many blocks: read exactly
-                opened[name.split("/", 1)[1]] = arr
+            opened[name.split("/", 1)[1]] = arr
             return arr
 
         store: Store | None = None

@@ -25,13 +25,10 @@ its data may be missing and raises instead of returning zeros, see ``check_alive
 then deletes every object of theirs that no kept snapshot names.
 
 The small parts of a snapshot (manifest, episode index, priority tree, final
-observations; everything but the columns' chunks) are fetched whole into a local
-*mirror* directory under ``cache_dir`` and opened by the ordinary store code, with all
-its checks. The done flags (``terminated``/``truncated``, a byte a row) are read
-remotely chunk by chunk like the data columns, so what a new reader fetches before its
-first sample grows with the episodes, not the rows (and, with priorities, the tree).
-Snapshots are immutable, so a mirror is reused by every process on the machine
-(DataLoader workers, ranks).
+observations, ``terminated``/``truncated``; everything but the data columns' chunks)
+are fetched whole into a local *mirror* directory under ``cache_dir`` and opened by
+the ordinary store code, with all its checks. Snapshots are immutable, so a mirror
+is reused by every process on the machine (DataLoader workers, ranks).
 """
 
 from __future__ import annotations
@@ -67,7 +64,7 @@ _VERSION = 3  # 3: objects held by earlier snapshots, raw arrays as chunks (obje
 _READS = (2, 3)
 _ID = re.compile(r"^[0-9]{10}-[0-9a-f]{12}$")
 _REL = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*(/[A-Za-z0-9_][A-Za-z0-9_.\-]*)*$")
-_COLUMN_CHUNKS = re.compile(r"^columns/([^/]+)/c(/|$)")
+_DATA_CHUNKS = re.compile(r"^columns/([^/]+)/c(/|$)")
 _POINTER_LIMIT = 1 << 16
 _GROUP = {"zarr_format": 3, "node_type": "group", "attributes": {}}
 
@@ -207,8 +204,7 @@ def mirror(fetch: Callable[[list[str]], dict[str, bytes | None]], snapshot: str,
     with cache.locked(f"locks/{snapshot}"):  # one download per host: the others wait, then reuse it
         if (final / fmt.MANIFEST).is_file() and not final.is_symlink():
             return final
-        packed = {array: shard_rel(array, rec) for array, rec in table.packed.items()
-                  if not _COLUMN_CHUNKS.match(f"{array}/c/")}  # the flags: read by chunk, like every column
+        packed = {array: shard_rel(array, rec) for array, rec in table.packed.items()}
         for array in packed:
             if not _REL.match(array) or any(p in (".", "..") for p in array.split("/")):
                 raise errors.CorruptStoreError(f"{url}: packed array {array!r}: expected a name inside the snapshot")
@@ -217,8 +213,9 @@ def mirror(fetch: Callable[[list[str]], dict[str, bytes | None]], snapshot: str,
         for rel in sorted(table.entries):
             if not _REL.match(rel) or any(p in (".", "..") for p in rel.split("/")):
                 raise errors.CorruptStoreError(f"{url}: object {rel!r}: expected a name inside the snapshot")
-            if rel == fmt.LOCK or rel == OBJECTS or _COLUMN_CHUNKS.match(rel) or rel.startswith(parts):
-                continue  # columns' chunks are read remotely, a stale LOCK means nothing here, packed arrays are rebuilt
+            m = _DATA_CHUNKS.match(rel)
+            if rel == fmt.LOCK or rel == OBJECTS or (m and m.group(1) not in fmt.RESERVED_NAMES) or rel.startswith(parts):
+                continue  # data chunks are read remotely, a stale LOCK means nothing here, packed arrays are rebuilt
             rels.append(rel)
         blobs: dict[str, bytes] = dict(extra or {})
         same = [r for r in rels if previous is not None and previous[1].get(r) == table.get(r)

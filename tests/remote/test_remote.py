@@ -397,22 +397,6 @@ def test_copy_to_and_from_a_url_takes_the_online_layout_options(tmp_path, bucket
         assert (back.capacity, back.num_streams, back.num_episodes) == (8 * rows, 2, 6)
 
 
-def test_the_done_flags_are_read_by_chunk_not_mirrored(tmp_path, bucket):
-    """A new reader's mirror holds no row-sized array (the flags are a byte a row): it grows
-    with the episodes, not the rows; the flags come through the verified host cache."""
-    url = f"s3://{bucket}/store"
-    publish(tmp_path, url).close()
-    with mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None) as ro, \
-            mb.open(tmp_path / "local", mode="r") as local:
-        mirror = Path(ro.path)
-        assert (mirror / "index").is_dir() and not list(mirror.glob("columns/*/c/*"))  # index mirrored, no column chunk
-        before = ro.remote.files.downloads
-        rows = np.arange(len(local))
-        for key in ("terminated", "truncated"):
-            np.testing.assert_array_equal(ro.get(rows, keys=[key])[key].numpy(), local.get(rows, keys=[key])[key].numpy())
-        assert ro.remote.files.downloads > before  # their chunks were fetched now, not at open
-
-
 def test_refresh_fetches_only_the_small_parts_that_changed(tmp_path, bucket):
     url = f"s3://{bucket}/store"
     publish(tmp_path, url, episodes=10).close()
@@ -426,8 +410,7 @@ def test_refresh_fetches_only_the_small_parts_that_changed(tmp_path, bucket):
     assert ro.refresh()
     fetched = ro.remote.files.mirror_bytes - fetched
     new, mirror = ro.remote.table.entries, Path(ro.path)
-    small = [r for r in new if not re.match(r"^columns/[^/]+/c/", r)]  # all but the columns' chunks (read remotely)
-    assert any(r.startswith("columns/terminated/c/") for r in new)  # the done flags: read remotely too
+    small = [r for r in new if not re.match(r"^columns/(obs|x)/c/", r)]  # all but the data chunks (read remotely)
     changed = [r for r in small if old.get(r) != new[r]]
     assert 0 < len(changed) < len(small)
     assert any(r.startswith("index/ends/c/") for r in small if r not in changed)  # index chunks kept, not fetched
