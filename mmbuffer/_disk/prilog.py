@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import files as _files, safe_io as _safe_io
+from . import files as _files, rawio as _rawio, safe_io as _safe_io
 from .. import errors
 
 MAGIC = b"MBPL"
@@ -79,11 +79,7 @@ def append(root: Path, checkpoint: int, offset: int, record: bytes) -> None:
     created = not _safe_io.lexists(root, rel)
     fd = _safe_io.open_file(root, rel, os.O_WRONLY | os.O_CREAT)
     try:
-        view = memoryview(record)
-        at = offset
-        while view:
-            done = os.pwrite(fd, view, at)
-            view, at = view[done:], at + done
+        _rawio.pwrite_all(fd, record, offset)
         os.fdatasync(fd)
     finally:
         os.close(fd)
@@ -113,13 +109,9 @@ def read_fd(fd: int, where: str, checkpoint: int, start: int, stop: int, capacit
     """The (rows, values) of the records in bytes ``[start, stop)`` of an open log, in
     order, checked (see the module docstring)."""
     data = bytearray(stop - start)
-    got = 0
-    while got < len(data):
-        chunk = os.pread(fd, len(data) - got, start + got)
-        if not chunk:
-            raise errors.CorruptStoreError(f"{where}: expected at least {stop} bytes (the manifest's committed length), got {start + got}")
-        data[got : got + len(chunk)] = chunk
-        got += len(chunk)
+    got = _rawio.pread_into(fd, memoryview(data), start)
+    if got < len(data):
+        raise errors.CorruptStoreError(f"{where}: expected at least {stop} bytes (the manifest's committed length), got {start + got}")
     rows: list[np.ndarray] = []
     values: list[np.ndarray] = []
     at = 0

@@ -92,11 +92,7 @@ def write_rows(fd: int, mm: np.ndarray, start: int, rows: np.ndarray) -> None:
     if rows.nbytes < PWRITE_MIN_BYTES:  # a few rows: a store through the map is cheaper
         mm[start : start + len(rows)] = rows
         return
-    data = np.ascontiguousarray(rows, dtype=mm.dtype).data.cast("B")
-    offset = start * mm.strides[0]
-    while len(data):
-        done = os.pwrite(fd, data, offset)
-        data, offset = data[done:], offset + done
+    pwrite_all(fd, np.ascontiguousarray(rows, dtype=mm.dtype).data.cast("B"), start * mm.strides[0])
 
 
 def read_rows(fd: int, mm: np.ndarray, start: int, out: np.ndarray) -> None:
@@ -106,11 +102,31 @@ def read_rows(fd: int, mm: np.ndarray, start: int, out: np.ndarray) -> None:
         raise ValueError(f"read_rows: out must be C-contiguous {mm.dtype} rows of shape {mm.shape[1:]}")
     data = out.reshape(-1).view(np.uint8).data
     offset = start * mm.strides[0]
-    while len(data):
-        done = os.preadv(fd, [data], offset)
+    got = pread_into(fd, data, offset)
+    if got < len(data):
+        raise errors.CorruptStoreError(f"read_rows: file ends before byte {offset + got}")
+
+
+def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> int:
+    """Write all of ``data`` at byte ``offset`` of ``fd`` (pwrite until done); return its length."""
+    view = memoryview(data).cast("B")
+    total = len(view)
+    while len(view):
+        done = os.pwrite(fd, view, offset)
+        view, offset = view[done:], offset + done
+    return total
+
+
+def pread_into(fd: int, buf: memoryview, offset: int) -> int:
+    """Fill ``buf`` from byte ``offset`` of ``fd`` (preadv until it is full or the file
+    ends); return the bytes read."""
+    got = 0
+    while got < len(buf):
+        done = os.preadv(fd, [buf[got:]], offset + got)
         if done == 0:
-            raise errors.CorruptStoreError(f"read_rows: file ends before byte {offset}")
-        data, offset = data[done:], offset + done
+            break
+        got += done
+    return got
 
 
 def drop_cache(fd: int, mm: np.ndarray, start: int, stop: int) -> None:
@@ -235,10 +251,7 @@ def write_private(fd: int, mm: np.ndarray, pages: np.ndarray) -> int:
     try:
         for a, b in zip(starts, stops):  # one syscall per run of pages
             lo, hi = first[a] * page, min((first[b - 1] + 1) * page, size)
-            data = view[lo:hi]
-            while len(data):
-                done = os.pwrite(fd, data, lo)
-                data, lo, total = data[done:], lo + done, total + done
+            total += pwrite_all(fd, view[lo:hi], lo)
     finally:
         view.release()
     return total
