@@ -63,6 +63,12 @@ class Manifest:
         """Whether ``final/<col>`` is addressed by episode (version 4) or by row (3)."""
         return self.format_version >= fmt.FINALS_BY_EPISODE
 
+    @property
+    def next_version(self) -> int:
+        """The version a writer's next commit gives the store: a version 4 store becomes
+        version 5 (it may log priorities, ``_disk/prilog.py``); a version 3 one stays 3."""
+        return max(self.format_version, fmt.PRIORITY_LOG) if self.finals_by_episode else self.format_version
+
     def to_json(self) -> dict[str, Any]:
         return {
             "format": fmt.FORMAT_NAME,

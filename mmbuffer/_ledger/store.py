@@ -372,7 +372,7 @@ class Store:
         and its open is that of an older commit: the newest manifest's is taken (its
         priorities are then newer than the ledger, never older)."""
         for attempt in range(3):
-            want = manifest.priority_log if manifest.format_version >= fmt.PRIORITY_LOG else (0, 0)
+            want = manifest.priority_log  # (0, 0) before version 5 (manifest.parse)
             if want[0] == self._log_want[0] and (self._log_fd is not None or want[1] == 0):
                 self._log_want = want
                 return

@@ -147,7 +147,7 @@ class Writer(Appending):
             self._record_array, self._record = progress.open_record(self.path, store.num_streams)
             if self._tree is not None:
                 self._marks_array, marks, self._marks_added = touched.open_marks(self.path, store.capacity)
-                log = store.manifest.priority_log if store.manifest.format_version >= fmt.FINALS_BY_EPISODE else None
+                log = store.manifest.priority_log if store.manifest.next_version >= fmt.PRIORITY_LOG else None
                 self._marks = touched.Marks(marks, store.tree_arrays(), self.path / "priority" / "DIRTY", log)
             self._recover()
         except BaseException:  # the caller gets no writer: nothing else would release the lock
@@ -295,10 +295,9 @@ class Writer(Appending):
         new manifest is on disk, before its rename; ``log`` is the priority log the
         manifest names. A version 4 store becomes a version 5 one (``format.py``)."""
         old = self.store.manifest
-        version = max(old.format_version, fmt.PRIORITY_LOG) if old.format_version >= fmt.FINALS_BY_EPISODE else old.format_version
         state = dataclasses.replace(
             old, generation=ledger.generation + advance, lanes=ledger.lanes, attrs=self.store.attrs,
-            format_version=version, priority_log=log if log is not None else old.priority_log,
+            format_version=old.next_version, priority_log=log if log is not None else old.priority_log,
         )
         _files.atomic_write_json(self.path / fmt.MANIFEST, state.to_json(), before_rename=tree_write)
         self.store.manifest = state
