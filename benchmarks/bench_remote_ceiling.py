@@ -69,11 +69,11 @@ from bench_remote import build  # noqa: E402
 
 
 def tree_bytes(path: Path) -> int:
-    """The disk the files under ``path`` take (a rebuilt index is a sparse file: its holes do not count)."""
-    def disk(st: os.stat_result) -> int:
-        return min(st.st_size, st.st_blocks * 512) if st.st_blocks else st.st_size
+    """The disk the files under ``path`` take, as the host cache counts it (a rebuilt index
+    is a sparse file: its holes do not count)."""
+    from mmbuffer.remote._cache import disk_bytes
 
-    return sum(disk(os.lstat(os.path.join(r, f))) for r, _, fs in os.walk(path) for f in fs) if path.exists() else 0
+    return sum(disk_bytes(os.lstat(os.path.join(r, f))) for r, _, fs in os.walk(path) for f in fs) if path.exists() else 0
 
 
 _CHILD = r"""

@@ -196,14 +196,17 @@ def pack(store: Path, rels: list[str]) -> tuple[dict[str, bytes], dict[str, Pack
         if not layout.fill or shard not in have or path.stat().st_size != layout.chunks * layout.chunk_bytes + len(tail):
             continue
         h = hashlib.blake2b(digest_size=16)
+        zero = _chunk_digest(bytes(layout.chunk_bytes))  # a chunk of zeros is hashed once, as rebuild does
         chunks: dict[str, bytes] = {}
         with open(path, "rb") as f:
             for k in range(layout.chunks):
                 data = f.read(layout.chunk_bytes)
-                h.update(_chunk_digest(data))
                 if np.frombuffer(data, np.uint8).any():
+                    h.update(_chunk_digest(data))
                     codec = codec or _zstd()
                     chunks[chunk_rels(array, k, len(layout.shape))] = bytes(codec.encode(data))
+                else:
+                    h.update(zero)
             end = f.read()
         if end != tail:
             continue  # not the index mmbuffer writes: the file goes whole
