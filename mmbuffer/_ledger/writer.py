@@ -57,6 +57,7 @@ from .._disk.checks import (
     row_ids,
 )
 from .._disk.guards import acquire_lock, locked, locked_write, raise_typed
+from ..kernels import load
 from . import closing, index, progress, touched, zarr_view
 from . import counters as _counters
 from .appending import Appending
@@ -103,20 +104,6 @@ def priority_shape(pri: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
         raise errors.InvalidPriorityError(
             f"priorities: expected shape {shape} (or a leading part of it, or it with trailing 1s), got {tuple(pri.shape)}"
         ) from None
-
-
-_loaded: tuple[Any, Any] | None = None  # (kernels.priority, kernels.tree), once imported
-
-
-def _kernels() -> tuple[Any, Any]:
-    """The PER kernels, imported on first use (kernels/__init__.py says why)."""
-    global _loaded
-    if _loaded is None:
-        from ..kernels import priority
-        from ..kernels import tree as tree_kernels
-
-        _loaded = priority, tree_kernels
-    return _loaded
 
 
 class Writer(Appending):
@@ -346,7 +333,7 @@ class Writer(Appending):
         if snap.shape != now.shape:
             raise errors.InvalidArgumentError(
                 f"written_at: expected {now.shape[0]} lane cursors, got shape {np.shape(written_at)}")
-        priority, tree_kernels = _kernels()
+        priority, tree_kernels = load("priority"), load("tree")
         status, rows, leaves = priority.prepare(idx, np.ascontiguousarray(pri), capacity, self.lane_size, now,
                                                 view.first_starts, snap, cfg.eps, cfg.alpha, transform)
         if status == priority.BAD_VALUE:

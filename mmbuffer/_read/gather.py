@@ -31,6 +31,7 @@ import torch
 from .. import errors
 from .._ledger.snapshot import Ledger
 from .._ledger.store import Store
+from ..kernels import load
 from .memory import RECYCLER
 
 
@@ -122,7 +123,7 @@ def gather(
     consecutive rows (a slice) as one ``memcpy``, ``next_<col>`` in the same pass
     as ``<col>``. Compressed columns are read through their backend.
     """
-    kernels = _KERNELS or _kernels()
+    kernels = load("gather")
     if not isinstance(store, Store):  # a Buffer: its store
         store = store.store
     plan = _plan(store, keys)
@@ -148,17 +149,6 @@ def gather(
             _next_into(kernels, store, plan, flat, starts, after, targets[after.name],
                        None if own is None else targets[own.name], ledger)
     return {key.name: targets[key.name].finish() for key in plan.keys}
-
-
-_KERNELS: Any = None  # kernels.gather, imported on first use (kernels/__init__.py says why)
-
-
-def _kernels() -> Any:
-    global _KERNELS
-    from ..kernels import gather as kernels
-
-    _KERNELS = kernels
-    return kernels
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -349,8 +339,7 @@ def _plan(store: Store, keys: Iterable[str] | None) -> _Plan:
             else:
                 passes.append((built[name], None))
                 done.add(name)
-        from ..kernels import gather as kernels
-
+        kernels = load("gather")
         mapped = all(k.source is not None and (k.name == k.base or k.ends is not None) for k in built.values())
         index = kernels.bytes_of(store.ends)
         small = _small(kernels, tuple(passes), index) if mapped else None
@@ -359,8 +348,7 @@ def _plan(store: Store, keys: Iterable[str] | None) -> _Plan:
 
 
 def _key(store: Store, name: str) -> _Key:
-    from ..kernels import gather as kernels
-
+    kernels = load("gather")
     base = name[5:] if name.startswith("next_") else name
     col = store.columns[base]
     dtype = np.dtype(col.dtype)

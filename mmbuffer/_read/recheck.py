@@ -20,11 +20,12 @@ import numpy as np
 import torch
 
 from .. import errors
-from .frames import Stacks
-from .gather import gather
 from .._ledger.layout import Layout
 from .._ledger.snapshot import Draw
 from .._ledger.store import Store
+from ..kernels import load
+from .frames import Stacks
+from .gather import gather
 
 MAX_REREADS = 64
 
@@ -56,14 +57,18 @@ def read_checked(
         return gather(store, drawn[0], names, out), drawn
     (rows, weights, mask, written), data, first = _read(store, draw, np.arange(size), names, out, stack)
     if check:
-        from ..kernels import gather as kernels  # ``overwritten`` in one compiled pass
-
+        kernels = load("gather")  # ``overwritten`` in one compiled pass
         layout = store.layout
-        cursors = written[layout.lane(first)]
+        cursors = None  # per item, once an item is redrawn from a later view
         for _ in range(MAX_REREADS):
-            bad = kernels.overwritten(first, cursors, store.reservation(), layout.lane_size)
+            if cursors is None:  # every item from the first view: its lanes' cursors
+                bad = kernels.overwritten(first, written, store.reservation(), layout.lane_size, by_lane=True)
+            else:
+                bad = kernels.overwritten(first, cursors, store.reservation(), layout.lane_size)
             if bad.size == 0:
                 break
+            if cursors is None:
+                cursors = written[layout.lane(first)]
             (r, w, m, wr), fresh, f = _read(store, draw, bad, names, None, stack)
             rows[bad], weights[bad], first[bad], cursors[bad] = r, w, f, wr[layout.lane(f)]
             if mask is not None and m is not None:

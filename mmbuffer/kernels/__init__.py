@@ -13,6 +13,8 @@ Rules (why they exist):
   the CLI must start fast. Callers import a submodule inside the function that needs
   it (``from .kernels import tree as tree_kernels``), so a store without priorities
   never loads numba's tree kernels, and ``mmbuffer --help`` never loads numba.
+  A hot path that would pay an import statement per call takes :func:`load`
+  (``load("gather")``: after the first call, a dict lookup).
 - ``cache=True`` keeps the compiled code on disk beside the module (numba falls back
   to its user cache directory where the package is read-only); the first call in a
   fresh environment compiles, later processes load.
@@ -22,3 +24,26 @@ Rules (why they exist):
   (a GPU kernel, say) is a second implementation behind the same wrapper — the
   dispatch point flashbax's ``SET_BATCH_FN`` table is the model for.
 """
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+__all__ = ["load"]
+
+_loaded: dict[str, ModuleType] = {}
+
+
+def load(name: str) -> ModuleType:
+    """The kernel submodule ``name`` (``"gather"``, ``"priority"``, ``"tree"``,
+    ``"sampling"``), imported on its first use and kept.
+
+    >>> from mmbuffer import kernels
+    >>> kernels.load("gather") is kernels.load("gather")
+    True
+    """
+    module = _loaded.get(name)
+    if module is None:
+        module = _loaded[name] = importlib.import_module(f"{__name__}.{name}")
+    return module

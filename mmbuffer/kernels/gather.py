@@ -319,30 +319,33 @@ def gather_small(
 
 
 @numba.njit(nogil=True, cache=True)
-def _overwritten(first: Any, cursors: Any, reserved: Any, lane_size: int, bad: Any) -> int:
+def _overwritten(first: Any, cursors: Any, reserved: Any, lane_size: int, bad: Any, by_lane: bool) -> int:
     n = first.shape[0]
-    if cursors.shape[0] != n or bad.shape[0] < n or lane_size <= 0:
+    if (cursors.shape[0] != (reserved.shape[0] if by_lane else n)) or bad.shape[0] < n or lane_size <= 0:
         raise ValueError("overwritten: arrays of inconsistent sizes")
     count = 0
     for i in range(n):
-        f, w = first[i], cursors[i]
+        f = first[i]
         lane = f // lane_size
         if f < 0 or lane >= reserved.shape[0]:
             raise ValueError("overwritten: a row outside the lanes")
+        w = cursors[lane] if by_lane else cursors[i]
         if w - 1 - (w - 1 - f % lane_size) % lane_size < reserved[lane] - lane_size:
             bad[count] = i
             count += 1
     return count
 
 
-def overwritten(first: np.ndarray, cursors: np.ndarray, reserved: np.ndarray, lane_size: int) -> np.ndarray:
+def overwritten(first: np.ndarray, cursors: np.ndarray, reserved: np.ndarray, lane_size: int, *,
+                by_lane: bool = False) -> np.ndarray:
     """The positions of the items whose first row ``first`` (int64, drawn when its lane's
     cursor was ``cursors``) the writer may have begun rewriting: its absolute row
     (``Layout.absolute_at``) is below its lane's reservation ``reserved`` less a lane,
     as ``mmbuffer._read.recheck.overwritten`` says, in one pass (a reader checks every
-    batch: the numpy expression costs ~7 us on a small one)."""
+    batch: the numpy expression costs ~7 us on a small one). ``cursors`` has one value
+    per item, or with ``by_lane`` one per lane (items drawn from one view: its cursors)."""
     bad = np.empty(first.shape[0], np.int64)
-    return bad[: _overwritten(first, cursors, reserved, lane_size, bad)]
+    return bad[: _overwritten(first, cursors, reserved, lane_size, bad, by_lane)]
 
 
 def address(array: np.ndarray) -> tuple[int, int]:

@@ -23,7 +23,6 @@ state and store give the same indices in any process.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
@@ -31,6 +30,7 @@ import torch
 from .. import errors, tree
 from .._ledger import index
 from .._ledger.snapshot import LaneView, View
+from ..kernels import load
 
 _REDRAW_ROUNDS = 8  # rejection rounds at most before the exact draw
 _MIN_ACCEPT = 0.25  # a lower share of sampleable draws so far switches to the exact draw
@@ -65,17 +65,9 @@ def rows_at(view: View, ranks: np.ndarray) -> np.ndarray:
     return _rows_of_bits(view, np.asarray(ranks, dtype=np.int64))
 
 
-_uniform_rows: Any = None  # kernels.sampling.uniform_rows, once it is imported
-
-
 def _rows_of_bits(view: View, bits: np.ndarray) -> np.ndarray:
     """Rows of the ranks ``bits % total`` (one compiled pass: ``kernels.sampling``)."""
-    global _uniform_rows
-    if _uniform_rows is None:  # imported on first use (kernels/__init__.py says why)
-        from ..kernels import sampling as kernels
-
-        _uniform_rows = kernels.uniform_rows
-    rows: np.ndarray = _uniform_rows(bits, view.transitions, view.first_starts, view.lane_size, np.empty(bits.shape[0], np.int64))
+    rows: np.ndarray = load("sampling").uniform_rows(bits, view.transitions, view.first_starts, view.lane_size, np.empty(bits.shape[0], np.int64))
     return rows
 
 
@@ -219,8 +211,7 @@ def _slice_batch(
     start inside the drawn episode takes one more draw of random bits, after the
     ranks (the order the generator is used in never changed).
     """
-    from ..kernels import sampling as kernels
-
+    kernels = load("sampling")
     closed, opened = totals if totals is not None else counts.totals(view)
     ranks = np.asarray(ranks, dtype=np.int64)
     n = ranks.shape[0]
@@ -440,7 +431,7 @@ def prioritized(
     u = np.empty(batch_size, np.float64)  # tree.sample's uniforms: ``torch.rand`` is ``uniform_`` on a
     torch.from_numpy(u).uniform_(generator=generator)  # new tensor (as ``_bits``)
     v = ptree.views  # the first round, its checks and weights: one compiled call (kernels/priority.py)
-    status, pending, rows, values, ok, weights = _per().draw(
+    status, pending, rows, values, ok, weights = load("priority").draw(
         v.leaf, v.nodes, v.offs, u, view.lane_size, view.written, view.first_starts, view.transitions, beta)
     if status:
         raise errors.EmptyBufferError("sample: expected a store with positive priorities, got none")
@@ -464,15 +455,3 @@ def prioritized(
     weights = (values / tree.min_live(ptree)) ** (-beta)
     return rows, weights.astype(np.float32)
 
-
-_per_kernels: Any = None  # mmbuffer.kernels.priority, once imported
-
-
-def _per() -> Any:
-    """The compiled PER steps, imported on first use (kernels/__init__.py says why)."""
-    global _per_kernels
-    if _per_kernels is None:
-        from ..kernels import priority
-
-        _per_kernels = priority
-    return _per_kernels

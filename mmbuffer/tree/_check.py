@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..errors import InvalidArgumentError
+from ..kernels import load
 from ._layout import Int64Array, PriorityTree
 
 
@@ -53,7 +54,6 @@ def check(tree: PriorityTree, *, spans: Sequence[tuple[int, int]] | None = None)
     >>> T.check(tr, spans=[(0, 10), (850, 950)]), T.check(tr, spans=[(0, 10)])  # row 900 outside
     (0.0, inf)
     """
-    from ..kernels import tree as kernels
-
     v = tree.views
-    return kernels.sweep(v.leaf, v.nodes, v.offs, spans_array(tree, spans), write=False)
+    worst: float = load("tree").sweep(v.leaf, v.nodes, v.offs, spans_array(tree, spans), write=False)
+    return worst

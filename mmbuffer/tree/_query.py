@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     import torch
 
 from ..errors import EmptyBufferError, InvalidArgumentError
+from ..kernels import load
 from ._layout import Float32Array, Float64Array, Int64Array, PriorityTree
 
 
@@ -42,8 +43,7 @@ def max_live(tree: PriorityTree) -> float:
 
 def _find(tree: PriorityTree, targets: Float64Array) -> tuple[Int64Array, Float32Array]:
     """Leaf index and leaf value for each of the 1-D float64 ``targets`` (compiled descent)."""
-    from ..kernels import tree as kernels
-
+    kernels = load("tree")
     v = tree.views
     t = np.ascontiguousarray(targets)
     idx, value, empty = kernels.find(v.leaf, v.nodes, v.offs, t)

@@ -9,6 +9,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import InvalidArgumentError
+from ..kernels import load
 from ._check import spans_array
 from ._layout import SHIFT, PriorityTree
 
@@ -66,8 +67,7 @@ def update(tree: PriorityTree, indices: npt.ArrayLike, values: npt.ArrayLike) ->
         raise InvalidArgumentError(
             f"indices: expected row ids in [0, {tree.capacity}), got {lo if lo < 0 else hi}"
         )
-    from ..kernels import tree as kernels
-
+    kernels = load("tree")
     v = tree.views
     kernels.update(v.leaf, v.nodes, v.offs, idx, val)
 
@@ -110,8 +110,7 @@ def set_range(tree: PriorityTree, start: int, stop: int, value: npt.ArrayLike) -
         )
     if start == stop:
         return
-    from ..kernels import tree as kernels
-
+    kernels = load("tree")
     v = tree.views
     if val.ndim:
         v.leaf[start:stop] = val
@@ -144,7 +143,6 @@ def rebuild(tree: PriorityTree, *, spans: Sequence[tuple[int, int]] | None = Non
     >>> T.total(tr), T.check(tr)
     (300.0, 0.0)
     """
-    from ..kernels import tree as kernels
-
+    kernels = load("tree")
     v = tree.views
     kernels.sweep(v.leaf, v.nodes, v.offs, spans_array(tree, spans), write=True)

@@ -327,7 +327,8 @@ def test_kernels_refuse_bad_rows_wrong_sizes_and_bad_runs(rng):
 def test_the_overwritten_kernel_matches_the_numpy_check(rng):
     """``kernels.gather.overwritten`` (a reader's re-check, compiled) finds exactly the
     items ``recheck.overwritten`` finds: lanes, cursors before and after a lap, rings
-    wrapped, reservations at, behind and ahead of the cursors."""
+    wrapped, reservations at, behind and ahead of the cursors; cursors per item or,
+    ``by_lane``, per lane."""
     from mmbuffer._ledger.layout import Layout
     from mmbuffer._read import recheck
 
@@ -339,6 +340,9 @@ def test_the_overwritten_kernel_matches_the_numpy_check(rng):
             reserved = rng.integers(0, 6 * lane, lanes)
             want = np.flatnonzero(recheck.overwritten(layout, first, cursors, reserved))
             np.testing.assert_array_equal(kernels.overwritten(first, cursors, reserved, lane), want)
+            written = rng.integers(0, 5 * lane, lanes)  # items drawn from one view: its lanes' cursors
+            want = np.flatnonzero(recheck.overwritten(layout, first, written[first // lane], reserved))
+            np.testing.assert_array_equal(kernels.overwritten(first, written, reserved, lane, by_lane=True), want)
     with pytest.raises(ValueError, match="outside the lanes"):
         kernels.overwritten(np.array([30]), np.array([5]), np.array([9, 9]), 10)
 
