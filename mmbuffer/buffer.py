@@ -207,9 +207,9 @@ class Buffer:
         self._sampler_state.clear()
         old.close()
 
-    def warm(self) -> None:
-        """Read the priority tree into memory and map it (see ``Store.warm``)."""
-        self._store.warm()
+    def warm(self, columns: bool | Iterable[str] = False) -> None:
+        """Read the priority tree (and ``columns``) into memory and map them (``Store.warm``)."""
+        self._store.warm(columns)
 
     def release_memory(self) -> None:
         """Drop this process's mappings of the store's pages (see ``Store.release_memory``)."""

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -411,8 +411,8 @@ class Store:
             return self.priority_tree
 
     # -- memory ----------------------------------------------------------------------------
-    def warm(self) -> None:
-        """Read the priority tree into memory and map it in this process.
+    def warm(self, columns: bool | Iterable[str] = False) -> None:
+        """Read the priority tree, and ``columns``, into memory and map them in this process.
 
         The tree is read at random, a 4 KiB page at a time: a process that opens
         a large store whose tree is not in the page cache (the kernel dropped it,
@@ -424,11 +424,27 @@ class Store:
         little needs no warm tree); call it after ``open`` in a learner. It is
         not locked and releases the GIL, so it may run in a background thread
         while the store is used: ``threading.Thread(target=buf.warm).start()``.
-        A store without priorities has nothing to warm.
+
+        ``columns`` (``True``: every stored column; or their names): also the rows
+        of those columns the writer has written, read the same way. A store that
+        fits in memory, opened from disk, then samples with fewer TLB misses than
+        one read in by random faults, in pages the kernel reads ahead in large
+        folios (``benchmarks/RESULTS.md``). A reader (``mode="r"``) asks for 2 MiB
+        pages while it reads (``populate(huge=True)``); a writer does not: a store
+        into a 2 MiB page makes the commit write back 2 MiB. Columns kept
+        compressed are not mapped and are skipped.
         """
+        names = list(self.columns) if columns is True else [] if columns is False else list(columns)
+        unknown = [n for n in names if n not in self.columns]
+        if unknown:
+            raise errors.InvalidArgumentError(f"columns: expected names among {list(self.columns)}, got {unknown}")
         if self.priority_tree is not None:
             for arr in self.priority_tree.arrays:
                 _rawio.populate(arr, random=config.madvise_random)
+        maps = [m for m in (self.column(name).mapped() for name in names) if m is not None]
+        for lo, hi in self.tree_spans() if maps else ():  # per lane, the rows written
+            for mapped in maps:
+                _rawio.populate(mapped[lo:hi], random=config.madvise_random, huge=self.mode == "r")
 
     @locked
     def release_memory(self) -> None:

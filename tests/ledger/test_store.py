@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -604,3 +605,57 @@ def test_drop_cache_loses_no_uncommitted_row(tmp_path, rng):
     assert np.array_equal(buf.read_range("obs", 0, 50_000), data)
     buf.close()
     assert np.array_equal(mb.open(tmp_path / "s", mode="r").read_range("obs", 0, 50_000), data)
+
+
+def _maps_of(path) -> list[tuple[int, set[str]]]:
+    """(resident KiB, VmFlags) of each of this process's maps of the file ``path``."""
+    out, inside = [], False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and not head[0].endswith(":"):
+                inside = head[-1] == str(path)
+                if inside:
+                    out.append([0, set()])
+            elif inside and head[0] == "Rss:":
+                out[-1][0] = int(head[1])
+            elif inside and head[0] == "VmFlags:":
+                out[-1][1] = set(head[1:])
+    return [(kib, flags) for kib, flags in out]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+def test_warm_columns_maps_the_written_rows_and_leaves_later_faults_at_4_kib(tmp_path):
+    """``warm(columns=...)`` reads the rows the writer wrote (not the unwritten rest of a
+    lane) into this process's maps; afterwards no map of the column asks for 2 MiB
+    pages (``hg``), a reader's populated ranges say ``nh`` (no huge pages) and every
+    range keeps ``rr`` (random reads): a fault after the kernel drops a page reads
+    4 KiB. Unknown names are refused by name and change nothing."""
+    lane = 20_000
+    with mb.create(tmp_path / "s", {"obs": ((64,), "float32")}, capacity=2 * lane, num_streams=2, next_keys=()) as buf:
+        for stream, rows in ((0, 15_000), (1, 5_000)):
+            buf.extend({"obs": np.ones((rows, 64), np.float32) * stream}, stream=stream)
+        buf.commit()
+    del buf
+    gc.collect()  # the writer's maps go with it
+    (shard,) = [p for p in (tmp_path / "s" / "columns" / "obs").rglob("*") if p.is_file() and p.name != "zarr.json"]
+    ro = mb.open(tmp_path / "s", mode="r")
+    assert sum(kib for kib, _ in _maps_of(shard)) < 64  # a fresh map: nothing resident yet
+    with pytest.raises(mb.errors.InvalidArgumentError, match=r"columns: expected names among \['obs', 'terminated', 'truncated'\], got \['nope'\]"):
+        ro.warm(columns=["obs", "nope"])
+    assert sum(kib for kib, _ in _maps_of(shard)) < 64  # refused before reading anything
+    ro.warm(columns=True)
+    maps = _maps_of(shard)
+    resident = sum(kib for kib, _ in maps) * 1024
+    assert resident >= 20_000 * 256 - 2 * 4096  # both lanes' written rows
+    assert resident < (2 * lane - 10_000) * 256  # not lane 1's 15,000 unwritten rows
+    assert all("rr" in flags and "hg" not in flags for _, flags in maps)
+    assert any("nh" in flags for _, flags in maps)
+    np.testing.assert_array_equal(ro.get(np.array([0, lane + 4_999]))["obs"][:, 0].numpy(), [0.0, 1.0])
+    ro.close()
+    del ro
+    gc.collect()
+    writer = mb.open(tmp_path / "s")
+    writer.warm(columns=["obs"])  # a writer reads them in too, without asking for 2 MiB pages
+    assert all("nh" not in flags and "hg" not in flags for _, flags in _maps_of(shard))
+    writer.close()
