@@ -47,6 +47,27 @@ def median_time(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
+def settle(fn: Callable[[], object], min_s: float = 2.0, max_s: float = 60.0, window_s: float = 1.0) -> float:
+    """Call ``fn`` until its median time per ``window_s`` stops falling (two windows in a
+    row within 10%), at least ``min_s`` and at most ``max_s`` seconds; return the seconds
+    it took. On the dev VM a process's first calls at 1e8-1e9 rows run slowly for 1-10 s
+    after its pages were read in (no page faults in the guest: benchmarks/HISTORY.md,
+    2026-11-26), which a median of a few tens of calls does not hide."""
+    start = time.perf_counter()
+    last = []
+    while True:
+        end = time.perf_counter() + window_s
+        times = []
+        while time.perf_counter() < end:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        last = [*last[-1:], statistics.median(times)]
+        took = time.perf_counter() - start
+        if took >= max_s or (took >= min_s and len(last) == 2 and abs(last[1] - last[0]) <= 0.1 * last[0]):
+            return took
+
+
 def rss_mb() -> float:
     """Resident set size of this process now, in MiB (Linux)."""
     with open("/proc/self/status") as f:

@@ -7,7 +7,9 @@ rows) are open in this process; each round times every measure on the small stor
 then on the large one (the order alternates by round), and the ratio of each round
 is large / small, so a machine that slows down between rounds moves both sides.
 The large store takes ~3.6 GB of disk (sparse beyond the stored rows); its columns
-are read once before timing (warm), as in a learner that has been running a while.
+are dropped from the page cache and read back by ``buf.warm(columns=True)`` before
+timing (``--warm read``: read once through the maps, as the writer left them), and
+both stores are sampled until their times settle, as in a learner that has been running a while.
 
     python benchmarks/bench_flat.py                       # 1e6 against 1e9
     python benchmarks/bench_flat.py --big 1e8 --rounds 5  # quicker
@@ -16,6 +18,7 @@ are read once before timing (warm), as in a learner that has been running a whil
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -25,7 +28,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import count, header, median_time, scratch  # noqa: E402
+from _common import count, drop_file_cache, header, median_time, scratch, settle  # noqa: E402
 from bench_sampling import build, warm  # noqa: E402
 
 import mmbuffer as mb  # noqa: E402
@@ -54,6 +57,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--reps", type=int, default=200, help="timed calls per measure and round")
     p.add_argument("--online", type=int, default=40, help="episodes appended per round (online loop)")
+    p.add_argument("--warm", choices=("read", "columns"), default="columns",
+                   help="read: the columns as the writer left them in the page cache, read once through the maps; "
+                   "columns: dropped from the page cache, then read back by buf.warm(columns=True)")
     args = p.parse_args()
     root = scratch() / "flat"
     bufs = {}
@@ -61,13 +67,22 @@ def main() -> None:
         path = root / f"s{size}"
         t0 = time.perf_counter()
         build(path, size, int(size * 1.2), 1000)
+        if args.warm == "columns":
+            gc.collect()  # the builder's maps: the page cache drops only unmapped pages
+            drop_file_cache(path)
         buf = mb.open(path)
         t1 = time.perf_counter()
-        warm(buf)
-        print(f"{size:,} rows: built/opened in {t1 - t0:.1f} s, warmed in {time.perf_counter() - t1:.1f} s", flush=True)
+        if args.warm == "read":
+            warm(buf)
+        else:
+            buf.warm(columns=True)
+        print(f"{size:,} rows: built/opened in {t1 - t0:.1f} s, warmed ({args.warm}) in {time.perf_counter() - t1:.1f} s",
+              flush=True)
         bufs[size] = buf
-    header(f"bench_flat: slices 256 x 4, episodes of 1000, {args.rounds} rounds x {args.reps} calls")
+    header(f"bench_flat: slices 256 x 4, episodes of 1000, {args.rounds} rounds x {args.reps} calls, warm: {args.warm}")
     g = torch.Generator().manual_seed(0)
+    took = settle(lambda: [buf.sample_slices(256, 4, generator=g) for buf in bufs.values()])
+    print(f"settled in {took:.0f} s (the first calls of a process run slowly for a while: _common.settle)\n")
     ratios: dict[str, list[float]] = {}
     times: dict[tuple[int, str], list[float]] = {}
     for r in range(args.rounds):

@@ -44,6 +44,7 @@ from _common import (  # noqa: E402
     median_time,
     run_python,
     scratch,
+    settle,
     table,
 )
 
@@ -78,17 +79,14 @@ def warm(buf: mb.Buffer) -> float:
     return time.perf_counter() - t0
 
 
-def static(buf: mb.Buffer, reps: int, settle_s: float = 2.0) -> list[dict[str, object]]:
-    """Index and total times of each setting, after sampling for ``settle_s`` first: at
-    1e8 rows the first calls of a process are slow for a second or so (the first
-    builds the sampler's tables, ~1 s; the next tens ran at ~1 ms on 2026-11-26),
-    which a median of 30 calls did not hide."""
+def static(buf: mb.Buffer, reps: int) -> list[dict[str, object]]:
+    """Index and total times of each setting, once sampling has settled (``settle``: at
+    1e8 rows the first call of a process builds the sampler's tables, ~1 s, and the next
+    ones ran at 1-6 ms for a second or more on 2026-11-26, which a median of 30 calls
+    did not hide)."""
     out = []
     g = torch.Generator().manual_seed(0)
-    end = time.perf_counter() + settle_s
-    while time.perf_counter() < end:
-        for n, L in SETTINGS:
-            buf.sample_slices(n, L, generator=g)
+    print(f"settled in {settle(lambda: [buf.sample_slices(n, L, generator=g) for n, L in SETTINGS]):.0f} s\n")
     for n, L in SETTINGS:
         t_index = median_time(lambda: buf.slice_indices(n, L, generator=g), reps)
         t_total = median_time(lambda: buf.sample_slices(n, L, generator=g), reps)
