@@ -5,7 +5,8 @@ so the fixed cost of a call matters as much as its copy. The same data, 1e6 rows
 of obs 17 float32, action 6 float32, reward float32 (episodes of 1000 steps, each
 ended as truncated, its final observation stored), in three buffers:
 
-* mmbuffer: a raw store on disk, page cache warm (read once), sampled by the writer
+* mmbuffer: a raw store on disk, dropped from the page cache and read back by
+  ``warm(columns=True)`` (``--warm read``: as the writer left it, read once), sampled by the writer
   (``mb.open(path)``, mode "a") and by a reader (``mode="r"``, which re-checks every
   item against the writer's reservation); default keys: obs, action, reward,
   terminated, truncated, next_obs;
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import pstats
 import shutil
 import statistics
@@ -41,7 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import build_world_model_store, count, header, scratch, table  # noqa: E402
+from _common import build_world_model_store, count, drop_file_cache, header, scratch, settle, table  # noqa: E402
 
 import mmbuffer as mb  # noqa: E402
 from mmbuffer._read.gather import gather  # noqa: E402
@@ -147,15 +149,26 @@ def main() -> None:
     parser.add_argument("--batch", type=str, default="32,256")
     parser.add_argument("--no-peers", action="store_true", help="mmbuffer only (quick checks)")
     parser.add_argument("--profile", type=int, default=0, metavar="B", help="cProfile the writer's sample(B)")
+    parser.add_argument("--warm", choices=("read", "columns"), default="columns",
+                        help="columns: the store dropped from the page cache, then read back by warm(columns=True) "
+                        "(a learner opening it from disk); read: as the writer left it, read once")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
     path = scratch() / f"small_batch_{args.rows}"
     build(path, args.rows)
+    gc.collect()  # the builder's maps: the page cache drops only unmapped pages
+    if args.warm == "columns":
+        drop_file_cache(path)
     writer = mb.open(path)
     reader = mb.open(path, mode="r")
-    for name in writer.store.columns:  # page cache warm
-        writer.read_range(name, 0, args.rows)
+    if args.warm == "columns":  # the reader first: it asks for 2 MiB pages, which the writer's maps then share
+        reader.warm(columns=True)
+        writer.warm(columns=True)
+    else:
+        for name in writer.store.columns:  # page cache warm, as the writer left it
+            writer.read_range(name, 0, args.rows)
+    settle(lambda: (writer.sample(256), reader.sample(256)))
     peers: dict[str, Callable[[int], object]] = {}
     if not args.no_peers:
         data = columns(path)
