@@ -363,3 +363,20 @@ def test_export_and_copy_of_something_that_is_not_a_store(tmp_path, capsys, argv
     assert err == f"mmbuffer: error: {src}: expected an mmbuffer store directory, found an HDF5 file\n"
     with pytest.raises(mb.errors.StoreNotFoundError, match="found an HDF5 file"):
         copy(src, tmp_path / "out", progress=False)
+
+
+def test_a_source_array_that_shrinks_while_it_is_read_is_refused_by_name(tmp_path):
+    """A flat source's arrays (npz members, TorchRL memmaps) are read with pread; the
+    size checked when the reader opened them can shrink before a chunk is read, and that
+    is a ConversionError naming the file, the bytes expected and those read, not an
+    EOFError."""
+    from mmbuffer.convert._pipeline.flat import FileArray
+
+    path = tmp_path / "a.bin"
+    np.arange(100, dtype=np.int64).tofile(path)
+    arr = FileArray(path, 0, (100,), np.int64)
+    np.testing.assert_array_equal(arr[10:20], np.arange(10, 20))
+    os.truncate(path, 50 * 8)
+    with pytest.raises(mb.errors.ConversionError, match=r"a\.bin: expected 400 bytes at byte 320, got 80 \(the file ends at byte 400"):
+        arr[40:90]
+    np.testing.assert_array_equal(arr[0:50], np.arange(50))  # what is still there reads as before

@@ -52,6 +52,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ..._disk.rawio import pread_into
 from . import droplast
 from .reader import DEFAULT_CHUNK_BYTES, Chunk, Reader, Schema, as_flag
 
@@ -132,7 +133,7 @@ class FileArray:
     def __getitem__(self, idx: Any) -> np.ndarray:
         if not self.shape:
             out = np.empty((), self.dtype)
-            _pread_into(self._open(), out.reshape(1).data.cast("B"), self.offset)
+            self._read_into(out.reshape(1).data.cast("B"), self.offset)
             return out
         if isinstance(idx, (int, np.integer)):
             row: np.ndarray = self[int(idx) : int(idx) + 1][0]
@@ -143,18 +144,18 @@ class FileArray:
         b = max(a, b)
         out = np.empty((b - a, *self.shape[1:]), self.dtype)
         if b > a:
-            _pread_into(self._open(), out.data.cast("B"), self.offset + a * self._row_bytes)
+            self._read_into(out.data.cast("B"), self.offset + a * self._row_bytes)
         return out
 
+    def _read_into(self, view: memoryview, offset: int) -> None:
+        got = pread_into(self._open(), view, offset)
+        if got < len(view):  # the size was checked at construction: the file shrank since
+            from ...errors import ConversionError
 
-def _pread_into(fd: int, view: memoryview, offset: int) -> None:
-    done = 0
-    total = len(view)
-    while done < total:
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n <= 0:
-            raise EOFError(f"unexpected end of file at byte {offset + done}")
-        done += n
+            raise ConversionError(
+                f"{self.path}: expected {len(view)} bytes at byte {offset}, got {got} (the file ends at byte "
+                f"{offset + got}: it shrank while it was read)"
+            )
 
 
 class RolledArray:
