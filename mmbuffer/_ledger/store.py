@@ -434,7 +434,8 @@ class Store:
         into a 2 MiB page makes the commit write back 2 MiB. Columns kept
         compressed are not mapped and are skipped.
         """
-        names = list(self.columns) if columns is True else [] if columns is False else list(columns)
+        names = (list(self.columns) if columns is True else [] if columns is False
+                 else [columns] if isinstance(columns, str) else list(columns))
         unknown = [n for n in names if n not in self.columns]
         if unknown:
             raise errors.InvalidArgumentError(f"columns: expected names among {list(self.columns)}, got {unknown}")

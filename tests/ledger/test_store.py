@@ -656,6 +656,7 @@ def test_warm_columns_maps_the_written_rows_and_leaves_later_faults_at_4_kib(tmp
     del ro
     gc.collect()
     writer = mb.open(tmp_path / "s")
-    writer.warm(columns=["obs"])  # a writer reads them in too, without asking for 2 MiB pages
+    writer.warm(columns="obs")  # a writer reads them in too, without asking for 2 MiB pages
     assert all("nh" not in flags and "hg" not in flags for _, flags in _maps_of(shard))
+    assert sum(kib for kib, _ in _maps_of(shard)) * 1024 >= 20_000 * 256 - 2 * 4096
     writer.close()
