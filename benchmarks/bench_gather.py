@@ -1,8 +1,9 @@
 """Gather benchmark: a sampled batch against memcpy and against an in-RAM buffer.
 
 A store of ``--rows`` rows (2M; obs 17 float32, action 6 float32, reward float32,
-episodes of 1000 steps: TD-MPC2's layout), warm (read once, and mapped by this
-process). Two workloads, each against a baseline timed in the same run:
+episodes of 1000 steps: TD-MPC2's layout), dropped from the page cache and read back by
+``warm(columns=True)`` (``--warm read``: as the page cache holds it), read once and mapped by this
+process. Two workloads, each against a baseline timed in the same run:
 
 * ``256 x 64`` slices, every column and ``next_obs`` (2.7 MB), with
   ``buf.sample_slices`` (index + gather + batch), against ``np.copyto`` of the
@@ -28,6 +29,7 @@ from that cache in a second fresh process.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import shutil
 import statistics
@@ -43,7 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import build_world_model_store, header, scratch, table  # noqa: E402
+from _common import build_world_model_store, drop_file_cache, header, scratch, settle, table  # noqa: E402
 
 import mmbuffer as mb  # noqa: E402
 from mmbuffer._read.gather import gather  # noqa: E402
@@ -191,12 +193,21 @@ def main() -> None:
     parser.add_argument("--rows", type=float, default=2e6)
     parser.add_argument("--episode", type=int, default=1000)
     parser.add_argument("--reps", type=int, default=300)
+    parser.add_argument("--warm", choices=("read", "columns"), default="columns",
+                        help="columns: the store dropped from the page cache, then read back by warm(columns=True) "
+                        "(a learner opening it from disk); read: as the page cache holds it, read once")
     args = parser.parse_args()
     path = scratch() / f"gather_{int(args.rows)}"
     build(path, int(args.rows), args.episode)
     header("bench_gather")
+    gc.collect()  # the builder's maps: the page cache drops only unmapped pages
+    if args.warm == "columns":
+        drop_file_cache(path)
     buf = mb.open(path, mode="r")
+    if args.warm == "columns":
+        buf.warm(columns=True)
     arrays = in_ram(buf)
+    settle(lambda: buf.sample_slices(256, 64))
     print(f"### 256 x 64 slices, every column + next_obs, {int(args.rows):,} rows, warm\n")
     table(slices(buf, args.reps))
     print("### 4096 random transitions, every column + next_obs\n")

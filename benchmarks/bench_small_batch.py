@@ -162,7 +162,7 @@ def main() -> None:
         drop_file_cache(path)
     writer = mb.open(path)
     reader = mb.open(path, mode="r")
-    if args.warm == "columns":  # the reader first: it asks for 2 MiB pages, which the writer's maps then share
+    if args.warm == "columns":  # both map what the first reads in
         reader.warm(columns=True)
         writer.warm(columns=True)
     else:

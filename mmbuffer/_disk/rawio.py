@@ -173,18 +173,14 @@ def release(arr: np.ndarray) -> None:
         handle.madvise(mmap.MADV_DONTNEED)
 
 
-def populate(arr: np.ndarray, *, random: bool = True, huge: bool = False) -> None:
+def populate(arr: np.ndarray, *, random: bool = True) -> None:
     """Read a memory-mapped array's pages in at sequential disk speed and map them.
 
     ``madvise(MADV_SEQUENTIAL)``, then ``MADV_POPULATE_READ`` (Linux 5.14+;
     elsewhere, or if refused, one byte per page is read in order) maps every
     page into this process, so later random reads take no page fault and the
     kernel sees the pages in use; then back to ``MADV_RANDOM`` (``random=True``,
-    as :func:`open_raw` advises) or ``MADV_NORMAL``. ``huge``: ``MADV_HUGEPAGE``
-    while it reads, so pages not cached yet come in 2 MiB folios mapped whole
-    where the file system allows (ext4 on Linux 6.x: one TLB entry for 512
-    pages), then ``MADV_NOHUGEPAGE``: a later fault, after the kernel dropped a
-    page, reads 4 KiB again, not 2 MiB. Under ``MADV_RANDOM`` the
+    as :func:`open_raw` advises) or ``MADV_NORMAL``. Under ``MADV_RANDOM`` the
     same populate reads a 4 KiB page per disk read: 42 s instead of 1.2-2.3 s
     for a 2.5 GB priority tree (benchmarks/HISTORY.md). Calls ``madvise`` through ctypes,
     which releases the GIL: it can run in a background thread. An array in RAM
@@ -197,17 +193,12 @@ def populate(arr: np.ndarray, *, random: bool = True, huge: bool = False) -> Non
     addr = ctypes.c_void_p(start)
     size = ctypes.c_size_t(arr.ctypes.data + arr.nbytes - start)
     madvise = ctypes.CDLL(None, use_errno=True).madvise if hasattr(mmap, "MADV_SEQUENTIAL") else None
-    huge = huge and madvise is not None and hasattr(mmap, "MADV_HUGEPAGE")
     if madvise is not None:
         madvise(addr, size, mmap.MADV_SEQUENTIAL)
-        if huge:
-            madvise(addr, size, mmap.MADV_HUGEPAGE)
     if madvise is None or not sys.platform.startswith("linux") or madvise(addr, size, _MADV_POPULATE_READ):
         int(arr.reshape(-1).view(np.uint8)[::page].max())  # one read per page, in order
     if madvise is not None:
         madvise(addr, size, mmap.MADV_RANDOM if random else mmap.MADV_NORMAL)
-        if huge:
-            madvise(addr, size, mmap.MADV_NOHUGEPAGE)
 
 
 def private_pages(mm: np.ndarray, candidates: np.ndarray) -> np.ndarray:

@@ -426,13 +426,14 @@ class Store:
         while the store is used: ``threading.Thread(target=buf.warm).start()``.
 
         ``columns`` (``True``: every stored column; or their names): also the rows
-        of those columns the writer has written, read the same way. A store that
-        fits in memory, opened from disk, then samples with fewer TLB misses than
-        one read in by random faults, in pages the kernel reads ahead in large
-        folios (``benchmarks/RESULTS.md``). A reader (``mode="r"``) asks for 2 MiB
-        pages while it reads (``populate(huge=True)``); a writer does not: a store
-        into a 2 MiB page makes the commit write back 2 MiB. Columns kept
-        compressed are not mapped and are skipped.
+        of those columns the writer has written, read the same way. The kernel
+        reads them ahead in large folios, mapped up to 2 MiB at a time: a store
+        that fits in memory, opened from disk, then samples with fewer TLB misses
+        than one read in by random faults (``benchmarks/RESULTS.md``). For a store
+        that is read, not rewritten (a dataset, a finished run, a ring that has not
+        wrapped): a writer that later rewrites rows held in a large folio writes the
+        whole folio back at its commit (docs/design.md). Columns kept compressed are
+        not mapped and are skipped.
         """
         names = (list(self.columns) if columns is True else [] if columns is False
                  else [columns] if isinstance(columns, str) else list(columns))
@@ -445,7 +446,7 @@ class Store:
         maps = [m for m in (self.column(name).mapped() for name in names) if m is not None]
         for lo, hi in self.tree_spans() if maps else ():  # per lane, the rows written
             for mapped in maps:
-                _rawio.populate(mapped[lo:hi], random=config.madvise_random, huge=self.mode == "r")
+                _rawio.populate(mapped[lo:hi], random=config.madvise_random)
 
     @locked
     def release_memory(self) -> None:
