@@ -435,9 +435,13 @@ class Store:
         whole folio back at its commit (docs/design.md). Columns kept compressed are
         not mapped and are skipped.
         """
-        names = (list(self.columns) if columns is True else [] if columns is False
-                 else [columns] if isinstance(columns, str) else list(columns))
-        unknown = [n for n in names if n not in self.columns]
+        try:
+            names = (list(self.columns) if columns is True else [] if columns is False
+                     else [columns] if isinstance(columns, str) else list(columns))
+        except TypeError:
+            raise errors.InvalidArgumentError(
+                f"columns: expected True, False, a column name or names, got {columns!r}") from None
+        unknown = [n for n in names if not isinstance(n, str) or n not in self.columns]
         if unknown:
             raise errors.InvalidArgumentError(f"columns: expected names among {list(self.columns)}, got {unknown}")
         if self.priority_tree is not None:

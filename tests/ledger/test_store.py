@@ -643,6 +643,9 @@ def test_warm_columns_maps_the_written_rows_and_restores_random_reads(tmp_path):
     assert sum(kib for kib, _ in _maps_of(shard)) < 64  # a fresh map: nothing resident yet
     with pytest.raises(mb.errors.InvalidArgumentError, match=r"columns: expected names among \['obs', 'terminated', 'truncated'\], got \['nope'\]"):
         ro.warm(columns=["obs", "nope"])
+    for bad in (None, 3, [0]):
+        with pytest.raises(mb.errors.InvalidArgumentError, match="columns: expected"):
+            ro.warm(columns=bad)
     assert sum(kib for kib, _ in _maps_of(shard)) < 64  # refused before reading anything
     ro.warm(columns=True)
     maps = _maps_of(shard)
