@@ -137,11 +137,13 @@ def run_python(code: str, *args: str) -> str:
 
 
 def drop_file_cache(path: Path) -> None:
-    """Evict ``path``'s files from the page cache (posix_fadvise DONTNEED)."""
+    """Evict ``path``'s files from the page cache: written back first (a dirty page is
+    not dropped), then posix_fadvise DONTNEED (a page some process maps stays)."""
     for root, _, files in os.walk(path):
         for name in files:
             fd = os.open(os.path.join(root, name), os.O_RDONLY)
             try:
+                os.fdatasync(fd)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)

@@ -70,7 +70,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _torchrl_baseline as trl  # noqa: E402
-from _common import counts, count, header, run_python, scratch, table  # noqa: E402
+from _common import count, counts, drop_file_cache, header, run_python, scratch, table  # noqa: E402
 
 import mmbuffer as mb  # noqa: E402
 from mmbuffer import tree  # noqa: E402
@@ -109,18 +109,6 @@ def writeback_settings() -> str:
     except (OSError, StopIteration):
         avail = -1
     return "writeback: " + ", ".join(f"{n} {read(n)}" for n in names) + f"; MemAvailable {avail} MiB"
-
-
-def drop_cache(folder: Path) -> None:
-    """Drop the clean pages of every file under ``folder`` from the page cache."""
-    for file in folder.rglob("*"):
-        if file.is_file():
-            fd = os.open(file, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 WORKER = """
@@ -336,7 +324,7 @@ def main() -> None:
             trl_t = trl.prioritized_sampler_times(cap, 256, reps=50) if cap <= args.torchrl_max else None
             for code in codes:
                 at = store_for(code, path)
-                drop_cache(at / "priority")
+                drop_file_cache(at / "priority")
                 res = json.loads(run_worker(code, str(at), str(args.reps), str(args.seconds), str(args.commit_every)))
                 row = {
                     "capacity": cap,
