@@ -63,40 +63,39 @@ def run_demo(directory: str | Path | None = None, episodes: int = 400, quiet: bo
     path = root / "replay"  # mb.create refuses an existing store: pick a fresh DIR to rerun
     streams = 4
     rng = np.random.default_rng(0)
-    buf = mb.create(
+    with mb.create(
         path,
         columns={"obs": ((OBS,), "float32"), "action": ((ACT,), "float32"), "reward": ((), "float32")},
         capacity=streams * 16_384,
         num_streams=streams,
         priorities=mb.PriorityConfig(alpha=0.6),
-    )
-    t0 = time.perf_counter()
-    rows = 0
-    for ep in range(episodes):
-        if interrupted():
-            raise KeyboardInterrupt
-        steps, final = rollout(rng)
-        buf.extend(steps, stream=ep % streams, final_obs={"obs": final[None]})
-        rows += len(steps["reward"])
-    t_write = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    generation = buf.commit()
-    t_commit = time.perf_counter() - t0
-    say(f"wrote {rows:,} rows in {episodes} episodes over {streams} streams to {path}")
-    say(f"  extend {rows / t_write:,.0f} rows/s, commit {t_commit * 1e3:.1f} ms (generation {generation})")
+    ) as buf:  # closed on Ctrl-C too: what was extended is committed, with no message at exit
+        t0 = time.perf_counter()
+        rows = 0
+        for ep in range(episodes):
+            if interrupted():
+                raise KeyboardInterrupt
+            steps, final = rollout(rng)
+            buf.extend(steps, stream=ep % streams, final_obs={"obs": final[None]})
+            rows += len(steps["reward"])
+        t_write = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        generation = buf.commit()
+        t_commit = time.perf_counter() - t0
+        say(f"wrote {rows:,} rows in {episodes} episodes over {streams} streams to {path}")
+        say(f"  extend {rows / t_write:,.0f} rows/s, commit {t_commit * 1e3:.1f} ms (generation {generation})")
 
-    g = torch.Generator().manual_seed(0)
-    batch = buf.sample(256, generator=g)
-    say(f"uniform sample: obs {tuple(batch['obs'].shape)}, next_obs {tuple(batch['next_obs'].shape)}")
-    sl = buf.sample_slices(64, 16, generator=g)
-    lane_of = sl.indices // buf.lane_size
-    assert bool((lane_of == lane_of[:, :1]).all())
-    say(f"slices: obs {tuple(sl['obs'].shape)} (64 windows of 16 steps inside one episode each)")
-    pb = buf.sample(256, prioritized=True, beta=0.4, generator=g)
-    buf.update_priorities(pb.indices, pb["reward"].abs() + 0.01)
-    pb2 = buf.sample(256, prioritized=True, beta=0.4, generator=g)
-    say(f"prioritized: weights in [{float(pb2.weights.min()):.3f}, {float(pb2.weights.max()):.3f}] after an update")
-    buf.close()
+        g = torch.Generator().manual_seed(0)
+        batch = buf.sample(256, generator=g)
+        say(f"uniform sample: obs {tuple(batch['obs'].shape)}, next_obs {tuple(batch['next_obs'].shape)}")
+        sl = buf.sample_slices(64, 16, generator=g)
+        lane_of = sl.indices // buf.lane_size
+        assert bool((lane_of == lane_of[:, :1]).all())
+        say(f"slices: obs {tuple(sl['obs'].shape)} (64 windows of 16 steps inside one episode each)")
+        pb = buf.sample(256, prioritized=True, beta=0.4, generator=g)
+        buf.update_priorities(pb.indices, pb["reward"].abs() + 0.01)
+        pb2 = buf.sample(256, prioritized=True, beta=0.4, generator=g)
+        say(f"prioritized: weights in [{float(pb2.weights.min()):.3f}, {float(pb2.weights.max()):.3f}] after an update")
 
     t0 = time.perf_counter()
     ro = mb.open(path, mode="r")
