@@ -61,10 +61,9 @@ def read_checked(
         layout = store.layout
         cursors = None  # per item, once an item is redrawn from a later view
         for _ in range(MAX_REREADS):
-            if cursors is None:  # every item from the first view: its lanes' cursors
-                bad = kernels.overwritten(first, written, store.reservation(), layout.lane_size, by_lane=True)
-            else:
-                bad = kernels.overwritten(first, cursors, store.reservation(), layout.lane_size)
+            first_view = cursors is None  # every item still from the first view: its lanes' cursors
+            bad = kernels.overwritten(first, written if first_view else cursors, store.reservation(), layout.lane_size,
+                                      by_lane=first_view)
             if bad.size == 0:
                 break
             if cursors is None:
