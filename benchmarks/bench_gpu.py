@@ -17,6 +17,9 @@ Reported, steps per second and as a fraction of ``compute only``:
 * ``mb.stream(device="cuda", processes=k)`` (modes ``stream-procK``): producers in k
   processes writing into a shared page-locked ring, only slot numbers crossing,
 * ``DataLoader(BufferDataset, num_workers=k, pin_memory=True)``, then ``.to("cuda")``,
+* ``paired-stream-procK``: ``processes=K`` and compute only in one pass, alternating
+  blocks of ``--block`` steps, so that the host's drift (compute only itself moves by
+  up to 10% between passes on the lent machines) cancels in the ratio,
 
 and the loaders alone (no step): batches/s and GB/s delivered to the GPU.
 
@@ -125,6 +128,33 @@ def timed(batches: Iterator[Any], step: Callable[[Any], None] | None, warmup: in
             step(b)
     sync()
     return n / (time.perf_counter() - t0)
+
+
+def paired(streamed: Iterator[Any], on_gpu: Iterator[Any], step: Callable[[Any], None] | None, warmup: int, n: int, block: int) -> tuple[float, float]:
+    """Steps/s fed by ``streamed`` and by ``on_gpu`` (batches already on the GPU), timed in
+    alternating blocks of ``block`` steps (order ABBA, so neither side always goes first)
+    over ``n`` steps each: a drift of the host's speed during the pass slows both sides
+    alike, so their ratio measures the loader and not the minute it ran in."""
+    for it in (streamed, on_gpu):
+        for _ in range(warmup):
+            b = next(it)
+            if step is not None:
+                step(b)
+    spent = {id(streamed): 0.0, id(on_gpu): 0.0}
+    block = min(block, n)
+    rounds = n // block
+    for r in range(rounds):
+        for it in ((streamed, on_gpu) if r % 2 == 0 else (on_gpu, streamed)):
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(block):
+                b = next(it)
+                if step is not None:
+                    step(b)
+            sync()
+            spent[id(it)] += time.perf_counter() - t0
+    done = rounds * block
+    return done / spent[id(streamed)], done / spent[id(on_gpu)]
 
 
 TRACE_ON = False
@@ -236,6 +266,7 @@ def main() -> int:
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--wide", type=int, default=4, help="the wide model's hidden size is this times --hidden")
     p.add_argument("--modes", default=DEFAULT_MODES)
+    p.add_argument("--block", type=int, default=100, help="paired-* modes: steps per alternating block")
     p.add_argument("--label", default="this checkout")
     p.add_argument("--path", type=Path, default=None, help="a store built earlier by this script (else a temporary one)")
     p.add_argument("--trace", action="store_true", help="also record where the training thread's time goes (printed after the table)")
@@ -309,6 +340,16 @@ def main() -> int:
                 while True:
                     yield buf.sample_slices(B, L, generator=g).to(dev, non_blocking=True)
             report(f"{tag}sync: sample_slices + .to(cuda)", timed(sync_batches(), step, args.warmup, args.steps), None if alone else hidden)
+        elif kind.startswith("paired-stream-proc"):
+            procs = int(kind[18:])
+            with mb.stream(buf, B, L, device=dev, generator=g, processes=procs) as s:
+                streamed, ceiling = paired(iter(s), gpu_cycle(), step, args.warmup, args.steps, args.block)
+            ratio = streamed / ceiling
+            ceilings[hidden] = ceiling
+            TRACE.append(f"{mode}: {args.steps // min(args.block, args.steps)} rounds of {min(args.block, args.steps)} steps each way, "
+                         f"compute only {ceiling:.0f} steps/s, streamed {streamed:.0f} steps/s")
+            print(f"| {tag}paired: mb.stream(device=cuda, processes={procs}) against compute only, "
+                  f"alternating blocks of {min(args.block, args.steps)} steps | {streamed:.0f} (compute only {ceiling:.0f}) | {ratio:.1%} | |", flush=True)
         elif kind.startswith("stream-proc"):
             pin = kind.endswith("pin")
             procs = int(kind[11:].removesuffix("pin"))
