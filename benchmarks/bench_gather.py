@@ -9,7 +9,12 @@ process. Two workloads, each against a baseline timed in the same run:
   ``buf.sample_slices`` (index + gather + batch), against ``np.copyto`` of the
   same bytes between two preallocated in-RAM arrays: the floor for contiguous
   runs. Also the gather alone (rows drawn beforehand), with and without ``out=``
-  buffers, and the index alone.
+  buffers, and the index alone. The gather and ``sample_slices`` run twice: as
+  configured (up to ``parallel.threads()`` threads: 2 on this VM), on one thread
+  (``torch.set_num_threads(1)`` around the call), and always offered to the
+  helper (the default offers it where that has been faster, ``parallel.Chooser``).
+  ``sweep``: the gather of ``B x 64`` slices on one thread against always offered,
+  where the threshold pays.
 * ``4096`` random transitions, every column and ``next_obs``, with ``buf.sample``,
   against numpy fancy indexing (``np.take``) of the same rows from in-RAM
   arrays of every column, ``next_obs`` included (what an in-RAM buffer that
@@ -24,6 +29,7 @@ empty numba cache (``NUMBA_CACHE_DIR`` pointed at a new directory), and loaded
 from that cache in a second fresh process.
 
     python benchmarks/bench_gather.py            # ~0.4 GB scratch in $MMBUFFER_BENCH_DIR
+    python benchmarks/bench_gather.py --parts slices,sweep --reps 400
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import build_world_model_store, drop_file_cache, header, scratch, settle, table  # noqa: E402
 
 import mmbuffer as mb  # noqa: E402
+from mmbuffer._read import gather as gather_module, parallel  # noqa: E402
 from mmbuffer._read.gather import gather  # noqa: E402
 
 
@@ -102,6 +109,40 @@ class Cycle:
         return self.items[self.i]
 
 
+class OneThread:
+    """``fn`` with ``torch.set_num_threads(1)`` around it: the gather on the calling
+    thread alone (``mmbuffer/_read/parallel.py``; the switch costs well under 1 us)."""
+
+    def __init__(self, fn: Callable[[], object]) -> None:
+        self.fn = fn
+
+    def __call__(self) -> object:
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return self.fn()
+        finally:
+            torch.set_num_threads(before)
+
+
+class Offered:
+    """``fn`` with every large gather offered to the helper threads, whatever
+    ``parallel.CHOOSER`` has learnt (the threshold ``_PART`` lowered to ``part``)."""
+
+    def __init__(self, fn: Callable[[], object], part: int = gather_module._PART) -> None:
+        self.fn, self.part = fn, part
+
+    def __call__(self) -> object:
+        offer, part = parallel.CHOOSER.offer, gather_module._PART
+        parallel.CHOOSER.offer = lambda nbytes: True  # type: ignore[method-assign]
+        gather_module._PART = self.part
+        try:
+            return self.fn()
+        finally:
+            parallel.CHOOSER.offer = offer  # type: ignore[method-assign]
+            gather_module._PART = part
+
+
 def slices(buf: mb.Buffer, reps: int) -> list[dict[str, object]]:
     g = torch.Generator().manual_seed(0)
     b = buf.sample_slices(256, 64, generator=g)
@@ -117,23 +158,47 @@ def slices(buf: mb.Buffer, reps: int) -> list[dict[str, object]]:
         "ram": lambda: np.copyto(dst, chunks.next()),
         "index": lambda: buf.slice_indices(256, 64, generator=g),
         "gather": lambda: gather(buf, rows.next()),
+        "gather1": OneThread(lambda: gather(buf, rows.next())),
+        "gather2": Offered(lambda: gather(buf, rows.next())),
         "out": lambda: gather(buf, rows.next(), out=out),
         "total": lambda: buf.sample_slices(256, 64, generator=g),
+        "total1": OneThread(lambda: buf.sample_slices(256, 64, generator=g)),
+        "total2": Offered(lambda: buf.sample_slices(256, 64, generator=g)),
     }, reps)
-    t_ram, t_index, t_gather, t_out, t_total = (t[k] for k in ("ram", "index", "gather", "out", "total"))
+    t_ram = t["ram"]
 
     def row(what: str, t: float) -> dict[str, object]:
         return {"what": what, "ms": t * 1e3, "% of copyto (cache)": 100 * t_hot / t, "% of copyto (RAM)": 100 * t_ram / t}
 
+    n = parallel.threads()
     return [
         row("np.copyto of the same bytes, source in cache (baseline 1)", t_hot),
         row("np.copyto of the same bytes, a new 2.7 MB of a 350 MB array each call (baseline 2)", t_ram),
-        row("**sample_slices(256, 64): index + gather**", t_total),
-        row("  index alone (slice_indices)", t_index),
-        row("  gather alone (rows drawn beforehand)", t_gather),
-        row("  gather alone, into out= buffers", t_out),
-        {"what": f"({nbytes / 1e6:.2f} MB a batch)"},
+        row(f"**sample_slices(256, 64): index + gather, default (up to {n} threads, learnt)**", t["total"]),
+        row("**sample_slices(256, 64), one thread**", t["total1"]),
+        row(f"**sample_slices(256, 64), always offered to {n - 1} helper(s)**", t["total2"]),
+        row("  index alone (slice_indices)", t["index"]),
+        row("  gather alone (rows drawn beforehand), default", t["gather"]),
+        row("  gather alone, one thread", t["gather1"]),
+        row("  gather alone, always offered", t["gather2"]),
+        row("  gather alone, into out= buffers (one thread: a kernel call per column)", t["out"]),
+        {"what": f"({nbytes / 1e6:.2f} MB a batch; {n} = parallel.threads(): MMBUFFER_GATHER_THREADS, torch threads)"},
     ]
+
+
+def sweep(buf: mb.Buffer, reps: int) -> list[dict[str, object]]:
+    """Where two threads pay: ``gather`` of ``B x 64`` slices on one thread and always
+    offered to a helper whatever its size (the threshold lowered), interleaved."""
+    g = torch.Generator().manual_seed(2)
+    out = []
+    for b in (8, 16, 32, 64, 128, 256):
+        rows = Cycle([buf.slice_indices(b, 64, generator=g)[0] for _ in range(64)])
+        t = interleaved({"one": OneThread(lambda: gather(buf, rows.next())),
+                         "two": Offered(lambda: gather(buf, rows.next()), 1 << 12)}, reps)
+        nbytes = sum(v.numpy().nbytes for v in gather(buf, rows.next()).values())
+        out.append({"slices": f"{b} x 64", "KB": nbytes / 1e3, "one thread ms": t["one"] * 1e3,
+                    "offered to a helper ms": t["two"] * 1e3, "one thread / offered": t["one"] / t["two"]})
+    return out
 
 
 def transitions(buf: mb.Buffer, arrays: dict[str, np.ndarray], reps: int) -> list[dict[str, object]]:
@@ -196,6 +261,7 @@ def main() -> None:
     parser.add_argument("--warm", choices=("read", "columns"), default="columns",
                         help="columns: the store dropped from the page cache, then read back by warm(columns=True) "
                         "(a learner opening it from disk); read: as the page cache holds it, read once")
+    parser.add_argument("--parts", default="slices,transitions,compile,sweep", help="sections to run")
     args = parser.parse_args()
     path = scratch() / f"gather_{int(args.rows)}"
     build(path, int(args.rows), args.episode)
@@ -207,14 +273,22 @@ def main() -> None:
     if args.warm == "columns":
         buf.warm(columns=True)
     arrays = in_ram(buf)
+    parts = args.parts.split(",")
     settle(lambda: buf.sample_slices(256, 64))
-    print(f"### 256 x 64 slices, every column + next_obs, {int(args.rows):,} rows, warm\n")
-    table(slices(buf, args.reps))
-    print("### 4096 random transitions, every column + next_obs\n")
-    table(transitions(buf, arrays, args.reps))
-    print("### first call: compile (empty cache) and load (cache filled)\n")
-    table(compile_times(path))
-
+    print(f"load {open('/proc/loadavg').read().split()[:3]}, torch threads {torch.get_num_threads()}\n")
+    if "slices" in parts:
+        print(f"### 256 x 64 slices, every column + next_obs, {int(args.rows):,} rows, warm\n")
+        table(slices(buf, args.reps))
+    if "sweep" in parts:
+        print("### gather of B x 64 slices: one thread against two (where the threshold pays)\n")
+        table(sweep(buf, args.reps))
+    if "transitions" in parts:
+        print("### 4096 random transitions, every column + next_obs\n")
+        table(transitions(buf, arrays, args.reps))
+    if "compile" in parts:
+        print("### first call: compile (empty cache) and load (cache filled)\n")
+        table(compile_times(path))
+    print(f"load {open('/proc/loadavg').read().split()[:3]}")
 
 if __name__ == "__main__":
     main()

@@ -32,6 +32,7 @@ from .. import errors
 from .._ledger.snapshot import Ledger
 from .._ledger.store import Store
 from ..kernels import load
+from . import parallel
 from .memory import RECYCLER
 
 
@@ -286,22 +287,27 @@ def _gather_new(
     cursors: np.ndarray,
 ) -> dict[str, torch.Tensor]:
     """``gather`` into new memory of keys the kernels copy (the common case, kept short:
-    a small batch's fixed cost is mostly Python)."""
+    a small batch's fixed cost is mostly Python): one ``kernels.split.gather_runs`` call
+    for every key, its runs offered to helper threads (``parallel.threads()`` in all)
+    when the batch has at least ``_PART`` bytes for each (``parallel.py``: offered
+    where that has been faster for batches of its size)."""
+    assert plan.small is not None
+    small = plan.small  # referenced through the call: it keeps the arrays it gives by address
     layout = _block(plan, index_shape)
     memory = RECYCLER.block(layout.nbytes)
-    at = {name: memory[a : a + n] for name, _, _, a, n in layout.keys}
-    for own, after in plan.passes:
-        if after is None:
-            assert own is not None and own.source is not None
-            if own.row_bytes:
-                kernels.copy_rows(own.source, flat, starts, own.row_bytes, at[own.name])
-        elif after.row_bytes:
-            assert after.source is not None and after.ends is not None
-            kernels.copy_rows_next(after.source, *after.ends, flat, starts, store.layout.lane_size, after.row_bytes,
-                                   at[after.name], None if own is None else at[own.name],
-                                   *((plan.index, cursors) if plan.by_episode else ()))
+    count = starts.shape[0] - 1
+    threads = max(1, min(parallel.threads(), layout.nbytes // _PART))
+    parallel.share(load("split").gather_runs, (small.addresses, small.sizes, small.row_bytes, layout.own_at, layout.next_at,
+                                       store.lane_size, flat, starts, store.capacity, memory, cursors, plan.by_episode),
+                   threads - 1, count, layout.nbytes)
     from_numpy, ndarray = torch.from_numpy, np.ndarray
     return {name: from_numpy(ndarray(shape, dtype, memory, a)) for name, dtype, shape, a, _ in layout.keys}
+
+
+# bytes each thread copies at least: a batch under twice this is gathered on one
+# thread (offering a batch under 0.7 MB to a helper cost 15-40% more on the dev VM:
+# benchmarks/bench_gather.py --parts sweep, benchmarks/HISTORY.md)
+_PART = 1 << 19
 
 
 _MAX_PLANS = 64  # per store: distinct ``keys`` arguments seen

@@ -36,8 +36,8 @@ _loaded: dict[str, ModuleType] = {}
 
 
 def load(name: str) -> ModuleType:
-    """The kernel submodule ``name`` (``"gather"``, ``"priority"``, ``"tree"``,
-    ``"sampling"``), imported on its first use and kept.
+    """The kernel submodule ``name`` (``"gather"``, ``"split"``, ``"priority"``,
+    ``"tree"``, ``"sampling"``), imported on its first use and kept.
 
     >>> from mmbuffer import kernels
     >>> kernels.load("gather") is kernels.load("gather")

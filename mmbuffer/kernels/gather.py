@@ -46,7 +46,10 @@ from .finals import check_finals as _check_finals, final_seq as _final_seq, fina
 cgutils: Any = _cgutils  # numba's code generation helpers are untyped
 ir: Any = cgutils.ir  # llvmlite's IR builder, as numba imports it
 
-__all__ = ["address", "bytes_of", "copy_rows", "copy_rows_next", "gather_small", "overwritten", "runs"]
+__all__ = [
+    "address", "bytes_of", "check_passes", "copy_rows", "copy_rows_next", "copy_runs", "gather_small", "next_runs",
+    "overwritten", "runs",
+]
 
 _LINE = 64  # bytes of a cache line
 _AHEAD_LINES = 64  # lines in flight ahead of the copy (about what a core keeps outstanding)
@@ -128,22 +131,29 @@ def _check_run(starts: Any, k: int, n: int, rows: Any, nrows: int) -> tuple[int,
 
 
 @numba.njit(nogil=True, cache=True)
+def copy_runs(src: Any, rows: Any, starts: Any, k0: int, k1: int, row_bytes: int, out: Any, at: int) -> None:
+    """Runs ``[k0, k1)``: the rows of position ``i`` to byte ``at + i * row_bytes`` of
+    ``out`` (the caller checked that every position's row fits there)."""
+    n = rows.shape[0]
+    nrows = src.shape[0] // row_bytes
+    ahead = _ahead(starts, rows, row_bytes)
+    for k in range(k0, min(k0 + ahead, k1)):
+        i, j, r = _check_run(starts, k, n, rows, nrows)
+        _prefetch_run(src, r, j - i, row_bytes)
+    for k in range(k0, k1):
+        if k + ahead < k1:
+            i, j, r = _check_run(starts, k + ahead, n, rows, nrows)
+            _prefetch_run(src, r, j - i, row_bytes)
+        i, j, r = _check_run(starts, k, n, rows, nrows)
+        _memcpy(out, at + i * row_bytes, src, r * row_bytes, (j - i) * row_bytes)
+
+
+@numba.njit(nogil=True, cache=True)
 def _copy_rows(src: Any, rows: Any, starts: Any, row_bytes: int, out: Any) -> None:
     n = rows.shape[0]
     if row_bytes <= 0 or out.shape[0] != n * row_bytes or src.shape[0] % row_bytes != 0:
         raise ValueError("copy_rows: out has the wrong size")
-    nrows = src.shape[0] // row_bytes
-    count = starts.shape[0] - 1
-    ahead = _ahead(starts, rows, row_bytes)
-    for k in range(min(ahead, count)):
-        i, j, r = _check_run(starts, k, n, rows, nrows)
-        _prefetch_run(src, r, j - i, row_bytes)
-    for k in range(count):
-        if k + ahead < count:
-            i, j, r = _check_run(starts, k + ahead, n, rows, nrows)
-            _prefetch_run(src, r, j - i, row_bytes)
-        i, j, r = _check_run(starts, k, n, rows, nrows)
-        _memcpy(out, i * row_bytes, src, r * row_bytes, (j - i) * row_bytes)
+    copy_runs(src, rows, starts, 0, starts.shape[0] - 1, row_bytes, out, 0)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -166,23 +176,36 @@ def _copy_rows_next(
     ):
         raise ValueError("copy_rows_next: arrays of inconsistent sizes")
     _check_finals(nrows, lane_size, index, cursors, by_episode)
-    count = starts.shape[0] - 1
+    next_runs(src, final, terminated, truncated, rows, starts, 0, starts.shape[0] - 1, lane_size, row_bytes,
+               out, 0 if want_rows else -1, out_next, 0, index, cursors, by_episode)
+
+
+@numba.njit(nogil=True, cache=True)
+def next_runs(
+    src: Any, final: Any, terminated: Any, truncated: Any, rows: Any, starts: Any, k0: int, k1: int, lane_size: int,
+    row_bytes: int, out: Any, own_at: int, out_next: Any, next_at: int, index: Any, cursors: Any, by_episode: bool,
+) -> None:
+    """Runs ``[k0, k1)`` of ``copy_rows_next``: position ``i``'s row to byte ``own_at +
+    i * row_bytes`` of ``out`` (-1: not wanted), its next value to ``next_at + ...`` of
+    ``out_next`` (the caller checked the sizes)."""
+    n = rows.shape[0]
+    nrows = src.shape[0] // row_bytes
     ahead = _ahead(starts, rows, row_bytes)
     hint, hint_lane = -1, -1  # the last episode found: a slice's next end is usually the next one
     last_q, last_slot = -1, -1  # and its row (a padded window repeats it)
-    for k in range(-ahead, count):
-        if k + ahead < count:
+    for k in range(k0 - ahead, k1):
+        if k + ahead < k1:
             i, j, r = _check_run(starts, k + ahead, n, rows, nrows)
             _prefetch_run(src, r, j - i + 1, row_bytes)  # and the row after: the last one's next
             _prefetch(terminated, r)
             _prefetch(truncated, r)
             _prefetch(terminated, r + j - i - 1)
             _prefetch(truncated, r + j - i - 1)
-        if k < 0:
+        if k < k0:
             continue
         i, j, r = _check_run(starts, k, n, rows, nrows)
-        if want_rows:
-            _memcpy(out, i * row_bytes, src, r * row_bytes, (j - i) * row_bytes)
+        if own_at >= 0:
+            _memcpy(out, own_at + i * row_bytes, src, r * row_bytes, (j - i) * row_bytes)
         # next values of the run's rows r, r + 1, ...: runs of following rows, cut
         # where a row ends its episode (its final observation instead) or its lane
         p = i
@@ -201,9 +224,9 @@ def _copy_rows_next(
                     slot = -1 if seq < 0 else lane * lane_size + seq % lane_size
                     hint, hint_lane, last_q, last_slot = seq, lane, q, slot
                 if slot >= 0:
-                    _memcpy(out_next, p * row_bytes, final, slot * row_bytes, row_bytes)
+                    _memcpy(out_next, next_at + p * row_bytes, final, slot * row_bytes, row_bytes)
                 else:  # no episode ends there in these cursors (a row the caller re-checks)
-                    _zero(out_next, p * row_bytes, row_bytes)
+                    _zero(out_next, next_at + p * row_bytes, row_bytes)
                 p += 1
                 continue
             m = p + 1
@@ -215,12 +238,43 @@ def _copy_rows_next(
                     s += 1
             else:  # the lane's last row: its following row is the lane's first
                 first = q + 1 - lane_size
-            _memcpy(out_next, p * row_bytes, src, first * row_bytes, (m - p) * row_bytes)
+            _memcpy(out_next, next_at + p * row_bytes, src, first * row_bytes, (m - p) * row_bytes)
             p = m
 
 
 _carray: Any = numba.carray  # type: ignore[attr-defined]  # numba's stubs do not export it
 _SMALL_AHEAD = 8  # rows prefetched ahead
+
+
+@numba.njit(nogil=True, cache=True)
+def check_passes(
+    addresses: Any, sizes: Any, row_bytes: Any, own_at: Any, next_at: Any, lane_size: int, n: int, nrows: int, out: Any,
+    cursors: Any, by_episode: bool,
+) -> bool:
+    """Raise ``ValueError`` unless the passes of ``gather_small`` (and ``runs.gather_runs``) fit
+    their sources and ``out``; whether any pass copies next values."""
+    passes = row_bytes.shape[0]
+    if (addresses.shape[0] != 2 * passes + 3 or sizes.shape[0] != addresses.shape[0] or own_at.shape[0] != passes
+            or next_at.shape[0] != passes or lane_size <= 0 or nrows % lane_size != 0):
+        raise ValueError("gather: inconsistent arguments")
+    flags = False
+    for p in range(passes):
+        rb = row_bytes[p]
+        if rb <= 0 or sizes[2 * p] != nrows * rb:
+            raise ValueError("gather: a source of the wrong size")
+        for at in (own_at[p], next_at[p]):
+            if at != -1 and (at < 0 or at + n * rb > out.shape[0]):
+                raise ValueError("gather: out has the wrong size")
+        if next_at[p] != -1:
+            flags = True
+            if sizes[2 * p + 1] != nrows * rb:
+                raise ValueError("gather: a final array of the wrong size")
+    if flags and (sizes[2 * passes] != nrows or sizes[2 * passes + 1] != nrows):
+        raise ValueError("gather: flags of the wrong size")
+    if flags:
+        index = _carray(_pointer64(addresses[2 * passes + 2]), sizes[2 * passes + 2] // 8)
+        _check_finals(nrows, lane_size, index, cursors, by_episode)
+    return flags
 
 
 @numba.njit(nogil=True, cache=True)
@@ -232,29 +286,11 @@ def _gather_small(
     for i in range(n):
         if rows[i] < 0 or rows[i] >= nrows:
             return i
+    flags = check_passes(addresses, sizes, row_bytes, own_at, next_at, lane_size, n, nrows, out, cursors, by_episode)
     passes = row_bytes.shape[0]
-    if (addresses.shape[0] != 2 * passes + 3 or sizes.shape[0] != addresses.shape[0] or own_at.shape[0] != passes
-            or next_at.shape[0] != passes or lane_size <= 0 or nrows % lane_size != 0):
-        raise ValueError("gather_small: inconsistent arguments")
-    flags = False
-    for p in range(passes):
-        rb = row_bytes[p]
-        if rb <= 0 or sizes[2 * p] != nrows * rb:
-            raise ValueError("gather_small: a source of the wrong size")
-        for at in (own_at[p], next_at[p]):
-            if at != -1 and (at < 0 or at + n * rb > out.shape[0]):
-                raise ValueError("gather_small: out has the wrong size")
-        if next_at[p] != -1:
-            flags = True
-            if sizes[2 * p + 1] != nrows * rb:
-                raise ValueError("gather_small: a final array of the wrong size")
-    if flags and (sizes[2 * passes] != nrows or sizes[2 * passes + 1] != nrows):
-        raise ValueError("gather_small: flags of the wrong size")
     terminated = _carray(_pointer(addresses[2 * passes]), sizes[2 * passes])
     truncated = _carray(_pointer(addresses[2 * passes + 1]), sizes[2 * passes + 1])
     index = _carray(_pointer64(addresses[2 * passes + 2]), sizes[2 * passes + 2] // 8)
-    if flags:
-        _check_finals(nrows, lane_size, index, cursors, by_episode)
     for i in range(-_SMALL_AHEAD, n):
         k = i + _SMALL_AHEAD
         if k < n:  # the lines of row ``rows[k]`` (and of its next row) in every source

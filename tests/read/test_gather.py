@@ -8,7 +8,7 @@ import torch
 
 import mmbuffer as mb
 from mmbuffer._read.gather import gather, resolve_keys
-from mmbuffer.kernels import gather as kernels
+from mmbuffer.kernels import gather as kernels, split
 from layouts import write_layout
 
 COLUMNS = {
@@ -349,7 +349,8 @@ def test_the_overwritten_kernel_matches_the_numpy_check(rng):
 
 def test_kernels_release_the_gil():
     """Compiled with nogil (and cached), so a gather runs beside the training step."""
-    for kernel in (kernels._runs, kernels._copy_rows, kernels._copy_rows_next, kernels._gather_small, kernels._overwritten):
+    for kernel in (kernels._runs, kernels._copy_rows, kernels._copy_rows_next, kernels._gather_small, split._gather_runs,
+                   kernels._overwritten):
         assert kernel.targetoptions["nogil"]
         assert type(kernel._cache).__name__ == "FunctionCache"  # cache=True (NullCache otherwise)
 
