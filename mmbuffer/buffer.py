@@ -39,6 +39,7 @@ import torch
 
 from . import errors, samplers
 from ._disk.checks import check_int
+from ._disk.guards import Closed
 from ._ledger.manifest import load_manifest
 from ._disk.columns import ColumnArray
 from ._read.gather import Batch, gather, resolve_keys
@@ -111,6 +112,8 @@ class Buffer:
 
     def __repr__(self) -> str:
         where = str(self.path) if self._source is None else f"{self._source.url}@{self._source.snapshot}"
+        if isinstance(self._store, Closed):
+            return f"Buffer({where!r}, mode={self.mode!r}, closed)"
         return (
             f"Buffer({where!r}, mode={self.mode!r}, rows={len(self)}, "
             f"episodes={self.num_episodes}, capacity={self.capacity}, streams={self.num_streams})"
@@ -124,13 +127,13 @@ class Buffer:
 
     @property
     def remote(self) -> RemoteSource | None:
-        """The published store's snapshots (``url``, ``snapshot``, ``pool``, ``set_shard``)
-        when opened from a URL, else None."""
+        """The published store's snapshots (``url``, ``snapshot``, ``pool``, ``set_shard``) from a URL, else None."""
         return self._source
 
     def _writing(self, what: str) -> Writer:
         if self._writer is None:
-            raise errors.ReadOnlyError(f"{what}: store {self.path} is opened with mode='r'; open it with mode='a' to write")
+            how = "closed" if isinstance(self._store, Closed) else "opened with mode='r'; open it with mode='a' to write"
+            raise errors.ReadOnlyError(f"{what}: store {self.path} is {how}")
         return self._writer
 
     # -- what the store is (what changes is read from the store each time) ---------------
@@ -167,8 +170,7 @@ class Buffer:
         return self._store.episode_bounds(view)
 
     def reservation(self) -> np.ndarray:
-        """The writer's reservation per lane, read now from the shared map: rows of a
-        lane below ``reservation()[lane] - lane_size`` may be being rewritten."""
+        """The writer's reservation per lane, read now: rows below ``reservation()[lane] - lane_size`` may be rewritten."""
         return self._store.reservation()
 
     def tree_spans(self) -> list[tuple[int, int]]:
@@ -176,8 +178,7 @@ class Buffer:
         return self._store.tree_spans()
 
     def column(self, name: str) -> ColumnArray:
-        """The backend array of a stored column or of ``final/<name>`` (``"final/obs"``):
-        what gather kernels read (``column(name).mapped()`` when the bytes are mapped)."""
+        """The backend array of a stored column or of ``final/<name>`` (what the kernels read: ``.mapped()``)."""
         return self._store.column(name)
 
     def read(self, name: str, rows: np.ndarray) -> np.ndarray:
@@ -216,17 +217,13 @@ class Buffer:
         self._store.release_memory()
 
     def drop_cache(self, start: int, stop: int) -> None:
-        """Write rows ``[start, stop)`` behind and drop them from the page cache (see
-        ``Store.drop_cache``)."""
+        """Write rows ``[start, stop)`` behind and drop them from the page cache (``Store.drop_cache``)."""
         self._store.drop_cache(start, stop)
 
     @locked
     def episodes(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(starts, lengths)`` of live complete episodes as int64 tensors.
-
-        An episode's rows are ``start + arange(length)``, wrapping inside its lane
-        (``lane_size = capacity // num_streams``) when the ring wraps.
-        """
+        """``(starts, lengths)`` of live complete episodes as int64 tensors. An episode's rows are
+        ``start + arange(length)``, wrapping inside its lane (``capacity // num_streams`` rows)."""
         starts, lengths = self._store.episode_bounds()
         return torch.from_numpy(starts), torch.from_numpy(lengths)
 
@@ -327,9 +324,8 @@ class Buffer:
 
     @locked
     def rewrite_derived(self, ends: np.ndarray, lanes: list[Lane]) -> int:
-        """Replace the live episodes' index by ``ends``/``lanes`` recomputed from the
-        data, rebuild the priority tree from its leaves, and commit; return the
-        generation (``verify --repair``)."""
+        """Replace the live episodes' index by ``ends``/``lanes`` recomputed from the data, rebuild
+        the priority tree from its leaves, and commit; return the generation (``verify --repair``)."""
         generation = self._writing("verify --repair").rewrite_derived(ends, lanes)
         self._sampler_state.clear()  # slice counts came from the old index
         return generation
@@ -342,8 +338,11 @@ class Buffer:
         same: the rows extended since the last commit are lost, and the next
         writer recovers the store as after a crash. To keep them, free space and
         call ``commit`` before ``close``. A writer still open at interpreter exit
-        is closed this way then (``mmbuffer/_ledger/closing.py``).
+        is closed this way then (``mmbuffer/_ledger/closing.py``). Its maps are released
+        here: a later call is an ``InvalidArgumentError`` (a write: ``ReadOnlyError``).
         """
+        if isinstance(self._store, Closed):
+            return
         if self._source is not None:
             self._source.stop()  # a background refresh ends first (what it opened is closed)
         with self.lock:
@@ -354,6 +353,8 @@ class Buffer:
                 self._store.close()
                 if self._source is not None:
                     self._source.close()
+                self._store, self._writer = Closed(f"store {self.path}"), None  # type: ignore[assignment]
+                self._sampler_state.clear()  # nothing left holds the store's maps
 
     def __enter__(self) -> Self:
         return self
@@ -428,8 +429,7 @@ class Buffer:
 
     @locked
     def indices(self, sampler: Sampler, n: int, generator: torch.Generator | None = None) -> samplers.Draw:
-        """The index half of sampling with any spec: ``(rows, weights, mask or None,
-        lane cursors)`` as numpy arrays, with no column read."""
+        """The index half of sampling with any spec: numpy ``(rows, weights, mask or None, lane cursors)``."""
         n = check_int("n", n, 1)
         spec = self._route(samplers.resolve(sampler))
         spec.check(self)
@@ -446,8 +446,7 @@ class Buffer:
     def slice_indices(self, num_slices: int, slice_len: int, strict: bool = True, generator: torch.Generator | None = None,
                       *, prioritized: bool = False, beta: float = 0.4, weighting: str = "windows",
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """The index half of ``sample_slices``: ``(rows [B, L], weights [B], mask [B, L],
-        lane cursors)``."""
+        """The index half of ``sample_slices``: ``(rows [B, L], weights [B], mask [B, L], lane cursors)``."""
         spec = samplers.resolve(None, slice_len, prioritized=prioritized, beta=beta, strict=strict, weighting=weighting)
         rows, weights, mask, written = self.indices(spec, check_int("num_slices", num_slices, 1), generator)
         assert mask is not None  # slices always have a mask

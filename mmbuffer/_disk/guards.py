@@ -9,13 +9,34 @@ import functools
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from . import files as _files, safe_io as _safe_io
 from .. import errors
 from . import format as fmt
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+
+
+class Closed:
+    """What a closed object holds in place of its store: nothing mapped is kept, and
+    any use is an ``InvalidArgumentError`` naming the store (as a closed file's).
+
+    >>> Closed("store /tmp/s").view()
+    Traceback (most recent call last):
+    mmbuffer.errors.InvalidArgumentError: store /tmp/s is closed: expected an open buffer (open it again), got a call of view after close()
+    """
+
+    __slots__ = ("_what",)
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+
+    def __getattr__(self, name: str) -> NoReturn:
+        raise errors.InvalidArgumentError(f"{self._what} is closed: expected an open buffer (open it again), got a call of {name} after close()")
+
+    def __len__(self) -> NoReturn:
+        self.__getattr__("len")
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
 

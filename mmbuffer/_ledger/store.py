@@ -479,7 +479,9 @@ class Store:
                 arr.drop_cache(start, stop)
 
     def close(self) -> None:
-        """Close every array's file handles (the maps stay valid while referenced)."""
+        """Close every array's file handles (the maps stay valid while referenced; the last
+        view, whose tree source refers back to this store, is dropped: no cycle keeps them)."""
+        self._last_view = None
         for arr in getattr(self, "_arrays", {}).values():
             arr.close()
         fd, self._log_fd = getattr(self, "_log_fd", None), None

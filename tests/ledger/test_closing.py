@@ -132,3 +132,38 @@ def test_close_first_callbacks_run_before_the_writers_close(tmp_path):
     with mb.open(path, mode="r") as ro:
         assert len(ro) == 15 and ro.num_episodes == 2
         assert ro.get(np.arange(15))["x"].tolist() == list(range(15))
+
+
+def _mapped(path) -> list[str]:
+    """This process's maps of files inside the store ``path``."""
+    with open("/proc/self/maps") as f:
+        return [line.split()[-1] for line in f if f"{path}/" in line]
+
+
+@pytest.mark.parametrize("mode", ["a", "r"])
+@pytest.mark.parametrize("k", [0, 1], ids=["plain", "prioritized"])
+def test_close_releases_the_maps_at_once_and_later_calls_are_typed_errors(tmp_path, mode, k):
+    """While the closed object is still referenced (``with ... as buf`` leaves it in
+    scope), none of the store's files stays mapped; a read then names the store, a
+    write is a ReadOnlyError as before, closing again does nothing."""
+    path = _stores(tmp_path)[k]
+    with mb.open(path) as w:
+        w.extend({"x": np.arange(100), "terminated": np.arange(100) % 10 == 9}, final_obs={"x": np.arange(10)})
+    buf = mb.open(path, mode=mode)
+    buf.sample(8)
+    buf.sample_slices(2, 4)
+    if buf.priorities is not None:
+        buf.warm()
+    assert _mapped(path)  # the state this is about: the store's files were mapped
+    buf.close()
+    assert _mapped(path) == [], _mapped(path)
+    with pytest.raises(mb.errors.InvalidArgumentError, match=f"store {path} is closed"):
+        buf.sample(8)
+    with pytest.raises(mb.errors.InvalidArgumentError, match="is closed"):
+        len(buf)
+    with pytest.raises(mb.errors.ReadOnlyError, match=f"extend: store {path} is (closed|opened with mode='r')"):
+        buf.extend({"x": np.arange(3)})
+    buf.close()
+    assert "closed" in repr(buf)
+    with mb.open(path, mode="r") as ro:  # what was written stays
+        assert len(ro) == 100
