@@ -228,8 +228,7 @@ class Buffer:
         return torch.from_numpy(starts), torch.from_numpy(lengths)
 
     def episode(self, i: int, keys: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
-        """The ``i``-th live episode (``episodes()`` order: lane by lane, oldest first)
-        as ``{key: tensor [length, ...]}``, steps in order, wrap undone (``episodes.py``)."""
+        """The ``i``-th live episode (``episodes()`` order) as ``{key: tensor [length, ...]}``, wrap undone."""
         from ._read.episodes import episode
 
         return episode(self._store, i, keys)
@@ -338,8 +337,9 @@ class Buffer:
         same: the rows extended since the last commit are lost, and the next
         writer recovers the store as after a crash. To keep them, free space and
         call ``commit`` before ``close``. A writer still open at interpreter exit
-        is closed this way then (``mmbuffer/_ledger/closing.py``). Its maps are released
-        here: a later call is an ``InvalidArgumentError`` (a write: ``ReadOnlyError``).
+        is closed this way then (``mmbuffer/_ledger/closing.py``). Its maps are released here:
+        ``len``, ``num_episodes``, ``generation`` and ``attrs`` answer what it held, any
+        other later call is an ``InvalidArgumentError`` (a write: ``ReadOnlyError``).
         """
         if isinstance(self._store, Closed):
             return
@@ -350,10 +350,11 @@ class Buffer:
                 if self._writer is not None:
                     self._writer.close()
             finally:
+                closed = Closed.keeping(f"store {self.path}", self._store, ("num_episodes", "generation", "attrs"))
                 self._store.close()
                 if self._source is not None:
                     self._source.close()
-                self._store, self._writer = Closed(f"store {self.path}"), None  # type: ignore[assignment]
+                self._store, self._writer = closed, None  # type: ignore[assignment]
                 self._sampler_state.clear()  # nothing left holds the store's maps
 
     def __enter__(self) -> Self:

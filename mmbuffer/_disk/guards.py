@@ -19,24 +19,43 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 class Closed:
-    """What a closed object holds in place of its store: nothing mapped is kept, and
-    any use is an ``InvalidArgumentError`` naming the store (as a closed file's).
+    """What a closed object holds in place of its store: nothing mapped is kept; ``len()``
+    and the names kept answer what the store held at close, any other use is an
+    ``InvalidArgumentError`` naming the store (as a closed file's).
 
-    >>> Closed("store /tmp/s").view()
+    >>> c = Closed.keeping("store /tmp/s", [1, 2, 3], ("count",))
+    >>> len(c)
+    3
+    >>> c.index(2)
     Traceback (most recent call last):
-    mmbuffer.errors.InvalidArgumentError: store /tmp/s is closed: expected an open buffer (open it again), got a call of view after close()
+    mmbuffer.errors.InvalidArgumentError: store /tmp/s is closed: expected an open buffer (open it again), got a call of index after close()
     """
 
-    __slots__ = ("_what",)
+    __slots__ = ("_kept", "_what")
 
-    def __init__(self, what: str) -> None:
-        self._what = what
+    def __init__(self, what: str, kept: dict[str, Any] | None = None) -> None:
+        object.__setattr__(self, "_what", what)
+        object.__setattr__(self, "_kept", kept or {})
 
-    def __getattr__(self, name: str) -> NoReturn:
+    @classmethod
+    def keeping(cls, what: str, store: Any, names: tuple[str, ...]) -> Closed:
+        """A stand-in for ``store`` keeping ``len(store)`` and its ``names`` as they are now
+        (none if the store cannot say: they raise then, as everything else)."""
+        try:
+            return cls(what, {"len": len(store), **{n: getattr(store, n) for n in names}})
+        except Exception:  # noqa: BLE001 - a store broken by the failure its close reports
+            return cls(what)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self._kept:
+            return self._kept[name]
         raise errors.InvalidArgumentError(f"{self._what} is closed: expected an open buffer (open it again), got a call of {name} after close()")
 
-    def __len__(self) -> NoReturn:
-        self.__getattr__("len")
+    def __setattr__(self, name: str, value: Any) -> NoReturn:
+        raise errors.InvalidArgumentError(f"{self._what} is closed: expected an open buffer (open it again), got {name} set after close()")
+
+    def __len__(self) -> int:
+        return int(self.__getattr__("len"))
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
 

@@ -144,8 +144,9 @@ def _mapped(path) -> list[str]:
 @pytest.mark.parametrize("k", [0, 1], ids=["plain", "prioritized"])
 def test_close_releases_the_maps_at_once_and_later_calls_are_typed_errors(tmp_path, mode, k):
     """While the closed object is still referenced (``with ... as buf`` leaves it in
-    scope), none of the store's files stays mapped; a read then names the store, a
-    write is a ReadOnlyError as before, closing again does nothing."""
+    scope), none of the store's files stays mapped; a read then names the store (its
+    size is still answered), a write is a ReadOnlyError as before, closing again does
+    nothing."""
     path = _stores(tmp_path)[k]
     with mb.open(path) as w:
         w.extend({"x": np.arange(100), "terminated": np.arange(100) % 10 == 9}, final_obs={"x": np.arange(10)})
@@ -160,7 +161,10 @@ def test_close_releases_the_maps_at_once_and_later_calls_are_typed_errors(tmp_pa
     with pytest.raises(mb.errors.InvalidArgumentError, match=f"store {path} is closed"):
         buf.sample(8)
     with pytest.raises(mb.errors.InvalidArgumentError, match="is closed"):
-        len(buf)
+        buf.episodes()
+    assert (len(buf), buf.num_episodes) == (100, 10)  # what it held at close: still answered
+    with pytest.raises(mb.errors.InvalidArgumentError, match="is closed"):
+        buf.attrs = {"a": 1}
     with pytest.raises(mb.errors.ReadOnlyError, match=f"extend: store {path} is (closed|opened with mode='r')"):
         buf.extend({"x": np.arange(3)})
     buf.close()
