@@ -21,7 +21,7 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 class Closed:
     """What a closed object holds in place of its store: nothing mapped is kept; ``len()``
     and the names kept answer what the store held at close, any other use is an
-    ``InvalidArgumentError`` naming the store (as a closed file's).
+    ``InvalidArgumentError`` naming the store (as a closed file's; setting one: ``ReadOnlyError``).
 
     >>> c = Closed.keeping("store /tmp/s", [1, 2, 3], ("count",))
     >>> len(c)
@@ -51,8 +51,8 @@ class Closed:
             return self._kept[name]
         raise errors.InvalidArgumentError(f"{self._what} is closed: expected an open buffer (open it again), got a call of {name} after close()")
 
-    def __setattr__(self, name: str, value: Any) -> NoReturn:
-        raise errors.InvalidArgumentError(f"{self._what} is closed: expected an open buffer (open it again), got {name} set after close()")
+    def __setattr__(self, name: str, value: Any) -> NoReturn:  # a write, as ``extend`` after close
+        raise errors.ReadOnlyError(f"{name}: {self._what} is closed")
 
     def __len__(self) -> int:
         return int(self.__getattr__("len"))

@@ -163,7 +163,7 @@ def test_close_releases_the_maps_at_once_and_later_calls_are_typed_errors(tmp_pa
     with pytest.raises(mb.errors.InvalidArgumentError, match="is closed"):
         buf.episodes()
     assert (len(buf), buf.num_episodes) == (100, 10)  # what it held at close: still answered
-    with pytest.raises(mb.errors.InvalidArgumentError, match="is closed"):
+    with pytest.raises(mb.errors.ReadOnlyError, match=f"attrs: store {path} is closed"):
         buf.attrs = {"a": 1}
     with pytest.raises(mb.errors.ReadOnlyError, match=f"extend: store {path} is (closed|opened with mode='r')"):
         buf.extend({"x": np.arange(3)})
