@@ -172,7 +172,11 @@ def main() -> None:
     peers: dict[str, Callable[[int], object]] = {}
     if not args.no_peers:
         data = columns(path)
-        peers = {"SB3 ReplayBuffer": sb3_buffer(data), "TorchRL LazyTensorStorage": torchrl_buffer(data)}
+        for name, make in (("SB3 ReplayBuffer", sb3_buffer), ("TorchRL LazyTensorStorage", torchrl_buffer)):
+            try:
+                peers[name] = make(data)
+            except ImportError as exc:  # a machine without one of them (the lent GPU host has no TorchRL)
+                print(f"{name}: not installed here ({exc}); the ratio is to the other peer")
         del data
 
     header(f"Small batches: {args.rows:,} rows (obs 17 + action 6 + reward), one torch thread, {args.reps} rounds")
