@@ -19,7 +19,8 @@ Reported, steps per second and as a fraction of ``compute only``:
 * ``DataLoader(BufferDataset, num_workers=k, pin_memory=True)``, then ``.to("cuda")``,
 * ``paired-stream-procK``: ``processes=K`` and compute only in one pass, alternating
   blocks of ``--block`` steps, so that the host's drift (compute only itself moves by
-  up to 10% between passes on the lent machines) cancels in the ratio,
+  up to 10% between passes on the lent machines) cancels in the ratio (the default
+  run starts with three such passes: the headline figure of RESULTS),
 
 and the loaders alone (no step): batches/s and GB/s delivered to the GPU.
 
@@ -51,7 +52,7 @@ from _common import build_world_model_store  # noqa: E402
 import mmbuffer as mb  # noqa: E402
 from mmbuffer.data import BufferDataset  # noqa: E402
 
-DEFAULT_MODES = "compute,sync,stream1,stream2,stream4,loader2,loader8,loaderfs8,alone_stream1,alone_stream2,alone_stream4,alone_loader2,alone_loader8,alone_loaderfs8,wide_compute,wide_sync,wide_stream2,stream-proc2,stream-proc4,alone_stream-proc2,alone_stream-proc4"
+DEFAULT_MODES = "paired-stream-proc4,paired-stream-proc4,paired-stream-proc4,compute,sync,stream1,stream2,stream4,loader2,loader8,loaderfs8,alone_stream1,alone_stream2,alone_stream4,alone_loader2,alone_loader8,alone_loaderfs8,wide_compute,wide_sync,wide_stream2,stream-proc2,stream-proc4,alone_stream-proc2,alone_stream-proc4"
 
 
 def build(path: Path, rows: int, episode: int) -> None:
