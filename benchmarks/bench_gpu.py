@@ -347,8 +347,9 @@ def main() -> int:
                 streamed, ceiling = paired(iter(s), gpu_cycle(), step, args.warmup, args.steps, args.block)
             ratio = streamed / ceiling
             ceilings[hidden] = ceiling
-            TRACE.append(f"{mode}: {args.steps // min(args.block, args.steps)} rounds of {min(args.block, args.steps)} steps each way, "
-                         f"compute only {ceiling:.0f} steps/s, streamed {streamed:.0f} steps/s")
+            if TRACE_ON:
+                TRACE.append(f"{mode}: {args.steps // min(args.block, args.steps)} rounds of {min(args.block, args.steps)} steps each way, "
+                             f"compute only {ceiling:.0f} steps/s, streamed {streamed:.0f} steps/s")
             print(f"| {tag}paired: mb.stream(device=cuda, processes={procs}) against compute only, "
                   f"alternating blocks of {min(args.block, args.steps)} steps | {streamed:.0f} (compute only {ceiling:.0f}) | {ratio:.1%} | |", flush=True)
         elif kind.startswith("stream-proc"):
