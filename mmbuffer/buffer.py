@@ -355,7 +355,6 @@ class Buffer:
                 if self._source is not None:
                     self._source.close()
                 self._store, self._writer = closed, None  # type: ignore[assignment]
-                self._sampler_state.clear()  # nothing left holds the store's maps
 
     def __enter__(self) -> Self:
         return self
