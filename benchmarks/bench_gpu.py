@@ -115,20 +115,22 @@ def timed(batches: Iterator[Any], step: Callable[[Any], None] | None, warmup: in
     With ``--trace`` it also records, for the training thread, the time spent in
     ``next()`` per step, its CPU time against the wall clock, its involuntary context
     switches, the rate in each quarter of the window and the GPU's clocks."""
-    for _ in range(warmup):
-        b = next(batches)
-        if step is not None:
-            step(b)
+    run(batches, step, warmup)
     sync()
     if TRACE_ON:
         return _traced(batches, step, n)
     t0 = time.perf_counter()
+    run(batches, step, n)
+    sync()
+    return n / (time.perf_counter() - t0)
+
+
+def run(batches: Iterator[Any], step: Callable[[Any], None] | None, n: int) -> None:
+    """``n`` batches of ``batches``, each through ``step`` (none: the loader alone)."""
     for _ in range(n):
         b = next(batches)
         if step is not None:
             step(b)
-    sync()
-    return n / (time.perf_counter() - t0)
 
 
 def paired(streamed: Iterator[Any], on_gpu: Iterator[Any], step: Callable[[Any], None] | None, warmup: int, n: int, block: int) -> tuple[float, float]:
@@ -136,26 +138,21 @@ def paired(streamed: Iterator[Any], on_gpu: Iterator[Any], step: Callable[[Any],
     alternating blocks of ``block`` steps (order ABBA, so neither side always goes first)
     over ``n`` steps each: a drift of the host's speed during the pass slows both sides
     alike, so their ratio measures the loader and not the minute it ran in."""
-    for it in (streamed, on_gpu):
-        for _ in range(warmup):
-            b = next(it)
-            if step is not None:
-                step(b)
-    spent = {id(streamed): 0.0, id(on_gpu): 0.0}
+    sides = (streamed, on_gpu)
+    for it in sides:
+        run(it, step, warmup)
+    spent = [0.0, 0.0]
     block = min(block, n)
     rounds = n // block
     for r in range(rounds):
-        for it in ((streamed, on_gpu) if r % 2 == 0 else (on_gpu, streamed)):
+        for k in ((0, 1) if r % 2 == 0 else (1, 0)):
             sync()
             t0 = time.perf_counter()
-            for _ in range(block):
-                b = next(it)
-                if step is not None:
-                    step(b)
+            run(sides[k], step, block)
             sync()
-            spent[id(it)] += time.perf_counter() - t0
+            spent[k] += time.perf_counter() - t0
     done = rounds * block
-    return done / spent[id(streamed)], done / spent[id(on_gpu)]
+    return done / spent[0], done / spent[1]
 
 
 TRACE_ON = False
