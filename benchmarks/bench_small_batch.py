@@ -23,6 +23,7 @@ and TorchRL at the same batch size (``<= 1``: mmbuffer is as fast).
 
     python benchmarks/bench_small_batch.py                 # ~0.3 GB scratch, ~1 GB RAM
     python benchmarks/bench_small_batch.py --profile 32    # + cProfile of the writer's sample(32)
+    python benchmarks/bench_small_batch.py --live-writer   # + a reader beside a writer process (~0.3 GB copy)
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -149,6 +151,8 @@ def main() -> None:
     parser.add_argument("--batch", type=str, default="32,256")
     parser.add_argument("--no-peers", action="store_true", help="mmbuffer only (quick checks)")
     parser.add_argument("--profile", type=int, default=0, metavar="B", help="cProfile the writer's sample(B)")
+    parser.add_argument("--live-writer", action="store_true",
+                        help="then a reader's sample(256) beside a writer process extending a copy of the store")
     parser.add_argument("--warm", choices=("read", "columns"), default="columns",
                         help="columns: the store dropped from the page cache, then read back by warm(columns=True) "
                         "(a learner opening it from disk); read: as the writer left it, read once")
@@ -197,6 +201,73 @@ def main() -> None:
     if args.profile:
         print(f"### cProfile: writer sample({args.profile}), 20000 calls")
         profile(lambda: writer.sample(args.profile), 20000)
+    if args.live_writer:
+        reader.close()
+        writer.close()
+        live_writer(path, args.reps)
+
+
+def _extend_forever(path: str, stop: Any) -> None:
+    """A writer process: 1000-step episodes in extends of 100 rows (~50k rows/s at most),
+    a commit after each episode, until ``stop`` is set."""
+    buf = mb.open(path)
+    rng = np.random.default_rng(1)
+    obs, action = rng.random((EPISODE, 17), np.float32), rng.random((EPISODE, 6), np.float32)
+    truncated = np.arange(EPISODE) == EPISODE - 1
+    while not stop.is_set():
+        for k in range(0, EPISODE, 100):
+            block = slice(k, k + 100)
+            ends = bool(truncated[block].any())
+            buf.extend({"obs": obs[block], "action": action[block], "reward": obs[block, 0], "truncated": truncated[block]},
+                       final_obs={"obs": obs[-1:]} if ends else None)
+            time.sleep(0.002)
+        buf.commit()
+    buf.close()
+
+
+def live_writer(path: Path, reps: int) -> None:
+    """A reader's ``sample(256)`` beside a writer process extending a copy of the store
+    (refresh every 200 calls): its median and p90, and in how many calls the reader
+    re-checked its items one by one (the writer's reservation had passed what the
+    reader's view keeps intact; ``mmbuffer._read.recheck``)."""
+    import multiprocessing as mp
+
+    live = path.with_name(path.name + "_live")
+    shutil.rmtree(live, ignore_errors=True)
+    shutil.copytree(path, live)
+    reader = mb.open(live, mode="r")
+    reader.warm(columns=True)
+    store = reader.store
+    checked = [0]
+    passed = store.reserved_past
+
+    def counted(bound: np.ndarray) -> bool:
+        past = passed(bound)
+        checked[0] += past
+        return past
+
+    store.reserved_past = counted  # type: ignore[method-assign]
+    stop = mp.get_context("spawn").Event()
+    proc = mp.get_context("spawn").Process(target=_extend_forever, args=(str(live), stop))
+    proc.start()
+    try:
+        while store.reservation()[0] == reader.view().written[0]:  # until the writer has begun
+            time.sleep(0.05)
+        times = []
+        for i in range(4 * reps):
+            if i % 200 == 0:
+                reader.refresh()
+            t0 = time.perf_counter_ns()
+            reader.sample(256)
+            times.append(time.perf_counter_ns() - t0)
+    finally:
+        stop.set()
+        proc.join()
+    header(f"Reader sample(256) beside a writer process extending the store ({4 * reps} calls, refresh every 200)")
+    table([{"median µs": statistics.median(times) / 1e3, "p90 µs": float(np.percentile(times, 90)) / 1e3,
+            "calls re-checked item by item": f"{checked[0]} of {len(times)}"}])
+    reader.close()
+    shutil.rmtree(live, ignore_errors=True)
 
 
 if __name__ == "__main__":

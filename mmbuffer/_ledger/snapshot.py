@@ -108,6 +108,10 @@ class View:
     transitions: np.ndarray = field(init=False, repr=False, compare=False)
     total_transitions: int = field(init=False, repr=False, compare=False)
     first_starts: np.ndarray = field(init=False, repr=False, compare=False)
+    #: per lane, the writer's reservation up to which no row a sampler draws from this
+    #: view can be being rewritten: ``first_start + lane_size`` (a reader re-checks its
+    #: items only past it: ``_read/recheck.py``)
+    intact_up_to: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         counts = np.array([lv.visible_end - lv.first_start for lv in self.lanes], dtype=np.int64)
@@ -115,6 +119,7 @@ class View:
         object.__setattr__(self, "transitions", counts)
         object.__setattr__(self, "total_transitions", int(counts.sum()))
         object.__setattr__(self, "first_starts", first)
+        object.__setattr__(self, "intact_up_to", first + self.layout.lane_size)
 
     @property
     def tree(self) -> tree.PriorityTree | None:

@@ -211,6 +211,13 @@ class Store:
         lane below ``reservation()[lane] - lane_size`` may be being rewritten."""
         return np.array(self.reserved, dtype=np.int64)
 
+    def reserved_past(self, bound: np.ndarray) -> bool:
+        """Whether the writer's reservation, read now, is past ``bound`` in some lane
+        (``View.intact_up_to``, or a view's ``written``: its rows are at least ``written -
+        lane_size``). Only then can a row drawn from that view be being rewritten
+        (``_read/recheck.py``). Python ints: the usual answer, no, costs ~0.3 us."""
+        return any(map(int.__gt__, self.reserved.tolist(), bound.tolist()))
+
     def tree_spans(self) -> list[tuple[int, int]]:
         """The rows whose priority a writer may have set (per lane, those of the counters
         below its reservation); ``tree.check`` and ``tree.rebuild`` read only these."""

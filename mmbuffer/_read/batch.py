@@ -22,7 +22,7 @@ from .._ledger.store import Store
 from ..samplers import Sampler, SamplerState
 from .gather import Batch, gather
 from .frames import Stacks
-from .recheck import read_checked
+from .recheck import read_checked, rechecked
 
 __all__ = ["SampledBatches", "read_batch", "read_spec"]
 
@@ -56,15 +56,20 @@ def read_spec(buf: Any, spec: Sampler, n: int, generator: torch.Generator | None
               names: list[str], stack: Stacks | None) -> Batch:
     """``read_batch(buf.store, spec.plan(buf, n, generator, state), n, names, stack=stack)``:
     ``n`` items of ``spec`` from ``buf`` (a ``Buffer``). The same, in fewer steps, where
-    the writer reads a spec without state and nothing is stacked (``sample``'s default:
-    its fixed cost is most of a small batch's): one ``indices`` call under the lock (what
-    the default ``plan`` draws), one gather, no re-check (the writer's reads take the lock)."""
+    a spec without state is read and nothing is stacked (``sample``'s default: its fixed
+    cost is most of a small batch's): one ``indices`` call under the lock (what the
+    default ``plan`` draws), one gather, and in a reader the re-check (``rechecked``,
+    which draws again through ``plan``; the writer's reads take the lock)."""
     store = buf.store
-    if stack is not None or store.mode != "a" or spec.stateful:
+    if stack is not None or spec.stateful:
         return read_batch(store, spec.plan(buf, n, generator, state), n, names, stack=stack)
     with store.lock:
-        drawn = spec.indices(store.view(), n, generator, state)
-        return _batch(gather(store, drawn[0], names), drawn)
+        view = store.view()
+        drawn = spec.indices(view, n, generator, state)
+        data = gather(store, drawn[0], names)
+        if store.mode == "r":
+            data, drawn = rechecked(store, spec.plan(buf, n, generator, state), drawn, data, names, view=view)
+        return _batch(data, drawn)
 
 
 def _batch(data: dict[str, torch.Tensor], drawn: Draw) -> Batch:

@@ -2,7 +2,10 @@
 
 In a reader (``mode="r"``) a writer in another process may overwrite rows while
 they are copied. So after the copy every item is checked against the writer's
-reservation as it stands *then* (:func:`overwritten`); the items that fail are
+reservation as it stands *then* (:func:`overwritten`; nothing is checked item by
+item while the reservation has not passed what the view the batch was drawn from
+keeps intact, ``View.intact_up_to``: it moves once per ``reserve_fraction`` of a lane
+written); the items that fail are
 drawn again from a fresh view and copied again, until none fails. What a reader
 returns was therefore never being rewritten while it was read. The writer needs
 no check: its writes take the store's lock.
@@ -21,7 +24,7 @@ import torch
 
 from .. import errors
 from .._ledger.layout import Layout
-from .._ledger.snapshot import Draw
+from .._ledger.snapshot import Draw, View
 from .._ledger.store import Store
 from ..kernels import load
 from .frames import Stacks
@@ -52,33 +55,58 @@ def read_checked(
     frame stacks (``frames.py``); an item is then checked at its earliest frame.
     """
     check = store.mode == "r" if recheck is None else recheck
-    if not check and stack is None:  # the writer's own read: nothing to re-check
+    first = None
+    if stack is None:
         drawn = draw(np.arange(size))
-        return gather(store, drawn[0], names, out), drawn
-    (rows, weights, mask, written), data, first = _read(store, draw, np.arange(size), names, out, stack)
-    if check:
-        kernels = load("gather")  # ``overwritten`` in one compiled pass
-        layout = store.layout
-        cursors = None  # per item, once an item is redrawn from a later view
-        for _ in range(MAX_REREADS):
-            first_view = cursors is None  # every item still from the first view: its lanes' cursors
-            bad = kernels.overwritten(first, written if first_view else cursors, store.reservation(), layout.lane_size,
-                                      by_lane=first_view)
-            if bad.size == 0:
-                break
-            if cursors is None:
-                cursors = written[layout.lane(first)]
-            (r, w, m, wr), fresh, f = _read(store, draw, bad, names, None, stack)
-            rows[bad], weights[bad], first[bad], cursors[bad] = r, w, f, wr[layout.lane(f)]
-            if mask is not None and m is not None:
-                mask[bad] = m
-            for name, value in data.items():
-                value[torch.from_numpy(bad)] = fresh[name]
-        else:
-            raise errors.EmptyBufferError(
-                f"sample: expected rows that stay put while they are read, got rows overwritten by the writer "
-                f"in {MAX_REREADS} draws in a row (the writer laps this lane faster than a batch is read)"
-            )
+        data = gather(store, drawn[0], names, out)
+    else:
+        drawn, data, first = stack.read(store, draw, np.arange(size), names, out)
+    return rechecked(store, draw, drawn, data, names, first=first, stack=stack) if check else (data, drawn)
+
+
+def rechecked(
+    store: Store,
+    draw: Callable[[np.ndarray], Draw],
+    drawn: Draw,
+    data: dict[str, torch.Tensor],
+    names: list[str],
+    *,
+    first: np.ndarray | None = None,
+    stack: Stacks | None = None,
+    view: View | None = None,
+) -> tuple[dict[str, torch.Tensor], Draw]:
+    """``data``, gathered for ``drawn``, re-checked as the module docstring says: the
+    items the writer may have begun rewriting meanwhile are drawn again by ``draw``
+    and read again, in place, until none is. ``first``: the row each item is checked
+    at (default its first row; with ``stack``, its earliest frame). ``view``: the view
+    ``drawn`` was drawn from, whose rows are its live rows (a sampler's, unstacked)."""
+    rows, weights, mask, written = drawn
+    if not store.reserved_past(written if view is None else view.intact_up_to):
+        return data, drawn  # no item's rows can be being rewritten
+    if first is None:
+        first = first_rows(rows, len(rows)).copy()
+    kernels = load("gather")  # ``overwritten`` in one compiled pass
+    layout = store.layout
+    cursors = None  # per item, once an item is redrawn from a later view
+    for _ in range(MAX_REREADS):
+        first_view = cursors is None  # every item still from the first view: its lanes' cursors
+        bad = kernels.overwritten(first, written if first_view else cursors, store.reservation(), layout.lane_size,
+                                  by_lane=first_view)
+        if bad.size == 0:
+            break
+        if cursors is None:
+            cursors = written[layout.lane(first)]
+        (r, w, m, wr), fresh, f = _read(store, draw, bad, names, None, stack)
+        rows[bad], weights[bad], first[bad], cursors[bad] = r, w, f, wr[layout.lane(f)]
+        if mask is not None and m is not None:
+            mask[bad] = m
+        for name, value in data.items():
+            value[torch.from_numpy(bad)] = fresh[name]
+    else:
+        raise errors.EmptyBufferError(
+            f"sample: expected rows that stay put while they are read, got rows overwritten by the writer "
+            f"in {MAX_REREADS} draws in a row (the writer laps this lane faster than a batch is read)"
+        )
     return data, Draw(rows, weights, mask, written)
 
 

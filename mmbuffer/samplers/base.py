@@ -3,7 +3,9 @@
 A sampler is a value (a frozen dataclass: hashable, picklable, comparable) with one
 method, :meth:`Sampler.indices`, that maps ``(snapshot, n, generator, state)`` to a
 :class:`Draw`: the rows to read, their importance weights, the slice mask and the
-lane cursors the rows were drawn against. It never reads column data. ``state`` is a
+lane cursors the rows were drawn against. Its rows are live rows of the snapshot (in
+each lane, at or after ``first_start``; a reader skips its re-check on that: ``View.intact_up_to``).
+It never reads column data. ``state`` is a
 :class:`SamplerState` owned by the buffer, where specs keep what they derive between
 calls, each kind in a typed field of its own (slice counts, epoch cursors); the spec
 itself holds none, so one spec serves any number of buffers, threads and DataLoader

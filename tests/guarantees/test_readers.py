@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import mmbuffer as mb
+import mmbuffer._read.batch as batch_module
 import mmbuffer._read.recheck as recheck_module
 from mmbuffer._ledger.verify import verify
 
@@ -121,7 +122,8 @@ def test_writer_lapping_between_index_and_gather_is_never_returned(tmp_path, kin
         calls["n"] += 1
         return real_gather(store, rows, keys, out)
 
-    monkeypatch.setattr(recheck_module, "gather", racing_gather)
+    for module in (recheck_module, batch_module):  # every gather a reader's batch may take
+        monkeypatch.setattr(module, "gather", racing_gather)
     g = torch.Generator().manual_seed(3)
     total = 0
     for _ in range(20):

@@ -347,6 +347,46 @@ def test_the_overwritten_kernel_matches_the_numpy_check(rng):
         kernels.overwritten(np.array([30]), np.array([5]), np.array([9, 9]), 10)
 
 
+def test_no_item_needs_a_check_until_the_reservation_passes_what_the_view_keeps_intact(tmp_path, rng):
+    """A reader skips the per-item re-check while ``Store.reserved_past`` says no: every
+    live row of a view (at or after its lane's ``first_start``) is intact while the
+    reservation is at most ``View.intact_up_to`` (the bound, on random lanes; past it
+    some row is not, so the shortcut declines). On a store: an idle writer's reader
+    skips it; a writer that laps the ring past the reader's view makes it say yes."""
+    from mmbuffer._ledger.layout import Layout
+    from mmbuffer._read import recheck
+
+    for lanes, lane in ((1, 7), (3, 10), (4, 1000)):
+        layout = Layout(lanes * lane, lanes)
+        for _ in range(50):
+            first_start = rng.integers(0, 4 * lane, lanes)
+            written = first_start + rng.integers(1, lane + 1, lanes)  # a lane holds at most lane_size rows
+            which = rng.integers(0, lanes, 64)
+            absolute = first_start[which] + (rng.random(64) * (written - first_start)[which]).astype(np.int64)
+            rows = layout.rows(which, absolute)
+            bound = first_start + lane  # View.intact_up_to
+            at_most = bound - rng.integers(0, 2 * lane, lanes)
+            assert not recheck.overwritten(layout, rows, written[which], at_most).any()
+            past = bound.copy()
+            past[which[0]] += absolute[0] - first_start[which[0]] + 1  # just past that item's row
+            assert recheck.overwritten(layout, rows[:1], written[which[:1]], past).all()
+    buf = mb.create(tmp_path / "s", {"x": ((), "int64")}, capacity=32, next_keys=())
+    buf.extend({"x": np.arange(20), "terminated": np.arange(20) % 5 == 4})
+    buf.commit()
+    reader = mb.open(tmp_path / "s", mode="r")
+    view = reader.view()
+    np.testing.assert_array_equal(view.intact_up_to, [view.lanes[0].first_start + 32])
+    buf.extend({"x": np.arange(4), "terminated": np.arange(4) == 3})  # the writer reserves ahead of its rows
+    assert buf.reservation()[0] > view.written[0]
+    assert not reader.store.reserved_past(view.intact_up_to)
+    for _ in range(3):  # past the view's oldest episode: its rows may be being rewritten
+        buf.extend({"x": np.arange(5), "terminated": np.arange(5) == 4})
+    assert buf.reservation()[0] > view.intact_up_to[0]
+    assert reader.store.reserved_past(view.intact_up_to)
+    buf.commit()
+    assert not reader.store.reserved_past(reader.view().intact_up_to)  # the next view drops those episodes
+
+
 def test_kernels_release_the_gil():
     """Compiled with nogil (and cached), so a gather runs beside the training step."""
     for kernel in (kernels._runs, kernels._copy_rows, kernels._copy_rows_next, kernels._gather_small, split._gather_runs,
