@@ -133,13 +133,19 @@ def server_process() -> Iterator[str]:
         proc.wait(30)
 
 
+def _path_first(code: Path) -> str:
+    """``PYTHONPATH`` with ``code`` first (its mmbuffer is imported; the rest keeps packages
+    installed there, as on a host without the project installed)."""
+    return os.pathsep.join([str(code), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
+
+
 def sample_child(code: Path, url: str, cache: Path, batches: int, b: int, length: int,
                  pool: bool) -> tuple[float, int, list[str]]:
     """In a fresh process importing mmbuffer from ``code`` (a checkout), with an empty cache: seconds
     of ``batches`` x ``sample_slices(b, length)`` (with ``pool``: after the pool's first fill),
     bytes of the objects fetched (what landed in ``cache/objects``), and their names."""
     out = subprocess.run([sys.executable, "-c", _CHILD, url, str(cache), str(batches), str(b), str(length),
-                          str(int(pool))], env={**os.environ, "PYTHONPATH": str(code)}, capture_output=True,
+                          str(int(pool))], env={**os.environ, "PYTHONPATH": _path_first(code)}, capture_output=True,
                          text=True, check=False, cwd=code)  # cwd: "-c" puts it first on sys.path
     if out.returncode:
         raise RuntimeError(f"the reader of {code} failed:\n{out.stderr[-3000:]}")
@@ -312,7 +318,8 @@ def refresh_part(tmp: Path, endpoint: str, args: argparse.Namespace) -> None:
                 spec = {"url": url, "p1": pointers[0], "p2": pointers[1], "cache": str(tmp / f"rcache-{k}"),
                         "batch": args.batch, "slice_len": args.slice_len, "draws": 200, "mode": mode}
                 out = subprocess.run([sys.executable, __file__, "--refresh-worker", json.dumps(spec)], check=True,
-                                     capture_output=True, text=True, env={**os.environ, "PYTHONPATH": code})
+                                     capture_output=True, text=True,
+                                     env={**os.environ, "PYTHONPATH": _path_first(Path(code))})
                 res = json.loads(out.stdout.strip().splitlines()[-1])
                 runs.setdefault((code, mode), []).append(res)
                 print(f"rep {rep} {code} {mode}: {res}")
