@@ -46,11 +46,11 @@ _AHEAD_LOCK = threading.Lock()
 
 
 def _ahead() -> ThreadPoolExecutor:
-    """The threads that fetch the next piece of a read while one is decoded (made on first
+    """The threads that fetch the next pieces of a read while one is decoded (made on first
     use in each process: a forked child does not inherit its parent's threads)."""
     with _AHEAD_LOCK:
         if not _AHEAD or _AHEAD[0][0] != os.getpid():
-            _AHEAD[:] = [(os.getpid(), ThreadPoolExecutor(max_workers=_FETCHERS, thread_name_prefix="mmbuffer-fetch"))]  # 2: two columns read at once
+            _AHEAD[:] = [(os.getpid(), ThreadPoolExecutor(max_workers=_FETCHERS, thread_name_prefix="mmbuffer-fetch"))]
         return _AHEAD[0][1]
 
 
