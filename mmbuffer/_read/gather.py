@@ -139,6 +139,8 @@ def gather(
     starts, bad = kernels.runs(flat, store.capacity)
     if bad >= 0:
         _bad_row(store, flat, bad)
+    for name in plan.fetched:  # their rows asked for at once: a remote store fetches them together
+        store.column(name).ahead(flat)
     if out is None and plan.small is not None:
         return _gather_new(kernels, store, plan, flat, starts, rows.shape, cursors)
     targets = _targets(plan.keys, rows.shape, out)
@@ -182,6 +184,8 @@ class _Plan:
     # the episode ends and whether final observations are found by episode (version 4)
     index: np.ndarray
     by_episode: bool
+    # the stored columns read through their backend (compressed, remote), each once
+    fetched: tuple[str, ...]
     # index shape -> where each key lies in a batch's one block of new memory (``_gather_new``)
     blocks: dict[tuple[int, ...], _Block] = field(default_factory=dict)
 
@@ -349,7 +353,9 @@ def _plan(store: Store, keys: Iterable[str] | None) -> _Plan:
         mapped = all(k.source is not None and (k.name == k.base or k.ends is not None) for k in built.values())
         index = kernels.bytes_of(store.ends)
         small = _small(kernels, tuple(passes), index) if mapped else None
-        plan = plans[keys] = _Plan(tuple(built[n] for n in names), tuple(passes), small, store.ends, store.finals_by_episode)
+        fetched = tuple(dict.fromkeys(k.base for k in built.values() if k.source is None))
+        plan = plans[keys] = _Plan(tuple(built[n] for n in names), tuple(passes), small, store.ends, store.finals_by_episode,
+                                   fetched)
     return plan
 
 

@@ -263,6 +263,9 @@ class ChunkPool:
     def release(self) -> None:
         """Nothing: the held blocks are files under the cache directory (page cache)."""
 
+    def ahead(self, rows: np.ndarray) -> None:
+        """Nothing: the pool fetches blocks in its own order, never for a batch."""
+
     def serve(self, name: str, rows: np.ndarray, out: np.ndarray) -> np.ndarray:
         """Fill ``out`` at the rows the pool holds; return that mask (``RowSource``)."""
         if not self._started or name not in self._maps:

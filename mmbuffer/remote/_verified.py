@@ -11,7 +11,9 @@ when a newer publish removed the snapshot).
 Exact reads (``pool=None``) go through :class:`ChunkRows`: the chunks a read needs that
 the host cache lacks are fetched together (:meth:`VerifiedStore.prefetch`: one batch of
 concurrent ranged GETs with the snapshot's existence check in it), verified, kept, and
-handed to zarr's decode without being read back from disk.
+handed to zarr's decode without being read back from disk. ``gather`` first tells every
+column of a batch which rows it will read (:meth:`ChunkRows.ahead`), so all of the
+batch's columns are being fetched while the first one decodes.
 """
 
 from __future__ import annotations
@@ -206,6 +208,7 @@ class ChunkRows:
         self._used = np.zeros(0, dtype=np.int64)  # slot -> last read that used it
         self._clock = 0
         self._lock = threading.Lock()
+        self._coming: dict[int, Future[None]] = {}  # chunk -> the fetch started for it by ``ahead``
 
     @staticmethod
     def fits(array: Any) -> bool:
@@ -228,6 +231,27 @@ class ChunkRows:
             self._clock += 1
             self._used[self._slot_of[need]] = self._clock
         return ok
+
+    def ahead(self, rows: np.ndarray) -> None:
+        """Start fetching (not decoding) the chunks of ``rows`` that are neither held nor
+        being fetched, at most ``_DEPTH`` pieces, so that this column's requests run while
+        the columns read before it decode (``gather`` calls this for each column first);
+        the read of them waits for those fetches instead of asking again."""
+        flat = np.asarray(rows, dtype=np.int64)
+        chunks = np.unique(flat[(flat >= 0) & (flat < self._rows)] // self._cr)
+        with self._lock:
+            self._coming = {c: f for c, f in self._coming.items() if not f.done()}
+            want = chunks[self._slot_of[chunks] < 0]
+            want = want[[c not in self._coming for c in want.tolist()]] if self._coming else want
+            for i, piece in enumerate(self._pieces(want)[:_DEPTH] if want.size else []):  # the first: with the check
+                future = _ahead().submit(self._fetch, want[piece].tolist(), i == 0)
+                self._coming.update(dict.fromkeys(want[piece].tolist(), future))
+
+    def _fetch(self, chunks: list[int], probe: bool) -> None:
+        """Fetch ``chunks`` (those the host cache lacks) as one batch of requests, held
+        for the read that decodes them (``VerifiedStore.prefetch``)."""
+        tail = (0,) * len(self._row_shape)
+        self._store.prefetch([self._array.metadata.encode_chunk_key((c, *tail)) for c in chunks], probe=probe)
 
     def release(self) -> None:
         """Drop the decoded chunks (the next read takes them from the host cache)."""
@@ -255,11 +279,13 @@ class ChunkRows:
         self._slot_of[gone[gone >= 0]] = -1
         self._chunk_in[slots] = -1
         pieces = self._pieces(missing)
-        tail = (0,) * len(self._row_shape)
+        coming = {c: f for c in missing.tolist() if (f := self._coming.pop(c, None)) is not None and not f.done()}
 
         def prefetch(piece: np.ndarray, probe: bool) -> None:
-            self._store.prefetch([self._array.metadata.encode_chunk_key((int(c), *tail)) for c in missing[piece]],
-                                 probe=probe)
+            chunks = missing[piece].tolist()
+            for started in {id(f): f for c in chunks if (f := coming.get(c)) is not None}.values():
+                started.result()  # fetched by ``ahead`` (submitted before: never waits on a later task)
+            self._fetch([c for c in chunks if c not in coming], probe)
 
         # the first piece's requests carry the snapshot's check; piece i is decoded while the
         # next _DEPTH are fetched

@@ -111,6 +111,40 @@ def test_pieces_fetched_ahead_of_the_decode_and_a_small_slab_read_right(tmp_path
     ro.close()
 
 
+def test_a_batch_asks_for_every_columns_chunks_before_it_decodes_one(tmp_path, server, monkeypatch):
+    """``gather`` calls ``ahead`` for each column read through its backend before it reads
+    the first, so a remote reader has every column's requests under way while the first
+    decodes (``ChunkRows.ahead``); the reads then wait for those fetches instead of asking
+    again: still one GET per object and one existence check per column read, rows right."""
+    endpoint, counter = server
+    local, url = publish(tmp_path, endpoint)
+    ro = mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None)
+    calls = batches_sent(ro, monkeypatch)
+    events: list[tuple[str, str]] = []
+    ahead, read = _verified.ChunkRows.ahead, _verified.ChunkRows._read
+
+    def ahead_seen(self, rows):
+        events.append(("ahead", self._where))
+        return ahead(self, rows)
+
+    def read_seen(self, start, stop):
+        events.append(("decode", self._where))
+        return read(self, start, stop)
+
+    monkeypatch.setattr(_verified.ChunkRows, "ahead", ahead_seen)
+    monkeypatch.setattr(_verified.ChunkRows, "_read", read_seen)
+    counter.reset()
+    before = ro.remote.files.downloads
+    assert_rows(ro, local, np.arange(len(ro)))
+    first = [kind for kind, _ in events].index("decode")
+    asked = {where.rsplit("/", 1)[-1] for kind, where in events[:first] if kind == "ahead"}
+    assert asked == set(KEYS)  # every column's fetch started before the first decode
+    fetched = ro.remote.files.downloads - before
+    assert fetched > 10 and counter.count("GET", "object") == fetched  # none asked twice
+    assert len(calls) == len(KEYS) == counter.count("GET", "manifest")
+    ro.close()
+
+
 def test_a_snapshot_removed_under_a_reader_raises_when_a_read_must_fetch_and_rows_are_never_wrong(tmp_path, server):
     endpoint, counter = server
     local, url = publish(tmp_path, endpoint)

@@ -48,6 +48,12 @@ class ColumnArray(abc.ABC):
     def read(self, rows: np.ndarray) -> np.ndarray:
         """A new array ``rows.shape + row_shape`` of the rows at ids ``rows``."""
 
+    def ahead(self, rows: np.ndarray) -> None:
+        """``rows`` (flat global ids, a batch's) are about to be read: a backend that fetches
+        them from afar may start now, so that a batch's columns, read one after another,
+        are fetched together (``gather`` calls it for each such column first). The
+        default does nothing."""
+
     def read_range(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
         """Rows ``[start, stop)``, into ``out`` (C-contiguous) when given (here a gather of
         those ids; a backend with a faster contiguous read overrides it)."""

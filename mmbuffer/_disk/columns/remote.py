@@ -36,9 +36,12 @@ __all__ = ["RemoteArray", "RowSource"]
 
 class RowSource(Protocol):
     """Rows held locally (the chunk pool, or exact reads' decoded chunks): fills ``out``
-    where it can, returns that mask; ``release`` drops what it holds in process memory."""
+    where it can, returns that mask; ``ahead`` may start fetching rows about to be read;
+    ``release`` drops what it holds in process memory."""
 
     def serve(self, name: str, rows: np.ndarray, out: np.ndarray) -> np.ndarray: ...
+
+    def ahead(self, rows: np.ndarray) -> None: ...
 
     def release(self) -> None: ...
 
@@ -99,6 +102,10 @@ class RemoteArray(ColumnArray):
         if tuple(array.shape) != shape or np.dtype(array.dtype) != dtype:
             raise errors.CorruptStoreError(f"{url}: expected shape {shape} and {dtype} (as checked), got {array.shape} {array.dtype}")
         return cls(array, url, cache_bytes=cache_bytes, alive=alive)
+
+    def ahead(self, rows: np.ndarray) -> None:
+        if self._source is not None:
+            self._source.ahead(rows)
 
     def attach(self, source: RowSource | None) -> None:
         """Serve rows from ``source`` first (the chunk pool), or stop (None)."""
