@@ -238,10 +238,13 @@ class ChunkRows:
         the columns read before it decode (``gather`` calls this for each column first);
         the read of them waits for those fetches instead of asking again."""
         flat = np.asarray(rows, dtype=np.int64)
-        chunks = np.unique(flat[(flat >= 0) & (flat < self._rows)] // self._cr)
+        chunks = flat[(flat >= 0) & (flat < self._rows)] // self._cr
         with self._lock:
+            absent = self._slot_of[chunks] < 0
+            if not absent.any():  # all held: a warm read pays one indexing
+                return
             self._coming = {c: f for c, f in self._coming.items() if not f.done()}
-            want = chunks[self._slot_of[chunks] < 0]
+            want = np.unique(chunks[absent])
             want = want[[c not in self._coming for c in want.tolist()]] if self._coming else want
             for i, piece in enumerate(self._pieces(want)[:_DEPTH] if want.size else []):  # the first: with the check
                 future = _ahead().submit(self._fetch, want[piece].tolist(), i == 0)
