@@ -237,10 +237,9 @@ class ChunkRows:
         being fetched, at most ``_DEPTH`` pieces, so that this column's requests run while
         the columns read before it decode (``gather`` calls this for each column first);
         the read of them waits for those fetches instead of asking again."""
-        flat = np.asarray(rows, dtype=np.int64)
-        chunks = flat[(flat >= 0) & (flat < self._rows)] // self._cr
-        with self._lock:
-            absent = self._slot_of[chunks] < 0
+        chunks = np.asarray(rows, dtype=np.int64) // self._cr
+        with self._lock:  # clipped: a row outside the array names no object, so nothing is fetched for it
+            absent = np.take(self._slot_of, chunks, mode="clip") < 0
             if not absent.any():  # all held: a warm read pays one indexing
                 return
             self._coming = {c: f for c, f in self._coming.items() if not f.done()}
