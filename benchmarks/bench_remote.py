@@ -20,7 +20,9 @@ changed, the others named in the table; ``icechunk``: the same, one commit), in 
 run: seconds (including the local zstd copy, O(store) for both), the bytes of every PUT
 request the server received (counted by the server: object bodies and multipart parts,
 so Icechunk's own snapshot and manifest files count) and bytes added under the URL (the
-bucket's size before and after; pruned snapshots make it smaller).
+bucket's size before and after; pruned snapshots make it smaller). ``--wrapped``: the
+same on a replay buffer in its steady state (its ring passed its end before the first
+publish, each new row evicts an old one).
 
 moto is a Python server: its throughput, not S3's, bounds the remote figures here.
 Run: ``python benchmarks/bench_remote.py [--rows 1000000] [--publish]``.
@@ -60,8 +62,11 @@ def build(path: Path, rows: int, episode: int) -> None:
                        final_obs={"obs": np.zeros((int(done.sum()), 17), np.float32)})
 
 
-def publish_costs(tmp: Path, endpoint: str, counter: object, rows: int, episode: int, steps: int) -> None:
-    """Full publish, then 1% new rows and a publish, ``steps`` times, per engine (module docstring)."""
+def publish_costs(tmp: Path, endpoint: str, counter: object, rows: int, episode: int, steps: int,
+                  wrapped: bool = False) -> None:
+    """Full publish, then 1% new rows and a publish, ``steps`` times, per engine (module
+    docstring); ``wrapped``: a ring of ``rows`` rows that passed its end (half a lap more)
+    before the first publish, so every later publish evicts episodes."""
     import fsspec
 
     from s3server import new_bucket
@@ -77,9 +82,11 @@ def publish_costs(tmp: Path, endpoint: str, counter: object, rows: int, episode:
                     "reward": rng.standard_normal(n, dtype=np.float32), "terminated": done},
                    final_obs={"obs": np.zeros((int(done.sum()), 17), np.float32)})
 
-    with mb.create(local, cols, capacity=int(rows * (1 + 0.01 * steps) + episode)) as buf:
-        for start in range(0, rows, 250_000):
-            add(buf, start, min(250_000, rows - start))
+    filled = rows * 3 // 2 if wrapped else rows
+    piece = min(250_000, rows)
+    with mb.create(local, cols, capacity=rows if wrapped else int(rows * (1 + 0.01 * steps) + episode)) as buf:
+        for start in range(0, filled, piece):
+            add(buf, start, min(piece, filled - start))
     fs = fsspec.filesystem("s3", endpoint_url=endpoint, skip_instance_cache=True)
     urls = {e: f"s3://{new_bucket(endpoint)}/pub" for e in ("snapshots", "icechunk")}
 
@@ -91,7 +98,8 @@ def publish_costs(tmp: Path, endpoint: str, counter: object, rows: int, episode:
     for step in ["full"] + [f"after 1% new rows ({i})" for i in range(1, steps + 1)]:
         if step != "full":
             with mb.open(local) as buf:
-                add(buf, rows + (int(step[-2]) - 1) * (rows // 100), rows // 100)
+                add(buf, filled, rows // 100)
+            filled += rows // 100
         for engine, url in urls.items():  # interleaved: both engines publish the same state
             before, put0, n0 = size(url), counter.put_bytes, counter.puts  # type: ignore[attr-defined]
             t0 = time.perf_counter()
@@ -127,13 +135,15 @@ def main() -> None:
     ap.add_argument("--rotate-every", type=int, nargs="+", default=[8, 32, 128], help="PoolConfig.rotate_every values")
     ap.add_argument("--publish", action="store_true", help="measure publish costs only (full vs after 1%% new rows)")
     ap.add_argument("--steps", type=int, default=2, help="--publish: publishes after 1%% new rows each (default 2)")
+    ap.add_argument("--wrapped", action="store_true",
+                    help="--publish: a full ring (capacity --rows) that wrapped half a lap before the first publish")
     args = ap.parse_args()
     from s3server import counting_moto_s3, moto_s3, new_bucket
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     if args.publish:
         with tempfile.TemporaryDirectory() as tmp, counting_moto_s3() as (endpoint, counter):
-            publish_costs(Path(tmp), endpoint, counter, args.rows, args.episode, args.steps)
+            publish_costs(Path(tmp), endpoint, counter, args.rows, args.episode, args.steps, args.wrapped)
         return
     with tempfile.TemporaryDirectory() as tmp, moto_s3() as endpoint:
         local = Path(tmp) / "local"

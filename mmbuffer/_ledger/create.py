@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,7 @@ from .._disk import files as _files
 from .. import errors, tree
 from .._disk import format as fmt
 from .._disk.checks import check_codecs, check_int, check_json, check_schema
-from .._disk.columns import sharding
+from .._disk.columns import RawArray, sharding
 from .._disk.guards import raise_typed
 from . import progress, touched
 from .manifest import Manifest
@@ -34,8 +34,14 @@ def create_store(
     priorities: PriorityConfig | None = None,
     next_keys: Iterable[str] = ("obs",),
     attrs: Mapping[str, Any] | None = None,
+    starts: Sequence[Lane] | None = None,
 ) -> None:
-    """Validate a schema and lay out an empty store at ``path`` (see ``mb.create``)."""
+    """Validate a schema and lay out an empty store at ``path`` (see ``mb.create``).
+
+    ``starts``: per lane, an empty lane state (``written == first_start``, ``ep_tail ==
+    ep_head``) to begin at instead of row 0 and episode 0, so that the rows and episode
+    slots written next land where another store's with those counters are (a publish
+    keeps the source's positions: ``convert/_pipeline/copy.py``)."""
     path = Path(path)
     if path.exists():
         raise errors.StoreExistsError(f"{path}: expected a path that does not exist, got an existing {'directory' if path.is_dir() else 'file'}")
@@ -53,6 +59,10 @@ def create_store(
     if priorities is not None and not isinstance(priorities, PriorityConfig):
         raise errors.InvalidArgumentError(f"priorities: expected mb.PriorityConfig or None, got {priorities!r}")
     lane_size = capacity // num_streams
+    lanes = tuple(Lane() for _ in range(num_streams)) if starts is None else tuple(starts)
+    if len(lanes) != num_streams or any(st.written != st.first_start or st.ep_tail != st.ep_head or st.written < 0
+                                        for st in lanes):
+        raise errors.InvalidArgumentError(f"starts: expected {num_streams} empty lane states, got {lanes!r}")
     manifest = Manifest(
         generation=0,
         capacity=capacity,
@@ -62,7 +72,7 @@ def create_store(
         columns=schema,
         next_keys=next_keys,
         priorities=None if priorities is None else priorities.to_json(),
-        lanes=tuple(Lane() for _ in range(num_streams)),
+        lanes=lanes,
         attrs=dict(attrs or {}),
         codecs=codecs,
     )
@@ -78,7 +88,8 @@ def create_store(
         zarr.open_group(str(tmp), mode="w", zarr_format=3, attributes={"mmbuffer": {"format_version": fmt.FORMAT_VERSION}})
         for name, (shape, dtype) in schema.items():
             if name in codecs:  # Zarr shards of small chunks, staging per lane
-                sharding.create(tmp, name, capacity, shape, dtype, codecs[name], lane_size)
+                sharding.create(tmp, name, capacity, shape, dtype, codecs[name], lane_size,
+                                starts=[st.written for st in lanes])
             elif compression is None or name in fmt.RESERVED_NAMES:
                 fmt.create_raw(tmp, f"columns/{name}", capacity, shape, dtype)
             else:
@@ -91,6 +102,10 @@ def create_store(
                 fmt.create_compressed(tmp, f"final/{name}", capacity, shape, dtype, compression)
         fmt.create_raw(tmp, "index/ends", num_streams * 2 * lane_size, (), np.dtype(np.int64))
         fmt.create_raw(tmp, "index/reserved", num_streams, (), np.dtype(np.int64), allocate=True)
+        if any(st.written for st in lanes):  # a reservation is never below the rows written
+            reserved = RawArray.open(tmp, "index/reserved", writable=True)
+            reserved.write_range(0, np.array([st.written for st in lanes], np.int64))
+            reserved.close()
         progress.create(tmp, num_streams)
         if priorities is not None:
             for name, (shape, kind) in tree.layout(capacity).items():

@@ -1129,3 +1129,48 @@ def test_copy_refuses_a_bad_codec_by_name_and_writes_nothing(tmp_path, monkeypat
     with pytest.raises(error, match=match):
         copy(src, tmp_path / "c", codec=codec, progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # neither c nor c.partial
+
+
+def test_a_copy_that_keeps_rows_holds_a_wrapped_ring_where_the_source_does(tmp_path, monkeypatch):
+    """``copy_local(keep_rows=True)`` (what a publish does): every lane of the copy begins at
+    the source's oldest live episode, so a wrapped two-stream ring with priorities, final
+    observations, an open episode and a codec column has the same counters, rows, episode
+    slots and priorities; after more rows, a second copy differs only in the chunks written."""
+    import dataclasses
+
+    from mmbuffer._disk import format as fmt
+    from mmbuffer.convert._pipeline.copy import copy_local
+
+    monkeypatch.setattr(fmt, "config", dataclasses.replace(fmt.config, chunk_bytes=4 << 10))  # 256 obs rows a chunk
+    rng = np.random.default_rng(3)
+    cols = {"obs": ((4,), "float32"), "px": mb.Column((8, 8), "uint8", codec="zstd")}
+    with mb.create(tmp_path / "src", cols, capacity=2 * 4096, num_streams=2, priorities=mb.PriorityConfig()) as buf:
+        for n in (3000, 2000, 1500):  # wraps both lanes (4096 rows each), a cut inside episodes
+            for lane in (0, 1):
+                done = rng.random(n) < 0.02
+                buf.extend({"obs": rng.standard_normal((n, 4), dtype=np.float32), "px": rng.integers(0, 255, (n, 8, 8), np.uint8),
+                            "terminated": done}, stream=lane,
+                           final_obs={"obs": rng.standard_normal((int(done.sum()), 4), dtype=np.float32)})
+            buf.update_priorities(buf.sample(256).indices, rng.random(256) + 0.1)
+    copy_local(tmp_path / "src", tmp_path / "a", compression="zstd", progress=False, keep_rows=True)
+    with mb.open(tmp_path / "src", mode="r") as src, mb.open(tmp_path / "a", mode="r") as a:
+        assert src.view().first_starts.min() > 0 and a.store.committed == src.store.committed
+        (s0, n0), (s1, n1) = src.episodes(), a.episodes()
+        assert torch.equal(s0, s1) and torch.equal(n0, n1)
+        rows = np.concatenate([lane * 4096 + np.arange(lv.first_start, lv.visible_end) % 4096
+                               for lane, lv in enumerate(a.view().lanes)])  # the sampleable rows
+        want, got = src.get(rows), a.get(rows)
+        for k in ("obs", "next_obs", "px", "terminated", "truncated"):
+            assert torch.equal(want[k], got[k]), k
+        np.testing.assert_array_equal(a.leaf_priorities(rows), src.leaf_priorities(rows))
+    with mb.open(tmp_path / "src") as buf:
+        buf.extend({"obs": np.zeros((40, 4), np.float32), "px": np.zeros((40, 8, 8), np.uint8),
+                    "terminated": np.arange(40) == 39}, stream=1, final_obs={"obs": np.ones((1, 4), np.float32)})
+    copy_local(tmp_path / "src", tmp_path / "b", compression="zstd", progress=False, keep_rows=True)
+
+    def chunks(root):
+        return {p.relative_to(root).as_posix(): p.read_bytes() for p in (root / "columns" / "obs" / "c").rglob("*") if p.is_file()}
+
+    before, after = chunks(tmp_path / "a"), chunks(tmp_path / "b")
+    changed = [k for k in after if before.get(k) != after[k]]
+    assert len(after) >= 8 and 1 <= len(changed) <= 2  # the chunk(s) of lane 1's 40 new rows

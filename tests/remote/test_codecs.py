@@ -265,24 +265,44 @@ def test_a_snapshot_column_holds_at_most_max_maps_shard_objects(tmp_path, small_
         col.close()
 
 
-def test_a_wrapped_ring_publishes_its_episodes_with_jpeg_re_encoded(tmp_path, server, small_inner_chunks):
-    """Once the ring has wrapped, the copy a publish sends holds the live episodes from row 0
-    (other rows than the local store's): the lossless columns are still bit-identical
-    episode by episode, and the JPEG column is re-encoded from the local decode (no shard
-    file kept), within ``jpeg.tolerance``."""
+def test_a_wrapped_ring_publishes_at_its_own_rows_with_its_own_jpeg_shards(tmp_path, server, small_inner_chunks):
+    """Once the ring has wrapped, a publish keeps every row where the local store has it
+    (the copy's lanes begin at the oldest live episode), so the JPEG shard files sent are
+    the local store's own and every column, JPEG included, reads back bit for bit."""
+    make(tmp_path / "local", 1000, capacity=1024, streams=1)
+    with mb.open(tmp_path / "local") as buf:  # wrapped: the oldest episodes evicted
+        extend(buf, 1000, 500, streams=1, episode=97)
+        assert buf.store.committed[0].first_start > 0
+    url = f"s3://{new_bucket(server[0])}/store"
+    summary = mb.convert.publish(tmp_path / "local", url, progress=False)
+    assert summary["lossy_shards_kept"] > 0
+    with mb.open(tmp_path / "local", mode="r") as local, mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None) as ro:
+        (ls, ll), (rs, rl) = local.episodes(), ro.episodes()
+        assert torch.equal(ll, rl) and torch.equal(ls, rs)  # the same episodes at the same rows
+        rows = np.concatenate([np.arange(a, a + n) % 1024 for a, n in zip(ls.tolist(), ll.tolist())])
+        here, there = local.get(rows), ro.get(rows)
+        for k in ("frames", "raw_frames", "state", "action", "next_frames", "cam"):
+            assert torch.equal(here[k], there[k]), k
+
+
+def test_a_publish_into_another_capacity_re_encodes_jpeg_within_its_tolerance(tmp_path, server, small_inner_chunks):
+    """A publish with another ``capacity`` holds the live episodes from row 0 (other rows
+    than the local store's): the lossless columns are still bit-identical episode by
+    episode, and the JPEG column is re-encoded from the local decode (no shard file kept),
+    within ``jpeg.tolerance``."""
     from mmbuffer._disk.columns.jpeg import tolerance
 
     make(tmp_path / "local", 1000, capacity=1024, streams=1)
     with mb.open(tmp_path / "local") as buf:  # wrapped: the oldest episodes evicted
         extend(buf, 1000, 500, streams=1, episode=97)
     url = f"s3://{new_bucket(server[0])}/store"
-    summary = mb.convert.publish(tmp_path / "local", url, progress=False)
+    summary = mb.convert.publish(tmp_path / "local", url, progress=False, capacity=2048)
     assert summary["lossy_shards_kept"] == 0
     with mb.open(tmp_path / "local", mode="r") as local, mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None) as ro:
         (ls, ll), (rs, rl) = local.episodes(), ro.episodes()
         assert torch.equal(ll, rl) and not torch.equal(ls, rs)  # the same episodes, at other rows
         for a, b, n in zip(ls.tolist(), rs.tolist(), ll.tolist()):
-            here, there = local.get(np.arange(a, a + n) % 1024), ro.get(np.arange(b, b + n) % 1024)  # one lane
+            here, there = local.get(np.arange(a, a + n) % 1024), ro.get(np.arange(b, b + n) % 2048)  # one lane
             for k in ("frames", "raw_frames", "state", "action", "next_frames"):
                 assert torch.equal(here[k], there[k]), k
             err = (here["cam"].float() - there["cam"].float()).abs().mean(dim=(1, 2, 3))

@@ -141,12 +141,19 @@ def test_epoch_state_whose_items_a_newer_snapshot_lost_is_refused(tmp_path, s3):
     mb.convert.copy(local, url, compression="zstd", progress=False)
     resumed = mb.data.BufferDataset(url, 32, epoch=True, cache_dir=tmp_path / "cache", pool=None)
     with mb.open(url, mode="r", cache_dir=tmp_path / "cache", pool=None) as ro:
-        # a publish compacts the ring: the newer snapshot numbers its rows from 0 again, so
-        # row 0 is there, with 500 items, but it holds what was row 100
-        assert ro.view().first_starts.tolist() == [0] and int(ro.get(np.array([0]))["x"][0]) == 100
+        # a publish keeps the local rows: the newer snapshot begins at the oldest live episode
+        assert ro.view().first_starts.tolist() == [100] and int(ro.get(np.array([100]))["x"][0]) == 100
     resumed.load_state_dict(state)
-    with pytest.raises(errors.RowNotLiveError, match="stream 0: expected the data fingerprinted"):
+    with pytest.raises(errors.RowNotLiveError, match="stream 0: expected the epoch's 400 items from row 0"):
         list(resumed)
     resumed.load_state_dict({**state, "generation": 7})  # a state from a later publish than any here
     with pytest.raises(errors.RowNotLiveError, match="generation 7"):
+        list(resumed)
+    mb.convert.copy(local, url, compression="zstd", progress=False, capacity=1024)  # another geometry: rows from 0
+    with mb.open(url, mode="r", cache_dir=tmp_path / "cache", pool=None) as ro:
+        # row 0 is there, with 500 items, but it holds what was row 100
+        assert ro.view().first_starts.tolist() == [0] and int(ro.get(np.array([0]))["x"][0]) == 100
+    resumed = mb.data.BufferDataset(url, 32, epoch=True, cache_dir=tmp_path / "cache", pool=None)
+    resumed.load_state_dict(state)
+    with pytest.raises(errors.RowNotLiveError, match="stream 0: expected the data fingerprinted"):
         list(resumed)

@@ -31,6 +31,7 @@ number below it that divides the lane size): the inner-chunk size trades disk fo
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -39,6 +40,7 @@ import numpy as np
 from ... import errors
 from .. import files as _files, format as fmt
 from .jpeg import meta as jpeg_meta
+from .raw import RawArray
 
 INNER_BYTES = 1 << 16  # bytes of rows per inner chunk (8 rows of 84x84 uint8: the measured curve)
 SHARD_CHUNKS = 64  # inner chunks per shard, at most
@@ -86,8 +88,10 @@ def compressors(codec: str, dtype: np.dtype) -> list[Any]:
 
 
 def create(root: Path, name: str, rows: int, row_shape: tuple[int, ...], dtype: np.dtype, codec: str,
-           lane_size: int, *, inner_bytes: int | None = None) -> None:
-    """Create the sharded array ``root/columns/<name>`` (no shard file yet) and its staging."""
+           lane_size: int, *, inner_bytes: int | None = None, starts: Sequence[int] = ()) -> None:
+    """Create the sharded array ``root/columns/<name>`` (no shard file yet) and its staging;
+    ``starts``: the absolute row each lane's writing begins at (default 0), whose shard's
+    staging half is then taken (the rows before it in that shard are no one's)."""
     import zarr
 
     row_bytes = int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize
@@ -115,6 +119,11 @@ def create(root: Path, name: str, rows: int, row_shape: tuple[int, ...], dtype: 
     streams = rows // lane_size
     fmt.create_raw(root, f"staging/{name}/rows", streams * 2 * shard, row_shape, dtype, allocate=True)
     fmt.create_raw(root, f"staging/{name}/tags", streams * 2, (), np.dtype(np.int64), allocate=True)
+    taken = {lane * 2 + (w // shard) % 2: w // shard for lane, w in enumerate(starts) if w % shard}
+    if taken:
+        tags = RawArray.open(root, f"staging/{name}/tags", writable=True)
+        tags.write_at(np.array(list(taken), np.int64), np.array(list(taken.values()), np.int64))
+        tags.close()
 
 
 def check_meta(where: Path, meta: object, expect: fmt.Expect, codec: str) -> tuple[int, int]:

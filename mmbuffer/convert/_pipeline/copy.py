@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,8 @@ import numpy as np
 from ..._disk.checks import check_column_codec
 from ...buffer import Buffer
 from ...errors import InvalidArgumentError
-from ...opening import create
+from ..._ledger.create import create_store
+from ..._ledger.index import Lane
 from ...opening import open as open_buffer
 from ...schema import Column, PriorityConfig
 from .frame import SEGMENT_BYTES, Writer, crc_hex, crc_update, mismatch, progress_bar, same_bytes, write_and_verify
@@ -51,8 +52,14 @@ def copy_local(
     num_streams: int | None = None,
     priorities: PriorityConfig | None | str = "keep",
     codec: Mapping[str, str | None] | None | str = "keep",
+    keep_rows: bool = False,
 ) -> dict[str, Any]:
     """:func:`mmbuffer.convert.copy` between two local paths (or from an open ``Buffer``).
+
+    ``keep_rows``: where the copy's capacity and streams are the source's, every row and
+    episode slot stays where it is in the source (each lane begins at the source's oldest
+    live episode, not at row 0), so a copy of a ring that moved on differs from the last
+    copy only where rows were written since: what a publish sends (``publish.py``).
 
     ``codec``: ``"keep"`` (each column keeps its codec), ``None`` (every column raw,
     memory-mapped: decoded once for training) or a mapping column -> codec (``None``
@@ -60,7 +67,7 @@ def copy_local(
     """
     t0 = time.perf_counter()
     writer = CopyWriter(src, compression=compression, chunk_rows=chunk_rows, progress=progress, verify=verify,
-                        codec=codec,
+                        codec=codec, keep_rows=keep_rows,
                         layout=dict(capacity=capacity, num_streams=num_streams, priorities=priorities))
     dst_path = _write_to(writer, dst, overwrite=overwrite, verify=verify)
     summary = writer.summary
@@ -87,8 +94,10 @@ class CopyWriter(Writer):
 
     def __init__(self, src: Any, *, compression: str | None, chunk_rows: int | None, progress: bool,
                  verify: bool, layout: dict[str, Any] | None = None,
-                 codec: Mapping[str, str | None] | None | str = "keep") -> None:
+                 codec: Mapping[str, str | None] | None | str = "keep", keep_rows: bool = False) -> None:
         super().__init__()
+        self.keep_rows = keep_rows
+        self.starts: list[Lane] | None = None
         self.layout_options = dict(layout or {})
         self.codec_option = codec
         self.codecs: dict[str, str | None] = {}
@@ -124,6 +133,29 @@ class CopyWriter(Writer):
         self.lanes = plan.lanes if same_lanes else deal(plan.lengths, plan.complete, self.layout.num_streams)
         lane_rows_fit(self.lanes, plan.lengths, self.layout)
         self.copy_leaves = src_priorities is not None and priorities == src_priorities
+        if self.keep_rows and same_lanes and self.layout.capacity == int(buf.capacity):
+            self._keep_rows(buf.view())
+
+    def _keep_rows(self, view: Any) -> None:
+        """Begin each lane where the source's oldest planned episode is (its row and its
+        episode number), where ``view`` is the state the plan was made from (a writer in
+        another process may have moved on since: then the copy starts at row 0)."""
+        plan, ls = self.plan, self.layout.lane_size
+        starts = [Lane(lv.first_start, lv.ep_head, lv.ep_head, lv.first_start) for lv in view.lanes]
+        for lane, st in enumerate(starts):
+            mine = np.flatnonzero(plan.lanes == lane)
+            if len(mine) and int(plan.starts[mine[0]]) != lane * ls + st.first_start % ls:
+                return
+        self.starts = starts
+        self.layout.starts[:] = [st.first_start for st in starts]
+
+    def _runs(self, episode: np.ndarray) -> Iterator[tuple[int, int, int, int]]:
+        """``(lane, a, b, first row)`` of each run of a piece's rows ``[a, b)`` that goes to
+        one lane of the copy in one contiguous run of rows (split where a ring ends)."""
+        for lane, a, b in runs(self.lanes[episode]):
+            for row, n in self.layout.take(lane, b - a, "the source's episodes"):
+                yield lane, a, a + n, row
+                a += n
 
     def write(self, partial: Path) -> None:
         buf, plan, rows_per = self.buf, self.plan, self.rows_per
@@ -133,16 +165,10 @@ class CopyWriter(Writer):
         layout = self.layout
         columns: dict[str, Any] = {k: Column(tuple(buf.columns[k].shape), buf.columns[k].dtype, self.codecs[k])
                                    for k in cols}
-        out = self.out = create(
-            str(partial),
-            columns=columns,
-            capacity=layout.capacity,
-            num_streams=layout.num_streams,
-            compression=self.compression,
-            priorities=layout.priorities,
-            next_keys=tuple(buf.next_keys),
-            attrs=jsonable(dict(buf.attrs)),
-        )
+        create_store(str(partial), columns, layout.capacity, num_streams=layout.num_streams,
+                     compression=self.compression, priorities=layout.priorities, next_keys=tuple(buf.next_keys),
+                     attrs=jsonable(dict(buf.attrs)), starts=self.starts)
+        out = self.out = Buffer(partial, "a")
         readback = ReadBack(partial) if self.readback else None
         segment = max(rows_per, SEGMENT_BYTES // max(1, row_bytes(buf)))
         since = 0
@@ -151,12 +177,11 @@ class CopyWriter(Writer):
                 for name in keys:
                     crc_update(crc, f"{piece.lane}:{name}", piece.data[name])
                 ended = np.cumsum(piece.last) - piece.last  # complete episodes ended before each row
-                for lane, a, b in runs(self.lanes[piece.episode]):
+                for lane, a, b, row in self._runs(piece.episode):
                     data = {k: v[a:b] for k, v in piece.data.items()}
                     e0, e1 = int(ended[a]), int(ended[b - 1] + piece.last[b - 1])
                     final = {k: v[e0:e1] for k, v in piece.final.items()}
                     n = b - a
-                    row = layout.take(lane, n, "the source's episodes")
                     out.extend(data, stream=lane, final_obs=final or None)
                     if self.copy_leaves:  # the stored priorities, exactly
                         leaves, rows = buf.leaf_priorities(piece.rows[a:b]), np.arange(row, row + n)

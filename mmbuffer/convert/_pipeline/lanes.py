@@ -52,13 +52,21 @@ class Layout:
         self.priorities = priorities
         self.lane_size = capacity // num_streams
         self.written = np.zeros(num_streams, np.int64)  # rows written per lane
+        self.starts = np.zeros(num_streams, np.int64)  # absolute row each lane begins at
 
     def row(self, lane: int) -> int:
         """The global row the next row of ``lane`` goes to."""
-        return lane * self.lane_size + int(self.written[lane])
+        return lane * self.lane_size + int(self.starts[lane] + self.written[lane]) % self.lane_size
 
-    def take(self, lane: int, n: int, what: str) -> int:
-        """Reserve ``n`` rows of ``lane``; return the first global row. Refuse an overflow."""
+    def take(self, lane: int, n: int, what: str) -> list[tuple[int, int]]:
+        """Reserve ``n`` rows of ``lane``; return them as ``(first global row, rows)``
+        runs, two where they pass the end of the lane's ring. Refuse an overflow.
+
+        >>> layout = Layout(8, 1, None)
+        >>> layout.starts[0] = 13  # the lane begins at absolute row 13: ring position 5
+        >>> layout.take(0, 2, "x"), layout.take(0, 3, "x")
+        ([(5, 2)], [(7, 1), (0, 2)])
+        """
         if int(self.written[lane]) + n > self.lane_size:
             raise InvalidArgumentError(
                 f"capacity: stream {lane} of {self.num_streams} needs more than its "
@@ -67,7 +75,8 @@ class Layout:
             )
         row = self.row(lane)
         self.written[lane] += n
-        return row
+        first = min(n, (lane + 1) * self.lane_size - row)
+        return [(row, first)] + ([(lane * self.lane_size, n - first)] if n > first else [])
 
 
 def _int(name: str, value: Any, low: int) -> int:

@@ -128,7 +128,10 @@ def publish(src: Any, url: str, *, compression: str | None = "zstd", storage_opt
     """Publish the store ``src`` (a path or an open ``Buffer``) at ``url`` as its next snapshot.
 
     The store is copied (``mb.convert.copy``, verified) into a temporary directory
-    with ``compression``; the objects whose digest differs from the previous snapshot's
+    with ``compression``, every row and episode slot where the source has it (also once
+    its ring has wrapped: rows that stayed are the same chunks as in the last snapshot;
+    with another ``capacity`` or ``num_streams`` the episodes start at row 0 of each
+    lane); the objects whose digest differs from the previous snapshot's
     are uploaded under ``url/snapshots/<id>/`` (the table names where the others are),
     and ``url/current.json`` is then replaced in one request; the ``keep`` newest
     snapshots stay. The raw arrays (index, flags, tree) go as chunks
@@ -171,7 +174,7 @@ def publish(src: Any, url: str, *, compression: str | None = "zstd", storage_opt
     if engine is None:
         engine = _held(fs, root, url, _snapshot.POINTER, storage_options)
     with tempfile.TemporaryDirectory(prefix="mmbuffer-publish-", dir=tmp_dir) as tmp:
-        summary = copy_local(src, Path(tmp) / "store", compression=compression, **copy_options)
+        summary = copy_local(src, Path(tmp) / "store", compression=compression, keep_rows=True, **copy_options)
         summary["lossy_shards_kept"] = keep_lossy_shards(src, Path(tmp) / "store")
         generation = load_manifest(Path(tmp) / "store").generation
         if engine == "group":
@@ -211,11 +214,12 @@ def _held(fs: Any, root: str, url: str, marker: str, storage_options: Mapping[st
 
 def keep_lossy_shards(src: Any, dst: Path) -> int:
     """Put the source's own shard files of its lossy (JPEG) columns into the copy ``dst``
-    where the copy holds every row where the source does (same geometry and cursors: no
-    episode was evicted), so a published frame is the local store's, not a re-encoding
-    of its decode (JPEG loses a little at each encode). Each file is taken only if its
-    header names the shard the copy's names; returns how many were taken (elsewhere the
-    copy's re-encoded files stay: a store whose ring has wrapped is published re-encoded).
+    where the copy holds every row where the source does (same geometry and cursors: a
+    publish keeps the source's rows, ``copy_local(keep_rows=True)``), so a published frame
+    is the local store's, not a re-encoding of its decode (JPEG loses a little at each
+    encode). Each file is taken only if its header names the shard the copy's names;
+    returns how many were taken (elsewhere the copy's re-encoded files stay: a publish
+    with another ``capacity`` or ``num_streams`` is re-encoded).
 
     >>> import tempfile, numpy as np, mmbuffer as mb
     >>> d = tempfile.mkdtemp()

@@ -252,7 +252,7 @@ class StoreWriter(Writer):
                 ranges = []
                 for lane, piece, piece_final in dealer.split(steps, final):
                     m = len(piece["terminated"])
-                    row = layout.take(lane, m, f"the source's rows from {dealer.done_rows - m}")
+                    [(row, _)] = layout.take(lane, m, f"the source's rows from {dealer.done_rows - m}")  # lanes from 0
                     buf.extend(piece, stream=lane, final_obs=(piece_final if schema.next_keys else None))
                     if readback is not None:
                         readback.check(buf, row, piece, piece_final)
