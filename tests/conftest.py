@@ -22,6 +22,19 @@ def tree_hash(path: Path) -> str:
     return h.hexdigest()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cache_dir_of_the_run(tmp_path_factory):
+    """``$MMBUFFER_CACHE_DIR`` in the run's temporary directory: the copies publishes keep
+    (``convert/_pipeline/staged.py``) and default remote caches never land in ``~/.cache``."""
+    before = os.environ.get("MMBUFFER_CACHE_DIR")
+    os.environ["MMBUFFER_CACHE_DIR"] = str(tmp_path_factory.mktemp("mmbuffer-cache"))
+    yield
+    if before is None:
+        os.environ.pop("MMBUFFER_CACHE_DIR", None)
+    else:
+        os.environ["MMBUFFER_CACHE_DIR"] = before
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)

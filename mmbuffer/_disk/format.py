@@ -44,7 +44,7 @@ small zstd chunks plus a raw staging area (``columns/sharding.py``, docs/format.
 ``manifest.json`` fields: ``format`` ("mmbuffer"), ``format_version``,
 ``generation`` (commit counter), ``capacity``, ``num_streams``, ``lane_size``,
 ``columns`` (name -> {shape, dtype}, plus ``codec`` for a column with one),
-``next_keys``, ``compression``,
+``next_keys``, ``compression``, ``store_id`` (drawn at creation),
 ``priorities`` (null or {alpha, eps, max_priority}), ``lanes`` (per lane:
 ``written``, ``ep_head``, ``ep_tail``, ``first_start``; all int64 counters that
 never wrap) and ``attrs`` (user metadata). Readers ignore every row past a lane's

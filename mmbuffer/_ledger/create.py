@@ -75,6 +75,7 @@ def create_store(
         lanes=lanes,
         attrs=dict(attrs or {}),
         codecs=codecs,
+        store_id=secrets.token_hex(16),
     )
     check_json(manifest.attrs)
     try:

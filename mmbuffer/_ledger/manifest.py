@@ -24,6 +24,7 @@ mmbuffer.errors.CorruptStoreError: manifest.json: capacity: expected an integer 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,9 @@ class Manifest:
     #: the priority log the commit counts (version 5, ``_disk/prilog.py``): its
     #: checkpoint id and committed bytes; (0, 0) when none
     priority_log: tuple[int, int] = (0, 0)
+    #: 32 hex digits drawn at creation ("" for a store made before 2026-11-26): which store
+    #: this is, whatever its path (a publish appends to its last copy only of the same store)
+    store_id: str = ""
 
     @property
     def finals_by_episode(self) -> bool:
@@ -88,6 +92,7 @@ class Manifest:
             "attrs": self.attrs,
             **({"priority_log": {"checkpoint": self.priority_log[0], "bytes": self.priority_log[1]}}
                if self.format_version >= fmt.PRIORITY_LOG and self.priorities is not None else {}),
+            **({"store_id": self.store_id} if self.store_id else {}),
         }
 
     def schema(self) -> tuple[Any, ...]:
@@ -168,8 +173,11 @@ def parse(obj: object, file: str) -> Manifest:
             raise bad("priority_log", "an object with checkpoint, bytes", spec)
         log = (integer("priority_log.checkpoint", spec["checkpoint"], 0, MAX_COUNTER),
                integer("priority_log.bytes", spec["bytes"], 0, MAX_COUNTER))
+    store_id = obj.get("store_id", "")
+    if not isinstance(store_id, str) or not (store_id == "" or re.fullmatch(r"[0-9a-f]{32}", store_id)):
+        raise bad("store_id", "32 hex digits", store_id)
     return Manifest(generation, capacity, num_streams, lane_size, compression, columns, tuple(next_keys), priorities,
-                    states, attrs, codecs, int(version), log)
+                    states, attrs, codecs, int(version), log, store_id)
 
 
 def _columns(cols: object, capacity: int, bad: Any) -> tuple[dict[str, tuple[tuple[int, ...], np.dtype]], dict[str, str]]:

@@ -109,3 +109,19 @@ def start(record: np.ndarray, lanes: list[int]) -> None:
     """Record ``lanes`` as this writer's starting point, then this boot's id."""
     record[2:] = lanes
     record[:2] = boot_id()
+
+
+def raise_reservation(root: Path, rows: list[int]) -> None:
+    """Raise the reservation of the closed store ``root`` to ``rows`` per lane (never
+    lowered): its readers then leave out every episode that starts below ``rows[lane] -
+    lane_size``, as they would beside a writer that reserved that far (a publish's copy
+    leaves out what the source's readers did: ``convert/_pipeline/staged.py``). Durable
+    when this returns."""
+    arr = RawArray.open(root, "index/reserved", writable=True, expect=(len(rows), (), np.dtype(np.int64)))
+    try:
+        mapped = arr.mapped()
+        assert mapped is not None
+        arr.write_range(0, np.maximum(mapped, np.asarray(rows, np.int64)))
+        _files.fsync_in(root, "index/reserved/c/0")
+    finally:
+        arr.close()

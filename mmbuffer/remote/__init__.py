@@ -58,11 +58,13 @@ episodes' slots are shipped.
 Both engines publish incrementally: only objects whose digest changed are sent, and the
 raw arrays (episode index, flags, tree) go as zstd chunks that the reader rebuilds bit
 for bit (``_dense.py``); at 1e6 rows a publish after 1% new rows sends 2.4% of a full
-publish's bytes, at 1e7 rows 1.1% (benchmarks/RESULTS.md). What a real multi-node
-deployment still needs (not built here): a publish still compresses the whole store
-locally before comparing digests (O(store) CPU), and the object table lists every
-object (O(store / chunk) bytes per publish); prefetch ahead of the sampler across
-refreshes is not built. Both engines keep the ``keep`` newest snapshots or commits
+publish's bytes, at 1e7 rows 1.1% (benchmarks/RESULTS.md), a wrapped ring too (the
+copy keeps the local rows). The local copy a publish compares is kept for the next one
+and appended to (``convert/_pipeline/staged.py``; files read for their digests only
+where they changed), so at 1e7 rows a publish after 1% new rows takes 2–3% of a full
+one's time. What a real multi-node deployment still needs (not built here): the object
+table lists every object (O(store / chunk) bytes per publish); prefetch ahead of the
+sampler across refreshes is not built. Both engines keep the ``keep`` newest snapshots or commits
 (Icechunk's through ``expire_snapshots`` + ``garbage_collect``, ``_icechunk.expire``); a
 reader on an older one gets ``StoreNotFoundError`` when it needs a deleted object. Writer groups exist on both engines: ``_group.py`` (each host's store under
 its own prefix, one ``group.json`` swapped by compare-and-swap) and ``_icegroup.py``

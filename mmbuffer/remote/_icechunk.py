@@ -268,11 +268,13 @@ def head_attrs(session: Any, prefix: str = "") -> tuple[bool, dict[str, Any] | N
     return True, attrs if isinstance(attrs, dict) else None
 
 
-def stage(session: Any, store: Path, attrs: Mapping[str, Any], prefix: str = "", *, previous: bool) -> tuple[int, int]:
+def stage(session: Any, store: Path, attrs: Mapping[str, Any], prefix: str = "", *, previous: bool,
+          digests: Mapping[str, tuple[int, str]] | None = None) -> tuple[int, int]:
     """Write into ``session`` the local ``store`` under ``prefix``: its objects whose digest
     differs from the table published there before (``previous``), its root ``zarr.json``
     with ``attrs`` and the new table's digest as attributes ``mmbuffer``, the table, and
-    deletions of objects it no longer has. Returns (objects written, bytes written)."""
+    deletions of objects it no longer has. Returns (objects written, bytes written).
+    ``digests``: ``rel -> (size, digest)`` of files known already (``_objects.file_digests``)."""
     from zarr.core.buffer import default_buffer_prototype
 
     proto = default_buffer_prototype()
@@ -284,8 +286,9 @@ def stage(session: Any, store: Path, attrs: Mapping[str, Any], prefix: str = "",
     paths: dict[str, Path | bytes] = {p.relative_to(store).as_posix(): p for p in files}
     chunked, packed, replaced = pack(store, sorted(paths))  # raw arrays as chunks: only changed ones go
     paths = {rel: p for rel, p in paths.items() if rel not in replaced} | dict(chunked)
-    entries = {rel: (len(p), digest(p)) if isinstance(p, bytes) else file_digest(p) for rel, p in paths.items()
-               if rel not in (fmt.MANIFEST, "zarr.json", OBJECTS)}
+    known = digests if digests is not None else {}  # files whose digest the caller knows (``_objects.file_digests``)
+    entries = {rel: (len(p), digest(p)) if isinstance(p, bytes) else known.get(rel) or file_digest(p)
+               for rel, p in paths.items() if rel not in (fmt.MANIFEST, "zarr.json", OBJECTS)}
     table = table_bytes(entries, None, packed)
     root = json.loads((store / "zarr.json").read_bytes())
     root.setdefault("attributes", {})[_ATTR] = {**attrs, "objects": digest(table)}
@@ -327,9 +330,10 @@ def expire(repo: Any, url: str, keep: int, grace: float = 0.0) -> list[str]:
 
 
 def publish_repo(url: str, store: Path, storage_options: Mapping[str, Any] | None, *, generation: int,
-                 keep: int = 3) -> dict[str, Any]:
+                 keep: int = 3, digests: Mapping[str, tuple[int, str]] | None = None) -> dict[str, Any]:
     """Commit the local store ``store`` as the next version at ``url``: only changed objects are
-    written; the ``keep`` newest commits stay readable (:func:`expire`)."""
+    written; the ``keep`` newest commits stay readable (:func:`expire`). ``digests``: as
+    :func:`stage`'s."""
     ic = load()
     repo = open_for_publish(url, storage_options)
     with remote_errors(url):
@@ -340,7 +344,7 @@ def publish_repo(url: str, store: Path, storage_options: Mapping[str, Any] | Non
     seq = int(prev_attrs["sequence"]) + 1 if prev_attrs else 1
     manifest = json.loads((store / fmt.MANIFEST).read_bytes())
     written, sent = stage(session, store, {"manifest": manifest, "sequence": seq, "generation": generation},
-                          previous=prev_attrs is not None)
+                          previous=prev_attrs is not None, digests=digests)
     try:
         with remote_errors(url):
             snap = session.commit(f"mmbuffer publish {seq} (generation {generation})")

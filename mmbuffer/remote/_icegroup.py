@@ -74,11 +74,13 @@ def _kind(session: Any, url: str) -> bool:
 
 
 def publish_writer_repo(url: str, store: Path, storage_options: Mapping[str, Any] | None, *, writer: str,
-                        holder: str, lease: float, generation: int, keep: int = 3) -> dict[str, Any]:
+                        holder: str, lease: float, generation: int, keep: int = 3,
+                        digests: Mapping[str, tuple[int, str]] | None = None) -> dict[str, Any]:
     """Commit the local ``store`` as writer ``writer``'s next version in the group repository
     at ``url`` (created if the prefix is empty): only its changed objects are written; the
     ``keep`` newest commits of the group stay readable, and objects younger than ``lease``
-    (another writer's publish under way) are never deleted (``_icechunk.expire``)."""
+    (another writer's publish under way) are never deleted (``_icechunk.expire``). ``digests``:
+    as ``_icechunk.stage``'s."""
     ic = icechunk_repo.load()
     name = check_writer(writer)
     if not lease > 0:
@@ -106,7 +108,7 @@ def publish_writer_repo(url: str, store: Path, storage_options: Mapping[str, Any
             icechunk_repo.put(session.store, f"{WRITERS}/zarr.json", proto.from_bytes(_group_meta({})))
         attrs = {"manifest": manifest, "sequence": seq, "generation": generation, "holder": holder, "epoch": epoch,
                  "expires": now + lease}
-        written, sent = icechunk_repo.stage(session, store, attrs, prefix, previous=prev is not None)
+        written, sent = icechunk_repo.stage(session, store, attrs, prefix, previous=prev is not None, digests=digests)
         message = f"mmbuffer publish {name} {seq} (generation {generation})"
         try:
             with remote_errors(url):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -59,6 +60,41 @@ def file_digest(path: Path) -> tuple[int, str]:
             h.update(piece)
             size += len(piece)
     return size, h.hexdigest()
+
+
+class FileDigests(Mapping[str, tuple[int, str]]):
+    """``rel -> (size, digest)`` of the files under ``root``, each read when first asked for,
+    unless its size, modification and change times and inode are those ``memo`` recorded
+    (``rel -> [size, mtime_ns, ctime_ns, ino, digest]``, from a publish before); ``memo()``
+    is then the record of the files asked for."""
+
+    def __init__(self, root: Path, memo: Mapping[str, Any]) -> None:
+        self._root, self._old = root, memo
+        self._seen: dict[str, list[Any]] = {}
+
+    def __getitem__(self, rel: str) -> tuple[int, str]:
+        if rel not in self._seen:
+            try:
+                st = os.stat(self._root / rel, follow_symlinks=False)
+            except (FileNotFoundError, NotADirectoryError):
+                raise KeyError(rel) from None
+            key = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+            known = self._old.get(rel)
+            if isinstance(known, list) and len(known) == 5 and known[:4] == key and isinstance(known[4], str):
+                self._seen[rel] = known
+            else:
+                self._seen[rel] = [*key, file_digest(self._root / rel)[1]]
+        size, *_, hexdigest = self._seen[rel]
+        return int(size), str(hexdigest)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._seen)
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def memo(self) -> dict[str, list[Any]]:
+        return dict(self._seen)
 
 
 class FetchMany(Protocol):

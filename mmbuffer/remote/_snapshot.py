@@ -283,13 +283,15 @@ def _fetch_checked(fetch: Callable[[list[str]], dict[str, bytes | None]], table:
     return out
 
 
-def publish_dir(fs: Any, root: str, url: str, store: Path, *, keep: int, generation: int) -> dict[str, Any]:
+def publish_dir(fs: Any, root: str, url: str, store: Path, *, keep: int, generation: int,
+                digests: Mapping[str, tuple[int, str]] | None = None) -> dict[str, Any]:
     """Upload the local store ``store`` as the next snapshot of ``url``; point to it; prune.
 
     Only objects that differ from the previous snapshot's are sent; the others are
     named in the table with the snapshot that holds them. Raw arrays go as chunks
     (:mod:`._dense`). Refuses (``StoreExistsError``, nothing changed) a URL that holds
-    objects but no mmbuffer pointer.
+    objects but no mmbuffer pointer. ``digests``: ``rel -> (size, digest)`` of files of
+    ``store`` known already (not read again: ``_objects.file_digests``).
     """
     fs.invalidate_cache()
     try:
@@ -301,14 +303,15 @@ def publish_dir(fs: Any, root: str, url: str, store: Path, *, keep: int, generat
             raise errors.StoreExistsError(
                 f"{url}: expected an empty prefix or a store mmbuffer published, got other objects; nothing was changed"
             ) from None
-    pointer, summary = upload_snapshot(fs, root, url, store, previous, generation=generation)
+    pointer, summary = upload_snapshot(fs, root, url, store, previous, generation=generation, digests=digests)
     write_pointer(fs, root, pointer)
     summary["pruned"] = prune(fs, root, keep, pointer["snapshot"])
     return summary
 
 
 def upload_snapshot(fs: Any, root: str, url: str, store: Path, previous: Mapping[str, Any] | None, *,
-                    generation: int) -> tuple[dict[str, Any], dict[str, Any]]:
+                    generation: int, digests: Mapping[str, tuple[int, str]] | None = None
+                    ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Upload ``store`` as the snapshot after ``previous`` (a checked pointer, or None):
     its pointer (not written) and the summary. The snapshot is whole once this returns."""
     before: Table | None = None
@@ -325,7 +328,9 @@ def upload_snapshot(fs: Any, root: str, url: str, store: Path, previous: Mapping
     sent, packed, replaced = pack(store, sorted(files))
     local: dict[str, Path | bytes] = {rel: p for rel, p in files.items() if rel not in replaced}
     local.update(sent)
-    entries = {rel: (len(v), digest(v)) if isinstance(v, bytes) else file_digest(v) for rel, v in local.items()}
+    known = digests if digests is not None else {}
+    entries = {rel: (len(v), digest(v)) if isinstance(v, bytes) else known.get(rel) or file_digest(v)
+               for rel, v in local.items()}
     holders = {rel: before.holder(rel) for rel in entries
                if before is not None and rel != fmt.MANIFEST and before.get(rel) == entries[rel]}
     table = table_bytes(entries, holders, packed)

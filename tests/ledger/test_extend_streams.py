@@ -5,6 +5,7 @@ nothing."""
 from __future__ import annotations
 
 import errno
+import json
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,12 @@ COLUMNS = {"obs": ((3,), "float32"), "act": ((), "int64")}
 
 
 def _files(path: Path) -> dict[str, bytes]:
-    return {str(f.relative_to(path)): f.read_bytes() for f in sorted(path.rglob("*")) if f.is_file() and f.name != "LOCK"}
+    """Every file's bytes; the manifest's without its ``store_id`` (drawn per store)."""
+    out = {str(f.relative_to(path)): f.read_bytes() for f in sorted(path.rglob("*")) if f.is_file() and f.name != "LOCK"}
+    manifest = json.loads(out["manifest.json"])
+    assert len(manifest.pop("store_id")) == 32
+    out["manifest.json"] = json.dumps(manifest, sort_keys=True).encode()
+    return out
 
 
 def _batches(seed: int, count: int, k: int, t: int, streams: int):

@@ -113,6 +113,8 @@ def test_a_publish_after_one_percent_new_rows_sends_a_small_fraction(tmp_path, s
         extend(tmp_path / "local", ROWS * (3 if wrapped else 2) // 2 + step * ROWS // 100, ROWS // 100)
         second, sent = publish(server, tmp_path / "local", url, engine)
         assert second["sequence"] == 2 + step
+        assert second["incremental"] and second["rows_copied"] == ROWS // 100  # appended to the last copy
+        assert second["rows"] == len(mb.open(tmp_path / "local", mode="r"))
         assert 0 < sent <= 0.05 * full, (sent, full)  # the goal: <= 5% of a full publish
         assert sent >= ROWS // 100 * 8 * 4 * 0.8  # at least the new observations went
         assert ro.refresh() is True

@@ -36,7 +36,7 @@ from .readback import ReadBack
 from .reader import FLAGS, jsonable
 from .walk import OpenedStore, Plan, chunk_rows_for, data_columns, plan_episodes, row_bytes, walk
 
-__all__ = ["copy_local"]
+__all__ = ["CopyWriter", "column_codecs", "copy_local", "verify_episodes"]
 
 
 def copy_local(
@@ -98,6 +98,7 @@ class CopyWriter(Writer):
         super().__init__()
         self.keep_rows = keep_rows
         self.starts: list[Lane] | None = None
+        self.view: Any = None  # the source's state the plan was made from
         self.layout_options = dict(layout or {})
         self.codec_option = codec
         self.codecs: dict[str, str | None] = {}
@@ -133,8 +134,9 @@ class CopyWriter(Writer):
         self.lanes = plan.lanes if same_lanes else deal(plan.lengths, plan.complete, self.layout.num_streams)
         lane_rows_fit(self.lanes, plan.lengths, self.layout)
         self.copy_leaves = src_priorities is not None and priorities == src_priorities
+        self.view = buf.view()
         if self.keep_rows and same_lanes and self.layout.capacity == int(buf.capacity):
-            self._keep_rows(buf.view())
+            self._keep_rows(self.view)
 
     def _keep_rows(self, view: Any) -> None:
         """Begin each lane where the source's oldest planned episode is (its row and its
@@ -162,13 +164,9 @@ class CopyWriter(Writer):
         cols = data_columns(buf)
         keys = [*cols, *FLAGS]
         crc: dict[str, int] = {}
-        layout = self.layout
         columns: dict[str, Any] = {k: Column(tuple(buf.columns[k].shape), buf.columns[k].dtype, self.codecs[k])
                                    for k in cols}
-        create_store(str(partial), columns, layout.capacity, num_streams=layout.num_streams,
-                     compression=self.compression, priorities=layout.priorities, next_keys=tuple(buf.next_keys),
-                     attrs=jsonable(dict(buf.attrs)), starts=self.starts)
-        out = self.out = Buffer(partial, "a")
+        out = self.out = self.target(partial, columns)
         readback = ReadBack(partial) if self.readback else None
         segment = max(rows_per, SEGMENT_BYTES // max(1, row_bytes(buf)))
         since = 0
@@ -195,6 +193,7 @@ class CopyWriter(Writer):
                 if since >= segment:  # unmap what was written through the maps (flat memory)
                     out.release_memory()
                     since = 0
+        self.settle(out)
         out.commit()
         out.close()
         self.out = None
@@ -212,6 +211,17 @@ class CopyWriter(Writer):
         }
         self.nbytes = row_bytes(buf) * plan.rows
 
+    def target(self, partial: Path, columns: dict[str, Any]) -> Buffer:
+        """The store the rows go to: a new one at ``partial``, open for writing."""
+        layout, buf = self.layout, self.buf
+        create_store(str(partial), columns, layout.capacity, num_streams=layout.num_streams,
+                     compression=self.compression, priorities=layout.priorities, next_keys=tuple(buf.next_keys),
+                     attrs=jsonable(dict(buf.attrs)), starts=self.starts)
+        return Buffer(partial, "a")
+
+    def settle(self, out: Buffer) -> None:
+        """After the last row, before the commit (:mod:`._staged` copies the priorities here)."""
+
     def abort(self) -> None:
         if self.out is not None:
             self.out.close()
@@ -220,7 +230,7 @@ class CopyWriter(Writer):
         self.opened.close()
 
     def verify(self, partial: Path) -> None:
-        _verify_episodes(partial, self.plan, self.lanes)
+        verify_episodes(partial, self.plan, self.lanes)
 
 
 def column_codecs(buf: Any, codec: Mapping[str, str | None] | None | str) -> dict[str, str | None]:
@@ -252,7 +262,7 @@ def column_codecs(buf: Any, codec: Mapping[str, str | None] | None | str) -> dic
     return {**kept, **codec}
 
 
-def _verify_episodes(path: Path, plan: Plan, lanes: np.ndarray) -> None:
+def verify_episodes(path: Path, plan: Plan, lanes: np.ndarray) -> None:
     """The reopened copy holds the plan's episodes, stream by stream, in order."""
     with open_buffer(str(path), mode="r") as new:
         got, _ = plan_episodes(new, "all")

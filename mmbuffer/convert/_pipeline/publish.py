@@ -8,7 +8,6 @@ snapshots and uploads directories (``_snapshot``), and never calls back into con
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,8 @@ from ...remote import _group, _icechunk, _icegroup, _snapshot
 from ...remote._objects import remote_errors
 from ...schema import PriorityConfig
 from .copy import copy_local
+from .staged import staged_copy
+from .staged import work_dir as work_dir_for
 
 __all__ = ["copy", "copy_store", "copy_url", "publish"]
 
@@ -124,14 +125,20 @@ def copy(
 
 def publish(src: Any, url: str, *, compression: str | None = "zstd", storage_options: Mapping[str, Any] | None = None,
             keep: int = _SNAPSHOTS_KEPT, tmp_dir: str | os.PathLike[str] | None = None, engine: str | None = None,
-            writer: str | None = None, lease: float = 300.0, **copy_options: Any) -> dict[str, Any]:
+            writer: str | None = None, lease: float = 300.0, work_dir: str | os.PathLike[str] | bool | None = None,
+            **copy_options: Any) -> dict[str, Any]:
     """Publish the store ``src`` (a path or an open ``Buffer``) at ``url`` as its next snapshot.
 
     The store is copied (``mb.convert.copy``, verified) into a temporary directory
     with ``compression``, every row and episode slot where the source has it (also once
     its ring has wrapped: rows that stayed are the same chunks as in the last snapshot;
     with another ``capacity`` or ``num_streams`` the episodes start at row 0 of each
-    lane); the objects whose digest differs from the previous snapshot's
+    lane). That copy is kept for the next publish of ``src`` to ``url`` in ``work_dir``
+    (default ``cache_dir/publish/<key>``: ``$MMBUFFER_CACHE_DIR`` or ``~/.cache/mmbuffer``;
+    about the store's compressed size on disk), which then appends only the rows written
+    since (``summary["incremental"]``, ``"rows_copied"``; :mod:`.staged` says when it
+    copies whole instead); ``work_dir=False`` copies into a temporary directory (under
+    ``tmp_dir``) removed after the publish. The objects whose digest differs from the previous snapshot's
     are uploaded under ``url/snapshots/<id>/`` (the table names where the others are),
     and ``url/current.json`` is then replaced in one request; the ``keep`` newest
     snapshots stay. The raw arrays (index, flags, tree) go as chunks
@@ -173,23 +180,28 @@ def publish(src: Any, url: str, *, compression: str | None = "zstd", storage_opt
             else "group"
     if engine is None:
         engine = _held(fs, root, url, _snapshot.POINTER, storage_options)
-    with tempfile.TemporaryDirectory(prefix="mmbuffer-publish-", dir=tmp_dir) as tmp:
-        summary = copy_local(src, Path(tmp) / "store", compression=compression, keep_rows=True, **copy_options)
-        summary["lossy_shards_kept"] = keep_lossy_shards(src, Path(tmp) / "store")
-        generation = load_manifest(Path(tmp) / "store").generation
+    work = None if work_dir is False else (
+        work_dir_for(src, url, _snapshot.cache_base(None)) if work_dir is None or work_dir is True else Path(work_dir))
+    with staged_copy(src, work, tmp_dir=tmp_dir, compression=compression, **copy_options) as staged:
+        store, summary = staged.path, staged.summary
+        summary["lossy_shards_kept"] = keep_lossy_shards(src, store)
+        generation = load_manifest(store).generation
+        digests = staged.digests()
         if engine == "group":
-            summary.update(_group.publish_writer(fs, root, url.rstrip("/"), Path(tmp) / "store", writer=str(writer),
-                                                 holder=holder, lease=lease, keep=keep, generation=generation))
+            summary.update(_group.publish_writer(fs, root, url.rstrip("/"), store, writer=str(writer),
+                                                 holder=holder, lease=lease, keep=keep, generation=generation,
+                                                 digests=digests))
         elif engine == "icechunk-group":
-            summary.update(_icegroup.publish_writer_repo(url.rstrip("/"), Path(tmp) / "store", storage_options,
+            summary.update(_icegroup.publish_writer_repo(url.rstrip("/"), store, storage_options,
                                                          writer=str(writer), holder=holder, lease=lease,
-                                                         generation=generation, keep=keep))
+                                                         generation=generation, keep=keep, digests=digests))
         elif engine == "icechunk":
-            summary.update(_icechunk.publish_repo(url.rstrip("/"), Path(tmp) / "store", storage_options,
-                                                  generation=generation, keep=keep))
+            summary.update(_icechunk.publish_repo(url.rstrip("/"), store, storage_options,
+                                                  generation=generation, keep=keep, digests=digests))
         else:
-            summary.update(_snapshot.publish_dir(fs, root, url.rstrip("/"), Path(tmp) / "store", keep=keep,
-                                                 generation=generation))
+            summary.update(_snapshot.publish_dir(fs, root, url.rstrip("/"), store, keep=keep,
+                                                 generation=generation, digests=digests))
+        staged.keep()
     summary["out"] = url
     return summary
 

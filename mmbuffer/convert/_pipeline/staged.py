@@ -1,0 +1,295 @@
+"""The copy a publish keeps between publishes, brought up to date by the rows written since.
+
+A publish uploads the objects of a compressed copy of the store whose digests changed
+(``publish.py``). Making that copy whole is the part of a publish that grows with the
+store (every row compressed and read back). So the copy of the last publish stays in a
+*work directory* (``cache_dir/publish/<key>/store``, the key naming the source store's
+path and the URL), and the next publish appends to it, lane by lane, only the rows the
+source wrote since, with their episode ends and final observations, then copies the
+stored priorities of every live row (4 bytes a row) and the ``attrs``. The copy keeps the
+source's rows (``copy_local(keep_rows=True)``), so what it holds is what a whole copy
+would hold, and only the chunks of new rows change.
+
+Appending needs the copy to be an earlier state of this source. It is checked before
+anything is written: the same schema and options, every lane of the copy at or behind
+the source's and not lapped by it, the source's oldest live episode starting at an
+episode start of the copy, the same episode ends between there and the copy's end, and
+the copy's last rows (up to 64 a lane) byte-equal to the source's. Otherwise (the first
+publish, other options, a source rewritten or replaced, a damaged copy, a JPEG column,
+whose local copy is a re-encoding) the copy is made whole again, as before this module.
+Episodes that the copy kept but the source's readers left out (a live writer had
+reserved their rows) are left out of the copy's readers the same way: its reservation
+is raised to the source's oldest live episode plus a lane (``progress.raise_reservation``).
+A second publish of the same store to the same URL at the same time (the work directory
+is locked) copies into a temporary directory instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ... import errors
+from ..._disk.files import atomic_write_json
+from ..._disk.format import parse_codec
+from ..._ledger import progress
+from ..._ledger.manifest import load_manifest
+from ...buffer import Buffer
+from ...opening import open as open_buffer
+from ...remote._objects import FileDigests
+from .copy import CopyWriter, copy_local, verify_episodes
+from .walk import Plan
+
+__all__ = ["Staged", "TailWriter", "staged_copy", "work_dir"]
+
+_CHECKED_ROWS = 64  # the copy's last rows per lane compared with the source's
+_DIGESTS = "digests.json"  # beside the copy: the memo of its files' digests
+_SOURCE = "source.json"  # beside the copy: the store_id of the store it copies
+
+
+class _Stale(Exception):
+    """The work directory's copy is not an earlier state of the source: copy whole."""
+
+
+def work_dir(src: Any, url: str, base: Path) -> Path | None:
+    """``base/publish/<key>`` for the local store ``src`` (a path or an open ``Buffer``)
+    published to ``url``; None for a source that is not a local store."""
+    where = getattr(src, "path", src)
+    if not isinstance(where, (str, os.PathLike)) or "://" in str(where) or getattr(src, "remote", None) is not None:
+        return None
+    key = hashlib.sha256(f"{Path(where).resolve()}\0{url.rstrip('/')}".encode()).hexdigest()[:20]
+    return base / "publish" / key
+
+
+@dataclass
+class Staged:
+    """An up-to-date copy for a publish: its ``path``, the copy's ``summary``, and the work
+    directory it stays in (None: a temporary copy)."""
+
+    path: Path
+    summary: dict[str, Any]
+    work: Path | None
+    _digests: FileDigests | None = field(default=None, init=False, repr=False)
+
+    def digests(self) -> FileDigests | None:
+        """``rel -> (size, digest)`` of the copy's files, each read again only where it
+        changed since the last publish (``_objects.FileDigests``; :meth:`keep` saves the
+        memo in the work directory); None for a temporary copy (the engines read every file)."""
+        if self.work is None:
+            return None
+        where = self.work / _DIGESTS
+        try:
+            memo = json.loads(where.read_bytes()) if where.is_file() else {}
+        except ValueError:
+            memo = {}
+        self._digests = FileDigests(self.path, memo if isinstance(memo, dict) else {})
+        return self._digests
+
+    def keep(self) -> None:
+        """Save the digests asked for (after a publish that used them)."""
+        if self.work is not None and self._digests is not None:
+            atomic_write_json(self.work / _DIGESTS, self._digests.memo(), durable=False)  # lost: files read once more
+
+
+@contextlib.contextmanager
+def staged_copy(src: Any, work: Path | None, *, tmp_dir: Any, **options: Any) -> Iterator[Staged]:
+    """An up-to-date copy of ``src`` for a publish (module docstring): in ``work`` when it is
+    given and free, else in a temporary directory removed on exit. ``options`` are
+    :func:`copy_local`'s; the summary adds ``incremental`` (rows appended to the last
+    publish's copy) and ``rows_copied``."""
+    lock = _lock(work) if work is not None else None
+    if lock is None:
+        with tempfile.TemporaryDirectory(prefix="mmbuffer-publish-", dir=tmp_dir) as tmp:
+            summary = copy_local(src, Path(tmp) / "store", keep_rows=True, **options)
+            yield Staged(Path(tmp) / "store", {**summary, "incremental": False, "rows_copied": summary["rows"]}, None)
+        return
+    assert work is not None
+    try:
+        store = work / "store"
+        yield Staged(store, _bring_up_to_date(src, store, options), work)
+    finally:
+        os.close(lock)
+
+
+def _lock(work: Path) -> int | None:
+    """An exclusive lock on ``work`` (made if missing), or None when another publish holds it."""
+    work.mkdir(parents=True, exist_ok=True)
+    fd = os.open(work / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _bring_up_to_date(src: Any, store: Path, options: Mapping[str, Any]) -> dict[str, Any]:
+    """Append to ``store`` what ``src`` wrote since, or copy it whole there."""
+    source = store.parent / _SOURCE  # the store_id of the store the copy is of
+    if store.is_dir():
+        verify = bool(options.get("verify", True))
+        writer = TailWriter(src, store, copied=_read_id(source), **_writer_options(options))
+        try:
+            writer.open()
+            try:
+                writer.write(store)
+                if verify:
+                    writer.verify(store)
+            except BaseException:
+                writer.abort()
+                shutil.rmtree(store)  # half appended, or not what the source holds: the next publish copies whole
+                raise
+            return {**writer.summary, "out": str(store), "verified": verify}
+        except _Stale:
+            pass
+        finally:
+            writer.close()
+        shutil.rmtree(store)  # this module's own copy, not an earlier state of the source
+    # read before the copy: a store replaced meanwhile then has another id than the one recorded
+    store_id = src.store.manifest.store_id if isinstance(src, Buffer) else load_manifest(Path(src)).store_id
+    summary = copy_local(src, store, keep_rows=True, **options)
+    atomic_write_json(source, {"store_id": store_id})
+    return {**summary, "incremental": False, "rows_copied": summary["rows"]}
+
+
+def _read_id(path: Path) -> str:
+    """The ``store_id`` recorded in ``path`` ("" when none can be read)."""
+    try:
+        got = json.loads(path.read_bytes()).get("store_id", "")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return got if isinstance(got, str) else ""
+
+
+def _writer_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    layout = {k: options.get(k) for k in ("capacity", "num_streams")} | {"priorities": options.get("priorities", "keep")}
+    return {"compression": options.get("compression"), "chunk_rows": options.get("chunk_rows"),
+            "progress": options.get("progress", True), "verify": options.get("verify", True), "layout": layout,
+            "codec": options.get("codec", "keep")}
+
+
+class TailWriter(CopyWriter):
+    """Appends to ``onto`` (a copy of an earlier state of ``src`` that kept its rows) the
+    rows written since; refuses with :class:`_Stale` before writing when it is not one."""
+
+    def __init__(self, src: Any, onto: Path, *, copied: str, **options: Any) -> None:
+        super().__init__(src, keep_rows=True, **options)
+        self.onto = onto
+        self.copied = copied  # the store_id of the store ``onto`` is a copy of
+        self.whole: Plan | None = None
+        self.whole_lanes: np.ndarray | None = None
+        self.drop_below: list[int] = []
+
+    def open(self) -> None:
+        super().open()
+        buf, view = self.buf, self.view
+        if not self.copied or buf.store.manifest.store_id != self.copied:
+            raise _Stale  # another store (or one made before store ids): no earlier state of this one
+        if self.starts is None or any(c is not None and parse_codec(k, c)[0] == "jpeg" for k, c in self.codecs.items()):
+            raise _Stale
+        try:
+            old = open_buffer(str(self.onto), mode="r")
+        except errors.MMBufferError:
+            raise _Stale from None
+        with old:
+            self._check_schema(old)
+            cut = [int(w) for w in old.view().written]
+            self._check_lanes(old, cut)
+        self.whole, self.whole_lanes = self.plan, self.lanes
+        self.plan = _since(self.plan, view, cut, self.layout.lane_size)
+        self.lanes = self.plan.lanes
+        self.layout.starts[:] = cut
+        self.drop_below = [int(lv.first_start) for lv in view.lanes]
+        assert buf is not None
+
+    def _check_schema(self, old: Buffer) -> None:
+        buf, layout = self.buf, self.layout
+        same = (
+            {k: (tuple(c.shape), str(c.dtype), c.codec) for k, c in old.columns.items()}
+            == {k: (tuple(c.shape), str(c.dtype), self.codecs.get(k, c.codec)) for k, c in buf.columns.items()}
+            and (old.capacity, old.num_streams) == (layout.capacity, layout.num_streams)
+            and tuple(old.next_keys) == tuple(buf.next_keys)
+            and load_manifest(self.onto).compression == self.compression
+            and getattr(old, "priorities", None) == layout.priorities
+        )
+        if not same:
+            raise _Stale
+
+    def _check_lanes(self, old: Buffer, cut: list[int]) -> None:
+        """Each lane of ``old`` an earlier state of the source's (module docstring)."""
+        buf, view, ls = self.buf, self.view, self.layout.lane_size
+        old_view = old.view()
+        old_starts, old_lengths = old.episode_bounds(old_view)
+        lengths = self.plan.lengths
+        for lane, (lv, olv) in enumerate(zip(view.lanes, old_view.lanes)):
+            first, end = int(lv.first_start), cut[lane]
+            if not first <= end <= int(view.written[lane]):
+                raise _Stale
+            mine = self.plan.lanes == lane
+            ends = first + np.cumsum(lengths[mine])[self.plan.complete[mine]]  # the source's complete episodes
+            theirs = int(olv.first_start) + np.cumsum(old_lengths[old_starts // ls == lane])
+            if first != int(olv.first_start) and first not in set(theirs.tolist()):
+                raise _Stale
+            if not np.array_equal(ends[ends <= end], theirs[theirs > first]):
+                raise _Stale
+            m = min(_CHECKED_ROWS, end - first)
+            rows = lane * ls + np.arange(end - m, end) % ls
+            for name in buf.columns:
+                if not np.array_equal(old.read(name, rows), buf.read(name, rows)):
+                    raise _Stale
+
+    def target(self, partial: Path, columns: dict[str, Any]) -> Buffer:
+        return Buffer(self.onto, "a")
+
+    def settle(self, out: Buffer) -> None:
+        """Every live row's stored priority and the ``attrs``, as the source has them now."""
+        buf, view, ls = self.buf, self.view, self.layout.lane_size
+        out.attrs = dict(buf.attrs)
+        if self.copy_leaves:
+            rows = np.concatenate([lane * ls + np.arange(lv.first_start, w) % ls
+                                   for lane, (lv, w) in enumerate(zip(view.lanes, view.written.tolist()))])
+            out.set_leaf_priorities(rows, buf.leaf_priorities(rows))
+
+    def write(self, partial: Path) -> None:
+        super().write(partial)
+        lanes = load_manifest(self.onto).lanes
+        if any(st.first_start < keep for st, keep in zip(lanes, self.drop_below)):
+            ls = self.layout.lane_size
+            progress.raise_reservation(self.onto, [max(st.written, keep + ls) for st, keep in zip(lanes, self.drop_below)])
+        assert self.whole is not None
+        self.summary.update(rows_copied=self.summary["rows"], rows=self.whole.rows, incremental=True,
+                            episodes=int(self.whole.complete.sum()),
+                            open_episode_rows=int(self.whole.lengths[~self.whole.complete].sum()))
+
+    def verify(self, partial: Path) -> None:
+        assert self.whole is not None and self.whole_lanes is not None
+        verify_episodes(partial, self.whole, self.whole_lanes)
+
+
+def _since(plan: Plan, view: Any, cut: list[int], lane_size: int) -> Plan:
+    """The part of ``plan`` (lane by lane, from each lane's ``view.first_start``) at or after
+    absolute row ``cut[lane]``: the episode holding it begins there."""
+    keep = np.zeros(len(plan.lengths), bool)
+    starts, lengths = plan.starts.copy(), plan.lengths.copy()
+    for lane, lv in enumerate(view.lanes):
+        mine = np.flatnonzero(plan.lanes == lane)
+        ends = int(lv.first_start) + np.cumsum(plan.lengths[mine])
+        after = ends > cut[lane]
+        keep[mine[after]] = True
+        if after.any():
+            k = mine[after][0]
+            lengths[k] = int(ends[after][0]) - cut[lane]
+            starts[k] = lane * lane_size + cut[lane] % lane_size
+    return Plan(starts[keep], lengths[keep], plan.complete[keep], plan.lanes[keep], plan.lane_size)
+

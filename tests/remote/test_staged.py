@@ -1,0 +1,201 @@
+"""The copy a publish keeps between publishes (``convert/_pipeline/staged.py``).
+
+A publish appends to the last publish's copy only the rows written since, and what a
+reader of the snapshot gets is still the local store's, row for row, priorities and
+``attrs`` included; wherever that copy is not an earlier state of the source (another
+store at the path, a lane lapped, other options, a damaged copy, a store without an id)
+the publish copies whole, and reads are still the local store's.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import mmbuffer as mb
+from mmbuffer.convert._pipeline import staged
+from mmbuffer.remote._snapshot import cache_base
+
+LANE = 2048
+
+
+def make(path, priorities: bool = True) -> None:
+    cols = {"obs": ((3,), "float32"), "x": ((), "int64"), "px": mb.Column((4, 4), "uint8", codec="zstd")}
+    mb.create(path, cols, capacity=2 * LANE, num_streams=2,
+              priorities=mb.PriorityConfig() if priorities else None).close()
+
+
+def extend(path, n: int, seed: int, episode: int = 37) -> None:
+    """``n`` rows into each of the two lanes (episodes of ``episode`` rows, cut anywhere)."""
+    rng = np.random.default_rng(seed)
+    with mb.open(path) as buf:
+        for lane in (0, 1):
+            done = rng.random(n) < 1 / episode
+            buf.extend({"obs": rng.standard_normal((n, 3), dtype=np.float32), "x": rng.integers(0, 1 << 40, n),
+                        "px": rng.integers(0, 255, (n, 4, 4), np.uint8), "terminated": done}, stream=lane,
+                       final_obs={"obs": rng.standard_normal((int(done.sum()), 3), dtype=np.float32)})
+
+
+def reprioritize(path, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    with mb.open(path) as buf:
+        buf.update_priorities(buf.sample(200).indices, rng.uniform(0.1, 5.0, 200))
+        buf.attrs = {"step": seed}
+
+
+def same(url: str, path, cache) -> None:
+    """A new reader of ``url`` gets the local store's episodes, rows, priorities and attrs."""
+    with mb.open(path, mode="r") as local, mb.open(url, mode="r", cache_dir=cache, pool=None) as ro:
+        for a, b in zip(local.episodes(), ro.episodes()):
+            assert torch.equal(a, b)
+        rows = np.concatenate([lane * LANE + np.arange(lv.first_start, lv.visible_end) % LANE
+                               for lane, lv in enumerate(local.view().lanes)])
+        assert len(rows) == len(local) == len(ro)
+        want, got = local.get(rows), ro.get(rows)
+        for k in want:
+            assert torch.equal(want[k], got[k]), k
+        if local.priorities is not None:
+            np.testing.assert_array_equal(ro.leaf_priorities(rows), local.leaf_priorities(rows))
+        assert ro.attrs == local.attrs
+
+
+def publish(path, url: str, **kw) -> dict:
+    return mb.convert.publish(path, url, progress=False, **kw)
+
+
+def test_a_publish_appends_to_the_copy_it_kept_and_reads_the_same(tmp_path):
+    make(tmp_path / "s")
+    extend(tmp_path / "s", 1500, 0)
+    url = f"file://{tmp_path}/pub"
+    first = publish(tmp_path / "s", url)
+    assert not first["incremental"] and first["rows_copied"] == first["rows"] == 3000
+    same(url, tmp_path / "s", tmp_path / "c0")
+    for step, n in enumerate((20, 700, 1100), start=1):  # the last two pass the end of both rings
+        extend(tmp_path / "s", n, step)
+        reprioritize(tmp_path / "s", step)
+        summary = publish(tmp_path / "s", url)
+        assert summary["incremental"] and summary["rows_copied"] == 2 * n
+        with mb.open(tmp_path / "s", mode="r") as local:  # every live row, the open episodes' too
+            view = local.view()
+            assert summary["rows"] == sum(int(w) - lv.first_start for w, lv in zip(view.written, view.lanes))
+        same(url, tmp_path / "s", tmp_path / f"c{step}")
+    with mb.open(tmp_path / "s", mode="r") as local:
+        assert local.view().first_starts.min() > 0  # both lanes evicted episodes
+
+
+def _replace_store(path, seed):
+    shutil.rmtree(path)
+    make(path)
+    extend(path, 1500, seed)
+
+
+def _lap(path, seed):
+    extend(path, LANE // 2 + 5, seed)
+    extend(path, LANE // 2 + 5, seed + 1)
+
+
+def _damage_copy(path, seed):
+    work = staged.work_dir(path, f"file://{path.parent}/pub", cache_base(None))
+    (work / "store" / "manifest.json").write_text("{")
+    extend(path, 10, seed)
+
+
+def _forget_the_source(path, seed):
+    work = staged.work_dir(path, f"file://{path.parent}/pub", cache_base(None))
+    (work / "source.json").unlink()
+    extend(path, 10, seed)
+
+
+def _store_without_an_id(path, seed):
+    """A store made before store ids: never appended to (nothing says it is the same store)."""
+    manifest = json.loads((path / "manifest.json").read_text())
+    del manifest["store_id"]
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    extend(path, 10, seed)
+
+
+@pytest.mark.parametrize("change", [_replace_store, _lap, _damage_copy, _forget_the_source, _store_without_an_id])
+def test_a_publish_copies_whole_where_its_copy_is_not_an_earlier_state_of_the_source(tmp_path, change):
+    make(tmp_path / "s")
+    extend(tmp_path / "s", 1500, 0)
+    url = f"file://{tmp_path}/pub"
+    publish(tmp_path / "s", url)
+    change(tmp_path / "s", 1)
+    summary = publish(tmp_path / "s", url)
+    assert not summary["incremental"] and summary["rows_copied"] == summary["rows"]
+    same(url, tmp_path / "s", tmp_path / "c")
+    if change is not _store_without_an_id:  # and the copy made whole is appended to next time
+        extend(tmp_path / "s", 10, 2)
+        assert publish(tmp_path / "s", url)["incremental"]
+        same(url, tmp_path / "s", tmp_path / "c2")
+
+
+def test_other_options_copy_whole(tmp_path):
+    make(tmp_path / "s", priorities=False)
+    extend(tmp_path / "s", 500, 0)
+    url = f"file://{tmp_path}/pub"
+    publish(tmp_path / "s", url)
+    extend(tmp_path / "s", 10, 1)
+    assert not publish(tmp_path / "s", url, compression="lz4")["incremental"]
+    same(url, tmp_path / "s", tmp_path / "c")
+    extend(tmp_path / "s", 10, 2)
+    assert publish(tmp_path / "s", url, compression="lz4")["incremental"]
+
+
+def test_episodes_a_live_writer_reserved_over_are_left_out_as_the_sources_readers_leave_them(tmp_path):
+    """Beside a writer whose reservation passed the oldest episodes, the source's readers
+    leave those out; the copy kept them from the publish before, and its readers leave
+    them out too (its reservation raised), so the snapshot holds what a reader saw."""
+    make(tmp_path / "s")
+    extend(tmp_path / "s", 1500, 0, episode=5)
+    url = f"file://{tmp_path}/pub"
+    publish(tmp_path / "s", url)
+    rng = np.random.default_rng(1)
+    with mb.open(tmp_path / "s") as w:  # a writer that stays open: its reservation runs ahead
+        n = 600
+        w.extend({"obs": rng.standard_normal((n, 3), dtype=np.float32), "x": np.arange(n),
+                  "px": np.zeros((n, 4, 4), np.uint8), "terminated": np.arange(n) % 5 == 4},
+                 final_obs={"obs": np.zeros((n // 5, 3), np.float32)})
+        w.commit()
+        with mb.open(tmp_path / "s", mode="r") as reader:
+            seen = reader.view().first_starts[0]
+            assert seen > w.store.committed[0].first_start  # the reader leaves out episodes the manifest keeps
+        summary = publish(tmp_path / "s", url)
+        assert summary["incremental"]
+        same(url, tmp_path / "s", tmp_path / "c")
+        with mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None) as ro:
+            assert ro.view().first_starts[0] == seen
+
+
+def test_a_second_publish_at_the_same_time_copies_into_a_temporary_directory(tmp_path):
+    make(tmp_path / "s")
+    extend(tmp_path / "s", 500, 0)
+    url = f"file://{tmp_path}/pub"
+    publish(tmp_path / "s", url)
+    work = staged.work_dir(tmp_path / "s", url, cache_base(None))
+    before = sorted(os.listdir(work / "store" / "columns" / "obs" / "c"))
+    extend(tmp_path / "s", 2000, 1)
+    fd = os.open(work / "LOCK", os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # another publish of this store to this URL holds it
+    try:
+        summary = publish(tmp_path / "s", url)
+    finally:
+        os.close(fd)
+    assert not summary["incremental"]
+    assert sorted(os.listdir(work / "store" / "columns" / "obs" / "c")) == before  # the kept copy untouched
+    same(url, tmp_path / "s", tmp_path / "c")
+
+
+def test_work_dir_false_keeps_no_copy(tmp_path):
+    make(tmp_path / "s")
+    extend(tmp_path / "s", 100, 0)
+    url = f"file://{tmp_path}/pub"
+    assert not publish(tmp_path / "s", url, work_dir=False)["incremental"]
+    assert not staged.work_dir(tmp_path / "s", url, cache_base(None)).exists()
+    same(url, tmp_path / "s", tmp_path / "c")
