@@ -199,3 +199,35 @@ def test_work_dir_false_keeps_no_copy(tmp_path):
     assert not publish(tmp_path / "s", url, work_dir=False)["incremental"]
     assert not staged.work_dir(tmp_path / "s", url, cache_base(None)).exists()
     same(url, tmp_path / "s", tmp_path / "c")
+
+
+def test_a_cache_directory_that_cannot_be_written_copies_into_a_temporary_directory(tmp_path, monkeypatch):
+    make(tmp_path / "s")
+    extend(tmp_path / "s", 100, 0)
+    (tmp_path / "ro").write_text("a file where the cache directory would be")
+    monkeypatch.setenv("MMBUFFER_CACHE_DIR", str(tmp_path / "ro"))
+    url = f"file://{tmp_path}/pub"
+    for seed in (1, 2):
+        extend(tmp_path / "s", 10, seed)
+        assert not publish(tmp_path / "s", url)["incremental"]
+        same(url, tmp_path / "s", tmp_path / f"c{seed}")
+
+
+def test_the_writers_own_buffer_publishes_incrementally(tmp_path):
+    """A training process publishes from the buffer it writes (committed first)."""
+    make(tmp_path / "s")
+    url = f"file://{tmp_path}/pub"
+    rng = np.random.default_rng(0)
+    with mb.open(tmp_path / "s") as w:
+        for step, n in enumerate((1500, 30, 900, 900)):  # the last two wrap the lane
+            w.extend({"obs": rng.standard_normal((n, 3), dtype=np.float32), "x": np.arange(n),
+                      "px": rng.integers(0, 255, (n, 4, 4), np.uint8), "terminated": np.arange(n) % 7 == 6},
+                     final_obs={"obs": np.zeros((n // 7, 3), np.float32)})
+            w.commit()
+            summary = publish(w, url)
+            assert summary["incremental"] == (step > 0) and summary["rows_copied"] == (n if step else 1500)
+            with mb.open(url, mode="r", cache_dir=tmp_path / f"c{step}", pool=None) as ro:
+                for a, b in zip(w.episodes(), ro.episodes()):
+                    assert torch.equal(a, b)
+                rows = np.arange(w.view().first_starts[0], w.view().written[0]) % LANE
+                assert torch.equal(w.get(rows)["x"], ro.get(rows)["x"])

@@ -21,7 +21,8 @@ Episodes that the copy kept but the source's readers left out (a live writer had
 reserved their rows) are left out of the copy's readers the same way: its reservation
 is raised to the source's oldest live episode plus a lane (``progress.raise_reservation``).
 A second publish of the same store to the same URL at the same time (the work directory
-is locked) copies into a temporary directory instead.
+is locked), or one whose cache directory cannot be written, copies into a temporary
+directory instead.
 """
 
 from __future__ import annotations
@@ -123,9 +124,14 @@ def staged_copy(src: Any, work: Path | None, *, tmp_dir: Any, **options: Any) ->
 
 
 def _lock(work: Path) -> int | None:
-    """An exclusive lock on ``work`` (made if missing), or None when another publish holds it."""
-    work.mkdir(parents=True, exist_ok=True)
-    fd = os.open(work / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    """An exclusive lock on ``work`` (made if missing), or None when another publish holds
+    it or the directory cannot be made (a read-only cache: the publish copies to a
+    temporary directory, as without a work directory)."""
+    try:
+        work.mkdir(parents=True, exist_ok=True)
+        fd = os.open(work / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    except OSError:
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
