@@ -231,3 +231,52 @@ def test_the_writers_own_buffer_publishes_incrementally(tmp_path):
                     assert torch.equal(a, b)
                 rows = np.arange(w.view().first_starts[0], w.view().written[0]) % LANE
                 assert torch.equal(w.get(rows)["x"], ro.get(rows)["x"])
+
+
+_PUBLISHER = """
+import sys, time
+import mmbuffer as mb
+from mmbuffer.convert._pipeline import staged
+settle = staged.TailWriter.settle
+def slow_settle(self, out):  # the appended rows written, not committed: a wide window to be killed in
+    settle(self, out)
+    time.sleep(1.5)
+staged.TailWriter.settle = slow_settle
+print("ready", flush=True)
+mb.convert.publish(sys.argv[1], sys.argv[2], progress=False)
+"""
+
+
+@pytest.mark.slow
+def test_a_publisher_killed_while_it_appends_leaves_what_the_next_publish_completes(tmp_path):
+    """Publishers SIGKILLed at random instants of an incremental publish (each one paused
+    1.5 s after its rows were appended, before their commit): some while the kept copy was
+    appended to (its writer had reserved rows it never committed); after each, the next
+    publish completes and its snapshot is the local store's."""
+    from killing import publisher, timed
+
+    make(tmp_path / "s")
+    extend(tmp_path / "s", 1500, 0)
+    url = f"file://{tmp_path}/pub"
+    start = publisher(_PUBLISHER, url)
+    assert start(tmp_path / "s").wait() == 0
+    extend(tmp_path / "s", 300, 1)
+    span = timed(start, tmp_path / "s")
+    work = staged.work_dir(tmp_path / "s", url, cache_base(None))
+    rng = np.random.default_rng(7)
+    mid_append = killed = 0
+    for round_ in range(int(os.environ.get("MMBUFFER_KILL_TRIALS", 6))):
+        extend(tmp_path / "s", 300, 2 + round_)
+        p = start(tmp_path / "s")
+        try:
+            p.wait(timeout=float(rng.uniform(0.05, 1.0)) * span)
+        except Exception:
+            p.kill()
+            p.wait()
+            killed += 1
+            with mb.open(work / "store", mode="r") as copy:  # a dead writer's reservation past its commit
+                mid_append += any(r > st.written for r, st in zip(copy.reservation(), copy.store.committed))
+        assert start(tmp_path / "s").wait() == 0
+        same(url, tmp_path / "s", tmp_path / f"c{round_}")
+    print(f"{killed} publishers killed, {mid_append} of them while appending")
+    assert mid_append >= 1
