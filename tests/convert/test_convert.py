@@ -1174,3 +1174,41 @@ def test_a_copy_that_keeps_rows_holds_a_wrapped_ring_where_the_source_does(tmp_p
     before, after = chunks(tmp_path / "a"), chunks(tmp_path / "b")
     changed = [k for k in after if before.get(k) != after[k]]
     assert len(after) >= 8 and 1 <= len(changed) <= 2  # the chunk(s) of lane 1's 40 new rows
+
+
+def test_a_copy_of_rows_that_the_stores_writer_laps_meanwhile_is_refused(tmp_path, monkeypatch):
+    """A copy from a read-only handle checks, after reading each piece, that the writer has
+    not reserved those rows meanwhile (it may have rewritten them); a lapped copy is a
+    typed refusal naming the stream, and nothing is left at the destination."""
+    from mmbuffer.convert._pipeline import copy as copy_module
+    from mmbuffer.errors import RowNotLiveError
+
+    def steps(n, start):
+        x = np.arange(start, start + n)
+        return {"x": x, "terminated": x % 10 == 9}
+
+    path = tmp_path / "s"
+    writer = mb.create(path, {"x": ((), "int64")}, capacity=4096, next_keys=())
+    writer.extend(steps(4000, 0))
+    writer.commit()
+    reader = mb.open(path, mode="r")
+    walk = copy_module.walk
+
+    def lapped_walk(*args, **kwargs):
+        for i, piece in enumerate(walk(*args, **kwargs)):
+            yield piece
+            if i == 0:  # the writer laps the rows still to be read
+                writer.extend(steps(3000, 4000))
+                writer.commit()
+
+    monkeypatch.setattr(copy_module, "walk", lapped_walk)
+    with pytest.raises(RowNotLiveError, match="stream 0: expected the rows from"):
+        copy(reader, tmp_path / "c", chunk_rows=1024, progress=False)
+    assert not (tmp_path / "c").exists() and not (tmp_path / "c.partial").exists()
+    monkeypatch.setattr(copy_module, "walk", walk)
+    reader.refresh()
+    copy(reader, tmp_path / "c", chunk_rows=1024, progress=False)  # nothing moves now: copied
+    with mb.open(tmp_path / "c", mode="r") as c:
+        assert torch.equal(c.episodes()[1], reader.episodes()[1])
+    reader.close()
+    writer.close()

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import mmbuffer as mb
+from mmbuffer import errors
 from mmbuffer.convert._pipeline import staged
 from mmbuffer.remote._snapshot import cache_base
 
@@ -281,3 +282,61 @@ def test_a_publisher_killed_while_it_appends_leaves_what_the_next_publish_comple
         same(url, tmp_path / "s", tmp_path / f"c{round_}")
     print(f"{killed} publishers killed, {mid_append} of them while appending")
     assert mid_append >= 1
+
+
+_WRITER = """
+import sys, time
+import numpy as np
+import mmbuffer as mb
+with mb.open(sys.argv[1]) as w:
+    print("ready", flush=True)
+    end = time.monotonic() + float(sys.argv[2])
+    written = [int(st.written) for st in w.store.committed]
+    while time.monotonic() < end:
+        for lane in (0, 1):
+            n = 97
+            x = np.arange(written[lane], written[lane] + n)  # each row holds its own absolute row
+            w.extend({"obs": np.zeros((n, 3), np.float32), "x": x, "px": np.zeros((n, 4, 4), np.uint8),
+                      "terminated": x % 11 == 10}, stream=lane, final_obs={"obs": np.zeros((int((x % 11 == 10).sum()), 3), np.float32)})
+            written[lane] += n
+        w.commit()
+        time.sleep(0.1)  # ~1,000 rows a second a lane: a lap of a lane in ~2 s
+"""
+
+
+@pytest.mark.slow
+def test_publishes_beside_a_live_writer_process_hold_the_rows_written_there(tmp_path):
+    """A writer process extends both lanes (each row's ``x`` its absolute row) and commits
+    while this process publishes the store's path again and again: every snapshot holds,
+    at every live row, the row written there, and later publishes append to the copy."""
+    import subprocess
+    import sys
+    import time
+
+    make(tmp_path / "s")
+    url = f"file://{tmp_path}/pub"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(p) for p in sys.path if p]))
+    w = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path / "s"), "25"], env=env, stdout=subprocess.PIPE)
+    assert w.stdout is not None and w.stdout.readline() == b"ready\n"
+    w.stdout.close()
+    incremental, lapped, refused = 0, False, 0
+    try:
+        for i in range(12):
+            time.sleep(0.3)
+            try:
+                incremental += publish(tmp_path / "s", url)["incremental"]
+            except errors.RowNotLiveError:  # the writer lapped rows while they were copied: refused, typed
+                refused += 1
+                continue
+            with mb.open(url, mode="r", cache_dir=tmp_path / f"c{i}", pool=None) as ro:
+                view = ro.view()
+                lapped |= bool(view.first_starts.min() > 0)
+                for lane, lv in enumerate(view.lanes):
+                    absolute = np.arange(lv.first_start, lv.visible_end)
+                    got = ro.get(lane * LANE + absolute % LANE, ["x"])["x"].numpy()
+                    np.testing.assert_array_equal(got, absolute)
+    finally:
+        w.kill()
+        w.wait()
+    print(f"{incremental} of 12 publishes appended, {refused} refused")
+    assert lapped and incremental >= 6  # the rings wrapped, and most publishes appended

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..._disk.checks import check_column_codec
 from ...buffer import Buffer
-from ...errors import InvalidArgumentError
+from ...errors import InvalidArgumentError, RowNotLiveError
 from ..._ledger.create import create_store
 from ..._ledger.index import Lane
 from ...opening import open as open_buffer
@@ -170,8 +170,11 @@ class CopyWriter(Writer):
         readback = ReadBack(partial) if self.readback else None
         segment = max(rows_per, SEGMENT_BYTES // max(1, row_bytes(buf)))
         since = 0
+        at = self._first_rows()  # per lane, the absolute row of the next piece
         with progress_bar(plan.rows, "copy", self.progress) as bar:
             for piece in walk(buf, plan, keys, rows_per, release=self.opened.owned):
+                self._check_intact(piece.lane, int(at[piece.lane]))
+                at[piece.lane] += len(piece.rows)
                 for name in keys:
                     crc_update(crc, f"{piece.lane}:{name}", piece.data[name])
                 ended = np.cumsum(piece.last) - piece.last  # complete episodes ended before each row
@@ -210,6 +213,30 @@ class CopyWriter(Writer):
             "verified": False,
         }
         self.nbytes = row_bytes(buf) * plan.rows
+
+    def _first_rows(self) -> np.ndarray:
+        """Per lane, the absolute row of the plan's first row there (the one at its ring
+        position within the lane's last ``lane_size`` rows)."""
+        plan, ls, written = self.plan, int(self.buf.lane_size), np.asarray(self.view.written, np.int64)
+        out = written.copy()
+        for lane in np.unique(plan.lanes).tolist():
+            back = (int(written[lane]) - int(plan.starts[np.flatnonzero(plan.lanes == lane)[0]])) % ls
+            out[lane] -= back or ls  # a lane with rows to copy: its first is behind its end
+        return out
+
+    def _check_intact(self, lane: int, first: int) -> None:
+        """After a piece of ``lane`` from absolute row ``first`` on was read from a store
+        opened read-only: refuse it if the store's writer (another process) has reserved
+        its rows meanwhile (they may have been rewritten while read; ``writer.py``)."""
+        buf = self.buf
+        if buf.mode != "r":
+            return
+        reserved = int(buf.reservation()[lane])
+        if reserved - int(buf.lane_size) > first:
+            raise RowNotLiveError(
+                f"{getattr(buf, 'path', self.src)}: stream {lane}: expected the rows from {first} on to stay while they "
+                f"were copied, got the writer's reservation at {reserved} (it rewrites rows below "
+                f"{reserved - int(buf.lane_size)}); nothing was kept: copy again, or from the writer's own Buffer")
 
     def target(self, partial: Path, columns: dict[str, Any]) -> Buffer:
         """The store the rows go to: a new one at ``partial``, open for writing."""

@@ -60,6 +60,10 @@ def copy(
     cannot hold their episodes is refused before anything is written
     (:class:`~mmbuffer.errors.InvalidArgumentError` naming ``capacity``).
 
+    From a store path (opened read-only) whose writer, in another process, reaches rows
+    while they are copied, the copy is refused (``RowNotLiveError`` naming the stream;
+    nothing is left at ``dst``): copy from the writer's own ``Buffer``, or again.
+
     Parameters
     ----------
     src
