@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 
 import numpy as np
 import pytest
@@ -309,9 +310,7 @@ def test_publishes_beside_a_live_writer_process_hold_the_rows_written_there(tmp_
     """A writer process extends both lanes (each row's ``x`` its absolute row) and commits
     while this process publishes the store's path again and again: every snapshot holds,
     at every live row, the row written there, and later publishes append to the copy."""
-    import subprocess
     import sys
-    import time
 
     make(tmp_path / "s")
     url = f"file://{tmp_path}/pub"
@@ -340,3 +339,34 @@ def test_publishes_beside_a_live_writer_process_hold_the_rows_written_there(tmp_
         w.wait()
     print(f"{incremental} of 12 publishes appended, {refused} refused")
     assert lapped and incremental >= 6  # the rings wrapped, and most publishes appended
+
+
+def test_work_directories_no_publish_used_for_two_weeks_are_removed_and_nothing_else(tmp_path):
+    make(tmp_path / "s")
+    extend(tmp_path / "s", 100, 0)
+    folder = cache_base(None) / "publish"
+    old = time.time() - 15 * 86400
+    made = {}
+    for name, files in {"a" * 20: ["LOCK", "digests.json"], "b" * 20: ["LOCK"], "c" * 20: ["LOCK", "notes.txt"],
+                        "not-a-work-dir": ["LOCK"]}.items():
+        (folder / name).mkdir(parents=True)
+        for f in files:
+            (folder / name / f).write_text("x")
+        made[name] = folder / name
+    os.utime(made["a" * 20] / "LOCK", (old, old))  # unused for 15 days: removed
+    os.utime(made["c" * 20] / "LOCK", (old, old))  # unused, but holds a file mmbuffer never writes: kept
+    os.utime(made["not-a-work-dir"] / "LOCK", (old, old))  # not a name mmbuffer gives: kept
+    held = made["d" * 20] = folder / ("d" * 20)  # unused, but a publish holds it now: kept
+    held.mkdir()
+    (held / "LOCK").write_text("x")
+    os.utime(held / "LOCK", (old, old))
+    fd = os.open(held / "LOCK", os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        publish(tmp_path / "s", f"file://{tmp_path}/pub")
+    finally:
+        os.close(fd)
+    assert {name for name, path in made.items() if path.exists()} == {"b" * 20, "c" * 20, "not-a-work-dir", "d" * 20}
+    assert staged.work_dir(tmp_path / "s", f"file://{tmp_path}/pub", cache_base(None)).is_dir()  # this publish's own
+    for path in made.values():
+        shutil.rmtree(path, ignore_errors=True)

@@ -139,7 +139,8 @@ def publish(src: Any, url: str, *, compression: str | None = "zstd", storage_opt
     with another ``capacity`` or ``num_streams`` the episodes start at row 0 of each
     lane). That copy is kept for the next publish of ``src`` to ``url`` in ``work_dir``
     (default ``cache_dir/publish/<key>``: ``$MMBUFFER_CACHE_DIR`` or ``~/.cache/mmbuffer``;
-    about the store's compressed size on disk), which then appends only the rows written
+    about the store's compressed size on disk; removed by a later publish once unused for
+    two weeks), which then appends only the rows written
     since (``summary["incremental"]``, ``"rows_copied"``; :mod:`.staged` says when it
     copies whole instead); ``work_dir=False`` copies into a temporary directory (under
     ``tmp_dir``) removed after the publish. The objects whose digest differs from the previous snapshot's

@@ -22,7 +22,8 @@ reserved their rows) are left out of the copy's readers the same way: its reserv
 is raised to the source's oldest live episode plus a lane (``progress.raise_reservation``).
 A second publish of the same store to the same URL at the same time (the work directory
 is locked), or one whose cache directory cannot be written, copies into a temporary
-directory instead.
+directory instead. Work directories no publish used for two weeks are removed by the
+next publish (:func:`prune_unused`).
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,11 +55,14 @@ from ...remote._objects import FileDigests
 from .copy import CopyWriter, copy_local, verify_episodes
 from .walk import Plan
 
-__all__ = ["Staged", "TailWriter", "staged_copy", "work_dir"]
+__all__ = ["Staged", "TailWriter", "prune_unused", "staged_copy", "work_dir"]
 
 _CHECKED_ROWS = 64  # the copy's last rows per lane compared with the source's
 _DIGESTS = "digests.json"  # beside the copy: the memo of its files' digests
 _SOURCE = "source.json"  # beside the copy: the store_id of the store it copies
+_OURS = {"LOCK", "store", "store.partial", _DIGESTS, _SOURCE, _DIGESTS + ".partial", _SOURCE + ".partial"}
+_NAME = re.compile(r"^[0-9a-f]{20}$")
+_UNUSED_FOR = 14 * 86400.0  # a work directory no publish used for two weeks is removed
 
 
 class _Stale(Exception):
@@ -117,15 +123,41 @@ def staged_copy(src: Any, work: Path | None, *, tmp_dir: Any, **options: Any) ->
         return
     assert work is not None
     try:
+        prune_unused(work.parent)
         store = work / "store"
         yield Staged(store, _bring_up_to_date(src, store, options), work)
     finally:
         os.close(lock)
 
 
-def _lock(work: Path) -> int | None:
-    """An exclusive lock on ``work`` (made if missing), or None when another publish holds
-    it or the directory cannot be made (a read-only cache: the publish copies to a
+def prune_unused(folder: Path, unused_for: float = _UNUSED_FOR) -> list[Path]:
+    """Remove the work directories in ``folder`` (``cache_dir/publish``) that no publish
+    has used for ``unused_for`` seconds (each publish touches its ``LOCK``) and none holds
+    now; only what this module makes (a 20-hex-digit name holding only its own files) is
+    ever removed. Returns those removed."""
+    gone = []
+    cutoff = time.time() - unused_for
+    for work in folder.iterdir() if folder.is_dir() else ():
+        try:
+            if (not _NAME.match(work.name) or work.is_symlink() or not work.is_dir()
+                    or not set(os.listdir(work)) <= _OURS or (work / "LOCK").stat().st_mtime > cutoff):
+                continue
+        except OSError:
+            continue
+        lock = _lock(work, touch=False)
+        if lock is not None:
+            try:
+                shutil.rmtree(work)
+                gone.append(work)
+            finally:
+                os.close(lock)
+    return gone
+
+
+def _lock(work: Path, touch: bool = True) -> int | None:
+    """An exclusive lock on ``work`` (made if missing; ``touch``: its ``LOCK`` marked used
+    now), or None when another publish holds it, the directory was just removed as unused
+    (:func:`prune_unused`), or it cannot be made (a read-only cache: the publish copies to a
     temporary directory, as without a work directory)."""
     try:
         work.mkdir(parents=True, exist_ok=True)
@@ -134,7 +166,11 @@ def _lock(work: Path) -> int | None:
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+        if os.fstat(fd).st_ino != os.stat(work / "LOCK", follow_symlinks=False).st_ino:
+            raise FileNotFoundError  # pruned between the open and the lock
+        if touch:
+            os.utime(fd)
+    except OSError:
         os.close(fd)
         return None
     return fd
