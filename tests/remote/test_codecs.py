@@ -215,7 +215,7 @@ def test_a_publish_after_one_percent_new_rows_sends_only_changed_codec_objects(t
     make(tmp_path / "local", rows, capacity=6_656, streams=1, episode=256, cam=32)
     url = f"s3://{new_bucket(server[0])}/store"
     before = counter.put_bytes
-    mb.convert.publish(tmp_path / "local", url, engine=engine, progress=False)
+    first = mb.convert.publish(tmp_path / "local", url, engine=engine, progress=False)
     full = counter.put_bytes - before
     ro = mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None)
     with mb.open(tmp_path / "local") as buf:
@@ -223,7 +223,9 @@ def test_a_publish_after_one_percent_new_rows_sends_only_changed_codec_objects(t
     before = counter.put_bytes
     second = mb.convert.publish(tmp_path / "local", url, engine=engine, progress=False)
     sent = counter.put_bytes - before
-    assert second["sequence"] == 2 and second["lossy_shards_kept"] > 0
+    # the JPEG shards the first publish sent are the local store's own, and stay in the copy
+    # the second appended to (which completed no new shard: none to take)
+    assert first["lossy_shards_kept"] > 0 and second["sequence"] == 2 and second["incremental"]
     assert 0 < sent <= 0.05 * full, (sent, full)
     print(f"{engine}: full publish {full} B, after 1% new rows {sent} B ({sent / full:.2%})")
     assert ro.refresh() is True
@@ -268,21 +270,27 @@ def test_a_snapshot_column_holds_at_most_max_maps_shard_objects(tmp_path, small_
 def test_a_wrapped_ring_publishes_at_its_own_rows_with_its_own_jpeg_shards(tmp_path, server, small_inner_chunks):
     """Once the ring has wrapped, a publish keeps every row where the local store has it
     (the copy's lanes begin at the oldest live episode), so the JPEG shard files sent are
-    the local store's own and every column, JPEG included, reads back bit for bit."""
+    the local store's own and every column, JPEG included, reads back bit for bit; also
+    after a publish that appended to the copy the first one kept."""
     make(tmp_path / "local", 1000, capacity=1024, streams=1)
     with mb.open(tmp_path / "local") as buf:  # wrapped: the oldest episodes evicted
         extend(buf, 1000, 500, streams=1, episode=97)
         assert buf.store.committed[0].first_start > 0
     url = f"s3://{new_bucket(server[0])}/store"
-    summary = mb.convert.publish(tmp_path / "local", url, progress=False)
-    assert summary["lossy_shards_kept"] > 0
-    with mb.open(tmp_path / "local", mode="r") as local, mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None) as ro:
-        (ls, ll), (rs, rl) = local.episodes(), ro.episodes()
-        assert torch.equal(ll, rl) and torch.equal(ls, rs)  # the same episodes at the same rows
-        rows = np.concatenate([np.arange(a, a + n) % 1024 for a, n in zip(ls.tolist(), ll.tolist())])
-        here, there = local.get(rows), ro.get(rows)
-        for k in ("frames", "raw_frames", "state", "action", "next_frames", "cam"):
-            assert torch.equal(here[k], there[k]), k
+    for step in range(2):  # then more rows, appended to the copy the first publish kept
+        if step:
+            with mb.open(tmp_path / "local") as buf:
+                extend(buf, 1500, 300, streams=1, episode=97)
+        summary = mb.convert.publish(tmp_path / "local", url, progress=False)
+        assert summary["lossy_shards_kept"] > 0 and summary["incremental"] == bool(step)
+        with mb.open(tmp_path / "local", mode="r") as local, \
+                mb.open(url, mode="r", cache_dir=tmp_path / f"c{step}", pool=None) as ro:
+            (ls, ll), (rs, rl) = local.episodes(), ro.episodes()
+            assert torch.equal(ll, rl) and torch.equal(ls, rs)  # the same episodes at the same rows
+            rows = np.concatenate([np.arange(a, a + n) % 1024 for a, n in zip(ls.tolist(), ll.tolist())])
+            here, there = local.get(rows), ro.get(rows)
+            for k in ("frames", "raw_frames", "state", "action", "next_frames", "cam"):
+                assert torch.equal(here[k], there[k]), k
 
 
 def test_a_publish_into_another_capacity_re_encodes_jpeg_within_its_tolerance(tmp_path, server, small_inner_chunks):

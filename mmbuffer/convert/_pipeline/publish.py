@@ -189,7 +189,7 @@ def publish(src: Any, url: str, *, compression: str | None = "zstd", storage_opt
         work_dir_for(src, url, _snapshot.cache_base(None)) if work_dir is None or work_dir is True else Path(work_dir))
     with staged_copy(src, work, tmp_dir=tmp_dir, compression=compression, **copy_options) as staged:
         store, summary = staged.path, staged.summary
-        summary["lossy_shards_kept"] = keep_lossy_shards(src, store)
+        summary["lossy_shards_kept"] = keep_lossy_shards(src, store, since=staged.since)
         generation = load_manifest(store).generation
         digests = staged.digests()
         if engine == "group":
@@ -229,14 +229,16 @@ def _held(fs: Any, root: str, url: str, marker: str, storage_options: Mapping[st
     return "icechunk" if _icechunk.is_repo(url.rstrip("/"), storage_options) else "snapshots"
 
 
-def keep_lossy_shards(src: Any, dst: Path) -> int:
+def keep_lossy_shards(src: Any, dst: Path, since: int | None = None) -> int:
     """Put the source's own shard files of its lossy (JPEG) columns into the copy ``dst``
     where the copy holds every row where the source does (same geometry and cursors: a
     publish keeps the source's rows, ``copy_local(keep_rows=True)``), so a published frame
     is the local store's, not a re-encoding of its decode (JPEG loses a little at each
     encode). Each file is taken only if its header names the shard the copy's names;
     returns how many were taken (elsewhere the copy's re-encoded files stay: a publish
-    with another ``capacity`` or ``num_streams`` is re-encoded).
+    with another ``capacity`` or ``num_streams`` is re-encoded). ``since``: only the copy's
+    files written at or after that time (``time.time_ns()``; a copy appended to, whose
+    older files were taken before).
 
     >>> import tempfile, numpy as np, mmbuffer as mb
     >>> d = tempfile.mkdtemp()
@@ -265,6 +267,8 @@ def keep_lossy_shards(src: Any, dst: Path) -> int:
         for mine in sorted((dst / "columns" / name / "c").rglob("*")):
             rel = mine.relative_to(dst).as_posix()
             if not mine.is_file() or not _safe_io.lexists(Path(where), rel):
+                continue
+            if since is not None and mine.stat().st_mtime_ns < since:
                 continue
             fd = _safe_io.open_file(Path(where), rel)  # no link followed; one read: a live writer replaces files whole
             with os.fdopen(fd, "rb") as f:

@@ -14,9 +14,11 @@ Appending needs the copy to be an earlier state of this source. It is checked be
 anything is written: the same schema and options, every lane of the copy at or behind
 the source's and not lapped by it, the source's oldest live episode starting at an
 episode start of the copy, the same episode ends between there and the copy's end, and
-the copy's last rows (up to 64 a lane) byte-equal to the source's. Otherwise (the first
-publish, other options, a source rewritten or replaced, a damaged copy, a JPEG column,
-whose local copy is a re-encoding) the copy is made whole again, as before this module.
+the copy's last rows (up to 64 a lane) byte-equal to the source's (but a JPEG column's). Otherwise (the first
+publish, other options, a source rewritten or replaced, a damaged copy, a store made
+before store ids) the copy is made whole again, as before this module. A JPEG column's
+shard files the append wrote (re-encoded from the decode) are then replaced by the
+source's own, as after a whole copy (``publish.keep_lossy_shards(since=...)``).
 Episodes that the copy kept but the source's readers left out (a live writer had
 reserved their rows) are left out of the copy's readers the same way: its reservation
 is raised to the source's oldest live episode plus a lane (``progress.raise_reservation``).
@@ -87,6 +89,8 @@ class Staged:
     path: Path
     summary: dict[str, Any]
     work: Path | None
+    #: when the rows appended began to be written (``time.time_ns()``); None: a whole copy
+    since: int | None = None
     _digests: FileDigests | None = field(default=None, init=False, repr=False)
 
     def digests(self) -> FileDigests | None:
@@ -125,7 +129,9 @@ def staged_copy(src: Any, work: Path | None, *, tmp_dir: Any, **options: Any) ->
     try:
         prune_unused(work.parent)
         store = work / "store"
-        yield Staged(store, _bring_up_to_date(src, store, options), work)
+        since = time.time_ns() - 1_000_000_000  # file times are coarse: a second early (older files taken again)
+        summary = _bring_up_to_date(src, store, options)
+        yield Staged(store, summary, work, since if summary["incremental"] else None)
     finally:
         os.close(lock)
 
@@ -238,7 +244,7 @@ class TailWriter(CopyWriter):
         buf, view = self.buf, self.view
         if not self.copied or buf.store.manifest.store_id != self.copied:
             raise _Stale  # another store (or one made before store ids): no earlier state of this one
-        if self.starts is None or any(c is not None and parse_codec(k, c)[0] == "jpeg" for k, c in self.codecs.items()):
+        if self.starts is None:
             raise _Stale
         try:
             old = open_buffer(str(self.onto), mode="r")
@@ -274,6 +280,9 @@ class TailWriter(CopyWriter):
         old_view = old.view()
         old_starts, old_lengths = old.episode_bounds(old_view)
         lengths = self.plan.lengths
+        # a JPEG column's rows read losslessly while staged, decoded once their shard is
+        # written: the copy's and the source's may differ until both move on (not compared)
+        lossless = [k for k, c in buf.columns.items() if c.codec is None or parse_codec(k, c.codec)[0] != "jpeg"]
         for lane, (lv, olv) in enumerate(zip(view.lanes, old_view.lanes)):
             first, end = int(lv.first_start), cut[lane]
             if not first <= end <= int(view.written[lane]):
@@ -287,7 +296,7 @@ class TailWriter(CopyWriter):
                 raise _Stale
             m = min(_CHECKED_ROWS, end - first)
             rows = lane * ls + np.arange(end - m, end) % ls
-            for name in buf.columns:
+            for name in lossless:
                 if not np.array_equal(old.read(name, rows), buf.read(name, rows)):
                     raise _Stale
 
