@@ -55,6 +55,7 @@ from ...buffer import Buffer
 from ...opening import open as open_buffer
 from ...remote._objects import FileDigests
 from .copy import CopyWriter, copy_local, verify_episodes
+from .reader import jsonable
 from .walk import Plan
 
 __all__ = ["Staged", "TailWriter", "prune_unused", "staged_copy", "work_dir"]
@@ -259,7 +260,6 @@ class TailWriter(CopyWriter):
         self.lanes = self.plan.lanes
         self.layout.starts[:] = cut
         self.drop_below = [int(lv.first_start) for lv in view.lanes]
-        assert buf is not None
 
     def _check_schema(self, old: Buffer) -> None:
         buf, layout = self.buf, self.layout
@@ -268,8 +268,8 @@ class TailWriter(CopyWriter):
             == {k: (tuple(c.shape), str(c.dtype), self.codecs.get(k, c.codec)) for k, c in buf.columns.items()}
             and (old.capacity, old.num_streams) == (layout.capacity, layout.num_streams)
             and tuple(old.next_keys) == tuple(buf.next_keys)
-            and load_manifest(self.onto).compression == self.compression
-            and getattr(old, "priorities", None) == layout.priorities
+            and old.compression == self.compression
+            and old.priorities == layout.priorities
         )
         if not same:
             raise _Stale
@@ -306,7 +306,7 @@ class TailWriter(CopyWriter):
     def settle(self, out: Buffer) -> None:
         """Every live row's stored priority and the ``attrs``, as the source has them now."""
         buf, view, ls = self.buf, self.view, self.layout.lane_size
-        out.attrs = dict(buf.attrs)
+        out.attrs = jsonable(dict(buf.attrs))
         if self.copy_leaves:
             rows = np.concatenate([lane * ls + np.arange(lv.first_start, w) % ls
                                    for lane, (lv, w) in enumerate(zip(view.lanes, view.written.tolist()))])
