@@ -1212,3 +1212,36 @@ def test_a_copy_of_rows_that_the_stores_writer_laps_meanwhile_is_refused(tmp_pat
         assert torch.equal(c.episodes()[1], reader.episodes()[1])
     reader.close()
     writer.close()
+
+
+def test_a_copy_of_a_store_path_whose_writer_laps_it_once_is_made_again_from_the_newer_state(tmp_path, monkeypatch):
+    """From a store path (opened read-only by the copy itself), a lapped copy is discarded
+    and made again from the store's newer state: the copy then holds what it holds."""
+    from mmbuffer.convert._pipeline import copy as copy_module
+
+    def steps(n, start):
+        x = np.arange(start, start + n)
+        return {"x": x, "terminated": x % 10 == 9}
+
+    path = tmp_path / "s"
+    writer = mb.create(path, {"x": ((), "int64")}, capacity=4096, next_keys=())
+    writer.extend(steps(4000, 0))
+    writer.commit()
+    walk, calls = copy_module.walk, []
+
+    def lapped_once(*args, **kwargs):
+        calls.append(1)
+        for i, piece in enumerate(walk(*args, **kwargs)):
+            yield piece
+            if i == 0 and len(calls) == 1:  # the writer laps the rows the first copy still has to read
+                writer.extend(steps(3000, 4000))
+                writer.commit()
+
+    monkeypatch.setattr(copy_module, "walk", lapped_once)
+    summary = copy(path, tmp_path / "c", chunk_rows=1024, progress=False)
+    assert len(calls) == 2 and summary["verified"]
+    with mb.open(path, mode="r") as src, mb.open(tmp_path / "c", mode="r") as c:
+        assert torch.equal(c.episodes()[1], src.episodes()[1])
+        x = c.get(np.arange(len(c)))["x"].numpy()
+        assert x[0] == src.view().first_starts[0] and np.array_equal(np.diff(x), np.ones(len(x) - 1))
+    writer.close()

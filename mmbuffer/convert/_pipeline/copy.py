@@ -38,6 +38,8 @@ from .walk import OpenedStore, Plan, chunk_rows_for, data_columns, plan_episodes
 
 __all__ = ["CopyWriter", "column_codecs", "copy_local", "verify_episodes"]
 
+_TRIES = 3  # copies of a store path whose writer laps the rows being read (each from a newer state)
+
 
 def copy_local(
     src: Any,
@@ -64,12 +66,22 @@ def copy_local(
     ``codec``: ``"keep"`` (each column keeps its codec), ``None`` (every column raw,
     memory-mapped: decoded once for training) or a mapping column -> codec (``None``
     for raw) changing the named columns, the others kept (:func:`column_codecs`).
+
+    A store path whose writer (another process) reached rows while they were read
+    (``RowNotLiveError``, :meth:`CopyWriter._check_intact`) is copied again from its
+    newer state, up to ``_TRIES`` times in all.
     """
     t0 = time.perf_counter()
-    writer = CopyWriter(src, compression=compression, chunk_rows=chunk_rows, progress=progress, verify=verify,
-                        codec=codec, keep_rows=keep_rows,
-                        layout=dict(capacity=capacity, num_streams=num_streams, priorities=priorities))
-    dst_path = _write_to(writer, dst, overwrite=overwrite, verify=verify)
+    for attempt in range(1, _TRIES + 1):
+        writer = CopyWriter(src, compression=compression, chunk_rows=chunk_rows, progress=progress, verify=verify,
+                            codec=codec, keep_rows=keep_rows,
+                            layout=dict(capacity=capacity, num_streams=num_streams, priorities=priorities))
+        try:
+            dst_path = _write_to(writer, dst, overwrite=overwrite, verify=verify)
+            break
+        except RowNotLiveError:
+            if attempt == _TRIES or not isinstance(src, (str, os.PathLike)):
+                raise  # an open Buffer keeps the state it has: copying again would meet the same
     summary = writer.summary
     summary["out"] = str(dst_path)
     summary["verified"] = verify

@@ -195,16 +195,17 @@ def _bring_up_to_date(src: Any, store: Path, options: Mapping[str, Any]) -> dict
                 writer.write(store)
                 if verify:
                     writer.verify(store)
-            except BaseException:
+            except BaseException as exc:
                 writer.abort()
-                shutil.rmtree(store)  # half appended, or not what the source holds: the next publish copies whole
-                raise
-            return {**writer.summary, "out": str(store), "verified": verify}
+                shutil.rmtree(store)  # half appended, or not what the source holds
+                if not isinstance(exc, errors.RowNotLiveError):
+                    raise  # the next publish copies whole; rows the source's writer lapped: now, below
+            else:
+                return {**writer.summary, "out": str(store), "verified": verify}
         except _Stale:
-            pass
+            shutil.rmtree(store)  # this module's own copy, not an earlier state of the source
         finally:
             writer.close()
-        shutil.rmtree(store)  # this module's own copy, not an earlier state of the source
     # read before the copy: a store replaced meanwhile then has another id than the one recorded
     store_id = src.store.manifest.store_id if isinstance(src, Buffer) else load_manifest(Path(src)).store_id
     summary = copy_local(src, store, keep_rows=True, **options)
