@@ -61,8 +61,9 @@ def copy(
     (:class:`~mmbuffer.errors.InvalidArgumentError` naming ``capacity``).
 
     From a store path (opened read-only) whose writer, in another process, reaches rows
-    while they are copied, the copy is refused (``RowNotLiveError`` naming the stream;
-    nothing is left at ``dst``): copy from the writer's own ``Buffer``, or again.
+    while they are copied, the copy is made again from the newer state (three tries in
+    all), then refused (``RowNotLiveError`` naming the stream; nothing is left at ``dst``);
+    from an open read-only ``Buffer``, at once: copy from the writer's own ``Buffer``.
 
     Parameters
     ----------
