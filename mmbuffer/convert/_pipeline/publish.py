@@ -134,8 +134,7 @@ def publish(src: Any, url: str, *, compression: str | None = "zstd", storage_opt
             **copy_options: Any) -> dict[str, Any]:
     """Publish the store ``src`` (a path or an open ``Buffer``) at ``url`` as its next snapshot.
 
-    The store is copied (``mb.convert.copy``, verified) into a temporary directory
-    with ``compression``, every row and episode slot where the source has it (also once
+    The store is copied (``mb.convert.copy``, verified) with ``compression``, every row and episode slot where the source has it (also once
     its ring has wrapped: rows that stayed are the same chunks as in the last snapshot;
     with another ``capacity`` or ``num_streams`` the episodes start at row 0 of each
     lane). That copy is kept for the next publish of ``src`` to ``url`` in ``work_dir``
