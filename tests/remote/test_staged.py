@@ -301,7 +301,7 @@ with mb.open(sys.argv[1]) as w:
                       "terminated": x % 11 == 10}, stream=lane, final_obs={"obs": np.zeros((int((x % 11 == 10).sum()), 3), np.float32)})
             written[lane] += n
         w.commit()
-        time.sleep(0.1)  # ~1,000 rows a second a lane: a lap of a lane in ~2 s
+        time.sleep(0.15)  # ~600 rows a second a lane: a lap of a lane in ~3 s
 """
 
 
