@@ -241,8 +241,9 @@ import sys, time
 import mmbuffer as mb
 from mmbuffer.convert._pipeline import staged
 settle = staged.TailWriter.settle
-def slow_settle(self, out):  # the appended rows written, not committed: a wide window to be killed in
+def slow_settle(self, out):  # the appended rows written, not committed: a window to be killed in
     settle(self, out)
+    print("appended", flush=True)
     time.sleep(1.5)
 staged.TailWriter.settle = slow_settle
 print("ready", flush=True)
@@ -252,37 +253,52 @@ mb.convert.publish(sys.argv[1], sys.argv[2], progress=False)
 
 @pytest.mark.slow
 def test_a_publisher_killed_while_it_appends_leaves_what_the_next_publish_completes(tmp_path):
-    """Publishers SIGKILLed at random instants of an incremental publish (each one paused
-    1.5 s after its rows were appended, before their commit): some while the kept copy was
-    appended to (its writer had reserved rows it never committed); after each, the next
-    publish completes and its snapshot is the local store's."""
-    from killing import publisher, timed
+    """Publishers SIGKILLed at random instants of an incremental publish (each one pauses
+    1.5 s after its rows were appended, before their commit): every other one at a random
+    instant of that pause (its copy's writer then holds a reservation past its commit: the
+    kill came mid-append), the others anywhere in the publish; after each, the next publish
+    completes and its snapshot is the local store's."""
+    import sys
 
     make(tmp_path / "s")
     extend(tmp_path / "s", 1500, 0)
     url = f"file://{tmp_path}/pub"
-    start = publisher(_PUBLISHER, url)
-    assert start(tmp_path / "s").wait() == 0
-    extend(tmp_path / "s", 300, 1)
-    span = timed(start, tmp_path / "s")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(p) for p in sys.path if p]))
+
+    def start():
+        p = subprocess.Popen([sys.executable, "-c", _PUBLISHER, str(tmp_path / "s"), url], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        assert p.stdout is not None and p.stdout.readline() == b"ready\n"
+        return p
+
+    def finish(p):
+        assert p.stdout is not None
+        p.stdout.read()
+        p.stdout.close()
+        return p.wait()
+
+    assert finish(start()) == 0
     work = staged.work_dir(tmp_path / "s", url, cache_base(None))
     rng = np.random.default_rng(7)
-    mid_append = killed = 0
-    for round_ in range(int(os.environ.get("MMBUFFER_KILL_TRIALS", "6"))):
+    trials = int(os.environ.get("MMBUFFER_KILL_TRIALS", "6"))
+    mid_append = aimed = 0
+    for round_ in range(trials):
         extend(tmp_path / "s", 300, 2 + round_)
-        p = start(tmp_path / "s")
-        try:
-            p.wait(timeout=float(rng.uniform(0.05, 1.0)) * span)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-            killed += 1
+        p = start()
+        if round_ % 2 == 0:  # in the pause after the append
+            assert p.stdout is not None and p.stdout.readline() == b"appended\n"
+            time.sleep(float(rng.uniform(0.0, 0.8)))  # 0.7 s short of the commit at least
+            aimed += 1
+        else:  # anywhere: before, in or after the append
+            time.sleep(float(rng.uniform(0.0, 2.5)))
+        p.kill()
+        if finish(p) != 0:  # killed before it ended
             with mb.open(work / "store", mode="r") as copy:  # a dead writer's reservation past its commit
                 mid_append += any(r > st.written for r, st in zip(copy.reservation(), copy.store.committed))
-        assert start(tmp_path / "s").wait() == 0
+        assert finish(start()) == 0
         same(url, tmp_path / "s", tmp_path / f"c{round_}")
-    print(f"{killed} publishers killed, {mid_append} of them while appending")
-    assert mid_append >= 1
+    print(f"{mid_append} publishers killed while appending, {aimed} aimed there")
+    assert mid_append >= aimed >= 1
 
 
 _WRITER = """
