@@ -154,14 +154,12 @@ class CopyWriter(Writer):
         """Begin each lane where the source's oldest planned episode is (its row and its
         episode number), where ``view`` is the state the plan was made from (a writer in
         another process may have moved on since: then the copy starts at row 0)."""
-        plan, ls = self.plan, self.layout.lane_size
         starts = [Lane(lv.first_start, lv.ep_head, lv.ep_head, lv.first_start) for lv in view.lanes]
-        for lane, st in enumerate(starts):
-            mine = np.flatnonzero(plan.lanes == lane)
-            if len(mine) and int(plan.starts[mine[0]]) != lane * ls + st.first_start % ls:
-                return
+        lanes, first = np.unique(self.plan.lanes, return_index=True)  # each lane's first planned episode
+        if not np.array_equal(self.plan.starts[first], self.buf.layout.rows(lanes, view.first_starts[lanes])):
+            return
         self.starts = starts
-        self.layout.starts[:] = [st.first_start for st in starts]
+        self.layout.starts[:] = view.first_starts
 
     def _runs(self, episode: np.ndarray) -> Iterator[tuple[int, int, int, int]]:
         """``(lane, a, b, first row)`` of each run of a piece's rows ``[a, b)`` that goes to
@@ -227,14 +225,12 @@ class CopyWriter(Writer):
         self.nbytes = row_bytes(buf) * plan.rows
 
     def _first_rows(self) -> np.ndarray:
-        """Per lane, the absolute row of the plan's first row there (the one at its ring
-        position within the lane's last ``lane_size`` rows)."""
-        plan, ls, written = self.plan, int(self.buf.lane_size), np.asarray(self.view.written, np.int64)
-        out = written.copy()
-        for lane in np.unique(plan.lanes).tolist():
-            back = (int(written[lane]) - int(plan.starts[np.flatnonzero(plan.lanes == lane)[0]])) % ls
-            out[lane] -= back or ls  # a lane with rows to copy: its first is behind its end
-        return out
+        """Per lane, the absolute row of the plan's first row there (lanes without rows to
+        copy: their cursor)."""
+        written = np.array(self.view.written, dtype=np.int64)
+        lanes, first = np.unique(self.plan.lanes, return_index=True)
+        written[lanes] = self.buf.layout.absolute(self.plan.starts[first], written)
+        return written
 
     def _check_intact(self, lane: int, first: int) -> None:
         """After a piece of ``lane`` from absolute row ``first`` on was read from a store

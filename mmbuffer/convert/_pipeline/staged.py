@@ -239,6 +239,7 @@ class TailWriter(CopyWriter):
         self.copied = copied  # the store_id of the store ``onto`` is a copy of
         self.whole: Plan | None = None
         self.whole_lanes: np.ndarray | None = None
+        self.ends = np.zeros(0, np.int64)  # the absolute end of each episode of the whole plan
         self.drop_below: list[int] = []
 
     def open(self) -> None:
@@ -252,12 +253,13 @@ class TailWriter(CopyWriter):
             old = open_buffer(str(self.onto), mode="r")
         except errors.MMBufferError:
             raise _Stale from None
+        self.ends = _absolute_ends(self.plan, view)
         with old:
             self._check_schema(old)
             cut = [int(w) for w in old.view().written]
             self._check_lanes(old, cut)
         self.whole, self.whole_lanes = self.plan, self.lanes
-        self.plan = _since(self.plan, view, cut, self.layout.lane_size)
+        self.plan = _since(self.plan, self.ends, np.asarray(cut, np.int64), buf.layout)
         self.lanes = self.plan.lanes
         self.layout.starts[:] = cut
         self.drop_below = [int(lv.first_start) for lv in view.lanes]
@@ -277,10 +279,10 @@ class TailWriter(CopyWriter):
 
     def _check_lanes(self, old: Buffer, cut: list[int]) -> None:
         """Each lane of ``old`` an earlier state of the source's (module docstring)."""
-        buf, view, ls = self.buf, self.view, self.layout.lane_size
+        buf, view, plan = self.buf, self.view, self.plan
         old_view = old.view()
         old_starts, old_lengths = old.episode_bounds(old_view)
-        lengths = self.plan.lengths
+        old_lanes = old.layout.lane(old_starts)
         # a JPEG column's rows read losslessly while staged, decoded once their shard is
         # written: the copy's and the source's may differ until both move on (not compared)
         lossless = [k for k, c in buf.columns.items() if c.codec is None or parse_codec(k, c.codec)[0] != "jpeg"]
@@ -288,15 +290,14 @@ class TailWriter(CopyWriter):
             first, end = int(lv.first_start), cut[lane]
             if not first <= end <= int(view.written[lane]):
                 raise _Stale
-            mine = self.plan.lanes == lane
-            ends = first + np.cumsum(lengths[mine])[self.plan.complete[mine]]  # the source's complete episodes
-            theirs = int(olv.first_start) + np.cumsum(old_lengths[old_starts // ls == lane])
+            ends = self.ends[(plan.lanes == lane) & plan.complete]  # the source's complete episodes
+            theirs = int(olv.first_start) + np.cumsum(old_lengths[old_lanes == lane])
             if first != int(olv.first_start) and first not in set(theirs.tolist()):
                 raise _Stale
             if not np.array_equal(ends[ends <= end], theirs[theirs > first]):
                 raise _Stale
             m = min(_CHECKED_ROWS, end - first)
-            rows = lane * ls + np.arange(end - m, end) % ls
+            rows = buf.layout.rows(lane, np.arange(end - m, end))
             for name in lossless:
                 if not np.array_equal(old.read(name, rows), buf.read(name, rows)):
                     raise _Stale
@@ -306,10 +307,10 @@ class TailWriter(CopyWriter):
 
     def settle(self, out: Buffer) -> None:
         """Every live row's stored priority and the ``attrs``, as the source has them now."""
-        buf, view, ls = self.buf, self.view, self.layout.lane_size
+        buf, view = self.buf, self.view
         out.attrs = jsonable(dict(buf.attrs))
         if self.copy_leaves:
-            rows = np.concatenate([lane * ls + np.arange(lv.first_start, w) % ls
+            rows = np.concatenate([buf.layout.rows(lane, np.arange(lv.first_start, w))
                                    for lane, (lv, w) in enumerate(zip(view.lanes, view.written.tolist()))])
             out.set_leaf_priorities(rows, buf.leaf_priorities(rows))
 
@@ -329,19 +330,25 @@ class TailWriter(CopyWriter):
         verify_episodes(partial, self.whole, self.whole_lanes)
 
 
-def _since(plan: Plan, view: Any, cut: list[int], lane_size: int) -> Plan:
-    """The part of ``plan`` (lane by lane, from each lane's ``view.first_start``) at or after
-    absolute row ``cut[lane]``: the episode holding it begins there."""
-    keep = np.zeros(len(plan.lengths), bool)
-    starts, lengths = plan.starts.copy(), plan.lengths.copy()
-    for lane, lv in enumerate(view.lanes):
-        mine = np.flatnonzero(plan.lanes == lane)
-        ends = int(lv.first_start) + np.cumsum(plan.lengths[mine])
-        after = ends > cut[lane]
-        keep[mine[after]] = True
-        if after.any():
-            k = mine[after][0]
-            lengths[k] = int(ends[after][0]) - cut[lane]
-            starts[k] = lane * lane_size + cut[lane] % lane_size
-    return Plan(starts[keep], lengths[keep], plan.complete[keep], plan.lanes[keep], plan.lane_size)
+def _absolute_ends(plan: Plan, view: Any) -> np.ndarray:
+    """The absolute end row of each episode of ``plan`` (each lane's from its
+    ``view.first_start`` on, in order)."""
+    cum = np.cumsum(plan.lengths)
+    lanes, first = np.unique(plan.lanes, return_index=True)
+    before = (cum - plan.lengths)[first]  # rows planned before each lane's first episode
+    at = np.searchsorted(lanes, plan.lanes)
+    out: np.ndarray = cum - before[at] + view.first_starts[plan.lanes]
+    return out
 
+
+def _since(plan: Plan, ends: np.ndarray, cut: np.ndarray, layout: Any) -> Plan:
+    """The part of ``plan`` (episodes ending at absolute rows ``ends``) after absolute row
+    ``cut[lane]`` of each lane: the episode holding it begins there."""
+    keep = ends > cut[plan.lanes]
+    same_lane = np.r_[False, plan.lanes[1:] == plan.lanes[:-1]]
+    head = keep & ~(same_lane & np.r_[False, keep[:-1]])  # each lane's first episode kept
+    starts, lengths = plan.starts.copy(), plan.lengths.copy()
+    lanes = plan.lanes[head]
+    lengths[head] = ends[head] - cut[lanes]
+    starts[head] = layout.rows(lanes, cut[lanes])
+    return Plan(starts[keep], lengths[keep], plan.complete[keep], plan.lanes[keep], plan.lane_size)
