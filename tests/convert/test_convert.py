@@ -1176,6 +1176,36 @@ def test_a_copy_that_keeps_rows_holds_a_wrapped_ring_where_the_source_does(tmp_p
     assert len(after) >= 8 and 1 <= len(changed) <= 2  # the chunk(s) of lane 1's 40 new rows
 
 
+def _counted(n: int, start: int) -> dict:
+    """``n`` rows whose ``x`` counts on from ``start``; an episode ends every 10."""
+    x = np.arange(start, start + n)
+    return {"x": x, "terminated": x % 10 == 9}
+
+
+def _ring_of_4000_counted_rows(path):
+    """A writer of a one-lane ring of 4,096 rows holding 4,000 committed rows."""
+    writer = mb.create(path, {"x": ((), "int64")}, capacity=4096, next_keys=())
+    writer.extend(_counted(4000, 0))
+    writer.commit()
+    return writer
+
+
+def _lapped_once(walk, writer):
+    """``walk`` whose first call lets ``writer`` lap the rows still to be read once its
+    first piece is out; and the list of calls."""
+    calls: list[int] = []
+
+    def lapped(*args, **kwargs):
+        calls.append(1)
+        for i, piece in enumerate(walk(*args, **kwargs)):
+            yield piece
+            if i == 0 and len(calls) == 1:
+                writer.extend(_counted(3000, 4000))
+                writer.commit()
+
+    return lapped, calls
+
+
 def test_a_copy_of_rows_that_the_stores_writer_laps_meanwhile_is_refused(tmp_path, monkeypatch):
     """A copy from a read-only handle checks, after reading each piece, that the writer has
     not reserved those rows meanwhile (it may have rewritten them); a lapped copy is a
@@ -1183,25 +1213,11 @@ def test_a_copy_of_rows_that_the_stores_writer_laps_meanwhile_is_refused(tmp_pat
     from mmbuffer.convert._pipeline import copy as copy_module
     from mmbuffer.errors import RowNotLiveError
 
-    def steps(n, start):
-        x = np.arange(start, start + n)
-        return {"x": x, "terminated": x % 10 == 9}
-
     path = tmp_path / "s"
-    writer = mb.create(path, {"x": ((), "int64")}, capacity=4096, next_keys=())
-    writer.extend(steps(4000, 0))
-    writer.commit()
+    writer = _ring_of_4000_counted_rows(path)
     reader = mb.open(path, mode="r")
     walk = copy_module.walk
-
-    def lapped_walk(*args, **kwargs):
-        for i, piece in enumerate(walk(*args, **kwargs)):
-            yield piece
-            if i == 0:  # the writer laps the rows still to be read
-                writer.extend(steps(3000, 4000))
-                writer.commit()
-
-    monkeypatch.setattr(copy_module, "walk", lapped_walk)
+    monkeypatch.setattr(copy_module, "walk", _lapped_once(walk, writer)[0])
     with pytest.raises(RowNotLiveError, match="stream 0: expected the rows from"):
         copy(reader, tmp_path / "c", chunk_rows=1024, progress=False)
     assert not (tmp_path / "c").exists() and not (tmp_path / "c.partial").exists()
@@ -1219,24 +1235,9 @@ def test_a_copy_of_a_store_path_whose_writer_laps_it_once_is_made_again_from_the
     and made again from the store's newer state: the copy then holds what it holds."""
     from mmbuffer.convert._pipeline import copy as copy_module
 
-    def steps(n, start):
-        x = np.arange(start, start + n)
-        return {"x": x, "terminated": x % 10 == 9}
-
     path = tmp_path / "s"
-    writer = mb.create(path, {"x": ((), "int64")}, capacity=4096, next_keys=())
-    writer.extend(steps(4000, 0))
-    writer.commit()
-    walk, calls = copy_module.walk, []
-
-    def lapped_once(*args, **kwargs):
-        calls.append(1)
-        for i, piece in enumerate(walk(*args, **kwargs)):
-            yield piece
-            if i == 0 and len(calls) == 1:  # the writer laps the rows the first copy still has to read
-                writer.extend(steps(3000, 4000))
-                writer.commit()
-
+    writer = _ring_of_4000_counted_rows(path)
+    lapped_once, calls = _lapped_once(copy_module.walk, writer)  # the first copy's rows lapped
     monkeypatch.setattr(copy_module, "walk", lapped_once)
     summary = copy(path, tmp_path / "c", chunk_rows=1024, progress=False)
     assert len(calls) == 2 and summary["verified"]
