@@ -54,8 +54,9 @@ from ..schema import Column, PriorityConfig
 __all__ = [
     "Column", "ColumnOpener", "LaneView", "PriorityConfig", "Snapshot", "Store", "View", "check_rows", "locked",
 ]
-#: opens a data column held elsewhere (``mmbuffer.remote``): (its path in the store, expect) -> array
-ColumnOpener = Callable[[str, "fmt.Expect"], ColumnArray]
+#: opens a column held elsewhere (``mmbuffer.remote``): (its path in the store, expect) -> array, or
+#: None for a column whose file is in the store's folder
+ColumnOpener = Callable[[str, "fmt.Expect"], "ColumnArray | None"]
 
 
 def check_rows(idx: np.ndarray, capacity: int) -> np.ndarray:
@@ -132,8 +133,9 @@ class Store:
         root, cap, writable = self.path, self.capacity, self.mode == "a"
         for name, (shape, dt) in manifest.columns.items():
             expect = (cap, shape, dt)
-            if self._open_column is not None and name not in fmt.RESERVED_NAMES:  # the flags stay local and raw
-                self._arrays[f"columns/{name}"] = self._open_column(f"columns/{name}", expect)
+            held = self._open_column(f"columns/{name}", expect) if self._open_column is not None else None
+            if held is not None:  # held elsewhere (None: the file here, opened as below)
+                self._arrays[f"columns/{name}"] = held
                 continue
             if name in manifest.codecs:  # a column with a codec: shards, staging (columns/sharded.py)
                 self._arrays[f"columns/{name}"] = ShardedArray(

@@ -96,7 +96,8 @@ from .._ledger.store import Store
 from .._disk import format as fmt
 from . import _icechunk, _snapshot
 from ._cache import Cache
-from ._objects import Table, load_table, remote_errors
+from ._filled import open_filled
+from ._objects import FetchMany, Table, load_table, remote_errors
 from ._pool import ChunkPool, PoolConfig, PooledSampler
 from ._refresh import Refresher
 from ._verified import ChunkRows, VerifiedStore, mapped_objects
@@ -207,16 +208,20 @@ class RemoteSource:
             os.close(pin)
             raise
 
+    def _fetch_many(self, snap: str, table: Table) -> FetchMany:
+        """A batch of ``snap``'s objects fetched at once, through the engine that holds them."""
+        if self.repo is None:
+            return _snapshot.fetch_objects(self.fs, self.root, table, self.url)
+        return self.repo.fetch_many(snap)
+
     def _column(self, snap: str, table: Table, name: str, expect: Any, base: Any, fetch: Callable[[str], bytes],
                 alive: Callable[[], None] | None) -> RemoteArray:
         """A data column of a snapshot, every object (its ``zarr.json`` too) read through
         the verified, cached store over ``base`` (the engine's own store)."""
         import zarr
 
-        many = _snapshot.fetch_objects(self.fs, self.root, table, self.url) if self.repo is None \
-            else self.repo.fetch_many(snap)
         store = VerifiedStore(base, prefix=name + "/", table=table, cache=self.files, fetch=fetch, alive=alive,
-                              fetch_many=many)
+                              fetch_many=self._fetch_many(snap, table))
         where = f"{self.url}@{snap}/{name}"
         entry = table.get(f"{name}/zarr.json")
         if entry is None:
@@ -256,7 +261,9 @@ class RemoteSource:
 
         fetch = _snapshot.object_fetch(fs, self.root, table)  # from the snapshot that holds it (this one, or an earlier one)
 
-        def opener(name: str, expect: Any) -> ColumnArray:
+        def opener(name: str, expect: Any) -> ColumnArray | None:
+            if name.split("/", 1)[1] in fmt.RESERVED_NAMES:  # the done flags: mirrored, filled on demand or whole
+                return open_filled(local, name, expect, table, self._fetch_many(snap, table), self.files)
             get: Callable[[str], bytes] = fetch
             if self.repo is not None:
                 repo = self.repo

@@ -54,7 +54,8 @@ import numpy as np
 from .. import errors
 from .._disk import format as fmt
 
-__all__ = ["Packed", "chunk_rels", "held_bytes", "pack", "rebuild", "shard_rel"]
+__all__ = ["Layout", "Packed", "chunk_rels", "decode_chunk", "held_bytes", "layout_of", "pack", "rebuild", "shard_rel",
+           "shard_tail"]
 
 _ZSTD = {"name": "zstd", "configuration": {"level": 3, "checksum": False}}
 _DATA = re.compile(r"^columns/([^/]+)/")
@@ -84,7 +85,10 @@ class Packed:
 
 
 @dataclass(frozen=True, slots=True)
-class _Layout:
+class Layout:
+    """The shard layout of a packed array: its shape, rows per inner chunk (a published
+    chunk each), the chunks in the shard, the bytes a row, whether zeros are its fill."""
+
     shape: tuple[int, ...]
     inner: int  # rows per inner chunk: rows per published chunk
     chunks: int  # inner chunks in the shard
@@ -96,16 +100,41 @@ class _Layout:
         return self.inner * self.row_bytes
 
 
-def _layout(where: str, meta: object) -> _Layout:
+def _layout(where: str, meta: object) -> Layout:
     """The shard layout of a raw array's ``zarr.json`` (checked as the store code checks it)."""
     shape, dtype, shard_rows = fmt.check_array_meta(Path(where), meta, None, raw=True)
     assert isinstance(meta, dict)
     inner = int(meta["codecs"][0]["configuration"]["chunk_shape"][0])
     row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
-    return _Layout(shape, inner, shard_rows // inner, row_bytes, meta.get("fill_value") in (0, False, 0.0))
+    return Layout(shape, inner, shard_rows // inner, row_bytes, meta.get("fill_value") in (0, False, 0.0))
 
 
-def _shard_index(layout: _Layout) -> bytes:
+def layout_of(array: str, record: Packed) -> Layout:
+    """The checked layout of a packed array's record, its size included (``CorruptStoreError``)."""
+    where = f"{array} (rebuilt from its chunks)"
+    try:
+        meta = json.loads(record.meta)
+    except (ValueError, RecursionError):
+        raise errors.CorruptStoreError(f"{where}: zarr.json: not valid JSON") from None
+    layout = _layout(array, meta)
+    if record.size != layout.chunks * layout.chunk_bytes + len(shard_tail(layout)):
+        raise errors.CorruptStoreError(f"{where}: expected a shard of {layout.chunks * layout.chunk_bytes} bytes "
+                                       f"and its index, the table says {record.size}")
+    return layout
+
+
+def decode_chunk(rel: str, blob: bytes, layout: Layout, out: np.ndarray) -> np.ndarray:
+    """The published chunk ``rel`` (verified zstd bytes) decoded into ``out`` (uint8, one
+    chunk's bytes; never more), zeros past what it holds."""
+    out[:] = 0
+    try:
+        _zstd().decode(blob, out=out)
+    except (ValueError, RuntimeError) as exc:
+        raise errors.CorruptStoreError(f"{rel}: expected a zstd chunk of {layout.chunk_bytes} bytes ({exc})") from None
+    return out
+
+
+def shard_tail(layout: Layout) -> bytes:
     """The index ``fmt.create_raw`` writes at the end of a shard: every inner chunk present."""
     import google_crc32c
 
@@ -134,7 +163,7 @@ def held_bytes(array: str, record: Packed, chunks: int) -> int:
         layout = _layout(array, json.loads(record.meta))
     except (ValueError, RecursionError):
         return record.size  # refused by rebuild, before anything is written
-    return min(record.size, chunks * layout.chunk_bytes + len(_shard_index(layout)))
+    return min(record.size, chunks * layout.chunk_bytes + len(shard_tail(layout)))
 
 
 def _chunk_digest(data: bytes) -> bytes:
@@ -191,7 +220,7 @@ def pack(store: Path, rels: list[str]) -> tuple[dict[str, bytes], dict[str, Pack
         except errors.CorruptStoreError:
             continue  # compressed, or not mmbuffer's raw layout: sent as it is
         shard = chunk_rels(array, 0, len(layout.shape))
-        tail = _shard_index(layout)
+        tail = shard_tail(layout)
         path = store / shard
         if not layout.fill or shard not in have or path.stat().st_size != layout.chunks * layout.chunk_bytes + len(tail):
             continue
@@ -226,21 +255,13 @@ def rebuild(array: str, record: Packed, entries: Mapping[str, Any], get: Callabl
     verified bytes (compressed). ``old``: the file rebuilt before from the same
     ``zarr.json`` (a refresh), whose chunks named in ``same`` (unchanged) are copied, not fetched."""
     where = f"{array} (rebuilt from its chunks)"
-    try:
-        meta = json.loads(record.meta)
-    except (ValueError, RecursionError):
-        raise errors.CorruptStoreError(f"{where}: zarr.json: not valid JSON") from None
-    layout = _layout(array, meta)
-    tail = _shard_index(layout)
-    if record.size != layout.chunks * layout.chunk_bytes + len(tail):
-        raise errors.CorruptStoreError(f"{where}: expected a shard of {layout.chunks * layout.chunk_bytes} bytes "
-                                       f"and its index, the table says {record.size}")
+    layout = layout_of(array, record)
+    tail = shard_tail(layout)
     h = hashlib.blake2b(digest_size=16)
     zeros = bytes(layout.chunk_bytes)
     fold: Callable[[bytes], bytes] = _chunk_digest if record.chunked else (lambda data: data)
     zero = fold(zeros)
     part = np.empty(layout.chunk_bytes, np.uint8)
-    codec = None
     for k in range(layout.chunks):
         rel = chunk_rels(array, k, len(layout.shape))
         data: bytes | None = None
@@ -253,13 +274,7 @@ def rebuild(array: str, record: Packed, entries: Mapping[str, Any], get: Callabl
             blob = get(rel)
             if blob is None:
                 raise errors.CorruptStoreError(f"{rel}: expected the chunk the snapshot names, found nothing")
-            codec = codec or _zstd()
-            part[:] = 0
-            try:
-                codec.decode(blob, out=part)  # never more than the chunk's bytes
-            except (ValueError, RuntimeError) as exc:
-                raise errors.CorruptStoreError(f"{rel}: expected a zstd chunk of {layout.chunk_bytes} bytes ({exc})") from None
-            data = part.tobytes()
+            data = decode_chunk(rel, blob, layout, part).tobytes()
         if data is None:  # all zeros: a hole
             h.update(zero)
             out.seek(layout.chunk_bytes, 1)

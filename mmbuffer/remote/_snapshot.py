@@ -51,6 +51,7 @@ from .._disk import format as fmt
 from .._disk.files import parse_json
 from .._disk.urls import join
 from ._dense import held_bytes, pack, rebuild, shard_rel
+from ._filled import FILLED, PRESENT, laid_bytes, lay_out
 from ._cache import Cache, disk_bytes, write_file
 from ._objects import OBJECTS, FetchMany, Table, digest, file_digest, load_table, parse_table, remote_errors, table_bytes
 
@@ -58,6 +59,7 @@ __all__ = ["POINTER", "cache_base", "cache_root", "check_alive", "check_pointer"
            "prune", "publish_dir", "read_pointer", "upload_snapshot"]
 
 POINTER = "current.json"
+_MIRROR_LAYOUT = "#flags-filled"  # in the cache folder's name (cache_root)
 SNAPSHOTS = "snapshots"
 _FORMAT = "mmbuffer-remote"
 _VERSION = 3  # 3: objects held by earlier snapshots, raw arrays as chunks (object table version 2)
@@ -124,8 +126,11 @@ def cache_base(cache_dir: str | os.PathLike[str] | None) -> Path:
 
 
 def cache_root(base: Path, url: str) -> Path:
-    """The folder of ``url``'s mirrors and pools: ``cache_dir/<hash of url>``."""
-    return base / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:20]
+    """The folder of ``url``'s mirrors and pools: ``cache_dir/<hash of url and mirror layout>``.
+    The layout's tag keeps these mirrors, whose flags are filled on demand (``_filled.py``),
+    from mmbuffer before it, which would read their holes as ``False`` (and this code from
+    its mirrors)."""
+    return base / hashlib.sha256(f"{url.rstrip('/')}{_MIRROR_LAYOUT}".encode()).hexdigest()[:20]
 
 
 def _ranges(root: str, table: Table, rels: list[str]) -> tuple[list[str], list[int | None], list[int | None]]:
@@ -222,22 +227,28 @@ def mirror(fetch: Callable[[list[str]], dict[str, bytes | None]], snapshot: str,
                 and (previous[0] / r).is_file()]
         todo = [r for r in rels if r not in set(same)]
         plans: list[tuple[str, str, dict[str, bytes], frozenset[str], Path | None]] = []
+        laid: list[tuple[str, frozenset[str], Path | None]] = []  # the flags: filled on demand (_filled.py)
         for array, shard in packed.items():  # unchanged: linked; else rebuilt from the chunks that changed
             rec = table.packed[array]
             before, old = None, None
+            present = f"{array}/{PRESENT}"
             if previous is not None:
                 before, old = previous[1].packed.get(array), previous[0] / shard
                 if before is None or before.meta != rec.meta or not old.is_file():
                     old = None
                 elif before == rec and (previous[0] / array / "zarr.json").is_file():
-                    same += [f"{array}/zarr.json", shard]
+                    same += [f"{array}/zarr.json", shard] + ([present] if (previous[0] / present).is_file() else [])
                     continue
             chunks = [r for r in table.entries if r.startswith(f"{array}/c/")]
             kept = frozenset(r for r in chunks if old is not None and previous is not None
                              and previous[1].get(r) == table.get(r))
+            blobs[f"{array}/zarr.json"] = rec.meta.encode()
+            if array in FILLED:
+                holds = previous is not None and (previous[0] / present).is_file()
+                laid.append((array, kept if holds else frozenset(), previous[0] if holds and previous else None))
+                continue
             plans.append((array, shard, _fetch_checked(fetch, table, [r for r in chunks if r not in kept], cache),
                           kept, old if kept else None))
-            blobs[f"{array}/zarr.json"] = rec.meta.encode()
         blobs.update(_fetch_checked(fetch, table, todo, cache))
 
         def write() -> None:
@@ -245,6 +256,8 @@ def mirror(fetch: Callable[[list[str]], dict[str, bytes | None]], snapshot: str,
             try:
                 for rel, data in blobs.items():
                     write_file(tmp / rel, data, cache.base)
+                for array, kept, old in laid:
+                    lay_out(tmp, array, table.packed[array], old, kept)
                 for array, shard, got, kept, old in plans:  # rebuilt one chunk at a time, then checked whole
                     (tmp / shard).parent.mkdir(parents=True, exist_ok=True)
                     with open(tmp / shard, "wb") as out, (open(old, "rb") if old else contextlib.nullcontext()) as prev:
@@ -265,6 +278,7 @@ def mirror(fetch: Callable[[list[str]], dict[str, bytes | None]], snapshot: str,
         # a rebuilt shard counts its chunks that hold something (the rest are holes)
         cache.admit(sum(len(b) for b in blobs.values())
                     + sum(held_bytes(a, table.packed[a], len(got) + len(kept)) for a, _, got, kept, _ in plans)
+                    + sum(laid_bytes(a, table.packed[a], len(kept)) for a, kept, _ in laid)
                     + sum(disk_bytes(os.lstat(previous[0] / r)) for r in same if previous is not None), write)
     return final
 

@@ -401,6 +401,8 @@ def test_refresh_fetches_only_the_small_parts_that_changed(tmp_path, bucket):
     url = f"s3://{bucket}/store"
     publish(tmp_path, url, episodes=10).close()
     ro = mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None)
+    rows = np.arange(ro.capacity)
+    ro.get(rows, keys=["terminated"])  # every chunk of the flags filled in this mirror
     old = dict(ro.remote.table.entries)
     with mb.open(tmp_path / "local") as w:
         w.extend({"obs": np.ones((30, 3)), "x": np.arange(30) + 10_000, "terminated": np.arange(30) == 29},
@@ -412,12 +414,18 @@ def test_refresh_fetches_only_the_small_parts_that_changed(tmp_path, bucket):
     new, mirror = ro.remote.table.entries, Path(ro.path)
     small = [r for r in new if not re.match(r"^columns/(obs|x)/c/", r)]  # all but the data chunks (read remotely)
     changed = [r for r in small if old.get(r) != new[r]]
-    assert 0 < len(changed) < len(small)
+    flag = [r for r in changed if r.startswith("columns/terminated/c/")]  # fetched when first read (_filled.py)
+    assert 0 < len(changed) < len(small) and flag
     assert any(r.startswith("index/ends/c/") for r in small if r not in changed)  # index chunks kept, not fetched
-    assert fetched == sum(new[r][0] for r in changed)  # exactly what changed
+    assert any(r.startswith("columns/terminated/c/") for r in small if r not in changed)
+    assert fetched == sum(new[r][0] for r in changed if r not in flag)  # exactly what changed, the flags' aside
     kept = next(r for r in small if r not in changed and (mirror / r).is_file())
     assert (mirror / kept).stat().st_nlink == 2  # linked from the previous mirror, not fetched
     with mb.open(tmp_path / "local", mode="r") as local:
-        rows = np.arange(ro.capacity)
         torch.testing.assert_close(ro.get(rows, keys=["x"])["x"], local.get(rows, keys=["x"])["x"], rtol=0, atol=0)
+        fetched = ro.remote.files.mirror_bytes
+        np.testing.assert_array_equal(ro.get(rows, keys=["terminated"])["terminated"].numpy(),
+                                      local.get(rows, keys=["terminated"])["terminated"].numpy())
+        # the chunks that changed, fetched now; the unchanged ones the old mirror held, copied at refresh
+        assert ro.remote.files.mirror_bytes - fetched == sum(new[r][0] for r in flag)
     ro.close()

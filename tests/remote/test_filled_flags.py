@@ -1,0 +1,169 @@
+"""A remote reader's done flags, fetched chunk by chunk when first read (``mmbuffer/remote/_filled.py``),
+against a real S3-compatible server on loopback (moto).
+
+A new reader's mirror lays the flags out as holes: its cold start does not fetch them, a
+read fetches the chunks it touches (each checked against the snapshot's table), writes
+them, makes them durable and only then marks them present; the processes of a host fetch
+each chunk once; a damaged chunk is a typed error naming it and never reads as ``False``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import multiprocessing as mp
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mmbuffer as mb
+from mmbuffer import errors
+from mmbuffer._disk import format as fmt
+from s3server import moto_s3, new_bucket
+
+pytest.importorskip("s3fs")
+
+FLAGS = ("terminated", "truncated")
+
+
+@pytest.fixture(scope="module")
+def s3():
+    with moto_s3() as endpoint:
+        yield endpoint
+
+
+@pytest.fixture
+def fs(s3):
+    import fsspec
+
+    f = fsspec.filesystem("s3", endpoint_url=s3, skip_instance_cache=True)
+    yield f
+    f.invalidate_cache()
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch):
+    """Chunks of 1 KiB: a flag array of 4096 rows is 4 chunks of 1024 rows."""
+    monkeypatch.setattr(fmt, "config", dataclasses.replace(fmt.config, chunk_bytes=1024))
+
+
+def published(tmp_path: Path, s3: str) -> tuple[str, str]:
+    """A store of 4096 rows in one lane (episodes of 25, some truncated) at a new URL: (url, root)."""
+    with mb.create(tmp_path / "local", {"x": ((), "int64")}, capacity=4096, next_keys=()) as buf:
+        t = np.arange(4000)
+        buf.extend({"x": t, "terminated": t % 50 == 49, "truncated": t % 50 == 24})
+    bucket = new_bucket(s3)
+    url = f"s3://{bucket}/store"
+    mb.convert.copy(tmp_path / "local", url, progress=False)
+    return url, f"{bucket}/store"
+
+
+def flag_chunks(fs, root: str) -> dict[str, int]:
+    """The flags' published chunk objects and their sizes, from the current snapshot's table."""
+    snap = json.loads(fs.cat_file(f"{root}/current.json"))["snapshot"]
+    table = json.loads(fs.cat_file(f"{root}/snapshots/{snap}/objects.json"))["objects"]
+    return {rel: entry[0] for rel, entry in table.items() if rel.startswith(tuple(f"columns/{f}/c/" for f in FLAGS))}
+
+
+def present(ro: mb.Buffer, flag: str) -> list[int]:
+    return np.fromfile(Path(ro.path) / "columns" / flag / "present", np.uint8).tolist()
+
+
+def local_flags(tmp_path: Path, rows: np.ndarray) -> dict[str, np.ndarray]:
+    with mb.open(tmp_path / "local", mode="r") as local:
+        return {k: v.numpy() for k, v in local.get(rows, keys=list(FLAGS)).items()}
+
+
+def test_a_new_reader_fetches_the_flag_chunks_its_reads_touch(tmp_path, s3, fs):
+    url, root = published(tmp_path, s3)
+    sizes = flag_chunks(fs, root)
+    assert len(sizes) == 8  # 4 chunks a flag, every one holding an episode end
+    with mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None) as ro:
+        assert present(ro, "terminated") == [0, 0, 0, 0]  # nothing of the flags fetched at open
+        shard = Path(ro.path) / "columns" / "terminated" / "c" / "0"
+        assert shard.stat().st_blocks * 512 < 4096 + 4096  # holes, and the shard index at the end
+        before = ro.remote.files.mirror_bytes
+        rows = np.array([1030, 2047, 1100])  # all in chunk 1
+        got = ro.get(rows, keys=list(FLAGS))
+        want = local_flags(tmp_path, rows)
+        for k in FLAGS:
+            np.testing.assert_array_equal(got[k].numpy(), want[k])
+            assert present(ro, k) == [0, 1, 0, 0]
+        assert ro.remote.files.mirror_bytes - before == sum(sizes[f"columns/{k}/c/1"] for k in FLAGS)
+        every = np.arange(4000)
+        got = ro.get(every, keys=list(FLAGS))  # the rest, then all again from the file
+        want = local_flags(tmp_path, every)
+        for k in FLAGS:
+            np.testing.assert_array_equal(got[k].numpy(), want[k])
+            assert got[k].numpy().sum() == 80 and present(ro, k) == [1, 1, 1, 1]
+        assert ro.remote.files.mirror_bytes - before == sum(sizes.values())
+        s = ro.sample_slices(4, 16)  # the samplers' reads go the same way
+        np.testing.assert_array_equal(s["terminated"].numpy().reshape(-1), (s["x"].numpy() % 50 == 49).reshape(-1))
+
+
+def _read_flags(url: str, cache: str, start, queue) -> None:
+    with mb.open(url, mode="r", cache_dir=cache, pool=None) as ro:
+        start.wait(60)  # every process opened before any reads
+        before = ro.remote.files.mirror_bytes
+        got = ro.get(np.arange(4000), keys=list(FLAGS))
+        queue.put((int(got["terminated"].sum()), int(got["truncated"].sum()), ro.remote.files.mirror_bytes - before))
+
+
+def test_processes_sharing_a_cache_fetch_each_flag_chunk_once(tmp_path, s3, fs):
+    url, root = published(tmp_path, s3)
+    ctx = mp.get_context("fork")
+    queue, start = ctx.Queue(), ctx.Barrier(3)
+    procs = [ctx.Process(target=_read_flags, args=(url, str(tmp_path / "c"), start, queue)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert [r[:2] for r in results] == [(80, 80)] * 3
+    assert sum(r[2] for r in results) == sum(flag_chunks(fs, root).values())  # every chunk once, over the host
+
+
+@pytest.mark.parametrize("fault, match", [
+    (lambda d: d[:-1] + bytes([d[-1] ^ 1]), "expected BLAKE2b-128 .*changed or swapped"),
+    (lambda d: d[: len(d) // 2], r"expected \d+ bytes, got \d+ \(a truncated"),
+    (None, "expected the object the snapshot names, found nothing"),
+])
+def test_a_damaged_flag_chunk_is_a_typed_error_never_false(tmp_path, s3, fs, fault, match):
+    url, root = published(tmp_path, s3)
+    rel = "columns/truncated/c/2"
+    key = f"{root}/snapshots/{json.loads(fs.cat_file(f'{root}/current.json'))['snapshot']}/{rel}"
+    if fault is None:
+        fs.rm_file(key)
+    else:
+        fs.pipe_file(key, fault(fs.cat_file(key)))
+    with mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None) as ro:  # the flags are not read at open
+        assert ro.get(np.arange(5), keys=["truncated"])["truncated"].tolist() == [False] * 5  # chunk 0: whole
+        for _ in range(2):  # refused each time: nothing marked present
+            with pytest.raises(errors.CorruptStoreError, match=f"{rel} \\(column truncated\\): {match}"):
+                ro.get(np.array([2048 + 24]), keys=["truncated"])
+        assert present(ro, "truncated") == [1, 0, 0, 0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "local"]  # nothing written outside cache_dir
+
+
+def test_a_fill_that_cannot_be_made_durable_marks_nothing_and_is_typed(tmp_path, s3, monkeypatch):
+    """The chunk's bytes are synced before it is marked present: a failed sync (a full
+    disk) is a ``DiskFullError`` naming ``cache_dir``, and the chunk is fetched again next time."""
+    from mmbuffer.remote import _filled
+
+    url, _ = published(tmp_path, s3)
+    with mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None) as ro:
+        real = _filled.os.fdatasync
+
+        def full(fd: int) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(_filled.os, "fdatasync", full)
+        with pytest.raises(errors.DiskFullError, match=f"cache_dir {tmp_path / 'c'}: expected room for"):
+            ro.get(np.array([49]), keys=["terminated"])
+        assert present(ro, "terminated") == [0, 0, 0, 0]
+        monkeypatch.setattr(_filled.os, "fdatasync", real)
+        assert ro.get(np.array([48, 49]), keys=["terminated"])["terminated"].tolist() == [False, True]
+        assert present(ro, "terminated") == [1, 0, 0, 0]
