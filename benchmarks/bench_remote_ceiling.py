@@ -76,6 +76,12 @@ def tree_bytes(path: Path) -> int:
     return sum(disk_bytes(os.lstat(os.path.join(r, f))) for r, _, fs in os.walk(path) for f in fs) if path.exists() else 0
 
 
+def mirror_bytes(cache: Path) -> int:
+    """The disk the snapshot mirrors under ``cache`` take (not the chunk objects, nor a pool's block files)."""
+    return sum(tree_bytes(root / entry) for root in cache.iterdir() if root.is_dir() and root.name not in ("objects", "locks")
+               for entry in os.listdir(root) if not entry.startswith("pool-"))
+
+
 _CHILD = r"""
 import json, sys, tempfile, time
 from pathlib import Path
@@ -175,19 +181,20 @@ def gets(fs: object, root: str, names: list[str]) -> dict[str, float]:
     return out
 
 
-def cold_start(url: str, cache: Path, b: int, length: int, pool: bool) -> tuple[float, float, float, int, int]:
+def cold_start(url: str, cache: Path, b: int, length: int, pool: bool) -> tuple[float, float, float, int, int, int]:
     """With an empty cache: seconds to open, from open to the end of a first ``sample_slices(1, L)``
-    and of a first ``sample_slices(B, L)``; bytes of the mirror (small parts) and of the objects fetched."""
+    and of a first ``sample_slices(B, L)``; bytes of the mirror (small parts) after the first
+    slice and at the end, and of the objects fetched."""
     t0 = time.perf_counter()
     ro = mb.open(url, mode="r", cache_dir=cache, pool="default" if pool else None)
     opened = time.perf_counter() - t0
     ro.sample_slices(1, length, generator=torch.Generator().manual_seed(0))
     one = time.perf_counter() - t0
+    first = mirror_bytes(cache)
     ro.sample_slices(b, length, generator=torch.Generator().manual_seed(1))
     full = time.perf_counter() - t0
     ro.close()
-    objects = tree_bytes(cache / "objects")
-    return opened, one, full, tree_bytes(cache) - objects, objects
+    return opened, one, full, first, mirror_bytes(cache), tree_bytes(cache / "objects")
 
 
 def codec_sampling(tmp: Path, endpoint: str, rows: int, reps: int) -> None:
@@ -409,16 +416,17 @@ def main() -> None:
             print(f"| {what} | {statistics.median(v) / 1e6:.1f}{ratio} |")
         if sizes:
             print(f"\n| rows | pool | open (s) | open to 1st sample_slices(1, {args.slice_len}) (s) | open to 1st "
-                  f"sample_slices({args.batch}, {args.slice_len}) (s) | mirror on disk (MB) | objects fetched (MB) |")
+                  f"sample_slices({args.batch}, {args.slice_len}) (s) | mirror on disk after the 1st slice / at the "
+                  "end (MB) | objects fetched (MB) |")
             print("|---:|---|---:|---:|---:|---:|---:|")
         for rep in range(args.repeats if args.part in ("all", "cold") else 0):
             for rows in sorted(args.sizes):  # sizes alternate
                 for pool in (False, True):
                     n += 1
-                    o, one, full, mirror, got = cold_start(urls[rows], Path(tmp) / f"cache-{n}", args.batch,
-                                                           args.slice_len, pool)
+                    o, one, full, first, mirror, got = cold_start(urls[rows], Path(tmp) / f"cache-{n}", args.batch,
+                                                                  args.slice_len, pool)
                     print(f"| {rows:,} | {'default' if pool else 'None'} | {o:.2f} | {one:.2f} | {full:.2f} | "
-                          f"{mirror / 1e6:.1f} | {got / 1e6:.1f} |")
+                          f"{first / 1e6:.1f} / {mirror / 1e6:.1f} | {got / 1e6:.1f} |")
     print(f"load after: {open('/proc/loadavg').read().strip()}")
 
 

@@ -54,8 +54,7 @@ from ..schema import Column, PriorityConfig
 __all__ = [
     "Column", "ColumnOpener", "LaneView", "PriorityConfig", "Snapshot", "Store", "View", "check_rows", "locked",
 ]
-#: opens a column held elsewhere (``mmbuffer.remote``): (its path in the store, expect) -> array, or
-#: None for a column whose file is in the store's folder
+#: opens a column held elsewhere (``mmbuffer.remote``): (path in the store, expect) -> array, None: in the folder
 ColumnOpener = Callable[[str, "fmt.Expect"], "ColumnArray | None"]
 
 

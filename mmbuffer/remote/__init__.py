@@ -24,8 +24,9 @@ False
 
 ``mb.open(url, mode="r", cache_dir=..., storage_options=..., pool=...)`` returns a read-only
 :class:`~mmbuffer.Buffer` over a :class:`RemoteSource`: the small parts of the published snapshot (manifest, index,
-tree, final observations, flags) are fetched whole into ``cache_dir`` and opened
-by the ordinary store code; the data columns are read through zarr's store layer
+tree, final observations) are fetched whole into ``cache_dir`` and opened by the
+ordinary store code, the done flags chunk by chunk as reads first need them
+(``_filled.py``); the data columns are read through zarr's store layer
 (:class:`mmbuffer._disk.columns.RemoteArray`). fsspec is the I/O layer: it is what zarr,
 xarray and pandas users configure already (``storage_options``, the ``AWS_*``
 environment), one dependency covers S3, GCS, Azure, HTTP and local files, and
@@ -81,22 +82,21 @@ import contextlib
 import json
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from .. import errors, samplers
+from .._disk import format as fmt
 from .._disk.columns import ColumnArray, ShardedArray
 from .._disk.columns.remote import RemoteArray
 from .._disk.urls import filesystem, options_for
 from .._ledger.manifest import load_manifest
 from .._ledger.store import Store
-from .._disk import format as fmt
 from . import _icechunk, _snapshot
 from ._cache import Cache
-from ._filled import open_filled
+from ._filled import Filler, open_filled
 from ._objects import FetchMany, Table, load_table, remote_errors
 from ._pool import ChunkPool, PoolConfig, PooledSampler
 from ._refresh import Refresher
@@ -260,14 +260,15 @@ class RemoteSource:
                 _snapshot.check_alive(fs, self.root, snap, self.url)
 
         fetch = _snapshot.object_fetch(fs, self.root, table)  # from the snapshot that holds it (this one, or an earlier one)
+        filler = Filler(local, table, self._fetch_many(snap, table), self.files)
 
         def opener(name: str, expect: Any) -> ColumnArray | None:
-            if name.split("/", 1)[1] in fmt.RESERVED_NAMES:  # the done flags: mirrored, filled on demand or whole
-                return open_filled(local, name, expect, table, self._fetch_many(snap, table), self.files)
+            if name.split("/", 1)[1] in fmt.RESERVED_NAMES:  # the done flags: in the mirror (filled on demand)
+                return open_filled(local, name, expect, filler)
             get: Callable[[str], bytes] = fetch
             if self.repo is not None:
                 repo = self.repo
-                get = lambda rel: repo.fetch(snap, rel)  # noqa: E731
+                get = lambda rel: repo.fetch(snap, rel)
             codec = manifest.codecs.get(name.split("/", 1)[1])
             if codec is not None:  # shards decoded in place by the local reader's kernels, each object verified
                 return ShardedArray(local, name.split("/", 1)[1], writable=False, expect=expect, codec=codec,

@@ -1,7 +1,8 @@
 """Raw arrays published as compressed chunks, rebuilt bit for bit on the reader.
 
-A store's raw arrays that a reader mirrors whole (the episode index, the done flags, the
-priority tree: one shard file each, sized by capacity, mostly zeros in a young store)
+A store's raw arrays that a reader mirrors (the episode index and the priority tree
+whole, the done flags chunk by chunk as read: one shard file each, sized by capacity,
+mostly zeros in a young store)
 would be one object each, and every publish would send the whole file again when a few
 slots changed (at 1e6 rows, 17 of the 22 MB of a publish after 1% new rows was
 ``index/ends``). A publish sends each such array instead as an ordinary Zarr array of the

@@ -21,6 +21,7 @@ old one holds, copied (:func:`lay_out`).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +30,16 @@ from .._disk import format as fmt
 from .._disk.columns.filled import FilledArray
 from .._disk.columns.raw import RawArray
 from ._cache import Cache, disk_errors
-from ._dense import Layout, Packed, chunk_rels, decode_chunk, held_bytes, layout_of, shard_rel, shard_tail
+from ._dense import (
+    Layout,
+    Packed,
+    chunk_rels,
+    decode_chunk,
+    held_bytes,
+    layout_of,
+    shard_rel,
+    shard_tail,
+)
 from ._objects import FetchMany, Table
 
 __all__ = ["FILLED", "PRESENT", "Filler", "laid_bytes", "lay_out", "open_filled"]
@@ -53,16 +63,13 @@ def _pages(data: np.ndarray) -> list[tuple[int, int]]:
     return [(int(run[0]) * _PAGE, min(len(data), (int(run[-1]) + 1) * _PAGE)) for run in np.split(held, cut)]
 
 
-def _write_pages(fd: int, offset: int, data: np.ndarray) -> int:
-    """``data`` written at ``offset``, its pages of zeros left as holes; the bytes written."""
-    done = 0
-    for a, b in _pages(data):
-        view = memoryview(data[a:b])
-        at = offset + a
+def _write_pages(fd: int, offset: int, data: np.ndarray, pages: list[tuple[int, int]]) -> None:
+    """The ``pages`` of ``data`` (:func:`_pages`) written at ``offset``; the rest stays holes."""
+    for a, b in pages:
+        view, at = data[a:b].data, offset + a
         while view:
             n = os.pwrite(fd, view, at)
-            view, at, done = view[n:], at + n, done + n
-    return done
+            view, at = view[n:], at + n
 
 
 def lay_out(folder: Path, array: str, record: Packed, old: Path | None = None,
@@ -86,8 +93,9 @@ def lay_out(folder: Path, array: str, record: Packed, old: Path | None = None,
                     if chunk_rels(array, k, len(layout.shape)) in kept:
                         data = np.frombuffer(os.pread(src.fileno(), layout.chunk_bytes, k * layout.chunk_bytes), np.uint8)
                         if len(data) == layout.chunk_bytes:
-                            _write_pages(out.fileno(), k * layout.chunk_bytes, data)
+                            _write_pages(out.fileno(), k * layout.chunk_bytes, data, _pages(data))
                             present[k] = 1
+            os.fdatasync(out.fileno())  # the copies durable before they are marked present
     present.tofile(folder / array / PRESENT)
 
 
@@ -98,31 +106,46 @@ def laid_bytes(array: str, record: Packed, kept: int) -> int:
     return held_bytes(array, record, kept) + layout.chunks
 
 
-class Filler:
-    """``fill(chunks)`` of one flag array of the mirror ``folder`` of ``table``'s snapshot."""
+@dataclass(frozen=True)
+class _Flag:
+    """One filled array of a mirror: its layout, shard file and present bytes (mapped, shared)."""
 
-    def __init__(self, folder: Path, array: str, table: Table, fetch: FetchMany, cache: Cache) -> None:
-        record = table.packed[array]
-        self.layout: Layout = layout_of(array, record)
-        self.array, self.table, self.fetch, self.cache = array, table, fetch, cache
-        self.shard = folder / shard_rel(array, record)
-        self.present_path = folder / array / PRESENT
-        self.present = np.memmap(self.present_path, np.uint8, "r", shape=(self.layout.chunks,))
-        self.lock = f"locks/{table.snapshot}.{array.replace('/', '.')}"
+    array: str
+    layout: Layout
+    shard: Path
+    present_path: Path
+    present: np.ndarray
+
+
+class Filler:
+    """``fill(chunks)`` of the flag arrays of the mirror ``folder`` of ``table``'s snapshot:
+    a chunk of one is fetched with the same chunk of the others (a batch reads both flags),
+    in one concurrent batch of requests."""
+
+    def __init__(self, folder: Path, table: Table, fetch: FetchMany, cache: Cache) -> None:
+        self.flags: dict[str, _Flag] = {}
+        for array in sorted(FILLED):
+            if array in table.packed and (folder / array / PRESENT).is_file():
+                record = table.packed[array]
+                layout = layout_of(array, record)
+                present = np.memmap(folder / array / PRESENT, np.uint8, "r", shape=(layout.chunks,))
+                self.flags[array] = _Flag(array, layout, folder / shard_rel(array, record), folder / array / PRESENT,
+                                          present)
+        self.table, self.fetch, self.cache = table, fetch, cache
+        self.lock = f"locks/{table.snapshot}.flags"
 
     def __call__(self, chunks: np.ndarray) -> None:
         with self.cache.locked(self.lock):  # one fetch per chunk per host: the others wait, then read
-            todo = [int(k) for k in chunks[self.present[chunks] == 0]]
-            if not todo:
+            todo = {f.array: [int(k) for k in chunks[f.present[chunks] == 0]] for f in self.flags.values()}
+            rels = {(a, k): chunk_rels(a, k, len(self.flags[a].layout.shape)) for a, ks in todo.items() for k in ks}
+            if not rels:
                 return
-            ndim = len(self.layout.shape)
-            rels = [chunk_rels(self.array, k, ndim) for k in todo]
-            named = [r for r in rels if r in self.table.entries]  # the others are zeros: never published
+            named = [r for r in rels.values() if r in self.table.entries]  # the others are zeros: never published
             got: dict[str, bytes | None] = {}
             for at in range(0, len(named), _BATCH):
                 got.update(self.fetch(named[at:at + _BATCH], probe=at == 0))
-            decoded: list[tuple[int, np.ndarray]] = []
-            for k, rel in zip(todo, rels):
+            decoded: list[tuple[_Flag, int, np.ndarray, list[tuple[int, int]]]] = []
+            for (array, k), rel in rels.items():
                 if rel not in self.table.entries:
                     continue
                 blob = got.get(rel)
@@ -130,35 +153,42 @@ class Filler:
                     raise self.table.missing(rel)
                 self.table.check(rel, blob)
                 self.cache.mirror_bytes += len(blob)
-                decoded.append((k, decode_chunk(rel, blob, self.layout, np.empty(self.layout.chunk_bytes, np.uint8))))
-            need = sum(b - a for _, data in decoded for a, b in _pages(data))
-            self.cache.admit(need, lambda: self._write(todo, decoded))
+                flag = self.flags[array]
+                data = decode_chunk(rel, blob, flag.layout, np.empty(flag.layout.chunk_bytes, np.uint8))
+                decoded.append((flag, k, data, _pages(data)))
+            need = sum(b - a for *_, pages in decoded for a, b in pages)
+            self.cache.admit(need, lambda: self._write(todo, decoded, need))
 
-    def _write(self, todo: list[int], decoded: list[tuple[int, np.ndarray]]) -> None:
-        """The chunks' bytes made durable, then marked present (a crash between leaves them absent)."""
-        with disk_errors(self.cache.base, self.layout.chunk_bytes * len(decoded)):
-            fd = os.open(self.shard, os.O_WRONLY | os.O_CLOEXEC)
-            try:
-                for k, data in decoded:
-                    _write_pages(fd, k * self.layout.chunk_bytes, data)
-                os.fdatasync(fd)
-            finally:
-                os.close(fd)
-            fd = os.open(self.present_path, os.O_WRONLY | os.O_CLOEXEC)
-            try:
-                for k in todo:
-                    os.pwrite(fd, b"\x01", k)
-                os.fdatasync(fd)
-            finally:
-                os.close(fd)
+    def _write(self, todo: dict[str, list[int]], decoded: list[tuple[_Flag, int, np.ndarray, list[tuple[int, int]]]],
+               need: int) -> None:
+        """The chunks' bytes made durable, then marked present (a crash between leaves them
+        absent; a mark lost in a crash only costs a fetch again, so the marks are not synced)."""
+        with disk_errors(self.cache.base, need):
+            for flag in self.flags.values():
+                mine = [(k, data, pages) for f, k, data, pages in decoded if f is flag and pages]
+                if mine:  # a chunk of zeros (a flag never set) writes nothing: nothing to sync
+                    fd = os.open(flag.shard, os.O_WRONLY | os.O_CLOEXEC)
+                    try:
+                        for k, data, pages in mine:
+                            _write_pages(fd, k * flag.layout.chunk_bytes, data, pages)
+                        os.fdatasync(fd)
+                    finally:
+                        os.close(fd)
+            for array, ks in todo.items():
+                if ks:
+                    fd = os.open(self.flags[array].present_path, os.O_WRONLY | os.O_CLOEXEC)
+                    try:
+                        for k in ks:
+                            os.pwrite(fd, b"\x01", k)
+                    finally:
+                        os.close(fd)
 
 
-def open_filled(folder: Path, array: str, expect: fmt.Expect, table: Table, fetch: FetchMany,
-                cache: Cache) -> FilledArray | None:
-    """The flag ``array`` of the mirror ``folder``, filled on demand; None where the mirror
-    holds it whole (not packed, or a mirror made before the flags were filled on demand)."""
-    if array not in FILLED or array not in table.packed or not (folder / array / PRESENT).is_file():
+def open_filled(folder: Path, array: str, expect: fmt.Expect, filler: Filler) -> FilledArray | None:
+    """The flag ``array`` of the mirror ``folder``, filled on demand by ``filler``; None where
+    the mirror holds it whole (a snapshot that sent it as one object, not as chunks)."""
+    flag = filler.flags.get(array)
+    if flag is None:
         return None
-    filler = Filler(folder, array, table, fetch, cache)
     raw = RawArray.open(folder, array, writable=False, expect=expect)
-    return FilledArray(raw, filler.present, filler.layout.inner, filler)
+    return FilledArray(raw, flag.present, flag.layout.inner, filler)

@@ -25,10 +25,13 @@ its data may be missing and raises instead of returning zeros, see ``check_alive
 then deletes every object of theirs that no kept snapshot names.
 
 The small parts of a snapshot (manifest, episode index, priority tree, final
-observations, ``terminated``/``truncated``; everything but the data columns' chunks)
-are fetched whole into a local *mirror* directory under ``cache_dir`` and opened by
-the ordinary store code, with all its checks. Snapshots are immutable, so a mirror
-is reused by every process on the machine (DataLoader workers, ranks).
+observations; everything but the columns' chunks) are fetched whole into a local
+*mirror* directory under ``cache_dir`` and opened by the ordinary store code, with all
+its checks. The done flags (``terminated``/``truncated``, a byte a row) are laid out
+there as holes and fetched chunk by chunk when a read first needs them (``_filled.py``),
+so what a new reader fetches before its first sample does not grow with the rows.
+Snapshots are immutable, so a mirror is reused by every process on the machine
+(DataLoader workers, ranks).
 """
 
 from __future__ import annotations

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from s3server import moto_s3, new_bucket
 
 import mmbuffer as mb
 from mmbuffer import errors
 from mmbuffer._disk import format as fmt
-from s3server import moto_s3, new_bucket
 
 pytest.importorskip("s3fs")
 
