@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import errors
 from .._disk import format as fmt
 from .._disk.columns.filled import FilledArray
 from .._disk.columns.raw import RawArray
@@ -124,13 +125,15 @@ class Filler:
 
     def __init__(self, folder: Path, table: Table, fetch: FetchMany, cache: Cache) -> None:
         self.flags: dict[str, _Flag] = {}
-        for array in sorted(FILLED):
-            if array in table.packed and (folder / array / PRESENT).is_file():
-                record = table.packed[array]
-                layout = layout_of(array, record)
-                present = np.memmap(folder / array / PRESENT, np.uint8, "r", shape=(layout.chunks,))
-                self.flags[array] = _Flag(array, layout, folder / shard_rel(array, record), folder / array / PRESENT,
-                                          present)
+        for array in sorted(FILLED & set(table.packed)):
+            record, path = table.packed[array], folder / array / PRESENT
+            layout = layout_of(array, record)
+            size = path.stat().st_size if path.is_file() else None
+            if size != layout.chunks:  # never read the holes as False
+                raise errors.CorruptStoreError(f"{path}: expected the mirror's record of the {layout.chunks} chunks it "
+                                               f"holds, got {size} bytes; remove this snapshot's folder from the cache")
+            present = np.memmap(path, np.uint8, "r", shape=(layout.chunks,))
+            self.flags[array] = _Flag(array, layout, folder / shard_rel(array, record), path, present)
         self.table, self.fetch, self.cache = table, fetch, cache
         self.lock = f"locks/{table.snapshot}.flags"
 

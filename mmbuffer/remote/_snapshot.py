@@ -51,7 +51,7 @@ from typing import Any
 
 from .. import errors
 from .._disk import format as fmt
-from .._disk.files import parse_json
+from .._disk.files import fsync_dir, fsync_tree, parse_json
 from .._disk.urls import join
 from ._dense import held_bytes, pack, rebuild, shard_rel
 from ._filled import FILLED, PRESENT, laid_bytes, lay_out
@@ -239,8 +239,9 @@ def mirror(fetch: Callable[[list[str]], dict[str, bytes | None]], snapshot: str,
                 before, old = previous[1].packed.get(array), previous[0] / shard
                 if before is None or before.meta != rec.meta or not old.is_file():
                     old = None
-                elif before == rec and (previous[0] / array / "zarr.json").is_file():
-                    same += [f"{array}/zarr.json", shard] + ([present] if (previous[0] / present).is_file() else [])
+                elif before == rec and (previous[0] / array / "zarr.json").is_file() \
+                        and (array not in FILLED or (previous[0] / present).is_file()):
+                    same += [f"{array}/zarr.json", shard] + ([present] if array in FILLED else [])
                     continue
             chunks = [r for r in table.entries if r.startswith(f"{array}/c/")]
             kept = frozenset(r for r in chunks if old is not None and previous is not None
@@ -272,7 +273,10 @@ def mirror(fetch: Callable[[list[str]], dict[str, bytes | None]], snapshot: str,
                         os.link(previous[0] / rel, tmp / rel)
                     except OSError:
                         shutil.copyfile(previous[0] / rel, tmp / rel)
+                # durable before it is named: a mirror found after a crash is reused unchecked
+                fsync_tree(tmp)
                 os.rename(tmp, final)
+                fsync_dir(folder)
             finally:
                 if tmp.exists():
                     shutil.rmtree(tmp)

@@ -9,29 +9,22 @@ each chunk once; a damaged chunk is a typed error naming it and never reads as `
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import json
 import multiprocessing as mp
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
-from s3server import moto_s3, new_bucket
+from s3server import new_bucket, s3, small_chunks  # noqa: F401 - fixtures (1 KiB chunks: 4 a flag)
 
 import mmbuffer as mb
 from mmbuffer import errors
-from mmbuffer._disk import format as fmt
 
 pytest.importorskip("s3fs")
 
 FLAGS = ("terminated", "truncated")
-
-
-@pytest.fixture(scope="module")
-def s3():
-    with moto_s3() as endpoint:
-        yield endpoint
 
 
 @pytest.fixture
@@ -41,12 +34,6 @@ def fs(s3):
     f = fsspec.filesystem("s3", endpoint_url=s3, skip_instance_cache=True)
     yield f
     f.invalidate_cache()
-
-
-@pytest.fixture(autouse=True)
-def small_chunks(monkeypatch):
-    """Chunks of 1 KiB: a flag array of 4096 rows is 4 chunks of 1024 rows."""
-    monkeypatch.setattr(fmt, "config", dataclasses.replace(fmt.config, chunk_bytes=1024))
 
 
 def published(tmp_path: Path, s3: str) -> tuple[str, str]:
@@ -167,3 +154,39 @@ def test_a_fill_that_cannot_be_made_durable_marks_nothing_and_is_typed(tmp_path,
         monkeypatch.setattr(_filled.os, "fdatasync", real)
         assert ro.get(np.array([48, 49]), keys=["terminated"])["terminated"].tolist() == [False, True]
         assert present(ro, "terminated") == [1, 0, 0, 0]
+
+
+def test_a_mirror_is_durable_before_it_is_named(tmp_path, s3, monkeypatch):
+    """A mirror found in the cache is reused unchecked (after a crash too): every file of it,
+    the flags' holes and present bytes included, is synced before its folder gets its name."""
+    from mmbuffer.remote import _snapshot
+
+    url, _ = published(tmp_path, s3)
+    events: list[tuple[str, object]] = []
+    sync_tree, rename = _snapshot.fsync_tree, os.rename
+
+    def synced(root: Path) -> None:
+        events.append(("synced", sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())))
+        sync_tree(root)
+
+    def renamed(src, dst, *args, **kw):
+        if ".partial-" in Path(src).name:  # the mirror folder (not a file written inside it)
+            events.append(("renamed", Path(dst).name))
+        return rename(src, dst, *args, **kw)
+
+    monkeypatch.setattr(_snapshot, "fsync_tree", synced)
+    monkeypatch.setattr(_snapshot.os, "rename", renamed)
+    with mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None) as ro:
+        mirror = Path(ro.path)
+        files = sorted(p.relative_to(mirror).as_posix() for p in mirror.rglob("*") if p.is_file())
+    assert "columns/terminated/present" in files
+    assert events == [("synced", files), ("renamed", mirror.name)]
+
+
+def test_a_mirror_missing_its_record_of_the_flags_is_refused_not_read_as_false(tmp_path, s3):
+    url, _ = published(tmp_path, s3)
+    with mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None) as ro:
+        record = Path(ro.path) / "columns" / "terminated" / "present"
+    record.unlink()  # another user, or a partial cleanup, in the cache
+    with pytest.raises(errors.CorruptStoreError, match=f"{record}: expected the mirror's record of the 4 chunks"):
+        mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None)
