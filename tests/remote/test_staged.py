@@ -386,3 +386,29 @@ def test_work_directories_no_publish_used_for_two_weeks_are_removed_and_nothing_
     assert staged.work_dir(tmp_path / "s", f"file://{tmp_path}/pub", cache_base(None)).is_dir()  # this publish's own
     for path in made.values():
         shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_failed_check_of_an_append_removes_the_copy_and_says_so(tmp_path, monkeypatch):
+    """An append whose read-back differs is a ``ConversionError`` that says the copy is gone
+    (not kept for inspection, as a whole copy's output is); the next publish copies whole."""
+    from mmbuffer.convert._pipeline.frame import mismatch
+
+    make(tmp_path / "s")
+    extend(tmp_path / "s", 300, 0)
+    url = f"file://{tmp_path}/pub"
+    publish(tmp_path / "s", url)
+    extend(tmp_path / "s", 50, 1)
+    kept = staged.work_dir(tmp_path / "s", url, cache_base(None)) / "store"
+    assert kept.is_dir()
+
+    def differs(self, store):
+        raise mismatch(store, "rows", 1, 2)
+
+    monkeypatch.setattr(staged.TailWriter, "verify", differs)
+    with pytest.raises(errors.ConversionError, match=r"rows: expected 1, got 2 \(the publish's copy was removed: "
+                                                     r"the next publish copies the store whole\)") as info:
+        publish(tmp_path / "s", url)
+    assert type(info.value) is errors.ConversionError and not kept.exists()
+    monkeypatch.undo()
+    assert not publish(tmp_path / "s", url)["incremental"]
+    same(url, tmp_path / "s", tmp_path / "c")

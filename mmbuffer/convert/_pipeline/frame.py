@@ -57,15 +57,17 @@ SEGMENT_BYTES = 256 << 20
 
 
 class Mismatch(ConversionError):
-    """The output does not hold what the source held (the partial output is kept)."""
+    """The output does not hold what the source held (the partial output is kept);
+    ``problem``: the message without that remark."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(f"{problem} (the partial store is left for inspection)")
+        self.problem = problem
 
 
 def mismatch(path: Path, what: str, expected: Any, got: Any) -> Mismatch:
     """A :class:`Mismatch` naming ``path``, what differs, and the expected and received value."""
-    return Mismatch(
-        f"{path}: verification failed: {what}: expected {expected}, got {got} "
-        "(the partial store is left for inspection)"
-    )
+    return Mismatch(f"{path}: verification failed: {what}: expected {expected}, got {got}")
 
 
 class Writer(ABC):

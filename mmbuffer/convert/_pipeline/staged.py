@@ -55,6 +55,7 @@ from ...buffer import Buffer
 from ...opening import open as open_buffer
 from ...remote._objects import FileDigests
 from .copy import CopyWriter, copy_local, verify_episodes
+from .frame import Mismatch
 from .reader import jsonable
 from .walk import Plan
 
@@ -198,6 +199,9 @@ def _bring_up_to_date(src: Any, store: Path, options: Mapping[str, Any]) -> dict
             except BaseException as exc:
                 writer.abort()
                 shutil.rmtree(store)  # half appended, or not what the source holds
+                if isinstance(exc, Mismatch):  # not kept for inspection, as a whole copy's output is
+                    raise errors.ConversionError(f"{exc.problem} (the publish's copy was removed: the next "
+                                                 "publish copies the store whole)") from exc
                 if not isinstance(exc, errors.RowNotLiveError):
                     raise  # the next publish copies whole; rows the source's writer lapped: now, below
             else:
