@@ -36,14 +36,14 @@ def fs(s3):
     f.invalidate_cache()
 
 
-def published(tmp_path: Path, s3: str) -> tuple[str, str]:
+def published(tmp_path: Path, s3: str, engine: str = "snapshots") -> tuple[str, str]:
     """A store of 4096 rows in one lane (episodes of 25, some truncated) at a new URL: (url, root)."""
     with mb.create(tmp_path / "local", {"x": ((), "int64")}, capacity=4096, next_keys=()) as buf:
         t = np.arange(4000)
         buf.extend({"x": t, "terminated": t % 50 == 49, "truncated": t % 50 == 24})
     bucket = new_bucket(s3)
     url = f"s3://{bucket}/store"
-    mb.convert.copy(tmp_path / "local", url, progress=False)
+    mb.convert.publish(tmp_path / "local", url, engine=engine, progress=False)
     return url, f"{bucket}/store"
 
 
@@ -88,6 +88,18 @@ def test_a_new_reader_fetches_the_flag_chunks_its_reads_touch(tmp_path, s3, fs):
         assert ro.remote.files.mirror_bytes - before == sum(sizes.values())
         s = ro.sample_slices(4, 16)  # the samplers' reads go the same way
         np.testing.assert_array_equal(s["terminated"].numpy().reshape(-1), (s["x"].numpy() % 50 == 49).reshape(-1))
+
+
+def test_an_icechunk_commits_flags_are_filled_on_demand_too(tmp_path, s3):
+    pytest.importorskip("icechunk")
+    url, _ = published(tmp_path, s3, engine="icechunk")
+    with mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None) as ro:
+        assert present(ro, "terminated") == [0, 0, 0, 0] and present(ro, "truncated") == [0, 0, 0, 0]
+        every = np.arange(4000)
+        got, want = ro.get(every, keys=list(FLAGS)), local_flags(tmp_path, every)
+        for k in FLAGS:
+            np.testing.assert_array_equal(got[k].numpy(), want[k])
+            assert present(ro, k) == [1, 1, 1, 1]
 
 
 def _read_flags(url: str, cache: str, start, queue) -> None:
