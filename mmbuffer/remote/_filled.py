@@ -132,7 +132,7 @@ class Filler:
             if size != layout.chunks:  # never read the holes as False
                 raise errors.CorruptStoreError(f"{path}: expected the mirror's record of the {layout.chunks} chunks it "
                                                f"holds, got {size} bytes; remove this snapshot's folder from the cache")
-            present = np.memmap(path, np.uint8, "r", shape=(layout.chunks,))
+            present = np.asarray(np.memmap(path, np.uint8, "r", shape=(layout.chunks,)))  # shared; no subclass cost
             self.flags[array] = _Flag(array, layout, folder / shard_rel(array, record), path, present)
         self.table, self.fetch, self.cache = table, fetch, cache
         self.lock = f"locks/{table.snapshot}.flags"

@@ -44,23 +44,30 @@ class FilledArray(ColumnArray):
     def __init__(self, raw: RawArray, present: np.ndarray, chunk_rows: int, fill: Callable[[np.ndarray], None]) -> None:
         self._raw, self._present, self._chunk_rows, self._fill = raw, present, chunk_rows, fill
         self.shape, self.dtype = raw.shape, raw.dtype
+        self._whole = self._all_present()  # then a read checks nothing
+
+    def _all_present(self) -> bool:
+        return bool(np.count_nonzero(self._present) == len(self._present))
 
     def _ensure(self, chunks: np.ndarray) -> None:
-        absent = chunks[self._present[chunks] == 0]
-        if len(absent):
-            self._fill(np.unique(absent))
+        have = self._present[chunks]
+        if np.count_nonzero(have) != len(have):
+            self._fill(np.unique(chunks[have == 0]))
+            self._whole = self._all_present()
 
     def read(self, rows: np.ndarray) -> np.ndarray:
         rows = np.asarray(rows)
-        self._ensure(rows.reshape(-1) // self._chunk_rows)
+        if not self._whole:
+            self._ensure(rows.reshape(-1) // self._chunk_rows)
         return self._raw.read(rows)
 
     def ahead(self, rows: np.ndarray) -> None:
         """The chunks of ``rows`` filled now, with the batch's other columns' fetches in flight."""
-        self._ensure(np.asarray(rows).reshape(-1) // self._chunk_rows)
+        if not self._whole:
+            self._ensure(np.asarray(rows).reshape(-1) // self._chunk_rows)
 
     def read_range(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
-        if stop > start:
+        if stop > start and not self._whole:
             self._ensure(np.arange(start // self._chunk_rows, (stop - 1) // self._chunk_rows + 1))
         return self._raw.read_range(start, stop, out)
 
