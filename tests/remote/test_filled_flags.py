@@ -88,6 +88,11 @@ def test_a_new_reader_fetches_the_flag_chunks_its_reads_touch(tmp_path, s3, fs):
         assert ro.remote.files.mirror_bytes - before == sum(sizes.values())
         s = ro.sample_slices(4, 16)  # the samplers' reads go the same way
         np.testing.assert_array_equal(s["terminated"].numpy().reshape(-1), (s["x"].numpy() % 50 == 49).reshape(-1))
+    with mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None) as again:  # the host's filled mirror, reused
+        got = again.get(every, keys=list(FLAGS))
+        assert again.remote.files.mirror_bytes == 0  # nothing fetched: not the mirror, not a flag chunk
+        for k in FLAGS:
+            np.testing.assert_array_equal(got[k].numpy(), want[k])
 
 
 def test_an_icechunk_commits_flags_are_filled_on_demand_too(tmp_path, s3):
