@@ -4,7 +4,9 @@ Under ``cache_dir``::
 
     objects/<2 hex>/<digest>   verified objects (chunks), named by their BLAKE2b-128 digest
     locks/<3 hex>              download locks (4096 stripes): one download per object per host
-    <url hash>/<snapshot>/     a snapshot's small parts (mirror), in use while ``<snapshot>.pin`` is locked
+    locks/<snapshot>[.flags]   a mirror's, and its flags' fills (``_filled.py``): one per host at a time
+    <url hash>/<snapshot>/     a snapshot's small parts (mirror), in use while ``<snapshot>.pin`` is locked;
+                               ``<url hash>`` covers the mirror layout (``_snapshot.cache_root``)
     <url hash>/pool-*/         a reader's chunk pool (its ``.pin`` held while it lives)
     .usage                     the bytes held, updated under ``.lock``
 
