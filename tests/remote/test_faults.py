@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import multiprocessing as mp
 import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from forked import results_of
 from s3server import new_bucket
 from s3server import s3, small_chunks  # noqa: F401 - fixtures
 
@@ -213,15 +213,7 @@ def test_processes_sharing_a_cache_download_each_object_once(tmp_path, s3, fs):
     # each column's chunks and its zarr.json, read through the host cache, one file per distinct content
     distinct = {d for rel, (_, d) in table.items() if rel.startswith(("columns/obs/", "columns/x/"))}
     assert len(distinct) > 10
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_read_all, args=(url, str(tmp_path / "c"), queue)) for _ in range(3)]
-    for p in procs:
-        p.start()
-    results = [queue.get(timeout=120) for _ in procs]
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
+    results = results_of(_read_all, (url, str(tmp_path / "c")))
     with mb.open(tmp_path / "local", mode="r") as local:
         want = int(local.get(np.arange(local.capacity), keys=["x"])["x"].numpy().sum())
     assert [r[0] for r in results] == [want] * 3

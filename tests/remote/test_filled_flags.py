@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from forked import results_of
 from s3server import new_bucket, s3, small_chunks  # noqa: F401 - fixtures (1 KiB chunks: 4 a flag)
 
 import mmbuffer as mb
@@ -117,15 +118,7 @@ def _read_flags(url: str, cache: str, start, queue) -> None:
 
 def test_processes_sharing_a_cache_fetch_each_flag_chunk_once(tmp_path, s3, fs):
     url, root = published(tmp_path, s3)
-    ctx = mp.get_context("fork")
-    queue, start = ctx.Queue(), ctx.Barrier(3)
-    procs = [ctx.Process(target=_read_flags, args=(url, str(tmp_path / "c"), start, queue)) for _ in range(3)]
-    for p in procs:
-        p.start()
-    results = [queue.get(timeout=120) for _ in procs]
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
+    results = results_of(_read_flags, (url, str(tmp_path / "c"), mp.get_context("fork").Barrier(3)))
     assert [r[:2] for r in results] == [(80, 80)] * 3
     assert sum(r[2] for r in results) == sum(flag_chunks(fs, root).values())  # every chunk once, over the host
 
