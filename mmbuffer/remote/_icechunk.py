@@ -42,8 +42,7 @@ from typing import Any
 
 from .. import errors
 from .._disk import format as fmt
-from ._dense import pack
-from ._objects import OBJECTS, FetchMany, Table, digest, file_digest, parse_table, remote_errors, table_bytes
+from ._objects import OBJECTS, FetchMany, Table, digest, parse_table, remote_errors, store_objects, table_bytes
 
 __all__ = ["BRANCH", "Repo", "get", "head_attrs", "is_repo", "list_dir", "load", "open_for_publish", "publish_repo", "put", "expire",
            "stage", "storage"]
@@ -274,7 +273,7 @@ def stage(session: Any, store: Path, attrs: Mapping[str, Any], prefix: str = "",
     differs from the table published there before (``previous``), its root ``zarr.json``
     with ``attrs`` and the new table's digest as attributes ``mmbuffer``, the table, and
     deletions of objects it no longer has. Returns (objects written, bytes written).
-    ``digests``: ``rel -> (size, digest)`` of files known already (``_objects.file_digests``)."""
+    ``digests``: ``rel -> (size, digest)`` of files known already (``_objects.FileDigests``)."""
     from zarr.core.buffer import default_buffer_prototype
 
     proto = default_buffer_prototype()
@@ -282,13 +281,8 @@ def stage(session: Any, store: Path, attrs: Mapping[str, Any], prefix: str = "",
     if previous:
         raw = _read_table(session.store, prefix)
         old = json.loads(raw)["objects"] if raw else {}
-    files = sorted(p for p in store.rglob("*") if p.is_file() and not p.is_symlink() and p.name != fmt.LOCK)
-    paths: dict[str, Path | bytes] = {p.relative_to(store).as_posix(): p for p in files}
-    chunked, packed, replaced = pack(store, sorted(paths))  # raw arrays as chunks: only changed ones go
-    paths = {rel: p for rel, p in paths.items() if rel not in replaced} | dict(chunked)
-    known = digests if digests is not None else {}  # files whose digest the caller knows (``_objects.file_digests``)
-    entries = {rel: (len(p), digest(p)) if isinstance(p, bytes) else known.get(rel) or file_digest(p)
-               for rel, p in paths.items() if rel not in (fmt.MANIFEST, "zarr.json", OBJECTS)}
+    paths, entries, packed = store_objects(store, digests)  # raw arrays as chunks: only changed ones go
+    entries = {rel: e for rel, e in entries.items() if rel not in (fmt.MANIFEST, "zarr.json", OBJECTS)}
     table = table_bytes(entries, None, packed)
     root = json.loads((store / "zarr.json").read_bytes())
     root.setdefault("attributes", {})[_ATTR] = {**attrs, "objects": digest(table)}

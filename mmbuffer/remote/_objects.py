@@ -33,10 +33,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from .. import errors
+from .._disk import format as fmt
 from .._disk.files import parse_json
-from ._dense import Packed
+from ._dense import Packed, pack
 
-__all__ = ["OBJECTS", "FetchMany", "Table", "digest", "load_table", "parse_table", "remote_errors", "table_bytes"]
+__all__ = ["OBJECTS", "FetchMany", "Table", "digest", "load_table", "parse_table", "remote_errors", "store_objects",
+           "table_bytes"]
 
 OBJECTS = "objects.json"
 _FORMAT = "mmbuffer-objects"
@@ -60,6 +62,23 @@ def file_digest(path: Path) -> tuple[int, str]:
             h.update(piece)
             size += len(piece)
     return size, h.hexdigest()
+
+
+def store_objects(store: Path, digests: Mapping[str, tuple[int, str]] | None = None) -> tuple[
+        dict[str, Path | bytes], dict[str, tuple[int, str]], dict[str, Packed]]:
+    """What a publish of the local ``store`` sends: each file by its path (no link, no
+    ``LOCK``), the raw arrays as chunks instead (:func:`._dense.pack`); the (size, digest)
+    of each, read from the file unless ``digests`` knows it (:class:`FileDigests`); and
+    the packed arrays' records."""
+    files = {p.relative_to(store).as_posix(): p for p in store.rglob("*")
+             if p.is_file() and not p.is_symlink() and p.name != fmt.LOCK}
+    sent, packed, replaced = pack(store, sorted(files))
+    local: dict[str, Path | bytes] = {rel: p for rel, p in files.items() if rel not in replaced}
+    local.update(sent)
+    known = digests if digests is not None else {}
+    entries = {rel: (len(v), digest(v)) if isinstance(v, bytes) else known.get(rel) or file_digest(v)
+               for rel, v in local.items()}
+    return local, entries, packed
 
 
 class FileDigests(Mapping[str, tuple[int, str]]):

@@ -53,10 +53,10 @@ from .. import errors
 from .._disk import format as fmt
 from .._disk.files import fsync_dir, fsync_tree, parse_json
 from .._disk.urls import join
-from ._dense import held_bytes, pack, rebuild, shard_rel
+from ._dense import held_bytes, rebuild, shard_rel
 from ._filled import FILLED, PRESENT, laid_bytes, lay_out
 from ._cache import Cache, disk_bytes, write_file
-from ._objects import OBJECTS, FetchMany, Table, digest, file_digest, load_table, parse_table, remote_errors, table_bytes
+from ._objects import OBJECTS, FetchMany, Table, digest, load_table, parse_table, remote_errors, store_objects, table_bytes
 
 __all__ = ["POINTER", "cache_base", "cache_root", "check_alive", "check_pointer", "fetch_objects", "mirror", "object_fetch",
            "prune", "publish_dir", "read_pointer", "upload_snapshot"]
@@ -312,7 +312,7 @@ def publish_dir(fs: Any, root: str, url: str, store: Path, *, keep: int, generat
     named in the table with the snapshot that holds them. Raw arrays go as chunks
     (:mod:`._dense`). Refuses (``StoreExistsError``, nothing changed) a URL that holds
     objects but no mmbuffer pointer. ``digests``: ``rel -> (size, digest)`` of files of
-    ``store`` known already (not read again: ``_objects.file_digests``).
+    ``store`` known already (not read again: ``_objects.FileDigests``).
     """
     fs.invalidate_cache()
     try:
@@ -344,14 +344,7 @@ def upload_snapshot(fs: Any, root: str, url: str, store: Path, previous: Mapping
     seq = 1 if previous is None else int(previous["sequence"]) + 1
     snapshot = f"{seq:010d}-{uuid.uuid4().hex[:12]}"
     snap_root = join(root, SNAPSHOTS, snapshot)
-    files = {p.relative_to(store).as_posix(): p for p in store.rglob("*")
-             if p.is_file() and not p.is_symlink() and p.name != fmt.LOCK}
-    sent, packed, replaced = pack(store, sorted(files))
-    local: dict[str, Path | bytes] = {rel: p for rel, p in files.items() if rel not in replaced}
-    local.update(sent)
-    known = digests if digests is not None else {}
-    entries = {rel: (len(v), digest(v)) if isinstance(v, bytes) else known.get(rel) or file_digest(v)
-               for rel, v in local.items()}
+    local, entries, packed = store_objects(store, digests)
     holders = {rel: before.holder(rel) for rel in entries
                if before is not None and rel != fmt.MANIFEST and before.get(rel) == entries[rel]}
     table = table_bytes(entries, holders, packed)
