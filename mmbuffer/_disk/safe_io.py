@@ -121,33 +121,34 @@ def check_tree(root: Path, rel: str) -> None:
     """Refuse a link anywhere in directory ``root/rel`` or on the way to it.
 
     For arrays that zarr-python opens by path (compressed columns): zarr follows
-    links, so the whole tree is checked before it is handed over.
+    links, so the whole tree is checked before it is handed over. Depth first, a
+    directory open only while its own entries are checked, so the descriptors held
+    are the tree's depth, never a directory's width (a column of 1e9 rows has ~65,000
+    chunk folders: a descriptor each went past the process's limit).
     """
     fd = open_dir(root, rel)
     try:
-        stack = [(fd, rel)]
-        while stack:
-            dfd, where = stack.pop()
-            try:
-                with os.scandir(dfd) as it:
-                    entries = list(it)
-                for entry in entries:
-                    if entry.is_symlink() or not (entry.is_dir(follow_symlinks=False) or entry.is_file(follow_symlinks=False)):
-                        raise errors.CorruptStoreError(
-                            f"{root / where / entry.name}: expected a regular file or directory inside the store, "
-                            "got a symbolic link or another kind of file"
-                        )
-                    if entry.is_dir(follow_symlinks=False):
-                        try:
-                            sub = os.open(entry.name, _DIR_FLAGS, dir_fd=dfd)
-                        except OSError as exc:
-                            raise _refuse(root, f"{where}/{entry.name}", exc) from None
-                        stack.append((sub, f"{where}/{entry.name}"))
-            finally:
-                if dfd != fd:
-                    os.close(dfd)
+        _check_dir(root, fd, rel)
     finally:
         os.close(fd)
-        for dfd, _ in stack:
-            if dfd != fd:
-                os.close(dfd)
+
+
+def _check_dir(root: Path, dfd: int, where: str) -> None:
+    with os.scandir(dfd) as it:
+        entries = list(it)
+    for entry in entries:
+        if entry.is_symlink() or not (entry.is_dir(follow_symlinks=False) or entry.is_file(follow_symlinks=False)):
+            raise errors.CorruptStoreError(
+                f"{root / where / entry.name}: expected a regular file or directory inside the store, "
+                "got a symbolic link or another kind of file"
+            )
+    for entry in entries:
+        if entry.is_dir(follow_symlinks=False):
+            try:
+                sub = os.open(entry.name, _DIR_FLAGS, dir_fd=dfd)
+            except OSError as exc:
+                raise _refuse(root, f"{where}/{entry.name}", exc) from None
+            try:
+                _check_dir(root, sub, f"{where}/{entry.name}")
+            finally:
+                os.close(sub)

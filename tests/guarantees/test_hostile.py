@@ -252,6 +252,32 @@ def test_linked_chunk_of_a_compressed_column_is_refused(tmp_path):
     assert "link" in refused(path)
 
 
+def test_a_compressed_column_wider_than_the_descriptor_limit_opens(tmp_path):
+    """The link check walks a column's chunk folders holding one descriptor per level,
+    not one per folder: a column with more chunk folders than the process may open
+    files (a 1e9-row column has ~65,000) opens, and a link deep inside is still refused."""
+    script = textwrap.dedent(f"""
+        import dataclasses, resource, numpy as np, mmbuffer as mb
+        from mmbuffer._disk import format as fmt
+        fmt.config = dataclasses.replace(fmt.config, chunk_bytes=64)  # 4 rows of x a chunk folder (c/<i>/0)
+        with mb.create({str(tmp_path / "s")!r}, {{"x": ((2,), "int64")}}, capacity=4096, next_keys=(),
+                       compression="zstd") as buf:
+            buf.extend({{"x": np.repeat(np.arange(4000)[:, None] + 1, 2, axis=1)}})
+        resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
+        with mb.open({str(tmp_path / "s")!r}, mode="r") as ro:
+            print(int(ro.get(np.arange(4000), keys=["x"])["x"].sum()))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout.split()[-1]) == 4000 * 4001
+    folders = [p for p in (tmp_path / "s" / "columns" / "x" / "c").iterdir() if p.is_dir()]
+    assert len(folders) > 128  # wider than the limit the reader ran under
+    victim = sorted(p for p in folders[-1].rglob("*") if p.is_file())[0]
+    os.replace(victim, tmp_path / "victim")
+    victim.symlink_to(tmp_path / "victim")
+    assert "link" in refused(tmp_path / "s")
+
+
 @pytest.mark.parametrize("name", ["../../x", "../x", "next_x"])
 def test_column_name_leading_outside_is_refused(tmp_path, name):
     path = make_store(tmp_path / "s")
