@@ -14,6 +14,10 @@ loopback (moto's server mode, started here), and measures, in the same run:
 * pool refill throughput: decoded MB per second of a block fetch (zstd chunks through
   zarr + s3fs), measured on the first fill of the pool.
 
+With ``--table 1e5,1e6,1e7``, instead: what a publish of ``--new-rows`` new rows writes
+of the object table, by store size (chunks of ``--chunk-kib`` KiB give a store the object
+count of a larger one).
+
 With ``--publish``, instead: the cost of publishing after 1% new rows (``--steps``
 times) against a full publish, for both engines (``snapshots``: objects whose digest
 changed, the others named in the table; ``icechunk``: the same, one commit), in the same
@@ -32,8 +36,10 @@ Run: ``python benchmarks/bench_remote.py [--rows 1000000] [--publish]``.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -46,21 +52,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mmbuffer as mb
-from _common import count  # noqa: E402
+from _common import count, counts  # noqa: E402
 from mmbuffer.remote import PoolConfig
 
 
-def build(path: Path, rows: int, episode: int) -> None:
+COLUMNS = {"obs": ((17,), "float32"), "action": ((6,), "float32"), "reward": ((), "float32")}
+
+
+def add(buf: mb.Buffer, rng: np.random.Generator, start: int, n: int, episode: int) -> None:
+    """Rows ``start .. start + n`` of random transitions in episodes of ``episode`` rows."""
+    done = (np.arange(start, start + n) % episode) == episode - 1
+    buf.extend({"obs": rng.standard_normal((n, 17), dtype=np.float32),
+                "action": rng.standard_normal((n, 6), dtype=np.float32),
+                "reward": rng.standard_normal(n, dtype=np.float32), "terminated": done},
+               final_obs={"obs": np.zeros((int(done.sum()), 17), np.float32)})
+
+
+def build(path: Path, rows: int, episode: int, capacity: int | None = None) -> None:
     rng = np.random.default_rng(0)
-    cols = {"obs": ((17,), "float32"), "action": ((6,), "float32"), "reward": ((), "float32")}
-    with mb.create(path, cols, capacity=rows) as buf:
+    with mb.create(path, COLUMNS, capacity=capacity or rows) as buf:
         for start in range(0, rows, 250_000):
-            n = min(250_000, rows - start)
-            done = (np.arange(start, start + n) % episode) == episode - 1
-            buf.extend({"obs": rng.standard_normal((n, 17), dtype=np.float32),
-                        "action": rng.standard_normal((n, 6), dtype=np.float32),
-                        "reward": rng.standard_normal(n, dtype=np.float32), "terminated": done},
-                       final_obs={"obs": np.zeros((int(done.sum()), 17), np.float32)})
+            add(buf, rng, start, min(250_000, rows - start), episode)
 
 
 def publish_costs(tmp: Path, endpoint: str, counter: object, rows: int, episode: int, steps: int,
@@ -73,21 +85,12 @@ def publish_costs(tmp: Path, endpoint: str, counter: object, rows: int, episode:
     from s3server import new_bucket
 
     rng = np.random.default_rng(0)
-    cols = {"obs": ((17,), "float32"), "action": ((6,), "float32"), "reward": ((), "float32")}
     local = tmp / "pub"
-
-    def add(buf: mb.Buffer, start: int, n: int) -> None:
-        done = (np.arange(start, start + n) % episode) == episode - 1
-        buf.extend({"obs": rng.standard_normal((n, 17), dtype=np.float32),
-                    "action": rng.standard_normal((n, 6), dtype=np.float32),
-                    "reward": rng.standard_normal(n, dtype=np.float32), "terminated": done},
-                   final_obs={"obs": np.zeros((int(done.sum()), 17), np.float32)})
-
     filled = rows * 3 // 2 if wrapped else rows
     piece = min(250_000, rows)
-    with mb.create(local, cols, capacity=rows if wrapped else int(rows * (1 + 0.01 * steps) + episode)) as buf:
+    with mb.create(local, COLUMNS, capacity=rows if wrapped else int(rows * (1 + 0.01 * steps) + episode)) as buf:
         for start in range(0, filled, piece):
-            add(buf, start, min(piece, filled - start))
+            add(buf, rng, start, min(piece, filled - start), episode)
     fs = fsspec.filesystem("s3", endpoint_url=endpoint, skip_instance_cache=True)
     urls = {e: f"s3://{new_bucket(endpoint)}/pub" for e in ("snapshots", "icechunk")}
 
@@ -99,7 +102,7 @@ def publish_costs(tmp: Path, endpoint: str, counter: object, rows: int, episode:
     for step in ["full"] + [f"after 1% new rows ({i})" for i in range(1, steps + 1)]:
         if step != "full":
             with mb.open(local) as buf:
-                add(buf, filled, rows // 100)
+                add(buf, rng, filled, rows // 100, episode)
             filled += rows // 100
         for engine, url in urls.items():  # interleaved: both engines publish the same state
             before, put0, n0 = size(url), counter.put_bytes, counter.puts  # type: ignore[attr-defined]
@@ -115,6 +118,46 @@ def publish_costs(tmp: Path, endpoint: str, counter: object, rows: int, episode:
         full_s, _, full, _ = out[(engine, "full")]
         print(f"| {engine} | {step} | {sec:.2f} | {sec / full_s:.3f} | {sent / 1e6:.2f} | {puts} | {sent / full:.3f} "
               f"| {added / 1e6:.2f} |")
+
+
+def table_costs(tmp: Path, endpoint: str, counter: object, sizes: list[int], new_rows: int, episode: int,
+                chunk_kib: int) -> None:
+    """Per store size: a full publish, then ``new_rows`` new rows and a publish; what the
+    second publish wrote of the object table (``objects.json`` and, from table version 4,
+    the parts it sent: ``remote/_parts.py``) against the whole table. ``chunk_kib``: the
+    chunk size, small to give a store the object count of a larger one."""
+    import dataclasses
+
+    import fsspec
+
+    from mmbuffer._disk import format as fmt
+    from s3server import new_bucket, table_objects
+
+    fmt.config = dataclasses.replace(fmt.config, chunk_bytes=chunk_kib << 10)
+    fs = fsspec.filesystem("s3", endpoint_url=endpoint, skip_instance_cache=True)
+    print(f"| rows | objects | table (MB) | table written after {new_rows:,} new rows (MB) | share | "
+          "that publish: s, MB PUT |")
+    print("|---:|---:|---:|---:|---:|---|")
+    for rows in sizes:
+        local = tmp / f"t{rows}"
+        build(local, rows, episode, capacity=rows + 2 * new_rows)
+        root = f"{new_bucket(endpoint)}/pub"
+        mb.convert.publish(local, f"s3://{root}", progress=False)
+        with mb.open(local) as buf:
+            add(buf, np.random.default_rng(1), rows, new_rows, episode)
+        put0 = counter.put_bytes  # type: ignore[attr-defined]
+        t0 = time.perf_counter()
+        snap = mb.convert.publish(local, f"s3://{root}", progress=False)["snapshot"]
+        sec, put = time.perf_counter() - t0, counter.put_bytes - put0  # type: ignore[attr-defined]
+        fs.invalidate_cache()
+        raw = fs.cat_file(f"{root}/snapshots/{snap}/objects.json")
+        parts = json.loads(raw).get("parts", {})
+        whole = len(raw) + sum(v[0] for v in parts.values())
+        written = len(raw) + sum(v[0] for v in parts.values() if v[2] == snap)
+        objects = len(table_objects(fs, root, snap))
+        print(f"| {rows:,} | {objects:,} | {whole / 1e6:.3f} | {written / 1e6:.4f} | {written / whole:.3f} | "
+              f"{sec:.2f}, {put / 1e6:.2f} |", flush=True)
+        shutil.rmtree(local)
 
 
 def rate(buf: mb.Buffer, batches: int, b: int, length: int, seed: int = 0) -> float:
@@ -138,12 +181,21 @@ def main() -> None:
     ap.add_argument("--rotate-every", type=int, nargs="+", default=[8, 32, 128], help="PoolConfig.rotate_every values")
     ap.add_argument("--publish", action="store_true", help="measure publish costs only (full vs after 1%% new rows)")
     ap.add_argument("--steps", type=int, default=2, help="--publish: publishes after 1%% new rows each (default 2)")
+    ap.add_argument("--table", type=counts, default=None, metavar="SIZES",
+                    help="measure the object table a publish of --new-rows writes, by store size (1e5,1e6,1e7)")
+    ap.add_argument("--new-rows", type=count, default=10_000, help="--table: rows added before the measured publish")
+    ap.add_argument("--chunk-kib", type=int, default=16, help="--table: chunk size (small: a larger store's objects)")
     ap.add_argument("--wrapped", action="store_true",
                     help="--publish: a full ring (capacity --rows) that wrapped half a lap before the first publish")
     args = ap.parse_args()
     from s3server import counting_moto_s3, moto_s3, new_bucket
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    if args.table:
+        with tempfile.TemporaryDirectory() as tmp, counting_moto_s3() as (endpoint, counter):
+            os.environ["MMBUFFER_CACHE_DIR"] = str(Path(tmp) / "cache")
+            table_costs(Path(tmp), endpoint, counter, args.table, args.new_rows, args.episode, args.chunk_kib)
+        return
     if args.publish:
         with tempfile.TemporaryDirectory() as tmp, counting_moto_s3() as (endpoint, counter):
             os.environ["MMBUFFER_CACHE_DIR"] = str(Path(tmp) / "cache")  # the copies publishes keep (convert/_pipeline/staged.py)

@@ -144,3 +144,25 @@ def small_chunks(monkeypatch):
     from mmbuffer._disk import format as fmt
 
     monkeypatch.setattr(fmt, "config", dataclasses.replace(fmt.config, chunk_bytes=1024))
+
+
+def table_objects(fs, root: str, snapshot: str) -> dict[str, list[Any]]:
+    """Every object a published snapshot's table names (``rel -> [size, digest(, holder)]``),
+    from its root ``objects.json`` and, from table version 4, its parts (``remote/_parts.py``)."""
+    import json
+
+    body = json.loads(fs.cat_file(f"{root}/snapshots/{snapshot}/objects.json"))
+    objects = dict(body["objects"])
+    for key, (_, _, holder) in body.get("parts", {}).items():
+        objects.update(json.loads(fs.cat_file(f"{root}/snapshots/{holder}/parts/{key}.json"))["objects"])
+    return objects
+
+
+def flat_table(fs, root: str, snapshot: str, version: int = 3) -> dict[str, Any]:
+    """A snapshot's table as one ``objects.json`` body of ``version`` (< 4: no parts), what
+    mmbuffer wrote before table version 4."""
+    import json
+
+    body = json.loads(fs.cat_file(f"{root}/snapshots/{snapshot}/objects.json"))
+    objects = {rel: v if len(v) < 3 or v[2] != snapshot else v[:2] for rel, v in table_objects(fs, root, snapshot).items()}
+    return {k: v for k, v in body.items() if k != "parts"} | {"version": version, "objects": objects}

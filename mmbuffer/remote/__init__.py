@@ -97,7 +97,8 @@ from .._ledger.store import Store
 from . import _icechunk, _snapshot
 from ._cache import Cache
 from ._filled import Filler, open_filled
-from ._objects import FetchMany, Table, load_table, remote_errors
+from ._objects import FetchMany, Table, remote_errors
+from ._parts import load_table
 from ._pool import ChunkPool, PoolConfig, PooledSampler
 from ._refresh import Refresher
 from ._verified import ChunkRows, VerifiedStore, mapped_objects
@@ -198,7 +199,9 @@ class RemoteSource:
             extra = {fmt.MANIFEST: json.dumps(pointer["manifest"]).encode(),
                      "zarr.json": json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}).encode()}
         else:
-            table = load_table(self.fs, self.root, self.url, snap, str(pointer["objects"]))
+            table = load_table(self.fs, self.root, self.url, snap, str(pointer["objects"]),
+                               before=previous[1] if previous is not None else None,
+                               alive=lambda: _snapshot.check_alive(self.fs, self.root, snap, self.url))
             fetch_many = _snapshot.fetch_objects(self.fs, self.root, table, self.url)
         pin = self.files.pin(self.cache / f"{snap}.pin")
         try:

@@ -239,10 +239,11 @@ def _check_cas(fs: Any, url: str) -> None:
 
 
 def publish_writer(fs: Any, root: str, url: str, store: Path, *, writer: str, holder: str, lease: float, keep: int,
-                   generation: int, digests: Mapping[str, tuple[int, str]] | None = None) -> dict[str, Any]:
+                   generation: int, digests: Mapping[str, tuple[int, str]] | None = None,
+                   memo: Path | None = None) -> dict[str, Any]:
     """Publish the local ``store`` as writer ``writer``'s next snapshot in the group at
     ``url``: claim the name, upload, swap the pointer into ``group.json``, prune
-    (``digests``: as ``_snapshot.upload_snapshot``'s)."""
+    (``digests``, ``memo``: as ``_snapshot.upload_snapshot``'s)."""
     _check_cas(fs, url)
     name = check_writer(writer)
     if not lease > 0:
@@ -267,7 +268,8 @@ def publish_writer(fs: Any, root: str, url: str, store: Path, *, writer: str, ho
     _transact(fs, root, url, claim)
     base = claimed["pointer"]
     w_root, w_url = join(root, WRITERS, name), writer_url(url, name)
-    pointer, summary = _snapshot.upload_snapshot(fs, w_root, w_url, store, base, generation=generation, digests=digests)
+    pointer, summary = _snapshot.upload_snapshot(fs, w_root, w_url, store, base, generation=generation, digests=digests,
+                                                 memo=memo)
 
     def point(body: dict[str, Any] | None) -> dict[str, Any]:
         entry = None if body is None else body["writers"].get(name)

@@ -5,9 +5,12 @@ snapshot (relative name) its size and BLAKE2b-128 digest, computed from the loca
 before upload. Version 2 of the table adds, per object, the earlier snapshot that holds
 it when this one did not send it again (``holders``: an unchanged object is never sent
 twice), and the raw arrays published as chunks (``packed``: :mod:`._dense`); version 3
-records a packed array's digest over its chunks' digests (:mod:`._dense`). Tables of
-versions 1 (every object in its own snapshot, no packed arrays) and 2 read as before. The pointer (``current.json``) records the digest of ``objects.json``
-itself, so the chain pointer -> table -> object is checked end to end: a flipped,
+records a packed array's digest over its chunks' digests (:mod:`._dense`); version 4
+keeps the chunks' entries in parts, each named with its digest (:mod:`._parts`: a publish
+writes the parts that changed, not the table). Tables of versions 1 (every object in its
+own snapshot, no packed arrays) to 3 read as before. The pointer (``current.json``)
+records the digest of ``objects.json`` itself, so the chain pointer -> table -> object
+is checked end to end: a flipped,
 truncated, missing or swapped-in object (one from another snapshot) is a
 :class:`~mmbuffer.errors.CorruptStoreError` naming the object and its column, never
 rows. An object the table does not name is never read (zarr's fill value is what a
@@ -37,8 +40,8 @@ from .._disk import format as fmt
 from .._disk.files import parse_json
 from ._dense import Packed, pack
 
-__all__ = ["OBJECTS", "FetchMany", "Table", "digest", "load_table", "parse_table", "remote_errors", "store_objects",
-           "table_bytes"]
+__all__ = ["OBJECTS", "FetchMany", "Table", "digest", "load_root", "parse_entries", "parse_table", "remote_errors",
+           "store_objects", "table_bytes"]
 
 OBJECTS = "objects.json"
 _FORMAT = "mmbuffer-objects"
@@ -142,15 +145,20 @@ def column_of(rel: str) -> str:
 
 
 class Table:
-    """The checked object table of one snapshot of ``url``."""
+    """The checked object table of one snapshot of ``url``. ``parts`` (version 4,
+    :mod:`._parts`): part key -> (size, digest, holding snapshot) of the parts whose
+    objects ``entries`` holds once they are loaded (``_parts.load_table``)."""
 
     def __init__(self, entries: dict[str, tuple[int, str]], url: str, snapshot: str,
-                 holders: dict[str, str] | None = None, packed: dict[str, Packed] | None = None) -> None:
+                 holders: dict[str, str] | None = None, packed: dict[str, Packed] | None = None,
+                 parts: dict[str, tuple[int, str, str]] | None = None) -> None:
         self.entries = entries
         self.url = url
         self.snapshot = snapshot
         self.holders = holders or {}  # objects an earlier snapshot holds: name -> its id
         self.packed = packed or {}  # raw arrays published as chunks: array -> record (_dense.py)
+        self.parts = parts or {}
+        self.part_objects: dict[str, dict[str, tuple[int, str, str]]] = {}  # loaded parts by digest
 
     def holder(self, rel: str) -> str:
         """The snapshot whose folder holds ``rel`` (this one, or an earlier one)."""
@@ -177,8 +185,9 @@ class Table:
         return errors.CorruptStoreError(f"{self.where(rel)}: expected the object the snapshot names, found nothing")
 
 
-def load_table(fs: Any, root: str, url: str, snapshot: str, want: str) -> Table:
-    """Fetch and check the table of ``snapshot`` against ``want`` (the pointer's digest)."""
+def load_root(fs: Any, root: str, url: str, snapshot: str, want: str) -> Table:
+    """Fetch and check the table of ``snapshot`` against ``want`` (the pointer's digest);
+    a table of version 4 without its parts (``_parts.load_table`` loads them)."""
     where = f"{url}/snapshots/{snapshot}/{OBJECTS}"
     with remote_errors(url):
         try:
@@ -192,30 +201,51 @@ def load_table(fs: Any, root: str, url: str, snapshot: str, want: str) -> Table:
 
 
 def parse_table(raw: bytes, where: str, url: str, snapshot: str) -> Table:
-    """The table in ``raw`` (its digest already checked), every field checked."""
+    """The table in ``raw`` (its digest already checked), every field checked; a table of
+    version 4 with its parts named, not loaded (``_parts.load_table`` loads them)."""
     body = parse_json(raw, where)
     if not isinstance(body, dict) or body.get("format") != _FORMAT or body.get("hash") != _HASH:
         raise errors.CorruptStoreError(f"{where}: expected format {_FORMAT!r} with hash {_HASH!r}")
     version = body.get("version")
-    if version not in (1, 2, 3):
-        raise errors.FormatVersionError(f"{where}: version: expected 1, 2 or 3, got {version!r}; upgrade mmbuffer")
-    objects, packed = body.get("objects") or {}, body.get("packed") or {}
-    if not isinstance(objects, dict) or not isinstance(packed, dict) or (version == 1 and packed):
-        raise errors.CorruptStoreError(f"{where}: expected objects (and, from version 2, packed) as JSON objects")
+    if version not in (1, 2, 3, 4):
+        raise errors.FormatVersionError(f"{where}: version: expected 1, 2, 3 or 4, got {version!r}; upgrade mmbuffer")
+    objects, packed, parts = body.get("objects") or {}, body.get("packed") or {}, body.get("parts") or {}
+    if not isinstance(objects, dict) or not isinstance(packed, dict) or (version == 1 and packed) \
+            or not isinstance(parts, dict) or (version < 4 and parts):
+        raise errors.CorruptStoreError(f"{where}: expected objects (and, from version 2, packed; from version 4, "
+                                       "parts) as JSON objects")
+    entries, holders = parse_entries(objects, where, (2,) if version == 1 else (2, 3))
+    named: dict[str, tuple[int, str, str]] = {}
+    for key, value in parts.items():
+        if not (isinstance(value, list) and len(value) == 3 and _size_digest(value) and isinstance(value[2], str)
+                and _SNAPSHOT.match(value[2])):
+            raise errors.CorruptStoreError(f"{where}: part {key}: expected [size, digest, snapshot id], got {value!r}")
+        named[str(key)] = (value[0], value[1], value[2])
+    records = {str(k): Packed.from_json(f"{where}: packed {k}", v, chunked=version >= 3) for k, v in packed.items()}
+    return Table(entries, url, snapshot, holders, records, named)
+
+
+def _size_digest(value: list[Any]) -> bool:
+    return isinstance(value[0], int) and not isinstance(value[0], bool) and value[0] >= 0 \
+        and isinstance(value[1], str) and bool(_HEX.match(value[1]))
+
+
+def parse_entries(objects: Mapping[str, Any], where: str, lengths: tuple[int, ...]) -> tuple[
+        dict[str, tuple[int, str]], dict[str, str]]:
+    """``rel -> (size, digest)`` and ``rel -> holding snapshot`` of a table's ``objects``,
+    each ``[size, digest]`` or ``[size, digest, snapshot id]`` as ``lengths`` allows."""
     entries: dict[str, tuple[int, str]] = {}
     holders: dict[str, str] = {}
     for rel, value in objects.items():
         n = len(value) if isinstance(value, list) else 0
-        if (n not in ((2,) if version == 1 else (2, 3)) or not isinstance(value[0], int) or isinstance(value[0], bool)
-                or value[0] < 0 or not isinstance(value[1], str) or not _HEX.match(value[1])
-                or (n == 3 and not (isinstance(value[2], str) and _SNAPSHOT.match(value[2])))):
-            raise errors.CorruptStoreError(f"{where}: {rel}: expected [size, digest] or [size, digest, snapshot id], "
-                                           f"got {value!r}")
+        if n not in lengths or not _size_digest(value) or (n == 3 and not (isinstance(value[2], str)
+                                                                           and _SNAPSHOT.match(value[2]))):
+            want = " or ".join(("[size, digest]", "[size, digest, snapshot id]")[k - 2] for k in lengths)
+            raise errors.CorruptStoreError(f"{where}: {rel}: expected {want}, got {value!r}")
         entries[str(rel)] = (value[0], value[1])
         if n == 3:
             holders[str(rel)] = value[2]
-    records = {str(k): Packed.from_json(f"{where}: packed {k}", v, chunked=version >= 3) for k, v in packed.items()}
-    return Table(entries, url, snapshot, holders, records)
+    return entries, holders
 
 
 @contextlib.contextmanager

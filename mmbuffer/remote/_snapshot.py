@@ -7,11 +7,13 @@ Layout under the URL (a Zarr v3 group)::
     URL/snapshots/ID/...          the objects this snapshot sent, never modified once written
     URL/snapshots/ID/objects.json its object table: size and digest of every object of the
                                   store, and for an object sent before, the snapshot holding it
-                                  (the pointer holds the table's digest: ``_objects.py``)
+                                  (the pointer holds the table's digest: ``_objects.py``); the
+                                  chunks' entries in parts, named with their digests
+    URL/snapshots/ID/parts/...    the parts this snapshot sent (``_parts.py``)
 
 Publishing uploads the objects whose digest differs from the previous snapshot's (the
-raw arrays as chunks, ``_dense.py``), the table naming where the others are, the
-manifest last, then replaces ``current.json`` with one PUT (atomic on S3, GCS, Azure):
+raw arrays as chunks, ``_dense.py``), the table naming where the others are (only its
+parts that changed: ``_parts.py``), the manifest last, then replaces ``current.json`` with one PUT (atomic on S3, GCS, Azure):
 a reader sees the old snapshot or the new one, never a half-written store. The first
 snapshot holds every object: zarr-python, xarray or tensorstore read it directly;
 later ones are whole through their table (or publish with ``engine="icechunk"``, whose
@@ -53,10 +55,19 @@ from .. import errors
 from .._disk import format as fmt
 from .._disk.files import fsync_dir, fsync_tree, parse_json
 from .._disk.urls import join
+from ._cache import Cache, disk_bytes, write_file
 from ._dense import held_bytes, rebuild, shard_rel
 from ._filled import FILLED, PRESENT, laid_bytes, lay_out
-from ._cache import Cache, disk_bytes, write_file
-from ._objects import OBJECTS, FetchMany, Table, digest, load_table, parse_table, remote_errors, store_objects, table_bytes
+from ._objects import (
+    OBJECTS,
+    FetchMany,
+    Table,
+    digest,
+    parse_table,
+    remote_errors,
+    store_objects,
+)
+from ._parts import fetcher, load_parts, load_table, part_key, part_rel, remember, split
 
 __all__ = ["POINTER", "cache_base", "cache_root", "check_alive", "check_pointer", "fetch_objects", "mirror", "object_fetch",
            "prune", "publish_dir", "read_pointer", "upload_snapshot"]
@@ -305,14 +316,16 @@ def _fetch_checked(fetch: Callable[[list[str]], dict[str, bytes | None]], table:
 
 
 def publish_dir(fs: Any, root: str, url: str, store: Path, *, keep: int, generation: int,
-                digests: Mapping[str, tuple[int, str]] | None = None) -> dict[str, Any]:
+                digests: Mapping[str, tuple[int, str]] | None = None, memo: Path | None = None) -> dict[str, Any]:
     """Upload the local store ``store`` as the next snapshot of ``url``; point to it; prune.
 
     Only objects that differ from the previous snapshot's are sent; the others are
     named in the table with the snapshot that holds them. Raw arrays go as chunks
     (:mod:`._dense`). Refuses (``StoreExistsError``, nothing changed) a URL that holds
     objects but no mmbuffer pointer. ``digests``: ``rel -> (size, digest)`` of files of
-    ``store`` known already (not read again: ``_objects.FileDigests``).
+    ``store`` known already (not read again: ``_objects.FileDigests``); ``memo``: a folder
+    keeping the parts of the table published last (``_parts.remember``), so the next
+    publish reads none of them back.
     """
     fs.invalidate_cache()
     try:
@@ -324,21 +337,22 @@ def publish_dir(fs: Any, root: str, url: str, store: Path, *, keep: int, generat
             raise errors.StoreExistsError(
                 f"{url}: expected an empty prefix or a store mmbuffer published, got other objects; nothing was changed"
             ) from None
-    pointer, summary = upload_snapshot(fs, root, url, store, previous, generation=generation, digests=digests)
+    pointer, summary = upload_snapshot(fs, root, url, store, previous, generation=generation, digests=digests, memo=memo)
     write_pointer(fs, root, pointer)
     summary["pruned"] = prune(fs, root, keep, pointer["snapshot"])
     return summary
 
 
 def upload_snapshot(fs: Any, root: str, url: str, store: Path, previous: Mapping[str, Any] | None, *,
-                    generation: int, digests: Mapping[str, tuple[int, str]] | None = None
+                    generation: int, digests: Mapping[str, tuple[int, str]] | None = None, memo: Path | None = None
                     ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Upload ``store`` as the snapshot after ``previous`` (a checked pointer, or None):
-    its pointer (not written) and the summary. The snapshot is whole once this returns."""
+    its pointer (not written) and the summary. The snapshot is whole once this returns.
+    The object table goes in parts (``_parts.py``): only those that changed are sent."""
     before: Table | None = None
     if previous is not None:
         try:
-            before = load_table(fs, root, url, str(previous["snapshot"]), str(previous["objects"]))
+            before = load_table(fs, root, url, str(previous["snapshot"]), str(previous["objects"]), memo=memo)
         except (errors.CorruptStoreError, errors.StoreNotFoundError):
             before = None  # a damaged previous snapshot: this one sends everything, and is whole by itself
     seq = 1 if previous is None else int(previous["sequence"]) + 1
@@ -347,24 +361,30 @@ def upload_snapshot(fs: Any, root: str, url: str, store: Path, previous: Mapping
     local, entries, packed = store_objects(store, digests)
     holders = {rel: before.holder(rel) for rel in entries
                if before is not None and rel != fmt.MANIFEST and before.get(rel) == entries[rel]}
-    table = table_bytes(entries, holders, packed)
-    # new objects, the object table, then the manifest last, so a snapshot without it is never taken for a whole one
+    table, parts = split(entries, holders, packed, snapshot, before)
+    # new objects, the table's new parts and its root, then the manifest last, so a snapshot
+    # without it is never taken for a whole one
     new = sorted((rel for rel in entries if rel not in holders and rel != fmt.MANIFEST))
     paths = [r for r in new if isinstance(local[r], Path)]
     fs.put([str(local[r]) for r in paths], [join(snap_root, r) for r in paths])
     blobs = {join(snap_root, r): local[r] for r in new if isinstance(local[r], bytes)}
+    blobs.update({join(snap_root, r): raw for r, raw in parts.items()})
     if blobs:
         fs.pipe(blobs)
     fs.pipe_file(join(snap_root, OBJECTS), table)
     fs.put(str(local[fmt.MANIFEST]), join(snap_root, fmt.MANIFEST))
+    if memo is not None:
+        named = parse_table(table, OBJECTS, url, snapshot).parts
+        remember(memo, {digest(raw): raw for raw in parts.values()}, keep={dg for _, dg, _ in named.values()})
     group = json.dumps(_GROUP).encode()
     if previous is None:
         fs.pipe({join(root, "zarr.json"): group, join(root, SNAPSHOTS, "zarr.json"): group})
     pointer = {"format": _FORMAT, "version": _VERSION, "snapshot": snapshot, "sequence": seq, "generation": generation,
                "objects": digest(table)}
-    written = sum(entries[r][0] for r in new) + entries[fmt.MANIFEST][0] + len(table)
-    return pointer, {"url": url, "snapshot": snapshot, "sequence": seq, "pruned": [], "objects_written": len(new) + 2,
-                     "bytes_written": written}
+    written = sum(entries[r][0] for r in new) + entries[fmt.MANIFEST][0] + len(table) + sum(map(len, parts.values()))
+    return pointer, {"url": url, "snapshot": snapshot, "sequence": seq, "pruned": [],
+                     "objects_written": len(new) + len(parts) + 2, "bytes_written": written,
+                     "table_bytes_written": len(table) + sum(map(len, parts.values()))}
 
 
 def write_pointer(fs: Any, root: str, pointer: dict[str, Any]) -> None:
@@ -377,22 +397,33 @@ def prune(fs: Any, root: str, keep: int, current: str) -> list[str]:
     any snapshot never pointed to (a publish that failed before its pointer); only ids
     mmbuffer writes. A dropped snapshot loses its ``manifest.json`` first (so its readers
     raise instead of reading zeros), then every object no kept snapshot names; what a
-    kept snapshot names stays in the dropped one's folder."""
+    kept snapshot names stays in the dropped one's folder. What it reads of the kept
+    tables: their roots, and only the parts naming objects the dropped folders hold."""
     base = join(root, SNAPSHOTS)
     ids = sorted(name for name in (str(p).rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(base, detail=False)) if _ID.match(name))
     older = [i for i in ids if int(i[:10]) < int(current[:10])]
     kept = set(older[len(older) - (keep - 1):] if keep > 1 else []) | {current}
     old = [i for i in ids if i not in kept]
+    if not old:
+        return old
+    held = {snap: [str(p)[len(join(base, snap)) + 1:] for p in fs.find(join(base, snap))] for snap in old}
+    keys = {k for rels in held.values() for r in rels if (k := part_key(r)) is not None and not r.startswith("parts/")}
     named: set[str] = set()  # objects of kept snapshots, as paths under base
+    fetch = fetcher(fs, root, root)
+    loaded: dict[str, dict[str, tuple[int, str, str]]] = {}  # parts by digest, shared by the kept tables
     for snap in kept:
         try:
             raw = fs.cat_file(join(base, snap, OBJECTS))
             table = parse_table(raw, join(base, snap, OBJECTS), "", snap)
+            table.part_objects.update(loaded)
+            load_parts(table, fetch, keys=keys & set(table.parts))
         except (FileNotFoundError, errors.MMBufferError):
             if snap != current:
                 continue  # not a whole snapshot (a failed publish): it names nothing
             raise
+        loaded.update(table.part_objects)
         named.update(f"{table.holder(rel)}/{rel}" for rel in table.entries)
+        named.update(f"{holder}/{part_rel(key)}" for key, (_, _, holder) in table.parts.items())
         named.update((f"{snap}/{OBJECTS}", f"{snap}/{fmt.MANIFEST}"))
     for snap in old:
         try:
@@ -400,9 +431,9 @@ def prune(fs: Any, root: str, keep: int, current: str) -> list[str]:
         except FileNotFoundError:
             pass
     for snap in old:
-        prefix = join(base, snap)
-        drop = [p for p in fs.find(prefix) if f"{snap}/{str(p)[len(prefix) + 1:]}" not in named]
+        drop = [join(base, snap, rel) for rel in held[snap] if f"{snap}/{rel}" not in named and rel != fmt.MANIFEST]
         if drop:
             fs.rm(drop)
     fs.invalidate_cache()
     return old
+

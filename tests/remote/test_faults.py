@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 from forked import results_of
-from s3server import new_bucket
+from s3server import new_bucket, table_objects
 from s3server import s3, small_chunks  # noqa: F401 - fixtures
 
 import mmbuffer as mb
@@ -209,9 +209,9 @@ def _read_all(url: str, cache: str, queue) -> None:
 
 def test_processes_sharing_a_cache_download_each_object_once(tmp_path, s3, fs):
     url, root = published(tmp_path, s3)
-    table = json.loads(fs.cat_file(f"{snapshot_root(fs, root)}/objects.json"))["objects"]
+    table = table_objects(fs, root, snapshot_root(fs, root).rsplit("/", 1)[-1])
     # each column's chunks and its zarr.json, read through the host cache, one file per distinct content
-    distinct = {d for rel, (_, d) in table.items() if rel.startswith(("columns/obs/", "columns/x/"))}
+    distinct = {v[1] for rel, v in table.items() if rel.startswith(("columns/obs/", "columns/x/"))}
     assert len(distinct) > 10
     results = results_of(_read_all, (url, str(tmp_path / "c")))
     with mb.open(tmp_path / "local", mode="r") as local:

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from forked import results_of
-from s3server import new_bucket, s3, small_chunks  # noqa: F401 - fixtures (1 KiB chunks: 4 a flag)
+from s3server import new_bucket, s3, small_chunks, table_objects  # noqa: F401 - fixtures (1 KiB chunks: 4 a flag)
 
 import mmbuffer as mb
 from mmbuffer import errors
@@ -51,7 +51,7 @@ def published(tmp_path: Path, s3: str, engine: str = "snapshots") -> tuple[str, 
 def flag_chunks(fs, root: str) -> dict[str, int]:
     """The flags' published chunk objects and their sizes, from the current snapshot's table."""
     snap = json.loads(fs.cat_file(f"{root}/current.json"))["snapshot"]
-    table = json.loads(fs.cat_file(f"{root}/snapshots/{snap}/objects.json"))["objects"]
+    table = table_objects(fs, root, snap)
     return {rel: entry[0] for rel, entry in table.items() if rel.startswith(tuple(f"columns/{f}/c/" for f in FLAGS))}
 
 

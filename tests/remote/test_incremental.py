@@ -23,7 +23,7 @@ import mmbuffer as mb
 from mmbuffer import errors
 from mmbuffer._disk import format as fmt
 from killing import kill_at_random_instants, publisher, timed
-from s3server import counting_moto_s3, new_bucket
+from s3server import counting_moto_s3, flat_table, new_bucket, table_objects
 
 pytest.importorskip("s3fs")
 from mmbuffer.remote import _snapshot  # noqa: E402
@@ -177,8 +177,7 @@ def test_an_older_published_snapshot_still_opens_and_an_unknown_version_is_refus
     # publishing on top of it: version 3, the unchanged data chunks named in the old snapshot, not sent again
     extend(tmp_path / "local", 20_000, 200)
     new, sent = publish(server, tmp_path / "local", url, "snapshots")
-    table = json.loads(fs.cat_file(f"{root}/snapshots/{new['snapshot']}/objects.json"))
-    held = [r for r, v in table["objects"].items() if v[2:] == [old]]
+    held = [r for r, v in table_objects(fs, root, new["snapshot"]).items() if v[2:] == [old]]
     assert json.loads(fs.cat_file(f"{root}/current.json"))["version"] == 3
     assert any(r.startswith("columns/obs/c/") for r in held) and sent < 20_000 * 8 * 4 // 2
     assert ro.refresh() is True and ro.remote.table.packed  # from the dense index to the chunked one
@@ -200,8 +199,8 @@ def test_a_publish_over_a_damaged_snapshot_sends_everything_and_is_whole(tmp_pat
     fs.pipe_file(key, fs.cat_file(key) + b" ")  # no longer the table the pointer names
     extend(tmp_path / "local", 20_000, 200)
     second, sent = publish(server, tmp_path / "local", url, "snapshots")
-    table = json.loads(fs.cat_file(f"{bucket}/store/snapshots/{second['snapshot']}/objects.json"))
-    assert not any(len(v) == 3 for v in table["objects"].values()) and sent > 0.9 * full  # names nothing of it
+    table = table_objects(fs, f"{bucket}/store", second["snapshot"])
+    assert not any(v[2:] == [first["snapshot"]] for v in table.values()) and sent > 0.9 * full  # names nothing of it
     with mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None) as ro:
         same_reads(ro, tmp_path / "local")
 
@@ -225,23 +224,29 @@ def test_packed_arrays_are_checked_by_their_chunks_digests_and_a_version_2_table
     make(tmp_path / "local", rows=20_000, priorities=True)
     snap = publish(server, tmp_path / "local", url, "snapshots")[0]["snapshot"]
     body = json.loads(fs.cat_file(f"{root}/snapshots/{snap}/{OBJECTS}"))
-    assert body["version"] == 3 and {"index/ends", "priority/leaves"} <= set(body["packed"])
+    assert body["version"] == 4 and {"index/ends", "priority/leaves"} <= set(body["packed"])
     files = {a: file_digest(tmp_path / "local" / shard_rel(a, Packed(*rec)))
              for a, rec in body["packed"].items()}
     for a, rec in body["packed"].items():
         assert rec[1] == files[a][0] and rec[2] != files[a][1]  # same file, a digest of its chunks' digests
+    # one objects.json, as mmbuffer wrote before table version 4 (parts): version 3 still reads
+    flat = flat_table(fs, root, snap, version=3)
+    _resign(fs, root, snap, flat)
+    with mb.open(url, mode="r", cache_dir=tmp_path / "flat3", pool=None) as ro:
+        assert not ro.remote.table.parts and len(ro.remote.table.entries) == len(flat["objects"])
+        same_reads(ro, tmp_path / "local")
     # version 2: the digests of the files' bytes
-    _resign(fs, root, snap, dict(body, version=2, packed={a: [rec[0], rec[1], files[a][1]] for a, rec in body["packed"].items()}))
+    _resign(fs, root, snap, dict(flat, version=2, packed={a: [rec[0], rec[1], files[a][1]] for a, rec in body["packed"].items()}))
     with mb.open(url, mode="r", cache_dir=tmp_path / "v2", pool=None) as ro:
         assert ro.remote.table.packed and not any(r.chunked for r in ro.remote.table.packed.values())
         same_reads(ro, tmp_path / "local")
-    # a version 3 table whose record is the file's digest (or any other): refused, nothing mirrored
+    # a table whose record is the file's digest (or any other): refused, nothing mirrored
     _resign(fs, root, snap, dict(body, packed=dict(body["packed"], **{"index/ends": [*body["packed"]["index/ends"][:2], files["index/ends"][1]]})))
     with pytest.raises(errors.CorruptStoreError, match=r"index/ends \(rebuilt from its chunks\): expected BLAKE2b-128"):
         mb.open(url, mode="r", cache_dir=tmp_path / "bad", pool=None)
     assert not list((tmp_path / "bad").rglob("manifest.json"))
     _resign(fs, root, snap, body)
-    with mb.open(url, mode="r", cache_dir=tmp_path / "v3", pool=None) as ro:
+    with mb.open(url, mode="r", cache_dir=tmp_path / "v4", pool=None) as ro:
         assert all(r.chunked for r in ro.remote.table.packed.values())
         same_reads(ro, tmp_path / "local")
 
@@ -250,7 +255,7 @@ def test_a_table_of_an_unknown_version_is_refused_naming_it(tmp_path):
     from mmbuffer.remote._objects import parse_table
 
     raw = table_bytes({"a": (1, digest(b"a"))}).replace(b'"version":3', b'"version":7')
-    with pytest.raises(errors.FormatVersionError, match="objects.json: version: expected 1, 2 or 3, got 7"):
+    with pytest.raises(errors.FormatVersionError, match="objects.json: version: expected 1, 2, 3 or 4, got 7"):
         parse_table(raw, "s3://b/s/snapshots/x/objects.json", "s3://b/s", "x")
 
 

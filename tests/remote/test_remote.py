@@ -19,7 +19,7 @@ import torch
 import mmbuffer as mb
 from mmbuffer._disk import format as fmt
 from mmbuffer import errors
-from s3server import moto_s3, new_bucket
+from s3server import moto_s3, new_bucket, table_objects
 from column_conformance import ROWS, ColumnTests
 
 pytest.importorskip("s3fs")
@@ -338,8 +338,10 @@ def test_publish_keeps_three_snapshots_and_a_failed_publish_stays_invisible(tmp_
     assert [s[:10] for s in snaps] == ["0000000002", "0000000003", "0000000004"]
     first = next(p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/store/snapshots") if "/0000000001-" in p)
     held = {p.split(f"/{first}/", 1)[1] for p in fs.find(f"{bucket}/store/snapshots/{first}")}
-    tables = [json.loads(fs.cat_file(f"{bucket}/store/snapshots/{s}/objects.json"))["objects"] for s in snaps]
+    tables = [table_objects(fs, f"{bucket}/store", s) for s in snaps]
     named = {rel for t in tables for rel, v in t.items() if v[2:] == [first]}
+    roots = [json.loads(fs.cat_file(f"{bucket}/store/snapshots/{s}/objects.json")) for s in snaps]
+    named |= {f"parts/{key}.json" for body in roots for key, v in body["parts"].items() if v[2] == first}
     assert held == named and "manifest.json" not in held and "objects.json" not in held  # what the kept ones name
     ro = mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None)
     assert ro.remote.snapshot == snaps[-1]

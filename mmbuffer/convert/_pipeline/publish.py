@@ -191,11 +191,11 @@ def publish(src: Any, url: str, *, compression: str | None = "zstd", storage_opt
         store, summary = staged.path, staged.summary
         summary["lossy_shards_kept"] = keep_lossy_shards(src, store, since=staged.since)
         generation = load_manifest(store).generation
-        digests = staged.digests()
+        digests, memo = staged.digests(), staged.memo()
         if engine == "group":
             summary.update(_group.publish_writer(fs, root, url.rstrip("/"), store, writer=str(writer),
                                                  holder=holder, lease=lease, keep=keep, generation=generation,
-                                                 digests=digests))
+                                                 digests=digests, memo=memo))
         elif engine == "icechunk-group":
             summary.update(_icegroup.publish_writer_repo(url.rstrip("/"), store, storage_options,
                                                          writer=str(writer), holder=holder, lease=lease,
@@ -205,7 +205,7 @@ def publish(src: Any, url: str, *, compression: str | None = "zstd", storage_opt
                                                   generation=generation, keep=keep, digests=digests))
         else:
             summary.update(_snapshot.publish_dir(fs, root, url.rstrip("/"), store, keep=keep,
-                                                 generation=generation, digests=digests))
+                                                 generation=generation, digests=digests, memo=memo))
         staged.keep()
     summary["out"] = url
     return summary

@@ -63,6 +63,7 @@ __all__ = ["Staged", "TailWriter", "prune_unused", "staged_copy", "work_dir"]
 
 _CHECKED_ROWS = 64  # the copy's last rows per lane compared with the source's
 _DIGESTS = "digests.json"  # beside the copy: the memo of its files' digests
+_TABLE_PARTS = "table-parts"  # beside the copy: the parts of the object table published last
 _SOURCE = "source.json"  # beside the copy: the store_id of the store it copies
 _OURS = {"LOCK", "store", "store.partial", _DIGESTS, _SOURCE, _DIGESTS + ".partial", _SOURCE + ".partial"}
 _NAME = re.compile(r"^[0-9a-f]{20}$")
@@ -108,6 +109,11 @@ class Staged:
             memo = {}
         self._digests = FileDigests(self.path, memo if isinstance(memo, dict) else {})
         return self._digests
+
+    def memo(self) -> Path | None:
+        """Where a publish keeps the parts of the object table it published last, so the
+        next one reads none of them back (``_parts.remember``); None for a temporary copy."""
+        return None if self.work is None else self.work / _TABLE_PARTS
 
     def keep(self) -> None:
         """Save the digests asked for (after a publish that used them)."""

@@ -1,0 +1,196 @@
+"""A snapshot's object table in parts, so a publish writes what changed, not the table.
+
+An object table names every object of a store (``_objects.py``): one entry per chunk,
+so it grows with the rows (~1M objects, 60-100 MB at 1e10 rows), and a table written
+and read whole made every publish and every refresh cost that much, however few rows
+were new. Version 4 keeps in ``objects.json`` (the *root*) only the objects that are
+not chunks (metadata, the manifest) and, per *part*, its size, digest and the snapshot
+holding it. A part is the entries of up to ``PART`` consecutive chunks of one array
+(``columns/obs/c/512/0`` .. ``c/767/...`` make the part ``columns/obs/2``), each
+``[size, digest, holding snapshot]``, stored as ``snapshots/<holder>/parts/<key>.json``.
+Every entry names its holder, so a part whose chunks did not change is byte-identical
+from one snapshot to the next: a publish sends the parts whose digest changed (the new
+rows' few), names the others where they are, and a reader moving to a newer snapshot
+fetches only those. The pointer names the root's digest and the root names each part's,
+so the chain pointer -> root -> part -> object stays checked end to end.
+
+>>> e = {f"columns/x/c/{i}": (3, "0" * 32) for i in range(300)} | {"zarr.json": (5, "1" * 32)}
+>>> root, send = split(e, {}, {}, "0000000001-0123456789ab", None)
+>>> sorted(send), sorted(parse_table(root, "t", "u", "0000000001-0123456789ab").parts)
+(['parts/columns/x/0.json', 'parts/columns/x/1.json'], ['columns/x/0', 'columns/x/1'])
+>>> t = parse_table(root, "t", "u", "0000000001-0123456789ab")
+>>> root2, send2 = split(e | {"columns/x/c/299": (4, "2" * 32)}, {r: t.snapshot for r in e}, {},
+...                      "0000000002-0123456789ab", t)
+>>> sorted(send2)  # the first part did not change: the second snapshot names it
+['parts/columns/x/1.json']
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from .. import errors
+from .._disk.files import parse_json
+from ._dense import Packed
+from ._objects import (
+    OBJECTS,
+    Table,
+    digest,
+    load_root,
+    parse_entries,
+    remote_errors,
+)
+
+__all__ = ["PART", "fetcher", "load_parts", "load_table", "part_key", "part_rel", "remember", "split"]
+
+PART = 256
+"""Chunks per part."""
+_FORMAT = "mmbuffer-objects-part"
+_HASH = "blake2b-128"
+_CHUNK = re.compile(r"^(.+)/c/([0-9]+)(/.*)?$")
+_LIMIT = 1 << 28
+
+
+def part_key(rel: str) -> str | None:
+    """The part holding the entry of object ``rel``: its array and its first chunk number
+    over ``PART``; None for an object that is not a chunk (the root holds it)."""
+    m = _CHUNK.match(rel)
+    return None if m is None else f"{m.group(1)}/{int(m.group(2)) // PART}"
+
+
+def part_rel(key: str) -> str:
+    """Where part ``key`` is in the folder of the snapshot holding it."""
+    return f"parts/{key}.json"
+
+
+def split(entries: Mapping[str, tuple[int, str]], holders: Mapping[str, str], packed: Mapping[str, Packed],
+          snapshot: str, before: Table | None) -> tuple[bytes, dict[str, bytes]]:
+    """The root table of ``snapshot`` holding ``entries`` (``holders``: the earlier snapshot
+    holding an object not sent again), and the parts to send (``part_rel`` -> bytes): those
+    whose digest differs from ``before``'s part of the same key."""
+    root: dict[str, list[Any]] = {}
+    groups: dict[str, dict[str, list[Any]]] = {}
+    for rel, (size, dg) in sorted(entries.items()):
+        key = part_key(rel)
+        if key is None:
+            root[rel] = [int(size), dg] + ([holders[rel]] if rel in holders else [])
+        else:
+            groups.setdefault(key, {})[rel] = [int(size), dg, holders.get(rel, snapshot)]
+    parts: dict[str, list[Any]] = {}
+    send: dict[str, bytes] = {}
+    for key, objects in groups.items():
+        raw = json.dumps({"format": _FORMAT, "hash": _HASH, "key": key, "objects": objects}, separators=(",", ":")).encode()
+        dg = digest(raw)
+        old = before.parts.get(key) if before is not None else None
+        if old is not None and old[1] == dg:
+            parts[key] = [len(raw), dg, old[2]]
+        else:
+            parts[key] = [len(raw), dg, snapshot]
+            send[part_rel(key)] = raw
+    body = {"format": "mmbuffer-objects", "version": 4, "hash": _HASH, "objects": root,
+            "packed": {k: v.to_json() for k, v in sorted(packed.items())}, "parts": parts}
+    return json.dumps(body, separators=(",", ":")).encode(), send
+
+
+def load_table(fs: Any, root: str, url: str, snapshot: str, want: str, before: Table | None = None,
+               memo: Path | None = None, alive: Callable[[], None] | None = None) -> Table:
+    """The table of ``snapshot`` (its root checked against ``want``, the pointer's digest)
+    with its parts loaded (:func:`load_parts`)."""
+    table = load_root(fs, root, url, snapshot, want)
+    load_parts(table, fetcher(fs, root, url), before, memo=memo, alive=alive)
+    return table
+
+
+def load_parts(table: Table, fetch: Callable[[list[str]], dict[str, bytes | None]], before: Table | None = None,
+               keys: set[str] | None = None, memo: Path | None = None, alive: Callable[[], None] | None = None) -> None:
+    """Add to ``table`` the entries of its parts (``keys``: only those), each taken from
+    ``before`` where it holds a part of the same digest, else from ``memo`` (a folder of
+    parts by digest: a publisher's, :func:`remember`), the others fetched at once
+    (``fetch``: paths under the URL -> bytes, None where missing); every part read is
+    checked: one missing, changed or naming an object of another part is
+    ``CorruptStoreError`` (``alive()`` first raises ``StoreNotFoundError`` if a missing
+    part went with its snapshot, pruned by a newer publish)."""
+    todo = {k: v for k, v in sorted(table.parts.items()) if keys is None or k in keys}
+    held = before.part_objects if before is not None else {}
+    known = {k: _recalled(memo, dg) for k, (_, dg, _) in todo.items() if dg not in held and dg not in table.part_objects}
+    missing = [k for k, raw in known.items() if raw is None]
+    got = fetch([f"snapshots/{todo[k][2]}/{part_rel(k)}" for k in missing]) if missing else {}
+    for key, (size, dg, holder) in todo.items():
+        objects = table.part_objects.get(dg) or held.get(dg)
+        if objects is None:
+            where = f"{table.url}/snapshots/{holder}/{part_rel(key)}"
+            raw = known.get(key) or got.get(f"snapshots/{holder}/{part_rel(key)}")
+            if raw is None:
+                if alive is not None:
+                    alive()
+                raise errors.CorruptStoreError(f"{where}: expected the part of {OBJECTS} its snapshot names, found nothing")
+            if len(raw) != size or digest(raw) != dg:
+                raise errors.CorruptStoreError(f"{where}: expected {size} bytes of BLAKE2b-128 {dg} (named by the table), "
+                                               f"got {len(raw)} bytes of {digest(raw)} (a changed or swapped part)")
+            objects = _parse_part(raw, where, key)
+            if memo is not None and known.get(key) is None:
+                remember(memo, {dg: raw})
+        table.part_objects[dg] = objects
+        for rel, (size_, dg_, holder_) in objects.items():
+            table.entries[rel] = (size_, dg_)
+            if holder_ != table.snapshot:
+                table.holders[rel] = holder_
+
+
+def _recalled(memo: Path | None, dg: str) -> bytes | None:
+    """Part ``dg`` from ``memo`` if it is there whole (checked again by the caller)."""
+    if memo is None:
+        return None
+    try:
+        raw = (memo / dg).read_bytes()
+    except OSError:
+        return None
+    return raw if digest(raw) == dg else None
+
+
+def remember(memo: Path, parts: Mapping[str, bytes], keep: set[str] | None = None) -> None:
+    """Save ``parts`` (digest -> bytes) in ``memo``; ``keep``: then drop every other part
+    not named there (the parts of the table published last). A cache: never synced,
+    every part read back is checked against its digest."""
+    memo.mkdir(parents=True, exist_ok=True)
+    for dg, raw in parts.items():
+        tmp = memo / f".{dg}.partial"
+        tmp.write_bytes(raw)
+        tmp.replace(memo / dg)
+    if keep is not None:
+        for path in memo.iterdir():
+            if path.name not in keep and re.fullmatch(r"[0-9a-f]{32}", path.name):
+                path.unlink(missing_ok=True)
+
+
+def _parse_part(raw: bytes, where: str, key: str) -> dict[str, tuple[int, str, str]]:
+    body = parse_json(raw, where, _LIMIT)
+    if not isinstance(body, dict) or body.get("format") != _FORMAT or body.get("hash") != _HASH or body.get("key") != key:
+        raise errors.CorruptStoreError(f"{where}: expected format {_FORMAT!r} with hash {_HASH!r} and key {key!r}")
+    objects = body.get("objects")
+    if not isinstance(objects, dict):
+        raise errors.CorruptStoreError(f"{where}: objects: expected a JSON object")
+    entries, holders = parse_entries(objects, where, (3,))
+    for rel in entries:
+        if part_key(rel) != key:
+            raise errors.CorruptStoreError(f"{where}: {rel}: expected objects of part {key!r} only")
+    return {rel: (size, dg, holders[rel]) for rel, (size, dg) in entries.items()}
+
+
+def fetcher(fs: Any, root: str, url: str) -> Callable[[list[str]], dict[str, bytes | None]]:
+    """Fetch objects under ``root`` at once (concurrent GETs): path -> bytes, None where
+    missing; a refusal or an unreachable server is ``RemoteAccessError`` naming ``url``."""
+
+    def fetch(rels: list[str]) -> dict[str, bytes | None]:
+        with remote_errors(url):
+            got = fs.cat_ranges([f"{root}/{r}" for r in rels], [None] * len(rels), [None] * len(rels), on_error="return")
+            for data in got:  # a refusal or an unreachable server is typed, never taken for a missing part
+                if isinstance(data, BaseException) and not isinstance(data, FileNotFoundError):
+                    raise data
+        return {rel: data if isinstance(data, bytes) else None for rel, data in zip(rels, got)}
+
+    return fetch
