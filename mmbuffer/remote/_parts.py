@@ -14,6 +14,7 @@ rows' few), names the others where they are, and a reader moving to a newer snap
 fetches only those. The pointer names the root's digest and the root names each part's,
 so the chain pointer -> root -> part -> object stays checked end to end.
 
+>>> from mmbuffer.remote._objects import parse_table
 >>> e = {f"columns/x/c/{i}": (3, "0" * 32) for i in range(300)} | {"zarr.json": (5, "1" * 32)}
 >>> root, send = split(e, {}, {}, "0000000001-0123456789ab", None)
 >>> sorted(send), sorted(parse_table(root, "t", "u", "0000000001-0123456789ab").parts)

@@ -13,8 +13,9 @@ Layout under the URL (a Zarr v3 group)::
 
 Publishing uploads the objects whose digest differs from the previous snapshot's (the
 raw arrays as chunks, ``_dense.py``), the table naming where the others are (only its
-parts that changed: ``_parts.py``), the manifest last, then replaces ``current.json`` with one PUT (atomic on S3, GCS, Azure):
-a reader sees the old snapshot or the new one, never a half-written store. The first
+parts that changed: ``_parts.py``), the manifest last, then replaces ``current.json``
+with one PUT (atomic on S3, GCS, Azure): a reader sees the old snapshot or the new one,
+never a half-written store. The first
 snapshot holds every object: zarr-python, xarray or tensorstore read it directly;
 later ones are whole through their table (or publish with ``engine="icechunk"``, whose
 store zarr reads at every commit). A pointer of version 2 (every snapshot complete,
