@@ -115,7 +115,6 @@ def full_tree(capacity: int, seed: int) -> tree.PriorityTree:
 def tree_part(sizes: list[int], rounds: int, reps: int) -> list[dict[str, object]]:
     trees = {n: full_tree(n, i) for i, n in enumerate(sizes)}
     g = torch.Generator().manual_seed(0)
-    kernels = load("tree")  # compiled before timing
     rng = np.random.default_rng(1)
     per: dict[tuple[int, str], list[float]] = {}
     for r in range(rounds):
@@ -136,7 +135,6 @@ def tree_part(sizes: list[int], rounds: int, reps: int) -> list[dict[str, object
             per.setdefault((n, "step"), []).append(median_time(step, reps))
             per.setdefault((n, "sample"), []).append(median_time(lambda tr=tr: tree.sample(tr, BATCH, g), reps))
             per.setdefault((n, "loads"), []).append(median_time(loads, reps))
-    del kernels
     return _rows("tree: sample 256 + update 256", sizes, per)
 
 

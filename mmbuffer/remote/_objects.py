@@ -10,10 +10,9 @@ keeps the chunks' entries in parts, each named with its digest (:mod:`._parts`: 
 writes the parts that changed, not the table). Tables of versions 1 (every object in its
 own snapshot, no packed arrays) to 3 read as before. The pointer (``current.json``)
 records the digest of ``objects.json`` itself, so the chain pointer -> table -> object
-is checked end to end: a flipped,
-truncated, missing or swapped-in object (one from another snapshot) is a
-:class:`~mmbuffer.errors.CorruptStoreError` naming the object and its column, never
-rows. An object the table does not name is never read (zarr's fill value is what a
+is checked end to end: a flipped, truncated, missing or swapped-in object (one from
+another snapshot) is a :class:`~mmbuffer.errors.CorruptStoreError` naming the object
+and its column, never rows. An object the table does not name is never read (zarr's fill value is what a
 chunk never written means; an object added behind mmbuffer's back is ignored).
 
 >>> t = Table({"columns/x/c/0": (3, digest(b"abc"))}, "s3://b/store", "0000000001-0123456789ab")
@@ -40,12 +39,12 @@ from .._disk import format as fmt
 from .._disk.files import parse_json
 from ._dense import Packed, pack
 
-__all__ = ["OBJECTS", "FetchMany", "Table", "digest", "load_root", "parse_entries", "parse_table", "remote_errors",
+__all__ = ["HASH", "OBJECTS", "FetchMany", "Table", "digest", "load_root", "parse_entries", "parse_table", "remote_errors",
            "store_objects", "table_bytes"]
 
 OBJECTS = "objects.json"
 _FORMAT = "mmbuffer-objects"
-_HASH = "blake2b-128"
+HASH = "blake2b-128"  # the digest every table records (and the parts of version 4: ``_parts.py``)
 _HEX = re.compile(r"^[0-9a-f]{32}$")
 _LIMIT = 1 << 30
 _SNAPSHOT = re.compile(r"^[0-9]{10}-[0-9a-f]{12}$")
@@ -127,14 +126,18 @@ class FetchMany(Protocol):
 
 
 def table_bytes(entries: Mapping[str, tuple[int, str]], holders: Mapping[str, str] | None = None,
-                packed: Mapping[str, Packed] | None = None) -> bytes:
+                packed: Mapping[str, Packed] | None = None, parts: Mapping[str, list[Any]] | None = None) -> bytes:
     """The ``objects.json`` of a snapshot holding ``entries`` (relative name -> (size,
     digest)); ``holders``: objects kept in an earlier snapshot (name -> its id);
-    ``packed``: raw arrays published as chunks (:mod:`._dense`)."""
+    ``packed``: raw arrays published as chunks (:mod:`._dense`); ``parts``: the root of a
+    table of version 4, naming its parts (key -> [size, digest, holder]: ``_parts.split``)."""
     held = dict(holders or {})
-    body = {"format": _FORMAT, "version": 3, "hash": _HASH,
-            "objects": {k: [int(s), d] + ([held[k]] if k in held else []) for k, (s, d) in sorted(entries.items())},
-            "packed": {k: v.to_json() for k, v in sorted((packed or {}).items())}}
+    body: dict[str, Any] = {
+        "format": _FORMAT, "version": 3 if parts is None else 4, "hash": HASH,
+        "objects": {k: [int(s), d] + ([held[k]] if k in held else []) for k, (s, d) in sorted(entries.items())},
+        "packed": {k: v.to_json() for k, v in sorted((packed or {}).items())}}
+    if parts is not None:
+        body["parts"] = dict(parts)
     return json.dumps(body, separators=(",", ":")).encode()
 
 
@@ -204,8 +207,8 @@ def parse_table(raw: bytes, where: str, url: str, snapshot: str) -> Table:
     """The table in ``raw`` (its digest already checked), every field checked; a table of
     version 4 with its parts named, not loaded (``_parts.load_table`` loads them)."""
     body = parse_json(raw, where)
-    if not isinstance(body, dict) or body.get("format") != _FORMAT or body.get("hash") != _HASH:
-        raise errors.CorruptStoreError(f"{where}: expected format {_FORMAT!r} with hash {_HASH!r}")
+    if not isinstance(body, dict) or body.get("format") != _FORMAT or body.get("hash") != HASH:
+        raise errors.CorruptStoreError(f"{where}: expected format {_FORMAT!r} with hash {HASH!r}")
     version = body.get("version")
     if version not in (1, 2, 3, 4):
         raise errors.FormatVersionError(f"{where}: version: expected 1, 2, 3 or 4, got {version!r}; upgrade mmbuffer")

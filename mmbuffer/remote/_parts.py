@@ -16,13 +16,13 @@ so the chain pointer -> root -> part -> object stays checked end to end.
 
 >>> from mmbuffer.remote._objects import parse_table
 >>> e = {f"columns/x/c/{i}": (3, "0" * 32) for i in range(300)} | {"zarr.json": (5, "1" * 32)}
->>> root, send = split(e, {}, {}, "0000000001-0123456789ab", None)
->>> sorted(send), sorted(parse_table(root, "t", "u", "0000000001-0123456789ab").parts)
+>>> first = split(e, {}, {}, "0000000001-0123456789ab", None)
+>>> t = parse_table(first.root, "t", "u", "0000000001-0123456789ab")
+>>> sorted(first.send), sorted(t.parts)
 (['parts/columns/x/0.json', 'parts/columns/x/1.json'], ['columns/x/0', 'columns/x/1'])
->>> t = parse_table(root, "t", "u", "0000000001-0123456789ab")
->>> root2, send2 = split(e | {"columns/x/c/299": (4, "2" * 32)}, {r: t.snapshot for r in e}, {},
-...                      "0000000002-0123456789ab", t)
->>> sorted(send2)  # the first part did not change: the second snapshot names it
+>>> second = split(e | {"columns/x/c/299": (4, "2" * 32)}, {r: t.snapshot for r in e}, {},
+...                "0000000002-0123456789ab", t)
+>>> sorted(second.send)  # the first part did not change: the second snapshot names it
 ['parts/columns/x/1.json']
 """
 
@@ -32,26 +32,27 @@ import json
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from .. import errors
 from .._disk.files import parse_json
 from ._dense import Packed
 from ._objects import (
+    HASH,
     OBJECTS,
     Table,
     digest,
     load_root,
     parse_entries,
     remote_errors,
+    table_bytes,
 )
 
-__all__ = ["PART", "fetcher", "load_parts", "load_table", "part_key", "part_rel", "remember", "split"]
+__all__ = ["PART", "Split", "fetcher", "load_parts", "load_table", "part_key", "part_rel", "remember", "split"]
 
 PART = 256
 """Chunks per part."""
 _FORMAT = "mmbuffer-objects-part"
-_HASH = "blake2b-128"
 _CHUNK = re.compile(r"^(.+)/c/([0-9]+)(/.*)?$")
 _LIMIT = 1 << 28
 
@@ -68,23 +69,32 @@ def part_rel(key: str) -> str:
     return f"parts/{key}.json"
 
 
+class Split(NamedTuple):
+    """A table of version 4 to publish: its ``root`` (``objects.json``), the parts to send
+    (``part_rel`` -> bytes) and the digests of all its parts (sent or named)."""
+
+    root: bytes
+    send: dict[str, bytes]
+    digests: set[str]
+
+
 def split(entries: Mapping[str, tuple[int, str]], holders: Mapping[str, str], packed: Mapping[str, Packed],
-          snapshot: str, before: Table | None) -> tuple[bytes, dict[str, bytes]]:
-    """The root table of ``snapshot`` holding ``entries`` (``holders``: the earlier snapshot
-    holding an object not sent again), and the parts to send (``part_rel`` -> bytes): those
-    whose digest differs from ``before``'s part of the same key."""
-    root: dict[str, list[Any]] = {}
+          snapshot: str, before: Table | None) -> Split:
+    """The table of ``snapshot`` holding ``entries`` (``holders``: the earlier snapshot
+    holding an object not sent again): its root, and the parts whose digest differs from
+    ``before``'s part of the same key, to send."""
+    root: dict[str, tuple[int, str]] = {}
     groups: dict[str, dict[str, list[Any]]] = {}
     for rel, (size, dg) in sorted(entries.items()):
         key = part_key(rel)
         if key is None:
-            root[rel] = [int(size), dg] + ([holders[rel]] if rel in holders else [])
+            root[rel] = (size, dg)
         else:
             groups.setdefault(key, {})[rel] = [int(size), dg, holders.get(rel, snapshot)]
     parts: dict[str, list[Any]] = {}
     send: dict[str, bytes] = {}
     for key, objects in groups.items():
-        raw = json.dumps({"format": _FORMAT, "hash": _HASH, "key": key, "objects": objects}, separators=(",", ":")).encode()
+        raw = json.dumps({"format": _FORMAT, "hash": HASH, "key": key, "objects": objects}, separators=(",", ":")).encode()
         dg = digest(raw)
         old = before.parts.get(key) if before is not None else None
         if old is not None and old[1] == dg:
@@ -92,9 +102,8 @@ def split(entries: Mapping[str, tuple[int, str]], holders: Mapping[str, str], pa
         else:
             parts[key] = [len(raw), dg, snapshot]
             send[part_rel(key)] = raw
-    body = {"format": "mmbuffer-objects", "version": 4, "hash": _HASH, "objects": root,
-            "packed": {k: v.to_json() for k, v in sorted(packed.items())}, "parts": parts}
-    return json.dumps(body, separators=(",", ":")).encode(), send
+    table = table_bytes(root, {rel: h for rel, h in holders.items() if rel in root}, packed, parts)
+    return Split(table, send, {dg for _, dg, _ in parts.values()})
 
 
 def load_table(fs: Any, root: str, url: str, snapshot: str, want: str, before: Table | None = None,
@@ -124,17 +133,20 @@ def load_parts(table: Table, fetch: Callable[[list[str]], dict[str, bytes | None
         objects = table.part_objects.get(dg) or held.get(dg)
         if objects is None:
             where = f"{table.url}/snapshots/{holder}/{part_rel(key)}"
-            raw = known.get(key) or got.get(f"snapshots/{holder}/{part_rel(key)}")
+            raw = known.get(key)  # from the memo: checked there
             if raw is None:
-                if alive is not None:
-                    alive()
-                raise errors.CorruptStoreError(f"{where}: expected the part of {OBJECTS} its snapshot names, found nothing")
-            if len(raw) != size or digest(raw) != dg:
-                raise errors.CorruptStoreError(f"{where}: expected {size} bytes of BLAKE2b-128 {dg} (named by the table), "
-                                               f"got {len(raw)} bytes of {digest(raw)} (a changed or swapped part)")
+                raw = got.get(f"snapshots/{holder}/{part_rel(key)}")
+                if raw is None:
+                    if alive is not None:
+                        alive()
+                    raise errors.CorruptStoreError(f"{where}: expected the part of {OBJECTS} its snapshot names, "
+                                                   "found nothing")
+                if len(raw) != size or digest(raw) != dg:
+                    raise errors.CorruptStoreError(f"{where}: expected {size} bytes of BLAKE2b-128 {dg} (named by the "
+                                                   f"table), got {len(raw)} bytes of {digest(raw)} (a changed or swapped part)")
+                if memo is not None:
+                    remember(memo, {dg: raw})
             objects = _parse_part(raw, where, key)
-            if memo is not None and known.get(key) is None:
-                remember(memo, {dg: raw})
         table.part_objects[dg] = objects
         for rel, (size_, dg_, holder_) in objects.items():
             table.entries[rel] = (size_, dg_)
@@ -143,7 +155,7 @@ def load_parts(table: Table, fetch: Callable[[list[str]], dict[str, bytes | None
 
 
 def _recalled(memo: Path | None, dg: str) -> bytes | None:
-    """Part ``dg`` from ``memo`` if it is there whole (checked again by the caller)."""
+    """Part ``dg`` from ``memo`` if it is there whole (its digest checked); else None."""
     if memo is None:
         return None
     try:
@@ -170,8 +182,8 @@ def remember(memo: Path, parts: Mapping[str, bytes], keep: set[str] | None = Non
 
 def _parse_part(raw: bytes, where: str, key: str) -> dict[str, tuple[int, str, str]]:
     body = parse_json(raw, where, _LIMIT)
-    if not isinstance(body, dict) or body.get("format") != _FORMAT or body.get("hash") != _HASH or body.get("key") != key:
-        raise errors.CorruptStoreError(f"{where}: expected format {_FORMAT!r} with hash {_HASH!r} and key {key!r}")
+    if not isinstance(body, dict) or body.get("format") != _FORMAT or body.get("hash") != HASH or body.get("key") != key:
+        raise errors.CorruptStoreError(f"{where}: expected format {_FORMAT!r} with hash {HASH!r} and key {key!r}")
     objects = body.get("objects")
     if not isinstance(objects, dict):
         raise errors.CorruptStoreError(f"{where}: objects: expected a JSON object")

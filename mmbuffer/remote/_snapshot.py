@@ -362,7 +362,7 @@ def upload_snapshot(fs: Any, root: str, url: str, store: Path, previous: Mapping
     local, entries, packed = store_objects(store, digests)
     holders = {rel: before.holder(rel) for rel in entries
                if before is not None and rel != fmt.MANIFEST and before.get(rel) == entries[rel]}
-    table, parts = split(entries, holders, packed, snapshot, before)
+    table, parts, part_digests = split(entries, holders, packed, snapshot, before)
     # new objects, the table's new parts and its root, then the manifest last, so a snapshot
     # without it is never taken for a whole one
     new = sorted((rel for rel in entries if rel not in holders and rel != fmt.MANIFEST))
@@ -375,8 +375,7 @@ def upload_snapshot(fs: Any, root: str, url: str, store: Path, previous: Mapping
     fs.pipe_file(join(snap_root, OBJECTS), table)
     fs.put(str(local[fmt.MANIFEST]), join(snap_root, fmt.MANIFEST))
     if memo is not None:
-        named = parse_table(table, OBJECTS, url, snapshot).parts
-        remember(memo, {digest(raw): raw for raw in parts.values()}, keep={dg for _, dg, _ in named.values()})
+        remember(memo, {digest(raw): raw for raw in parts.values()}, keep=part_digests)
     group = json.dumps(_GROUP).encode()
     if previous is None:
         fs.pipe({join(root, "zarr.json"): group, join(root, SNAPSHOTS, "zarr.json"): group})
