@@ -16,7 +16,9 @@ loopback (moto's server mode, started here), and measures, in the same run:
 
 With ``--table 1e5,1e6,1e7``, instead: what a publish of ``--new-rows`` new rows writes
 of the object table, by store size (chunks of ``--chunk-kib`` KiB give a store the object
-count of a larger one).
+count of a larger one); then what a new reader of that snapshot fetches of the table
+(GETs counted at the server) and how long it takes, to its open, its first
+``sample_slices(1, 16)`` and its first ``sample_slices(256, 16)``.
 
 With ``--publish``, instead: the cost of publishing after 1% new rows (``--steps``
 times) against a full publish, for both engines (``snapshots``: objects whose digest
@@ -136,8 +138,9 @@ def table_costs(tmp: Path, endpoint: str, counter: object, sizes: list[int], new
     fmt.config = dataclasses.replace(fmt.config, chunk_bytes=chunk_kib << 10)
     fs = fsspec.filesystem("s3", endpoint_url=endpoint, skip_instance_cache=True)
     print(f"| rows | objects | table (MB) | table written after {new_rows:,} new rows (MB) | share | "
-          "that publish: s, MB PUT |")
-    print("|---:|---:|---:|---:|---:|---|")
+          "that publish: s, MB PUT | a new reader's table fetched (MB) and seconds: open / 1st slice / "
+          "1st sample_slices(256, 16) |")
+    print("|---:|---:|---:|---:|---:|---|---|")
     for rows in sizes:
         local = tmp / f"t{rows}"
         build(local, rows, episode, capacity=rows + 2 * new_rows)
@@ -155,8 +158,19 @@ def table_costs(tmp: Path, endpoint: str, counter: object, sizes: list[int], new
         whole = len(raw) + sum(v[0] for v in parts.values())
         written = len(raw) + sum(v[0] for v in parts.values() if v[2] == snap)
         objects = len(table_objects(fs, root, snap))
+        sizes_of = {f"/{root}/snapshots/{v[2]}/parts/{k}.json": v[0] for k, v in parts.items()}
+        sizes_of[f"/{root}/snapshots/{snap}/objects.json"] = len(raw)
+        del counter.gets[:]  # type: ignore[attr-defined]
+        reader = []
+        t0 = time.perf_counter()
+        with mb.open(f"s3://{root}", mode="r", cache_dir=tmp / f"reader-{rows}", pool=None) as ro:
+            for b in (0, 1, 256):
+                if b:
+                    ro.sample_slices(b, 16, generator=torch.Generator().manual_seed(b))
+                got = sum(sizes_of.get(p, 0) for p in counter.gets)  # type: ignore[attr-defined]
+                reader.append(f"{got / 1e6:.3f} MB {time.perf_counter() - t0:.2f} s")
         print(f"| {rows:,} | {objects:,} | {whole / 1e6:.3f} | {written / 1e6:.4f} | {written / whole:.3f} | "
-              f"{sec:.2f}, {put / 1e6:.2f} |", flush=True)
+              f"{sec:.2f}, {put / 1e6:.2f} | {' / '.join(reader)} |", flush=True)
         shutil.rmtree(local)
 
 

@@ -69,14 +69,18 @@ def new_bucket(endpoint: str) -> str:
 
 class PutCounter:
     """WSGI middleware counting the requests that send bodies to the server: ``puts`` and
-    ``put_bytes`` (PUT: objects and multipart parts), ``posts`` and ``post_bytes``."""
+    ``put_bytes`` (PUT: objects and multipart parts), ``posts`` and ``post_bytes``; and
+    recording the path of every GET (``gets``)."""
 
     def __init__(self, app):
         self.app = app
         self.puts = self.put_bytes = self.posts = self.post_bytes = 0
+        self.gets: list[str] = []
 
     def __call__(self, environ, start_response):
         method = environ.get("REQUEST_METHOD")
+        if method == "GET":
+            self.gets.append(environ.get("PATH_INFO", ""))
         if method in ("PUT", "POST"):
             n = int(environ.get("HTTP_X_AMZ_DECODED_CONTENT_LENGTH") or environ.get("CONTENT_LENGTH") or 0)
             if method == "PUT":
@@ -89,6 +93,7 @@ class PutCounter:
 class RequestCounter:
     """WSGI middleware counting every request by method and by what it asks for:
     ``count("GET", "manifest")`` (a snapshot's ``manifest.json``: the existence check),
+    ``count("GET", "part")`` (a part of an object table: ``remote/_parts.py``),
     ``count("GET", "object")`` (anything else), ``count("HEAD")``; ``reset()`` starts over."""
 
     def __init__(self, app):
@@ -107,7 +112,8 @@ class RequestCounter:
             return sum(1 for m, k in self.seen if m == method and kind in (None, k))
 
     def __call__(self, environ, start_response):
-        kind = "manifest" if environ.get("PATH_INFO", "").endswith("/manifest.json") else "object"
+        path = environ.get("PATH_INFO", "")
+        kind = "manifest" if path.endswith("/manifest.json") else "part" if "/parts/" in path else "object"
         with self._lock:
             self.seen.append((environ.get("REQUEST_METHOD", ""), kind))
         return self.app(environ, start_response)

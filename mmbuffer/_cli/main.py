@@ -79,6 +79,7 @@ def info(path: str) -> dict[str, Any]:
     objects, where = None, Path(path)
     if is_url(path):
         source, buf = _remote(path)
+        source.table.need()  # every part: the bytes of every object
         used = apparent = sum(size for size, _ in source.table.entries.values())
         objects, where = source.table.entries, Path(buf.path)
         extra = {"snapshot": source.snapshot, "sequence": source.sequence,

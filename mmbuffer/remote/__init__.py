@@ -201,7 +201,8 @@ class RemoteSource:
         else:
             table = load_table(self.fs, self.root, self.url, snap, str(pointer["objects"]),
                                before=previous[1] if previous is not None else None,
-                               alive=lambda: _snapshot.check_alive(self.fs, self.root, snap, self.url))
+                               alive=lambda: _snapshot.check_alive(self.fs, self.root, snap, self.url),
+                               later=_snapshot.read_later)
             fetch_many = _snapshot.fetch_objects(self.fs, self.root, table, self.url)
         pin = self.files.pin(self.cache / f"{snap}.pin")
         try:
@@ -335,6 +336,7 @@ class RemoteSource:
                 return {rel: _or_none(repo.fetch, snap, rel) for rel in rels}
         else:
             fetch_many = _snapshot.fetch_objects(self.fs, self.root, table, self.url)
+        table.need()  # every part
         rels, problems, total = sorted(table.entries), [], 0
         for start in range(0, len(rels), 64):
             for rel, data in fetch_many(rels[start:start + 64]).items():

@@ -143,13 +143,14 @@ class Filler:
             rels = {(a, k): chunk_rels(a, k, len(self.flags[a].layout.shape)) for a, ks in todo.items() for k in ks}
             if not rels:
                 return
-            named = [r for r in rels.values() if r in self.table.entries]  # the others are zeros: never published
+            self.table.need(rels.values())  # their parts, at once
+            named = [r for r in rels.values() if self.table.get(r) is not None]  # the others are zeros: never published
             got: dict[str, bytes | None] = {}
             for at in range(0, len(named), _BATCH):
                 got.update(self.fetch(named[at:at + _BATCH], probe=at == 0))
             decoded: list[tuple[_Flag, int, np.ndarray, list[tuple[int, int]]]] = []
             for (array, k), rel in rels.items():
-                if rel not in self.table.entries:
+                if self.table.get(rel) is None:
                     continue
                 blob = got.get(rel)
                 if blob is None:

@@ -30,7 +30,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -150,7 +150,9 @@ def column_of(rel: str) -> str:
 class Table:
     """The checked object table of one snapshot of ``url``. ``parts`` (version 4,
     :mod:`._parts`): part key -> (size, digest, holding snapshot) of the parts whose
-    objects ``entries`` holds once they are loaded (``_parts.load_table``)."""
+    objects ``entries`` holds once they are loaded (``loaded``: their keys). ``loader``
+    (set by ``_parts.load_table``; None: nothing left to load): ``loader(rels)`` loads the
+    parts naming ``rels`` (None: all), so a part is fetched when a read first names it."""
 
     def __init__(self, entries: dict[str, tuple[int, str]], url: str, snapshot: str,
                  holders: dict[str, str] | None = None, packed: dict[str, Packed] | None = None,
@@ -162,6 +164,13 @@ class Table:
         self.packed = packed or {}  # raw arrays published as chunks: array -> record (_dense.py)
         self.parts = parts or {}
         self.part_objects: dict[str, dict[str, tuple[int, str, str]]] = {}  # loaded parts by digest
+        self.loaded: set[str] = set()
+        self.loader: Callable[[Iterable[str] | None], None] | None = None
+
+    def need(self, rels: Iterable[str] | None = None) -> None:
+        """Load the parts naming ``rels`` (None: every part) that are not loaded yet, at once."""
+        if self.loader is not None:
+            self.loader(rels)
 
     def holder(self, rel: str) -> str:
         """The snapshot whose folder holds ``rel`` (this one, or an earlier one)."""
@@ -171,7 +180,12 @@ class Table:
         return f"{self.url}/snapshots/{self.holder(rel)}/{rel} (column {column_of(rel)})"
 
     def get(self, rel: str) -> tuple[int, str] | None:
-        return self.entries.get(rel)
+        """``rel``'s (size, digest), its part loaded first if need be; None: not published."""
+        entry = self.entries.get(rel)
+        if entry is None and self.loader is not None:
+            self.loader((rel,))
+            entry = self.entries.get(rel)
+        return entry
 
     def check(self, rel: str, data: bytes | memoryview) -> None:
         """Raise ``CorruptStoreError`` unless ``data`` is the object the table names."""

@@ -11,8 +11,10 @@ holding it. A part is the entries of up to ``PART`` consecutive chunks of one ar
 Every entry names its holder, so a part whose chunks did not change is byte-identical
 from one snapshot to the next: a publish sends the parts whose digest changed (the new
 rows' few), names the others where they are, and a reader moving to a newer snapshot
-fetches only those. The pointer names the root's digest and the root names each part's,
-so the chain pointer -> root -> part -> object stays checked end to end.
+fetches only those. A new reader fetches the root and the parts its mirror needs; a data
+column's part when a read first names one of its chunks (``load_table(later=)``). The
+pointer names the root's digest and the root names each part's, so the chain pointer ->
+root -> part -> object stays checked end to end.
 
 >>> from mmbuffer.remote._objects import parse_table
 >>> e = {f"columns/x/c/{i}": (3, "0" * 32) for i in range(300)} | {"zarr.json": (5, "1" * 32)}
@@ -28,9 +30,11 @@ so the chain pointer -> root -> part -> object stays checked end to end.
 
 from __future__ import annotations
 
+import errno
 import json
 import re
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -48,13 +52,14 @@ from ._objects import (
     table_bytes,
 )
 
-__all__ = ["PART", "Split", "fetcher", "load_parts", "load_table", "part_key", "part_rel", "remember", "split"]
+__all__ = ["PART", "Fetch", "Split", "fetcher", "load_parts", "load_table", "part_key", "part_rel", "remember", "split"]
 
 PART = 256
 """Chunks per part."""
 _FORMAT = "mmbuffer-objects-part"
 _CHUNK = re.compile(r"^(.+)/c/([0-9]+)(/.*)?$")
 _LIMIT = 1 << 28
+Fetch = Callable[[Mapping[str, int]], dict[str, bytes | None]]
 
 
 def part_key(rel: str) -> str | None:
@@ -107,20 +112,64 @@ def split(entries: Mapping[str, tuple[int, str]], holders: Mapping[str, str], pa
 
 
 def load_table(fs: Any, root: str, url: str, snapshot: str, want: str, before: Table | None = None,
-               memo: Path | None = None, alive: Callable[[], None] | None = None) -> Table:
+               memo: Path | None = None, alive: Callable[[], None] | None = None,
+               later: Callable[[str], bool] | None = None) -> Table:
     """The table of ``snapshot`` (its root checked against ``want``, the pointer's digest)
-    with its parts loaded (:func:`load_parts`)."""
+    with its parts loaded (:func:`load_parts`), but for those ``later(key)`` picks and
+    ``before`` did not load: each of those is fetched when a read first names one of its
+    objects (``Table.loader``), so a new reader of a large store fetches the root and the
+    parts it reads, not the whole table."""
     table = load_root(fs, root, url, snapshot, want)
-    load_parts(table, fetcher(fs, root, url), before, memo=memo, alive=alive)
+    fetch = fetcher(fs, root, url)
+    keys = None
+    if later is not None:
+        held = before.loaded if before is not None else set()
+        keys = {k for k in table.parts if not later(k) or k in held}  # a refresh keeps what was read
+        table.loader = _Loader(table, fetch, alive)
+    load_parts(table, fetch, before, keys=keys, memo=memo, alive=alive)
     return table
 
 
-def load_parts(table: Table, fetch: Callable[[list[str]], dict[str, bytes | None]], before: Table | None = None,
+class _Loader:
+    """``Table.loader`` of a table loaded in part: the parts naming the objects asked for
+    that are not loaded yet, fetched at once. Readers share the table: a part another
+    thread is loading is waited for, not fetched again, and loaded here if that failed
+    (so its error is raised here too, never taken for an object not published)."""
+
+    def __init__(self, table: Table, fetch: Fetch, alive: Callable[[], None] | None) -> None:
+        self.table, self.fetch, self.alive = table, fetch, alive
+        self.lock = threading.Lock()
+        self.coming: dict[str, threading.Event] = {}  # part key -> set once its load ended
+
+    def __call__(self, rels: Iterable[str] | None) -> None:
+        table = self.table
+        keys = set(table.parts) if rels is None else {k for r in rels if (k := part_key(r)) is not None
+                                                       and k in table.parts}
+        while keys - table.loaded:
+            with self.lock:
+                missing = keys - table.loaded
+                todo = {k for k in missing if k not in self.coming}
+                waits = {id(e): e for k in missing if (e := self.coming.get(k)) is not None}
+                ended = threading.Event()
+                self.coming.update(dict.fromkeys(todo, ended))
+            try:
+                if todo:
+                    load_parts(table, self.fetch, keys=todo, alive=self.alive)
+            finally:
+                with self.lock:
+                    for k in todo:
+                        del self.coming[k]
+                ended.set()
+            for e in waits.values():
+                e.wait()
+
+
+def load_parts(table: Table, fetch: Fetch, before: Table | None = None,
                keys: set[str] | None = None, memo: Path | None = None, alive: Callable[[], None] | None = None) -> None:
     """Add to ``table`` the entries of its parts (``keys``: only those), each taken from
     ``before`` where it holds a part of the same digest, else from ``memo`` (a folder of
     parts by digest: a publisher's, :func:`remember`), the others fetched at once
-    (``fetch``: paths under the URL -> bytes, None where missing); every part read is
+    (``fetch``, :func:`fetcher`: paths under the URL -> bytes); every part read is
     checked: one missing, changed or naming an object of another part is
     ``CorruptStoreError`` (``alive()`` first raises ``StoreNotFoundError`` if a missing
     part went with its snapshot, pruned by a newer publish)."""
@@ -128,7 +177,7 @@ def load_parts(table: Table, fetch: Callable[[list[str]], dict[str, bytes | None
     held = before.part_objects if before is not None else {}
     known = {k: _recalled(memo, dg) for k, (_, dg, _) in todo.items() if dg not in held and dg not in table.part_objects}
     missing = [k for k, raw in known.items() if raw is None]
-    got = fetch([f"snapshots/{todo[k][2]}/{part_rel(k)}" for k in missing]) if missing else {}
+    got = fetch({f"snapshots/{todo[k][2]}/{part_rel(k)}": todo[k][0] for k in missing}) if missing else {}
     for key, (size, dg, holder) in todo.items():
         objects = table.part_objects.get(dg) or held.get(dg)
         if objects is None:
@@ -149,9 +198,10 @@ def load_parts(table: Table, fetch: Callable[[list[str]], dict[str, bytes | None
             objects = _parse_part(raw, where, key)
         table.part_objects[dg] = objects
         for rel, (size_, dg_, holder_) in objects.items():
-            table.entries[rel] = (size_, dg_)
             if holder_ != table.snapshot:
                 table.holders[rel] = holder_
+            table.entries[rel] = (size_, dg_)  # after its holder: a reader that finds it finds both
+        table.loaded.add(key)
 
 
 def _recalled(memo: Path | None, dg: str) -> bytes | None:
@@ -194,16 +244,23 @@ def _parse_part(raw: bytes, where: str, key: str) -> dict[str, tuple[int, str, s
     return {rel: (size, dg, holders[rel]) for rel, (size, dg) in entries.items()}
 
 
-def fetcher(fs: Any, root: str, url: str) -> Callable[[list[str]], dict[str, bytes | None]]:
-    """Fetch objects under ``root`` at once (concurrent GETs): path -> bytes, None where
-    missing; a refusal or an unreachable server is ``RemoteAccessError`` naming ``url``."""
+def fetcher(fs: Any, root: str, url: str) -> Fetch:
+    """Fetch objects under ``root`` at once, each by one ranged GET of the size the table
+    names (path -> size; no HEAD first): path -> bytes (an object shorter than its size is
+    what there is; the caller's size check refuses it), None where missing; a refusal or
+    an unreachable server is ``RemoteAccessError`` naming ``url``."""
 
-    def fetch(rels: list[str]) -> dict[str, bytes | None]:
+    def fetch(sizes: Mapping[str, int]) -> dict[str, bytes | None]:
+        rels, out = list(sizes), {}
         with remote_errors(url):
-            got = fs.cat_ranges([f"{root}/{r}" for r in rels], [None] * len(rels), [None] * len(rels), on_error="return")
-            for data in got:  # a refusal or an unreachable server is typed, never taken for a missing part
-                if isinstance(data, BaseException) and not isinstance(data, FileNotFoundError):
-                    raise data
-        return {rel: data if isinstance(data, bytes) else None for rel, data in zip(rels, got)}
+            got = fs.cat_ranges([f"{root}/{r}" for r in rels], [0] * len(rels), [sizes[r] for r in rels],
+                                on_error="return")
+            for rel, data in zip(rels, got):
+                if isinstance(data, OSError) and data.errno == errno.EINVAL:
+                    data = b""  # a range past the end: shorter than named (refused by the size check)
+                elif isinstance(data, BaseException) and not isinstance(data, FileNotFoundError):
+                    raise data  # a refusal or an unreachable server is typed, never taken for a missing part
+                out[rel] = data if isinstance(data, bytes) else None
+        return out
 
     return fetch

@@ -71,7 +71,7 @@ from ._objects import (
 from ._parts import fetcher, load_parts, load_table, part_key, part_rel, remember, split
 
 __all__ = ["POINTER", "cache_base", "cache_root", "check_alive", "check_pointer", "fetch_objects", "mirror", "object_fetch",
-           "prune", "publish_dir", "read_pointer", "upload_snapshot"]
+           "prune", "publish_dir", "read_later", "read_pointer", "upload_snapshot"]
 
 POINTER = "current.json"
 _MIRROR_LAYOUT = "#flags-filled"  # in the cache folder's name (cache_root)
@@ -208,6 +208,15 @@ def _transport(exc: BaseException) -> bool:
         return False
     return isinstance(exc, (PermissionError, ConnectionError, TimeoutError)) or type(exc).__module__.split(".", 1)[0] in (
         "botocore", "aiobotocore", "aiohttp", "urllib3", "requests")
+
+
+def read_later(key: str) -> bool:
+    """Whether the part ``key`` of a table (``_parts``) names objects a reader fetches when
+    it reads them (a data column's chunks, the flags filled on demand), not at open for
+    the mirror: a new reader loads such a part when a read first names one of its objects."""
+    array = key.rsplit("/", 1)[0]
+    m = _DATA_CHUNKS.match(f"{array}/c/")
+    return array in FILLED or (m is not None and m.group(1) not in fmt.RESERVED_NAMES)
 
 
 def mirror(fetch: Callable[[list[str]], dict[str, bytes | None]], snapshot: str, url: str, folder: Path, cache: Cache,

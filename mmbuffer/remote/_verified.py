@@ -84,6 +84,8 @@ class VerifiedStore(WrapperStore[Any]):
         table, many = self._table, self._fetch_many
         names: dict[str, str] = {}  # digest -> the first object with that content
         want: dict[str, int] = {}
+        rels = list(rels)
+        table.need(self._prefix + rel for rel in rels)  # the parts naming them, at once
         for rel in rels:
             entry = table.get(self._prefix + rel)
             if entry is not None and entry[1] not in names:

@@ -1,8 +1,9 @@
 """The object table in parts (``mmbuffer/remote/_parts.py``), against a real S3-compatible
 server on loopback (moto): a publish sends the parts whose chunks changed and names the
-others where they are; a reader's refresh fetches only those; a publisher keeps the
-parts it published, so the next publish reads none back; a damaged part is a typed
-error naming it, never rows.
+others where they are; a reader's refresh fetches only those; a new reader fetches a
+data part when a read first names it, once, concurrently with its other readers; a
+publisher keeps the parts it published, so the next publish reads none back; a damaged
+part is a typed error naming it, never rows.
 """
 
 from __future__ import annotations
@@ -122,10 +123,36 @@ def test_a_publish_sends_the_parts_that_changed_and_a_refresh_fetches_only_those
     assert sorted(p.split("/parts/", 1)[1][:-5] for p in requests.parts_read()) == sent  # only the changed parts
     same_rows(ro, tmp_path / "local")
     ro.close()
+
+
+def read_parts(requests: Requests) -> list[str]:
+    """The keys of the parts fetched since ``requests.reset()``, in order."""
+    return [p.split("/parts/", 1)[1][: -len(".json")] for p in requests.parts_read()]
+
+
+def test_a_new_reader_fetches_a_part_when_a_read_first_names_it(tmp_path, server, fs):
+    """The table of a large store is ~1M entries: a new reader fetches, besides the root,
+    the parts its mirror needs (the index) at open, and each data or flag part when a read
+    first names one of its chunks; every part once."""
+    endpoint, requests = server
+    url, root = new_store(tmp_path, endpoint)
+    mb.convert.publish(tmp_path / "local", url, progress=False)
+    _, parts = parts_of(fs, root)
+    later = [k for k in parts if k.startswith(("columns/x/", "columns/terminated/"))]
+    assert len(later) == 4 and len(parts) > len(later)  # x's three, the flags' one; the index's
     requests.reset()
-    with mb.open(url, mode="r", cache_dir=tmp_path / "c2", pool=None) as fresh:  # a new reader reads every part
-        assert len(requests.parts_read()) == len(parts2)
-        same_rows(fresh, tmp_path / "local")
+    with mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None) as ro, \
+            mb.open(tmp_path / "local", mode="r") as local:
+        assert sorted(read_parts(requests)) == sorted(set(parts) - set(later))  # at open: the mirror's
+        requests.reset()
+        rows = np.arange(PART * 128 + 5, PART * 128 + 300)  # rows whose chunks part columns/x/1 names
+        np.testing.assert_array_equal(ro.get(rows, keys=["x"])["x"].numpy(), local.get(rows, keys=["x"])["x"].numpy())
+        assert read_parts(requests) == ["columns/x/1"]
+        requests.reset()
+        ro.get(rows + 1000, keys=["x"])
+        assert read_parts(requests) == []  # loaded once
+        same_rows(ro, tmp_path / "local")  # every row: the others, each once
+        assert sorted(read_parts(requests)) == sorted(set(later) - {"columns/x/1"})
 
 
 def test_a_publisher_without_its_parts_reads_them_back_once(tmp_path, server, fs):
@@ -151,6 +178,8 @@ def _damaged(tmp_path, server, fs) -> tuple[str, str, str]:
 
 @pytest.mark.parametrize("damage", ["flipped", "missing", "swapped"])
 def test_a_damaged_part_is_a_typed_error_naming_it(tmp_path, server, fs, damage):
+    """A data part is read when a read first names it: the read is refused, not the open;
+    the reader's other parts still serve, and the read is refused again (never rows)."""
     url, root, snap = _damaged(tmp_path, server, fs)
     key = f"{root}/snapshots/{snap}/parts/columns/x/1.json"
     raw = fs.cat_file(key)
@@ -163,13 +192,26 @@ def test_a_damaged_part_is_a_typed_error_naming_it(tmp_path, server, fs, damage)
     else:  # another part's bytes (a well-formed part, of another key)
         fs.pipe_file(key, fs.cat_file(f"{root}/snapshots/{snap}/parts/columns/x/0.json"))
         match = "expected .* got .* \\(a changed or swapped part\\)"
-    with pytest.raises(errors.CorruptStoreError, match=rf"parts/columns/x/1.json: {match}"):
+    damaged = np.arange(PART * 128, PART * 128 + 10)  # rows in chunks part columns/x/1 names
+    with mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None) as ro:
+        for _ in range(2):
+            with pytest.raises(errors.CorruptStoreError, match=rf"parts/columns/x/1.json: {match}"):
+                ro.get(damaged, keys=["x"])
+        np.testing.assert_array_equal(ro.get(np.arange(10), keys=["x"])["x"].numpy(), np.arange(10))
+        if damage == "missing":  # and gone with its snapshot (a newer publish pruned it: its manifest first)
+            fs.rm_file(f"{root}/snapshots/{snap}/manifest.json")
+            with pytest.raises(errors.StoreNotFoundError, match="removed by a newer publish"):
+                ro.get(damaged, keys=["x"])
+
+
+def test_a_damaged_part_of_the_mirror_refuses_the_open(tmp_path, server, fs):
+    url, root, snap = _damaged(tmp_path, server, fs)
+    key = f"{root}/snapshots/{snap}/parts/index/ends/0.json"
+    raw = fs.cat_file(key)
+    fs.pipe_file(key, raw[:-10] + bytes([raw[-10] ^ 1]) + raw[-9:])
+    with pytest.raises(errors.CorruptStoreError, match="parts/index/ends/0.json: expected .* bytes of BLAKE2b-128"):
         mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None)
     assert not list((tmp_path / "c").rglob("manifest.json"))  # nothing mirrored
-    if damage == "missing":  # and gone with its snapshot (a newer publish pruned it: its manifest first)
-        fs.rm_file(f"{root}/snapshots/{snap}/manifest.json")
-        with pytest.raises(errors.StoreNotFoundError, match="removed by a newer publish"):
-            mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None)
 
 
 def test_a_part_naming_an_object_of_another_part_is_refused(tmp_path, server, fs):
@@ -189,9 +231,10 @@ def test_a_part_naming_an_object_of_another_part_is_refused(tmp_path, server, fs
     fs.pipe_file(table_key, signed)
     pointer = json.loads(fs.cat_file(f"{root}/current.json"))
     fs.pipe_file(f"{root}/current.json", json.dumps(dict(pointer, objects=digest(signed))).encode())
-    with pytest.raises(errors.CorruptStoreError, match=r"parts/columns/x/1.json: columns/x/c/3: expected objects of "
-                                                       r"part 'columns/x/1' only"):
-        mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None)
+    with mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None) as ro, \
+            pytest.raises(errors.CorruptStoreError, match=r"parts/columns/x/1.json: columns/x/c/3: expected objects "
+                                                          r"of part 'columns/x/1' only"):
+        ro.get(np.arange(PART * 128, PART * 128 + 10), keys=["x"])
 
 
 def test_pruning_keeps_the_parts_the_kept_snapshots_name(tmp_path, server, fs):
@@ -213,3 +256,86 @@ def test_pruning_keeps_the_parts_the_kept_snapshots_name(tmp_path, server, fs):
     assert left == sorted(named) and any(r.startswith("parts/") for r in left)  # what the kept ones still name
     with mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None) as ro:
         same_rows(ro, tmp_path / "local")
+
+
+def _memory_table(monkeypatch, fetched: list[list[str]], gate=None):
+    """A published table of two arrays (three parts) on fsspec's memory filesystem, loaded
+    as a reader loads it (every part later); ``fetched``: the parts of each fetch batch;
+    ``gate(paths)``: called before each batch is fetched."""
+    import fsspec
+
+    from mmbuffer.remote._parts import load_table, split
+
+    fs = fsspec.filesystem("memory")
+    snap, root = "0000000001-0123456789ab", f"mem-{np.random.default_rng().integers(1 << 40)}"
+    entries = {f"columns/{a}/c/{i}": (3, "0" * 32) for a in "xy" for i in range(300 if a == "x" else 10)}
+    made = split(entries | {"zarr.json": (5, "1" * 32)}, {}, {}, snap, None)
+    fs.pipe_file(f"{root}/snapshots/{snap}/objects.json", made.root)
+    for rel, raw in made.send.items():
+        fs.pipe_file(f"{root}/snapshots/{snap}/{rel}", raw)
+    real = fs.cat_ranges
+
+    def cat_ranges(paths, starts, ends, **kw):
+        fetched.append(sorted(p.split("/parts/", 1)[1] for p in paths))
+        if gate is not None:
+            gate(paths)
+        return real(paths, starts, ends, **kw)
+
+    monkeypatch.setattr(fs, "cat_ranges", cat_ranges)
+    return fs, load_table(fs, root, "memory://" + root, snap, digest(made.root), later=lambda key: True), root, snap
+
+
+def test_readers_load_different_parts_at_once_and_one_part_once(monkeypatch):
+    """Two readers of one table needing different parts fetch them concurrently (each
+    fetch waits here until the other has begun: loads one after the other would time
+    out); a third needing a part being loaded waits for it instead of fetching it again."""
+    both = threading.Barrier(2, timeout=20)
+    fetched: list[list[str]] = []
+    _, table, _, _ = _memory_table(monkeypatch, fetched, gate=lambda paths: both.wait())
+    assert fetched == [] and table.get("zarr.json") == (5, "1" * 32)  # the root's own: nothing fetched
+    found = {}
+    threads = [threading.Thread(target=lambda r=r: found.update({r: table.get(r)}))
+               for r in ("columns/x/c/260", "columns/y/c/3", "columns/y/c/4")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(map(tuple, fetched)) == [("columns/x/1.json",), ("columns/y/0.json",)]  # y's part once
+    assert all(v == (3, "0" * 32) for v in found.values()) and len(found) == 3
+    assert table.get("columns/x/c/299") == (3, "0" * 32) and table.get("columns/x/c/300") is None  # not published
+    assert len(fetched) == 2
+
+
+def test_a_reader_waiting_for_a_part_that_failed_raises_too(monkeypatch):
+    """Never an object taken for unpublished: a reader that waited for another's load
+    of a part that failed loads it itself, and gets the error."""
+    first_started, release = threading.Event(), threading.Event()
+    fetched: list[list[str]] = []
+
+    def gate(paths):
+        if len(fetched) == 1:  # the first load: held until the second reader waits, then finds nothing
+            first_started.set()
+            release.wait(20)
+
+    fs, table, root, snap = _memory_table(monkeypatch, fetched, gate=gate)
+    fs.rm_file(f"{root}/snapshots/{snap}/parts/columns/y/0.json")
+    raised = []
+
+    def read():
+        try:
+            table.get("columns/y/c/1")
+        except errors.CorruptStoreError as exc:
+            raised.append(str(exc))
+
+    one = threading.Thread(target=read)
+    one.start()
+    assert first_started.wait(20)
+    two = threading.Thread(target=read)
+    two.start()
+    two.join(0.5)
+    assert two.is_alive()  # waiting for the first load, not fetching
+    release.set()
+    one.join(20)
+    two.join(20)
+    assert len(raised) == 2 and all("parts/columns/y/0.json: expected the part" in m for m in raised)
+    assert fetched == [["columns/y/0.json"]] * 2  # the second reader's own attempt
