@@ -19,7 +19,8 @@ anew.
 
 ``limit`` (``cache_limit``, bytes) bounds everything above: before writing ``n`` bytes
 the cache takes ``.lock``, evicts least recently used objects and
-unpinned mirrors (whole objects: chunk granularity) until they fit, and writes them; what cannot fit
+unpinned mirrors (whole objects: chunk granularity; a mirror with its pin and lock
+files, so nothing is left per snapshot seen) until they fit, and writes them; what cannot fit
 (pinned mirrors and live pools take the rest) is a :class:`~mmbuffer.errors.CacheError`
 naming ``cache_dir``, the limit and the bytes needed. A full disk is a
 :class:`~mmbuffer.errors.DiskFullError` naming them too; a pool file is reserved
@@ -132,12 +133,27 @@ class Cache:
     @contextlib.contextmanager
     def locked(self, name: str, kind: int = fcntl.LOCK_EX) -> Iterator[int]:
         """Hold the lock file ``cache_dir/name`` (every process of the host sees it)."""
-        with disk_errors(self.base, 0):
-            fd = os.open(self.base / name, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = self._flocked(self.base / name, kind)
         try:
-            fcntl.flock(fd, kind)
             yield fd
         finally:
+            os.close(fd)
+
+    def _flocked(self, path: Path, kind: int) -> int:
+        """An fd of the lock file ``path`` (created if need be) holding ``kind``. Eviction
+        removes a dropped mirror's lock files while it holds them: a lock taken on a file
+        removed meanwhile is let go and taken again on the file now at ``path``."""
+        while True:
+            with disk_errors(self.base, 0):
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, kind)
+                with contextlib.suppress(FileNotFoundError):
+                    if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                        return fd
+            except BaseException:
+                os.close(fd)
+                raise
             os.close(fd)
 
     def admit(self, need: int, write: Callable[[], None]) -> None:
@@ -221,9 +237,11 @@ class Cache:
                 f"{self.limit}, got {self.limit - used} free after evicting everything not in use; raise cache_limit")
         return used
 
-    @staticmethod
-    def _drop_unpinned(path: Path, pin: Path) -> int:
-        """Remove ``path`` unless a reader pins it: the bytes freed."""
+    def _drop_unpinned(self, path: Path, pin: Path) -> int:
+        """Remove ``path`` unless a reader pins it: the bytes freed. A mirror goes with its
+        pin and lock files (``locks/<snapshot>[.flags]``, taken only under the pin), so a
+        reader refreshing for weeks leaves no file per snapshot behind; removed while the
+        pin is held, the pin last (:meth:`_flocked` takes a removed one again)."""
         try:
             fd = os.open(pin, os.O_RDWR)
         except FileNotFoundError:
@@ -235,6 +253,10 @@ class Cache:
                 return 0  # in use by a reader
             freed = _own_bytes(path)
             shutil.rmtree(path, ignore_errors=True)
+            if pin.parent == path.parent:  # a mirror (a pool's pin is inside its folder)
+                for name in (path.name, f"{path.name}.flags"):
+                    (self.base / "locks" / name).unlink(missing_ok=True)
+                pin.unlink(missing_ok=True)
             return freed
         finally:
             os.close(fd)
@@ -244,8 +266,7 @@ class Cache:
         """Hold ``path`` (a lock file) so eviction leaves what it guards; close the fd to let go."""
         with disk_errors(self.base, 0):
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        fd = self._flocked(path, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
         os.utime(fd)
         return fd
 

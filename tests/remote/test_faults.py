@@ -181,6 +181,63 @@ def test_cache_limit_far_below_the_store_evicts_and_reads_stay_right(tmp_path, s
         assert ro.remote.files.downloads > len(list((tmp_path / "c" / "objects").rglob("*")))  # evicted, fetched again
 
 
+def test_a_reader_refreshing_under_cache_limit_leaves_no_file_per_snapshot_behind(tmp_path, s3):
+    """Mirrors of the snapshots a reader moved past are evicted with their pin and lock
+    files (``locks/<snapshot>``, ``locks/<snapshot>.flags``): what stays under
+    ``cache_dir`` does not grow with the number of snapshots seen."""
+    url, _ = published(tmp_path, s3)
+    with mb.open(url, mode="r", cache_dir=tmp_path / "probe", pool=None) as probe:
+        read_everything(probe)
+        held = probe.remote.files.used()  # a mirror with its flags filled, and the chunks read
+    cache = tmp_path / "c"
+    with mb.open(url, mode="r", cache_dir=cache, cache_limit=2 * held, pool=None) as ro:
+        seen = {ro.remote.snapshot}
+        for i in range(6):
+            with mb.open(tmp_path / "local") as w:
+                t = np.arange(20) + 10_000 * (i + 1)
+                w.extend({"obs": np.full((20, 3), i, np.float32), "x": t, "terminated": t % 20 == 19})
+            mb.convert.copy(tmp_path / "local", url, progress=False)
+            assert ro.refresh()
+            seen.add(ro.remote.snapshot)
+            got = read_everything(ro)  # the flags filled: their lock taken
+            with mb.open(tmp_path / "local", mode="r") as local:
+                torch.testing.assert_close(got, read_everything(local), rtol=0, atol=0)
+        mirrors = {d.name for d in cache.glob("*/*") if d.is_dir() and d.name in seen}
+        pins = {f.name[: -len(".pin")] for f in cache.glob("*/*.pin")}
+        locks = {f.name.removesuffix(".flags") for f in (cache / "locks").iterdir() if f.name[10:11] == "-"}
+        assert len(seen) == 7 and ro.remote.snapshot in mirrors and len(mirrors) < 7  # evicted: what is tested
+        assert pins == mirrors and locks <= mirrors  # the evicted ones' files gone with them
+        assert ro.remote.files.used() <= 2 * held
+
+
+def test_a_pin_waiting_on_a_file_eviction_removes_is_taken_on_the_new_file(tmp_path):
+    """Eviction removes a mirror's pin while holding it: a reader that was waiting for that
+    pin must not hold the removed file (a later eviction would lock the new one and drop
+    the mirror under it), so it takes the pin again on the file now at the path."""
+    import fcntl
+    import os
+    import threading
+
+    from mmbuffer.remote._cache import Cache
+
+    cache, pin = Cache(tmp_path / "c", None), tmp_path / "c" / "u" / "0000000001-0123456789ab.pin"
+    evicting = cache.pin(pin, exclusive=True)
+    got: list[int] = []
+    reader = threading.Thread(target=lambda: got.append(cache.pin(pin)))
+    reader.start()
+    reader.join(0.3)
+    assert reader.is_alive()  # waiting for the evictor
+    pin.unlink()
+    os.close(evicting)
+    reader.join(20)
+    assert os.fstat(got[0]).st_ino == os.stat(pin).st_ino  # the pin at the path, not the removed one
+    probe = os.open(pin, os.O_RDWR)
+    with pytest.raises(BlockingIOError):  # so a later eviction sees it held
+        fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.close(probe)
+    os.close(got[0])
+
+
 def test_a_cache_limit_below_what_must_be_held_is_a_typed_error(tmp_path, s3):
     url, _ = published(tmp_path, s3)
     with pytest.raises(errors.CacheError, match=rf"cache_dir {tmp_path / 'c'}: expected room for \d+ more bytes within cache_limit=1000"):
