@@ -163,7 +163,7 @@ class Table:
         self.holders = holders or {}  # objects an earlier snapshot holds: name -> its id
         self.packed = packed or {}  # raw arrays published as chunks: array -> record (_dense.py)
         self.parts = parts or {}
-        self.part_objects: dict[str, dict[str, tuple[int, str, str]]] = {}  # loaded parts by digest
+        self.part_rels: dict[str, tuple[str, ...]] = {}  # loaded parts by digest: the names of their objects
         self.loaded: set[str] = set()
         self.loader: Callable[[Iterable[str] | None], None] | None = None
 

@@ -174,13 +174,22 @@ def load_parts(table: Table, fetch: Fetch, before: Table | None = None,
     ``CorruptStoreError`` (``alive()`` first raises ``StoreNotFoundError`` if a missing
     part went with its snapshot, pruned by a newer publish)."""
     todo = {k: v for k, v in sorted(table.parts.items()) if keys is None or k in keys}
-    held = before.part_objects if before is not None else {}
-    known = {k: _recalled(memo, dg) for k, (_, dg, _) in todo.items() if dg not in held and dg not in table.part_objects}
+    held = before.part_rels if before is not None else {}
+    known = {k: _recalled(memo, dg) for k, (_, dg, _) in todo.items() if dg not in held and dg not in table.part_rels}
     missing = [k for k, raw in known.items() if raw is None]
     got = fetch({f"snapshots/{todo[k][2]}/{part_rel(k)}": todo[k][0] for k in missing}) if missing else {}
     for key, (size, dg, holder) in todo.items():
-        objects = table.part_objects.get(dg) or held.get(dg)
-        if objects is None:
+        if dg in table.part_rels:
+            pass
+        elif before is not None and dg in held:  # the same bytes: the same entries, shared with ``before``
+            rels = held[dg]
+            for rel in rels:
+                holder_ = before.holder(rel)
+                if holder_ != table.snapshot:
+                    table.holders[rel] = holder_
+                table.entries[rel] = before.entries[rel]  # after its holder: a reader that finds it finds both
+            table.part_rels[dg] = rels
+        else:
             where = f"{table.url}/snapshots/{holder}/{part_rel(key)}"
             raw = known.get(key)  # from the memo: checked there
             if raw is None:
@@ -196,11 +205,11 @@ def load_parts(table: Table, fetch: Fetch, before: Table | None = None,
                 if memo is not None:
                     remember(memo, {dg: raw})
             objects = _parse_part(raw, where, key)
-        table.part_objects[dg] = objects
-        for rel, (size_, dg_, holder_) in objects.items():
-            if holder_ != table.snapshot:
-                table.holders[rel] = holder_
-            table.entries[rel] = (size_, dg_)  # after its holder: a reader that finds it finds both
+            for rel, (size_, dg_, holder_) in objects.items():
+                if holder_ != table.snapshot:
+                    table.holders[rel] = holder_
+                table.entries[rel] = (size_, dg_)
+            table.part_rels[dg] = tuple(objects)
         table.loaded.add(key)
 
 

@@ -419,18 +419,17 @@ def prune(fs: Any, root: str, keep: int, current: str) -> list[str]:
     keys = {k for rels in held.values() for r in rels if (k := part_key(r)) is not None and not r.startswith("parts/")}
     named: set[str] = set()  # objects of kept snapshots, as paths under base
     fetch = fetcher(fs, root, root)
-    loaded: dict[str, dict[str, tuple[int, str, str]]] = {}  # parts by digest, shared by the kept tables
-    for snap in kept:
+    before = None  # the kept table loaded last: its parts of the same digest are not fetched again
+    for snap in sorted(kept):
         try:
             raw = fs.cat_file(join(base, snap, OBJECTS))
             table = parse_table(raw, join(base, snap, OBJECTS), "", snap)
-            table.part_objects.update(loaded)
-            load_parts(table, fetch, keys=keys & set(table.parts))
+            load_parts(table, fetch, before, keys=keys & set(table.parts))
         except (FileNotFoundError, errors.MMBufferError):
             if snap != current:
                 continue  # not a whole snapshot (a failed publish): it names nothing
             raise
-        loaded.update(table.part_objects)
+        before = table
         named.update(f"{table.holder(rel)}/{rel}" for rel in table.entries)
         named.update(f"{holder}/{part_rel(key)}" for key, (_, _, holder) in table.parts.items())
         named.update((f"{snap}/{OBJECTS}", f"{snap}/{fmt.MANIFEST}"))

@@ -119,8 +119,13 @@ def test_a_publish_sends_the_parts_that_changed_and_a_refresh_fetches_only_those
         v[0] for v in parts1.values()) + len(fs.cat_file(f"{root}/snapshots/{snap1}/objects.json"))
 
     requests.reset()
+    old = ro.remote.table
     assert ro.refresh() is True
     assert sorted(p.split("/parts/", 1)[1][:-5] for p in requests.parts_read()) == sent  # only the changed parts
+    new = ro.remote.table
+    unchanged = [r for r in new.entries if r.startswith("columns/x/c/") and int(r.split("/")[3]) < PART]
+    assert len(unchanged) == PART and all(new.entries[r] is old.entries[r] for r in unchanged)  # shared, not copied
+    assert {new.holder(r) for r in unchanged} == {snap1}
     same_rows(ro, tmp_path / "local")
     ro.close()
 
