@@ -173,15 +173,13 @@ def load_parts(table: Table, fetch: Fetch, before: Table | None = None,
     checked: one missing, changed or naming an object of another part is
     ``CorruptStoreError`` (``alive()`` first raises ``StoreNotFoundError`` if a missing
     part went with its snapshot, pruned by a newer publish)."""
-    todo = {k: v for k, v in sorted(table.parts.items()) if keys is None or k in keys}
+    todo = {k: v for k, v in sorted(table.parts.items()) if (keys is None or k in keys) and v[1] not in table.part_rels}
     held = before.part_rels if before is not None else {}
-    known = {k: _recalled(memo, dg) for k, (_, dg, _) in todo.items() if dg not in held and dg not in table.part_rels}
+    known = {k: _recalled(memo, dg) for k, (_, dg, _) in todo.items() if dg not in held}
     missing = [k for k, raw in known.items() if raw is None]
     got = fetch({f"snapshots/{todo[k][2]}/{part_rel(k)}": todo[k][0] for k in missing}) if missing else {}
     for key, (size, dg, holder) in todo.items():
-        if dg in table.part_rels:
-            pass
-        elif before is not None and dg in held:  # the same bytes: the same entries, shared with ``before``
+        if before is not None and dg in held:  # the same bytes: the same entries, shared with ``before``
             rels = held[dg]
             for rel in rels:
                 holder_ = before.holder(rel)

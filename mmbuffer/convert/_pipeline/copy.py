@@ -36,7 +36,7 @@ from .readback import ReadBack
 from .reader import FLAGS, jsonable
 from .walk import OpenedStore, Plan, chunk_rows_for, data_columns, plan_episodes, row_bytes, walk
 
-__all__ = ["CopyWriter", "column_codecs", "copy_local", "verify_episodes"]
+__all__ = ["CopyWriter", "column_codecs", "copy_local", "verify_episodes", "writer_options"]
 
 _TRIES = 3  # copies of a store path whose writer laps the rows being read (each from a newer state)
 
@@ -72,10 +72,10 @@ def copy_local(
     newer state, up to ``_TRIES`` times in all.
     """
     t0 = time.perf_counter()
+    options = writer_options(compression=compression, chunk_rows=chunk_rows, progress=progress, verify=verify,
+                             capacity=capacity, num_streams=num_streams, priorities=priorities, codec=codec)
     for attempt in range(1, _TRIES + 1):
-        writer = CopyWriter(src, compression=compression, chunk_rows=chunk_rows, progress=progress, verify=verify,
-                            codec=codec, keep_rows=keep_rows,
-                            layout=dict(capacity=capacity, num_streams=num_streams, priorities=priorities))
+        writer = CopyWriter(src, keep_rows=keep_rows, **options)
         try:
             dst_path = _write_to(writer, dst, overwrite=overwrite, verify=verify)
             break
@@ -93,6 +93,16 @@ def copy_local(
         mb_per_s=round(writer.nbytes / seconds / 1e6, 1) if seconds else None,
     )
     return summary
+
+
+def writer_options(*, compression: str | None = None, chunk_rows: int | None = None, progress: bool = True,
+                   verify: bool = True, capacity: int | None = None, num_streams: int | None = None,
+                   priorities: PriorityConfig | None | str = "keep", codec: Mapping[str, str | None] | None | str = "keep",
+                   overwrite: bool = False) -> dict[str, Any]:
+    """The :class:`CopyWriter` options of :func:`copy_local` called with these arguments
+    (``overwrite`` is where the copy goes, not how it is written)."""
+    return {"compression": compression, "chunk_rows": chunk_rows, "progress": progress, "verify": verify, "codec": codec,
+            "layout": {"capacity": capacity, "num_streams": num_streams, "priorities": priorities}}
 
 
 def _write_to(writer: CopyWriter, dst: str | os.PathLike[str], *, overwrite: bool, verify: bool) -> Path:

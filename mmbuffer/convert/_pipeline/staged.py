@@ -54,7 +54,7 @@ from ..._ledger.manifest import load_manifest
 from ...buffer import Buffer
 from ...opening import open as open_buffer
 from ...remote._objects import FileDigests
-from .copy import CopyWriter, copy_local, verify_episodes
+from .copy import CopyWriter, copy_local, verify_episodes, writer_options
 from .frame import Mismatch
 from .reader import jsonable
 from .walk import Plan
@@ -195,7 +195,7 @@ def _bring_up_to_date(src: Any, store: Path, options: Mapping[str, Any]) -> dict
     source = store.parent / _SOURCE  # the store_id of the store the copy is of
     if store.is_dir():
         verify = bool(options.get("verify", True))
-        writer = TailWriter(src, store, copied=_read_id(source), **_writer_options(options))
+        writer = TailWriter(src, store, copied=_read_id(source), **writer_options(**options))
         try:
             writer.open()
             try:
@@ -230,13 +230,6 @@ def _read_id(path: Path) -> str:
     except (OSError, ValueError, AttributeError):
         return ""
     return got if isinstance(got, str) else ""
-
-
-def _writer_options(options: Mapping[str, Any]) -> dict[str, Any]:
-    layout = {k: options.get(k) for k in ("capacity", "num_streams")} | {"priorities": options.get("priorities", "keep")}
-    return {"compression": options.get("compression"), "chunk_rows": options.get("chunk_rows"),
-            "progress": options.get("progress", True), "verify": options.get("verify", True), "layout": layout,
-            "codec": options.get("codec", "keep")}
 
 
 class TailWriter(CopyWriter):
