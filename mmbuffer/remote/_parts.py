@@ -76,10 +76,10 @@ def part_rel(key: str) -> str:
 
 class Split(NamedTuple):
     """A table of version 4 to publish: its ``root`` (``objects.json``), the parts to send
-    (``part_rel`` -> bytes) and the digests of all its parts (sent or named)."""
+    (``part_rel`` -> (digest, bytes)) and the digests of all its parts (sent or named)."""
 
     root: bytes
-    send: dict[str, bytes]
+    send: dict[str, tuple[str, bytes]]
     digests: set[str]
 
 
@@ -97,7 +97,7 @@ def split(entries: Mapping[str, tuple[int, str]], holders: Mapping[str, str], pa
         else:
             groups.setdefault(key, {})[rel] = [int(size), dg, holders.get(rel, snapshot)]
     parts: dict[str, list[Any]] = {}
-    send: dict[str, bytes] = {}
+    send: dict[str, tuple[str, bytes]] = {}
     for key, objects in groups.items():
         raw = json.dumps({"format": _FORMAT, "hash": HASH, "key": key, "objects": objects}, separators=(",", ":")).encode()
         dg = digest(raw)
@@ -106,7 +106,7 @@ def split(entries: Mapping[str, tuple[int, str]], holders: Mapping[str, str], pa
             parts[key] = [len(raw), dg, old[2]]
         else:
             parts[key] = [len(raw), dg, snapshot]
-            send[part_rel(key)] = raw
+            send[part_rel(key)] = (dg, raw)
     table = table_bytes(root, {rel: h for rel, h in holders.items() if rel in root}, packed, parts)
     return Split(table, send, {dg for _, dg, _ in parts.values()})
 

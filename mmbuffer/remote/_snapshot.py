@@ -210,13 +210,18 @@ def _transport(exc: BaseException) -> bool:
         "botocore", "aiobotocore", "aiohttp", "urllib3", "requests")
 
 
+def _data_chunk(rel: str) -> bool:
+    """Whether ``rel`` is a chunk of a data column (read remotely, never mirrored)."""
+    m = _DATA_CHUNKS.match(rel)
+    return m is not None and m.group(1) not in fmt.RESERVED_NAMES
+
+
 def read_later(key: str) -> bool:
     """Whether the part ``key`` of a table (``_parts``) names objects a reader fetches when
     it reads them (a data column's chunks, the flags filled on demand), not at open for
     the mirror: a new reader loads such a part when a read first names one of its objects."""
     array = key.rsplit("/", 1)[0]
-    m = _DATA_CHUNKS.match(f"{array}/c/")
-    return array in FILLED or (m is not None and m.group(1) not in fmt.RESERVED_NAMES)
+    return array in FILLED or _data_chunk(f"{array}/c/")
 
 
 def mirror(fetch: Callable[[list[str]], dict[str, bytes | None]], snapshot: str, url: str, folder: Path, cache: Cache,
@@ -242,8 +247,7 @@ def mirror(fetch: Callable[[list[str]], dict[str, bytes | None]], snapshot: str,
         for rel in sorted(table.entries):
             if not _REL.match(rel) or any(p in (".", "..") for p in rel.split("/")):
                 raise errors.CorruptStoreError(f"{url}: object {rel!r}: expected a name inside the snapshot")
-            m = _DATA_CHUNKS.match(rel)
-            if rel == fmt.LOCK or rel == OBJECTS or (m and m.group(1) not in fmt.RESERVED_NAMES) or rel.startswith(parts):
+            if rel == fmt.LOCK or rel == OBJECTS or _data_chunk(rel) or rel.startswith(parts):
                 continue  # data chunks are read remotely, a stale LOCK means nothing here, packed arrays are rebuilt
             rels.append(rel)
         blobs: dict[str, bytes] = dict(extra or {})
@@ -378,22 +382,23 @@ def upload_snapshot(fs: Any, root: str, url: str, store: Path, previous: Mapping
     paths = [r for r in new if isinstance(local[r], Path)]
     fs.put([str(local[r]) for r in paths], [join(snap_root, r) for r in paths])
     blobs = {join(snap_root, r): local[r] for r in new if isinstance(local[r], bytes)}
-    blobs.update({join(snap_root, r): raw for r, raw in parts.items()})
+    blobs.update({join(snap_root, r): raw for r, (_, raw) in parts.items()})
     if blobs:
         fs.pipe(blobs)
     fs.pipe_file(join(snap_root, OBJECTS), table)
     fs.put(str(local[fmt.MANIFEST]), join(snap_root, fmt.MANIFEST))
     if memo is not None:
-        remember(memo, {digest(raw): raw for raw in parts.values()}, keep=part_digests)
+        remember(memo, dict(parts.values()), keep=part_digests)
     group = json.dumps(_GROUP).encode()
     if previous is None:
         fs.pipe({join(root, "zarr.json"): group, join(root, SNAPSHOTS, "zarr.json"): group})
     pointer = {"format": _FORMAT, "version": _VERSION, "snapshot": snapshot, "sequence": seq, "generation": generation,
                "objects": digest(table)}
-    written = sum(entries[r][0] for r in new) + entries[fmt.MANIFEST][0] + len(table) + sum(map(len, parts.values()))
+    table_written = len(table) + sum(len(raw) for _, raw in parts.values())
     return pointer, {"url": url, "snapshot": snapshot, "sequence": seq, "pruned": [],
-                     "objects_written": len(new) + len(parts) + 2, "bytes_written": written,
-                     "table_bytes_written": len(table) + sum(map(len, parts.values()))}
+                     "objects_written": len(new) + len(parts) + 2,
+                     "bytes_written": sum(entries[r][0] for r in new) + entries[fmt.MANIFEST][0] + table_written,
+                     "table_bytes_written": table_written}
 
 
 def write_pointer(fs: Any, root: str, pointer: dict[str, Any]) -> None:

@@ -276,7 +276,7 @@ def _memory_table(monkeypatch, fetched: list[list[str]], gate=None):
     entries = {f"columns/{a}/c/{i}": (3, "0" * 32) for a in "xy" for i in range(300 if a == "x" else 10)}
     made = split(entries | {"zarr.json": (5, "1" * 32)}, {}, {}, snap, None)
     fs.pipe_file(f"{root}/snapshots/{snap}/objects.json", made.root)
-    for rel, raw in made.send.items():
+    for rel, (_, raw) in made.send.items():
         fs.pipe_file(f"{root}/snapshots/{snap}/{rel}", raw)
     real = fs.cat_ranges
 
