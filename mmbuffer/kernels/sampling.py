@@ -81,22 +81,40 @@ def _slice_rows(
     slots = 2 * lane_size
     ring = lane * slots
     c0 = cum[ep_head - cum_base]
-    # the searches first, all together (``_search_right_many``), then each slice
+    # the items of this lane in complete episodes: searched all together (``_search_right_many``)
     n = local.shape[0]
-    mine = np.zeros(n, np.bool_)
     count = 0
     for i in range(n):
-        mine[i] = (lane_of.shape[0] == 0 or lane_of[i] == lane) and local[i] < closed
-        count += mine[i]
+        count += (lane_of.shape[0] == 0 or lane_of[i] == lane) and local[i] < closed
     xs = np.empty(count, np.int64)
     q = 0
     for i in range(n):
-        if mine[i]:
+        if (lane_of.shape[0] == 0 or lane_of[i] == lane) and local[i] < closed:
             xs[q] = local[i] + c0
             q += 1
     found = np.empty(count, np.int64)
     _search_right_many(cum, xs, found)
-    q = 0  # the next search's place
+    # then their episodes' ends, in a loop of their own: in a large store each is a cache
+    # miss, and a short loop keeps many in flight (behind the slice loop's arithmetic
+    # they waited one after another). ``slot`` is ``seq % slots`` without a division.
+    head_slot = ep_head % slots
+    starts = np.empty(count, np.int64)
+    avails = np.empty(count, np.int64)
+    for q in range(count):
+        k = found[q] - 1
+        seq = cum_base + min(k, ep_tail - 1 - cum_base)
+        slot = head_slot + (seq - ep_head)
+        if slot >= slots:
+            slot -= slots
+        if slot < 0 or slot >= slots:  # not a live episode's: the plain modulo
+            slot = seq % slots
+        end = ends[ring + slot]
+        ep_start = first_start if seq == ep_head else ends[ring + (slot - 1 if slot else slots - 1)]
+        starts[q] = ep_start + (xs[q] - cum[min(k, cum.shape[0] - 1)])
+        avails[q] = end - starts[q]
+    base = lane * lane_size
+    first_at = first_start % lane_size
+    q = 0
     for i in range(n):
         if lane_of.shape[0] and lane_of[i] != lane:
             continue
@@ -105,14 +123,9 @@ def _slice_rows(
             start = open_start + (r - closed)
             avail = visible_end - start
         else:
-            x = xs[q]
-            k = found[q] - 1
+            start = starts[q]
+            avail = avails[q]
             q += 1
-            seq = cum_base + min(k, ep_tail - 1 - cum_base)
-            end = ends[ring + seq % slots]
-            ep_start = first_start if seq == ep_head else ends[ring + (seq - 1) % slots]
-            start = ep_start + (x - cum[min(k, cum.shape[0] - 1)])
-            avail = end - start
         if offsets.shape[0]:  # per-episode weighting: the episode is drawn, now a start inside it
             room = max(avail - slice_len + 1, 1) if strict else avail
             off = offsets[i] % room
@@ -121,8 +134,11 @@ def _slice_rows(
         start_out[i] = start
         avail_out[i] = avail
         last = max(avail - 1, 0)
-        base = lane * lane_size
-        at = start % lane_size  # one division per slice; the ring wraps at most once in it
+        at = first_at + (start - first_start)  # ``start % lane_size`` for a live row
+        if at >= lane_size:
+            at -= lane_size
+        if at < 0 or at >= lane_size:
+            at = start % lane_size
         for j in range(rows.shape[1]):
             a = at + min(j, last)
             rows[i, j] = base + (a - lane_size if a >= lane_size else a)
