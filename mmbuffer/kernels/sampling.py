@@ -83,13 +83,15 @@ def _slice_rows(
     c0 = cum[ep_head - cum_base]
     # the items of this lane in complete episodes: searched all together (``_search_right_many``)
     n = local.shape[0]
+    mine = np.zeros(n, np.bool_)
     count = 0
     for i in range(n):
-        count += (lane_of.shape[0] == 0 or lane_of[i] == lane) and local[i] < closed
+        mine[i] = (lane_of.shape[0] == 0 or lane_of[i] == lane) and local[i] < closed
+        count += mine[i]
     xs = np.empty(count, np.int64)
     q = 0
     for i in range(n):
-        if (lane_of.shape[0] == 0 or lane_of[i] == lane) and local[i] < closed:
+        if mine[i]:
             xs[q] = local[i] + c0
             q += 1
     found = np.empty(count, np.int64)
