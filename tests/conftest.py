@@ -22,24 +22,6 @@ def tree_hash(path: Path) -> str:
     return h.hexdigest()
 
 
-@pytest.fixture(scope="session", autouse=True)
-def cache_dir_of_the_run(tmp_path_factory):
-    """``$MMBUFFER_CACHE_DIR`` and ``$SB3_LOGDIR`` in the run's temporary directory: the
-    copies publishes keep (``convert/_pipeline/staged.py``) and default remote caches never
-    land in ``~/.cache``, nor Stable-Baselines3's log folder of each ``learn()`` (one
-    ``SB3-<time>`` folder per call, hundreds a run) in ``/tmp``."""
-    names = {"MMBUFFER_CACHE_DIR": "mmbuffer-cache", "SB3_LOGDIR": "sb3-logs"}
-    before = {name: os.environ.get(name) for name in names}
-    for name, folder in names.items():
-        os.environ[name] = str(tmp_path_factory.mktemp(folder))
-    yield
-    for name, value in before.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-
-
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
