@@ -74,12 +74,11 @@ def _uniform_rows(bits: Any, counts: Any, first: Any, lane_size: int, out: Any) 
 
 @numba.njit(nogil=True, cache=True)
 def _slice_rows(
-    lane_of: Any, local: Any, lane: int, cum: Any, cum_base: int, ends: Any, lane_size: int,
+    lane_of: Any, local: Any, lane: int, counts: Any, cum_base: int, lane_size: int,
     ep_head: int, ep_tail: int, first_start: int, open_start: int, visible_end: int, closed: int,
     slice_len: int, offsets: Any, strict: bool, rows: Any, mask: Any, start_out: Any, avail_out: Any,
 ) -> None:
-    slots = 2 * lane_size
-    ring = lane * slots
+    cum = counts[:, 0]
     c0 = cum[ep_head - cum_base]
     # the items of this lane in complete episodes: searched all together (``_search_right_many``)
     n = local.shape[0]
@@ -96,24 +95,16 @@ def _slice_rows(
             q += 1
     found = np.empty(count, np.int64)
     _search_right_many(cum, xs, found)
-    # then their episodes' ends, in a loop of their own: in a large store each is a cache
-    # miss, and a short loop keeps many in flight (behind the slice loop's arithmetic
-    # they waited one after another). ``slot`` is ``seq % slots`` without a division.
-    head_slot = ep_head % slots
+    # then their episodes' ends, beside the counts the search just read (the same cache
+    # line, most often), in a loop of their own: a short loop keeps many loads in flight
     starts = np.empty(count, np.int64)
     avails = np.empty(count, np.int64)
+    newest = ep_tail - 1 - cum_base
     for q in range(count):
-        k = found[q] - 1
-        seq = cum_base + min(k, ep_tail - 1 - cum_base)
-        slot = head_slot + (seq - ep_head)
-        if slot >= slots:
-            slot -= slots
-        if slot < 0 or slot >= slots:  # not a live episode's: the plain modulo
-            slot = seq % slots
-        end = ends[ring + slot]
-        ep_start = first_start if seq == ep_head else ends[ring + (slot - 1 if slot else slots - 1)]
-        starts[q] = ep_start + (xs[q] - cum[min(k, cum.shape[0] - 1)])
-        avails[q] = end - starts[q]
+        k = min(found[q] - 1, newest)
+        ep_start = first_start if k + cum_base == ep_head else counts[k, 1]
+        starts[q] = ep_start + (xs[q] - cum[k])
+        avails[q] = counts[k + 1, 1] - starts[q]
     base = lane * lane_size
     first_at = first_start % lane_size
     q = 0
@@ -159,9 +150,8 @@ def slice_rows(
     lane_of: np.ndarray,
     local: np.ndarray,
     lane: int,
-    cum: np.ndarray,
+    counts: np.ndarray,
     cum_base: int,
-    ends: np.ndarray,
     lane_size: int,
     bounds: tuple[int, int, int, int, int, int],
     slice_len: int,
@@ -175,14 +165,15 @@ def slice_rows(
     """Slices of the items ``i`` of ``lane`` (all items when ``lane_of`` is empty,
     else those with ``lane_of[i] == lane``) from their in-lane ranks ``local``.
 
-    ``cum`` holds the lane's cumulative counts of eligible starts per episode from
-    sequence number ``cum_base`` on (``sampling.SliceCounts``); ``bounds`` is
-    ``(ep_head, ep_tail, first_start, open_start, visible_end, closed)``: the
-    lane's view and its count of items in complete episodes. Writes each item's
+    ``counts[k]`` is ``(cum, end)``: the eligible starts in the lane's episodes
+    ``cum_base .. cum_base + k - 1`` together, and the end row of the last of them,
+    which is where episode ``cum_base + k`` starts (``sampling.SliceCounts``);
+    ``bounds`` is ``(ep_head, ep_tail, first_start, open_start, visible_end, closed)``:
+    the lane's view and its count of items in complete episodes. Writes each item's
     absolute start and rows available from it into ``start``/``avail`` and its
     ``[L]`` global rows and mask into ``rows``/``mask`` (positions past ``avail``
     repeat the last available row, masked). With ``offsets`` (non-empty: bits,
     one per item) the rank picked an episode and ``offsets % room`` the start in it.
     """
-    _slice_rows(lane_of, local, lane, cum, cum_base, ends, lane_size, *bounds, slice_len, offsets, strict,
+    _slice_rows(lane_of, local, lane, counts, cum_base, lane_size, *bounds, slice_len, offsets, strict,
                 rows, mask, start, avail)

@@ -1,7 +1,7 @@
 """The slice index: its batched search (``kernels.sampling._search_right_many``), every
 item's answer ``np.searchsorted(a, x, side="right")`` for empty, tiny and large arrays,
 repeated values and targets outside the range; and ``slice_rows``, every slice where the
-episodes lie, whatever the rings' wrap."""
+episodes lie, whatever the lane's wrap."""
 
 from __future__ import annotations
 
@@ -23,27 +23,28 @@ def test_each_answer_is_numpys_searchsorted_right(n):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_slice_rows_places_every_slice_in_its_episode_wherever_the_rings_wrap(seed):
-    """``slice_rows`` finds an episode's ring slot and a row's place in the lane without a
-    division per item; the slices must be those of the episodes as laid out, for a lane
-    whose episode counter and absolute rows have gone round both rings many times."""
+def test_slice_rows_places_every_slice_in_its_episode_wherever_the_lane_wraps(seed):
+    """``slice_rows`` finds a row's place in the lane without a division per item, and an
+    episode's ends beside its count; the slices must be those of the episodes as laid
+    out, for a lane whose absolute rows have gone round its ring many times, with
+    evicted episodes still counted before the head and a head partly evicted."""
     from mmbuffer.kernels.sampling import slice_rows
 
     rng = np.random.default_rng(seed)
     lane_size, lane, slice_len = int(rng.integers(40, 90)), int(rng.integers(0, 3)), int(rng.integers(1, 6))
-    slots = 2 * lane_size
     lengths = rng.integers(1, 9, 30)
     lengths = lengths[np.cumsum(lengths) <= lane_size - 8]  # the live episodes, then an open one of 8
-    # many times round both rings, and each wraps inside the live window
-    ep_head = int(rng.integers(1, 50)) * slots + slots - len(lengths) // 2
+    ep_head = int(rng.integers(1, 10**6))
     ep_tail = ep_head + len(lengths)
+    # many times round the ring, and it wraps inside the live window
     first_start = int(rng.integers(1, 40)) * lane_size + lane_size - int(lengths.sum()) // 2
     starts = first_start + np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    ends = np.full(3 * slots, -1, np.int64)  # lanes 0..2
-    ends[lane * slots + np.arange(ep_head, ep_tail) % slots] = starts + lengths
     eligible = np.maximum(lengths - slice_len + 1, 0)
     cum_base = ep_head - 2  # two evicted episodes still counted before the head
-    cum = np.concatenate([[0, 3, 5], 5 + np.cumsum(eligible)]).astype(np.int64)
+    counts = np.empty((len(lengths) + 3, 2), np.int64)
+    counts[:, 0] = np.concatenate([[0, 3, 5], 5 + np.cumsum(eligible)])
+    counts[:, 1] = np.concatenate([[-7, -5, first_start - 2], starts + lengths])  # the head's own start is
+    # ``first_start`` (its first rows evicted), not the end of the episode before it
     closed = int(eligible.sum())
     open_start = first_start + int(lengths.sum())
     visible_end = open_start + 8
@@ -52,11 +53,11 @@ def test_slice_rows_places_every_slice_in_its_episode_wherever_the_rings_wrap(se
     rows = np.full((200, slice_len), -1, np.int64)
     mask = np.zeros((200, slice_len), bool)
     start, avail = np.full(200, -1, np.int64), np.full(200, -1, np.int64)
-    slice_rows(lane_of, local, lane, cum, cum_base, ends, lane_size,
+    slice_rows(lane_of, local, lane, counts, cum_base, lane_size,
                (ep_head, ep_tail, first_start, open_start, visible_end, closed),
                slice_len, np.zeros(0, np.int64), True, rows, mask, start, avail)
     mine = lane_of == lane
-    assert ep_tail % slots < ep_head % slots and (visible_end - 1) % lane_size < first_start % lane_size
+    assert (visible_end - 1) % lane_size < first_start % lane_size
     assert mine.sum() > 40 and (local[mine] < closed).any() and (local[mine] >= closed).any()
     for i in np.flatnonzero(mine):
         r = int(local[i])
