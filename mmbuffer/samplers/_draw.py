@@ -168,8 +168,10 @@ class SliceCounts:
             lc = self.lanes[lane] = _LaneCounts(base=lv.ep_head)
         newest = lc.upto - 1  # the newest episode counted: a writer may have undone its end and
         # set it again later (_ledger/appending.py): then it is counted anew
-        if lv.ep_head <= newest and int(index.ends_at(view.ends, lane, view.lane_size, np.array(newest))) != lc.last_end:
-            lc.size -= 1
+        if lv.ep_head <= newest:  # its end now: the view's open episode starts there when it is the newest
+            end = lv.open_start if newest == lv.ep_tail - 1 else int(index.ends_at(view.ends, lane, view.lane_size, newest))
+            if end != lc.last_end:
+                lc.size -= 1
         if lv.ep_tail > lc.upto:
             state = index.Lane(int(view.written[lane]), lv.ep_head, lv.ep_tail, lv.first_start)
             lo = lc.upto
@@ -182,7 +184,13 @@ class SliceCounts:
         return lc
 
     def open_weight(self, lv: LaneView) -> int:
-        return int(self.weight(np.array([lv.visible_end - lv.open_start]))[0])
+        """``weight`` of the open episode's visible rows, in plain integers (each draw asks)."""
+        n = lv.visible_end - lv.open_start
+        if n < (self.slice_len if self.strict else 1):
+            return 0
+        if self.per_episode:
+            return 1
+        return n - self.slice_len + 1 if self.strict else n
 
     def totals(self, view: View) -> tuple[np.ndarray, np.ndarray]:
         """Per lane: eligible items in complete episodes, and in the open one."""

@@ -238,6 +238,45 @@ def test_cached_counts_survive_growth_and_trimming(tmp_path, rng):
     assert isinstance(counts, sampling.SliceCounts)
 
 
+
+def test_slice_counts_follow_an_end_undone_and_set_again(tmp_path):
+    """``SliceCounts.sync`` counts the newest episode anew when the writer undid its end and
+    ended it at another row: whether the next draw comes right after (its end is then
+    where the view's open episode starts) or after more episodes (read from the ring)."""
+    from mmbuffer._ledger.appending import reopen_last_episode
+    from mmbuffer.samplers.slices import slice_counts
+
+    buf = mb.create(tmp_path / "s", {"obs": ((), "float32")}, capacity=400, next_keys=())
+    spec, state, g = mb.samplers.Slices(2), mb.samplers.SamplerState(), torch.Generator().manual_seed(0)
+
+    def counted_right() -> bool:
+        spec.indices(buf.view(), 8, g, state)
+        closed, _ = slice_counts(state, 2, True, "windows").totals(buf.view())
+        _, lengths = buf.episodes()
+        return int(closed.sum()) == int(np.maximum(lengths.numpy() - 1, 0).sum())
+
+    buf.extend({"obs": np.zeros(5, np.float32), "truncated": np.arange(5) == 4})
+    assert counted_right()
+    for more, lengths in ((0, [8]), (2, [11, 4, 4])):
+        assert reopen_last_episode(buf.store, 0)  # the newest end undone: the episode goes on
+        buf.extend({"obs": np.zeros(3, np.float32), "truncated": np.arange(3) == 2})
+        for _ in range(more):
+            buf.extend({"obs": np.zeros(4, np.float32), "terminated": np.arange(4) == 3})
+        assert buf.episodes()[1].tolist() == lengths
+        assert counted_right()
+    buf.close()
+
+
+@pytest.mark.parametrize("strict, per_episode", [(True, False), (False, False), (True, True), (False, True)])
+def test_open_episode_weight_is_the_weight_of_its_visible_rows(strict, per_episode):
+    from mmbuffer._ledger.snapshot import LaneView
+    from mmbuffer.samplers import _draw as sampling
+
+    counts = sampling.SliceCounts(3, strict, per_episode)
+    for n in range(8):
+        lv = LaneView(first_start=100, ep_head=0, ep_tail=0, open_start=100, visible_end=100 + n)
+        assert counts.open_weight(lv) == int(counts.weight(np.array([n]))[0])
+
 # -- samplers as objects ----------------------------------------------------------------
 def _episodes_store(tmp_path, priorities=False):
     buf = mb.create(tmp_path / "s", {"x": ((), "int64")}, capacity=200, num_streams=2, next_keys=(),
