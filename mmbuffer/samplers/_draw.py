@@ -168,8 +168,11 @@ class SliceCounts:
             lc = self.lanes[lane] = _LaneCounts(base=lv.ep_head)
         newest = lc.upto - 1  # the newest episode counted: a writer may have undone its end and
         # set it again later (_ledger/appending.py): then it is counted anew
-        if lv.ep_head <= newest:  # its end now: the view's open episode starts there when it is the newest
-            end = lv.open_start if newest == lv.ep_tail - 1 else int(index.ends_at(view.ends, lane, view.lane_size, newest))
+        if lv.ep_head <= newest:  # its end now: where the view's open episode starts, if still the newest
+            if newest == lv.ep_tail - 1:
+                end = lv.open_start
+            else:
+                end = int(index.ends_at(view.ends, lane, view.lane_size, np.array(newest)))
             if end != lc.last_end:
                 lc.size -= 1
         if lv.ep_tail > lc.upto:
