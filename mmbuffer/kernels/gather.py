@@ -243,7 +243,7 @@ def next_runs(
 
 
 _carray: Any = numba.carray  # type: ignore[attr-defined]  # numba's stubs do not export it
-_SMALL_AHEAD = 8  # rows prefetched ahead
+_SMALL_AHEAD = 8  # runs prefetched ahead (rows, in a uniform draw)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -291,15 +291,25 @@ def _gather_small(
     terminated = _carray(_pointer(addresses[2 * passes]), sizes[2 * passes])
     truncated = _carray(_pointer(addresses[2 * passes + 1]), sizes[2 * passes + 1])
     index = _carray(_pointer64(addresses[2 * passes + 2]), sizes[2 * passes + 2] // 8)
-    for i in range(-_SMALL_AHEAD, n):
-        k = i + _SMALL_AHEAD
-        if k < n:  # the lines of row ``rows[k]`` (and of its next row) in every source
-            r = rows[k]
+    # runs of consecutive rows (a window's): each pass copies a run's own values at once
+    # (row by row, a gather of 256 slices of 4 rows at 1e9 rows was 20-40% slower and one
+    # of 64 x 64 rows twice as slow: benchmarks/HISTORY.md)
+    starts = np.empty(n + 1, np.int64)
+    count = 0
+    for i in range(n):
+        if i == 0 or rows[i] != rows[i - 1] + 1:
+            starts[count] = i
+            count += 1
+    starts[count] = n
+    for k in range(-_SMALL_AHEAD, count):
+        a = k + _SMALL_AHEAD
+        if a < count:  # the first lines of run ``a`` (a row and its next row at least) in every source
+            r, length = rows[starts[a]], starts[a + 1] - starts[a]
             for p in range(passes):
-                rb = row_bytes[p]
+                rb, nx = row_bytes[p], 1 if next_at[p] != -1 else 0
                 src = _carray(_pointer(addresses[2 * p]), sizes[2 * p])
-                end = (r + (2 if next_at[p] != -1 else 1)) * rb - 1
                 x = r * rb
+                end = min((r + length + nx) * rb, x + max(_MAX_RUN_LINES * _LINE, (1 + nx) * rb)) - 1
                 while x <= end:
                     _prefetch(src, x)
                     x += _LINE
@@ -307,25 +317,30 @@ def _gather_small(
             if flags:
                 _prefetch(terminated, r)
                 _prefetch(truncated, r)
-        if i < 0:
+                if length > 1:
+                    _prefetch(terminated, r + length - 1)
+                    _prefetch(truncated, r + length - 1)
+        if k < 0:
             continue
-        r = rows[i]
-        last = flags and (terminated[r] != 0 or truncated[r] != 0)
-        slot = _final_slot(r, lane_size, index, cursors, by_episode) if last else -1
-        following = r + 1 if (r + 1) % lane_size != 0 else r + 1 - lane_size
-        for p in range(passes):
-            rb = row_bytes[p]
-            src = _carray(_pointer(addresses[2 * p]), sizes[2 * p])
-            if own_at[p] != -1:
-                _memcpy(out, own_at[p] + i * rb, src, r * rb, rb)
-            if next_at[p] != -1:
-                if slot >= 0:
-                    final = _carray(_pointer(addresses[2 * p + 1]), sizes[2 * p + 1])
-                    _memcpy(out, next_at[p] + i * rb, final, slot * rb, rb)
-                elif last:  # no episode ends there in these cursors (a row the caller re-checks)
-                    _zero(out, next_at[p] + i * rb, rb)
-                else:
-                    _memcpy(out, next_at[p] + i * rb, src, following * rb, rb)
+        i0, i1 = starts[k], starts[k + 1]
+        for i in range(i0, i1 if flags else i0 + 1):  # with next values, row by row
+            r = rows[i]
+            last = flags and (terminated[r] != 0 or truncated[r] != 0)
+            slot = _final_slot(r, lane_size, index, cursors, by_episode) if last else -1
+            following = r + 1 if (r + 1) % lane_size != 0 else r + 1 - lane_size
+            for p in range(passes):
+                rb = row_bytes[p]
+                src = _carray(_pointer(addresses[2 * p]), sizes[2 * p])
+                if own_at[p] != -1 and i == i0:  # the run's own values at once
+                    _memcpy(out, own_at[p] + i0 * rb, src, r * rb, (i1 - i0) * rb)
+                if next_at[p] != -1:
+                    if slot >= 0:
+                        final = _carray(_pointer(addresses[2 * p + 1]), sizes[2 * p + 1])
+                        _memcpy(out, next_at[p] + i * rb, final, slot * rb, rb)
+                    elif last:  # no episode ends there in these cursors (a row the caller re-checks)
+                        _zero(out, next_at[p] + i * rb, rb)
+                    else:
+                        _memcpy(out, next_at[p] + i * rb, src, following * rb, rb)
     return -1
 
 
@@ -348,8 +363,8 @@ def gather_small(
     Where ``copy_rows`` pays a call per key and a ``runs`` split, this pays one call
     (arrays by address: numba types a read-only array, a reader's map, ~15x slower
     than a writable one at each call): a small batch's cost is mostly fixed
-    (``benchmarks/bench_small_batch.py``). Each row is copied alone, so it is meant
-    for small batches; runs of long slices are ``copy_rows``'s.
+    (``benchmarks/bench_small_batch.py``). A run of consecutive rows (a window) is
+    copied at once for each key, its next values row by row.
     """
     return int(_gather_small(addresses, sizes, row_bytes, own_at, next_at, lane_size, rows, nrows, out, cursors, by_episode))
 

@@ -244,9 +244,10 @@ OUT = 8  # where ``small_args`` puts the out block
 
 
 def test_the_small_batch_kernel_matches_the_naive_copy(rng):
-    """Every key of a small batch in one call, row by row: rows, next rows (the lane's
-    following row, or the final row at an episode's end), rows that repeat, cross
-    lanes or wrap; every pass alone or with its next rows."""
+    """Every key of a small batch in one call: rows, next rows (the lane's following row,
+    or the final row at an episode's end), rows that repeat, cross lanes or wrap, runs of
+    consecutive rows as windows draw them (copied a run at once), one crossing into the
+    next lane; every pass alone or with its next rows."""
     lane, lanes = 13, 3
     n = lane * lanes
     term, trunc = rng.random(n) < 0.2, rng.random(n) < 0.1
@@ -254,9 +255,14 @@ def test_the_small_batch_kernel_matches_the_naive_copy(rng):
     cols = [rng.integers(0, 100, (n, *shape)).astype(dtype) for shape, dtype in
             [((), "bool"), ((3,), "float16"), ((7,), "uint8"), ((2, 3), "float64")]]
     finals = [rng.integers(100, 200, c.shape).astype(c.dtype) for c in cols]
-    for size in (1, 6, 60):
+    for size, windows in ((1, False), (6, False), (60, False), (60, True), (200, True)):
         rows = rng.integers(0, n, size)
         rows[: min(size, 3)] = [lane - 1, lane, n - 1][: min(size, 3)]
+        if windows:  # runs of 1-5 rows, the first crossing from lane 0 into lane 1
+            starts = np.concatenate([[lane - 2], rng.integers(0, n, size)])
+            rows = np.concatenate([np.arange(a, min(a + k, n)) for a, k in zip(starts, [4, *rng.integers(1, 6, size)])])
+            rows = rows[:size]
+            assert (np.diff(rows) == 1).sum() > size // 3 and rows[:4].tolist() == [lane - 2, lane - 1, lane, lane + 1]
         passes = [(c, f, bool(rng.random() < 0.7), True, flags) for c, f in zip(cols, finals)]
         passes.append((cols[2], None, True, False, flags))  # a pass without next rows
         args = small_args(passes, lane, n, rows)[:-1]
