@@ -283,24 +283,18 @@ def _gather_small(
     cursors: Any, by_episode: bool,
 ) -> int:
     n = rows.shape[0]
-    for i in range(n):
-        if rows[i] < 0 or rows[i] >= nrows:
-            return i
+    # runs of consecutive rows (a window's): each pass copies a run's own values at once
+    # (row by row, a gather of 256 slices of 4 rows at 1e9 rows was 20-40% slower and one
+    # of 64 x 64 rows twice as slow: benchmarks/HISTORY.md)
+    starts, bad = _runs(rows, nrows)
+    if bad >= 0:
+        return bad
+    count = starts.shape[0] - 1
     flags = check_passes(addresses, sizes, row_bytes, own_at, next_at, lane_size, n, nrows, out, cursors, by_episode)
     passes = row_bytes.shape[0]
     terminated = _carray(_pointer(addresses[2 * passes]), sizes[2 * passes])
     truncated = _carray(_pointer(addresses[2 * passes + 1]), sizes[2 * passes + 1])
     index = _carray(_pointer64(addresses[2 * passes + 2]), sizes[2 * passes + 2] // 8)
-    # runs of consecutive rows (a window's): each pass copies a run's own values at once
-    # (row by row, a gather of 256 slices of 4 rows at 1e9 rows was 20-40% slower and one
-    # of 64 x 64 rows twice as slow: benchmarks/HISTORY.md)
-    starts = np.empty(n + 1, np.int64)
-    count = 0
-    for i in range(n):
-        if i == 0 or rows[i] != rows[i - 1] + 1:
-            starts[count] = i
-            count += 1
-    starts[count] = n
     for k in range(-_SMALL_AHEAD, count):
         a = k + _SMALL_AHEAD
         if a < count:  # the first lines of run ``a`` (a row and its next row at least) in every source
