@@ -238,7 +238,6 @@ def test_cached_counts_survive_growth_and_trimming(tmp_path, rng):
     assert isinstance(counts, sampling.SliceCounts)
 
 
-
 def test_slice_counts_follow_an_end_undone_and_set_again(tmp_path):
     """``SliceCounts.sync`` counts the newest episode anew when the writer undid its end and
     ended it at another row: whether the next draw comes right after (its end is then
@@ -276,6 +275,7 @@ def test_open_episode_weight_is_the_weight_of_its_visible_rows(strict, per_episo
     for n in range(8):
         lv = LaneView(first_start=100, ep_head=0, ep_tail=0, open_start=100, visible_end=100 + n)
         assert counts.open_weight(lv) == int(counts.weight(np.array([n]))[0])
+
 
 # -- samplers as objects ----------------------------------------------------------------
 def _episodes_store(tmp_path, priorities=False):
