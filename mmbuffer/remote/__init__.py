@@ -219,9 +219,10 @@ class RemoteSource:
         return self.repo.fetch_many(snap)
 
     def _column(self, snap: str, table: Table, name: str, expect: Any, base: Any, fetch: Callable[[str], bytes],
-                alive: Callable[[], None] | None) -> RemoteArray:
+                alive: Callable[[], None] | None) -> tuple[RemoteArray, ChunkRows | None]:
         """A data column of a snapshot, every object (its ``zarr.json`` too) read through
-        the verified, cached store over ``base`` (the engine's own store)."""
+        the verified, cached store over ``base`` (the engine's own store), and its exact
+        reader (None if its chunks do not hold whole rows)."""
         import zarr
 
         store = VerifiedStore(base, prefix=name + "/", table=table, cache=self.files, fetch=fetch, alive=alive,
@@ -243,9 +244,11 @@ class RemoteSource:
             raise errors.CorruptStoreError(f"{where}: zarr cannot open the array ({type(exc).__name__}: {exc})") from None
         # an Icechunk commit's missing object is refused by the table's check (alive() then), never read as zeros
         arr = RemoteArray(array, where, cache_bytes=64 << 20, alive=alive if self.repo is None else None)
-        if ChunkRows.fits(array):  # exact reads: a batch's chunks fetched together (a pool, if any, replaces it)
-            arr.attach(ChunkRows(array, store, where, cache_bytes=64 << 20))
-        return arr
+        if not ChunkRows.fits(array):
+            return arr, None
+        rows = ChunkRows(array, store, where, cache_bytes=64 << 20)
+        arr.attach(rows)  # exact reads: a batch's chunks fetched together (a pool, if any, replaces it)
+        return arr, rows
 
     def _prepare(self, pointer: Mapping[str, Any], mirrored: tuple[Path, Table, int] | None = None, *,
                  fill: bool = False) -> Opened:
@@ -255,6 +258,7 @@ class RemoteSource:
         local, table, pin = mirrored if mirrored is not None else self._mirror(pointer)
         snap_url = f"{self.url}/{_snapshot.SNAPSHOTS}/{snap}"
         opened: dict[str, RemoteArray] = {}
+        readers: dict[str, ChunkRows] = {}  # their exact readers: the pool fetches blocks through them
         fs = self.fs
 
         def alive() -> None:  # StoreNotFoundError if a newer publish removed the snapshot
@@ -279,15 +283,17 @@ class RemoteSource:
                                     lane_size=manifest.lane_size, written=[st.written for st in manifest.lanes],
                                     shards=mapped_objects(table, self.files, get, alive))
             if self.repo is not None:
-                arr = self._column(snap, table, name, expect, repo.session(snap).store, get, alive)
+                arr, rows = self._column(snap, table, name, expect, repo.session(snap).store, get, alive)
             else:
                 from zarr.storage import FsspecStore
 
                 col_url = f"{snap_url}/{name}"  # never read: every get goes through the table
                 base = FsspecStore.from_url(col_url, storage_options=options_for(col_url, self.storage_options),
                                             read_only=True)
-                arr = self._column(snap, table, name, expect, base, fetch, alive)
+                arr, rows = self._column(snap, table, name, expect, base, fetch, alive)
             opened[name.split("/", 1)[1]] = arr
+            if rows is not None:
+                readers[name.split("/", 1)[1]] = rows
             return arr
 
         store: Store | None = None
@@ -301,7 +307,7 @@ class RemoteSource:
                 # the view without the facade's lock (``view`` is ``@locked``): nobody else sees this store
                 # yet, and a thread holding the lock may be waiting for this prepare (refresh, close)
                 view = Store.view.__wrapped__(store)  # type: ignore[attr-defined]
-                pool = ChunkPool(opened, view, store.capacity, self.pool_config, self.cache, self.files)
+                pool = ChunkPool(opened, view, store.capacity, self.pool_config, self.cache, self.files, readers)
                 pool.set_shard(*shard, epoch=epoch)
             if pool is not None:  # else each column keeps its exact reader (ChunkRows)
                 for arr in opened.values():

@@ -9,7 +9,7 @@ every ``count``-th block from position ``index``: shards read disjoint blocks, a
 together they visit every live block once per epoch (a store of fewer live blocks
 than shards cannot be split: shard ``index`` then reads block ``index mod n``). A shard holds ``blocks`` of its
 blocks (decoded, in a file under the cache directory, read like a memory map) and
-fetches the next ``prefetch`` in a background thread. Every ``rotate_every`` draws
+fetches the next ``prefetch`` in background threads (two blocks at a time). Every ``rotate_every`` draws
 the oldest block leaves and the next one in the order enters; the draw waits for it
 if it is not fetched yet, so what a shard holds at its ``k``-th draw depends only on
 ``(seed, epoch, index, count, k)``, never on timing.
@@ -34,6 +34,7 @@ import shutil
 import tempfile
 import threading
 from collections import deque
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +47,7 @@ from .._disk.columns.remote import RemoteArray
 from .._ledger.snapshot import Draw, ReadableStore, View
 from ..samplers import Sampler, SamplerState
 from ._cache import Cache, disk_errors, reserved_file
+from ._verified import ChunkRows
 
 __all__ = ["ChunkPool", "PoolConfig", "PooledSampler"]
 
@@ -82,9 +84,10 @@ class ChunkPool:
     """The blocks one shard holds; serves rows to :class:`RemoteArray` (``RowSource``)."""
 
     def __init__(self, columns: dict[str, RemoteArray], snapshot: View, capacity: int, config: PoolConfig,
-                 directory: Path, cache: Cache) -> None:
+                 directory: Path, cache: Cache, readers: Mapping[str, ChunkRows] | None = None) -> None:
         self.config = config
         self.columns = columns
+        self._readers = dict(readers or {})  # columns whose blocks are fetched as one batch and decoded in place
         self.capacity = capacity
         unit = max(c.chunk_rows for c in columns.values())
         row_bytes = sum(max(1, int(np.prod(c.row_shape, dtype=np.int64))) * c.dtype.itemsize for c in columns.values())
@@ -105,7 +108,8 @@ class ChunkPool:
         self._pin = cache.pin(self._dir / ".pin", exclusive=True)  # eviction leaves a live pool alone
         self._slot_of = np.full(self.num_blocks, -1, dtype=np.int64)
         self._maps: dict[str, np.ndarray] = {}
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmbuffer-pool")
+        # two blocks fetched at once: one's requests are in flight while the other decodes
+        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="mmbuffer-pool")
         self._lock = threading.Lock()
         self._started = False
 
@@ -193,11 +197,17 @@ class ChunkPool:
         start = block * self.block_rows
         stop = min(start + self.block_rows, self.capacity)
         at = slot * self.block_rows
+        rows = np.arange(start, stop, dtype=np.int64)
+        for reader in self._readers.values():  # every column's requests in flight before the first decodes
+            reader.ahead(rows)
         for name, col in self.columns.items():
-            values = col.read_block(start, stop)
-            self._maps[name][at : at + stop - start] = values
+            into = self._maps[name][at : at + stop - start]
+            if name in self._readers:
+                self._readers[name].read_into(start, stop, into)
+            else:
+                into[...] = col.read_block(start, stop)
             with self._lock:
-                self.fetched_bytes += values.nbytes
+                self.fetched_bytes += into.nbytes
 
     def advance(self) -> None:
         """One draw: start the pool, or every ``rotate_every`` draws rotate one block."""

@@ -11,7 +11,10 @@ when a newer publish removed the snapshot).
 Exact reads (``pool=None``) go through :class:`ChunkRows`: the chunks a read needs that
 the host cache lacks are fetched together (:meth:`VerifiedStore.prefetch`: one batch of
 concurrent ranged GETs with the snapshot's existence check in it), verified, kept, and
-handed to zarr's decode without being read back from disk. ``gather`` first tells every
+decoded without being read back from disk: a chunk in the codecs a publish writes (its
+rows' bytes, zstd) with one ``zstd.decompress`` into where its rows go, any other through
+zarr's codec pipeline. The chunk pool fetches its blocks through the same readers
+(:meth:`ChunkRows.read_into`). ``gather`` first tells every
 column of a batch which rows it will read (:meth:`ChunkRows.ahead`), so all of the
 batch's columns are being fetched while the first one decodes.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -105,9 +109,19 @@ class VerifiedStore(WrapperStore[Any]):
         self._ready.update(fetched)
         return len(fetched)
 
-    def forget(self) -> None:
-        """Drop what :meth:`prefetch` held and no read took."""
-        self._ready.clear()
+    def chunk(self, key: str) -> bytes | None:
+        """The verified object of the column's ``key`` (``c/0/0``), as zarr would get it."""
+        return self.read_object(self._prefix + key)
+
+    def forget(self, keys: Iterable[str] | None = None) -> None:
+        """Drop what :meth:`prefetch` held for the column's ``keys`` (default: all) and no read took."""
+        if keys is None:
+            self._ready.clear()
+            return
+        assert self._table is not None
+        for key in keys:
+            if (entry := self._table.get(self._prefix + key)) is not None:
+                self._ready.pop(entry[1], None)
 
     def read_object(self, rel: str) -> bytes | None:
         """The verified object ``rel`` (relative to the snapshot), or None if the table
@@ -144,6 +158,31 @@ class VerifiedStore(WrapperStore[Any]):
         return self._table.get(self._prefix + key) is not None
 
 
+def _plain_zstd(array: Any) -> bool:
+    """Whether ``array``'s chunks are its rows' bytes in this machine's order, zstd-compressed
+    (what a publish writes): then a chunk decodes into place with one ``zstd.decompress``."""
+    from zarr.codecs import BytesCodec, Endian, ZstdCodec
+
+    codecs = tuple(array.metadata.codecs)
+    return (sys.byteorder == "little" and len(codecs) == 2 and isinstance(codecs[0], BytesCodec)
+            and codecs[0].endian in (None, Endian.little) and isinstance(codecs[1], ZstdCodec)
+            and np.dtype(array.dtype).byteorder in ("=", "|", "<"))
+
+
+def zstd_content_size(blob: bytes) -> int:
+    """The content size a zstd frame's header declares (RFC 8878, section 3.1.1.1), or -1."""
+    if len(blob) < 6 or blob[:4] != b"\x28\xb5\x2f\xfd":
+        return -1
+    descriptor = blob[4]
+    single = descriptor >> 5 & 1
+    at = 5 + (1 - single) + (0, 1, 2, 4)[descriptor & 3]  # past the window descriptor and the dictionary id
+    width = (single, 2, 4, 8)[descriptor >> 6]
+    if width == 0 or len(blob) < at + width:
+        return -1
+    size = int.from_bytes(blob[at:at + width], "little")
+    return size + 256 if width == 2 else size
+
+
 def mapped_objects(table: Table, cache: Cache, fetch: Callable[[str], bytes],
                    alive: Callable[[], None] | None) -> Callable[[str], np.ndarray | None]:
     """``rel -> `` the verified object ``rel`` mapped read-only from the host's cache (a
@@ -176,8 +215,8 @@ class ChunkRows:
 
     A read takes the chunks its rows lie in; those not held are fetched together
     (:meth:`VerifiedStore.prefetch`: one batch of concurrent requests, every object
-    verified and kept in the host cache), decoded by zarr run by run, and kept in a slab
-    of about ``cache_bytes`` (least recently used chunks leave first; a read needing more
+    verified and kept in the host cache) and decoded (in place, or by zarr run by run) into a
+    slab of about ``cache_bytes`` (least recently used chunks leave first; a read needing more
     chunks than that grows it); the rows are then gathered from the slab in one indexing.
     A ``RowSource`` of :class:`~mmbuffer._disk.columns.remote.RemoteArray`: rows outside
     the array are left to it (it raises ``IndexError``).
@@ -211,6 +250,7 @@ class ChunkRows:
         self._clock = 0
         self._lock = threading.Lock()
         self._coming: dict[int, Future[None]] = {}  # chunk -> the fetch started for it by ``ahead``
+        self._direct = _plain_zstd(array)  # its chunks decoded straight into the slab, without zarr's pipeline
 
     @staticmethod
     def fits(array: Any) -> bool:
@@ -251,11 +291,41 @@ class ChunkRows:
                 future = _ahead().submit(self._fetch, want[piece].tolist(), i == 0)
                 self._coming.update(dict.fromkeys(want[piece].tolist(), future))
 
+    def read_into(self, start: int, stop: int, out: np.ndarray) -> None:
+        """Rows ``[start, stop)`` (``start`` a chunk's first row) decoded into ``out`` (the chunk
+        pool's block): their chunks fetched as one batch (or taken from :meth:`ahead`'s fetches)
+        and decoded in place, not through the slab."""
+        chunks = list(range(start // self._cr, -(-stop // self._cr)))
+        with self._lock:
+            coming = list({id(f): f for c in chunks if (f := self._coming.pop(c, None)) is not None}.values())
+        try:
+            for future in coming:
+                future.result()
+            self._fetch(chunks, True)  # what ``ahead`` did not fetch (held ones are not asked again)
+            if not self._direct:
+                out[...] = self._read(start, stop)
+                return
+            part = np.empty((self._cr, *self._row_shape), dtype=self._dtype)
+            for chunk in chunks:
+                lo = chunk * self._cr - start
+                whole = lo + self._cr <= stop - start
+                self._decode(chunk, out[lo:lo + self._cr] if whole else part)
+                if not whole:  # the block's (the array's) last, partial chunk
+                    out[lo:] = part[: stop - start - lo]
+        finally:  # what this read's fetches held and it did not take (another block's are left alone)
+            for future in coming:
+                with contextlib.suppress(BaseException):
+                    future.result()
+            self._store.forget(self._key(c) for c in chunks)
+
     def _fetch(self, chunks: list[int], probe: bool) -> None:
         """Fetch ``chunks`` (those the host cache lacks) as one batch of requests, held
         for the read that decodes them (``VerifiedStore.prefetch``)."""
-        tail = (0,) * len(self._row_shape)
-        self._store.prefetch([self._array.metadata.encode_chunk_key((c, *tail)) for c in chunks], probe=probe)
+        self._store.prefetch([self._key(c) for c in chunks], probe=probe)
+
+    def _key(self, chunk: int) -> str:
+        """The column's key of ``chunk`` (``c/7/0``)."""
+        return str(self._array.metadata.encode_chunk_key((chunk, *(0,) * len(self._row_shape))))
 
     def release(self) -> None:
         """Drop the decoded chunks (the next read takes them from the host cache)."""
@@ -299,13 +369,11 @@ class ChunkRows:
                 ahead[i].result()
                 if i + _DEPTH < len(pieces):
                     ahead.append(_ahead().submit(prefetch, pieces[i + _DEPTH], False))
-                first, count = int(missing[piece[0]]), len(piece)
-                values = self._read(first * self._cr, min((first + count) * self._cr, self._rows))
-                whole = len(values) // self._cr
-                if whole:
-                    self._slab[slots[piece[:whole]]] = values[: whole * self._cr].reshape(whole, self._cr, *self._row_shape)
-                if whole < count:  # the array's last, partial chunk
-                    self._slab[slots[piece[-1]], : len(values) - whole * self._cr] = values[whole * self._cr:]
+                if self._direct:
+                    for chunk, slot in zip(missing[piece].tolist(), slots[piece].tolist(), strict=True):
+                        self._decode(chunk, self._slab[slot])
+                else:
+                    self._place(int(missing[piece[0]]), slots[piece])
                 self._slot_of[missing[piece]] = slots[piece]
                 self._chunk_in[slots[piece]] = missing[piece]
         finally:
@@ -314,6 +382,34 @@ class ChunkRows:
                 with contextlib.suppress(BaseException):
                     future.result()
             self._store.forget()
+
+    def _place(self, first: int, slots: np.ndarray) -> None:
+        """Decode chunks ``first, first + 1, ...`` with zarr into ``slots`` of the slab."""
+        count = len(slots)
+        values = self._read(first * self._cr, min((first + count) * self._cr, self._rows))
+        whole = len(values) // self._cr
+        if whole:
+            self._slab[slots[:whole]] = values[: whole * self._cr].reshape(whole, self._cr, *self._row_shape)
+        if whole < count:  # the array's last, partial chunk
+            self._slab[slots[-1], : len(values) - whole * self._cr] = values[whole * self._cr:]
+
+    def _decode(self, chunk: int, out: np.ndarray) -> None:
+        """Decode ``chunk`` (verified zstd bytes; the fill value if the snapshot has none) into ``out``."""
+        from numcodecs import zstd  # type: ignore[import-untyped]
+
+        blob = self._store.chunk(self._key(chunk))
+        if blob is None:  # a chunk never written: what zarr reads there
+            out[...] = self._array.fill_value
+            return
+        flat = out.reshape(-1).view(np.uint8)
+        size = zstd_content_size(blob)
+        if size != flat.nbytes:
+            raise errors.CorruptStoreError(f"{self._where}: chunk {chunk}: expected one zstd frame of {flat.nbytes} "
+                                           f"bytes, got {'no frame size' if size < 0 else f'{size} bytes'}")
+        try:
+            zstd.decompress(blob, flat)
+        except (ValueError, RuntimeError) as exc:
+            raise errors.CorruptStoreError(f"{self._where}: chunk {chunk} cannot be decoded ({exc})") from None
 
     def _pieces(self, missing: np.ndarray) -> list[np.ndarray]:
         """Positions in ``missing`` grouped into runs of consecutive chunks of at most

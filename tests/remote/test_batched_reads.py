@@ -124,18 +124,18 @@ def test_a_batch_asks_for_every_columns_chunks_before_it_decodes_one(tmp_path, s
     ro = mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=None)
     calls = batches_sent(ro, monkeypatch)
     events: list[tuple[str, str]] = []
-    ahead, read = _verified.ChunkRows.ahead, _verified.ChunkRows._read
+    ahead, decode = _verified.ChunkRows.ahead, _verified.ChunkRows._decode
 
     def ahead_seen(self, rows):
         events.append(("ahead", self._where))
         return ahead(self, rows)
 
-    def read_seen(self, start, stop):
+    def decode_seen(self, chunk, out):
         events.append(("decode", self._where))
-        return read(self, start, stop)
+        return decode(self, chunk, out)
 
     monkeypatch.setattr(_verified.ChunkRows, "ahead", ahead_seen)
-    monkeypatch.setattr(_verified.ChunkRows, "_read", read_seen)
+    monkeypatch.setattr(_verified.ChunkRows, "_decode", decode_seen)
     counter.reset()
     before = ro.remote.files.downloads
     assert_rows(ro, local, np.arange(len(ro)))

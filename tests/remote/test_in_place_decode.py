@@ -1,0 +1,127 @@
+"""Published chunks decoded in place: exact reads into their slab, the pool into its blocks.
+
+A publish writes every dense column as its rows' bytes, zstd-compressed; a remote reader
+decodes such a chunk with one ``zstd.decompress`` into where its rows go, not through
+zarr's codec pipeline (``ChunkRows._decode``). These tests read a real published store
+(moto on loopback) both ways and compare every row with the local store, through the
+chunks a store leaves unwritten and the array's last, partial chunk; a frame whose
+declared size is not the chunk's is a typed error, never rows.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from s3server import moto_s3, new_bucket, small_chunks  # noqa: F401 - fixture
+
+import mmbuffer as mb
+from mmbuffer import errors
+
+pytest.importorskip("s3fs")
+numcodecs_zstd = pytest.importorskip("numcodecs.zstd")
+from mmbuffer.remote import PoolConfig, _verified
+
+KEYS = ("obs", "flag", "x")
+CAPACITY = 1000  # not a whole number of any column's 1 KiB chunks: each array's last chunk is partial
+
+
+@pytest.fixture(scope="module")
+def s3():
+    with moto_s3() as endpoint:
+        yield endpoint
+
+
+def publish(tmp_path: Path, endpoint: str, rows: int) -> tuple[Path, str]:
+    """``rows`` rows of a store of CAPACITY: the chunks past them are never written."""
+    local = tmp_path / "local"
+    rng = np.random.default_rng(0)
+    with mb.create(local, {"obs": ((3,), "float32"), "flag": ((), "bool"), "x": ((), "int64")},
+                   capacity=CAPACITY, next_keys=()) as buf:
+        t = np.arange(rows)
+        buf.extend({"obs": rng.standard_normal((rows, 3)), "flag": rng.random(rows) < 0.5, "x": t * 7 - 3,
+                    "terminated": t % 50 == 49})
+    url = f"s3://{new_bucket(endpoint)}/store"
+    mb.convert.copy(local, url, progress=False)
+    return local, url
+
+
+def read_all(ro: mb.Buffer) -> dict[str, torch.Tensor]:
+    return ro.get(np.arange(len(ro)), keys=list(KEYS))
+
+
+def counted(monkeypatch) -> dict[str, int]:
+    """Calls of the in-place decode and of zarr's decode, from now on."""
+    calls = {"in place": 0, "zarr": 0}
+    decode, read = _verified.ChunkRows._decode, _verified.ChunkRows._read
+
+    def decode_counted(self, chunk, out):
+        calls["in place"] += 1
+        return decode(self, chunk, out)
+
+    def read_counted(self, start, stop):
+        calls["zarr"] += 1
+        return read(self, start, stop)
+
+    monkeypatch.setattr(_verified.ChunkRows, "_decode", decode_counted)
+    monkeypatch.setattr(_verified.ChunkRows, "_read", read_counted)
+    return calls
+
+
+@pytest.mark.parametrize("rows", [CAPACITY, 130], ids=["full", "most chunks unwritten"])
+@pytest.mark.parametrize("pool", [None, "default", PoolConfig(blocks=2, block_bytes=4096, rotate_every=1)],
+                         ids=["exact", "default pool", "small blocks"])
+def test_chunks_decoded_in_place_are_the_rows_zarr_reads(tmp_path, s3, monkeypatch, rows, pool):
+    local, url = publish(tmp_path, s3, rows)
+    with mb.open(local, mode="r") as lo:
+        want = read_all(lo)
+    calls = counted(monkeypatch)
+    with mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=pool) as ro:
+        if pool is None:
+            got = read_all(ro)
+        else:  # rows the pool holds after a few rotations of its blocks, served from them
+            g = torch.Generator().manual_seed(0)
+            for _ in range(40):
+                ro.sample(16, g)
+            idx = np.flatnonzero(ro.remote.pool.holds(np.arange(rows)))
+            assert idx.size > 0
+            got, want = ro.get(idx, keys=list(KEYS)), {k: v[idx] for k, v in want.items()}
+    assert calls["in place"] > 0 and calls["zarr"] == 0  # the published codecs: decoded in place only
+    for k in KEYS:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
+    monkeypatch.setattr(_verified, "_plain_zstd", lambda array: False)  # the same snapshot through zarr's pipeline
+    with mb.open(url, mode="r", cache_dir=tmp_path / "c2", pool=None) as ro:
+        through_zarr = ro.get(np.arange(len(ro)), keys=list(KEYS))
+    assert calls["zarr"] > 0
+    with mb.open(local, mode="r") as lo:
+        for k in KEYS:
+            torch.testing.assert_close(through_zarr[k], read_all(lo)[k], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("pool", [None, "default"], ids=["exact", "pool"])
+def test_a_frame_of_another_size_than_its_chunk_is_a_typed_error_never_rows(tmp_path, s3, monkeypatch, pool):
+    """A chunk whose bytes pass the table's check (the publisher's own) but whose frame holds
+    fewer bytes than the chunk: refused by name, where a decode into place would leave the
+    slot's earlier rows under the new ones."""
+    _, url = publish(tmp_path, s3, CAPACITY)
+    chunk = _verified.VerifiedStore.chunk
+
+    def short(self, key):
+        data = chunk(self, key)
+        return None if data is None else numcodecs_zstd.compress(b"\0" * 24, 3)
+
+    monkeypatch.setattr(_verified.VerifiedStore, "chunk", short)
+    with mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=pool) as ro, \
+            pytest.raises(errors.CorruptStoreError, match=r"expected one zstd frame of \d+ bytes, got 24 bytes"):
+        ro.sample(8, torch.Generator().manual_seed(0)) if pool else ro.get(np.arange(10), keys=["x"])
+
+
+@pytest.mark.parametrize("size", [1, 255, 256, 300, 65_791, 65_792, 70_000, 3_000_000])
+@pytest.mark.parametrize("level", [1, 3, 19])
+def test_a_zstd_frames_declared_size_is_read_from_its_header(size, level):
+    frame = numcodecs_zstd.compress(np.full(size, 7, np.uint8).tobytes(), level)
+    assert _verified.zstd_content_size(frame) == size
+    assert _verified.zstd_content_size(frame[:5]) == -1  # cut before its size
+    assert _verified.zstd_content_size(b"\0" + frame[1:]) == -1  # not a zstd frame
