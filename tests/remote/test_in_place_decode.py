@@ -34,12 +34,12 @@ def s3():
         yield endpoint
 
 
-def publish(tmp_path: Path, endpoint: str, rows: int) -> tuple[Path, str]:
-    """``rows`` rows of a store of CAPACITY: the chunks past them are never written."""
+def publish(tmp_path: Path, endpoint: str, rows: int, capacity: int = CAPACITY) -> tuple[Path, str]:
+    """``rows`` rows of a store of ``capacity``: the chunks past them are never written."""
     local = tmp_path / "local"
     rng = np.random.default_rng(0)
     with mb.create(local, {"obs": ((3,), "float32"), "flag": ((), "bool"), "x": ((), "int64")},
-                   capacity=CAPACITY, next_keys=()) as buf:
+                   capacity=capacity, next_keys=()) as buf:
         t = np.arange(rows)
         buf.extend({"obs": rng.standard_normal((rows, 3)), "flag": rng.random(rows) < 0.5, "x": t * 7 - 3,
                     "terminated": t % 50 == 49})
@@ -125,3 +125,38 @@ def test_a_zstd_frames_declared_size_is_read_from_its_header(size, level):
     assert _verified.zstd_content_size(frame) == size
     assert _verified.zstd_content_size(frame[:5]) == -1  # cut before its size
     assert _verified.zstd_content_size(b"\0" + frame[1:]) == -1  # not a zstd frame
+
+
+def test_the_pool_fetches_two_blocks_at_once_each_with_all_its_columns_requests_first(tmp_path, s3, monkeypatch):
+    """docs/design.md: two blocks under way at a time, each asking for every column's chunks
+    before it decodes one. Two block reads meet at a barrier (one thread alone would wait
+    for ever: a ``BrokenBarrierError`` after its timeout), and each block's ``ahead`` calls
+    cover every column before its first ``read_into``."""
+    import threading
+
+    _, url = publish(tmp_path, s3, 8 * 1024, capacity=8 * 1024)  # 8 blocks of the flags' 1,024-row chunks
+    meet = threading.Barrier(2, timeout=30)
+    events: list[tuple[int, str, str]] = []
+    ahead, read_into = _verified.ChunkRows.ahead, _verified.ChunkRows.read_into
+
+    def ahead_seen(self, rows):
+        events.append((threading.get_ident(), "ahead", self._where.rsplit("/", 1)[-1]))
+        return ahead(self, rows)
+
+    def read_into_met(self, start, stop, out):
+        if not any(kind == "read" for who, kind, _ in events if who == threading.get_ident()):
+            meet.wait()  # this thread's first block: the other thread must be in its own
+        events.append((threading.get_ident(), "read", self._where.rsplit("/", 1)[-1]))
+        return read_into(self, start, stop, out)
+
+    monkeypatch.setattr(_verified.ChunkRows, "ahead", ahead_seen)
+    monkeypatch.setattr(_verified.ChunkRows, "read_into", read_into_met)
+    config = PoolConfig(blocks=2, block_bytes=1024, rotate_every=1, prefetch=2)  # blocks as small as they come
+    with mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=config) as ro:
+        ro.sample(16, torch.Generator().manual_seed(0))  # the first fill: 4 blocks
+        threads = {who for who, _, _ in events}
+        assert len(threads) == 2  # two fetching threads met at the barrier
+        for who in threads:
+            mine = [(kind, col) for w, kind, col in events if w == who]
+            first_read = [kind for kind, _ in mine].index("read")
+            assert {col for kind, col in mine[:first_read] if kind == "ahead"} == set(KEYS)
