@@ -200,14 +200,20 @@ class ChunkPool:
         rows = np.arange(start, stop, dtype=np.int64)
         for reader in self._readers.values():  # every column's requests in flight before the first decodes
             reader.ahead(rows)
-        for name, col in self.columns.items():
-            into = self._maps[name][at : at + stop - start]
-            if name in self._readers:
-                self._readers[name].read_into(start, stop, into)
-            else:
-                into[...] = col.read_block(start, stop)
-            with self._lock:
-                self.fetched_bytes += into.nbytes
+        left = dict(self._readers)
+        try:
+            for name, col in self.columns.items():
+                into = self._maps[name][at : at + stop - start]
+                if name in left:
+                    left.pop(name).read_into(start, stop, into)
+                else:
+                    into[...] = col.read_block(start, stop)
+                with self._lock:
+                    self.fetched_bytes += into.nbytes
+        except BaseException:
+            for reader in left.values():  # the columns not read yet: their fetches awaited and dropped
+                reader.abandon(start, stop)
+            raise
 
     def advance(self) -> None:
         """One draw: start the pool, or every ``rotate_every`` draws rotate one block."""

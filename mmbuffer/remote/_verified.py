@@ -295,9 +295,7 @@ class ChunkRows:
         """Rows ``[start, stop)`` (``start`` a chunk's first row) decoded into ``out`` (the chunk
         pool's block): their chunks fetched as one batch (or taken from :meth:`ahead`'s fetches)
         and decoded in place, not through the slab."""
-        chunks = list(range(start // self._cr, -(-stop // self._cr)))
-        with self._lock:
-            coming = list({id(f): f for c in chunks if (f := self._coming.pop(c, None)) is not None}.values())
+        chunks, coming = self._claim(start, stop)
         try:
             for future in coming:
                 future.result()
@@ -312,11 +310,28 @@ class ChunkRows:
                 self._decode(chunk, out[lo:lo + self._cr] if whole else part)
                 if not whole:  # the block's (the array's) last, partial chunk
                     out[lo:] = part[: stop - start - lo]
-        finally:  # what this read's fetches held and it did not take (another block's are left alone)
-            for future in coming:
-                with contextlib.suppress(BaseException):
-                    future.result()
-            self._store.forget(self._key(c) for c in chunks)
+        finally:
+            self._settle(chunks, coming)
+
+    def abandon(self, start: int, stop: int) -> None:
+        """Give up reading rows ``[start, stop)`` (a block read that failed before this column's
+        turn): wait for the fetches :meth:`ahead` started for them and drop what they hold."""
+        self._settle(*self._claim(start, stop))
+
+    def _claim(self, start: int, stop: int) -> tuple[list[int], list[Future[None]]]:
+        """The chunks of rows ``[start, stop)`` and the fetches ``ahead`` started for them (now this read's)."""
+        chunks = list(range(start // self._cr, -(-stop // self._cr)))
+        with self._lock:
+            coming = {id(f): f for c in chunks if (f := self._coming.pop(c, None)) is not None}
+        return chunks, list(coming.values())
+
+    def _settle(self, chunks: list[int], coming: list[Future[None]]) -> None:
+        """Wait for ``coming`` and drop what the fetches of ``chunks`` held and no read took
+        (another block's are left alone)."""
+        for future in coming:
+            with contextlib.suppress(BaseException):
+                future.result()
+        self._store.forget(self._key(c) for c in chunks)
 
     def _fetch(self, chunks: list[int], probe: bool) -> None:
         """Fetch ``chunks`` (those the host cache lacks) as one batch of requests, held

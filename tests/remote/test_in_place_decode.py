@@ -160,3 +160,31 @@ def test_the_pool_fetches_two_blocks_at_once_each_with_all_its_columns_requests_
             mine = [(kind, col) for w, kind, col in events if w == who]
             first_read = [kind for kind, _ in mine].index("read")
             assert {col for kind, col in mine[:first_read] if kind == "ahead"} == set(KEYS)
+
+
+def test_a_block_read_that_fails_leaves_nothing_it_fetched_held(tmp_path, s3, monkeypatch):
+    """A block's read that fails on one column (here every ``obs`` chunk refused) is a typed
+    error at the draw; the other columns' fetches, started before it, are awaited and what
+    they held is dropped (checked once the pool is closed: every fetch finished)."""
+    _, url = publish(tmp_path, s3, 8 * 1024, capacity=8 * 1024)
+    stores = []
+    prefetch, decode = _verified.VerifiedStore.prefetch, _verified.ChunkRows._decode
+
+    def prefetch_seen(self, rels, *, probe=True):
+        stores.append(self)
+        return prefetch(self, rels, probe=probe)
+
+    def decode_refusing_obs(self, chunk, out):
+        if self._where.endswith("/obs"):
+            raise errors.CorruptStoreError(f"{self._where}: chunk {chunk} refused by this test")
+        return decode(self, chunk, out)
+
+    monkeypatch.setattr(_verified.VerifiedStore, "prefetch", prefetch_seen)
+    monkeypatch.setattr(_verified.ChunkRows, "_decode", decode_refusing_obs)
+    config = PoolConfig(blocks=2, block_bytes=1024, rotate_every=1, prefetch=2)
+    with mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=config) as ro, \
+            pytest.raises(errors.CorruptStoreError, match="refused by this test"):
+        ro.sample(16, torch.Generator().manual_seed(0))
+    fetched = {s._prefix for s in stores}
+    assert {"columns/flag/", "columns/x/"} <= fetched  # the other columns had fetched for the failed blocks
+    assert all(not s._ready for s in stores)
