@@ -197,9 +197,8 @@ class ChunkPool:
         start = block * self.block_rows
         stop = min(start + self.block_rows, self.capacity)
         at = slot * self.block_rows
-        rows = np.arange(start, stop, dtype=np.int64)
-        for reader in self._readers.values():  # every column's requests in flight before the first decodes
-            reader.ahead(rows)
+        for name, reader in self._readers.items():  # every column's requests in flight before the first decodes
+            reader.ahead(np.arange(start, stop, self.columns[name].chunk_rows, dtype=np.int64))  # a row per chunk
         left = dict(self._readers)
         try:
             for name, col in self.columns.items():

@@ -292,9 +292,9 @@ class ChunkRows:
                 self._coming.update(dict.fromkeys(want[piece].tolist(), future))
 
     def read_into(self, start: int, stop: int, out: np.ndarray) -> None:
-        """Rows ``[start, stop)`` (``start`` a chunk's first row) decoded into ``out`` (the chunk
-        pool's block): their chunks fetched as one batch (or taken from :meth:`ahead`'s fetches)
-        and decoded in place, not through the slab."""
+        """Rows ``[start, stop)`` decoded into ``out`` (the chunk pool's block): their chunks
+        fetched as one batch (or taken from :meth:`ahead`'s fetches) and decoded in place, not
+        through the slab."""
         chunks, coming = self._claim(start, stop)
         try:
             for future in coming:
@@ -305,11 +305,13 @@ class ChunkRows:
                 return
             part = np.empty((self._cr, *self._row_shape), dtype=self._dtype)
             for chunk in chunks:
-                lo = chunk * self._cr - start
-                whole = lo + self._cr <= stop - start
-                self._decode(chunk, out[lo:lo + self._cr] if whole else part)
-                if not whole:  # the block's (the array's) last, partial chunk
-                    out[lo:] = part[: stop - start - lo]
+                first = chunk * self._cr
+                if start <= first and first + self._cr <= stop:
+                    self._decode(chunk, out[first - start:first + self._cr - start])
+                else:  # a chunk the block holds part of (the array's last; a store's odd chunk rows)
+                    self._decode(chunk, part)
+                    lo, hi = max(start, first), min(stop, first + self._cr)
+                    out[lo - start:hi - start] = part[lo - first:hi - first]
         finally:
             self._settle(chunks, coming)
 

@@ -188,3 +188,32 @@ def test_a_block_read_that_fails_leaves_nothing_it_fetched_held(tmp_path, s3, mo
     fetched = {s._prefix for s in stores}
     assert {"columns/flag/", "columns/x/"} <= fetched  # the other columns had fetched for the failed blocks
     assert all(not s._ready for s in stores)
+
+
+def test_blocks_that_start_inside_a_columns_chunk_get_their_rows(tmp_path, s3, monkeypatch):
+    """A store whose columns' chunk rows are not powers of two (not what mmbuffer writes, but
+    a store it may be given): the pool's blocks, a whole number of the largest chunk, start
+    inside the other columns' chunks; each block still holds exactly its rows."""
+    from mmbuffer._disk import format as fmt
+
+    monkeypatch.setattr(fmt, "_chunk_rows", lambda rows, row_bytes: max(1, 1000 // row_bytes))  # obs 83, x 125
+    local, url = publish(tmp_path, s3, 6000, capacity=6000)
+    with mb.open(local, mode="r") as lo:
+        want = read_all(lo)
+    calls = counted(monkeypatch)
+    config = PoolConfig(blocks=2, block_bytes=1024, rotate_every=1, prefetch=2)
+    with mb.open(url, mode="r", cache_dir=tmp_path / "c", pool=config) as ro:
+        pool = ro.remote.pool
+        assert {k: pool.columns[k].chunk_rows for k in KEYS} == {"obs": 83, "flag": 1000, "x": 125}
+        assert pool.block_rows % 83  # every block but the first starts inside an obs chunk
+        g = torch.Generator().manual_seed(0)
+        seen = set()
+        for _ in range(12):  # rotate through every block
+            ro.sample(16, g)
+            idx = np.flatnonzero(pool.holds(np.arange(6000)))
+            got = ro.get(idx, keys=list(KEYS))
+            for k in KEYS:
+                torch.testing.assert_close(got[k], want[k][idx], rtol=0, atol=0)
+            seen.update((idx // pool.block_rows).tolist())
+        assert len(seen) == pool.num_blocks > 2  # every block was read
+    assert calls["in place"] > 0 and calls["zarr"] == 0
