@@ -4,8 +4,11 @@ A publish writes every dense column as its rows' bytes, zstd-compressed; a remot
 decodes such a chunk with one ``zstd.decompress`` into where its rows go, not through
 zarr's codec pipeline (``ChunkRows._decode``). These tests read a real published store
 (moto on loopback) both ways and compare every row with the local store, through the
-chunks a store leaves unwritten and the array's last, partial chunk; a frame whose
-declared size is not the chunk's is a typed error, never rows.
+chunks a store leaves unwritten (the pool's blocks read them as fill values) and the
+array's last, partial chunk; a frame whose declared size is not the chunk's is a typed
+error, never rows. The pool fetches two blocks at a time, each asking for every column
+before it decodes one; a block read that fails holds nothing it fetched; a block that
+starts inside a column's chunk (chunk rows that are not powers of two) gets its rows.
 """
 
 from __future__ import annotations
