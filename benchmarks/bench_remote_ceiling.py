@@ -10,7 +10,9 @@ On an S3-compatible server on loopback (moto's server mode, started here), in on
   sampling. The baseline fetches the *same* objects from the same server with fsspec: one
   ranged GET each (``cat_file(path, start=0, end=size)``), one whole-object GET each
   (``cat_file(path)``), both one after the other as the sampler asks, and all at once
-  (``fs.cat(paths)``, concurrent). Contender and baselines alternate ``--repeats`` times.
+  (``fs.cat(paths)``, concurrent). Contender and baselines alternate ``--repeats`` times. Beside
+  each, the CPU seconds of the reader (or of this process's GETs one by one) and of the server
+  process: moto and the s3fs client each spend ~2.5 ms of CPU a request, whatever its size.
   The server runs in a process of its own; each reader runs in a fresh process (its kernels
   loaded on a small local store before the clock starts), so ``--base PATH`` (another checkout,
   e.g. ``git worktree add /tmp/base main``) runs that tree's reader against the same server,
@@ -96,18 +98,20 @@ size = lambda p: sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p
 ro = mb.open(url, mode="r", cache_dir=cache, pool="default" if pool else None)
 g = torch.Generator().manual_seed(1)
 before = size(cache / "objects")
+cpu0 = time.process_time()
 t0 = time.perf_counter()
 if pool:
     ro.remote.pool.advance()  # the first fill, fetched in order
 for _ in range(batches):
     ro.sample_slices(b, length, generator=g)
 sec = time.perf_counter() - t0
+cpu = time.process_time() - cpu0
 got = size(cache / "objects") - before
 held = {p.name for p in (cache / "objects").rglob("*") if p.is_file()}
 table = ro.remote.table
 names = [f"{table.holder(rel)}/{rel}" for rel, (_, key) in table.entries.items() if key in held]
 ro.close()
-print(json.dumps({"sec": sec, "bytes": got, "names": names}))
+print(json.dumps({"sec": sec, "cpu": cpu, "bytes": got, "names": names}))
 """
 
 _SERVER = r"""
@@ -124,13 +128,15 @@ server.stop()
 
 
 @contextlib.contextmanager
-def server_process() -> Iterator[str]:
+def server_process(pids: list[int] | None = None) -> Iterator[str]:
     """moto's S3 server in a process of its own (not sharing this one's GIL); the ``AWS_*``
-    environment pointed at it; yields the endpoint."""
+    environment pointed at it; yields the endpoint (its pid appended to ``pids``)."""
     from s3server import aws_env
 
     proc = subprocess.Popen([sys.executable, "-c", _SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None and proc.stdin is not None
+    if pids is not None:
+        pids.append(proc.pid)
     try:
         with aws_env(proc.stdout.readline().strip()) as endpoint:
             yield endpoint
@@ -145,29 +151,43 @@ def _path_first(code: Path) -> str:
     return os.pathsep.join([str(code), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
 
 
+def cpu_seconds(pid: int | None) -> float:
+    """CPU seconds (user + system) process ``pid`` has used so far (0.0 without one)."""
+    if pid is None:
+        return 0.0
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def sample_child(code: Path, url: str, cache: Path, batches: int, b: int, length: int,
-                 pool: bool) -> tuple[float, int, list[str]]:
+                 pool: bool) -> tuple[float, float, int, list[str]]:
     """In a fresh process importing mmbuffer from ``code`` (a checkout), with an empty cache: seconds
-    of ``batches`` x ``sample_slices(b, length)`` (with ``pool``: after the pool's first fill),
-    bytes of the objects fetched (what landed in ``cache/objects``), and their names."""
+    of ``batches`` x ``sample_slices(b, length)`` (with ``pool``: after the pool's first fill), the
+    reader's CPU seconds over them, bytes of the objects fetched (what landed in ``cache/objects``),
+    and their names."""
     out = subprocess.run([sys.executable, "-c", _CHILD, url, str(cache), str(batches), str(b), str(length),
                           str(int(pool))], env={**os.environ, "PYTHONPATH": _path_first(code)}, capture_output=True,
                          text=True, check=False, cwd=code)  # cwd: "-c" puts it first on sys.path
     if out.returncode:
         raise RuntimeError(f"the reader of {code} failed:\n{out.stderr[-3000:]}")
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    return float(got["sec"]), int(got["bytes"]), list(got["names"])
+    return float(got["sec"]), float(got["cpu"]), int(got["bytes"]), list(got["names"])
 
 
-def gets(fs: object, root: str, names: list[str]) -> dict[str, float]:
-    """Seconds to fetch ``names`` with plain GETs: ranged, whole, and all at once (whole, ranged)."""
+def gets(fs: object, root: str, names: list[str], server: int | None = None,
+         cpu: dict[str, list[tuple[float, float]]] | None = None) -> dict[str, float]:
+    """Seconds to fetch ``names`` with plain GETs: ranged, whole, and all at once (whole, ranged);
+    with ``cpu``, the client's and the ``server`` process's CPU seconds over the ranged GETs one
+    by one appended to it."""
     paths = [f"{root}/snapshots/{n}" for n in names]
     sizes = {p: fs.size(p) for p in paths}  # type: ignore[attr-defined]
     out = {}
-    t0 = time.perf_counter()
+    own, theirs, t0 = time.process_time(), cpu_seconds(server), time.perf_counter()
     for p in paths:
         fs.cat_file(p, start=0, end=sizes[p])  # type: ignore[attr-defined]
     out["ranged GET, one by one"] = time.perf_counter() - t0
+    if cpu is not None:
+        cpu.setdefault("ranged GET, one by one", []).append((time.process_time() - own, cpu_seconds(server) - theirs))
     t0 = time.perf_counter()
     for p in paths:
         fs.cat_file(p)  # type: ignore[attr-defined]
@@ -372,7 +392,9 @@ def main() -> None:
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     print(f"load before: {open('/proc/loadavg').read().strip()}")
-    with tempfile.TemporaryDirectory() as tmp, (server_process() if args.server == "process" else moto_s3()) as endpoint:
+    pids: list[int] = []
+    with tempfile.TemporaryDirectory() as tmp, (server_process(pids) if args.server == "process" else moto_s3()) as endpoint:
+        server = pids[0] if pids else None  # in this process (``--server inprocess``): not counted apart
         urls: dict[int, str] = {}
         if args.part in ("all", "refresh"):
             refresh_part(Path(tmp), endpoint, args)
@@ -388,6 +410,7 @@ def main() -> None:
         fs = fsspec.filesystem("s3", endpoint_url=endpoint, skip_instance_cache=True, use_listings_cache=False)
         url, root = urls.get(args.rows, ""), urls.get(args.rows, "")[5:]
         runs: dict[str, list[float]] = {}
+        cpu: dict[str, list[tuple[float, float]]] = {}  # CPU seconds: the reader's (or client's), the server's
         n = 0
         codes = [("this tree", Path(__file__).resolve().parents[1])] + ([("base", args.base)] if args.base else [])
         for rep in range(args.repeats if args.part in ("all", "ceiling") else 0):  # contenders and baselines alternate
@@ -395,12 +418,18 @@ def main() -> None:
                 mode = "default pool, first fill + draws" if pool else "exact (pool=None)"
                 for name, code in codes if rep % 2 == 0 else codes[::-1]:
                     n += 1
-                    sec, got, names = sample_child(code, url, Path(tmp) / f"cache-{n}", args.batches, args.batch,
-                                                   args.slice_len, pool)
+                    theirs = cpu_seconds(server)  # over the whole child: its open and warm-up too (small)
+                    sec, used, got, names = sample_child(code, url, Path(tmp) / f"cache-{n}", args.batches,
+                                                         args.batch, args.slice_len, pool)
                     runs.setdefault(f"mb sampling, {mode}, {name}", []).append(got / sec)
-                    print(f"rep {rep} {mode} {name}: {len(names)} objects, {got / 1e6:.1f} MB in {sec:.2f} s")
-                for what, s in gets(fs, root, names).items():
+                    cpu.setdefault(f"mb sampling, {mode}, {name}", []).append((used, cpu_seconds(server) - theirs))
+                    print(f"rep {rep} {mode} {name}: {len(names)} objects, {got / 1e6:.1f} MB in {sec:.2f} s "
+                          f"(reader CPU {used:.2f} s)")
+                spent: dict[str, list[tuple[float, float]]] = {}
+                for what, s in gets(fs, root, names, server, spent).items():
                     runs.setdefault(f"{what} ({mode}'s objects)", []).append(got / s)
+                for what, v in spent.items():
+                    cpu.setdefault(f"{what} ({mode}'s objects)", []).extend(v)
                 print(f"  {open('/proc/loadavg').read().strip()}")
         if runs:
             print(f"\nrows={args.rows}, {args.batches} x sample_slices({args.batch}, {args.slice_len}), cache cold, "
@@ -414,6 +443,12 @@ def main() -> None:
             ratio = (f" | {statistics.median(v) / statistics.median(ranged):.2f} | "
                      f"{statistics.median(v) / statistics.median(whole):.2f}") if ranged and whole else " | | "
             print(f"| {what} | {statistics.median(v) / 1e6:.1f}{ratio} |")
+        if cpu:  # a reader with requests in flight against one taking turns with the server
+            print(f"\nCPU seconds, median of {args.repeats} (the server's only with --server process)")
+            print("| what | reader / client | server |")
+            print("|---|---:|---:|")
+        for what, pairs in cpu.items():
+            print(f"| {what} | {statistics.median(a for a, _ in pairs):.2f} | {statistics.median(b for _, b in pairs):.2f} |")
         if sizes:
             print(f"\n| rows | pool | open (s) | open to 1st sample_slices(1, {args.slice_len}) (s) | open to 1st "
                   f"sample_slices({args.batch}, {args.slice_len}) (s) | mirror on disk after the 1st slice / at the "
