@@ -14,9 +14,11 @@ reach for this layout whatever the code around them does.
   (every leaf live) in anonymous memory; the floor loads, per draw, the two cache lines
   of slot sums of each level's row on the path and the leaf block's four lines, and per
   updated row the block's four lines and each level's whole row (four lines), bottom up.
-- ``index``: ``kernels.sampling._search_right_many`` style searches of 256 ranks in the
-  cumulative counts of ``rows / 1000`` episodes, then the episode's two ends (what
-  ``slice_indices(256, 4)`` does per draw); the floor is those loads only.
+- ``index``: the guided searches (``kernels.sampling._search_guided``) of 256 ranks in the
+  cumulative counts of ``rows / 1000`` episodes, laid out as ``slice_indices(256, 4)``
+  reads them (``(cum, end)`` rows, buckets about one episode wide); the floor ``loads``
+  is each item's bucket then the counts row it names, and ``one row`` a counts row per
+  item at random, the least any index must read (the found episode's ends).
 
     python benchmarks/bench_floor.py                        # tree 1e6 / 6e8, index 1e6 / 1e9
     python benchmarks/bench_floor.py --tree 1e6,1e8 --index 1e6,1e8 --rounds 3
@@ -82,22 +84,25 @@ def _tree_loads(leaf, ns, offs, salt):
 
 
 @numba.njit(nogil=True, cache=False)
-def _index_loads(cum, ends, xs, out):
-    """The searches' loads (level by level over the batch) and each found episode's two ends."""
+def _index_loads(counts, guide, shift, xs, out):
+    """The guided search's loads: every item's bucket, then the counts row it names (the
+    found episode's count and ends are in that row, or the next), and nothing else."""
     m = xs.shape[0]
-    n = cum.shape[0]
     for i in range(m):
-        out[i] = 0
-    while n > 1:
-        half = n >> 1
-        for i in range(m):
-            b = out[i]
-            out[i] = b + half if cum[b + half] <= xs[i] else b
-        n -= half
+        out[i] = guide[xs[i] >> shift]
     sink = 0
     for i in range(m):
         k = out[i]
-        sink += ends[2 * k] + ends[2 * k + 1]
+        sink += counts[k, 0] + counts[k, 1]
+    return sink
+
+
+@numba.njit(nogil=True, cache=False)
+def _one_row(counts, ks):
+    """One counts row per item, at random: what any index must read (the episode's ends)."""
+    sink = 0
+    for i in range(ks.shape[0]):
+        sink += counts[ks[i], 0] + counts[ks[i], 1]
     return sink
 
 
@@ -139,31 +144,42 @@ def tree_part(sizes: list[int], rounds: int, reps: int) -> list[dict[str, object
 
 
 def index_part(sizes: list[int], rounds: int, reps: int) -> list[dict[str, object]]:
+    sampling = load("sampling")
     arrays = {}
     for n in sizes:
         episodes = max(n // 1000, 1)
-        cum = np.arange(episodes + 1, dtype=np.int64) * 1000
-        arrays[n] = (cum, np.arange(2 * (episodes + 1), dtype=np.int64) * 1000)
-    sampling = load("sampling")
+        counts = np.empty((episodes + 1, 2), np.int64)  # as ``LaneCounts``: (cum, end) per episode
+        counts[:, 0] = np.arange(episodes + 1) * 997  # strict windows of 4 rows
+        counts[:, 1] = np.arange(episodes + 1) * 1000
+        shift = 10  # buckets about one episode wide, as ``LaneCounts`` cuts them
+        guide = np.empty(((int(counts[-1, 0]) - 1) >> shift) + 1, np.int32)
+        sampling.fill_buckets(counts[:, 0], shift, guide, 0, len(guide))
+        arrays[n] = (counts, guide, shift)
     rng = np.random.default_rng(2)
     per: dict[tuple[int, str], list[float]] = {}
     for r in range(rounds):
         for n in (sizes if r % 2 == 0 else sizes[::-1]):
-            cum, ends = arrays[n]
-            pool = rng.integers(0, int(cum[-1]), (reps + 8, BATCH))  # fresh ranks every call
+            counts, guide, shift = arrays[n]
+            pool = rng.integers(0, int(counts[-1, 0]), (reps + 8, BATCH))  # fresh ranks every call
+            rows = rng.integers(0, len(counts), (reps + 8, BATCH))
             out = np.empty(BATCH, np.int64)
             at = iter(range(10**9))
 
-            def search(cum: np.ndarray = cum, pool: np.ndarray = pool, out: np.ndarray = out, at: object = at) -> None:
-                sampling._search_right_many(cum, pool[next(at) % len(pool)], out)  # the search slice_indices runs
+            def search(counts: np.ndarray = counts, guide: np.ndarray = guide, shift: int = shift,
+                       pool: np.ndarray = pool, out: np.ndarray = out, at: object = at) -> None:
+                sampling._search_guided(counts[:, 0], guide, shift, pool[next(at) % len(pool)], out)  # as slice_indices
 
-            def loads(cum: np.ndarray = cum, ends: np.ndarray = ends, pool: np.ndarray = pool, out: np.ndarray = out,
-                      at: object = at) -> None:
-                _index_loads(cum, ends, pool[next(at) % len(pool)], out)
+            def loads(counts: np.ndarray = counts, guide: np.ndarray = guide, shift: int = shift,
+                      pool: np.ndarray = pool, out: np.ndarray = out, at: object = at) -> None:
+                _index_loads(counts, guide, shift, pool[next(at) % len(pool)], out)
+
+            def one_row(counts: np.ndarray = counts, rows: np.ndarray = rows, at: object = at) -> None:
+                _one_row(counts, rows[next(at) % len(rows)])
 
             per.setdefault((n, "search"), []).append(median_time(search, reps))
             per.setdefault((n, "loads"), []).append(median_time(loads, reps))
-    return _rows("index: 256 searches + the found episodes' ends", sizes, per)
+            per.setdefault((n, "one row"), []).append(median_time(one_row, reps))
+    return _rows("index: 256 searches and the found episodes' rows", sizes, per)
 
 
 def _rows(what: str, sizes: list[int], per: dict[tuple[int, str], list[float]]) -> list[dict[str, object]]:

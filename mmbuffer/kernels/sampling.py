@@ -19,7 +19,7 @@ from typing import Any
 import numba
 import numpy as np
 
-__all__ = ["slice_rows", "uniform_rows"]
+__all__ = ["fill_buckets", "slice_rows", "uniform_rows"]
 
 
 @numba.njit(nogil=True, cache=True)
@@ -36,25 +36,49 @@ def _search_right(a: Any, x: int) -> int:
 
 
 @numba.njit(nogil=True, cache=True)
-def _search_right_many(a: Any, xs: Any, out: Any) -> None:
-    """``out[i] = np.searchsorted(a, xs[i], side="right")`` for every ``i``, level by
-    level over all of them: each level's loads are independent of each other, so the
-    cache misses of a large ``a`` (a 1e9-row store's episode counts) overlap instead of
-    waiting one after another as in a search per item."""
+def _search_guided(a: Any, guide: Any, shift: int, xs: Any, out: Any) -> None:
+    """``out[i] = np.searchsorted(a, xs[i], side="right")`` for every ``i``, from a guide
+    (``fill_buckets``): the answer for ``x`` in bucket ``b = (x - a[0]) >> shift`` lies in
+    ``[guide[b], guide[b + 1]]`` (``len(a)`` past the last bucket), so a search is two
+    dependent loads (its bucket, then a few counts of one or two cache lines) where a
+    binary search over a 1e9-row store's 1e6 episode counts made ~8 cache misses. Every
+    bucket is loaded first, all together, so their misses overlap."""
     m = xs.shape[0]
     n = a.shape[0]
+    g = guide.shape[0]
+    hi = np.empty(m, np.int64)
+    c0 = a[0] if n else 0
     for i in range(m):
-        out[i] = 0
-    if n == 0:
-        return
-    while n > 1:  # the answer of item i lies in [out[i], out[i] + n]
-        half = n >> 1
-        for i in range(m):
-            b = out[i]
-            out[i] = b + half if a[b + half] <= xs[i] else b
-        n -= half
+        b = (xs[i] - c0) >> shift if xs[i] >= c0 else -1
+        if b < 0:  # before the first bucket (only outside the counts' range)
+            out[i] = 0
+            hi[i] = guide[0] if g else n
+        elif b >= g:  # past the last
+            out[i] = guide[g - 1] if g else 0
+            hi[i] = n
+        else:
+            out[i] = guide[b]
+            hi[i] = guide[b + 1] if b + 1 < g else n
     for i in range(m):
-        out[i] += a[out[i]] <= xs[i]
+        lo, top, x = out[i], hi[i], xs[i]
+        while lo < top:
+            mid = (lo + top) >> 1
+            if a[mid] <= x:
+                lo = mid + 1
+            else:
+                top = mid
+        out[i] = lo
+
+
+@numba.njit(nogil=True, cache=True)
+def _fill_buckets(a: Any, shift: int, out: Any, first: int, stop: int) -> None:
+    k = out[first - 1] if first > 0 else 0
+    n = a.shape[0]
+    for b in range(first, stop):
+        start = a[0] + (b << shift)
+        while k < n and a[k] <= start:
+            k += 1
+        out[b] = k
 
 
 @numba.njit(nogil=True, cache=True)
@@ -74,13 +98,13 @@ def _uniform_rows(bits: Any, counts: Any, first: Any, lane_size: int, out: Any) 
 
 @numba.njit(nogil=True, cache=True)
 def _slice_rows(
-    lane_of: Any, local: Any, lane: int, counts: Any, cum_base: int, lane_size: int,
+    lane_of: Any, local: Any, lane: int, counts: Any, guide: Any, shift: int, cum_base: int, lane_size: int,
     ep_head: int, ep_tail: int, first_start: int, open_start: int, visible_end: int, closed: int,
     slice_len: int, offsets: Any, strict: bool, rows: Any, mask: Any, start_out: Any, avail_out: Any,
 ) -> None:
     cum = counts[:, 0]
     c0 = cum[ep_head - cum_base]
-    # the items of this lane in complete episodes: searched all together (``_search_right_many``)
+    # the items of this lane in complete episodes: searched all together (``_search_guided``)
     n = local.shape[0]
     mine = np.zeros(n, np.bool_)
     count = 0
@@ -94,7 +118,7 @@ def _slice_rows(
             xs[q] = local[i] + c0
             q += 1
     found = np.empty(count, np.int64)
-    _search_right_many(cum, xs, found)
+    _search_guided(cum, guide, shift, xs, found)
     # then their episodes' ends, beside the counts the search just read (the same cache
     # line, most often), in a loop of their own: a short loop keeps many loads in flight
     starts = np.empty(count, np.int64)
@@ -138,6 +162,19 @@ def _slice_rows(
             mask[i, j] = j < avail
 
 
+def fill_buckets(a: np.ndarray, shift: int, out: np.ndarray, first: int, stop: int) -> None:
+    """The guide ``_search_guided`` reads, buckets ``first`` to ``stop``: ``out[b] =
+    np.searchsorted(a, a[0] + (b << shift), side="right")``, in one walk of ``a`` from
+    where bucket ``first - 1`` ended (O(buckets + values passed)).
+
+    >>> out = np.zeros(3, np.int32)
+    >>> fill_buckets(np.array([0, 3, 3, 9]), 2, out, 0, 3)
+    >>> out.tolist()
+    [1, 3, 3]
+    """
+    _fill_buckets(a, shift, out, first, stop)
+
+
 def uniform_rows(bits: np.ndarray, counts: np.ndarray, first: np.ndarray, lane_size: int, out: np.ndarray) -> np.ndarray:
     """Global rows of uniformly drawn transitions into ``out``: ``bits % sum(counts)``
     is a rank over the lanes' ``counts`` sampleable rows (lane order), each lane's
@@ -151,6 +188,7 @@ def slice_rows(
     local: np.ndarray,
     lane: int,
     counts: np.ndarray,
+    guide: tuple[np.ndarray, int],
     cum_base: int,
     lane_size: int,
     bounds: tuple[int, int, int, int, int, int],
@@ -167,7 +205,8 @@ def slice_rows(
 
     ``counts[k]`` is ``(cum, end)``: the eligible starts in the lane's episodes
     ``cum_base .. cum_base + k - 1`` together, and the end row of the last of them,
-    which is where episode ``cum_base + k`` starts (``sampling.SliceCounts``);
+    which is where episode ``cum_base + k`` starts (``samplers._counts.SliceCounts``), and
+    ``guide`` the buckets of its ``cum`` and their shift (``fill_buckets``);
     ``bounds`` is ``(ep_head, ep_tail, first_start, open_start, visible_end, closed)``:
     the lane's view and its count of items in complete episodes. Writes each item's
     absolute start and rows available from it into ``start``/``avail`` and its
@@ -175,5 +214,5 @@ def slice_rows(
     repeat the last available row, masked). With ``offsets`` (non-empty: bits,
     one per item) the rank picked an episode and ``offsets % room`` the start in it.
     """
-    _slice_rows(lane_of, local, lane, counts, cum_base, lane_size, *bounds, slice_len, offsets, strict,
+    _slice_rows(lane_of, local, lane, counts, *guide, cum_base, lane_size, *bounds, slice_len, offsets, strict,
                 rows, mask, start, avail)

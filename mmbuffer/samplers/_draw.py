@@ -5,9 +5,10 @@ the number of stored rows:
 
 * uniform transitions pick a lane by its number of sampleable rows, then a row;
 * slices of ``L`` rows use, per lane, the cumulative count of valid window starts
-  over its live episodes (``SliceCounts``), extended only by the episodes added
-  since the last call and trimmed from the front as episodes are evicted, then
-  ``searchsorted`` for the episode and an offset inside it;
+  over its live episodes (``samplers._counts.SliceCounts``), extended only by the
+  episodes added since the last call and trimmed from the front as episodes are
+  evicted, then a search guided by buckets of those counts for the episode (two
+  dependent loads whatever the number of episodes) and an offset inside it;
 * prioritized sampling draws a row ``i`` with probability ``p_i / sum(p over the
   sampleable rows)``: rows that are not sampleable in the caller's view (not a
   valid window start, the open episode's last row, a row a reader must not see)
@@ -22,15 +23,14 @@ state and store give the same indices in any process.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 import torch
 
 from .. import errors, tree
 from .._ledger import index
-from .._ledger.snapshot import LaneView, View
+from .._ledger.snapshot import View
 from ..kernels import load
+from ._counts import SliceCounts
 
 _REDRAW_ROUNDS = 8  # rejection rounds at most before the exact draw
 _MIN_ACCEPT = 0.25  # a lower share of sampleable draws so far switches to the exact draw
@@ -86,126 +86,6 @@ def _bits(size: int, generator: torch.Generator | None) -> np.ndarray:
 
 
 # -- slices -------------------------------------------------------------------------------
-@dataclass(slots=True)
-class _LaneCounts:
-    """``cum[i]``: eligible items in episodes ``base .. base + i - 1`` of a lane;
-    ``ends[i]``: the end row of episode ``base + i - 1`` (where episode ``base + i``
-    starts).
-
-    Side by side in one ``[n, 2]`` buffer, so that the slice kernel finds an episode's
-    two ends in the cache lines its search just read (at 1e9 rows they were a cache
-    miss each in the index's ring). The buffer grows by doubling, so adding an episode
-    costs O(1) amortized (an online learner adds one per step), never a copy of all.
-    """
-
-    base: int = 0  # episode sequence number of cum[0]
-    store: np.ndarray = field(default_factory=lambda: np.zeros((1024, 2), dtype=np.int64))  # cum[0] = 0
-    size: int = 1
-
-    @property
-    def counts(self) -> np.ndarray:
-        """``[size, 2]``: ``cum`` and ``ends`` side by side (what the kernel reads)."""
-        return self.store[: self.size]
-
-    @property
-    def cum(self) -> np.ndarray:
-        return self.store[: self.size, 0]
-
-    @property
-    def upto(self) -> int:
-        return self.base + self.size - 1
-
-    @property
-    def last_end(self) -> int:
-        """The end of episode ``upto - 1`` when it was counted."""
-        return int(self.store[self.size - 1, 1])
-
-    def append(self, cum: np.ndarray, ends: np.ndarray) -> None:
-        need = self.size + len(cum)
-        if need > len(self.store):
-            grown = np.empty((max(need, 2 * len(self.store)), 2), dtype=np.int64)
-            grown[: self.size] = self.counts
-            self.store = grown
-        self.store[self.size : need, 0] = cum
-        self.store[self.size : need, 1] = ends
-        self.size = need
-
-    def drop_front(self, count: int) -> None:
-        self.store = self.store[count : self.size].copy()
-        self.size -= count
-        self.base += count
-
-
-@dataclass(slots=True)
-class SliceCounts:
-    """Cumulative counts of eligible slice starts per live episode, per lane.
-
-    ``per_episode=False``: an episode of ``n`` rows counts ``max(0, n - L + 1)``
-    window starts (strict) or ``n`` (non-strict: every row may start a window).
-    ``per_episode=True``: it counts 1 if eligible (TorchRL's convention).
-    Kept in RAM, derived incrementally from the persisted index (16 bytes per live
-    episode per slice length in use: the count and the episode's end).
-    """
-
-    slice_len: int
-    strict: bool
-    per_episode: bool
-    lanes: dict[int, _LaneCounts] = field(default_factory=dict)
-
-    def weight(self, lengths: np.ndarray) -> np.ndarray:
-        eligible = lengths >= (self.slice_len if self.strict else 1)
-        if self.per_episode:
-            return eligible.astype(np.int64)
-        if self.strict:
-            starts: np.ndarray = np.maximum(lengths - self.slice_len + 1, 0)
-            return starts
-        return lengths
-
-    def sync(self, view: View, lane: int) -> _LaneCounts:
-        lv = view.lanes[lane]
-        lc = self.lanes.get(lane)
-        if lc is None or lv.ep_head < lc.base or lv.ep_head > lc.upto or lv.ep_tail < lc.upto:
-            lc = self.lanes[lane] = _LaneCounts(base=lv.ep_head)
-        newest = lc.upto - 1  # the newest episode counted: a writer may have undone its end and
-        # set it again later (_ledger/appending.py): then it is counted anew
-        if lv.ep_head <= newest:  # its end now: where the view's open episode starts, if still the newest
-            if newest == lv.ep_tail - 1:
-                end = lv.open_start
-            else:
-                end = int(index.ends_at(view.ends, lane, view.lane_size, np.array(newest)))
-            if end != lc.last_end:
-                lc.size -= 1
-        if lv.ep_tail > lc.upto:
-            state = index.Lane(int(view.written[lane]), lv.ep_head, lv.ep_tail, lv.first_start)
-            lo = lc.upto
-            starts = index.episode_starts(view.ends, lane, view.lane_size, state, lo, lv.ep_tail)
-            ends = index.episode_ends(view.ends, lane, view.lane_size, lo, lv.ep_tail)
-            lc.append(np.cumsum(self.weight(ends - starts)) + lc.cum[-1], ends)
-        drop = lv.ep_head - lc.base
-        if drop > 1024 and drop * 2 > lc.size:  # amortized O(1) trimming
-            lc.drop_front(drop)
-        return lc
-
-    def open_weight(self, lv: LaneView) -> int:
-        """``weight`` of the open episode's visible rows, in plain integers (each draw asks)."""
-        n = lv.visible_end - lv.open_start
-        if n < (self.slice_len if self.strict else 1):
-            return 0
-        if self.per_episode:
-            return 1
-        return n - self.slice_len + 1 if self.strict else n
-
-    def totals(self, view: View) -> tuple[np.ndarray, np.ndarray]:
-        """Per lane: eligible items in complete episodes, and in the open one."""
-        closed = np.empty(len(view.lanes), dtype=np.int64)
-        opened = np.empty(len(view.lanes), dtype=np.int64)
-        for lane, lv in enumerate(view.lanes):
-            lc = self.sync(view, lane)
-            closed[lane] = lc.cum[lv.ep_tail - lc.base] - lc.cum[lv.ep_head - lc.base]
-            opened[lane] = self.open_weight(lv)
-        return closed, opened
-
-
 def slice_starts(
     view: View,
     counts: SliceCounts,
@@ -256,7 +136,7 @@ def _slice_batch(
         lv = view.lanes[l]
         lc = counts.lanes[l]
         bounds = (lv.ep_head, lv.ep_tail, lv.first_start, lv.open_start, lv.visible_end, int(closed[l]))
-        kernels.slice_rows(lane_of, local, l, lc.counts, lc.base, view.lane_size, bounds,
+        kernels.slice_rows(lane_of, local, l, lc.counts, (lc.guide, lc.shift), lc.base, view.lane_size, bounds,
                            counts.slice_len, offsets, counts.strict, rows, mask, start, avail)
     return lane, start, avail, rows, mask
 

@@ -33,7 +33,7 @@ import torch
 
 from .. import errors
 from .._ledger.snapshot import Draw, ReadableStore, View
-from ._draw import SliceCounts
+from ._counts import SliceCounts
 
 
 @dataclass(slots=True)

@@ -35,6 +35,7 @@ from .._disk import format as fmt
 from .. import errors
 from .._disk.checks import check_int
 from .._ledger.snapshot import Draw, ReadableStore, View
+from ._counts import SliceCounts
 from .base import Sampler, SamplerState
 
 import mmbuffer.samplers._draw as sampling  # the algorithms (not "from .": that names the package)
@@ -110,7 +111,7 @@ class EpochCursor:
         fmt.check_column_name(name)
         self.root = root
         self.file = None if root is None else root / "sampler" / f"{name}.json"
-        self.counts = sampling.SliceCounts(slice_len or 1, True, False)
+        self.counts = SliceCounts(slice_len or 1, True, False)
         fresh = EpochState(int(seed), 0, 0, -1, slice_len, (index, count))
         self.state = fresh
         old = None if root is None else _load_state(root, f"sampler/{name}.json")

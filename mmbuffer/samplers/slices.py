@@ -18,6 +18,7 @@ from .. import errors
 import mmbuffer.samplers._draw as sampling  # the algorithms (not "from .": that names the package)
 from .._disk.checks import check_int
 from .._ledger.snapshot import Draw, View
+from ._counts import SliceCounts
 from .base import Sampler, SamplerState, ones
 
 WEIGHTINGS = ("windows", "episodes")
@@ -54,13 +55,13 @@ class Slices(Sampler):
         return float((closed + opened).sum())
 
 
-def slice_counts(state: SamplerState, slice_len: int, strict: bool, weighting: str) -> sampling.SliceCounts:
+def slice_counts(state: SamplerState, slice_len: int, strict: bool, weighting: str) -> SliceCounts:
     """The buffer's counts of eligible starts for these settings (non-strict counts do
     not depend on the length: one entry serves every length)."""
     per_episode = weighting == "episodes"
     key = (slice_len if strict else 1, strict, per_episode)
     counts = state.slice_counts.get(key)
     if counts is None:
-        counts = state.slice_counts[key] = sampling.SliceCounts(slice_len, strict, per_episode)
+        counts = state.slice_counts[key] = SliceCounts(slice_len, strict, per_episode)
     counts.slice_len = slice_len
     return counts

@@ -1,25 +1,73 @@
-"""The slice index: its batched search (``kernels.sampling._search_right_many``), every
-item's answer ``np.searchsorted(a, x, side="right")`` for empty, tiny and large arrays,
-repeated values and targets outside the range; and ``slice_rows``, every slice where the
-episodes lie, whatever the lane's wrap."""
+"""The slice index: its batched search guided by buckets of the counts
+(``kernels.sampling._search_guided``), every item's answer ``np.searchsorted(a, x,
+side="right")`` for empty, tiny and large arrays, repeated values, buckets of any width and
+targets outside the range; the buckets a lane's counts keep (``samplers._counts.LaneCounts``)
+through appends, undone ends and trims, always those of its counts; and ``slice_rows``, every
+slice where the episodes lie, whatever the lane's wrap."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from mmbuffer.kernels.sampling import _search_right_many
+from mmbuffer.kernels.sampling import _search_guided, fill_buckets
+from mmbuffer.samplers._counts import LaneCounts
+
+
+def guide_buckets(a: np.ndarray, shift: int) -> np.ndarray:
+    """The reference: for every bucket that starts below ``a[-1]``, the values up to its start."""
+    if len(a) == 0 or a[-1] <= a[0]:
+        return np.zeros(0, np.int64)
+    starts = a[0] + (np.arange((int(a[-1] - a[0] - 1) >> shift) + 1) << shift)
+    return np.searchsorted(a, starts, side="right")
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 5, 8, 64, 1000, 12_345])
-def test_each_answer_is_numpys_searchsorted_right(n):
+@pytest.mark.parametrize("shift", [0, 1, 4, 9, 40])
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_each_answer_is_numpys_searchsorted_right(n, shift, dtype):
     rng = np.random.default_rng(n)
     a = np.cumsum(rng.integers(0, 3, n)).astype(np.int64)  # sorted, with runs of equal values
+    a[n // 2 :] += 50 if n else 0  # and a bucket that holds no value, wide ones many
     top = int(a[-1]) if n else 0
     xs = rng.integers(-2, top + 3, 700).astype(np.int64)
     out = np.full(700, -1, np.int64)
-    _search_right_many(a, xs, out)
+    guide = guide_buckets(a, shift).astype(dtype)
+    filled = np.full(len(guide), -1, dtype)  # the kernel's buckets, in two pieces
+    fill_buckets(a, shift, filled, 0, len(guide) // 3)
+    fill_buckets(a, shift, filled, len(guide) // 3, len(guide))
+    assert np.array_equal(filled, guide)
+    _search_guided(a, guide, shift, xs, out)
     assert np.array_equal(out, np.searchsorted(a, xs, side="right"))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_lanes_buckets_stay_those_of_its_counts(seed):
+    """Episodes short, then long, then short again (so the buckets are re-cut both
+    ways), runs of episodes counting nothing, ends undone and the front trimmed: after
+    every change the guide is ``guide_buckets`` of the counts at the lane's shift, about
+    one bucket per episode, and every search through it is numpy's."""
+    rng = np.random.default_rng(seed)
+    lc = LaneCounts()
+    widths = set()
+    for lo, hi in [(1, 4), (2000, 9000), (0, 3), (50, 60)]:
+        for _ in range(int(rng.integers(20, 60))):
+            k = int(rng.integers(1, 400))
+            cum = lc.cum[-1] + np.cumsum(rng.integers(lo, hi, k) * (rng.random(k) < 0.8))
+            lc.append(cum, cum + 7)
+            if rng.random() < 0.3:
+                lc.undo_last()
+            if rng.random() < 0.1 and lc.size > 2:
+                lc.drop_front(int(rng.integers(1, lc.size)))
+            widths.add(lc.shift)
+            assert np.array_equal(lc.guide, guide_buckets(lc.cum, lc.shift))
+            assert lc.guide.dtype == np.int32 and len(lc.guide) <= 2 * lc.size + 1024
+            assert lc.size <= 4 * len(lc.guide) + 1024 or lc.cum[-1] == lc.cum[0]
+            xs = rng.integers(int(lc.cum[0]) - 1, int(lc.cum[-1]) + 1, 300).astype(np.int64)
+            out = np.empty(300, np.int64)
+            _search_guided(lc.cum, lc.guide, lc.shift, xs, out)
+            assert np.array_equal(out, np.searchsorted(lc.cum, xs, side="right"))
+    assert len(widths) >= 3  # the width moved with the episodes (up and back down)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -53,7 +101,7 @@ def test_slice_rows_places_every_slice_in_its_episode_wherever_the_lane_wraps(se
     rows = np.full((200, slice_len), -1, np.int64)
     mask = np.zeros((200, slice_len), bool)
     start, avail = np.full(200, -1, np.int64), np.full(200, -1, np.int64)
-    slice_rows(lane_of, local, lane, counts, cum_base, lane_size,
+    slice_rows(lane_of, local, lane, counts, (guide_buckets(counts[:, 0], 1), 1), cum_base, lane_size,
                (ep_head, ep_tail, first_start, open_start, visible_end, closed),
                slice_len, np.zeros(0, np.int64), True, rows, mask, start, avail)
     mine = lane_of == lane
