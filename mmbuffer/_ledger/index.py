@@ -103,6 +103,11 @@ def episode_ends(ends: np.ndarray, lane: int, lane_size: int, lo: int, hi: int) 
     return np.asarray(ends[_slot(lane, lane_size, np.arange(lo, hi, dtype=np.int64))])
 
 
+def end_of(ends: np.ndarray, lane: int, lane_size: int, seq: int) -> int:
+    """Absolute end of episode ``seq`` of a lane, in plain integers (one episode: no array calls)."""
+    return int(ends[lane * 2 * lane_size + seq % (2 * lane_size)])
+
+
 def ends_at(ends: np.ndarray, lane: int, lane_size: int, seqs: np.ndarray) -> np.ndarray:
     """Absolute ends of the episodes with sequence numbers ``seqs`` (any shape)."""
     return np.asarray(ends[_slot(lane, lane_size, np.asarray(seqs, dtype=np.int64))])

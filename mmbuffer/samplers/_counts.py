@@ -70,15 +70,26 @@ class LaneCounts:
         return int(self.store[self.size - 1, 1])
 
     def append(self, cum: np.ndarray, ends: np.ndarray) -> None:
-        need = self.size + len(cum)
+        need = self._room(len(cum))
+        self.store[self.size : need, 0] = cum
+        self.store[self.size : need, 1] = ends
+        self.size = need
+        self._cover(len(cum))
+
+    def append_one(self, weight: int, end: int) -> None:
+        """One episode more, of ``weight`` items, ending at row ``end`` (plain integers)."""
+        need = self._room(1)
+        self.store[self.size] = self.store[self.size - 1, 0] + weight, end
+        self.size = need
+        self._cover(1)
+
+    def _room(self, count: int) -> int:
+        need = self.size + count
         if need > len(self.store):
             grown = np.empty((max(need, 2 * len(self.store)), 2), dtype=np.int64)
             grown[: self.size] = self.counts
             self.store = grown
-        self.store[self.size : need, 0] = cum
-        self.store[self.size : need, 1] = ends
-        self.size = need
-        self._cover()
+        return need
 
     def undo_last(self) -> None:
         """Forget the newest episode (its end was undone; it is counted anew): the
@@ -97,13 +108,13 @@ class LaneCounts:
         span = int(self.store[self.size - 1, 0] - self.store[0, 0])
         return ((span - 1) >> self.shift) + 1 if span > 0 else 0
 
-    def _cover(self) -> None:
-        """Add the buckets the new counts reach; re-cut them all when their width is off."""
+    def _cover(self, added: int) -> None:
+        """Add the buckets the ``added`` new counts reach; re-cut them all when their width is off."""
         needed = self._needed()
         if self.covered == 0 or needed > 2 * self.size + 1024 or 4 * needed + 1024 < self.size:
             self._cut()
         elif needed > self.covered:
-            self._fill(self.covered, needed)
+            self._fill(self.covered, needed, added == 1)
 
     def _cut(self) -> None:
         """Buckets about one episode wide, from the mean count, all built anew."""
@@ -112,13 +123,19 @@ class LaneCounts:
         self.shift = max(int(np.ceil(np.log2(mean))), 0) if mean > 1 else 0
         self._fill(0, self._needed())
 
-    def _fill(self, first: int, stop: int) -> None:
+    def _fill(self, first: int, stop: int, after_one: bool = False) -> None:
+        """Buckets ``first`` to ``stop``. ``after_one``: the buckets one new count reached,
+        each starting at or past the count before it and below the new one, so each holds
+        the counts but the new one (no search)."""
         dtype = np.int32 if self.size <= _INT32_MAX else np.int64  # half the cache lines while it fits
         if stop > len(self.buckets) or self.buckets.dtype != dtype:
             grown = np.empty(max(stop, 2 * len(self.buckets)), dtype=dtype)
             grown[:first] = self.buckets[:first]
             self.buckets = grown
-        load("sampling").fill_buckets(self.cum, self.shift, self.buckets, first, stop)
+        if after_one:
+            self.buckets[first:stop] = self.size - 1
+        else:
+            load("sampling").fill_buckets(self.cum, self.shift, self.buckets, first, stop)
         self.covered = stop
 
 
@@ -159,10 +176,14 @@ class SliceCounts:
             if newest == lv.ep_tail - 1:
                 end = lv.open_start
             else:
-                end = int(index.ends_at(view.ends, lane, view.lane_size, np.array(newest)))
+                end = index.end_of(view.ends, lane, view.lane_size, newest)
             if end != lc.last_end:
                 lc.undo_last()
-        if lv.ep_tail > lc.upto:
+        if lv.ep_tail == lc.upto + 1:  # one episode more (an online learner's step): plain integers
+            seq = lc.upto
+            start = lv.first_start if seq == lv.ep_head else index.end_of(view.ends, lane, view.lane_size, seq - 1)
+            lc.append_one(self.weight_of(lv.open_start - start), lv.open_start)  # it ends where the open one starts
+        elif lv.ep_tail > lc.upto:
             state = index.Lane(int(view.written[lane]), lv.ep_head, lv.ep_tail, lv.first_start)
             lo = lc.upto
             starts = index.episode_starts(view.ends, lane, view.lane_size, state, lo, lv.ep_tail)
@@ -173,14 +194,17 @@ class SliceCounts:
             lc.drop_front(drop)
         return lc
 
-    def open_weight(self, lv: LaneView) -> int:
-        """``weight`` of the open episode's visible rows, in plain integers (each draw asks)."""
-        n = lv.visible_end - lv.open_start
+    def weight_of(self, n: int) -> int:
+        """``weight`` of one episode of ``n`` rows, in plain integers (each draw asks)."""
         if n < (self.slice_len if self.strict else 1):
             return 0
         if self.per_episode:
             return 1
         return n - self.slice_len + 1 if self.strict else n
+
+    def open_weight(self, lv: LaneView) -> int:
+        """``weight`` of the open episode's visible rows."""
+        return self.weight_of(lv.visible_end - lv.open_start)
 
     def totals(self, view: View) -> tuple[np.ndarray, np.ndarray]:
         """Per lane: eligible items in complete episodes, and in the open one."""

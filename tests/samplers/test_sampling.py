@@ -432,3 +432,48 @@ def test_epoch_spec_in_stream_and_dataset(tmp_path):
         mb.samplers.Recent(2, sampler=mb.samplers.Epoch())
     with pytest.raises(mb.errors.SchemaError):
         mb.samplers.Epoch(name="../x")  # the state file stays inside the store
+
+
+@pytest.mark.parametrize("strict, per_episode", [(True, False), (False, True)])
+def test_slice_counts_kept_step_by_step_equal_counts_built_at_once(tmp_path, strict, per_episode):
+    """An online learner adds one episode between draws (counted in plain integers,
+    ``SliceCounts.sync``), sometimes several or none, while the ring evicts old ones and
+    ends are undone and set again (twice a long episode evicts every older one, and its own
+    rows go with the next ones): after every step the counts kept are those a new
+    reader builds from the same view at once, and the guide's buckets those of its counts."""
+    from mmbuffer._ledger.appending import reopen_last_episode
+    from mmbuffer.samplers._counts import SliceCounts
+
+    buf = mb.create(tmp_path / "s", {"obs": ((), "float32")}, capacity=3000, next_keys=())
+    kept = SliceCounts(3, strict, per_episode)
+    rng = np.random.default_rng(0)
+    one_by_one = 0
+    for step in range(400):
+        k = int(rng.choice([0, 1, 1, 1, 2, 5]))
+        lengths = rng.integers(1, 12, k)
+        if step in (150, 300):  # no live complete episode left: the counts start again
+            buf.extend({"obs": np.zeros(2900, np.float32), "truncated": np.arange(2900) == 2899})
+            buf.extend({"obs": np.zeros(200, np.float32)})
+        elif k:
+            buf.extend({"obs": np.zeros(int(lengths.sum()), np.float32),
+                        "truncated": np.isin(np.arange(lengths.sum()), np.cumsum(lengths) - 1)})
+        if rng.random() < 0.1 and reopen_last_episode(buf.store, 0):
+            buf.extend({"obs": np.zeros(2, np.float32), "terminated": np.arange(2) == 1})
+        view = buf.view()
+        before = kept.lanes[0].upto if 0 in kept.lanes else None
+        lc = kept.sync(view, 0)
+        one_by_one += before is not None and lc.upto == before + 1
+        fresh = SliceCounts(3, strict, per_episode).sync(view, 0)
+        assert lc.upto == fresh.upto
+        live = lc.counts[lc.size - fresh.size :]  # the rows of the live episodes (a trim may be due)
+        assert np.array_equal(np.diff(live[:, 0]), np.diff(fresh.cum))
+        assert np.array_equal(live[1:, 1], fresh.counts[1:, 1])
+        assert np.array_equal(lc.guide, fresh_guide(lc.cum, lc.shift))
+    assert one_by_one > 100 and buf.view().lanes[0].ep_head > 0  # one at a time, most often; old ones evicted
+    buf.close()
+
+
+def fresh_guide(cum: np.ndarray, shift: int) -> np.ndarray:
+    if cum[-1] <= cum[0]:
+        return np.zeros(0, np.int64)
+    return np.searchsorted(cum, cum[0] + (np.arange(((int(cum[-1] - cum[0]) - 1) >> shift) + 1) << shift), side="right")
