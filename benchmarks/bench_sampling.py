@@ -95,28 +95,27 @@ def static(buf: mb.Buffer, reps: int) -> list[dict[str, object]]:
 
 
 def online(buf: mb.Buffer, episodes: int, n: int, L: int) -> dict[str, float]:
-    """The online learner's loop: extend one 1000-row episode, sample; commit every 100."""
+    """The online learner's loop: extend one 1000-row episode, sample; commit every 100.
+    The sample is the first call after the write (it brings the slice counts up to date),
+    as TorchRL's "sample after a write" is."""
     g = torch.Generator().manual_seed(1)
     episode = {"obs": np.zeros(1000, np.uint8), "truncated": np.arange(1000) == 999}
-    t_ext, t_idx, t_tot, t_commit = [], [], [], []
+    t_ext, t_smp, t_commit = [], [], []
     for i in range(episodes):
         t0 = time.perf_counter()
         buf.extend(episode)
         t1 = time.perf_counter()
-        buf.slice_indices(n, L, generator=g)
-        t2 = time.perf_counter()
         buf.sample_slices(n, L, generator=g)
-        t3 = time.perf_counter()
         t_ext.append(t1 - t0)
-        t_idx.append(t2 - t1)
-        t_tot.append(t3 - t2)
+        t_smp.append(time.perf_counter() - t1)
         if i % 100 == 99:
             t0 = time.perf_counter()
             buf.commit()
             t_commit.append(time.perf_counter() - t0)
     med = statistics.median
-    return {"extend ms": med(t_ext) * 1e3, "index ms": med(t_idx) * 1e3, "total ms": med(t_tot) * 1e3,
-            "commit ms": med(t_commit) * 1e3 if t_commit else float("nan")}
+    both = [a + b for a, b in zip(t_ext, t_smp)]
+    return {"extend ms": med(t_ext) * 1e3, "sample after the write ms": med(t_smp) * 1e3,
+            "extend + sample ms": med(both) * 1e3, "commit ms": med(t_commit) * 1e3 if t_commit else float("nan")}
 
 
 REOPEN = """
@@ -209,8 +208,10 @@ def main() -> None:
             table([on])
             for row in rows[:1]:  # the online figure is TorchRL's after a write, the same for both regimes
                 if "torchrl online sample ms" in row and row["slices"] == "256 x 4":
+                    after = on["sample after the write ms"]
                     print(f"online: TorchRL sample after a write {row['torchrl online sample ms']:.1f} ms vs "
-                          f"mmbuffer total {on['total ms']:.3f} ms -> {row['torchrl online sample ms'] / on['total ms']:.0f}x\n")
+                          f"mmbuffer's {after:.3f} ms -> {row['torchrl online sample ms'] / after:.0f}x "
+                          f"({row['torchrl online sample ms'] / on['extend + sample ms']:.0f}x counting our extend too)\n")
 
 
 if __name__ == "__main__":
