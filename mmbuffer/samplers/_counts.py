@@ -35,8 +35,9 @@ class LaneCounts:
     kernel finds an episode's two ends in the cache lines its search just read. Both
     buffers grow by doubling, so adding an episode costs O(1) amortized (an online
     learner adds one per step), never a copy of all. The buckets are about one episode
-    wide (``shift`` from the mean count), re-cut when the mean has moved by 2x or 4x
-    (a bucket then holds few episodes again, and there are at most about two per episode).
+    wide (``shift`` from the mean count, one item at least), re-cut when the mean has moved
+    by 2x or 4x (a bucket then holds few episodes again, and there are at most about two
+    per episode).
     """
 
     base: int = 0  # episode sequence number of cum[0]
@@ -111,7 +112,7 @@ class LaneCounts:
     def _cover(self, added: int) -> None:
         """Add the buckets the ``added`` new counts reach; re-cut them all when their width is off."""
         needed = self._needed()
-        if self.covered == 0 or needed > 2 * self.size + 1024 or 4 * needed + 1024 < self.size:
+        if self.covered == 0 or needed > 2 * self.size + 1024 or (self.shift and 4 * needed + 1024 < self.size):
             self._cut()
         elif needed > self.covered:
             self._fill(self.covered, needed, added == 1)
