@@ -59,14 +59,16 @@ def read_spec(buf: Any, spec: Sampler, n: int, generator: torch.Generator | None
     a spec without state is read and nothing is stacked (``sample``'s default: its fixed
     cost is most of a small batch's): one ``indices`` call under the lock (what the
     default ``plan`` draws), one gather, and in a reader the re-check (``rechecked``,
-    which draws again through ``plan``; the writer's reads take the lock)."""
+    which draws again through ``plan``; the writer's reads take the lock). A spec that
+    knows where its windows hold their episodes' last rows (``Sampler.draw_with_ends``:
+    ``Slices``) has the done flags read only there (``gather(done_at=)``)."""
     store = buf.store
     if stack is not None or spec.stateful:
         return read_batch(store, spec.plan(buf, n, generator, state), n, names, stack=stack)
     with store.lock:
         view = store.view()
-        drawn = spec.indices(view, n, generator, state)
-        data = gather(store, drawn[0], names)
+        drawn, last = spec.draw_with_ends(view, n, generator, state)
+        data = gather(store, drawn[0], names, done_at=last)
         if store.mode == "r":
             data, drawn = rechecked(store, spec.plan(buf, n, generator, state), drawn, data, names, view=view)
         return _batch(data, drawn)

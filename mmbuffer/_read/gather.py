@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from .. import errors
+from .._disk.format import RESERVED_NAMES
 from .._ledger.snapshot import Ledger
 from .._ledger.store import Store
 from ..kernels import load
@@ -112,6 +113,7 @@ def gather(
     rows: np.ndarray,
     keys: Iterable[str] | None = None,
     out: Mapping[str, torch.Tensor] | None = None,
+    done_at: np.ndarray | None = None,
 ) -> dict[str, torch.Tensor]:
     """Rows of ``store`` at global ids ``rows`` (any shape) as a dict of tensors.
 
@@ -122,7 +124,9 @@ def gather(
     Raw columns are copied from their mapped bytes by the compiled kernels of
     ``mmbuffer.kernels.gather``, in the order given and without the GIL: a run of
     consecutive rows (a slice) as one ``memcpy``, ``next_<col>`` in the same pass
-    as ``<col>``. Compressed columns are read through their backend.
+    as ``<col>``. Compressed columns are read through their backend. ``done_at``
+    (windows ``[B, L]``: where each holds its episode's last row, -1: nowhere) lets a
+    small batch read the done flags there only (``kernels.gather.gather_small``).
     """
     kernels = load("gather")
     if not isinstance(store, Store):  # a Buffer: its store
@@ -135,7 +139,7 @@ def gather(
     if out is None and plan.small is not None:
         layout = _block(plan, rows.shape)
         if layout.nbytes < _SMALL:
-            return _gather_small(kernels, store, plan, layout, flat, cursors)
+            return _gather_small(kernels, store, plan, layout, flat, cursors, done_at, rows.shape[-1] if rows.ndim else 1)
     starts, bad = kernels.runs(flat, store.capacity)
     if bad >= 0:
         _bad_row(store, flat, bad)
@@ -203,13 +207,14 @@ class _Small:
     row_bytes: np.ndarray
     owns: tuple[str | None, ...]
     afters: tuple[str | None, ...]
+    sparse: np.ndarray  # per pass: a done flag alone, read at windows' episode ends only when known
 
 
 def _small(kernels: Any, passes: tuple[tuple[_Key | None, _Key | None], ...], index: np.ndarray) -> _Small:
     none = np.zeros(0, np.uint8)
     flags = (none, none)
     arrays: list[np.ndarray] = []
-    row_bytes, owns, afters = [], [], []
+    row_bytes, owns, afters, sparse = [], [], [], []
     for own, after in passes:
         key = after if after is not None else own
         assert key is not None and key.source is not None
@@ -223,10 +228,11 @@ def _small(kernels: Any, passes: tuple[tuple[_Key | None, _Key | None], ...], in
         row_bytes.append(key.row_bytes)
         owns.append(None if own is None else own.name)
         afters.append(None if after is None else after.name)
+        sparse.append(after is None and key.name in RESERVED_NAMES and key.row_bytes == 1)
     arrays += [*flags, index]
     where = np.array([kernels.address(a) for a in arrays], np.int64).reshape(-1, 2)
     return _Small(tuple(arrays), where[:, 0].copy(), where[:, 1].copy(), np.array(row_bytes, np.int64),
-                  tuple(owns), tuple(afters))
+                  tuple(owns), tuple(afters), np.array(sparse, np.bool_))
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -271,7 +277,8 @@ def _bad_row(store: Store, flat: np.ndarray, bad: int) -> None:
 
 
 def _gather_small(
-    kernels: Any, store: Store, plan: _Plan, layout: _Block, flat: np.ndarray, cursors: np.ndarray
+    kernels: Any, store: Store, plan: _Plan, layout: _Block, flat: np.ndarray, cursors: np.ndarray,
+    done_at: np.ndarray | None, width: int,
 ) -> dict[str, torch.Tensor]:
     """``gather`` of a small batch into new memory: one kernel call for every key
     (``kernels.gather_small``; a small batch's cost is mostly fixed)."""
@@ -279,7 +286,8 @@ def _gather_small(
     small = plan.small  # referenced through the call: it keeps the arrays it gives by address
     memory = RECYCLER.small(layout.nbytes)
     bad = kernels.gather_small(small.addresses, small.sizes, small.row_bytes, layout.own_at, layout.next_at,
-                               store.lane_size, flat, store.capacity, memory, cursors, plan.by_episode)
+                               store.lane_size, flat, store.capacity, memory, cursors, plan.by_episode,
+                               small.sparse, done_at, width)
     if bad >= 0:
         _bad_row(store, flat, bad)
     from_numpy, ndarray = torch.from_numpy, np.ndarray

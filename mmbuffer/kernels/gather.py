@@ -280,9 +280,12 @@ def check_passes(
 @numba.njit(nogil=True, cache=True)
 def _gather_small(
     addresses: Any, sizes: Any, row_bytes: Any, own_at: Any, next_at: Any, lane_size: int, rows: Any, nrows: int, out: Any,
-    cursors: Any, by_episode: bool,
+    cursors: Any, by_episode: bool, sparse: Any, ends_at: Any, width: int,
 ) -> int:
     n = rows.shape[0]
+    windows = ends_at.shape[0] > 0  # the done flags of windows: read at their episodes' last rows only
+    if windows and (ends_at.shape[0] * width != n or sparse.shape[0] != row_bytes.shape[0]):
+        raise ValueError("gather: windows of inconsistent sizes")
     # runs of consecutive rows (a window's): each pass copies a run's own values at once
     # (row by row, a gather of 256 slices of 4 rows at 1e9 rows was 20-40% slower and one
     # of 64 x 64 rows twice as slow: benchmarks/HISTORY.md)
@@ -300,6 +303,8 @@ def _gather_small(
         if a < count:  # the first lines of run ``a`` (a row and its next row at least) in every source
             r, length = rows[starts[a]], starts[a + 1] - starts[a]
             for p in range(passes):
+                if windows and sparse[p]:
+                    continue
                 rb, nx = row_bytes[p], 1 if next_at[p] != -1 else 0
                 src = _carray(_pointer(addresses[2 * p]), sizes[2 * p])
                 x = r * rb
@@ -325,7 +330,11 @@ def _gather_small(
             for p in range(passes):
                 rb = row_bytes[p]
                 src = _carray(_pointer(addresses[2 * p]), sizes[2 * p])
-                if own_at[p] != -1 and i == i0:  # the run's own values at once
+                if own_at[p] != -1 and i == i0 and windows and sparse[p]:  # a one-byte flag, set
+                    for q in range(i0, i1):  # only where an episode ends: at each window's ``ends_at``
+                        w = q // width
+                        out[own_at[p] + q] = src[rows[q]] if q - w * width == ends_at[w] else 0
+                elif own_at[p] != -1 and i == i0:  # the run's own values at once
                     _memcpy(out, own_at[p] + i0 * rb, src, r * rb, (i1 - i0) * rb)
                 if next_at[p] != -1:
                     if slot >= 0:
@@ -341,6 +350,7 @@ def _gather_small(
 def gather_small(
     addresses: np.ndarray, sizes: np.ndarray, row_bytes: np.ndarray, own_at: np.ndarray, next_at: np.ndarray,
     lane_size: int, rows: np.ndarray, nrows: int, out: np.ndarray, cursors: np.ndarray, by_episode: bool,
+    sparse: np.ndarray | None = None, last: np.ndarray | None = None, width: int = 1,
 ) -> int:
     """Every key of a small batch in one call, row by row. Pass ``p`` copies rows
     ``rows`` (int64, flat) of ``row_bytes[p]`` bytes of its source to byte
@@ -359,8 +369,22 @@ def gather_small(
     than a writable one at each call): a small batch's cost is mostly fixed
     (``benchmarks/bench_small_batch.py``). A run of consecutive rows (a window) is
     copied at once for each key, its next values row by row.
+
+    With ``last`` (int64, one per window of ``width`` rows: ``rows`` is ``[B, width]``
+    flat), each pass marked in ``sparse`` (one-byte done flags, no next values) reads
+    only the row at position ``last[w]`` of window ``w`` (-1: none) and writes 0 at the
+    others: the caller knows those are where its windows' episodes end, and a flag is
+    set nowhere else, so the flags' cache lines are not read (two of a short window's
+    three at 1e9 rows).
     """
-    return int(_gather_small(addresses, sizes, row_bytes, own_at, next_at, lane_size, rows, nrows, out, cursors, by_episode))
+    if last is None or sparse is None:
+        sparse, last = _NO_WINDOWS, _NO_LAST
+    return int(_gather_small(addresses, sizes, row_bytes, own_at, next_at, lane_size, rows, nrows, out, cursors,
+                             by_episode, sparse, last, width))
+
+
+_NO_WINDOWS = np.zeros(0, np.bool_)
+_NO_LAST = np.zeros(0, np.int64)
 
 
 @numba.njit(nogil=True, cache=True)

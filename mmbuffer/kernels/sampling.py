@@ -100,7 +100,7 @@ def _uniform_rows(bits: Any, counts: Any, first: Any, lane_size: int, out: Any) 
 def _slice_rows(
     lane_of: Any, local: Any, lane: int, counts: Any, guide: Any, shift: int, cum_base: int, lane_size: int,
     ep_head: int, ep_tail: int, first_start: int, open_start: int, visible_end: int, closed: int,
-    slice_len: int, offsets: Any, strict: bool, rows: Any, mask: Any, start_out: Any, avail_out: Any,
+    slice_len: int, offsets: Any, strict: bool, rows: Any, mask: Any, start_out: Any, avail_out: Any, last_out: Any,
 ) -> None:
     cum = counts[:, 0]
     c0 = cum[ep_head - cum_base]
@@ -150,6 +150,7 @@ def _slice_rows(
             avail -= off
         start_out[i] = start
         avail_out[i] = avail
+        last_out[i] = avail - 1 if r < closed and avail <= rows.shape[1] else -1
         last = max(avail - 1, 0)
         at = first_at + (start - first_start)  # ``start % lane_size`` for a live row
         if at >= lane_size:
@@ -199,6 +200,7 @@ def slice_rows(
     mask: np.ndarray,
     start: np.ndarray,
     avail: np.ndarray,
+    last: np.ndarray,
 ) -> None:
     """Slices of the items ``i`` of ``lane`` (all items when ``lane_of`` is empty,
     else those with ``lane_of[i] == lane``) from their in-lane ranks ``local``.
@@ -209,10 +211,11 @@ def slice_rows(
     ``guide`` the buckets of its ``cum`` and their shift (``fill_buckets``);
     ``bounds`` is ``(ep_head, ep_tail, first_start, open_start, visible_end, closed)``:
     the lane's view and its count of items in complete episodes. Writes each item's
-    absolute start and rows available from it into ``start``/``avail`` and its
+    absolute start and rows available from it into ``start``/``avail``, its
     ``[L]`` global rows and mask into ``rows``/``mask`` (positions past ``avail``
-    repeat the last available row, masked). With ``offsets`` (non-empty: bits,
+    repeat the last available row, masked), and into ``last`` the position of its
+    complete episode's last row in the window (-1: not in it, or the episode is open). With ``offsets`` (non-empty: bits,
     one per item) the rank picked an episode and ``offsets % room`` the start in it.
     """
     _slice_rows(lane_of, local, lane, counts, *guide, cum_base, lane_size, *bounds, slice_len, offsets, strict,
-                rows, mask, start, avail)
+                rows, mask, start, avail, last)

@@ -94,7 +94,7 @@ def slice_starts(
     totals: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Map item ranks to slices: (lane, absolute start, rows available from start)."""
-    lane, start, avail, _, _ = _slice_batch(view, counts, ranks, generator, totals)
+    lane, start, avail, _, _, _ = _slice_batch(view, counts, ranks, generator, totals)
     return lane, start, avail
 
 
@@ -104,9 +104,10 @@ def _slice_batch(
     ranks: np.ndarray,
     generator: torch.Generator | None,
     totals: tuple[np.ndarray, np.ndarray] | None = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Lane, absolute start, rows available, ``[B, L]`` rows and mask of the slices of
-    item ranks ``ranks``.
+    item ranks ``ranks``, and where each window holds its complete episode's last row
+    (``-1``: nowhere; ``kernels.sampling.slice_rows``).
 
     Ranks count items over the lanes in order; inside a lane, ranks below its
     ``closed`` count fall in complete episodes (a binary search on the cumulative
@@ -132,13 +133,14 @@ def _slice_batch(
     avail = np.empty(n, np.int64)
     rows = np.empty((n, counts.slice_len), np.int64)
     mask = np.empty((n, counts.slice_len), bool)
+    last = np.empty(n, np.int64)
     for l in lanes:
         lv = view.lanes[l]
         lc = counts.lanes[l]
         bounds = (lv.ep_head, lv.ep_tail, lv.first_start, lv.open_start, lv.visible_end, int(closed[l]))
         kernels.slice_rows(lane_of, local, l, lc.counts, (lc.guide, lc.shift), lc.base, view.lane_size, bounds,
-                           counts.slice_len, offsets, counts.strict, rows, mask, start, avail)
-    return lane, start, avail, rows, mask
+                           counts.slice_len, offsets, counts.strict, rows, mask, start, avail, last)
+    return lane, start, avail, rows, mask, last
 
 
 def slices(
@@ -146,8 +148,9 @@ def slices(
     counts: SliceCounts,
     num_slices: int,
     generator: torch.Generator | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """``[B, L]`` global rows and ``[B, L]`` mask of uniformly drawn slices."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``[B, L]`` global rows and ``[B, L]`` mask of uniformly drawn slices, and the
+    position of each one's complete episode's last row in it (``-1``: none there)."""
     closed, opened = counts.totals(view)
     total = int((closed + opened).sum())
     if total == 0:
@@ -158,8 +161,8 @@ def slices(
             "(no episode is that long; use strict=False to pad)"
         )
     ranks = _randint(total, num_slices, generator)
-    _, _, _, rows, mask = _slice_batch(view, counts, ranks, generator, (closed, opened))
-    return rows, mask
+    _, _, _, rows, mask, last = _slice_batch(view, counts, ranks, generator, (closed, opened))
+    return rows, mask, last
 
 
 def window(

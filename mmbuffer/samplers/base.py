@@ -74,6 +74,15 @@ class Sampler(abc.ABC):
     ) -> Draw:
         """``n`` items drawn from ``snapshot`` (see the module docstring)."""
 
+    def draw_with_ends(
+        self, snapshot: View, n: int, generator: torch.Generator | None, state: SamplerState
+    ) -> tuple[Draw, np.ndarray | None]:
+        """:meth:`indices`, and for windows the position in each of its complete
+        episode's last row (``-1``: not in the window), or None where not known (the
+        default). The done flags are False on every other row of a live episode, so a
+        gather reads them only there (``_read/batch.py: read_spec``)."""
+        return self.indices(snapshot, n, generator, state), None
+
     def mass(self, snapshot: View, state: SamplerState) -> float:
         """The total weight this spec gives the sampleable items of ``snapshot`` (rows,
         windows, episodes or priority): a union of stores (a writer group,

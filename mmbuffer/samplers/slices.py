@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .. import errors
@@ -47,8 +48,20 @@ class Slices(Sampler):
             raise errors.InvalidArgumentError(f"weighting: expected 'windows' or 'episodes', got {self.weighting!r}")
 
     def indices(self, snapshot: View, n: int, generator: torch.Generator | None, state: SamplerState) -> Draw:
-        rows, mask = sampling.slices(snapshot, slice_counts(state, self.slice_len, self.strict, self.weighting), n, generator)
-        return Draw(rows, ones(n), mask, snapshot.written)
+        return self._windows(snapshot, n, generator, state)[0]
+
+    def draw_with_ends(
+        self, snapshot: View, n: int, generator: torch.Generator | None, state: SamplerState
+    ) -> tuple[Draw, np.ndarray | None]:
+        if type(self).indices is not Slices.indices:  # a subclass that draws its own way
+            return Sampler.draw_with_ends(self, snapshot, n, generator, state)  # (slots: no bare super())
+        return self._windows(snapshot, n, generator, state)
+
+    def _windows(self, snapshot: View, n: int, generator: torch.Generator | None, state: SamplerState,
+                 ) -> tuple[Draw, np.ndarray]:
+        counts = slice_counts(state, self.slice_len, self.strict, self.weighting)
+        rows, mask, last = sampling.slices(snapshot, counts, n, generator)
+        return Draw(rows, ones(n), mask, snapshot.written), last
 
     def mass(self, snapshot: View, state: SamplerState) -> float:
         closed, opened = slice_counts(state, self.slice_len, self.strict, self.weighting).totals(snapshot)

@@ -3,7 +3,8 @@
 side="right")`` for empty, tiny and large arrays, repeated values, buckets of any width and
 targets outside the range; the buckets a lane's counts keep (``samplers._counts.LaneCounts``)
 through appends, undone ends and trims, always those of its counts; and ``slice_rows``, every
-slice where the episodes lie, whatever the lane's wrap."""
+slice where the episodes lie, whatever the lane's wrap, and where each holds its complete
+episode's last row."""
 
 from __future__ import annotations
 
@@ -100,10 +101,10 @@ def test_slice_rows_places_every_slice_in_its_episode_wherever_the_lane_wraps(se
     lane_of = rng.integers(0, 3, 200).astype(np.int64)
     rows = np.full((200, slice_len), -1, np.int64)
     mask = np.zeros((200, slice_len), bool)
-    start, avail = np.full(200, -1, np.int64), np.full(200, -1, np.int64)
+    start, avail, last = np.full(200, -1, np.int64), np.full(200, -1, np.int64), np.full(200, -7, np.int64)
     slice_rows(lane_of, local, lane, counts, (guide_buckets(counts[:, 0], 1), 1), cum_base, lane_size,
                (ep_head, ep_tail, first_start, open_start, visible_end, closed),
-               slice_len, np.zeros(0, np.int64), True, rows, mask, start, avail)
+               slice_len, np.zeros(0, np.int64), True, rows, mask, start, avail, last)
     mine = lane_of == lane
     assert (visible_end - 1) % lane_size < first_start % lane_size
     assert mine.sum() > 40 and (local[mine] < closed).any() and (local[mine] >= closed).any()
@@ -116,6 +117,8 @@ def test_slice_rows_places_every_slice_in_its_episode_wherever_the_lane_wraps(se
         else:
             want_start, want_end = open_start + r - closed, visible_end
         assert (start[i], avail[i]) == (want_start, want_end - want_start)
+        ends_here = r < closed and want_end - want_start <= slice_len  # its complete episode's last row
+        assert last[i] == (want_end - want_start - 1 if ends_here else -1)
         at = want_start + np.minimum(np.arange(slice_len), want_end - want_start - 1)
         assert np.array_equal(rows[i], lane * lane_size + at % lane_size)
         assert np.array_equal(mask[i], np.arange(slice_len) < want_end - want_start)
