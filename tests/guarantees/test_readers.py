@@ -115,12 +115,12 @@ def test_writer_lapping_between_index_and_gather_is_never_returned(tmp_path, kin
     real_gather = recheck_module.gather
     calls = {"n": 0}
 
-    def racing_gather(store, rows, keys=None, out=None):
+    def racing_gather(store, rows, keys=None, out=None, done_at=None):
         if store is reader.store and calls["n"] == 0:
             for s in range(2):  # the writer rewrites the oldest rows of the reader's commit
                 writer.extend(s, 40)
         calls["n"] += 1
-        return real_gather(store, rows, keys, out)
+        return real_gather(store, rows, keys, out, done_at)
 
     for module in (recheck_module, batch_module):  # every gather a reader's batch may take
         monkeypatch.setattr(module, "gather", racing_gather)
