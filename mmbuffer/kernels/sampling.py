@@ -23,9 +23,9 @@ __all__ = ["fill_buckets", "slice_rows", "uniform_rows"]
 
 
 @numba.njit(nogil=True, cache=True)
-def _search_right(a: Any, x: int) -> int:
-    """``np.searchsorted(a, x, side="right")`` for a sorted int64 array."""
-    lo, hi = 0, a.shape[0]
+def _search_right(a: Any, x: int, lo: int, hi: int) -> int:
+    """``np.searchsorted(a, x, side="right")`` for a sorted int64 array whose answer
+    is known to lie in ``[lo, hi]`` (``0, len(a)``: anywhere)."""
     while lo < hi:
         mid = (lo + hi) >> 1
         if a[mid] <= x:
@@ -60,14 +60,7 @@ def _search_guided(a: Any, guide: Any, shift: int, xs: Any, out: Any) -> None:
             out[i] = guide[b]
             hi[i] = guide[b + 1] if b + 1 < g else n
     for i in range(m):
-        lo, top, x = out[i], hi[i], xs[i]
-        while lo < top:
-            mid = (lo + top) >> 1
-            if a[mid] <= x:
-                lo = mid + 1
-            else:
-                top = mid
-        out[i] = lo
+        out[i] = _search_right(a, xs[i], out[i], hi[i])
 
 
 @numba.njit(nogil=True, cache=True)
@@ -91,7 +84,7 @@ def _uniform_rows(bits: Any, counts: Any, first: Any, lane_size: int, out: Any) 
         cum[l] = total
     for i in range(bits.shape[0]):
         u = bits[i] % total
-        lane = _search_right(cum, u)
+        lane = _search_right(cum, u, 0, lanes)
         absolute = first[lane] + u - (cum[lane] - counts[lane])
         out[i] = lane * lane_size + absolute % lane_size
 
