@@ -350,7 +350,7 @@ def _gather_small(
 def gather_small(
     addresses: np.ndarray, sizes: np.ndarray, row_bytes: np.ndarray, own_at: np.ndarray, next_at: np.ndarray,
     lane_size: int, rows: np.ndarray, nrows: int, out: np.ndarray, cursors: np.ndarray, by_episode: bool,
-    sparse: np.ndarray | None = None, last: np.ndarray | None = None, width: int = 1,
+    sparse: np.ndarray | None = None, ends_at: np.ndarray | None = None, width: int = 1,
 ) -> int:
     """Every key of a small batch in one call, row by row. Pass ``p`` copies rows
     ``rows`` (int64, flat) of ``row_bytes[p]`` bytes of its source to byte
@@ -370,21 +370,21 @@ def gather_small(
     (``benchmarks/bench_small_batch.py``). A run of consecutive rows (a window) is
     copied at once for each key, its next values row by row.
 
-    With ``last`` (int64, one per window of ``width`` rows: ``rows`` is ``[B, width]``
+    With ``ends_at`` (int64, one per window of ``width`` rows: ``rows`` is ``[B, width]``
     flat), each pass marked in ``sparse`` (one-byte done flags, no next values) reads
-    only the row at position ``last[w]`` of window ``w`` (-1: none) and writes 0 at the
+    only the row at position ``ends_at[w]`` of window ``w`` (-1: none) and writes 0 at the
     others: the caller knows those are where its windows' episodes end, and a flag is
     set nowhere else, so the flags' cache lines are not read (two of a short window's
     three at 1e9 rows).
     """
-    if last is None or sparse is None:
-        sparse, last = _NO_WINDOWS, _NO_LAST
+    if ends_at is None or sparse is None:
+        sparse, ends_at = _NO_WINDOWS, _NO_ENDS
     return int(_gather_small(addresses, sizes, row_bytes, own_at, next_at, lane_size, rows, nrows, out, cursors,
-                             by_episode, sparse, last, width))
+                             by_episode, sparse, ends_at, width))
 
 
 _NO_WINDOWS = np.zeros(0, np.bool_)
-_NO_LAST = np.zeros(0, np.int64)
+_NO_ENDS = np.zeros(0, np.int64)
 
 
 @numba.njit(nogil=True, cache=True)

@@ -110,8 +110,8 @@ def _slice_batch(
     (``-1``: nowhere; ``kernels.sampling.slice_rows``).
 
     Ranks count items over the lanes in order; inside a lane, ranks below its
-    ``closed`` count fall in complete episodes (a binary search on the cumulative
-    counts), the rest in the open episode. One compiled pass per lane holding
+    ``closed`` count fall in complete episodes (a search of the cumulative counts guided
+    by their buckets), the rest in the open episode. One compiled pass per lane holding
     items (``kernels.sampling.slice_rows``); with per-episode weighting the
     start inside the drawn episode takes one more draw of random bits, after the
     ranks (the order the generator is used in never changed).
