@@ -104,9 +104,13 @@ class LaneCounts:
         self.base += count
         self._cut()
 
+    def _span(self) -> int:
+        """Items counted from the first count to the last."""
+        return int(self.store[self.size - 1, 0] - self.store[0, 0])
+
     def _needed(self) -> int:
         """Buckets that start below the last count (those an item can fall in)."""
-        span = int(self.store[self.size - 1, 0] - self.store[0, 0])
+        span = self._span()
         return ((span - 1) >> self.shift) + 1 if span > 0 else 0
 
     def _cover(self, added: int) -> None:
@@ -119,9 +123,8 @@ class LaneCounts:
 
     def _cut(self) -> None:
         """Buckets about one episode wide, from the mean count, all built anew."""
-        span = int(self.store[self.size - 1, 0] - self.store[0, 0])
-        mean = span / max(self.size - 1, 1)
-        self.shift = max(int(np.ceil(np.log2(mean))), 0) if mean > 1 else 0
+        mean = self._span() / max(self.size - 1, 1)
+        self.shift = int(np.ceil(np.log2(mean))) if mean > 1 else 0
         self._fill(0, self._needed())
 
     def _fill(self, first: int, stop: int, after_one: bool = False) -> None:
