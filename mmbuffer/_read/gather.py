@@ -132,14 +132,14 @@ def gather(
     if not isinstance(store, Store):  # a Buffer: its store
         store = store.store
     plan = _plan(store, keys)
-    ledger = store.ledger  # where final observations are, as of now (_ledger/finals.py)
-    cursors = ledger.cursors()
     rows = np.asarray(rows, dtype=np.int64)
     flat = np.ascontiguousarray(rows).reshape(-1)
     if out is None and plan.small is not None:
         layout = _block(plan, rows.shape)
         if layout.nbytes < _SMALL:
-            return _gather_small(kernels, store, plan, layout, flat, cursors, done_at, rows.shape[-1] if rows.ndim else 1)
+            return _gather_small(kernels, store, plan, layout, flat, done_at, rows.shape[-1] if rows.ndim else 1)
+    ledger = store.ledger  # where final observations are, as of now (_ledger/finals.py)
+    cursors = ledger.cursors()
     starts, bad = kernels.runs(flat, store.capacity)
     if bad >= 0:
         _bad_row(store, flat, bad)
@@ -277,13 +277,16 @@ def _bad_row(store: Store, flat: np.ndarray, bad: int) -> None:
 
 
 def _gather_small(
-    kernels: Any, store: Store, plan: _Plan, layout: _Block, flat: np.ndarray, cursors: np.ndarray,
-    done_at: np.ndarray | None, width: int,
+    kernels: Any, store: Store, plan: _Plan, layout: _Block, flat: np.ndarray, done_at: np.ndarray | None, width: int,
 ) -> dict[str, torch.Tensor]:
     """``gather`` of a small batch into new memory: one kernel call for every key
-    (``kernels.gather_small``; a small batch's cost is mostly fixed)."""
+    (``kernels.gather_small``; a small batch's cost is mostly fixed). Its rows' lines
+    are asked for first (``kernels.prefetch_rows``), so they arrive while the rest runs."""
     assert plan.small is not None
     small = plan.small  # referenced through the call: it keeps the arrays it gives by address
+    kernels.prefetch_rows(small.addresses, small.sizes, small.row_bytes, flat, width,
+                          None if done_at is None else small.sparse)
+    cursors = store.ledger.cursors()  # where final observations are, as of now (_ledger/finals.py)
     memory = RECYCLER.small(layout.nbytes)
     bad = kernels.gather_small(small.addresses, small.sizes, small.row_bytes, layout.own_at, layout.next_at,
                                store.lane_size, flat, store.capacity, memory, cursors, plan.by_episode,

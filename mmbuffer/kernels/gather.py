@@ -36,19 +36,13 @@ from typing import Any
 
 import numba
 import numpy as np
-from numba import types
-from numba.core import cgutils as _cgutils
-from numba.extending import intrinsic
 
-from .intrinsics import memcpy as _memcpy, pointer as _pointer, pointer64 as _pointer64
+from .intrinsics import memcpy as _memcpy, pointer as _pointer, pointer64 as _pointer64, prefetch as _prefetch
 from .finals import check_finals as _check_finals, final_seq as _final_seq, final_slot as _final_slot, zero as _zero
-
-cgutils: Any = _cgutils  # numba's code generation helpers are untyped
-ir: Any = cgutils.ir  # llvmlite's IR builder, as numba imports it
 
 __all__ = [
     "address", "bytes_of", "check_passes", "copy_rows", "copy_rows_next", "copy_runs", "gather_small", "next_runs",
-    "overwritten", "runs",
+    "overwritten", "prefetch_rows", "runs",
 ]
 
 _LINE = 64  # bytes of a cache line
@@ -58,26 +52,6 @@ _AHEAD_LINES = 64  # lines in flight ahead of the copy (about what a core keeps 
 # slower (benchmarks/HISTORY.md, 2026-11-23 evening): the surplus requests queue behind
 # the misses that matter.
 _MAX_RUN_LINES = 4
-
-
-def _prefetch_typing(typingctx: Any, arr: Any, off: Any) -> Any:
-    """A read prefetch of the cache line holding byte ``off`` of ``arr`` (a hint:
-    it never faults, so an offset past the end is harmless)."""
-    sig = types.void(arr, types.intp)
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        a, off = args
-        ptr = builder.gep(cgutils.create_struct_proxy(signature.args[0])(context, builder, value=a).data, [off])
-        i32 = ir.IntType(32)
-        fnty = ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
-        builder.call(fn, [ptr, i32(0), i32(3), i32(1)])  # read, keep in all cache levels, data
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-_prefetch: Any = intrinsic(_prefetch_typing)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -347,6 +321,28 @@ def _gather_small(
     return -1
 
 
+@numba.njit(nogil=True, cache=True)
+def _prefetch_rows(addresses: Any, sizes: Any, row_bytes: Any, rows: Any, width: int, skip: Any) -> None:
+    if width <= 0:
+        return
+    for p in range(row_bytes.shape[0]):
+        if skip.shape[0] and skip[p]:
+            continue
+        rb = row_bytes[p]
+        src = _carray(_pointer(addresses[2 * p]), sizes[2 * p])
+        n = rows.shape[0]
+        for w in range(0, n, width):
+            first, last = rows[w], rows[min(w + width, n) - 1]
+            if not 0 <= last - first < width:  # not one run (a wrapped or padded window): its first row
+                last = first
+            x = first * rb
+            end = min((last + 1) * rb, x + _MAX_RUN_LINES * _LINE) - 1
+            while x <= end:
+                _prefetch(src, x)
+                x += _LINE
+            _prefetch(src, end)
+
+
 def gather_small(
     addresses: np.ndarray, sizes: np.ndarray, row_bytes: np.ndarray, own_at: np.ndarray, next_at: np.ndarray,
     lane_size: int, rows: np.ndarray, nrows: int, out: np.ndarray, cursors: np.ndarray, by_episode: bool,
@@ -384,7 +380,27 @@ def gather_small(
 
 
 _NO_WINDOWS = np.zeros(0, np.bool_)
+
 _NO_ENDS = np.zeros(0, np.int64)
+
+def prefetch_rows(
+    addresses: np.ndarray, sizes: np.ndarray, row_bytes: np.ndarray, rows: np.ndarray, width: int = 1,
+    skip: np.ndarray | None = None,
+) -> None:
+    """Ask for the first cache lines of every window of ``width`` rows of ``rows``
+    (int64, flat; a window that is not one run: its first row) in the source of each
+    ``gather_small`` pass (its ``addresses``, ``sizes``) that ``skip`` does not mark, and
+    return without waiting for them. Called as soon as a batch's rows are drawn, the
+    lines arrive while the Python before the gather runs: every miss of the batch in
+    flight at once, where the gather's loop, which copies as it goes, keeps a few (a
+    256-window batch at 1e9 rows: 80 against 62 µs, ``benchmarks/HISTORY.md``). A hint:
+    a prefetch never faults, so rows need no check here.
+
+    >>> src = np.arange(256, dtype=np.uint8)
+    >>> at, size = address(src)
+    >>> prefetch_rows(np.array([at, 0]), np.array([size, 0]), np.array([1]), np.array([3, 4, 200, 201]), 2)
+    """
+    _prefetch_rows(addresses, sizes, row_bytes, rows, width, _NO_WINDOWS if skip is None else skip)
 
 
 @numba.njit(nogil=True, cache=True)

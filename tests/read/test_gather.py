@@ -301,6 +301,27 @@ def test_the_small_batch_kernel_refuses_bad_rows_and_wrong_sizes(rng):
         kernels.gather_small(*wrong)
 
 
+def test_prefetching_rows_reads_nothing_and_takes_any_rows(rng):
+    """``prefetch_rows`` (called before a small gather's checks) is a hint: rows outside
+    the sources, windows that are not runs, a width that does not divide the rows, none
+    or zero width return without a fault, and no array changes; the gather after it
+    still refuses the bad rows."""
+    src = rng.integers(0, 255, (10, 300), dtype=np.uint8)  # rows of 5 lines: 4 asked for
+    flags = (np.zeros(10, np.uint8), np.zeros(10, np.uint8))
+    kept = src.copy()
+    args = small_args([(src, None, True, False, flags), (flags[0][:, None], None, True, False, flags)], 10, 10,
+                      np.zeros(0, np.int64))
+    addresses, sizes, row_bytes = args[0], args[1], args[2]
+    huge = np.iinfo(np.int64).max // 2
+    for rows in ([3, 4, 5, 6], [9, 0, 1, 2], [-1, 10, huge, -huge], [7, 7, 7, 7, 2], []):
+        for width in (1, 2, 3, 4, 0):
+            for skip in (None, np.array([False, True]), np.array([True, True])):
+                kernels.prefetch_rows(addresses, sizes, row_bytes, np.array(rows, np.int64), width, skip)
+    assert (src == kept).all() and not flags[0].any() and not flags[1].any()
+    small = small_args([(src, None, True, False, flags)], 10, 10, np.array([1, huge, 3]))[:-1]
+    assert kernels.gather_small(*small) == 1 and not small[OUT].any()
+
+
 def test_kernels_refuse_bad_rows_wrong_sizes_and_bad_runs(rng):
     src = np.arange(40, dtype=np.int32).reshape(10, 4)
     out = np.zeros((3, 4), np.int32)
