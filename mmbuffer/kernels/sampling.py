@@ -44,8 +44,9 @@ def _search_guided(a: Any, guide: Any, shift: int, xs: Any, out: Any) -> None:
     ``[guide[b], guide[b + 1]]`` (``len(a)`` past the last bucket), so a search is two
     dependent loads (its bucket, then a few counts of one or two cache lines) where a
     binary search over a 1e9-row store's 1e6 episode counts made ~8 cache misses. Every
-    bucket is loaded first, all together, and the count each one names prefetched as it
-    arrives, so the misses of both loads overlap across the batch (the search's
+    bucket is loaded first, all together, and the counts each one names prefetched as it
+    arrives (from the one before its first: a caller reading the found episode's start
+    reads it), so the misses of both loads overlap across the batch (the search's
     branches would otherwise wait for each count in turn)."""
     m = xs.shape[0]
     n = a.shape[0]
@@ -63,7 +64,8 @@ def _search_guided(a: Any, guide: Any, shift: int, xs: Any, out: Any) -> None:
         else:
             out[i] = guide[b]
             hi[i] = guide[b + 1] if b + 1 < g else n
-            _prefetch(a, out[i])
+            _prefetch(a, out[i] - 1)
+            _prefetch(a, hi[i])
     for i in range(m):
         out[i] = _search_right(a, xs[i], out[i], hi[i])
 
