@@ -380,8 +380,8 @@ def gather_small(
 
 
 _NO_WINDOWS = np.zeros(0, np.bool_)
-
 _NO_ENDS = np.zeros(0, np.int64)
+
 
 def prefetch_rows(
     addresses: np.ndarray, sizes: np.ndarray, row_bytes: np.ndarray, rows: np.ndarray, width: int = 1,
