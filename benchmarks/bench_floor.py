@@ -13,7 +13,8 @@ reach for this layout whatever the code around them does.
 - ``tree``: ``tree.sample(256)`` then ``tree.update`` of the drawn rows, on a full tree
   (every leaf live) in anonymous memory; the floor loads, per draw, the two cache lines
   of slot sums of each level's row on the path and the leaf block's four lines, and per
-  updated row the block's four lines and each level's whole row (four lines), bottom up.
+  updated row the block's four lines and each level's whole row (four lines), bottom up;
+  also each timed between two real steps (``in context``, as the ``context`` part does).
 - ``index``: the guided searches (``kernels.sampling._search_guided``) of 256 ranks in the
   cumulative counts of ``rows / 1000`` episodes, laid out as ``slice_indices(256, 4)``
   reads them (``(cum, end)`` rows, buckets about one episode wide); the floor ``loads``
@@ -220,6 +221,17 @@ def tree_part(sizes: list[int], rounds: int, reps: int) -> list[dict[str, object
             per.setdefault((n, "step"), []).append(median_time(step, reps))
             per.setdefault((n, "sample"), []).append(median_time(lambda tr=tr: tree.sample(tr, BATCH, g), reps))
             per.setdefault((n, "loads"), []).append(median_time(loads, reps))
+            between: dict[str, list[int]] = {"loads in context": [], "step in context": []}
+            for _ in range(reps):  # each timed between two real steps (see ``context_part``)
+                step()
+                t0 = time.perf_counter_ns()
+                loads()
+                t1 = time.perf_counter_ns()
+                step()
+                between["loads in context"].append(t1 - t0)
+                between["step in context"].append(time.perf_counter_ns() - t1)
+            for k, ts in between.items():
+                per.setdefault((n, k), []).append(statistics.median(ts) / 1e9)
     return _rows("tree: sample 256 + update 256", sizes, per)
 
 
