@@ -263,7 +263,7 @@ SUITES = {
     "store": "append, gather and reopen against plain numpy memmaps",
     "sampling": "slice and transition sampling against TorchRL, by store size",
     "flat": "slice index, sample and online extend + sample at 1e9 stored rows against 1e6, interleaved",
-    "floor": "the loads alone of a PER step and a slice index, big store against small: what no code beats",
+    "floor": "the loads alone of a PER step, a slice index and a sample, big store against small, also between real calls",
     "priority": "prioritized sample + update against TorchRL's PrioritizedSampler",
     "convert": "D4RL conversion throughput and memory",
     "export": "export to D4RL HDF5 and Minari, and back",
