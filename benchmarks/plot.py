@@ -25,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 
-def _axes_loglog(ax, xs, series, xlabel):
+def _axes_loglog(ax, xs, series, xlabel, **legend):
     for (name, ys), marker in zip(series.items(), "osD^v"):
         pts = [(x, y) for x, y in zip(xs, ys) if y is not None]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=name)
@@ -34,7 +34,7 @@ def _axes_loglog(ax, xs, series, xlabel):
     ax.set_xlabel(xlabel)
     ax.set_ylabel("ms per call (log)")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(**{"fontsize": 8, **legend})
 
 
 def _caption(fig, text):
@@ -53,7 +53,8 @@ def draw(data: dict, out: Path) -> list[Path]:
 
     s = data["sampling"]
     fig, ax = plt.subplots(figsize=(7, 4.6))
-    _axes_loglog(ax, s["stored_rows"], s["series"], "stored rows (log)")
+    # the legend right of the last TorchRL points, between them and mmbuffer's lines
+    _axes_loglog(ax, s["stored_rows"], s["series"], "stored rows (log)", loc="center right", bbox_to_anchor=(1.0, 0.6), fontsize=7)
     ax.set_title("Slice sampling: 256 slices of 4 steps")
     fig.subplots_adjust(bottom=0.24)
     _caption(fig, s["source"])
