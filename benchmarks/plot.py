@@ -54,7 +54,8 @@ def draw(data: dict, out: Path) -> list[Path]:
     s = data["sampling"]
     fig, ax = plt.subplots(figsize=(7, 4.6))
     # the legend right of the last TorchRL points, between them and mmbuffer's lines
-    _axes_loglog(ax, s["stored_rows"], s["series"], "stored rows (log)", loc="center right", bbox_to_anchor=(1.0, 0.6), fontsize=7)
+    _axes_loglog(ax, s["stored_rows"], s["series"], "stored rows (log)",
+                 loc="center right", bbox_to_anchor=(1.0, 0.6), fontsize=7)
     ax.set_title("Slice sampling: 256 slices of 4 steps")
     fig.subplots_adjust(bottom=0.24)
     _caption(fig, s["source"])
