@@ -105,7 +105,7 @@ def episode_ends(ends: np.ndarray, lane: int, lane_size: int, lo: int, hi: int) 
 
 def end_of(ends: np.ndarray, lane: int, lane_size: int, seq: int) -> int:
     """Absolute end of episode ``seq`` of a lane, in plain integers (one episode: no array calls)."""
-    return int(ends[lane * 2 * lane_size + seq % (2 * lane_size)])
+    return int(ends[_slot(lane, lane_size, seq)])
 
 
 def ends_at(ends: np.ndarray, lane: int, lane_size: int, seqs: np.ndarray) -> np.ndarray:

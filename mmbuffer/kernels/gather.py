@@ -335,12 +335,7 @@ def _prefetch_rows(addresses: Any, sizes: Any, row_bytes: Any, rows: Any, width:
             first, last = rows[w], rows[min(w + width, n) - 1]
             if not 0 <= last - first < width:  # not one run (a wrapped or padded window): its first row
                 last = first
-            x = first * rb
-            end = min((last + 1) * rb, x + _MAX_RUN_LINES * _LINE) - 1
-            while x <= end:
-                _prefetch(src, x)
-                x += _LINE
-            _prefetch(src, end)
+            _prefetch_run(src, first, last - first + 1, rb)
 
 
 def gather_small(
