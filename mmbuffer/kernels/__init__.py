@@ -1,8 +1,8 @@
 """Compiled hot-path kernels: the one place mmbuffer's numba code lives.
 
-Each submodule holds the kernels of one layer (``tree``: descent and update of the
-priority tree; ``priority``: a prioritized draw, an update's checks; ``sampling``:
-index sampling; ``gather``: copying rows into caller buffers) as
+Each submodule holds the kernels of one layer (``tree`` and ``descent``: update and
+descent of the priority tree; ``priority``: a prioritized draw, an update's checks;
+``sampling``: index sampling; ``gather``: copying rows into caller buffers) as
 ``@numba.njit(nogil=True, cache=True)`` functions over plain numpy arrays (memory
 maps included), plus a thin typed Python wrapper per kernel that the
 layer above calls. The tests hold a naive reference for every kernel.
@@ -37,7 +37,7 @@ _loaded: dict[str, ModuleType] = {}
 
 def load(name: str) -> ModuleType:
     """The kernel submodule ``name`` (``"gather"``, ``"split"``, ``"priority"``,
-    ``"tree"``, ``"sampling"``), imported on its first use and kept.
+    ``"tree"``, ``"descent"``, ``"sampling"``), imported on its first use and kept.
 
     >>> from mmbuffer import kernels
     >>> kernels.load("gather") is kernels.load("gather")

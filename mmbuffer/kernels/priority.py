@@ -4,7 +4,7 @@ benchmarks/HISTORY.md, "Where a step's time goes").
 
 :func:`draw` does what ``samplers._draw.prioritized`` did in some 20 numpy calls: the
 root's total, the stratified targets ``(u + k) * total / n``, the descent
-(:func:`mmbuffer.kernels.tree.descend`, run again for a read torn by a concurrent
+(:func:`mmbuffer.kernels.descent.descend`, run again for a read torn by a concurrent
 write, as ``tree.sample``), each row's leaf, whether it is sampleable as a transition
 (``Layout.absolute`` against the view's cursors, ``[first_start, visible_end)`` of its
 lane) and its importance weight ``(leaf / min live leaf) ** -beta``, with the same
@@ -38,7 +38,8 @@ import numba
 import numpy as np
 import numpy.typing as npt
 
-from .tree import INF_BITS, descend
+from .descent import descend
+from .tree import INF_BITS
 
 __all__ = ["BAD_INDEX", "BAD_VALUE", "EMPTY", "draw", "prepare"]
 

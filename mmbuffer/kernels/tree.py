@@ -1,5 +1,6 @@
-"""Compiled kernels of the priority tree (:mod:`mmbuffer.tree`): descent, update, span
-refresh and check, over the arrays themselves (memory maps included), nogil.
+"""Compiled kernels of the priority tree (:mod:`mmbuffer.tree`): update, span refresh
+and check, over the arrays themselves (memory maps included), nogil; its descent is
+:mod:`mmbuffer.kernels.descent`.
 
 The node record of a row ``g`` of the tree is 32 float64 = 256 bytes (16 rows
 fill a 4 KiB page exactly), so a descent or an update touches one page per
@@ -105,7 +106,7 @@ def _store(ns: Any, nu: Any, nf: Any, g: int, c: int, s: float, code: int, mx: i
 
 @_jit
 def _touch(ns: Any, g: int) -> Any:
-    """Load the 4 cache lines of node row ``g`` (a prefetch: see :func:`descend`)."""
+    """Load the 4 cache lines of node row ``g`` (a prefetch: see ``descent.descend``)."""
     return ns[g, 0] + ns[g, 8] + ns[g, 16] + ns[g, 24]
 
 
@@ -193,92 +194,7 @@ def _fill(leaf: Any, lo: int, hi: int, value: Any) -> None:
             leaf[i] = value
 
 
-# --------------------------------------------------------------------- descent
-@_jit
-def descend(leaf: Any, ns: Any, offs: Any, targets: Any, out_idx: Any, out_val: Any) -> tuple[int, float]:
-    """Leaf holding each target mass; returns how many descents met an empty row
-    (and the sum of the prefetching loads, which keeps the compiler from dropping them).
-
-    Per level: the first slot whose running sum passes ``t`` (``run <= t < run +
-    s``, so ``s > 0``), else the last slot with ``s > 0`` (rounding or a target
-    past the total), whose subtree is then searched for its last positive leaf.
-    A row without a positive slot (only a torn read under a concurrent write)
-    ends the descent at its first leaf.
-
-    The batch descends level by level: first a pass that only loads each
-    target's row (independent loads, so the cache misses of a tree larger than
-    the caches overlap), then the scans, which hit the cache.
-    """
-    depth = offs.shape[0] - 1
-    cap = leaf.shape[0]
-    n = targets.shape[0]
-    node = np.zeros(n, np.int64)
-    t = np.empty(n, np.float64)
-    ok = np.ones(n, np.bool_)
-    for k in range(n):
-        t[k] = max(targets[k], 0.0)
-    sink = 0.0
-    for d in range(depth):
-        o = offs[d]
-        if d > 1:
-            for k in range(n):
-                sink += ns[o + node[k], 0] + ns[o + node[k], 8]
-        for k in range(n):
-            g = o + node[k]
-            tk = t[k]
-            run = 0.0
-            j = -1
-            last = -1
-            for c in range(16):
-                s = ns[g, c]
-                if s > 0:
-                    last = c
-                    if run + s > tk:
-                        j = c
-                        break
-                run += s
-            if j < 0:
-                if last < 0:
-                    ok[k] = False
-                    last = 0
-                j = last
-                t[k] = np.inf  # past this row's mass: its last positive leaf
-            else:
-                t[k] = tk - run
-            node[k] = node[k] * 16 + j
-    for k in range(n):
-        lo = min(node[k] * 64, cap - 1)
-        sink += leaf[lo] + leaf[min(lo + 16, cap - 1)] + leaf[min(lo + 32, cap - 1)] + leaf[min(lo + 48, cap - 1)]
-    empty = 0
-    for k in range(n):
-        lo = node[k] * 64
-        hi = min(lo + 64, cap)
-        if lo >= cap:
-            lo = cap - 1
-            hi = cap
-        pick = -1
-        last = -1
-        run = 0.0
-        tk = t[k]
-        if ok[k]:
-            for i in range(lo, hi):
-                v = np.float64(leaf[i])
-                if v > 0:
-                    last = i
-                    if run + v > tk:
-                        pick = i
-                        break
-                run += v
-        if pick < 0:
-            pick = last
-        if pick < 0:
-            empty += 1
-            pick = lo
-        out_idx[k] = pick
-        out_val[k] = leaf[pick]
-    return empty, sink
-
-
+# --------------------------------------------------------------------- checks
 @_jit
 def _rel(a: float, b: float) -> float:
     if a == b:
@@ -389,16 +305,6 @@ def refresh_span(leaf: npt.NDArray[np.float32], nodes: npt.NDArray[np.float64], 
 def fill(leaf: npt.NDArray[np.float32], lo: int, hi: int, value: Any) -> None:
     """``leaf[lo:hi] = value``, storing only where a leaf differs."""
     _fill(leaf, int(lo), int(hi), np.float32(value))
-
-
-def find(leaf: npt.NDArray[np.float32], nodes: npt.NDArray[np.float64], offs: Int64Array,
-         targets: npt.NDArray[np.float64]) -> tuple[Int64Array, npt.NDArray[np.float32], int]:
-    """Leaf index and value for each 1-D float64 target, and the count of descents
-    that met an empty row (a torn read)."""
-    idx = np.empty(targets.shape[0], np.int64)
-    val = np.empty(targets.shape[0], np.float32)
-    empty, _ = descend(leaf, nodes, offs, targets, idx, val)
-    return idx, val, int(empty)
 
 
 def sweep(leaf: npt.NDArray[np.float32], nodes: npt.NDArray[np.float64], offs: Int64Array,

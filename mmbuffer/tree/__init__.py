@@ -2,8 +2,8 @@
 
 The tree is two numpy arrays, allocated by the caller (in a store they are
 memory maps of sparse files) and changed in place by the functions of this
-package, which run compiled kernels (``mmbuffer.kernels.tree``, numba,
-``nogil``) over them: one descent for a whole batch, one pass for an update.
+package, which run compiled kernels (``mmbuffer.kernels.tree`` and ``.descent``,
+numba, ``nogil``) over them: one descent for a whole batch, one pass for an update.
 Nothing is compiled or imported before the first call that needs it.
 
 Its modules, one job each: ``_layout`` (geometry, :class:`PriorityTree`,

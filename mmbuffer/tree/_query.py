@@ -43,7 +43,7 @@ def max_live(tree: PriorityTree) -> float:
 
 def _find(tree: PriorityTree, targets: Float64Array) -> tuple[Int64Array, Float32Array]:
     """Leaf index and leaf value for each of the 1-D float64 ``targets`` (compiled descent)."""
-    kernels = load("tree")
+    kernels = load("descent")
     v = tree.views
     t = np.ascontiguousarray(targets)
     idx, value, empty = kernels.find(v.leaf, v.nodes, v.offs, t)
