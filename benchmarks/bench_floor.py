@@ -26,7 +26,10 @@ reach for this layout whatever the code around them does.
   loop keeps its own lines and page walks warm). ``index loads``: each rank's bucket, then
   the counts row it names, between ``slice_indices(256, 4)`` calls; ``sample loads``: those,
   then an ``obs`` line of a row in the found episode, between ``sample_slices(256, 4)``
-  calls; beside the real calls timed in the same loop.
+  calls; beside the real calls timed in the same loop. ``small call after index loads``:
+  the small store's ``slice_indices(256, 4)`` timed right after a real call and the index
+  loads on each store: the same code at both sizes, so its growth is what the big store's
+  misses cost the code that runs after them (caches and TLB entries they evicted).
 
     python benchmarks/bench_floor.py                        # tree 1e6 / 6e8, index and context 1e6 / 1e9
     python benchmarks/bench_floor.py --tree 1e6,1e8 --index 1e6,1e8 --rounds 3 --skip context
@@ -169,6 +172,7 @@ def context_part(sizes: list[int], rounds: int, reps: int) -> list[dict[str, obj
             pairs = ((buf.slice_indices, "slice_indices(256, 4)", "index loads", _index_loads, (live, guide, shift)),
                      (buf.sample_slices, "sample_slices(256, 4)", "sample loads", _sample_loads,
                       (live, guide, shift, obs)))
+            small = bufs[sizes[0]]
             for _ in range(reps):
                 ranks = rng.integers(0, total, BATCH)
                 for real, name, loads, floor, inputs in pairs:
@@ -180,6 +184,11 @@ def context_part(sizes: list[int], rounds: int, reps: int) -> list[dict[str, obj
                     t2 = time.perf_counter_ns()
                     t.setdefault(loads, []).append(t1 - t0)
                     t.setdefault(name, []).append(t2 - t1)
+                buf.slice_indices(BATCH, 4, generator=g)
+                _index_loads(live, guide, shift, ranks, ks)
+                t0 = time.perf_counter_ns()
+                small.slice_indices(BATCH, 4, generator=g)
+                t.setdefault("small call after index loads", []).append(time.perf_counter_ns() - t0)
             for k, v in t.items():
                 per.setdefault((n, k), []).append(statistics.median(v) / 1e9)
     for buf in bufs.values():
