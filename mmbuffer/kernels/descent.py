@@ -4,7 +4,7 @@ update): the leaf holding each target mass, one compiled pass per batch, nogil.
 A descent adds a row's slot sums in slot order, as the update added them into the
 parent, so its running sums are exactly the totals the parents hold. Where a row's
 scan would exit its loop at a slot that differs from draw to draw, the exit
-mispredicts (about 11 ns a row on the dev VM): :func:`_first_past` and
+mispredicts (about 16 ns a row on the dev VM): :func:`_first_past` and
 :func:`_first_past4` find the same slot or leaf with no branch per slot, by counting
 the running sums that do not pass the target, and leave the rare case they do not
 cover (no slot passes, a row or block that is not of finite sums ``>= 0``) to the
