@@ -5,7 +5,11 @@ then ``sample_slices(256, 4)``) at 1e9 stored rows within 1.2x of the same at 1e
 Both stores (one uint8 ``obs``, episodes of 1000 rows, capacity 1.2x the stored
 rows) are open in this process; each round times every measure on the small store,
 then on the large one (the order alternates by round), and the ratio of each round
-is large / small, so a machine that slows down between rounds moves both sides.
+is large / small, so a machine that slows down between rounds moves both sides. The
+last measure is what a step's misses cost the code after them: the online step of a
+third 1e6 store (the probe, with room never to wrap), timed right after an online step
+on the large store, against right after one on the probe itself (a 1e6 store); the
+same code and data in both, only the step before it differs.
 The large store takes ~3.6 GB of disk (sparse beyond the stored rows); its columns
 are dropped from the page cache and read back by ``buf.warm(columns=True)`` before
 timing (``--warm read``: read once through the maps, as the writer left them), and
@@ -36,18 +40,31 @@ import mmbuffer as mb  # noqa: E402
 EPISODE = {"obs": np.zeros(1000, np.uint8), "truncated": np.arange(1000) == 999}
 
 
-def measures(buf: mb.Buffer, g: torch.Generator, reps: int, online: int) -> dict[str, float]:
-    """Median seconds of the slice index, the sample, and extend + sample (online)."""
+def online_step(buf: mb.Buffer, g: torch.Generator) -> float:
+    """Seconds of one online step: extend one episode, then ``sample_slices(256, 4)``."""
+    t0 = time.perf_counter()
+    buf.extend(EPISODE)
+    buf.sample_slices(256, 4, generator=g)
+    return time.perf_counter() - t0
+
+
+def measures(buf: mb.Buffer, before: mb.Buffer, probe: mb.Buffer, g: torch.Generator, reps: int,
+             online: int) -> dict[str, float]:
+    """Median seconds of the slice index, the sample, extend + sample (online), and the
+    probe's online step right after one on ``before`` (``buf``, or the probe itself
+    for the small size: the probe never wraps, the small store must not wrap sooner)."""
     index = median_time(lambda: buf.slice_indices(256, 4, generator=g), reps)
     total = median_time(lambda: buf.sample_slices(256, 4, generator=g), reps)
-    loop = []
-    for _ in range(online):
-        t0 = time.perf_counter()
-        buf.extend(EPISODE)
-        buf.sample_slices(256, 4, generator=g)
-        loop.append(time.perf_counter() - t0)
+    loop = [online_step(buf, g) for _ in range(online)]
     buf.commit()
-    return {"index": index, "sample": total, "extend + sample": statistics.median(loop)}
+    after = []
+    for _ in range(online):
+        online_step(before, g)
+        after.append(online_step(probe, g))
+    before.commit()
+    probe.commit()
+    return {"index": index, "sample": total, "extend + sample": statistics.median(loop),
+            "a 1e6 probe's extend + sample after this size's": statistics.median(after)}
 
 
 def main() -> None:
@@ -79,6 +96,10 @@ def main() -> None:
         print(f"{size:,} rows: built/opened in {t1 - t0:.1f} s, warmed ({args.warm}) in {time.perf_counter() - t1:.1f} s",
               flush=True)
         bufs[size] = buf
+    probe_path = root / "probe"  # a third 1e6 store with room for every probe step of the run
+    build(probe_path, args.small, args.small + 2 * args.rounds * args.online * len(EPISODE["obs"]), 1000)
+    probe = mb.open(probe_path)
+    probe.warm(columns=True)
     header(f"bench_flat: slices 256 x 4, episodes of 1000, {args.rounds} rounds x {args.reps} calls, warm: {args.warm}")
     g = torch.Generator().manual_seed(0)
     took = settle(lambda: [buf.sample_slices(256, 4, generator=g) for buf in bufs.values()])
@@ -87,7 +108,8 @@ def main() -> None:
     times: dict[tuple[int, str], list[float]] = {}
     for r in range(args.rounds):
         order = [args.small, args.big] if r % 2 == 0 else [args.big, args.small]
-        got = {size: measures(bufs[size], g, args.reps, args.online) for size in order}
+        got = {size: measures(bufs[size], probe if size == args.small else bufs[size], probe, g, args.reps,
+                              args.online) for size in order}
         for k in got[args.small]:
             ratios.setdefault(k, []).append(got[args.big][k] / got[args.small][k])
             for size in order:
@@ -98,7 +120,7 @@ def main() -> None:
         small = statistics.median(times[(args.small, k)]) * 1e3
         big = statistics.median(times[(args.big, k)]) * 1e3
         print(f"| {k} | {small:.3f} | {big:.3f} | {statistics.median(rs):.2f} ({min(rs):.2f}-{max(rs):.2f}) |")
-    for buf in bufs.values():
+    for buf in (*bufs.values(), probe):
         buf.close()
 
 

@@ -262,7 +262,7 @@ _SIGINT = _Interrupt()
 SUITES = {
     "store": "append, gather and reopen against plain numpy memmaps",
     "sampling": "slice and transition sampling against TorchRL, by store size",
-    "flat": "slice index, sample and online extend + sample at 1e9 stored rows against 1e6, interleaved",
+    "flat": "slice index, sample and online extend + sample at 1e9 stored rows against 1e6, interleaved, and what a step costs the next",
     "floor": "the loads alone of a PER step, a slice index and a sample, big store against small, also between real calls",
     "priority": "prioritized sample + update against TorchRL's PrioritizedSampler",
     "convert": "D4RL conversion throughput and memory",
