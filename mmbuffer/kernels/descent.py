@@ -141,8 +141,8 @@ def descend(leaf: Any, ns: Any, offs: Any, targets: Any, out_idx: Any, out_val: 
             else:
                 t[k] = tk - run
             node[k] = min(node[k] * 16 + j, below - 1)  # a damaged row's slot past its children
-    for k in range(n):
-        lo = min(node[k] * 64, cap - 1)
+    for k in range(n):  # node[k] < ceil(cap / 64) (the bound above): its block starts below cap
+        lo = node[k] * 64
         sink += leaf[lo] + leaf[min(lo + 16, cap - 1)] + leaf[min(lo + 32, cap - 1)] + leaf[min(lo + 48, cap - 1)]
     hit = np.full(n, -1, np.int64)
     for k in range(0, n - 3, 4):
@@ -151,9 +151,6 @@ def descend(leaf: Any, ns: Any, offs: Any, targets: Any, out_idx: Any, out_val: 
     for k in range(n):
         lo = node[k] * 64
         hi = min(lo + 64, cap)
-        if lo >= cap:
-            lo = cap - 1
-            hi = cap
         pick = hit[k] if ok[k] else -1
         last = -1
         run = 0.0
