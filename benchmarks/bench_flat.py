@@ -9,7 +9,11 @@ is large / small, so a machine that slows down between rounds moves both sides. 
 last measure is what a step's misses cost the code after them: the online step of a
 third 1e6 store (the probe, with room never to wrap), timed right after an online step
 on the large store, against right after one on the probe itself (a 1e6 store); the
-same code and data in both, only the step before it differs.
+same code and data in both, only the step before it differs. ``--phases`` splits the
+online step's time by the calls it makes (``extend``, ``store.view``, the slice index's
+kernel, the gather's ``prefetch_rows`` and ``gather_small``, the rest), each timed by a
+wrapper around it: every figure of such a run carries the wrappers' cost, the same at
+both sizes, so read its growth, not its level.
 The large store takes ~3.6 GB of disk (sparse beyond the stored rows); its columns
 are dropped from the page cache and read back by ``buf.warm(columns=True)`` before
 timing (``--warm read``: read once through the maps, as the writer left them), and
@@ -27,6 +31,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,14 +43,42 @@ from bench_sampling import build, warm  # noqa: E402
 import mmbuffer as mb  # noqa: E402
 
 EPISODE = {"obs": np.zeros(1000, np.uint8), "truncated": np.arange(1000) == 999}
+SPENT: dict[str, float] = {}  # seconds inside each wrapped call of the last online step (--phases)
+PHASES: list[dict[str, float]] = []  # per online step of the loop being measured
+
+
+def split_phases() -> None:
+    """Wrap the calls an online step makes so that each one's time adds into ``SPENT``."""
+    from mmbuffer._ledger.store import Store
+    from mmbuffer.kernels import load
+
+    gather, sampling = load("gather"), load("sampling")
+    for owner, name, label in ((mb.Buffer, "extend", "extend"), (Store, "view", "store.view"),
+                               (sampling, "slice_rows", "slice index kernel"),
+                               (gather, "prefetch_rows", "prefetch_rows"), (gather, "gather_small", "gather_small")):
+        setattr(owner, name, _timed(getattr(owner, name), label))
+
+
+def _timed(f: Any, label: str) -> Any:
+    def timed(*a: object, **k: object) -> object:
+        t0 = time.perf_counter()
+        try:
+            return f(*a, **k)
+        finally:
+            SPENT[label] = SPENT.get(label, 0.0) + time.perf_counter() - t0
+    return timed
 
 
 def online_step(buf: mb.Buffer, g: torch.Generator) -> float:
     """Seconds of one online step: extend one episode, then ``sample_slices(256, 4)``."""
+    SPENT.clear()
     t0 = time.perf_counter()
     buf.extend(EPISODE)
     buf.sample_slices(256, 4, generator=g)
-    return time.perf_counter() - t0
+    took = time.perf_counter() - t0
+    if SPENT:
+        PHASES.append({**SPENT, "the rest": took - sum(SPENT.values())})
+    return took
 
 
 def measures(buf: mb.Buffer, before: mb.Buffer, probe: mb.Buffer, g: torch.Generator, reps: int,
@@ -55,7 +88,9 @@ def measures(buf: mb.Buffer, before: mb.Buffer, probe: mb.Buffer, g: torch.Gener
     for the small size: the probe never wraps, the small store must not wrap sooner)."""
     index = median_time(lambda: buf.slice_indices(256, 4, generator=g), reps)
     total = median_time(lambda: buf.sample_slices(256, 4, generator=g), reps)
+    PHASES.clear()
     loop = [online_step(buf, g) for _ in range(online)]
+    phases = {f"online: {k}": statistics.median(p.get(k, 0.0) for p in PHASES) for k in (PHASES[0] if PHASES else ())}
     buf.commit()
     after = []
     for _ in range(online):
@@ -63,7 +98,7 @@ def measures(buf: mb.Buffer, before: mb.Buffer, probe: mb.Buffer, g: torch.Gener
         after.append(online_step(probe, g))
     before.commit()
     probe.commit()
-    return {"index": index, "sample": total, "extend + sample": statistics.median(loop),
+    return {"index": index, "sample": total, "extend + sample": statistics.median(loop), **phases,
             "a 1e6 probe's extend + sample after this size's": statistics.median(after)}
 
 
@@ -77,7 +112,10 @@ def main() -> None:
     p.add_argument("--warm", choices=("read", "columns"), default="columns",
                    help="read: the columns as the writer left them in the page cache, read once through the maps; "
                    "columns: dropped from the page cache, then read back by buf.warm(columns=True)")
+    p.add_argument("--phases", action="store_true", help="split the online step by the calls it makes (timed by wrappers)")
     args = p.parse_args()
+    if args.phases:
+        split_phases()
     root = scratch() / "flat"
     bufs = {}
     for size in (args.small, args.big):
@@ -119,7 +157,8 @@ def main() -> None:
     for k, rs in ratios.items():
         small = statistics.median(times[(args.small, k)]) * 1e3
         big = statistics.median(times[(args.big, k)]) * 1e3
-        print(f"| {k} | {small:.3f} | {big:.3f} | {statistics.median(rs):.2f} ({min(rs):.2f}-{max(rs):.2f}) |")
+        growth = f"; {1e3 * (big - small):+.1f} us" if args.phases else ""
+        print(f"| {k} | {small:.3f} | {big:.3f} | {statistics.median(rs):.2f} ({min(rs):.2f}-{max(rs):.2f}){growth} |")
     for buf in (*bufs.values(), probe):
         buf.close()
 
