@@ -143,6 +143,7 @@ def main() -> None:
     took = settle(lambda: [buf.sample_slices(256, 4, generator=g) for buf in bufs.values()])
     print(f"settled in {took:.0f} s (the first calls of a process run slowly for a while: _common.settle)\n")
     ratios: dict[str, list[float]] = {}
+    growths: dict[str, list[float]] = {}  # large - small, per round
     times: dict[tuple[int, str], list[float]] = {}
     for r in range(args.rounds):
         order = [args.small, args.big] if r % 2 == 0 else [args.big, args.small]
@@ -150,6 +151,7 @@ def main() -> None:
                               args.online) for size in order}
         for k in got[args.small]:
             ratios.setdefault(k, []).append(got[args.big][k] / got[args.small][k])
+            growths.setdefault(k, []).append(got[args.big][k] - got[args.small][k])
             for size in order:
                 times.setdefault((size, k), []).append(got[size][k])
     print(f"| measure | {args.small:,} rows, ms | {args.big:,} rows, ms | ratio per round (median; min-max) |")
@@ -157,7 +159,7 @@ def main() -> None:
     for k, rs in ratios.items():
         small = statistics.median(times[(args.small, k)]) * 1e3
         big = statistics.median(times[(args.big, k)]) * 1e3
-        growth = f"; {1e3 * (big - small):+.1f} us" if args.phases else ""
+        growth = f"; {1e6 * statistics.median(growths[k]):+.1f} us a round" if args.phases else ""
         print(f"| {k} | {small:.3f} | {big:.3f} | {statistics.median(rs):.2f} ({min(rs):.2f}-{max(rs):.2f}){growth} |")
     for buf in (*bufs.values(), probe):
         buf.close()
