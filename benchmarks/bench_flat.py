@@ -44,7 +44,6 @@ import mmbuffer as mb  # noqa: E402
 
 EPISODE = {"obs": np.zeros(1000, np.uint8), "truncated": np.arange(1000) == 999}
 SPENT: dict[str, float] = {}  # seconds inside each wrapped call of the last online step (--phases)
-PHASES: list[dict[str, float]] = []  # per online step of the loop being measured
 
 
 def split_phases() -> None:
@@ -75,10 +74,7 @@ def online_step(buf: mb.Buffer, g: torch.Generator) -> float:
     t0 = time.perf_counter()
     buf.extend(EPISODE)
     buf.sample_slices(256, 4, generator=g)
-    took = time.perf_counter() - t0
-    if SPENT:
-        PHASES.append({**SPENT, "the rest": took - sum(SPENT.values())})
-    return took
+    return time.perf_counter() - t0
 
 
 def measures(buf: mb.Buffer, before: mb.Buffer, probe: mb.Buffer, g: torch.Generator, reps: int,
@@ -88,9 +84,12 @@ def measures(buf: mb.Buffer, before: mb.Buffer, probe: mb.Buffer, g: torch.Gener
     for the small size: the probe never wraps, the small store must not wrap sooner)."""
     index = median_time(lambda: buf.slice_indices(256, 4, generator=g), reps)
     total = median_time(lambda: buf.sample_slices(256, 4, generator=g), reps)
-    PHASES.clear()
-    loop = [online_step(buf, g) for _ in range(online)]
-    phases = {f"online: {k}": statistics.median(p.get(k, 0.0) for p in PHASES) for k in (PHASES[0] if PHASES else ())}
+    loop, split = [], []  # split: per step, seconds in each wrapped call and in the rest (--phases)
+    for _ in range(online):
+        loop.append(online_step(buf, g))
+        if SPENT:
+            split.append({**SPENT, "the rest": loop[-1] - sum(SPENT.values())})
+    phases = {f"online: {k}": statistics.median(p.get(k, 0.0) for p in split) for k in (split[0] if split else ())}
     buf.commit()
     after = []
     for _ in range(online):
