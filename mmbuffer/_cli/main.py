@@ -268,6 +268,7 @@ SUITES = {
     "convert": "D4RL conversion throughput and memory",
     "export": "export to D4RL HDF5 and Minari, and back",
     "stream": "mb.stream feeding a training loop: share of the step spent waiting",
+    "handover": "what mb.stream(processes=N) costs the training thread per batch, against another checkout (--baseline DIR)",
     "readers": "readers against a live writer, and writers killed at random",
     "compare": "this tree against another checkout (--baseline DIR)",
     "cli": "start-up time of mmbuffer --help, info and verify",

@@ -9,7 +9,8 @@ A batch of ten columns paid all of that ten times. Packed into one block
 * :class:`BlockLayout` places a batch's tensors (data columns in order, then
   ``indices``, ``weights``, ``mask``) at offsets aligned to :data:`ALIGN` bytes.
 * :class:`PackedBatch` is a :class:`~mmbuffer.Batch` whose tensors are views into
-  ``block``: ``to``, ``pin_memory`` and pickling move the block and rebuild views.
+  ``block``, each made on first use: ``to``, ``pin_memory`` and pickling move the
+  block, and the copy makes the views its user reads.
 * :class:`Ring` holds reusable (pinned) host blocks; a slot is handed out again
   only after the fence of its last use (the CUDA event of its copy) has passed.
 * :func:`read_into` draws a batch from a buffer and gathers it straight into a
@@ -31,12 +32,10 @@ True
 
 from __future__ import annotations
 
-import functools
-
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -66,12 +65,27 @@ class Entry:
     nbytes: int
 
 
+#: Per tensor of a layout: kind, name, dtype, shape, contiguous strides, offset in
+#: elements of its dtype (offsets are ``ALIGN``-aligned, so exact).
+Placement = tuple[str, str, torch.dtype, tuple[int, ...], tuple[int, ...], int]
+
+
 @dataclass(frozen=True, slots=True)
 class BlockLayout:
     """Where each tensor of a batch lies in its block (fixed for a stream's batches)."""
 
     entries: tuple[Entry, ...]
     nbytes: int
+    plan: dict[tuple[str, str], Placement] = field(init=False, compare=False, repr=False)  # by (kind, name)
+
+    def __post_init__(self) -> None:
+        plan = {}
+        for e in self.entries:
+            strides = [1] * len(e.shape)
+            for i in range(len(e.shape) - 2, -1, -1):
+                strides[i] = strides[i + 1] * max(e.shape[i + 1], 1)
+            plan[(e.kind, e.name)] = (e.kind, e.name, e.dtype, e.shape, tuple(strides), e.offset // e.dtype.itemsize)
+        object.__setattr__(self, "plan", plan)
 
     @classmethod
     def of(cls, batch: Batch) -> BlockLayout:
@@ -91,26 +105,24 @@ class BlockLayout:
     @property
     def rows_shape(self) -> tuple[int, ...]:
         """The shape of the batch's ``indices`` (``[B]`` or ``[B, L]``)."""
-        return next(e.shape for e in self.entries if e.kind == "indices")
+        return self.plan[("indices", "")][3]
 
     def matches(self, batch: Batch) -> bool:
         """Whether ``batch`` has exactly this layout's tensors (names, dtypes, shapes)."""
         return BlockLayout.of(batch).entries == self.entries
 
-    def views(self, block: torch.Tensor) -> dict[str, Any]:
-        """``{"data": {column: view}, "indices": view, "weights": view, "mask": view or None}``."""
+    def check(self, block: torch.Tensor) -> None:
+        """Raise ``ValueError`` unless ``block`` is a flat uint8 tensor of at least ``nbytes``."""
         if block.dtype != torch.uint8 or block.dim() != 1 or block.numel() < self.nbytes:
             raise ValueError(f"block: expected a flat uint8 tensor of >= {self.nbytes} bytes, got {block.dtype} {tuple(block.shape)}")
+
+    def views(self, block: torch.Tensor) -> dict[str, Any]:
+        """``{"data": {column: view}, "indices": view, "weights": view, "mask": view or None}``."""
+        self.check(block)
         out: dict[str, Any] = {"data": {}, "mask": None}
-        # one dtype view of the whole block per dtype, then one as_strided per tensor:
-        # a third of the tensor operations (they are most of a CUDA stream's get())
         wholes: dict[torch.dtype, tuple[torch.Tensor, int]] = {}
-        for kind, name, dtype, shape, strides, at in _plan(self):
-            got = wholes.get(dtype)
-            if got is None:
-                whole = block[: self.nbytes].view(dtype)
-                got = wholes[dtype] = (whole, int(whole.storage_offset()))
-            view = got[0].as_strided(shape, strides, got[1] + at)
+        for kind, name, *_ in self.plan.values():
+            view = _view(self, block, wholes, (kind, name))
             if kind == "data":
                 out["data"][name] = view
             else:
@@ -126,7 +138,7 @@ class BlockLayout:
         (``views``: ``self.views(block)``, when the caller has them already)."""
         block = self.empty() if block is None else block
         packed = PackedBatch(block, self, batch.written_at, views=views)
-        pairs = [(packed.data[k], v) for k, v in batch.data.items()]
+        pairs = [(packed[k], v) for k, v in batch.data.items()]
         pairs += [(packed.indices, batch.indices), (packed.weights, batch.weights)]
         if packed.mask is not None and batch.mask is not None:
             pairs.append((packed.mask, batch.mask))
@@ -139,36 +151,106 @@ class BlockLayout:
         return packed
 
 
-@functools.lru_cache(maxsize=64)
-def _plan(layout: BlockLayout) -> tuple[tuple[str, str, torch.dtype, tuple[int, ...], tuple[int, ...], int], ...]:
-    """Per tensor of ``layout``: kind, name, dtype, shape, contiguous strides and its
-    offset in elements of its dtype (offsets are ``ALIGN``-aligned, so exact)."""
-    plan = []
-    for e in layout.entries:
-        strides = [1] * len(e.shape)
-        for i in range(len(e.shape) - 2, -1, -1):
-            strides[i] = strides[i + 1] * max(e.shape[i + 1], 1)
-        plan.append((e.kind, e.name, e.dtype, e.shape, tuple(strides), e.offset // e.dtype.itemsize))
-    return tuple(plan)
+def _view(layout: BlockLayout, block: torch.Tensor, wholes: dict[torch.dtype, tuple[torch.Tensor, int]], key: tuple[str, str]) -> torch.Tensor:
+    """The tensor ``key`` of ``layout`` in ``block``: one ``as_strided`` of a view of the
+    whole block as its dtype (made once per dtype, kept in ``wholes``). No slicing by
+    ``block[...]``: torch's indexing is the dearest call of a hand-over."""
+    _, _, dtype, shape, strides, at = layout.plan[key]
+    got = wholes.get(dtype)
+    if got is None:
+        base = block if block.numel() == layout.nbytes else block.narrow(0, 0, layout.nbytes)
+        whole = base.view(dtype)
+        got = wholes[dtype] = (whole, int(whole.storage_offset()))
+    return got[0].as_strided(shape, strides, got[1] + at)
 
 
 class PackedBatch(Batch):
     """A :class:`~mmbuffer.Batch` whose tensors are views into one flat uint8 ``block``.
 
-    ``to(device)`` and ``pin_memory()`` move the block once and return a
-    ``PackedBatch`` over the copy; pickling (a ``DataLoader`` worker's batch)
-    sends the block and the layout, and the receiver rebuilds the views.
+    Each view is made on first use (``batch["obs"]`` makes that column's only, ``data``
+    all the columns'), so a training step that reads three of nine tensors pays for
+    three on its thread. ``to(device)`` and ``pin_memory()`` move the block once and
+    return a ``PackedBatch`` over the copy; pickling (a ``DataLoader`` worker's batch)
+    sends the block and the layout, and the receiver makes the views it uses.
     """
 
-    __slots__ = ("block", "layout")
+    __slots__ = ("_data", "_made", "_wholes", "block", "layout")
 
     def __init__(
         self, block: torch.Tensor, layout: BlockLayout, written_at: np.ndarray | None = None, *, views: dict[str, Any] | None = None
     ) -> None:
-        views = layout.views(block) if views is None else views
-        super().__init__(views["data"], views["indices"], views["weights"], views["mask"], written_at)
+        layout.check(block)
         self.block = block
         self.layout = layout
+        self.written_at = written_at
+        self._wholes: dict[torch.dtype, tuple[torch.Tensor, int]] = {}
+        self._made: dict[tuple[str, str], torch.Tensor | None] = {}
+        self._data: dict[str, torch.Tensor] | None = None
+        if views is not None:
+            self._data = dict(views["data"])
+            self._made.update({("indices", ""): views["indices"], ("weights", ""): views["weights"], ("mask", ""): views["mask"]})
+
+    def _get(self, key: tuple[str, str]) -> torch.Tensor | None:
+        """The view ``key`` (made now if not yet); None if the layout has no such tensor."""
+        made = self._made
+        if key in made:
+            return made[key]
+        if key not in self.layout.plan:
+            return None
+        view = made[key] = _view(self.layout, self.block, self._wholes, key)
+        return view
+
+    def _needed(self, kind: str) -> torch.Tensor:
+        got = self._get((kind, ""))
+        assert got is not None  # every layout has indices and weights
+        return got
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        got = self._data[key] if self._data is not None else self._get(("data", key))
+        if got is None:
+            raise KeyError(key)
+        return got
+
+    @property
+    def data(self) -> dict[str, torch.Tensor]:
+        if self._data is None:
+            self._data = {name: self[name] for kind, name in self.layout.plan if kind == "data"}
+        return self._data
+
+    @data.setter
+    def data(self, value: dict[str, torch.Tensor]) -> None:
+        self._data = value
+
+    @property
+    def indices(self) -> torch.Tensor:
+        return self._needed("indices")
+
+    @indices.setter
+    def indices(self, value: torch.Tensor) -> None:
+        self._made[("indices", "")] = value
+
+    @property
+    def weights(self) -> torch.Tensor:
+        return self._needed("weights")
+
+    @weights.setter
+    def weights(self, value: torch.Tensor) -> None:
+        self._made[("weights", "")] = value
+
+    @property
+    def mask(self) -> torch.Tensor | None:
+        return self._get(("mask", ""))
+
+    @mask.setter
+    def mask(self, value: torch.Tensor | None) -> None:
+        self._made[("mask", "")] = value
+
+    def make_views(self) -> PackedBatch:
+        """Make every view now, on this thread (a producer thread does, so that the
+        consumer's thread has none left to make); returns ``self``."""
+        for key in self.layout.plan:
+            self._get(key)
+        return self
 
     def to(self, device: Any, non_blocking: bool = False) -> PackedBatch:
         """The same batch on ``device``: one copy of the block."""

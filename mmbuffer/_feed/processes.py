@@ -14,7 +14,7 @@ when the last process unmaps it.
 * **Workers.** Worker ``w`` opens the store read-only (``mb.open(path, "r")``),
   owns slots ``[w * k, (w + 1) * k)``, and for each batch takes a free slot,
   draws with its own generator, gathers straight into the slot's views and sends
-  the slot number (4 bytes) over its pipe. It sees the last commit only: rows a
+  the slot number (one 4-byte frame) over its pipe. It sees the last commit only: rows a
   writer extended but did not commit are not streamed. It calls ``refresh()``
   when the main process hands back a slot with a newer generation of ``buf``
   (a writer in the main process committed) and every :data:`REFRESH_EVERY`
@@ -30,8 +30,10 @@ when the last process unmaps it.
   worker once that event has passed (pending events are polled at every
   ``get``); without CUDA the block is copied out and the slot goes back at once.
   No threads. A CUDA ``get`` is a handful of calls (it runs on the training
-  thread, between steps): no stream or device context, no new event, the views
-  made by :meth:`~mmbuffer._feed.blocks.BlockLayout.views`.
+  thread, between steps): one read of the pipe when the batch is ready (frames of
+  :mod:`~mmbuffer._feed.pipes`, not ``Connection``'s), no stream or device
+  context, no new event, and no views: the batch makes each on first use
+  (:class:`~mmbuffer._feed.blocks.PackedBatch`).
 * **Errors.** A worker's exception is re-raised by ``get`` (same type for
   mmbuffer's errors and builtin ones, with its message); a worker that died is a
   ``ChildProcessError``, never a hang.
@@ -64,6 +66,7 @@ import torch
 
 from .. import errors
 from .._disk.checks import check_int
+from .pipes import Inbox, send_message, send_number
 from .threads import POLL_S
 from .blocks import ALIGN, BlockLayout, PackedBatch, read_into
 from .._read.frames import Stacks
@@ -78,7 +81,6 @@ REFRESH_EVERY = 100
 PREFIX = "mmbuffer-ring-"
 _START_S = 120.0  # the longest a worker may take to start (spawn imports torch)
 _JOIN_S = 5.0
-_SLOT = struct.Struct("<i")
 _BACK = struct.Struct("<iq")  # slot handed back, generation of the caller's buffer
 
 
@@ -145,7 +147,8 @@ class ProcessRing:
         self._pending: deque[int] = deque()  # slots whose copies are in flight (their events: ``_events``)
         self._path: Path | None = None
         self._procs: list[Any] = []
-        self._conns: list[Any] = []
+        self._conns: list[Any] = []  # the pipes (their descriptors carry frames: ``pipes``)
+        self._inboxes: list[Inbox] = []
         self._registered: int | None = None
         self._map: mmap.mmap | None = None
         self._memory: torch.Tensor | None = None
@@ -208,6 +211,8 @@ class ProcessRing:
                     slots, self._seeds[w], quota, int(self._buf.generation), stack)
             p = ctx.Process(target=_work, args=(spec, theirs), name=f"mmbuffer-stream-proc{w}", daemon=True)
             self._conns.append(mine)
+            os.set_blocking(mine.fileno(), False)  # the training thread reads what has arrived, never waits in a read
+            self._inboxes.append(Inbox(mine.fileno()))
             p.start()
             theirs.close()
             self._procs.append(p)
@@ -218,19 +223,19 @@ class ProcessRing:
         if self._closed or (self._limit is not None and self._delivered >= self._limit):
             raise StopIteration
         w = self._delivered % self._n
-        conn = self._conns[w]
         while True:
             self._reclaim()
-            if conn.poll(0):
+            frame = self._take(w)  # the usual case: the batch is ready, one read
+            if frame is not None:
                 break
             mine = [slot for slot in self._pending if slot // self._per == w]
             if len(mine) == self._per:  # every slot of w is still being copied: wait for the oldest
                 self._events[mine[0]].synchronize()
                 continue
-            if connection.wait([conn, self._procs[w].sentinel], POLL_S):
-                break  # a message, or the worker ended: _receive tells which
-        msg = self._receive(w, None)
-        slot = self._decode(w, msg)
+            if connection.wait([self._conns[w], self._procs[w].sentinel], POLL_S):
+                frame = self._receive(w, None)  # a frame, or the worker ended: _receive tells which
+                break
+        slot = self._decode(w, frame)
         written = self._cursors[slot].copy()
         self._delivered += 1
         if not self._cuda:
@@ -242,27 +247,36 @@ class ProcessRing:
         self._pending.append(slot)
         return PackedBatch(moved, self.layout, written), None
 
-    def _receive(self, w: int, timeout: float | None) -> bytes:
-        """The next message of worker ``w``; ``ChildProcessError`` if it died first."""
-        conn, proc = self._conns[w], self._procs[w]
+    def _receive(self, w: int, timeout: float | None) -> int | bytes:
+        """The next frame of worker ``w`` (waits); ``ChildProcessError`` if it died first."""
+        proc = self._procs[w]
         waited = 0.0
-        while not conn.poll(0):
-            if not proc.is_alive() and not conn.poll(0):
-                self.failed = True
-                raise ChildProcessError(f"mmbuffer._feed.stream: worker process {w} (pid {proc.pid}) exited with code {proc.exitcode}")
+        while True:
+            frame = self._take(w)
+            if frame is None and not proc.is_alive():
+                frame = self._take(w)  # what it sent just before it ended
+                if frame is None:
+                    self.failed = True
+                    raise ChildProcessError(f"mmbuffer._feed.stream: worker process {w} (pid {proc.pid}) exited with code {proc.exitcode}")
+            if frame is not None:
+                return frame
             if timeout is not None and waited >= timeout:
                 raise ChildProcessError(f"mmbuffer._feed.stream: worker process {w} did not start within {timeout:.0f} s")
-            connection.wait([conn, proc.sentinel], POLL_S)
+            connection.wait([self._conns[w], proc.sentinel], POLL_S)
             waited += POLL_S
+
+    def _take(self, w: int) -> int | bytes | None:
+        """Worker ``w``'s next frame if it has arrived, else None (never blocks)."""
         try:
-            return bytes(conn.recv_bytes())
+            return self._inboxes[w].take()
         except (EOFError, OSError):
+            proc = self._procs[w]
             self.failed = True
             raise ChildProcessError(f"mmbuffer._feed.stream: worker process {w} (pid {proc.pid}) closed its pipe (exit code {proc.exitcode})") from None
 
-    def _decode(self, w: int, msg: bytes) -> int:
-        if len(msg) == _SLOT.size:
-            return int(_SLOT.unpack(msg)[0])
+    def _decode(self, w: int, msg: int | bytes) -> int:
+        if isinstance(msg, int):
+            return msg
         self.failed = True
         if msg[:1] == b"E":
             kind, text = json.loads(msg[1:].decode())
@@ -282,15 +296,15 @@ class ProcessRing:
 
     def _give_back(self, slot: int) -> None:
         try:
-            self._conns[slot // self._per].send_bytes(_BACK.pack(slot, int(self._buf.generation)))
+            send_message(self._inboxes[slot // self._per].fd, _BACK.pack(slot, int(self._buf.generation)))
         except OSError:
             pass  # the worker is gone; the next get() from it says so
 
     def qsize(self) -> int:
-        """Batches ready in the workers' pipes now (at most one counted per worker)."""
+        """Workers with a batch ready now (each counted once)."""
         if self._closed:
             return 0
-        return sum(1 for c in self._conns if c.poll(0))
+        return sum(1 for box, c in zip(self._inboxes, self._conns, strict=True) if box.has_frame() or c.poll(0))
 
     # -- shutdown --------------------------------------------------------------------------
     def close(self, timeout: float | None = None) -> None:
@@ -299,6 +313,7 @@ class ProcessRing:
         if self._closed:
             return
         self._closed = True
+        self._inboxes = []  # their descriptors close with the pipes: nothing may write to a reused number
         for c in self._conns:
             c.close()
         for p in self._procs:
@@ -359,14 +374,19 @@ def _work(spec: tuple[Any, ...], conn: Any) -> None:
         blocks = {s: memory[s * slot_bytes : s * slot_bytes + layout.nbytes] for s in slots}
         cursors = {s: memory[s * slot_bytes + cursor_at : s * slot_bytes + cursor_at + 8 * lanes].view(torch.int64).numpy() for s in slots}
         buf = open_store(path, mode="r")
-        conn.send_bytes(b"R")
+        fd = conn.fileno()
+        inbox = Inbox(fd)  # a blocking descriptor here: take() waits for data
+        send_message(fd, b"R")
         free = deque(slots)
         g = torch.Generator().manual_seed(seed)
         made = 0
         first = True
         while quota is None or made < quota:
-            while not free or conn.poll(0):
-                slot, newest = _BACK.unpack(conn.recv_bytes())
+            while not free or inbox.has_frame() or conn.poll(0):
+                back = inbox.take()
+                if not isinstance(back, bytes):  # part of a frame: the next read waits for the rest
+                    continue
+                slot, newest = _BACK.unpack(back)
                 free.append(slot)
                 if newest > generation:
                     generation = newest
@@ -387,15 +407,16 @@ def _work(spec: tuple[Any, ...], conn: Any) -> None:
                 if not isinstance(batch, PackedBatch):
                     raise errors.InvalidArgumentError(f"processes: expected items of shape {layout.rows_shape}, got {tuple(batch.indices.shape)}")
             cursors[slot][:] = batch.written_at
-            conn.send_bytes(_SLOT.pack(slot))
+            send_number(fd, slot)
             made += 1
             del batch
-        conn.recv_bytes()  # quota made: wait until the main process closes the pipe
+        while True:  # quota made: wait until the main process closes the pipe
+            inbox.take()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         return
     except BaseException as exc:  # noqa: BLE001 - sent to the main process, re-raised there
         try:
-            conn.send_bytes(b"E" + json.dumps([type(exc).__name__, str(exc)]).encode())
+            send_message(conn.fileno(), b"E" + json.dumps([type(exc).__name__, str(exc)]).encode())
         except OSError:
             pass
 

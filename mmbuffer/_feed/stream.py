@@ -368,7 +368,7 @@ class _Maker:
             moved = batch.to(self.device, non_blocking=True)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(side)
-        return moved, event
+        return moved.make_views(), event  # here, not on the training thread
 
 
 class _SwitchInterval:

@@ -380,6 +380,52 @@ def test_block_layout_views_are_the_batch(tmp_path):
     assert layout.matches(batch) and not layout.matches(_batch_of(batch, 8))
 
 
+class _CountCalls(torch.overrides.TorchFunctionMode):
+    """Names of the torch functions and tensor methods called inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def test_packed_batch_makes_each_view_on_first_use(tmp_path):
+    from mmbuffer._feed.blocks import BlockLayout, PackedBatch
+
+    buf, batch = _batch(tmp_path)
+    layout = BlockLayout.of(batch)
+    block = layout.pack(batch).block
+    with _CountCalls() as made:
+        packed = PackedBatch(block, layout, batch.written_at)
+    assert "as_strided" not in made.calls and "view" not in made.calls  # no view made yet
+    with _CountCalls() as made:
+        obs, again = packed["obs"], packed["obs"]
+    assert made.calls.count("as_strided") == 1 and again is obs  # one view, made once
+    assert torch.equal(obs, batch["obs"]) and obs.untyped_storage().data_ptr() == block.data_ptr()
+    with _CountCalls() as made:
+        packed["reward"]  # a column of the same dtype: no second view of the whole block
+    assert made.calls.count("as_strided") == 1 and "view" not in made.calls
+    _same(packed, batch)  # data, indices, weights and mask all made on use, all equal
+    with pytest.raises(KeyError, match="nope"):
+        packed["nope"]
+    packed.data = {"obs": torch.zeros(2)}  # a Batch's fields stay assignable
+    packed.mask = None
+    assert packed["obs"].shape == (2,) and packed.mask is None
+    # a batch without a mask (transitions) has none; make_views makes every view at once
+    flat = buf.sample(8, torch.Generator().manual_seed(0))
+    flat_layout = BlockLayout.of(flat)
+    flat_block = flat_layout.pack(flat).block
+    with _CountCalls() as made:
+        ready = PackedBatch(flat_block, flat_layout).make_views()
+    assert made.calls.count("as_strided") == len(flat_layout.entries) and ready.mask is None
+    with _CountCalls() as made:
+        _same(ready, flat)
+    assert "as_strided" not in made.calls
+
+
 def _batch_of(batch, n):
     return mb.Batch({k: v[:n] for k, v in batch.data.items()}, batch.indices[:n], batch.weights[:n], batch.mask[:n])
 

@@ -153,6 +153,41 @@ def test_close_and_garbage_collection_stop_the_workers_and_leave_no_shared_memor
     assert _workers() == [] and _rings() == []
 
 
+def test_a_ready_batch_costs_the_training_thread_one_read(store: mb.Buffer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hand-over runs on the training thread between steps (docs: the CUDA ``get``):
+    a ready batch is one ``os.read`` of its worker's pipe (none when an earlier read
+    brought it in), no ``Connection`` poll or receive."""
+    import time
+    from multiprocessing.connection import Connection
+
+    calls: list[str] = []
+    read = os.read
+
+    def counted_read(fd: int, n: int) -> bytes:
+        calls.append("read")
+        return read(fd, n)
+
+    def refused(self: Connection, *args: object) -> None:
+        calls.append("connection")
+
+    with mb.stream(store, 8, slice_len=4, processes=2, num_batches=9) as s:
+        next(s)  # the workers are up
+        ready = 0
+        for _ in range(8):
+            time.sleep(0.3)  # the worker has its next batch ready by now (on a loaded host: most of the time)
+            calls.clear()
+            with monkeypatch.context() as m:
+                m.setattr(os, "read", counted_read)
+                m.setattr(Connection, "poll", refused)
+                m.setattr(Connection, "recv_bytes", refused)
+                batch = next(s)
+            if calls.count("read") == 1 or not calls:  # found ready: nothing more asked of the pipe
+                ready += 1
+            assert "connection" not in calls
+            assert tuple(batch["obs"].shape) == (8, 4, 3)
+    assert ready >= 1
+
+
 def test_options_that_do_not_go_with_processes_are_refused_at_once(store: mb.Buffer) -> None:
     with pytest.raises(mb.errors.InvalidArgumentError, match="workers"):
         mb.stream(store, 8, processes=2, workers=2)
