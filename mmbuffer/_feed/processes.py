@@ -30,7 +30,7 @@ when the last process unmaps it.
   worker once that event has passed (pending events are polled at every
   ``get``); without CUDA the block is copied out and the slot goes back at once.
   No threads. A CUDA ``get`` is a handful of calls (it runs on the training
-  thread, between steps): one read of the pipe when the batch is ready (frames of
+  thread, between steps): at most one read of the pipe when the batch is ready (frames of
   :mod:`~mmbuffer._feed.pipes`, not ``Connection``'s), no stream or device
   context, no new event, and no views: the batch makes each on first use
   (:class:`~mmbuffer._feed.blocks.PackedBatch`).
