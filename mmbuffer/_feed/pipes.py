@@ -66,8 +66,8 @@ class Inbox:
         """The next frame (a number or a message's bytes), or None if none has
         arrived whole yet (a non-blocking descriptor; a blocking one waits for data).
         ``EOFError`` once the other end has closed and no whole frame is left."""
-        frame = self._parse()
-        if frame is None:
+        end = self._whole()
+        if not end:
             try:
                 got = os.read(self.fd, _READ)
             except BlockingIOError:
@@ -75,22 +75,23 @@ class Inbox:
             if not got:
                 raise EOFError("the other end closed the pipe")
             self._buffer += got
-            frame = self._parse()
+            end = self._whole()
+            if not end:
+                return None
+        buffer = self._buffer
+        head = _HEADER.unpack_from(buffer)[0]
+        frame: int | bytes = head if head >= 0 else bytes(buffer[_HEADER.size : end])
+        del buffer[:end]
         return frame
 
     def has_frame(self) -> bool:
         """Whether a whole frame is already read and waiting."""
-        return self._parse(peek=True) is not None
+        return self._whole() > 0
 
-    def _parse(self, peek: bool = False) -> int | bytes | None:
+    def _whole(self) -> int:
+        """The length of the first frame if it has arrived whole, else 0."""
         buffer = self._buffer
         if len(buffer) < _HEADER.size:
-            return None
-        head = _HEADER.unpack_from(buffer)[0]
-        end = _HEADER.size + max(-head - 1, 0)
-        if len(buffer) < end:
-            return None
-        frame: int | bytes = head if head >= 0 else bytes(buffer[_HEADER.size : end])
-        if not peek:
-            del buffer[:end]
-        return frame
+            return 0
+        end = _HEADER.size + max(-_HEADER.unpack_from(buffer)[0] - 1, 0)
+        return end if len(buffer) >= end else 0
