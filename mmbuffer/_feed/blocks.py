@@ -65,9 +65,9 @@ class Entry:
     nbytes: int
 
 
-#: Per tensor of a layout: kind, name, dtype, shape, contiguous strides, offset in
+#: Where one tensor of a layout lies: dtype, shape, contiguous strides, offset in
 #: elements of its dtype (offsets are ``ALIGN``-aligned, so exact).
-Placement = tuple[str, str, torch.dtype, tuple[int, ...], tuple[int, ...], int]
+Placement = tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +84,7 @@ class BlockLayout:
             strides = [1] * len(e.shape)
             for i in range(len(e.shape) - 2, -1, -1):
                 strides[i] = strides[i + 1] * max(e.shape[i + 1], 1)
-            plan[(e.kind, e.name)] = (e.kind, e.name, e.dtype, e.shape, tuple(strides), e.offset // e.dtype.itemsize)
+            plan[(e.kind, e.name)] = (e.dtype, e.shape, tuple(strides), e.offset // e.dtype.itemsize)
         object.__setattr__(self, "plan", plan)
 
     @classmethod
@@ -105,7 +105,7 @@ class BlockLayout:
     @property
     def rows_shape(self) -> tuple[int, ...]:
         """The shape of the batch's ``indices`` (``[B]`` or ``[B, L]``)."""
-        return self.plan[("indices", "")][3]
+        return self.plan[("indices", "")][1]
 
     def matches(self, batch: Batch) -> bool:
         """Whether ``batch`` has exactly this layout's tensors (names, dtypes, shapes)."""
@@ -121,7 +121,7 @@ class BlockLayout:
         self.check(block)
         out: dict[str, Any] = {"data": {}, "mask": None}
         wholes: dict[torch.dtype, tuple[torch.Tensor, int]] = {}
-        for kind, name, *_ in self.plan.values():
+        for kind, name in self.plan:
             view = _view(self, block, wholes, (kind, name))
             if kind == "data":
                 out["data"][name] = view
@@ -155,7 +155,7 @@ def _view(layout: BlockLayout, block: torch.Tensor, wholes: dict[torch.dtype, tu
     """The tensor ``key`` of ``layout`` in ``block``: one ``as_strided`` of a view of the
     whole block as its dtype (made once per dtype, kept in ``wholes``). No slicing by
     ``block[...]``: torch's indexing is the dearest call of a hand-over."""
-    _, _, dtype, shape, strides, at = layout.plan[key]
+    dtype, shape, strides, at = layout.plan[key]
     got = wholes.get(dtype)
     if got is None:
         base = block if block.numel() == layout.nbytes else block.narrow(0, 0, layout.nbytes)
