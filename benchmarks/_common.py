@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -134,6 +135,26 @@ def run_python(code: str, *args: str) -> str:
     """Run ``code`` in a fresh interpreter (a cold process) and return its stdout."""
     out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=True)
     return out.stdout
+
+
+def run_in_checkout(tree: Path, source: str, *args: str) -> dict[str, Any]:
+    """Run ``source`` in a fresh interpreter with the checkout ``tree`` on ``PYTHONPATH``
+    and return the JSON object its last line of output prints. It runs from a file in a
+    temporary folder (so that neither this tree's folder nor ``-c`` decides what imports:
+    a forkserver re-imports the main module from its file); a failure exits naming the
+    tree, with the end of the child's stderr."""
+    import json
+    import tempfile
+
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    with tempfile.TemporaryDirectory() as cwd:
+        script = Path(cwd) / "bench_child.py"
+        script.write_text(source)
+        out = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, env=env, cwd=cwd, check=False)
+    if out.returncode:
+        raise SystemExit(f"the child on {tree} failed:\n{out.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
 
 
 def drop_file_cache(path: Path) -> None:

@@ -13,16 +13,13 @@ built once per side and round.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _common import count, header, table  # noqa: E402
+from _common import count, header, run_in_checkout, table  # noqa: E402
 
 WORKER = r"""
 import json, sys, time, statistics, tempfile
@@ -68,14 +65,7 @@ print(json.dumps(out))
 
 
 def run(tree: Path, rows: int) -> dict[str, float]:
-    env = {"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"}
-    import os
-
-    env = {**os.environ, **env}
-    with tempfile.TemporaryDirectory() as cwd:  # not this tree's directory: PYTHONPATH decides
-        out = subprocess.run([sys.executable, "-c", WORKER, str(rows)], capture_output=True, text=True,
-                             check=True, env=env, cwd=cwd)
-    return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    return run_in_checkout(tree, WORKER, str(rows))
 
 
 def main() -> None:

@@ -18,16 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import count  # noqa: E402
+from _common import count, run_in_checkout  # noqa: E402
 
 CHILD = r"""
 import json, os, sys, time
@@ -74,15 +72,10 @@ print(json.dumps({"rows": rows, "written": written, "episodes_live": episodes, "
 def run(tree: Path, rows: int, laps: float, scratch: Path) -> dict[str, float]:
     path = scratch / "store"
     shutil.rmtree(path, ignore_errors=True)
-    env = {**os.environ, "PYTHONPATH": str(tree)}
     try:
-        # cwd: the scratch folder, so that ``-c`` imports the tree's mmbuffer, not the one in cwd
-        out = subprocess.run([sys.executable, "-c", CHILD, str(path), str(rows), str(laps)], env=env, check=True,
-                             capture_output=True, text=True, cwd=scratch)
+        return run_in_checkout(tree, CHILD, str(path), str(rows), str(laps))
     finally:
         shutil.rmtree(path, ignore_errors=True)
-    result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
-    return result
 
 
 def main() -> None:

@@ -23,17 +23,14 @@ alternate ``--rounds`` times (ABBA), on one store built by this tree.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _common import build_world_model_store, count, header, table
+from _common import build_world_model_store, count, header, run_in_checkout, table
 
 WORKER = r"""
 import json, sys, time
@@ -78,15 +75,8 @@ if __name__ == "__main__":
 
 
 def run(tree: Path, args: argparse.Namespace, path: Path) -> dict[str, float]:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    with tempfile.TemporaryDirectory() as cwd:  # not this tree's directory: PYTHONPATH decides
-        script = Path(cwd) / "handover_worker.py"  # a file: the workers' forkserver re-imports __main__
-        script.write_text(WORKER)
-        argv = [str(path), str(args.slices), str(args.slice_len), str(args.processes), str(args.batches), str(args.step_ms / 1e3)]
-        out = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, env=env, cwd=cwd, check=False)
-    if out.returncode:
-        raise SystemExit(f"the worker on {tree} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    argv = [str(path), str(args.slices), str(args.slice_len), str(args.processes), str(args.batches), str(args.step_ms / 1e3)]
+    return run_in_checkout(tree, WORKER, *argv)
 
 
 def main() -> None:
