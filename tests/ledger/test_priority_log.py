@@ -14,11 +14,12 @@ import time
 
 import numpy as np
 import pytest
+import warm
+from sigkill import HANG_S, kill_when, wait_for
 
 import mmbuffer as mb
 from mmbuffer import errors, tree
 from mmbuffer._ledger.verify import verify
-from sigkill import HANG_S, kill_when, wait_for
 
 CAP = 4096
 
@@ -294,7 +295,7 @@ def test_sigkill_in_a_loop_of_updates_and_commits_loses_no_committed_priority(tm
     in_log = in_checkpoint = 0
     for trial in range(KILL_TRIALS):
         report = tmp_path / f"report{trial}"
-        proc = subprocess.Popen([sys.executable, "-c", KILLED, str(path), str(report)], stderr=subprocess.PIPE, text=True, env=env)
+        proc = warm.start(KILLED, [str(path), str(report)], stderr=subprocess.PIPE, text=True, env=env)
         if trial % 2:  # a random instant
             then = functools.partial(time.sleep, float(rng.random()) * 0.2)
         else:  # inside a checkpoint's page write (20 ms long here), as soon as it begins

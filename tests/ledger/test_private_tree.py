@@ -11,11 +11,12 @@ import textwrap
 
 import numpy as np
 import pytest
+import warm
+from sigkill import HANG_S, kill_when
 
 import mmbuffer as mb
 from mmbuffer import tree
 from mmbuffer._ledger.verify import verify
-from sigkill import HANG_S, kill_when
 
 CAP = 20_000
 
@@ -59,8 +60,7 @@ def _store(path):
 
 def _run_until(path, report, rounds):
     """Start the writer, wait for its commit and ``rounds`` uncommitted rounds after it, kill it."""
-    proc = subprocess.Popen([sys.executable, "-c", KILLED, str(path), str(report), str(rounds)], stderr=subprocess.PIPE,
-                            text=True)
+    proc = warm.start(KILLED, [str(path), str(report), str(rounds)], stderr=subprocess.PIPE, text=True)
     kill_when(proc, lambda: report.exists() and report.read_text().count("U") == rounds,
               waiting_for=f"{rounds} uncommitted rounds", poll=0.01)
     lines = report.read_text().split()

@@ -12,12 +12,13 @@ import time
 
 import numpy as np
 import pytest
+import warm
+from sigkill import kill_when
 
 import mmbuffer as mb
 from mmbuffer import errors
 from mmbuffer._ledger import index
 from mmbuffer._ledger.manifest import MAX_COUNTER
-from sigkill import kill_when
 
 # The writer reports to a file: "E lane written rows" just before each extend,
 # "C generation written_0 ..." just after each commit returns. It commits after every
@@ -136,8 +137,7 @@ def test_sigkill_loses_only_what_the_last_extends_reached(tmp_path, kind, monkey
     mid_write = committed_total = kept_total = expected_total = window_total = 0
     for trial in range(KILL_TRIALS):
         report = tmp_path / f"report{trial}"
-        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path), str(report), str(trial)],
-                                stderr=subprocess.PIPE, text=True)
+        proc = warm.start(WRITER, [str(path), str(report), str(trial)], stderr=subprocess.PIPE, text=True)
         def lapped() -> bool:  # a commit of this child shows every lane a lap further than its first
             commits = [line.split() for line in _lines(report) if line.startswith("C ")]
             return bool(commits) and all(int(w) >= int(s) + 1.2 * lane_size for w, s in zip(commits[-1][2:], commits[0][2:]))

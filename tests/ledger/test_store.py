@@ -13,11 +13,12 @@ import time
 import numpy as np
 import pytest
 import torch
+import warm
 import zarr
+from sigkill import kill_when
 
 import mmbuffer as mb
 from conftest import tree_hash
-from sigkill import kill_when
 
 COLUMNS = {"obs": ((3,), "float32"), "action": ((), "int64"), "reward": ((), "float32")}
 
@@ -479,7 +480,7 @@ def test_sigkill_at_any_instant_leaves_the_last_commit(tmp_path, priorities):
         report = tmp_path / f"report{trial}"
         with mb.open(path, mode="r") as ro:
             generation_before = ro.generation
-        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path), str(report)], stderr=subprocess.PIPE, text=True)
+        proc = warm.start(WRITER, [str(path), str(report)], stderr=subprocess.PIPE, text=True)
         pause = float(rng.random()) * 0.25  # about 0 to 60 commits later
         kill_when(proc, lambda: any(line.startswith("C ") for line in _report(report)),
                   lambda: time.sleep(pause), waiting_for="its first commit")

@@ -2,24 +2,22 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import warm
 
 
-def publisher(script: str, url: str) -> Callable[[Path], subprocess.Popen]:
-    """A starter of ``python -c script STORE url`` that returns once the child printed
-    ``ready`` (its imports are done: the publish begins)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(p) for p in sys.path if p]))
+def publisher(script: str, url: str) -> Callable[[Path], warm.Child]:
+    """A starter of ``python -c script STORE url``, forked warm (``tests/warm.py``: its
+    imports are done, so the random instants land in the publish), that returns once the
+    child printed ``ready`` (the publish begins)."""
 
-    def start(store: Path) -> subprocess.Popen:
-        p = subprocess.Popen([sys.executable, "-c", script, str(store), url], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    def start(store: Path) -> warm.Child:
+        p = warm.start(script, [str(store), url], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         assert p.stdout is not None and p.stdout.readline() == b"ready\n"
         p.stdout.close()
         return p
@@ -27,7 +25,7 @@ def publisher(script: str, url: str) -> Callable[[Path], subprocess.Popen]:
     return start
 
 
-def timed(start: Callable[[Path], subprocess.Popen], store: Path) -> float:
+def timed(start: Callable[[Path], warm.Child], store: Path) -> float:
     """Seconds one whole publish of ``store`` takes (it must succeed)."""
     p = start(store)
     t0 = time.perf_counter()
@@ -35,21 +33,25 @@ def timed(start: Callable[[Path], subprocess.Popen], store: Path) -> float:
     return time.perf_counter() - t0
 
 
-def kill_at_random_instants(start: Callable[[Path], subprocess.Popen], stores: list[Path], read: Callable[[], np.ndarray],
+def kill_at_random_instants(start: Callable[[Path], warm.Child], stores: list[Path], read: Callable[[], np.ndarray],
                             states: list[np.ndarray], kills: int, span: float, fraction: tuple[float, float]) -> int:
     """Publish ``stores`` in turn, SIGKILLing each publisher still running after a random
     ``fraction`` of ``span`` seconds, until ``kills`` were killed and one publish completed
     (at most 3 tries per kill; once the kills are done, a try waits 4 times as long: on a
     loaded machine a publish can outlast every drawn instant); after each, ``read()``
-    must be one of ``states`` whole, never a mix. Returns how many publishes completed
-    between the kills."""
+    must be one of ``states`` whole, never a mix. A publish that succeeds faster than
+    ``span`` becomes the span (so the instants stay inside a publish). Returns how many
+    publishes completed between the kills."""
     rng = np.random.default_rng(0)
     killed = published = i = 0
     while (killed < kills or not published) and i < 3 * kills:
         p, i = start(stores[i % len(stores)]), i + 1
+        t0 = time.perf_counter()
         try:
             p.wait(timeout=float(rng.uniform(*fraction)) * span * (1 if killed < kills else 4))
-            published += p.returncode == 0
+            if p.returncode == 0:
+                published += 1
+                span = min(span, time.perf_counter() - t0)
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()

@@ -8,18 +8,18 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import warm
+from s3server import moto_s3, new_bucket
 
 import mmbuffer as mb
 from mmbuffer import errors
 from mmbuffer.remote import _group
-from s3server import moto_s3, new_bucket
 
 pytest.importorskip("s3fs")
 
@@ -53,11 +53,11 @@ def url(s3):
     return f"s3://{new_bucket(s3)}/group"
 
 
-def start_writer(store: Path, url: str, name: str, w: int, rounds: int) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(p) for p in sys.path if p]))
+def start_writer(store: Path, url: str, name: str, w: int, rounds: int) -> warm.Child:
+    """Writer ``name`` publishing ``rounds`` times, forked warm (``tests/warm.py``), once it
+    opened its store."""
     with open(f"{store}.{name}.err", "ab") as err:
-        p = subprocess.Popen([sys.executable, "-c", WRITER, str(store), url, name, str(w), str(rounds)], env=env,
-                             stdout=subprocess.PIPE, stderr=err)
+        p = warm.start(WRITER, [str(store), url, name, str(w), str(rounds)], stdout=subprocess.PIPE, stderr=err)
     assert p.stdout is not None
     line = p.stdout.readline()
     p.stdout.close()

@@ -19,6 +19,7 @@ import time
 import numpy as np
 import pytest
 import torch
+import warm
 
 import mmbuffer as mb
 from mmbuffer import errors
@@ -258,16 +259,12 @@ def test_a_publisher_killed_while_it_appends_leaves_what_the_next_publish_comple
     instant of that pause (its copy's writer then holds a reservation past its commit: the
     kill came mid-append), the others anywhere in the publish; after each, the next publish
     completes and its snapshot is the local store's."""
-    import sys
-
     make(tmp_path / "s")
     extend(tmp_path / "s", 1500, 0)
     url = f"file://{tmp_path}/pub"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(p) for p in sys.path if p]))
 
-    def start():
-        p = subprocess.Popen([sys.executable, "-c", _PUBLISHER, str(tmp_path / "s"), url], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    def start():  # forked warm (tests/warm.py): the random instants land in the publish
+        p = warm.start(_PUBLISHER, [str(tmp_path / "s"), url], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         assert p.stdout is not None and p.stdout.readline() == b"ready\n"
         return p
 

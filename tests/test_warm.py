@@ -1,0 +1,45 @@
+"""The children of ``tests/warm.py`` are what the kill tests take them for: processes of
+their own, with their own arguments, directory and environment (import-time variables
+included), ended by SIGKILL at any instant, reporting their exit status as ``Popen`` does."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+import pytest
+import warm
+
+
+def test_a_child_is_its_own_process_with_its_own_arguments_directory_and_environment(tmp_path):
+    script = ("import os, sys\nfrom mmbuffer.config import config\n"
+              "print(os.getpid(), os.getcwd(), config.priority_log_bytes, os.environ['OTHER'], *sys.argv[1:])")
+    env = dict(os.environ, MMBUFFER_PRIORITY_LOG_BYTES="1234", OTHER="x")
+    with warm.start(script, ["a", "b"], stdout=subprocess.PIPE, text=True, cwd=tmp_path, env=env) as child:
+        pid, cwd, log_bytes, other, *argv = child.stdout.read().split()
+    assert child.returncode == 0
+    assert int(pid) == child.pid != os.getpid()
+    assert (cwd, log_bytes, other, argv) == (str(tmp_path), "1234", "x", ["a", "b"])
+
+
+def test_children_share_no_state():
+    """What one child changes in a module, the next child does not see."""
+    script = "import mmbuffer.config as c\nprint(getattr(c, 'mark', None))\nc.mark = 1"
+    for _ in range(2):
+        with warm.start(script, stdout=subprocess.PIPE) as child:
+            assert child.stdout.read() == b"None\n"
+
+
+def test_sigkill_ends_a_child_and_exit_statuses_come_back_as_popen_gives_them():
+    with warm.start("import time\nprint('ready', flush=True)\ntime.sleep(600)", stdout=subprocess.PIPE) as child:
+        assert child.stdout.readline() == b"ready\n"
+        with pytest.raises(subprocess.TimeoutExpired):
+            child.wait(0.05)
+        assert child.poll() is None
+        child.kill()
+        assert child.wait() == -signal.SIGKILL
+    assert warm.start("import sys\nsys.exit(3)").wait() == 3
+    with warm.start("raise ValueError('boom')", stderr=subprocess.PIPE, text=True) as child:
+        assert "ValueError: boom" in child.stderr.read()
+    assert child.returncode == 1
