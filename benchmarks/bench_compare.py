@@ -26,8 +26,9 @@ import json, sys, time, statistics, tempfile
 import numpy as np, torch, mmbuffer as mb
 rows = int(sys.argv[1])
 path = tempfile.mkdtemp() + "/s"
+# the extends below grow one open episode by ~220k rows: a ring must hold it whole
 buf = mb.create(path, {"obs": ((17,), "float32"), "action": ((6,), "float32"), "reward": ((), "float32")},
-                capacity=rows + 4096, priorities=mb.PriorityConfig())
+                capacity=max(rows, 250_000) + 4096, priorities=mb.PriorityConfig())
 rng = np.random.default_rng(0)
 done = np.zeros(rows, bool); done[499::500] = True
 for a in range(0, rows, 1 << 18):
