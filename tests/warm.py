@@ -215,4 +215,4 @@ def start(script: str, argv: list[str] | tuple[str, ...] = (), *, stdout: Any = 
     finally:
         for fd in (out, err, status_w):
             os.close(fd)
-    return Child(pid, ["-c", script, *request["argv"]], status_r, out_file, err_file)
+    return Child(pid, [sys.executable, "-c", script, *request["argv"]], status_r, out_file, err_file)

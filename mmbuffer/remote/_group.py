@@ -184,8 +184,10 @@ def _transact(fs: Any, root: str, url: str, change: Callable[[dict[str, Any] | N
         raw, token = _read_raw(fs, root, url)
         body = None if raw is None else parse_group(raw, f"{url}/{GROUP}")
         if body is None and fs.exists(root) and fs.find(root):
-            found = [str(p) for p in fs.find(root)]
-            if any(not p.startswith(join(root, WRITERS) + "/") and not p.endswith(".lock") for p in found):
+            # group.json may have appeared since the read (another writer's first publish):
+            # then the swap below is lost and retried on it
+            ours = (join(root, WRITERS) + "/", join(root, GROUP))
+            if any(not str(p).startswith(ours) and not str(p).endswith(".lock") for p in fs.find(root)):
                 raise errors.StoreExistsError(f"{url}: expected an empty prefix or a writer group, got other objects "
                                               "(a store published without writer=?); nothing was changed")
         new = change(body)

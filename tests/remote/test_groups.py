@@ -25,14 +25,17 @@ pytest.importorskip("s3fs")
 
 EP = 10  # rows per episode; writer w's row i holds x = w * 1_000_000 + i
 WRITER = r"""
-import sys, numpy as np, mmbuffer as mb
+import os, sys, time, numpy as np, mmbuffer as mb
 store, url, name, w, rounds = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+gate = sys.argv[6] if len(sys.argv) > 6 else None  # a file to wait for before the second round
 try:
     buf = mb.open(store, mode="a")
 except mb.errors.StoreNotFoundError:
     buf = mb.create(store, {"x": ((), "int64")}, capacity=100_000, next_keys=(), priorities=mb.PriorityConfig())
 print("ready", flush=True)
 for r in range(rounds):
+    while r == 1 and gate and not os.path.exists(gate):
+        time.sleep(0.01)
     n = len(buf)
     x = w * 1_000_000 + np.arange(n, n + 3 * 10)
     buf.extend({"x": x, "terminated": np.arange(n, n + 30) % 10 == 9})
@@ -53,11 +56,12 @@ def url(s3):
     return f"s3://{new_bucket(s3)}/group"
 
 
-def start_writer(store: Path, url: str, name: str, w: int, rounds: int) -> warm.Child:
-    """Writer ``name`` publishing ``rounds`` times, forked warm (``tests/warm.py``), once it
-    opened its store."""
+def start_writer(store: Path, url: str, name: str, w: int, rounds: int, gate: Path | None = None) -> warm.Child:
+    """Writer ``name`` publishing ``rounds`` times (after the first, once ``gate`` exists),
+    forked warm (``tests/warm.py``), once it opened its store."""
+    args = [str(store), url, name, str(w), str(rounds), *([str(gate)] if gate else [])]
     with open(f"{store}.{name}.err", "ab") as err:
-        p = warm.start(WRITER, [str(store), url, name, str(w), str(rounds)], stdout=subprocess.PIPE, stderr=err)
+        p = warm.start(WRITER, args, stdout=subprocess.PIPE, stderr=err)
     assert p.stdout is not None
     line = p.stdout.readline()
     p.stdout.close()
@@ -88,13 +92,16 @@ def group_body(url: str) -> bytes:
 def test_writers_publish_at_once_and_the_reader_sees_whole_unions(tmp_path, url):
     """Three writer processes publish 4 rounds each at the same time; the reader opens and
     refreshes meanwhile and every snapshot it sees is whole (rows = sum, episodes
-    intact, each writer's rows exactly its own prefix)."""
-    procs = [start_writer(tmp_path / f"w{w}", url, f"host-{w}", w, 4) for w in range(3)]
+    intact, each writer's rows exactly its own prefix). The writers publish their later
+    rounds once the reader has opened the group."""
+    gate = tmp_path / "reader-opened"
+    procs = [start_writer(tmp_path / f"w{w}", url, f"host-{w}", w, 4, gate) for w in range(3)]
     g, seen = None, set()
     while any(p.poll() is None for p in procs) or g is None:
         try:
             if g is None:
                 g = mb.open_group(url, cache_dir=tmp_path / "cache", pool=None)
+                gate.touch()
             else:
                 g.refresh()
         except errors.StoreNotFoundError:  # nothing published yet, or a snapshot pruned under us
@@ -105,11 +112,12 @@ def test_writers_publish_at_once_and_the_reader_sees_whole_unions(tmp_path, url)
         x = b.data["x"]
         assert bool(((x[:, 1:] - x[:, :-1]) == 1).all()) and bool((x[:, 0] % EP <= EP - 5).all())
     for p in procs:
-        assert p.wait() == 0, (p.returncode, p.args)
+        assert p.wait() == 0, Path(f"{p.args[3]}.{p.args[5]}.err").read_text()
     g.refresh()
     assert g.writers == ("host-0", "host-1", "host-2") and check_whole(g) == 3 * 4 * 30
     assert json.loads(group_body(url))["sequence"] == 3 * 4 * 2  # a claim and a swap per publish, none lost
-    assert len(seen) >= 2  # the reader saw the group change while the writers published
+    seen.add((g.writers, 3 * 4 * 30))
+    assert len(seen) >= 2  # the group the reader opened changed under it as the writers published
     w, rows = g.locate(g.sample(256, generator=torch.Generator().manual_seed(0)).indices.numpy())
     assert set(np.unique(w).tolist()) == {0, 1, 2} and (rows < 100_000).all()
     g.close()
@@ -138,6 +146,28 @@ def make_local(path: Path, w: int, rows: int, priorities: np.ndarray | None = No
         buf.update_priorities(np.arange(rows), priorities)
     buf.commit()
     return buf
+
+
+def test_a_first_publish_that_read_no_group_before_another_writer_made_it_joins_that_group(tmp_path, url, monkeypatch):
+    """Two writers' first publishes to an empty prefix at once: one read no ``group.json``,
+    then found the one the other had just put there. That is a lost swap to retry, not
+    "other objects" (it was refused as those while the writers raced)."""
+    a, b = make_local(tmp_path / "a", 0, 20), make_local(tmp_path / "b", 1, 30)
+    mb.convert.publish(a, url, writer="host-0", progress=False)
+    real, reads = _group._read_raw, []
+
+    def read_before_host_0_made_it(*args):
+        reads.append(1)
+        return (None, None) if len(reads) == 1 else real(*args)
+
+    monkeypatch.setattr(_group, "_read_raw", read_before_host_0_made_it)
+    summary = mb.convert.publish(b, url, writer="host-1", progress=False)
+    assert len(reads) >= 3  # the stale read, its retry, the pointer's swap
+    assert summary["group_sequence"] == 4  # host-0's claim and swap, then host-1's: nothing lost
+    with mb.open_group(url, cache_dir=tmp_path / "cache", pool=None) as g:
+        assert g.writers == ("host-0", "host-1") and check_whole(g) == 50
+    a.close()
+    b.close()
 
 
 def test_a_second_publisher_of_a_writer_name_gets_locked_error(tmp_path, url):
