@@ -1,4 +1,5 @@
 import hashlib
+import multiprocessing
 import os
 from pathlib import Path
 
@@ -35,6 +36,20 @@ def compiled_kernels():
     import importlib
 
     importlib.import_module("mmbuffer._feed.warm")  # warms on import (uniform, slices, priorities)
+
+
+_START_METHOD = multiprocessing.get_start_method(allow_none=True)
+
+
+@pytest.fixture(autouse=True)
+def starts_with_the_default_start_method():
+    """Every test starts with this process's default multiprocessing start method.
+    Importing torchrl sets ``spawn`` for the whole process (``torchrl/__init__.py``): every
+    later ``DataLoader`` of the same pytest worker then started its workers as new
+    interpreters, which took ``tests/feed/test_data.py`` 50 s instead of 1 s."""
+    yield
+    if multiprocessing.get_start_method(allow_none=True) != _START_METHOD:
+        multiprocessing.set_start_method(_START_METHOD, force=True)
 
 
 @pytest.fixture(autouse=True)
