@@ -45,6 +45,7 @@ import numpy as np
 import mmbuffer as mb
 
 root, trials, procs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+create, config = mb.create, mb.PriorityConfig  # imported here, so the children race from the same instant
 out = []
 for t in range(trials):
     path = os.path.join(root, f"s{t}")
@@ -58,8 +59,8 @@ for t in range(trials):
             os.close(res_r)
             os.read(go_r, 1)  # every child starts at once
             try:
-                mb.create(path, {"x": ((4,), "float32")}, capacity=4096, num_streams=2,
-                          priorities=mb.PriorityConfig(), next_keys=("x",))
+                create(path, {"x": ((4,), "float32")}, capacity=4096, num_streams=2, priorities=config(),
+                       next_keys=("x",))
                 r = "created"
             except mb.errors.StoreExistsError:
                 r = "exists"
