@@ -183,7 +183,7 @@ def _transact(fs: Any, root: str, url: str, change: Callable[[dict[str, Any] | N
     for attempt in range(_TRIES):
         raw, token = _read_raw(fs, root, url)
         body = None if raw is None else parse_group(raw, f"{url}/{GROUP}")
-        if body is None and fs.exists(root) and fs.find(root):
+        if body is None and fs.exists(root):
             # group.json may have appeared since the read (another writer's first publish):
             # then the swap below is lost and retried on it
             ours = (join(root, WRITERS) + "/", join(root, GROUP))
