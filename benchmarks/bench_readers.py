@@ -3,7 +3,7 @@
 One writer wraps a small two-lane ring (256 rows a lane) as fast as it can, with
 priorities, committing now and then; ``--readers`` processes refresh and sample
 uniform, slice, padded-slice and prioritized batches in turn and check every row
-against its encoding (``tests/guarantees/test_readers.py``: each row names its stream,
+against its encoding (``tests/guarantees/racing.py``: each row names its stream,
 episode, step and absolute row; a wide second column is a function of that). A
 row counts as a violation if it was not in the commit the reader reads, sits at
 the wrong ring position, disagrees across columns, or breaks its slice's episode.
@@ -23,9 +23,6 @@ library from ``PYTHONPATH``).
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
-import os
-import signal
 import sys
 import tempfile
 import time
@@ -35,28 +32,26 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests"))  # conftest
-sys.path.insert(0, str(HERE.parent / "tests" / "guarantees"))  # test_readers
+sys.path.insert(0, str(HERE.parent / "tests"))  # warm
+sys.path.insert(0, str(HERE.parent / "tests" / "guarantees"))  # racing
 from _common import count, header, median_time, table  # noqa: E402
-from test_readers import WRITTEN, _write_forever, run_race, seed_store  # noqa: E402
+from racing import Board, run_race, seed_store, start  # noqa: E402
 
 import mmbuffer as mb  # noqa: E402
 from mmbuffer._ledger.verify import verify  # noqa: E402
 
 
 def kill_runs(path: Path, kills: int) -> dict[str, int]:
-    ctx = mp.get_context("spawn")
     rng = np.random.default_rng(0)
     failed = opened = 0
     for trial in range(kills):
         with mb.open(path, mode="r") as ro:
             streams = ro.num_streams
-        state = ctx.Array("q", WRITTEN + streams, lock=False)  # the writer's commits, shown to the test's parent
-        proc = ctx.Process(target=_write_forever, args=(str(path), trial, state))
-        proc.start()
+        board = Board.create(path.parent / f"board-k{trial}", streams)  # the writer's commits, shown to this process
+        proc = start("write", path, trial, board.path, 0.02, path.parent / "never")  # a writer until killed
         time.sleep(2.0 + rng.random())
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.join()
+        proc.kill()
+        proc.wait()
         reader = mb.open(path, mode="r")
         failed += not verify(reader)["ok"]
         reader.close()
