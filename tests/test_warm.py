@@ -43,3 +43,12 @@ def test_sigkill_ends_a_child_and_exit_statuses_come_back_as_popen_gives_them():
     with warm.start("raise ValueError('boom')", stderr=subprocess.PIPE, text=True) as child:
         assert "ValueError: boom" in child.stderr.read()
     assert child.returncode == 1
+
+
+def test_run_captures_output_and_raises_as_subprocess_run_does():
+    done = warm.run("import sys\nprint('out')\nprint('err', file=sys.stderr)\nsys.exit(2)")
+    assert (done.returncode, done.stdout, done.stderr) == (2, "out\n", "err\n")
+    with pytest.raises(subprocess.CalledProcessError):
+        warm.run("import sys\nsys.exit(2)", check=True)
+    with pytest.raises(subprocess.TimeoutExpired):
+        warm.run("import time\ntime.sleep(600)", timeout=0.5)

@@ -216,3 +216,30 @@ def start(script: str, argv: list[str] | tuple[str, ...] = (), *, stdout: Any = 
         for fd in (out, err, status_w):
             os.close(fd)
     return Child(pid, [sys.executable, "-c", script, *request["argv"]], status_r, out_file, err_file)
+
+
+def run(script: str, argv: list[str] | tuple[str, ...] = (), *, timeout: float | None = None, check: bool = False,
+        cwd: str | Path | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run([python, "-c", script, *argv], capture_output=True, text=True)``
+    as a warm child: its output as text, ``timeout`` (the child is killed, then
+    ``TimeoutExpired``) and ``check`` (``CalledProcessError``) as ``subprocess.run``'s.
+
+    >>> run("import sys; print(sys.argv[1])", ["hi"]).stdout
+    'hi\\n'
+    """
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        child = start(script, argv, stdout=out, stderr=err, cwd=cwd, env=env)
+        try:
+            code = child.wait(timeout)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+            raise
+        out.seek(0)
+        err.seek(0)
+        done = subprocess.CompletedProcess(child.args, code, out.read(), err.read())
+    if check:
+        done.check_returncode()
+    return done

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
 import torch
+import warm
 
 import mmbuffer as mb
 from mmbuffer import errors
@@ -264,7 +263,7 @@ def test_a_dead_writer_that_reused_the_staging_half_loses_no_committed_row(tmp_p
         buf.extend({{"x": x[13:33], "a": np.arange(13, 33)}})
         os._exit(0)
     """)
-    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    warm.run(code, check=True)
     x = (np.arange(100 * 30) % 251).astype(np.uint8).reshape(100, *SHAPE)
     with mb.open(path, mode="r") as ro:
         tags = ro.store.column("x")._tags.tolist()
@@ -333,8 +332,7 @@ def test_a_reader_in_another_process_never_gets_torn_or_mixed_rows(tmp_path):
     path = tmp_path / "z"
     mb.create(path, {"x": mb.Column((6, 5), "uint8", codec="zstd"), "a": ((), "int64")}, capacity=2 * 48,
               num_streams=2, next_keys=("x",)).close()
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path), "1200"],
-                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    proc = warm.start(WRITER, [str(path), "1200"])
     staged = decoded = batches = 0
     try:
         with mb.open(path, mode="r") as ro:
@@ -495,7 +493,6 @@ def test_a_store_of_more_shard_files_than_file_descriptors_reads_whole(tmp_path)
                     "truncated": np.zeros((streams, lane), bool)}, stream=list(range(streams)))
     files = [f for f in (path / "columns" / "frames" / "c").rglob("*") if f.is_file()]
     assert len(files) >= 2 * 256  # more shard files than the reader may hold descriptors
-    out = subprocess.run([sys.executable, "-c", READ_UNDER_A_LOW_FD_LIMIT, str(path)], capture_output=True, text=True,
-                         timeout=300, cwd=os.getcwd())
+    out = warm.run(READ_UNDER_A_LOW_FD_LIMIT, [str(path)], timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert int(out.stdout) <= 256

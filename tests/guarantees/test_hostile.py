@@ -6,14 +6,13 @@ from __future__ import annotations
 import errno
 import json
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import warm
 
 import mmbuffer as mb
 
@@ -111,7 +110,7 @@ RUNNER = textwrap.dedent(
 
 def run_isolated(*paths: Path) -> list[str]:
     """Open and read stores in a child process: a crash fails the test instead of pytest."""
-    out = subprocess.run([sys.executable, "-c", RUNNER, *map(str, paths)], capture_output=True, text=True, timeout=120)
+    out = warm.run(RUNNER, [str(p) for p in paths], timeout=120)
     assert out.returncode == 0, f"child died with {out.returncode}: {out.stdout[-2000:]} {out.stderr[-2000:]}"
     return out.stdout.splitlines()
 
@@ -267,7 +266,7 @@ def test_a_compressed_column_wider_than_the_descriptor_limit_opens(tmp_path):
         with mb.open({str(tmp_path / "s")!r}, mode="r") as ro:
             print(int(ro.get(np.arange(4000), keys=["x"])["x"].sum()))
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    out = warm.run(script, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert int(out.stdout.split()[-1]) == 4000 * 4001
     folders = [p for p in (tmp_path / "s" / "columns" / "x" / "c").iterdir() if p.is_dir()]
@@ -534,10 +533,7 @@ FUZZ = textwrap.dedent(
 
 def test_fuzzed_metadata_gives_typed_errors_only(tmp_path):
     base = make_store(tmp_path / "s", priorities=True)
-    out = subprocess.run(
-        [sys.executable, "-c", FUZZ, str(base), str(Path(__file__).resolve().parents[1]), "150"],  # tests/: conftest
-        capture_output=True, text=True, timeout=600,
-    )
+    out = warm.run(FUZZ, [str(base), str(Path(__file__).resolve().parents[1]), "150"], timeout=600)  # tests/: conftest
     assert out.returncode == 0, f"exit {out.returncode}: {out.stdout[-3000:]} {out.stderr[-3000:]}"
     outcomes = json.loads(out.stdout.splitlines()[-1])
     print(outcomes)
@@ -565,7 +561,7 @@ def test_writer_crashed_far_past_its_commit_reopens(tmp_path, blocks, kept):
     [22, 26), over ring rows of [14, 18)) did not reach, stays."""
     path = make_store(tmp_path / "s")
     before = mb.open(path, mode="r").episodes()[1].tolist()
-    subprocess.run([sys.executable, "-c", CRASHING_WRITER, str(path), str(blocks)], check=True, timeout=120)
+    warm.run(CRASHING_WRITER, [str(path), str(blocks)], check=True, timeout=120)
     lane_size = CAP // 2
     with mb.open(path) as buf:  # the writer recovers
         starts, lengths = buf.episodes()

@@ -339,7 +339,7 @@ def test_read_only_lock_and_existing(tmp_path):
 def test_second_writer_in_another_process_names_the_holder(tmp_path):
     buf = _store(tmp_path)
     code = f"import mmbuffer as mb\ntry:\n mb.open({str(tmp_path / 's')!r})\nexcept mb.errors.LockedError as e:\n print(e)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = warm.run(code, check=True).stdout
     assert f"pid {os.getpid()}" in out
     buf.close()
 

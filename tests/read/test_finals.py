@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
 import torch
+import warm
 
 import mmbuffer as mb
 from mmbuffer import errors
@@ -192,8 +191,7 @@ def test_the_open_episodes_provisional_end_keeps_its_slot(tmp_path):
     from mmbuffer._ledger.appending import end_open_episode
 
     make(tmp_path / "s", streams=1, lane_size=50).close()
-    out = subprocess.run([sys.executable, "-c", PROVISIONAL, str(tmp_path / "s"), os.path.dirname(__file__)],
-                         capture_output=True, text=True, timeout=300)
+    out = warm.run(PROVISIONAL, [str(tmp_path / "s"), os.path.dirname(__file__)], timeout=300)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout.split()[-1]) == obs_of(0, [6])[0, 0]
     with mb.open(tmp_path / "s") as again:
@@ -222,8 +220,7 @@ def test_a_reader_in_another_process_reads_the_same_finals(tmp_path, rng):
     ends = check(buf)
     buf.close()  # the reservation comes down to the cursors: a reader sees every episode
     here = os.path.dirname(__file__)
-    out = subprocess.run([sys.executable, "-c", READER, str(tmp_path / "s"), here], capture_output=True, text=True,
-                         timeout=300)
+    out = warm.run(READER, [str(tmp_path / "s"), here], timeout=300)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout.split()[-1]) == ends > 20
 

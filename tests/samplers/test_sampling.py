@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
+import warm
 
 import mmbuffer as mb
 from conftest import tree_hash
@@ -141,7 +140,7 @@ def test_same_generator_same_batch_in_another_process(tmp_path, rng):
         "b = mb.open(sys.argv[1], mode='r').sample_slices(32, 8, generator=torch.Generator().manual_seed(11))\n"
         "print(b.indices.flatten().tolist())"
     )
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "s")], capture_output=True, text=True, check=True)
+    out = warm.run(code, [str(tmp_path / "s")], check=True)
     ro = mb.open(tmp_path / "s", mode="r")
     here = ro.sample_slices(32, 8, generator=torch.Generator().manual_seed(11)).indices.flatten().tolist()
     assert out.stdout.strip() == str(here)
