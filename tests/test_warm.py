@@ -50,5 +50,6 @@ def test_run_captures_output_and_raises_as_subprocess_run_does():
     assert (done.returncode, done.stdout, done.stderr) == (2, "out\n", "err\n")
     with pytest.raises(subprocess.CalledProcessError):
         warm.run("import sys\nsys.exit(2)", check=True)
-    with pytest.raises(subprocess.TimeoutExpired):
-        warm.run("import time\ntime.sleep(600)", timeout=0.5)
+    with pytest.raises(subprocess.TimeoutExpired) as hung:
+        warm.run("import time\nprint('started', flush=True)\ntime.sleep(600)", timeout=2)
+    assert hung.value.stdout == "started\n"  # what it printed before it was killed

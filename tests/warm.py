@@ -111,9 +111,10 @@ while True:
         os.close(fd)
 """
 
-# Read at import (mmbuffer.config, numba, OpenMP): a child whose environment differs in
-# these gets a zygote started with its values.
-IMPORT_TIME = ("MMBUFFER_", "NUMBA_", "OMP_", "MKL_", "TORCH_", "PYTORCH_")
+# Read at import (mmbuffer.config, numba, OpenMP) or at the interpreter's start (the
+# warning filters): a child whose environment differs in these gets a zygote started
+# with its values.
+IMPORT_TIME = ("MMBUFFER_", "NUMBA_", "OMP_", "MKL_", "TORCH_", "PYTORCH_", "PYTHONWARNINGS")
 
 _lock = threading.Lock()
 _zygotes: dict[tuple[tuple[str, str], ...], tuple[subprocess.Popen, socket.socket]] = {}
@@ -236,9 +237,11 @@ def run(script: str, argv: list[str] | tuple[str, ...] = (), *, timeout: float |
         except subprocess.TimeoutExpired:
             child.kill()
             child.wait()
-            raise
+            code = None
         out.seek(0)
         err.seek(0)
+        if code is None:
+            raise subprocess.TimeoutExpired(child.args, timeout, out.read(), err.read())
         done = subprocess.CompletedProcess(child.args, code, out.read(), err.read())
     if check:
         done.check_returncode()

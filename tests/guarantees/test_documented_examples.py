@@ -2,9 +2,12 @@
 
 Each ```python block of README.md and docs/*.md is written to a file of its own
 (blank lines in front, so that a traceback's line numbers are the document's) and
-run standalone in a fresh interpreter, in a fresh empty working directory: nothing
-defined in an earlier block is visible to a later one, as for a reader who copies
-one block into a new file. A block whose fence has ``<!-- illustration -->`` on the
+run standalone in a process of its own, in a fresh empty working directory, with
+the ``sys.path`` of a fresh interpreter: nothing defined in an earlier block is
+visible to a later one, as for a reader who copies one block into a new file. The
+process is forked from an interpreter that has imported numpy, torch, zarr and
+mmbuffer (``tests/warm.py``), so a block's ``import`` binds names without loading
+them again; what it does not import is not defined. A block whose fence has ``<!-- illustration -->`` on the
 line just above it is not meant to run (a signature listing, say) and is skipped;
 no README block may be one.
 
@@ -17,6 +20,8 @@ only reports a hang: it is not a speed requirement.
 
 from __future__ import annotations
 
+import ast
+import functools
 import os
 import re
 import subprocess
@@ -25,6 +30,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+import warm
 
 REPO = Path(__file__).resolve().parents[2]
 DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -94,6 +100,15 @@ def test_an_illustration_comment_marks_only_the_next_block(tmp_path):
     assert blocks[1].source.splitlines()[7] == "x = 1"
 
 
+@functools.cache
+def fresh_path(pythonpath: str) -> list[str]:
+    """``sys.path`` of a fresh interpreter started with this ``PYTHONPATH`` (the test
+    process's holds the tests' folders too)."""
+    out = subprocess.run([sys.executable, "-c", "import sys; print(repr(sys.path))"], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": pythonpath}, check=True)
+    return ast.literal_eval(out.stdout)
+
+
 @pytest.mark.parametrize("block", list(_params()))
 def test_documented_example_runs_as_written(block, tmp_path):
     if block.illustration:
@@ -102,15 +117,15 @@ def test_documented_example_runs_as_written(block, tmp_path):
     script = tmp_path / name
     script.write_text(block.source)
     # run the file as __main__ (as `python file.py` would), then print the marker
-    runner = f"import runpy, sys; runpy.run_path({str(script)!r}, run_name='__main__'); print({MARKER!r})"
     work = tmp_path / "cwd"
     work.mkdir()
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     env.pop("PYTHONWARNINGS", None)
+    runner = (f"import runpy, sys; sys.path[:] = {fresh_path(env['PYTHONPATH'])!r}; "
+              f"runpy.run_path({str(script)!r}, run_name='__main__'); print({MARKER!r})")
     try:
-        proc = subprocess.run([sys.executable, "-c", runner], cwd=work, env=env, capture_output=True, text=True,
-                              timeout=HANG_S, check=False)
+        proc = warm.run(runner, cwd=work, env=env, timeout=HANG_S)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"{block.doc.name}:{block.line} hung: no exit after {HANG_S} s (a limit that only reports a "
                     f"hang, not a speed requirement)\nstdout:\n{e.stdout}\nstderr:\n{e.stderr}")
