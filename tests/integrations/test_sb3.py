@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import pickle
-import subprocess
-import sys
 import time
 from copy import deepcopy
 from pathlib import Path
@@ -13,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import warm
 
 sb3 = pytest.importorskip("stable_baselines3")
 gym = pytest.importorskip("gymnasium")
@@ -27,7 +25,6 @@ import mmbuffer as mb  # noqa: E402
 import mmbuffer.sb3  # noqa: E402
 from mmbuffer import errors  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository: the package for child processes
 
 
 # -- transitions as SB3's off-policy loop produces them --------------------------------
@@ -447,9 +444,8 @@ print(model.num_timesteps)
 
 
 def test_load_replay_buffer_in_a_new_process(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", SAVER, str(tmp_path / "replay"), str(tmp_path / "rb.pkl"),
-                          str(tmp_path / "s.npy")], check=True, env=env, timeout=300, capture_output=True, text=True)
+    out = warm.run(SAVER, [str(tmp_path / "replay"), str(tmp_path / "rb.pkl"), str(tmp_path / "s.npy")], check=True,
+                   timeout=300)
     steps = int(out.stdout.split()[-1])
     model = small_dqn(tmp_path / "fresh")
     model.load_replay_buffer(tmp_path / "rb.pkl")
@@ -505,8 +501,7 @@ os._exit(0)  # no close: a crash
 
 
 def test_crash_loses_at_most_commit_every(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    subprocess.run([sys.executable, "-c", CRASH, str(tmp_path / "c")], check=True, env=env, timeout=120)
+    warm.run(CRASH, [str(tmp_path / "c")], check=True, timeout=120)
     rb = mmbuffer.sb3.ReplayBuffer(10000, spaces.Box(-1e6, 1e6, (2,), np.float32), spaces.Discrete(2), device="cpu",
                                    path=tmp_path / "c")
     assert rb.size() == 200  # the commits at 100 and 200 steps
