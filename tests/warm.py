@@ -35,6 +35,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Self
@@ -228,8 +229,6 @@ def run(script: str, argv: list[str] | tuple[str, ...] = (), *, timeout: float |
     >>> run("import sys; print(sys.argv[1])", ["hi"]).stdout
     'hi\\n'
     """
-    import tempfile
-
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         child = start(script, argv, stdout=out, stderr=err, cwd=cwd, env=env)
         try:
