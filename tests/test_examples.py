@@ -1,7 +1,8 @@
 """The examples run (``--quick``) and do what they say.
 
-Each example runs in a subprocess, in a temporary directory, and the test reads
-what it prints. The ```python blocks of README.md and docs/ run one by one,
+Each example runs as ``python examples/NAME.py``, in a process of its own forked warm
+(``tests/warm.py``: a fresh interpreter's ``sys.path``, its imports done), in a
+temporary directory, and the test reads what it prints. The ```python blocks of README.md and docs/ run one by one,
 standalone, in tests/guarantees/test_documented_examples.py.
 """
 
@@ -9,10 +10,10 @@ import os
 import re
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import warm
 
 import mmbuffer as mb
 
@@ -27,11 +28,9 @@ def _env():
     return env
 
 
-def _run(args, cwd, timeout=300):
-    proc = subprocess.run(
-        [sys.executable, *map(str, args)], cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout, check=False
-    )
-    assert proc.returncode == 0, f"{args} exited with {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+def _run(script, args, cwd, timeout=300):
+    proc = warm.run_file(script, [str(a) for a in args], cwd=cwd, env=_env(), timeout=timeout)
+    assert proc.returncode == 0, f"{script} {args} exited with {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
 
 
@@ -43,7 +42,7 @@ def _number(pattern, text):
 
 @pytest.mark.slow
 def test_offline_world_model(tmp_path):
-    out = _run([EXAMPLES / "offline_world_model.py", "--quick", "--dir", tmp_path / "wm"], tmp_path)
+    out = _run(EXAMPLES / "offline_world_model.py", ["--quick", "--dir", tmp_path / "wm"], tmp_path)
     assert "verified=True" in out
     rows = _number(r"converted: rows=(\d+)", out)
     assert rows == _number(r"wrote \S+: (\d+) transitions", out)
@@ -52,7 +51,7 @@ def test_offline_world_model(tmp_path):
 
 @pytest.mark.slow
 def test_ppo_cartpole(tmp_path):
-    out = _run([EXAMPLES / "ppo_cartpole.py", "--quick", "--store", tmp_path / "ppo"], tmp_path)
+    out = _run(EXAMPLES / "ppo_cartpole.py", ["--quick", "--store", tmp_path / "ppo"], tmp_path)
     assert _number(r"last mean return ([\d.]+)", out) > _number(r"first mean return ([\d.]+)", out)
     assert re.search(r"value error over \d+ stored episodes", out)
 
@@ -61,9 +60,9 @@ def test_ppo_cartpole(tmp_path):
 def test_online_sac_killed_and_resumed(tmp_path):
     store = tmp_path / "sac" / "replay"
     script = EXAMPLES / "online_sac.py"
-    args = [sys.executable, str(script), "--quick", "--steps", "1200", "--store", str(store)]
     seen = []
-    with subprocess.Popen(args, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+    with warm.start_file(script, ["--quick", "--steps", "1200", "--store", str(store)], cwd=tmp_path, env=_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         try:
             for line in proc.stdout:  # kill it once it has committed at least two episodes
                 m = re.match(r"committed rows=(\d+)", line)
@@ -79,12 +78,14 @@ def test_online_sac_killed_and_resumed(tmp_path):
     assert proc.returncode == -signal.SIGKILL, f"ran to the end before the kill:\n{err}"
     assert seen and seen[-1] >= 400
 
-    _run(["-m", "mmbuffer", "verify", store], tmp_path)  # the kill left a consistent store
+    proc = warm.run("import runpy; runpy.run_module('mmbuffer', run_name='__main__', alter_sys=True)",  # python -m
+                    ["verify", str(store)], cwd=tmp_path, env=_env(), timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr  # the kill left a consistent store
     with mb.open(store, mode="r") as ro:
         stored = len(ro)
     assert seen[-1] <= stored < 1200 and stored % 200 == 0  # whole committed episodes
 
-    out = _run([script, "--quick", "--steps", "1200", "--store", store, "--resume"], tmp_path)
+    out = _run(script, ["--quick", "--steps", "1200", "--store", store, "--resume"], tmp_path)
     assert int(_number(r"resumed from (\d+) stored rows", out)) == stored
     assert "restored learner from checkpoint" in out
     assert "new store" not in out

@@ -26,8 +26,10 @@ happens at interpreter exit or in a new interpreter's imports keep ``subprocess`
 
 from __future__ import annotations
 
+import ast
 import atexit
 import contextlib
+import functools
 import os
 import pickle
 import select
@@ -245,3 +247,32 @@ def run(script: str, argv: list[str] | tuple[str, ...] = (), *, timeout: float |
     if check:
         done.check_returncode()
     return done
+
+
+@functools.cache
+def fresh_path(pythonpath: str) -> list[str]:
+    """``sys.path`` of a fresh interpreter started with this ``PYTHONPATH`` (a zygote's
+    holds the test process's, the tests' folders too); asked of one once."""
+    out = subprocess.run([sys.executable, "-c", "import sys; print(repr(sys.path))"], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": pythonpath}, check=True)
+    return ast.literal_eval(out.stdout)
+
+
+def _file_runner(path: str | Path, env: dict[str, str], then: str) -> str:
+    where = [str(Path(path).resolve().parent), *fresh_path(env.get("PYTHONPATH", ""))[1:]]
+    return f"import runpy, sys; sys.path[:] = {where!r}; runpy.run_path({str(path)!r}, run_name='__main__'); {then}"
+
+
+def start_file(path: str | Path, argv: list[str] | tuple[str, ...] = (), *, env: dict[str, str], then: str = "",
+               **kw: Any) -> Child:
+    """:func:`start` of ``python path *argv`` as it would run in a fresh interpreter with
+    ``env``: ``path`` as ``__main__`` with ``sys.argv[0]`` its path, and ``sys.path`` a fresh
+    interpreter's (``path``'s folder first, then ``env``'s ``PYTHONPATH``); ``then``: code
+    run after it, in the same process."""
+    return start(_file_runner(path, env, then), argv, env=env, **kw)
+
+
+def run_file(path: str | Path, argv: list[str] | tuple[str, ...] = (), *, env: dict[str, str], then: str = "",
+             **kw: Any) -> subprocess.CompletedProcess[str]:
+    """:func:`run` of ``python path *argv``, as :func:`start_file` starts it."""
+    return run(_file_runner(path, env, then), argv, env=env, **kw)

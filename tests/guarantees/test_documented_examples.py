@@ -20,12 +20,9 @@ only reports a hang: it is not a speed requirement.
 
 from __future__ import annotations
 
-import ast
-import functools
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -100,15 +97,6 @@ def test_an_illustration_comment_marks_only_the_next_block(tmp_path):
     assert blocks[1].source.splitlines()[7] == "x = 1"
 
 
-@functools.cache
-def fresh_path(pythonpath: str) -> list[str]:
-    """``sys.path`` of a fresh interpreter started with this ``PYTHONPATH`` (the test
-    process's holds the tests' folders too)."""
-    out = subprocess.run([sys.executable, "-c", "import sys; print(repr(sys.path))"], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": pythonpath}, check=True)
-    return ast.literal_eval(out.stdout)
-
-
 @pytest.mark.parametrize("block", list(_params()))
 def test_documented_example_runs_as_written(block, tmp_path):
     if block.illustration:
@@ -122,10 +110,8 @@ def test_documented_example_runs_as_written(block, tmp_path):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     env.pop("PYTHONWARNINGS", None)
-    runner = (f"import runpy, sys; sys.path[:] = {fresh_path(env['PYTHONPATH'])!r}; "
-              f"runpy.run_path({str(script)!r}, run_name='__main__'); print({MARKER!r})")
     try:
-        proc = warm.run(runner, cwd=work, env=env, timeout=HANG_S)
+        proc = warm.run_file(script, cwd=work, env=env, timeout=HANG_S, then=f"print({MARKER!r})")
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"{block.doc.name}:{block.line} hung: no exit after {HANG_S} s (a limit that only reports a "
                     f"hang, not a speed requirement)\nstdout:\n{e.stdout}\nstderr:\n{e.stderr}")

@@ -77,14 +77,18 @@ def _recovered_episodes(buf):
     final observation is the next value."""
     starts, lengths = buf.episodes()
     out = [set() for _ in range(buf.num_streams)]
-    for s, n in zip(starts.tolist(), lengths.tolist()):
-        lane = s // buf.lane_size
-        rows = lane * buf.lane_size + (s % buf.lane_size + np.arange(n)) % buf.lane_size
-        got = buf.get(rows, keys=["x", "terminated", "next_x"])
-        v = got["x"].numpy()
+    if not len(starts):
+        return out
+    lanes = starts.numpy() // buf.lane_size
+    offsets = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths.numpy()) - lengths.numpy(), lengths.numpy())
+    rows = np.repeat(lanes * buf.lane_size, lengths.numpy()) + (np.repeat(starts.numpy() % buf.lane_size,
+                                                                          lengths.numpy()) + offsets) % buf.lane_size
+    got = buf.get(rows, keys=["x", "terminated", "next_x"])  # every episode in one read, split below
+    bounds = np.cumsum(lengths.numpy())[:-1]
+    for lane, v, ends, nxt in zip(lanes.tolist(), *(np.split(got[k].numpy(), bounds) for k in ("x", "terminated", "next_x"))):
         assert (v % 10 == lane).all() and (np.diff(v // 10) == 1).all(), f"torn episode in lane {lane}"
         a = v // 10
-        assert ((a[-1] * 7 + lane) % 23 == 0) and bool(got["terminated"][-1]) and got["next_x"][-1].item() == v[-1] + 1
+        assert ((a[-1] * 7 + lane) % 23 == 0) and bool(ends[-1]) and nxt[-1] == v[-1] + 1
         out[lane].add(int(a[0]))
     return out
 
