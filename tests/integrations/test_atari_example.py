@@ -1,15 +1,15 @@
 """examples/atari_dqn.py: SB3's DQN trains on a real ALE game with its replay buffer in an
-mmbuffer store, and a rerun resumes from the store."""
+mmbuffer store, and a rerun resumes from the store. Each run is ``python examples/atari_dqn.py``
+forked warm (``tests/warm.py``)."""
 
 from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import warm
 
 pytest.importorskip("stable_baselines3")
 pytest.importorskip("ale_py")
@@ -23,8 +23,7 @@ EXAMPLE = REPO / "examples" / "atari_dqn.py"
 
 def run(cwd: Path, *args: str) -> str:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    proc = subprocess.run([sys.executable, str(EXAMPLE), "--dir", "run", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=600, check=False)
+    proc = warm.run_file(EXAMPLE, ["--dir", "run", *args], cwd=cwd, env=env, timeout=600)  # python EXAMPLE ...
     assert proc.returncode == 0, f"{args}: exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
     return proc.stdout
 
