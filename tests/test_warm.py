@@ -53,3 +53,21 @@ def test_run_captures_output_and_raises_as_subprocess_run_does():
     with pytest.raises(subprocess.TimeoutExpired) as hung:
         warm.run("import time\nprint('started', flush=True)\ntime.sleep(600)", timeout=2)
     assert hung.value.stdout == "started\n"  # what it printed before it was killed
+
+
+def test_a_file_runs_as_python_file_would(tmp_path):
+    """``run_file(path, argv)`` gives the script what ``python path argv`` gives it: its
+    ``__name__``, ``sys.argv`` and ``sys.path`` (the script's folder first, then what a fresh
+    interpreter with ``env``'s ``PYTHONPATH`` has, not the test process's folders); ``then``
+    runs after it."""
+    import sys
+
+    (tmp_path / "where").mkdir()
+    script = tmp_path / "where" / "show.py"
+    script.write_text("import json, sys\nprint(json.dumps([__name__, sys.argv, sys.path]))\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "lib"))
+    fresh = subprocess.run([sys.executable, str(script), "a", "b"], capture_output=True, text=True, env=env,
+                           cwd=tmp_path, check=True)
+    warmed = warm.run_file(script, ["a", "b"], env=env, cwd=tmp_path, then="print('after')", check=True)
+    assert warmed.stdout == fresh.stdout + "after\n"
+    assert str(script.parent) in fresh.stdout and str(tmp_path / "lib") in fresh.stdout

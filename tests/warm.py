@@ -12,6 +12,10 @@ environment and working directory, stdout and stderr wherever the caller points 
 and SIGKILL ends it at any instant. It shares nothing with the test process, nor with
 the other children (each forks from the zygote's state, which no child changes).
 
+:func:`run` is ``subprocess.run`` for such a child; :func:`start_file` and :func:`run_file`
+run a script file as ``python FILE`` would (its ``sys.argv`` and a fresh interpreter's
+``sys.path``): the examples and the documented blocks.
+
 What it does not give: the start-up of a fresh interpreter itself. The tests of what
 happens at interpreter exit or in a new interpreter's imports keep ``subprocess``.
 
