@@ -2,8 +2,8 @@
 
 Each example runs as ``python examples/NAME.py``, in a process of its own forked warm
 (``tests/warm.py``: a fresh interpreter's ``sys.path``, its imports done), in a
-temporary directory, and the test reads what it prints. The ```python blocks of README.md and docs/ run one by one,
-standalone, in tests/guarantees/test_documented_examples.py.
+temporary directory, and the test reads what it prints. The ```python blocks of
+README.md and docs/ run one by one, standalone, in tests/guarantees/test_documented_examples.py.
 """
 
 import os
