@@ -32,10 +32,25 @@ def rng():
 def compiled_kernels():
     """Compile (or load from numba's cache) the kernels once, before any test starts
     processes: with an empty cache every new process would compile them at once, a
-    few seconds each, inside tests that time a writer against its readers."""
-    import importlib
+    few seconds each, inside tests that time a writer against its readers.
 
-    importlib.import_module("mmbuffer._feed.warm")  # warms on import (uniform, slices, priorities)
+    One pytest worker at a time compiles them (an exclusive lock): the two workers of
+    ``-n 2`` each compiled the same kernels into the same cache at once, about 35 s of
+    a fresh checkout's run each. A worker that finds the lock taken goes on with its
+    tests and loads what the other has cached by the time it needs it."""
+    import fcntl
+    import importlib
+    import tempfile
+
+    import mmbuffer
+
+    key = hashlib.sha256(str(Path(mmbuffer.__file__).resolve()).encode()).hexdigest()[:16]
+    with open(Path(tempfile.gettempdir()) / f"mmbuffer-kernels-{key}.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return
+        importlib.import_module("mmbuffer._feed.warm")  # warms on import (uniform, slices, priorities)
 
 
 _START_METHOD = multiprocessing.get_start_method(allow_none=True)
