@@ -7,9 +7,9 @@ the ``sys.path`` of a fresh interpreter: nothing defined in an earlier block is
 visible to a later one, as for a reader who copies one block into a new file. The
 process is forked from an interpreter that has imported numpy, torch, zarr and
 mmbuffer (``tests/warm.py``), so a block's ``import`` binds names without loading
-them again; what it does not import is not defined. A block whose fence has ``<!-- illustration -->`` on the
-line just above it is not meant to run (a signature listing, say) and is skipped;
-no README block may be one.
+them again; what it does not import is not defined. A block whose fence has
+``<!-- illustration -->`` on the line just above it is not meant to run (a signature
+listing, say) and is skipped; no README block may be one.
 
 The test asserts the exit status is 0 and that the block ran to its last line (the
 runner prints a marker after it returns); a failure shows the block's stderr. Blocks

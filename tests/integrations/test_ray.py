@@ -31,15 +31,9 @@ def cluster():
     paths = [str(here), str(here.parent), str(Path(mb.__file__).parent.parent), os.environ.get("PYTHONPATH", "")]
     # in the environment the cluster's processes start with, not a runtime_env: Ray then
     # starts a new worker for each actor (2-3 s here) instead of leasing an idle one (0.4-1 s)
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-    try:
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PYTHONPATH", os.pathsep.join(p for p in paths if p))
         ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    finally:
-        if saved is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = saved
     yield
     ray.shutdown()
 

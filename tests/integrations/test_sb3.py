@@ -26,7 +26,6 @@ import mmbuffer.sb3  # noqa: E402
 from mmbuffer import errors  # noqa: E402
 
 
-
 # -- transitions as SB3's off-policy loop produces them --------------------------------
 def vec_steps(obs_space, action_space, n_envs, steps, seed=0, broken_every=0, max_len=12):
     """``steps`` calls' worth of ``add`` arguments for ``n_envs`` envs: random episode

@@ -58,12 +58,16 @@ def server():
 
 
 @pytest.fixture
-def fs(server, monkeypatch):
-    """The server's filesystem, for a test whose stores have parts of ``PART`` chunks:
-    three parts of x are 40 objects to publish, not 625."""
-    import fsspec
-
+def small_parts(monkeypatch):
+    """Stores published with parts of ``PART`` chunks: three parts of x are 40 objects
+    to publish, not 625."""
     monkeypatch.setattr(_parts, "PART", PART)
+
+
+@pytest.fixture
+def fs(server, small_parts):
+    """The server's filesystem (every test that publishes takes it, with ``small_parts``)."""
+    import fsspec
 
     f = fsspec.filesystem("s3", endpoint_url=server[0], skip_instance_cache=True)
     yield f
