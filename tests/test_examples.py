@@ -6,7 +6,6 @@ temporary directory, and the test reads what it prints. The ```python blocks of
 README.md and docs/ run one by one, standalone, in tests/guarantees/test_documented_examples.py.
 """
 
-import os
 import re
 import signal
 import subprocess
@@ -22,10 +21,7 @@ EXAMPLES = REPO / "examples"
 
 
 def _env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    env["PYTHONWARNINGS"] = "default"
-    return env
+    return warm.repo_env(PYTHONWARNINGS="default")
 
 
 def _run(script, args, cwd, timeout=300):

@@ -14,7 +14,8 @@ the other children (each forks from the zygote's state, which no child changes).
 
 :func:`run` is ``subprocess.run`` for such a child; :func:`start_file` and :func:`run_file`
 run a script file as ``python FILE`` would (its ``sys.argv`` and a fresh interpreter's
-``sys.path``): the examples and the documented blocks.
+``sys.path``): the examples and the documented blocks. :func:`repo_env` is the environment
+that makes any child, warm or not, import this checkout's mmbuffer.
 
 What it does not give: the start-up of a fresh interpreter itself. The tests of what
 happens at interpreter exit or in a new interpreter's imports keep ``subprocess``.
@@ -251,6 +252,20 @@ def run(script: str, argv: list[str] | tuple[str, ...] = (), *, timeout: float |
     if check:
         done.check_returncode()
     return done
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def repo_env(**overrides: str) -> dict[str, str]:
+    """This process's environment, with ``overrides``, and the repository first on
+    ``PYTHONPATH`` (then the inherited entries): a child imports this checkout's mmbuffer.
+
+    >>> repo_env(A="1")["PYTHONPATH"].split(os.pathsep)[0] == str(REPO)
+    True
+    """
+    inherited = os.environ.get("PYTHONPATH")
+    return {**os.environ, **overrides, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), inherited) if p)}
 
 
 @functools.cache

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import warm
 
 import mmbuffer as mb
 from mmbuffer._cli.main import build_parser, main
@@ -25,9 +26,7 @@ HEAVY = ("torch", "numba")
 
 
 def _env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    return env
+    return warm.repo_env()
 
 
 def _cli(*args, stdout=subprocess.PIPE, timeout=120):

@@ -20,7 +20,6 @@ only reports a hang: it is not a speed requirement.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 from pathlib import Path
@@ -107,8 +106,7 @@ def test_documented_example_runs_as_written(block, tmp_path):
     # run the file as __main__ (as `python file.py` would), then print the marker
     work = tmp_path / "cwd"
     work.mkdir()
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    env = warm.repo_env()
     env.pop("PYTHONWARNINGS", None)
     try:
         proc = warm.run_file(script, cwd=work, env=env, timeout=HANG_S, then=f"print({MARKER!r})")

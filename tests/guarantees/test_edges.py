@@ -16,19 +16,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import warm
 import zarr
 
 import mmbuffer as mb
 from conftest import tree_hash
 
 COLUMNS = {"obs": ((16,), "float32"), "action": ((), "int64")}
-PKG_ROOT = str(Path(mb.__file__).resolve().parents[1])
 
 
 def _run(code: str, *args: object) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([PKG_ROOT, os.environ.get("PYTHONPATH", "")])}
     return subprocess.run(
-        [sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, env=warm.repo_env(), timeout=300
     )
 
 

@@ -4,7 +4,6 @@ forked warm (``tests/warm.py``)."""
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
@@ -22,8 +21,7 @@ EXAMPLE = REPO / "examples" / "atari_dqn.py"
 
 
 def run(cwd: Path, *args: str) -> str:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    proc = warm.run_file(EXAMPLE, ["--dir", "run", *args], cwd=cwd, env=env, timeout=600)  # python EXAMPLE ...
+    proc = warm.run_file(EXAMPLE, ["--dir", "run", *args], cwd=cwd, env=warm.repo_env(), timeout=600)  # python EXAMPLE ...
     assert proc.returncode == 0, f"{args}: exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
     return proc.stdout
 

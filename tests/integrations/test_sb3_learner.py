@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import pickle
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import warm
 
 sb3 = pytest.importorskip("stable_baselines3")
 gym = pytest.importorskip("gymnasium")
@@ -220,9 +220,8 @@ def _learner_run(tmp_path, frame_stack, steps):
     """An actor process adds ``steps`` CartPole steps of 2 envs (reward = the transition's
     id) with ``commit_every=16`` to a 200-slot-per-env ring; this process samples all along."""
     path, out = tmp_path / "replay", tmp_path / "actor.npz"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     actor = subprocess.Popen([sys.executable, "-c", ACTOR, str(path), str(out), str(steps), str(frame_stack)],
-                             env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             env=warm.repo_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     shape = (4 * frame_stack,)
     kw = {"frame_stack": frame_stack} if frame_stack > 1 else {}
     learner = None
