@@ -6,8 +6,8 @@
 Steps, all in one run on the same disk (``--dir``, default ``$MMBUFFER_BENCH_DIR``
 or ``benchmarks/_data``):
 
-1. generate a D4RL-layout HDF5 file (obs 17 float32, action 6 float32, rewards,
-   terminals, timeouts; 1000-step episodes, some terminated early), streamed;
+1. generate a D4RL-layout HDF5 file (obs and next obs 17 float32, action 6 float32,
+   rewards, terminals, timeouts; 1000-step episodes, some terminated early), streamed;
 2. *raw disk write*: a ``dd``-style copy of the same file (16 MiB blocks, fsync at
    the end) in a fresh process -- the ceiling of any conversion that writes it;
 3. ``mmbuffer.convert.convert_d4rl`` in a fresh process (verification pass on
@@ -21,7 +21,10 @@ or ``benchmarks/_data``):
 it), a Tianshou ``save_hdf5`` file and a LeRobot v3 parquet dataset, each
 converted in a fresh process, with rows/s reported as a ratio to the D4RL
 conversion of the same round; and the D4RL conversion into an online layout
-(``capacity=2 N, num_streams=8, priorities``) against the plain one.
+(``capacity=2 N, num_streams=8, priorities``) against the plain one. ``--only``
+keeps some of them (the plain D4RL conversion stays, as the baseline):
+
+    python benchmarks/bench_convert.py --formats --only lerobot --rows 3e7 --repeat 1
 
 The source file was just written, but a VM may drop idle page cache (the dev VM
 pages out unmapped file pages after ~30 s idle), so the source may come from
@@ -45,6 +48,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -97,71 +101,102 @@ class PeakMemory:
 
 
 # -- the other formats (--formats) ---------------------------------------------------------------
-def write_formats(src: Path, work: Path, rows: int, chunk: int = 1 << 18) -> dict[str, Path]:
-    """The D4RL file's rows written in each other format's layout (streamed)."""
+def write_formats(src: Path, work: Path, rows: int, formats: list[str]) -> dict[str, Path]:
+    """The D4RL file's rows written in each of ``formats``' layout (streamed)."""
     import h5py
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    import zarr
 
     out = {"d4rl": src}
     with h5py.File(src, "r") as f:
-        obs, act, rew = f["observations"], f["actions"], f["rewards"]
-        term, tout = f["terminals"], f["timeouts"]
-        ends = np.flatnonzero(term[()] | tout[()]) + 1
-        # npz: uncompressed members (np.savez), read with pread
-        np.savez(work / "src.npz", observations=obs[()], actions=act[()], rewards=rew[()],
-                 terminals=term[()], timeouts=tout[()])
-        out["npz"] = work / "src.npz"
-        # Diffusion Policy: zarr v2 group, data/<key> + meta/episode_ends (zarr's default blosc)
-        root = zarr.open_group(str(work / "src.zarr"), mode="w", zarr_format=2)
-        dp = {k: root.create_array(f"data/{k}", shape=(rows, *a.shape[1:]), dtype=a.dtype,
-                                   chunks=(chunk, *a.shape[1:]))
-              for k, a in (("obs", obs), ("action", act), ("reward", rew))}
+        ends = np.flatnonzero(f["terminals"][()] | f["timeouts"][()]) + 1
+        full_ends = np.unique(np.r_[ends, rows]).astype(np.int64)
+        for fmt in formats:
+            if fmt != "d4rl":
+                out[fmt] = WRITERS[fmt](f, work, rows, full_ends)
+    return out
+
+
+def _write_npz(f: Any, work: Path, rows: int, ends: np.ndarray) -> Path:
+    """Uncompressed members (np.savez), read with pread."""
+    np.savez(work / "src.npz", **{k: f[k][()] for k in ("observations", "next_observations", "actions", "rewards",
+                                                         "terminals", "timeouts")})
+    return work / "src.npz"
+
+
+def _write_diffusion_policy(f: Any, work: Path, rows: int, ends: np.ndarray, chunk: int = 1 << 18) -> Path:
+    """A Zarr v2 group, data/<key> + meta/episode_ends (zarr's default blosc)."""
+    import zarr
+
+    root = zarr.open_group(str(work / "src.zarr"), mode="w", zarr_format=2)
+    pairs = (("obs", f["observations"]), ("action", f["actions"]), ("reward", f["rewards"]))
+    dp = {k: root.create_array(f"data/{k}", shape=(rows, *a.shape[1:]), dtype=a.dtype, chunks=(chunk, *a.shape[1:]))
+          for k, a in pairs}
+    for a in range(0, rows, chunk):
+        b = min(rows, a + chunk)
+        for k, source in pairs:
+            dp[k][a:b] = source[a:b]
+    root.create_array("meta/episode_ends", data=ends, chunks=(len(ends),))
+    return work / "src.zarr"
+
+
+def _write_tianshou(f: Any, work: Path, rows: int, ends: np.ndarray) -> Path:
+    """A full ReplayBuffer(rows).save_hdf5 (_meta group, ring not wrapped)."""
+    import h5py
+
+    obs, term, tout = f["observations"], f["terminals"][()], f["timeouts"][()]
+    with h5py.File(work / "src_tianshou.hdf5", "w") as g:
+        meta = g.create_group("_meta")
+        meta.attrs["__data_type__"] = "Batch"
+        nxt = f["next_observations"][()]
+        for k, v in (("obs", obs[()]), ("act", f["actions"][()]), ("rew", f["rewards"][()]), ("terminated", term),
+                     ("truncated", tout), ("done", term | tout), ("obs_next", nxt)):
+            meta.create_dataset(k, data=v)
+            meta[k].attrs["__data_type__"] = "ndarray"
+        g.attrs.update({"maxsize": rows, "_size": rows, "_insertion_idx": 0})
+        g["last_index"] = np.array([rows - 1])
+    return work / "src_tianshou.hdf5"
+
+
+def _write_lerobot(f: Any, work: Path, rows: int, ends: np.ndarray, chunk: int = 1 << 18) -> Path:
+    """LeRobot v3: data/chunk-000/file-000.parquet (row groups of ``chunk`` frames), meta/episodes, meta/info.json."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    obs, act, rew = f["observations"], f["actions"], f["rewards"]
+    lr = work / "src_lerobot"
+    (lr / "data" / "chunk-000").mkdir(parents=True)
+    (lr / "meta" / "episodes" / "chunk-000").mkdir(parents=True)
+    lengths = np.diff(np.r_[0, ends])
+    ep_of = np.repeat(np.arange(len(lengths)), lengths)
+    schema = pa.schema([("observation.state", pa.list_(pa.float32(), OBS)),
+                        ("action", pa.list_(pa.float32(), ACT)), ("next.reward", pa.float32()),
+                        ("episode_index", pa.int64()), ("index", pa.int64())])
+    with pq.ParquetWriter(lr / "data" / "chunk-000" / "file-000.parquet", schema) as w:
         for a in range(0, rows, chunk):
             b = min(rows, a + chunk)
-            dp["obs"][a:b], dp["action"][a:b], dp["reward"][a:b] = obs[a:b], act[a:b], rew[a:b]
-        full_ends = np.unique(np.r_[ends, rows]).astype(np.int64)
-        root.create_array("meta/episode_ends", data=full_ends, chunks=(len(full_ends),))
-        out["diffusion_policy"] = work / "src.zarr"
-        # Tianshou: a full ReplayBuffer(rows).save_hdf5 (_meta group, ring not wrapped)
-        with h5py.File(work / "src_tianshou.hdf5", "w") as g:
-            meta = g.create_group("_meta")
-            meta.attrs["__data_type__"] = "Batch"
-            nxt = np.concatenate([obs[1:], obs[-1:]])
-            for k, v in (("obs", obs[()]), ("act", act[()]), ("rew", rew[()]), ("terminated", term[()]),
-                         ("truncated", tout[()]), ("done", term[()] | tout[()]), ("obs_next", nxt)):
-                meta.create_dataset(k, data=v)
-                meta[k].attrs["__data_type__"] = "ndarray"
-            g.attrs.update({"maxsize": rows, "_size": rows, "_insertion_idx": 0})
-            g["last_index"] = np.array([rows - 1])
-        out["tianshou"] = work / "src_tianshou.hdf5"
-        # LeRobot v3: data/chunk-000/file-000.parquet, meta/episodes, meta/info.json
-        lr = work / "src_lerobot"
-        (lr / "data" / "chunk-000").mkdir(parents=True)
-        (lr / "meta" / "episodes" / "chunk-000").mkdir(parents=True)
-        lengths = np.diff(np.r_[0, full_ends])
-        ep_of = np.repeat(np.arange(len(lengths)), lengths)
-        schema = pa.schema([("observation.state", pa.list_(pa.float32(), OBS)),
-                            ("action", pa.list_(pa.float32(), ACT)), ("next.reward", pa.float32()),
-                            ("episode_index", pa.int64()), ("index", pa.int64())])
-        with pq.ParquetWriter(lr / "data" / "chunk-000" / "file-000.parquet", schema) as w:
-            for a in range(0, rows, chunk):
-                b = min(rows, a + chunk)
-                w.write_table(pa.table([
-                    pa.FixedSizeListArray.from_arrays(pa.array(obs[a:b].reshape(-1)), OBS),
-                    pa.FixedSizeListArray.from_arrays(pa.array(act[a:b].reshape(-1)), ACT),
-                    pa.array(rew[a:b]), pa.array(ep_of[a:b]), pa.array(np.arange(a, b))], schema=schema))
-        pq.write_table(pa.table({"episode_index": np.arange(len(lengths)), "length": lengths}),
-                       lr / "meta" / "episodes" / "chunk-000" / "file-000.parquet")
-        feats = {"observation.state": {"dtype": "float32", "shape": [OBS]},
-                 "action": {"dtype": "float32", "shape": [ACT]}, "next.reward": {"dtype": "float32", "shape": [1]},
-                 "episode_index": {"dtype": "int64", "shape": [1]}, "index": {"dtype": "int64", "shape": [1]}}
-        (lr / "meta" / "info.json").write_text(json.dumps({
-            "codebase_version": "v3.0", "total_episodes": len(lengths), "total_frames": rows, "fps": 10,
-            "features": feats}))
-        out["lerobot"] = lr
-    return out
+            w.write_table(pa.table([
+                pa.FixedSizeListArray.from_arrays(pa.array(obs[a:b].reshape(-1)), OBS),
+                pa.FixedSizeListArray.from_arrays(pa.array(act[a:b].reshape(-1)), ACT),
+                pa.array(rew[a:b]), pa.array(ep_of[a:b]), pa.array(np.arange(a, b))], schema=schema))
+    pq.write_table(pa.table({"episode_index": np.arange(len(lengths)), "length": lengths}),
+                   lr / "meta" / "episodes" / "chunk-000" / "file-000.parquet")
+    feats = {"observation.state": {"dtype": "float32", "shape": [OBS]},
+             "action": {"dtype": "float32", "shape": [ACT]}, "next.reward": {"dtype": "float32", "shape": [1]},
+             "episode_index": {"dtype": "int64", "shape": [1]}, "index": {"dtype": "int64", "shape": [1]}}
+    (lr / "meta" / "info.json").write_text(json.dumps({
+        "codebase_version": "v3.0", "total_episodes": len(lengths), "total_frames": rows, "fps": 10,
+        "features": feats}))
+    return lr
+
+
+WRITERS = {"npz": _write_npz, "diffusion_policy": _write_diffusion_policy, "tianshou": _write_tianshou,
+           "lerobot": _write_lerobot}
+
+
+def _format_names(value: str) -> list[str]:
+    names = value.split(",")
+    if unknown := [n for n in names if n not in ("d4rl", *WRITERS)]:
+        raise argparse.ArgumentTypeError(f"expected names among d4rl, {', '.join(WRITERS)}, got {unknown}")
+    return names
 
 
 def child_format(fmt: str, src: str, dst: str, online: bool) -> dict[str, object]:
@@ -188,12 +223,13 @@ def child_format(fmt: str, src: str, dst: str, online: bool) -> dict[str, object
     return {"seconds": seconds, "rows": s["rows"], **mem.report()}
 
 
-def bench_formats(src: Path, work: Path, rows: int, repeat: int) -> None:
+def bench_formats(src: Path, work: Path, rows: int, repeat: int, only: list[str] | None) -> None:
+    kinds = [("d4rl", False), ("d4rl", True), *((fmt, False) for fmt in WRITERS)]
+    if only is not None:  # the D4RL conversion stays: the baseline of every ratio
+        kinds = [(fmt, online) for fmt, online in kinds if (fmt, online) == ("d4rl", False) or fmt in only]
     t0 = time.perf_counter()
-    sources = write_formats(src, work, rows)
+    sources = write_formats(src, work, rows, [fmt for fmt, _ in kinds])
     print(f"wrote the other formats in {time.perf_counter() - t0:.1f} s\n")
-    kinds = [("d4rl", False), ("d4rl", True), ("npz", False), ("diffusion_policy", False), ("tianshou", False),
-             ("lerobot", False)]
     rounds = []
     for _ in range(repeat):
         r = {}
@@ -215,7 +251,9 @@ def bench_formats(src: Path, work: Path, rows: int, repeat: int) -> None:
         results.append({"path": label, "seconds": med["seconds"], "rows/s": rows / med["seconds"],
                         "vs d4rl (same round)": med["vs d4rl"],
                         "ratios": " ".join(f"{v['vs d4rl']:.2f}" for v in runs),
-                        "peak RSS MB": max(v["peak_rss"] for v in runs) / 2**20})
+                        "peak RSS MB": max(v["peak_rss"] for v in runs) / 2**20,
+                        "anon MB": max(v["peak_anon"] for v in runs) / 2**20,
+                        "file MB": max(v["peak_file"] for v in runs) / 2**20})
     table(results)
 
 
@@ -227,19 +265,27 @@ def generate(path: Path, rows: int, chunk: int = 1 << 20) -> float:
     t0 = time.perf_counter()
     with h5py.File(path, "w") as f:
         obs = f.create_dataset("observations", (rows, OBS), "float32")
+        nxt = f.create_dataset("next_observations", (rows, OBS), "float32")
         act = f.create_dataset("actions", (rows, ACT), "float32")
         rew = f.create_dataset("rewards", (rows,), "float32")
         term = f.create_dataset("terminals", (rows,), "bool")
         tout = f.create_dataset("timeouts", (rows,), "bool")
+        ahead = rng.standard_normal(OBS, dtype=np.float32)  # the observation of the chunk's first row
         for a in range(0, rows, chunk):
             b = min(rows, a + chunk)
             n = b - a
-            obs[a:b] = rng.standard_normal((n, OBS), dtype=np.float32)
+            seen = np.vstack([ahead, rng.standard_normal((n, OBS), dtype=np.float32)])  # rows a..b
+            ahead = seen[-1]
             act[a:b] = rng.uniform(-1, 1, (n, ACT)).astype(np.float32)
             rew[a:b] = rng.standard_normal(n, dtype=np.float32)
             pos = np.arange(a, b)
-            tout[a:b] = pos % EP == EP - 1
-            term[a:b] = (pos % 7919 == 0) & (pos % EP != EP - 1)  # a few early terminations
+            tout[a:b] = timeout = pos % EP == EP - 1
+            term[a:b] = done = (pos % 7919 == 0) & ~timeout  # a few early terminations
+            # as D4RL's v2 files: the next row's observation inside an episode, its final one at its end
+            ends = np.flatnonzero(timeout | done)
+            following = seen[1:].copy()
+            following[ends] = rng.standard_normal((len(ends), OBS), dtype=np.float32)
+            obs[a:b], nxt[a:b] = seen[:-1], following
         f["metadata/algorithm"] = "generated"
     return time.perf_counter() - t0
 
@@ -326,6 +372,9 @@ def main() -> None:
     p.add_argument("--formats", action="store_true",
                    help="measure the other readers (npz, diffusion_policy, tianshou, lerobot) and the online "
                         "layout options against the D4RL conversion, instead of the raw-disk comparison")
+    p.add_argument("--only", type=_format_names, default=None, metavar="FORMAT[,FORMAT]",
+                   help=f"with --formats: these readers only ({', '.join(WRITERS)}; d4rl for the online layout), "
+                        "beside the D4RL conversion every ratio is taken against")
     p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -354,7 +403,7 @@ def main() -> None:
     print(f"generated {src} ({size / 1e9:.2f} GB) in {gen:.1f} s; disk free "
           f"{shutil.disk_usage(work).free / 1e9:.0f} GB\n")
     if args.formats:
-        bench_formats(src, work, rows, args.repeat)
+        bench_formats(src, work, rows, args.repeat, args.only)
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
         return

@@ -155,6 +155,18 @@ def test_bench_store_runs_at_1e5_rows(tmp_path):
     assert "built the 100,000-row store" in proc.stdout
 
 
+@pytest.mark.slow
+def test_bench_convert_runs_at_1e5_rows(tmp_path):
+    """``bench convert`` failed once the D4RL converter refused a file with no next
+    observations: the file it generates (for every mode) now has them, as D4RL's v2 files do."""
+    env = {**_env(), "MMBUFFER_BENCH_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "mmbuffer", "bench", "convert", "--rows", "1e5", "--repeat", "1",
+                           "--formats", "--only", "lerobot"], env=env, capture_output=True, text=True, timeout=600,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert re.findall(r"^\| convert (\w+) \|", proc.stdout, re.MULTILINE) == ["d4rl", "lerobot"], proc.stdout
+
+
 def test_info_into_a_closed_pipe_ends_without_a_traceback(tmp_path):
     store = _store(tmp_path / "s")
     r, w = os.pipe()
