@@ -621,6 +621,19 @@ def test_lerobot_v3_tabular_features(tmp_path, chunk_rows):
         assert buf.attrs["lerobot"]["tasks"] == {"0": "push the block"}  # meta/tasks.parquet, kept
 
 
+@pytest.mark.parametrize(("chunk_rows", "sizes"), [(7, [7, 7, 2] * 4 + [6]), (40, [32, 32, 6]), (1000, [70])])
+def test_lerobot_frames_are_read_a_row_group_at_a_time(tmp_path, chunk_rows, sizes):
+    """Row groups of 16 frames (70 in all): a group of at least half a chunk is cut into
+    chunks on its own; smaller ones are joined until they hold half a chunk, or the file
+    ends. (Joining up to a whole chunk held two groups and their copy per chunk.)"""
+    from mmbuffer.convert import LeRobotReader
+
+    cols = write_lerobot(tmp_path / "d", [12, 30, 7, 21], files=1)
+    chunks = list(LeRobotReader(tmp_path / "d").chunks(chunk_rows))
+    assert [len(c.steps["action"]) for c in chunks] == sizes
+    assert np.array_equal(np.concatenate([c.steps["action"] for c in chunks]), cols["action"])
+
+
 def test_lerobot_text_features_and_inner_done_are_refused_by_name(tmp_path):
     write_lerobot(tmp_path / "t", [5, 6], files=1)
     info_path = tmp_path / "t" / "meta" / "info.json"

@@ -301,11 +301,16 @@ class LeRobotReader(Reader):
 
     # -- rows --------------------------------------------------------------------------------
     def _batches(self, chunk_rows: int) -> Iterator[Any]:
-        """Record batches of about ``chunk_rows`` frames, read a row group at a time.
+        """Record batches of at most ``chunk_rows`` frames, read a row group at a time.
 
         ``ParquetFile.iter_batches`` kept every decoded batch allocated until the
         file was done (pyarrow 26: +510 MB resident for 3M rows of 100 bytes);
-        ``read_row_group`` frees each group once its batches are written.
+        ``read_row_group`` frees each group once its batches are written. A group
+        of at least half a chunk is cut into batches on its own, without a copy;
+        smaller ones are joined (one copy) until they hold half a chunk, or the file
+        ends. Joining up to a whole chunk held two groups and their copy per chunk:
+        10M frames in groups of 262,144 peaked at 664 MB of anonymous memory, 552 MB
+        this way (``benchmarks/HISTORY.md``).
         """
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -320,7 +325,7 @@ class LeRobotReader(Reader):
                 for i in range(f.metadata.num_row_groups):
                     pending.append(f.read_row_group(i, columns=names))
                     rows += pending[-1].num_rows
-                    if rows >= chunk_rows or i == f.metadata.num_row_groups - 1:
+                    if 2 * rows >= chunk_rows or i == f.metadata.num_row_groups - 1:
                         table = pending[0] if len(pending) == 1 else pa.concat_tables(pending)
                         pending, rows = [], 0
                         for batch in table.combine_chunks().to_batches(max_chunksize=chunk_rows):
