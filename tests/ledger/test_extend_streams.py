@@ -176,3 +176,31 @@ def test_a_full_disk_refuses_before_any_lane_changes(tmp_path, monkeypatch):
     buf.extend(steps, stream=[0, 1])
     assert [st.written for st in buf.store.lanes] == [3, 3, 0, 0]
     buf.close()
+
+
+def _mapped_kib(path: Path) -> int:
+    """Resident KiB of this process's maps of ``path`` (``/proc/self/smaps``)."""
+    total, mine = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5:
+                mine = head[-1] == str(path)
+            elif mine and head[0] == "Rss:":
+                total += int(head[1])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads this process's maps from /proc")
+@pytest.mark.parametrize(("rows", "mapped"), [(8, True), (20_000, False)])
+def test_the_reservation_maps_only_pages_stored_through_the_map(tmp_path, rows, mapped):
+    """A block of a few rows is stored through the map, so the reservation window's pages
+    are faulted in for it at once; a large one goes by pwrite, and its pages are not
+    mapped into this process (a 20M-row conversion spent a fifth of its time faulting
+    them in, and a mapped page is not dropped behind)."""
+    with mb.create(tmp_path / "s", {"obs": ((16,), "float32")}, capacity=100_000, next_keys=()) as buf:
+        buf.extend({"obs": np.ones((rows, 16), np.float32), "truncated": np.arange(rows) == rows - 1})
+        obs = tmp_path / "s" / "columns" / "obs" / "c" / "0" / "0"  # the one shard of a raw column
+        kib = _mapped_kib(obs.resolve())
+        assert (kib > 0) == mapped, kib
+        np.testing.assert_array_equal(buf.read("obs", np.arange(rows)), 1)
