@@ -210,6 +210,23 @@ def test_d4rl_next_observations_that_differ_are_kept_by_default(tmp_path, cartpo
     assert not np.array_equal(got["next/obs"][rows], got["obs"][[r + 1 for r in rows]])
 
 
+def test_d4rl_next_observations_are_compared_byte_for_byte(tmp_path, cartpole):
+    """-0.0 against 0.0 is a difference (deriving would store the following row's 0.0 in
+    place of the file's -0.0); a NaN against the same NaN is not."""
+    src = tmp_path / "c.hdf5"
+    write_d4rl(src, cartpole)
+    with h5py.File(src, "a") as f:
+        obs, nxt = f["observations"][()], f["next_observations"][()]
+        obs[3, 0], nxt[2, 0] = 0.0, -0.0  # row 2's next observation is row 3's, but for its sign
+        obs[6, 1] = nxt[5, 1] = np.float32("nan")  # the same bits
+        f["observations"][...], f["next_observations"][...] = obs, nxt
+    with pytest.warns(ConversionWarning, match=r"1 rows have a next observation.*first rows \[2\]"):
+        s = convert_d4rl(src, tmp_path / "s", progress=False)
+    assert s["next_obs_mismatch_rows"] == 1
+    got = read_all(tmp_path / "s")
+    assert got["next/obs"].tobytes() == nxt.tobytes()  # -0.0 and the NaN kept, bit for bit
+
+
 @pytest.mark.parametrize("derive", [False, True])
 def test_d4rl_dict_observations_count_a_row_once_and_round_trip(tmp_path, derive):
     """observations/<leaf> groups: a row whose leaves both differ counts once; kept, every
