@@ -309,7 +309,7 @@ class LeRobotReader(Reader):
         of at least half a chunk is cut into batches on its own, without a copy;
         smaller ones are joined (one copy) until they hold half a chunk, or the file
         ends. Joining up to a whole chunk held two groups and their copy per chunk:
-        10M frames in groups of 262,144 peaked at 664 MB of anonymous memory, 552 MB
+        10M frames in groups of 262,144 peaked at 664 MB of anonymous memory, 551 MB
         this way (``benchmarks/HISTORY.md``).
         """
         import pyarrow as pa
