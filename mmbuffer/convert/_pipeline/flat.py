@@ -472,7 +472,8 @@ class FlatReader(Reader):
 
 
 def _rows_differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Per row: do ``a`` and ``b`` (same dtype and shape) differ in any byte?
+    """Per row: do ``a`` and ``b`` (same shape) differ in any byte, both in the dtype
+    that holds either's values?
 
     Bytes, not values: ``0.0 == -0.0``, and deriving would store the one in place of
     the other; a NaN equals a NaN of the same bits. Each row is compared as one
@@ -480,11 +481,14 @@ def _rows_differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
     >>> _rows_differ(np.array([[0.0, 1.0], [np.nan, 2.0]]), np.array([[-0.0, 1.0], [np.nan, 2.0]])).tolist()
     [True, False]
+    >>> _rows_differ(np.array([[0.1], [0.5]], np.float32), np.array([[0.1], [0.5]], np.float64)).tolist()
+    [True, False]
     """
-    row = int(np.prod(a.shape[1:], dtype=np.int64)) * a.dtype.itemsize
+    common = np.result_type(a, b)  # float32 against float64: the float32 values widened, exactly
+    row = int(np.prod(a.shape[1:], dtype=np.int64)) * common.itemsize
     if row == 0 or len(a) == 0:
         return np.zeros(len(a), bool)
-    a = np.ascontiguousarray(a).reshape(len(a), -1)
-    b = np.ascontiguousarray(b, dtype=a.dtype).reshape(len(b), -1)
+    a = np.ascontiguousarray(a, dtype=common).reshape(len(a), -1)
+    b = np.ascontiguousarray(b, dtype=common).reshape(len(b), -1)
     differs: np.ndarray = a.view(f"V{row}").reshape(-1) != b.view(f"V{row}").reshape(-1)
     return differs
