@@ -227,6 +227,25 @@ def test_d4rl_next_observations_are_compared_byte_for_byte(tmp_path, cartpole):
     assert got["next/obs"].tobytes() == nxt.tobytes()  # -0.0 and the NaN kept, bit for bit
 
 
+def test_d4rl_next_observations_of_another_dtype_are_kept(tmp_path):
+    """float64 next observations of float32 observations agree inside the episode, but a
+    derived column would store the final one as float32 (0.1 became 0.10000000149):
+    they are kept as the explicit column, in their own dtype."""
+    n = 10
+    obs = np.repeat(np.arange(n, dtype=np.float32)[:, None], 2, axis=1)
+    nxt = np.vstack([obs[1:], [[0.1, 0.2]]]).astype(np.float64)
+    src = tmp_path / "f.hdf5"
+    with h5py.File(src, "w") as f:
+        f["observations"], f["next_observations"] = obs, nxt
+        f["actions"], f["rewards"] = np.zeros((n, 1), np.float32), np.zeros(n, np.float32)
+        f["terminals"], f["timeouts"] = np.arange(n) == n - 1, np.zeros(n, bool)
+    with pytest.warns(ConversionWarning, match=r"next observations of dtype \{'obs': 'float64'\}.*kept as the explicit"):
+        s = convert_d4rl(src, tmp_path / "s", progress=False)
+    assert s["next_obs_mismatch_rows"] == 0
+    got = read_all(tmp_path / "s")
+    assert got["next/obs"].dtype == np.float64 and got["next/obs"].tobytes() == nxt.tobytes()
+
+
 @pytest.mark.parametrize("derive", [False, True])
 def test_d4rl_dict_observations_count_a_row_once_and_round_trip(tmp_path, derive):
     """observations/<leaf> groups: a row whose leaves both differ counts once; kept, every

@@ -277,15 +277,22 @@ class FlatReader(Reader):
                 mismatches, first = self._scan_next()
             else:
                 mismatches, first = 0, []
-            if next_mode == "explicit" or mismatches:
+            retyped = {k: str(arr.dtype) for k, arr in self._next.items()  # a derived column has the observations'
+                       if np.dtype(arr.dtype).newbyteorder("=") != np.dtype(self._columns[k].dtype).newbyteorder("=")}
+            if next_mode == "explicit" or mismatches or retyped:
                 # keep the source's next observations as they are: explicit columns, not derived
                 for k, arr in self._next.items():
                     self._columns[f"next/{k}"] = arr
                     self._keys[f"next/{k}"] = self._keys.get(f"next_{k}", f"next_{k}")
                 self._next_keys = tuple(k for k in self._next_keys if k not in self._next)
+                reason = ("asked (keep_next_obs)" if next_mode == "explicit" else
+                          "the source's next observations differ from the following row" if mismatches else
+                          f"the source's next observations are of another dtype than the observations: {retyped}")
                 self._explicit = {"columns": [f"next/{k}" for k in self._next], "mismatch_rows": mismatches,
-                                  "first_rows": first, "reason": "asked (keep_next_obs)" if next_mode == "explicit"
-                                  else "the source's next observations differ from the following row"}
+                                  "first_rows": first, "reason": reason}
+                if retyped and next_mode == "auto":
+                    self._warn(f"next observations of dtype {retyped}, unlike the observations: kept as the explicit "
+                               f"column(s) {self._explicit['columns']} (derived ones would have the observations' dtype)")
                 self._next = {}
                 self.stats["next_obs_mismatch_rows"] = mismatches
         cols: dict[str, tuple[tuple[int, ...], str]] = {}
@@ -488,7 +495,5 @@ def _rows_differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     row = int(np.prod(a.shape[1:], dtype=np.int64)) * common.itemsize
     if row == 0 or len(a) == 0:
         return np.zeros(len(a), bool)
-    a = np.ascontiguousarray(a, dtype=common).reshape(len(a), -1)
-    b = np.ascontiguousarray(b, dtype=common).reshape(len(b), -1)
-    differs: np.ndarray = a.view(f"V{row}").reshape(-1) != b.view(f"V{row}").reshape(-1)
-    return differs
+    a, b = (np.ascontiguousarray(x, dtype=common).reshape(len(x), -1).view(f"V{row}").reshape(-1) for x in (a, b))
+    return np.asarray(a != b)
