@@ -244,6 +244,10 @@ def test_d4rl_next_observations_of_another_dtype_are_kept(tmp_path):
     assert s["next_obs_mismatch_rows"] == 0
     got = read_all(tmp_path / "s")
     assert got["next/obs"].dtype == np.float64 and got["next/obs"].tobytes() == nxt.tobytes()
+    # derived as asked: the final observation the float32 column cannot hold is a counted loss
+    with pytest.warns(ConversionWarning, match=r"derive_next=True: 1 rows .*dtype cannot hold"):
+        s = convert_d4rl(src, tmp_path / "d", derive_next=True, progress=False)
+    assert s["next_obs_mismatch_rows"] == 1
 
 
 @pytest.mark.parametrize("derive", [False, True])

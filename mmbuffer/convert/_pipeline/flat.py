@@ -369,8 +369,7 @@ class FlatReader(Reader):
             for k, arr in self._next.items():
                 nxt, obs = np.asarray(arr[a:b]), np.asarray(self._columns[k][a:b])
                 differs[:-1] |= _rows_differ(nxt[:-1], obs[1:]) & ~done[:-1]  # inside an episode
-                if k in prev_next and not prev_end:
-                    carry |= bool(_rows_differ(prev_next[k], obs[:1])[0])
+                carry |= k in prev_next and not prev_end and bool(_rows_differ(prev_next[k], obs[:1])[0])
                 prev_next[k] = nxt[-1:]
             rows = np.flatnonzero(differs) + a
             if carry:
@@ -427,8 +426,9 @@ class FlatReader(Reader):
                     final[k] = nxt[ends]
                     obs = steps[k]
                     differs[:-1] |= _rows_differ(nxt[:-1], obs[1:]) & ~cut[:-1]  # inside an episode: obs[t + 1]
-                    if k in prev_next and not prev_end:
-                        carry |= bool(_rows_differ(prev_next[k], obs[:1])[0])
+                    carry |= k in prev_next and not prev_end and bool(_rows_differ(prev_next[k], obs[:1])[0])
+                    if nxt.dtype != obs.dtype:  # derived (derive_next): finals the column's dtype cannot hold are lost too
+                        differs[ends] |= _rows_differ(final[k], final[k].astype(obs.dtype))
                     prev_next[k] = nxt[-1:]
             mismatches += int(differs.sum()) + int(carry)
             prev_end = bool(cut[-1]) if len(cut) else prev_end
@@ -437,9 +437,9 @@ class FlatReader(Reader):
             self.stats["next_obs_mismatch_rows"] = mismatches
             if mismatches:  # only with next_mode="derive": "auto" keeps them (see __init__)
                 self._warn(
-                    f"derive_next=True: {mismatches} rows have a next observation that differs from the "
-                    "following row's observation inside an episode; as asked, the store derives "
-                    "next values from the following row, not the source's next observations"
+                    f"derive_next=True: {mismatches} rows have a next observation that differs from the following "
+                    "row's observation inside an episode (or, at an episode's end, that the observations' dtype "
+                    "cannot hold); as asked, the store derives next values from the following row, not the source's"
                 )
         if self._explicit.get("mismatch_rows"):
             e = self._explicit
