@@ -25,12 +25,8 @@ REPO = Path(mb.__file__).resolve().parents[1]
 HEAVY = ("torch", "numba")
 
 
-def _env():
-    return warm.repo_env()
-
-
 def _cli(*args, stdout=subprocess.PIPE, timeout=120):
-    return subprocess.run([sys.executable, *args], env=_env(), stdout=stdout, stderr=subprocess.PIPE, text=True,
+    return subprocess.run([sys.executable, *args], env=warm.repo_env(), stdout=stdout, stderr=subprocess.PIPE, text=True,
                           timeout=timeout, check=False)
 
 
@@ -147,7 +143,7 @@ print(json.dumps(out))
 @pytest.mark.slow
 def test_bench_store_runs_at_1e5_rows(tmp_path):
     """``bench store --rows 1e5`` used to fail with "capacity ... got 0"."""
-    env = {**_env(), "MMBUFFER_BENCH_DIR": str(tmp_path)}
+    env = warm.repo_env(MMBUFFER_BENCH_DIR=str(tmp_path))
     proc = subprocess.run([sys.executable, "-m", "mmbuffer", "bench", "store", "--rows", "1e5", "--append-rows", "2e3",
                            "--reopens", "1"],
                           env=env, capture_output=True, text=True, timeout=600, check=False)
@@ -159,7 +155,7 @@ def test_bench_store_runs_at_1e5_rows(tmp_path):
 def test_bench_convert_runs_at_1e5_rows(tmp_path):
     """``bench convert`` failed once the D4RL converter refused a file with no next
     observations: the file it generates (for every mode) now has them, as D4RL's v2 files do."""
-    env = {**_env(), "MMBUFFER_BENCH_DIR": str(tmp_path)}
+    env = warm.repo_env(MMBUFFER_BENCH_DIR=str(tmp_path))
     proc = subprocess.run([sys.executable, "-m", "mmbuffer", "bench", "convert", "--rows", "1e5", "--repeat", "1",
                            "--formats", "--only", "lerobot"], env=env, capture_output=True, text=True, timeout=600,
                           check=False)
@@ -183,7 +179,7 @@ def test_ctrl_c_ends_without_a_traceback(tmp_path):
     # Ctrl-C as in a terminal: a shell without job control starts a background job (and so
     # this pytest and its children) with SIGINT ignored, which Python then keeps ignored
     with subprocess.Popen([sys.executable, "-m", "mmbuffer", "demo", str(tmp_path / "d"), "--episodes", "1000000"],
-                          env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          env=warm.repo_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) as proc:
         try:
             deadline = time.monotonic() + 240
